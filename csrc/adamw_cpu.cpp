@@ -1,0 +1,84 @@
+// CPU AdamW: the shared math (adamw.h) in blocks the compiler vectorises.
+// Built for several x86 ISAs at once (target_clones: AVX-512, AVX2, baseline)
+// and dispatched at load time, so one binary runs everywhere at full width.
+#include <algorithm>
+#include <cmath>
+
+#include "adamw.h"
+
+namespace zeroshard {
+
+AdamWHyper make_adamw_hyper(double lr, double beta1, double beta2, double eps,
+                            double weight_decay, int64_t step, double grad_scale) {
+  AdamWHyper h;
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  h.step_size = static_cast<float>(lr / bc1);
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.eps = static_cast<float>(eps);
+  h.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  h.decay = static_cast<float>(1.0 - lr * weight_decay);
+  h.grad_scale = static_cast<float>(grad_scale);
+  return h;
+}
+
+namespace {
+
+constexpr int64_t kBlock = 256;  // elements staged through the stack per block
+
+// always_inline: these must be compiled inside each target clone of adamw_cpu.
+#define ZS_INLINE inline __attribute__((always_inline))
+
+template <ScalarKind GK, ScalarKind OK, bool HasOut>
+ZS_INLINE bool adamw_block(const AdamWShard& s, const AdamWHyper& h, int64_t i0, int64_t n) {
+  float g[kBlock];
+  uint32_t bad = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = load_as_f32(s.grad, GK, i0 + j) * h.grad_scale;
+    bad |= static_cast<uint32_t>((f32_bits(x) & 0x7F800000u) == 0x7F800000u);
+    g[j] = x;
+  }
+  float* __restrict p = s.param + i0;
+  float* __restrict m = s.exp_avg + i0;
+  float* __restrict v = s.exp_avg_sq + i0;
+  for (int64_t j = 0; j < n; ++j) adamw_update(p[j], g[j], m[j], v[j], h);
+  if constexpr (HasOut) {
+    for (int64_t j = 0; j < n; ++j) store_from_f32(s.out, OK, i0 + j, p[j]);
+  }
+  return bad != 0;
+}
+
+template <ScalarKind GK, ScalarKind OK, bool HasOut>
+ZS_INLINE bool adamw_range(const AdamWShard& s, const AdamWHyper& h, int64_t begin, int64_t end) {
+  bool bad = false;
+  for (int64_t i = begin; i < end; i += kBlock)
+    bad |= adamw_block<GK, OK, HasOut>(s, h, i, std::min(kBlock, end - i));
+  return bad;
+}
+
+template <ScalarKind GK>
+ZS_INLINE bool dispatch_out(const AdamWShard& s, const AdamWHyper& h, int64_t b, int64_t e) {
+  if (s.out == nullptr) return adamw_range<GK, ScalarKind::kFloat32, false>(s, h, b, e);
+  switch (s.out_kind) {
+    case ScalarKind::kBFloat16: return adamw_range<GK, ScalarKind::kBFloat16, true>(s, h, b, e);
+    case ScalarKind::kFloat16: return adamw_range<GK, ScalarKind::kFloat16, true>(s, h, b, e);
+    default: return adamw_range<GK, ScalarKind::kFloat32, true>(s, h, b, e);
+  }
+}
+
+}  // namespace
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+bool adamw_cpu(const AdamWShard& s, const AdamWHyper& h, int64_t begin, int64_t end) {
+  switch (s.grad_kind) {
+    case ScalarKind::kBFloat16: return dispatch_out<ScalarKind::kBFloat16>(s, h, begin, end);
+    case ScalarKind::kFloat16: return dispatch_out<ScalarKind::kFloat16>(s, h, begin, end);
+    default: return dispatch_out<ScalarKind::kFloat32>(s, h, begin, end);
+  }
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,100 @@
+// Every Python binding of zeroshard._C, each a few lines: unpack, call.
+// Argument checks live in the functions themselves (checks.h) and raise
+// ValueError (std::invalid_argument) naming the offending argument.
+#include <torch/extension.h>
+
+#include "comm.h"
+#include "layout.h"
+#include "ops.h"
+
+namespace py = pybind11;
+using namespace zeroshard;
+
+#ifndef ZEROSHARD_CUDA_ARCHS
+#define ZEROSHARD_CUDA_ARCHS ""
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "zeroshard C++/CUDA core: layout math, fused AdamW, collectives";
+
+  m.def("build_info", [] {
+    py::dict d;
+#ifdef ZEROSHARD_WITH_CUDA
+    d["cuda"] = true;
+    d["cuda_archs"] = std::string(ZEROSHARD_CUDA_ARCHS);
+    d["cuda_compiler_version"] = std::string(ZEROSHARD_CUDA_VERSION);
+#else
+    d["cuda"] = false;
+    d["cuda_archs"] = std::string();
+    d["cuda_compiler_version"] = std::string();
+#endif
+    d["torch_version"] = std::string(ZEROSHARD_TORCH_VERSION);
+    d["cxx_standard"] = static_cast<long>(__cplusplus);
+    return d;
+  }, "How this extension was built: CUDA or not, CUDA archs, the torch it was built against.");
+
+  // ---- layout ----
+  py::class_<Fragment>(m, "Fragment", "A contiguous piece of one tensor inside one bucket.")
+      .def_readonly("tensor", &Fragment::tensor).def_readonly("bucket", &Fragment::bucket)
+      .def_readonly("tensor_offset", &Fragment::tensor_offset)
+      .def_readonly("bucket_offset", &Fragment::bucket_offset).def_readonly("numel", &Fragment::numel);
+  py::class_<Bucket>(m, "Bucket", "A contiguous range of a buffer reduced/gathered as one collective.")
+      .def_readonly("buffer", &Bucket::buffer).def_readonly("offset", &Bucket::offset)
+      .def_readonly("numel", &Bucket::numel).def_readonly("shard_numel", &Bucket::shard_numel)
+      .def_readonly("data_numel", &Bucket::data_numel).def_readonly("fragments", &Bucket::fragments);
+  py::class_<Buffer>(m, "Buffer", "One flat buffer: the tensors sharing a key, one itemsize.")
+      .def_readonly("key", &Buffer::key).def_readonly("itemsize", &Buffer::itemsize)
+      .def_readonly("numel", &Buffer::numel).def_readonly("buckets", &Buffer::buckets)
+      .def_readonly("tensors", &Buffer::tensors);
+  py::class_<TensorPlace>(m, "TensorPlace", "Where one input tensor lives in its buffer.")
+      .def_readonly("buffer", &TensorPlace::buffer).def_readonly("offset", &TensorPlace::offset)
+      .def_readonly("numel", &TensorPlace::numel).def_readonly("fragments", &TensorPlace::fragments);
+  py::class_<ShardPiece>(m, "ShardPiece", "The part of one tensor one rank owns in one bucket.")
+      .def_readonly("tensor", &ShardPiece::tensor).def_readonly("bucket", &ShardPiece::bucket)
+      .def_readonly("tensor_offset", &ShardPiece::tensor_offset)
+      .def_readonly("shard_offset", &ShardPiece::shard_offset).def_readonly("numel", &ShardPiece::numel);
+  py::class_<Layout>(m, "Layout", "Result of compute_layout; see csrc/layout.h [Note: layout rules].")
+      .def_readonly("world_size", &Layout::world_size).def_readonly("align_bytes", &Layout::align_bytes)
+      .def_readonly("bucket_cap_bytes", &Layout::bucket_cap_bytes)
+      .def_readonly("buffers", &Layout::buffers).def_readonly("buckets", &Layout::buckets)
+      .def_readonly("tensors", &Layout::tensors).def_readonly("fragments", &Layout::fragments)
+      .def("shard_pieces", &Layout::shard_pieces, py::arg("rank"))
+      .def("padding_numel", &Layout::padding_numel, py::arg("buffer"))
+      .def("shard_numel", &Layout::shard_numel, py::arg("buffer"));
+  m.def("compute_layout", [](const std::vector<int64_t>& numels, const std::vector<int64_t>& itemsizes,
+                             const std::vector<int64_t>& keys, int64_t cap, int64_t world, int64_t align) {
+    if (itemsizes.size() != numels.size() || keys.size() != numels.size())
+      throw std::invalid_argument("numels, itemsizes and keys must have one entry per tensor");
+    std::vector<TensorSpec> specs(numels.size());
+    for (size_t i = 0; i < numels.size(); ++i) specs[i] = {numels[i], itemsizes[i], keys[i]};
+    return compute_layout(specs, cap, world, align);
+  }, py::arg("numels"), py::arg("itemsizes"), py::arg("keys"), py::arg("bucket_cap_bytes"),
+     py::arg("world_size"), py::arg("align_bytes") = 16, "Pure layout math (csrc/layout.h).");
+
+  // ---- fused AdamW ----
+  m.def("fused_adamw_", [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                           const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::optional<std::vector<at::Tensor>>& outs, double lr, double beta1,
+                           double beta2, double eps, double weight_decay, int64_t step, double grad_scale,
+                           const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& noop,
+                           const std::optional<at::Tensor>& found_inf) {
+    py::gil_scoped_release no_gil;
+    fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, outs,
+                 AdamWOptions{lr, beta1, beta2, eps, weight_decay, step, grad_scale}, scale, noop, found_inf);
+  }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("outs"),
+     py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+     py::arg("step"), py::arg("grad_scale"), py::arg("scale"), py::arg("noop"), py::arg("found_inf"),
+     "Fused AdamW over flat shards (csrc/ops.h).");
+
+  // ---- collectives ----
+  py::class_<CommHandle, Handle>(m, "CommHandle", "Guards the result of one collective.")
+      .def("wait", &CommHandle::wait, py::call_guard<py::gil_scoped_release>(),
+           "Block (CPU) or order the current stream (CUDA) until the result is ready. Idempotent.")
+      .def_property_readonly("waited", &CommHandle::waited);
+  m.def("reduce_scatter", &reduce_scatter, py::arg("group_name"), py::arg("input"), py::arg("output"),
+        py::arg("average"), py::call_guard<py::gil_scoped_release>(), "Flat reduce-scatter (csrc/comm.h).");
+  m.def("all_gather", &all_gather, py::arg("group_name"), py::arg("input"), py::arg("output"),
+        py::call_guard<py::gil_scoped_release>(), "Flat all-gather (csrc/comm.h).");
+  m.def("all_reduce", &all_reduce, py::arg("group_name"), py::arg("tensor"), py::arg("average"),
+        py::call_guard<py::gil_scoped_release>(), "All-reduce (csrc/comm.h).");
+}

@@ -1,0 +1,179 @@
+#include "comm.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <map>
+#include <mutex>
+
+#include "checks.h"
+
+#ifdef ZEROSHARD_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+// _reduce_scatter_base/_allgather_base exist in every torch we support
+// (2.11 ... 2.15); their newer names (*_single) do not exist in 2.11.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace zeroshard {
+namespace {
+
+c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_name) {
+  try {
+    return c10d::resolve_process_group(group_name);
+  } catch (const std::exception&) {
+    value_error("no process group named '", group_name,
+                "' is registered; pass a group created with torch.distributed "
+                "(init_process_group / new_group) that is still alive");
+  }
+}
+
+std::string who(const c10d::ProcessGroup& pg, const char* op) {
+  return "[rank " + std::to_string(pg.getRank()) + "/" + std::to_string(pg.getSize()) + "] " + op;
+}
+
+void check_buffer(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& t,
+                  const char* name) {
+  const std::string n = who(pg, op) + ": " + name;
+  check_contiguous(t, n);
+  check_dtype(t, n, {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble});
+  if (!t.is_cpu() && !t.is_cuda())
+    value_error(n, " is on ", t.device(), "; collectives take CPU (gloo) or CUDA (NCCL) tensors");
+}
+
+void check_pair(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& big,
+                const char* big_name, const at::Tensor& small, const char* small_name) {
+  check_buffer(pg, op, big, big_name);
+  check_buffer(pg, op, small, small_name);
+  const std::string w = who(pg, op) + ": ";
+  check_same_device(small, w + small_name, big, big_name);
+  if (small.scalar_type() != big.scalar_type())
+    value_error(w, small_name, " has dtype ", small.scalar_type(), " but ", big_name,
+                " has dtype ", big.scalar_type(), "; both must have one dtype");
+  if (big.numel() != small.numel() * pg.getSize())
+    value_error(w, big_name, " has ", big.numel(), " elements and ", small_name, " has ",
+                small.numel(), "; need ", big_name, ".numel() == world_size (", pg.getSize(),
+                ") * ", small_name, ".numel() (pad with zeroshard.compute_layout)");
+}
+
+#ifdef ZEROSHARD_WITH_CUDA
+// [Note: streams] Every stream zeroshard uses is created here, once per
+// (device, role). High priority so communication kernels are scheduled ahead
+// of compute kernels queued at the same time.
+//  * kReduceScatter: gradient reductions, overlapping the rest of backward.
+//  * kAllGather: parameter gathers, overlapping the optimizer step of later
+//    buckets and (ZeRO-3) the forward/backward of the previous unit.
+//  * kAllReduce: small reductions (norms, flags) that must not queue behind
+//    a large bucket on the other two streams.
+c10::cuda::CUDAStream comm_stream(StreamRole role, c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(static_cast<int>(device), static_cast<int>(role));
+  auto it = streams.find(key);
+  if (it == streams.end())
+    it = streams.emplace(key, c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)).first;
+  return it->second;
+}
+#endif
+
+}  // namespace
+
+struct CommLauncher {
+  // Issues `issue()` ordered after the caller's current stream (CUDA) and
+  // returns the handle that guards its result.
+  template <typename Issue>
+  static Handle run(StreamRole role, const at::Tensor& result, double divisor,
+                    std::vector<at::Tensor> keep_alive, Issue&& issue) {
+    auto h = std::make_shared<CommHandle>();
+    h->result_ = result;
+    h->divisor_ = divisor;
+    if (!result.is_cuda()) {
+      h->work_ = issue();
+      h->keep_alive_ = std::move(keep_alive);
+      return h;
+    }
+#ifdef ZEROSHARD_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(result.device());
+    const auto compute = c10::cuda::getCurrentCUDAStream();
+    const auto comm = comm_stream(role, result.device().index());
+    at::cuda::CUDAEvent ready;
+    ready.record(compute);
+    ready.block(comm);
+    {
+      const c10::cuda::CUDAStreamGuard on_comm(comm);
+      auto work = issue();
+      // NCCL's wait() only makes the current (comm) stream wait on NCCL's own
+      // stream; the host does not block.
+      if (work) work->wait();
+      if (divisor != 1.0) result.div_(divisor);
+    }
+    h->done_ = std::make_shared<at::cuda::CUDAEvent>();
+    h->done_->record(comm);
+    // The caching allocator must not hand these blocks to the compute stream
+    // before the comm stream is done with them, even if the caller drops them.
+    for (auto& t : keep_alive) t.record_stream(comm);
+    h->keep_alive_ = std::move(keep_alive);
+#else
+    (void)role;
+    (void)issue;
+#endif
+    return h;
+  }
+};
+
+void CommHandle::wait() {
+  if (waited_) return;
+#ifdef ZEROSHARD_WITH_CUDA
+  if (done_) {
+    done_->block(c10::cuda::getCurrentCUDAStream(done_->device_index()));
+    waited_ = true;
+    keep_alive_.clear();
+    return;
+  }
+#endif
+  if (work_) work_->wait();
+  if (divisor_ != 1.0) result_.div_(divisor_);
+  waited_ = true;
+  keep_alive_.clear();
+  work_.reset();
+}
+
+Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
+                      const at::Tensor& output, bool average) {
+  auto pg = resolve(group_name);
+  check_pair(*pg, "reduce_scatter", input, "input", output, "output");
+  const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
+  return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
+    at::Tensor in = input, out = output;
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    return pg->_reduce_scatter_base(out, in, opts);
+  });
+}
+
+Handle all_gather(const std::string& group_name, const at::Tensor& input,
+                  const at::Tensor& output) {
+  auto pg = resolve(group_name);
+  check_pair(*pg, "all_gather", output, "output", input, "input");
+  return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
+    at::Tensor in = input, out = output;
+    return pg->_allgather_base(out, in);
+  });
+}
+
+Handle all_reduce(const std::string& group_name, const at::Tensor& tensor, bool average) {
+  auto pg = resolve(group_name);
+  check_buffer(*pg, "all_reduce", tensor, "tensor");
+  const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
+  return CommLauncher::run(StreamRole::kAllReduce, tensor, divisor, {tensor}, [&] {
+    std::vector<at::Tensor> ts{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    return pg->allreduce(ts, opts);
+  });
+}
+
+}  // namespace zeroshard

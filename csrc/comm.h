@@ -1,0 +1,63 @@
+// Collectives on flat buffers over a torch.distributed process group created
+// in Python (NCCL for CUDA tensors, gloo for CPU tensors: one code path).
+//
+// [Note: collective ordering]
+// CUDA: the collective is issued on a dedicated stream for its role (see
+// comm_stream) after an event recorded on the caller's current stream, so it
+// starts only once its input is ready and overlaps whatever the caller does
+// next. CommHandle::wait() makes the caller's *current* stream wait on the
+// collective's completion event; it never blocks the host.
+// CPU: the work runs in the backend's threads; wait() blocks until it is done
+// and applies the post-division there (gloo copies reduce-scatter results into
+// the output inside wait()).
+// Reductions always use SUM and then divide explicitly when averaging: gloo's
+// reduce-scatter ignores the reduce op (pytorch issue 162338).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#ifdef ZEROSHARD_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#endif
+
+namespace zeroshard {
+
+enum class StreamRole : int { kReduceScatter = 0, kAllGather = 1, kAllReduce = 2 };
+
+class CommHandle {
+ public:
+  // Idempotent. After it returns, the result may be used on the current
+  // stream (CUDA) or by the host (CPU).
+  void wait();
+  bool waited() const { return waited_; }
+
+ private:
+  friend struct CommLauncher;
+  c10::intrusive_ptr<c10d::Work> work_;  // CPU only: waited on in wait()
+  at::Tensor result_;                    // divided by divisor_ after completion
+  double divisor_ = 1.0;
+  std::vector<at::Tensor> keep_alive_;   // inputs/outputs held until wait()
+#ifdef ZEROSHARD_WITH_CUDA
+  std::shared_ptr<at::cuda::CUDAEvent> done_;
+#endif
+  bool waited_ = false;
+};
+
+using Handle = std::shared_ptr<CommHandle>;
+
+// output (this rank's shard) = sum over ranks of input[rank*n : (rank+1)*n],
+// divided by the world size when `average`. input.numel() == world * n.
+Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
+                      const at::Tensor& output, bool average);
+// output = concat over ranks of input. output.numel() == world * input.numel().
+Handle all_gather(const std::string& group_name, const at::Tensor& input,
+                  const at::Tensor& output);
+// tensor = sum over ranks of tensor (divided by the world size when `average`).
+Handle all_reduce(const std::string& group_name, const at::Tensor& tensor, bool average);
+
+}  // namespace zeroshard

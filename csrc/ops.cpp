@@ -1,0 +1,144 @@
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+
+#include "adamw.h"
+#include "checks.h"
+
+#ifdef ZEROSHARD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace zeroshard {
+namespace {
+
+ScalarKind kind_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    case at::kHalf: return ScalarKind::kFloat16;
+    default: return ScalarKind::kFloat32;
+  }
+}
+
+std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
+
+void check_flag(const std::optional<at::Tensor>& t, const char* name, at::ScalarType dtype,
+                const at::Tensor& ref) {
+  if (!t) return;
+  check_contiguous(*t, name);
+  check_dtype(*t, name, {dtype});
+  check_numel(*t, name, 1, "it is a single flag or factor");
+  check_same_device(*t, name, ref, "params[0]");
+}
+
+void check_hyper(const AdamWOptions& o) {
+  if (!(o.lr >= 0)) value_error("lr must be >= 0, got ", o.lr);
+  if (!(o.eps >= 0)) value_error("eps must be >= 0, got ", o.eps);
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) value_error("beta1 must be in [0, 1), got ", o.beta1);
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) value_error("beta2 must be in [0, 1), got ", o.beta2);
+  if (!(o.weight_decay >= 0)) value_error("weight_decay must be >= 0, got ", o.weight_decay);
+  if (o.step < 1) value_error("step must be >= 1 (the count including this update), got ", o.step);
+}
+
+void adamw_cpu_parallel(const AdamWShard& s, const AdamWHyper& h, const at::Tensor* scale,
+                        const at::Tensor* noop, const at::Tensor* found_inf) {
+  if (noop && noop->item<int32_t>() != 0) return;
+  AdamWHyper hh = h;
+  if (scale) hh.grad_scale *= scale->item<float>();
+  std::atomic<bool> bad{false};
+  // Grain: large enough that thread start-up is amortised, small enough to
+  // split a 1M-element shard across cores.
+  at::parallel_for(0, s.numel, 1 << 15, [&](int64_t b, int64_t e) {
+    if (adamw_cpu(s, hh, b, e)) bad.store(true, std::memory_order_relaxed);
+  });
+  if (bad.load() && found_inf) found_inf->fill_(1);
+}
+
+}  // namespace
+
+void fused_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                  const std::vector<at::Tensor>& exp_avgs,
+                  const std::vector<at::Tensor>& exp_avg_sqs,
+                  const std::optional<std::vector<at::Tensor>>& outs, const AdamWOptions& opt,
+                  const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& noop,
+                  const std::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  auto same_len = [&](size_t len, const char* name) {
+    if (len != n)
+      value_error(name, " has ", len, " tensors but params has ", n,
+                  "; pass one entry per shard in every list");
+  };
+  same_len(grads.size(), "grads");
+  same_len(exp_avgs.size(), "exp_avgs");
+  same_len(exp_avg_sqs.size(), "exp_avg_sqs");
+  if (outs) same_len(outs->size(), "outs");
+  check_hyper(opt);
+  if (n == 0) return;
+
+  const at::Tensor& ref = params[0];
+  if (!ref.defined()) value_error("params[0] is None; pass a tensor");
+  if (!ref.is_cpu() && !ref.is_cuda())
+    value_error("params[0] is on ", ref.device(), "; fused_adamw_ supports CPU and CUDA tensors");
+#ifndef ZEROSHARD_WITH_CUDA
+  if (ref.is_cuda())
+    value_error("params[0] is on ", ref.device(),
+                " but this zeroshard build has no CUDA kernels (zeroshard.build_info()['cuda'] is "
+                "False); reinstall with nvcc on PATH and a CUDA build of torch");
+#endif
+  check_flag(scale, "scale", at::kFloat, ref);
+  check_flag(noop, "noop", at::kInt, ref);
+  check_flag(found_inf, "found_inf", at::kInt, ref);
+
+  std::vector<AdamWShard> shards(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    check_contiguous(p, item("params", i));
+    check_dtype(p, item("params", i), {at::kFloat});
+    check_same_device(p, item("params", i), ref, "params[0]");
+    const std::string why = "it must match " + item("params", i);
+    struct Arg { const at::Tensor& t; std::string name; std::vector<at::ScalarType> dtypes; };
+    std::vector<Arg> args = {
+        {grads[i], item("grads", i), {at::kFloat, at::kBFloat16, at::kHalf}},
+        {exp_avgs[i], item("exp_avgs", i), {at::kFloat}},
+        {exp_avg_sqs[i], item("exp_avg_sqs", i), {at::kFloat}}};
+    if (outs) args.push_back({(*outs)[i], item("outs", i), {at::kBFloat16, at::kHalf, at::kFloat}});
+    for (const Arg& a : args) {
+      check_contiguous(a.t, a.name);
+      check_dtype(a.t, a.name, a.dtypes);
+      check_same_device(a.t, a.name, ref, "params[0]");
+      check_numel(a.t, a.name, p.numel(), why);
+    }
+    shards[i] = AdamWShard{p.data_ptr<float>(),
+                           grads[i].data_ptr(),
+                           kind_of(grads[i]),
+                           exp_avgs[i].data_ptr<float>(),
+                           exp_avg_sqs[i].data_ptr<float>(),
+                           outs ? (*outs)[i].data_ptr() : nullptr,
+                           outs ? kind_of((*outs)[i]) : ScalarKind::kFloat32,
+                           p.numel()};
+  }
+
+  const AdamWHyper h = make_adamw_hyper(opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay,
+                                        opt.step, opt.grad_scale);
+  if (ref.is_cpu()) {
+    for (const AdamWShard& s : shards)
+      adamw_cpu_parallel(s, h, scale ? &*scale : nullptr, noop ? &*noop : nullptr,
+                         found_inf ? &*found_inf : nullptr);
+    return;
+  }
+#ifdef ZEROSHARD_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(ref.device());
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  for (const AdamWShard& s : shards) {
+    const char* err = adamw_cuda(s, h, scale ? scale->data_ptr<float>() : nullptr,
+                                 noop ? noop->data_ptr<int32_t>() : nullptr,
+                                 found_inf ? found_inf->data_ptr<int32_t>() : nullptr, stream);
+    if (err) throw std::runtime_error(std::string("zeroshard AdamW CUDA launch failed: ") + err);
+  }
+#endif
+}
+
+}  // namespace zeroshard

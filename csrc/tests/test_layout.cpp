@@ -1,0 +1,160 @@
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <random>
+#include <stdexcept>
+
+#include "layout.h"
+
+using namespace zeroshard;
+
+namespace {
+
+// Checks every invariant of [Note: layout rules]; returns nothing, fails the test.
+void check_invariants(const std::vector<TensorSpec>& specs, const Layout& L, int64_t cap_bytes) {
+  ASSERT_EQ(L.tensors.size(), specs.size());
+  for (size_t bi = 0; bi < L.buckets.size(); ++bi) {
+    const Bucket& b = L.buckets[bi];
+    const Buffer& buf = L.buffers[b.buffer];
+    const int64_t align = L.align_bytes / buf.itemsize;
+    EXPECT_EQ(b.numel, b.shard_numel * L.world_size);
+    EXPECT_EQ(b.shard_numel % align, 0) << "shard of bucket " << bi << " not aligned";
+    EXPECT_EQ(b.offset % align, 0);
+    EXPECT_LE(b.numel * buf.itemsize, std::max<int64_t>(cap_bytes, L.world_size * L.align_bytes));
+    int64_t covered = 0, last_end = 0;
+    for (int64_t fi : b.fragments) {
+      const Fragment& f = L.fragments[fi];
+      EXPECT_EQ(f.bucket, static_cast<int64_t>(bi));
+      EXPECT_GE(f.bucket_offset, last_end) << "fragments overlap in bucket " << bi;
+      last_end = f.bucket_offset + f.numel;
+      covered += f.numel;
+    }
+    EXPECT_LE(last_end, b.numel);
+    EXPECT_EQ(covered, b.data_numel);
+  }
+  // Every element of every tensor is in exactly one fragment, in order.
+  for (size_t ti = 0; ti < specs.size(); ++ti) {
+    const TensorPlace& t = L.tensors[ti];
+    EXPECT_EQ(t.numel, specs[ti].numel);
+    EXPECT_EQ(t.offset % (L.align_bytes / specs[ti].itemsize), 0);
+    int64_t next = 0;
+    for (int64_t fi : t.fragments) {
+      const Fragment& f = L.fragments[fi];
+      EXPECT_EQ(f.tensor, static_cast<int64_t>(ti));
+      EXPECT_EQ(f.tensor_offset, next);
+      // buffer position of the fragment == tensor offset + tensor_offset
+      EXPECT_EQ(L.buckets[f.bucket].offset + f.bucket_offset, t.offset + f.tensor_offset);
+      next += f.numel;
+    }
+    EXPECT_EQ(next, specs[ti].numel) << "tensor " << ti << " lost elements";
+  }
+  // Shards partition the data: per rank pieces, summed over ranks, cover all.
+  int64_t total = 0, pieces_total = 0;
+  for (const auto& s : specs) total += s.numel;
+  for (int64_t r = 0; r < L.world_size; ++r)
+    for (const ShardPiece& p : L.shard_pieces(r)) {
+      EXPECT_LE(p.shard_offset + p.numel, L.buckets[p.bucket].shard_numel);
+      pieces_total += p.numel;
+    }
+  EXPECT_EQ(pieces_total, total);
+}
+
+}  // namespace
+
+TEST(Layout, SingleTensorEvenSplit) {
+  const Layout L = compute_layout({{64, 4, 0}}, 1 << 20, 4);
+  ASSERT_EQ(L.buckets.size(), 1u);
+  EXPECT_EQ(L.buckets[0].numel, 64);
+  EXPECT_EQ(L.buckets[0].shard_numel, 16);
+  EXPECT_EQ(L.padding_numel(0), 0);
+}
+
+TEST(Layout, TailPaddingMakesShardsEqualAndAligned) {
+  // 7 fp32 elements over 3 ranks: unit = 3 * 4 elements = 12.
+  const Layout L = compute_layout({{7, 4, 0}}, 1 << 20, 3);
+  ASSERT_EQ(L.buckets.size(), 1u);
+  EXPECT_EQ(L.buckets[0].numel, 12);
+  EXPECT_EQ(L.buckets[0].shard_numel, 4);
+  EXPECT_EQ(L.padding_numel(0), 5);
+  const auto p1 = L.shard_pieces(1);
+  ASSERT_EQ(p1.size(), 1u);
+  EXPECT_EQ(p1[0].tensor_offset, 4);
+  EXPECT_EQ(p1[0].numel, 3);
+  EXPECT_TRUE(L.shard_pieces(2).empty());
+}
+
+TEST(Layout, TensorsStartAligned) {
+  // bf16: 8 elements per 16 bytes. Second tensor starts at 8, not 3.
+  const Layout L = compute_layout({{3, 2, 0}, {5, 2, 0}}, 1 << 20, 1);
+  EXPECT_EQ(L.tensors[1].offset, 8);
+  EXPECT_EQ(L.buckets[0].data_numel, 8);
+  EXPECT_EQ(L.buckets[0].numel, 16);
+}
+
+TEST(Layout, LargeTensorIsSplitAcrossBuckets) {
+  // cap 64 bytes fp32 = 16 elements, world 2 -> unit 8: buckets of 16.
+  const Layout L = compute_layout({{40, 4, 0}}, 64, 2);
+  ASSERT_EQ(L.buckets.size(), 3u);
+  EXPECT_EQ(L.buckets[0].numel, 16);
+  EXPECT_EQ(L.buckets[1].numel, 16);
+  EXPECT_EQ(L.buckets[2].numel, 8);
+  ASSERT_EQ(L.tensors[0].fragments.size(), 3u);
+  EXPECT_EQ(L.fragments[L.tensors[0].fragments[2]].tensor_offset, 32);
+}
+
+TEST(Layout, KeysMakeSeparateBuffersAndBucketsFollowTensorOrder) {
+  const Layout L = compute_layout({{10, 4, 0}, {10, 2, 1}, {10, 4, 0}}, 1 << 20, 2);
+  ASSERT_EQ(L.buffers.size(), 2u);
+  EXPECT_EQ(L.buffers[0].itemsize, 4);
+  EXPECT_EQ(L.buffers[1].itemsize, 2);
+  EXPECT_EQ(L.tensors[2].buffer, 0);
+  EXPECT_EQ(L.tensors[2].offset, 12);
+  EXPECT_EQ(L.buckets[0].buffer, 0);
+  EXPECT_EQ(L.buckets[1].buffer, 1);
+}
+
+TEST(Layout, EmptyTensorsHaveNoFragments) {
+  const Layout L = compute_layout({{0, 4, 0}, {5, 4, 0}, {0, 4, 0}}, 1 << 20, 2);
+  EXPECT_TRUE(L.tensors[0].fragments.empty());
+  EXPECT_TRUE(L.tensors[2].fragments.empty());
+  check_invariants({{0, 4, 0}, {5, 4, 0}, {0, 4, 0}}, L, 1 << 20);
+}
+
+TEST(Layout, TinyCapStillMakesProgress) {
+  const std::vector<TensorSpec> specs{{100, 4, 0}};
+  const Layout L = compute_layout(specs, 1, 3);  // cap below one unit
+  EXPECT_EQ(L.buckets[0].numel, 12);
+  check_invariants(specs, L, 1);
+}
+
+TEST(Layout, BadInputNamesTheTensor) {
+  try {
+    compute_layout({{4, 4, 0}, {-1, 4, 0}}, 64, 2);
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 1"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(compute_layout({{4, 3, 0}}, 64, 2), std::invalid_argument);
+  EXPECT_THROW(compute_layout({{4, 4, 0}, {4, 2, 0}}, 64, 2), std::invalid_argument);
+  EXPECT_THROW(compute_layout({{4, 4, 0}}, 64, 0), std::invalid_argument);
+  EXPECT_THROW(compute_layout({{4, 4, 0}}, 0, 2), std::invalid_argument);
+  EXPECT_THROW(compute_layout({{4, 4, 0}}, 64, 2, 12), std::invalid_argument);
+  EXPECT_THROW(compute_layout({{4, 4, 0}}, 64, 2).shard_pieces(2), std::invalid_argument);
+}
+
+TEST(Layout, RandomLayoutsKeepAllInvariants) {
+  std::mt19937_64 rng(12345);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 12);
+    std::vector<TensorSpec> specs;
+    for (int i = 0; i < n; ++i) {
+      const int64_t key = static_cast<int64_t>(rng() % 3);
+      const int64_t itemsize = key == 1 ? 2 : 4;  // one itemsize per key
+      specs.push_back({static_cast<int64_t>(rng() % 3000), itemsize, key});
+    }
+    const int64_t world = 1 + static_cast<int64_t>(rng() % 7);
+    const int64_t cap = 1 + static_cast<int64_t>(rng() % 8192);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    check_invariants(specs, compute_layout(specs, cap, world), cap);
+  }
+}

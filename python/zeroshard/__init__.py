@@ -1,0 +1,37 @@
+"""zeroshard: ZeRO sharding for PyTorch with a C++/CUDA core.
+
+What exists so far: the flat-buffer layout (:func:`compute_layout`), the fused
+AdamW kernel (:func:`fused_adamw_`) and flat-buffer collectives
+(:func:`reduce_scatter`, :func:`all_gather`, :func:`all_reduce`).
+"""
+from __future__ import annotations
+
+from ._ext import _C
+from .comm import CommHandle, all_gather, all_reduce, reduce_scatter
+from .kernels import fused_adamw_
+from .layout import Layout, compute_layout
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """How the compiled core was built, and the torch it runs with now.
+
+    Keys: ``cuda`` (bool: CUDA kernels compiled in), ``cuda_archs``
+    (e.g. ``"80,90"``), ``cuda_compiler_version``, ``torch_version`` (built
+    against), ``torch_runtime_version`` (imported now), ``torch_cuda``
+    (CUDA version of the running torch or None), ``cxx_standard``.
+    """
+    import torch
+
+    info = dict(_C.build_info())
+    info["torch_runtime_version"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda
+    info["version"] = __version__
+    return info
+
+
+__all__ = [
+    "CommHandle", "Layout", "all_gather", "all_reduce", "build_info", "compute_layout",
+    "fused_adamw_", "reduce_scatter",
+]

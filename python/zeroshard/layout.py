@@ -1,0 +1,49 @@
+"""Flat-buffer layout: which element of which bucket holds which tensor element.
+
+The math is in C++ (csrc/layout.cpp, see [Note: layout rules] there); this
+module turns torch dtypes into the itemsizes and keys it takes.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ._ext import _C
+
+Layout = _C.Layout
+
+
+def compute_layout(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    bucket_cap_bytes: int,
+    world_size: int,
+    keys: Optional[Sequence[int]] = None,
+    align_bytes: int = 16,
+) -> "_C.Layout":
+    """Lay tensors of the given sizes and dtypes out in flat, sharded buckets.
+
+    Tensors with the same ``(key, dtype)`` share one flat buffer (``keys``
+    defaults to all zeros, so tensors are grouped by dtype alone). Tensors are
+    split across buckets at the cap; every rank's shard of every bucket has
+    the same length and is ``align_bytes``-aligned.
+    """
+    numels = [int(n) for n in numels]
+    dtypes = list(dtypes)
+    if len(dtypes) != len(numels):
+        raise ValueError(f"dtypes has {len(dtypes)} entries but numels has {len(numels)}; "
+                         "pass one dtype per tensor")
+    keys = [0] * len(numels) if keys is None else [int(k) for k in keys]
+    if len(keys) != len(numels):
+        raise ValueError(f"keys has {len(keys)} entries but numels has {len(numels)}; "
+                         "pass one key per tensor")
+    for i, dt in enumerate(dtypes):
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"dtypes[{i}] is {dt!r}, not a torch.dtype")
+    # One buffer per distinct (key, dtype), numbered in order of first use.
+    buffer_ids: dict = {}
+    ids = [buffer_ids.setdefault((k, dt), len(buffer_ids)) for k, dt in zip(keys, dtypes)]
+    itemsizes = [dt.itemsize for dt in dtypes]
+    return _C.compute_layout(numels, itemsizes, ids, int(bucket_cap_bytes), int(world_size),
+                             int(align_bytes))
