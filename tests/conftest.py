@@ -1,0 +1,37 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _dist import DistPool  # noqa: E402
+
+_pools: dict = {}
+
+
+def get_pool(world_size: int) -> DistPool:
+    if world_size not in _pools:
+        _pools[world_size] = DistPool(world_size)
+    return _pools[world_size]
+
+
+@pytest.fixture(params=[2, 3], ids=lambda n: f"world{n}")
+def dist_pool(request):
+    """A live gloo pool of world size 2 or 3, shared by every test of the session."""
+    return get_pool(request.param)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for p in _pools.values():
+        p.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

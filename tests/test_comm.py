@@ -1,0 +1,138 @@
+"""zeroshard's collectives against torch.distributed's own, on gloo, world sizes 2 and 3."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard as zs
+
+SHARD_SIZES = [1, 37, 1000]
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+
+
+def _inputs(numel, dtype, salt=0):
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + salt)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def _rs_vs_torch(shard, dtype, average):
+    world = dist.get_world_size()
+    x = _inputs(world * shard, dtype)
+    ours = torch.empty(shard, dtype=dtype)
+    h = zs.reduce_scatter(x.clone(), ours, average=average)
+    h.wait()
+    theirs = torch.empty(shard, dtype=dtype)
+    dist.reduce_scatter_tensor(theirs, x.clone(), op=dist.ReduceOp.SUM)
+    if average:
+        theirs /= world
+    return torch.equal(ours, theirs)
+
+
+def _ag_vs_torch(shard, dtype):
+    world = dist.get_world_size()
+    x = _inputs(shard, dtype, salt=1)
+    ours = torch.empty(world * shard, dtype=dtype)
+    zs.all_gather(x, ours).wait()
+    theirs = torch.empty(world * shard, dtype=dtype)
+    dist.all_gather_into_tensor(theirs, x)
+    return torch.equal(ours, theirs)
+
+
+def _ar_vs_torch(numel, dtype, average):
+    x = _inputs(numel, dtype, salt=2)
+    ours = x.clone()
+    zs.all_reduce(ours, average=average).wait()
+    theirs = x.clone()
+    dist.all_reduce(theirs)
+    if average:
+        theirs /= dist.get_world_size()
+    return torch.equal(ours, theirs)
+
+
+def _all_cases():
+    out = []
+    for shard in SHARD_SIZES:
+        for dtype in DTYPES:
+            for average in (False, True):
+                out.append(("rs", shard, str(dtype), average, _rs_vs_torch(shard, dtype, average)))
+                out.append(("ar", shard * 3 + 1, str(dtype), average, _ar_vs_torch(shard * 3 + 1, dtype, average)))
+            out.append(("ag", shard, str(dtype), None, _ag_vs_torch(shard, dtype)))
+    return out
+
+
+def test_collectives_equal_torch_distributed(dist_pool):
+    for rank_cases in dist_pool.run(_all_cases):
+        bad = [c[:4] for c in rank_cases if not c[4]]
+        assert not bad, f"differs from torch.distributed: {bad}"
+
+
+def _bucketed_uneven_reduce():
+    """Prime-sized tensors laid out in padded buckets (a cap that splits tensors),
+    reduce-scattered bucket by bucket with all handles outstanding at once, waited in
+    reverse order; each rank's shard pieces must equal the same slices of torch's
+    all-reduce of the unbucketed tensors."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = [101, 7, 331, 2, 53]
+    grads = [_inputs(n, torch.float32, salt=10 + i) for i, n in enumerate(sizes)]
+    layout = zs.compute_layout(sizes, [torch.float32] * len(sizes), bucket_cap_bytes=512, world_size=world)
+    flat = torch.zeros(layout.buffers[0].numel)
+    for g, place in zip(grads, layout.tensors):
+        flat[place.offset:place.offset + place.numel] = g
+    shards, handles = [], []
+    for b in layout.buckets:
+        out = torch.empty(b.shard_numel)
+        handles.append(zs.reduce_scatter(flat[b.offset:b.offset + b.numel], out, average=True))
+        shards.append(out)
+    for h in reversed(handles):
+        h.wait()
+    full = [g.clone() for g in grads]
+    for t in full:
+        dist.all_reduce(t)
+        t /= world
+    ok = True
+    for p in layout.shard_pieces(rank):
+        mine = shards[p.bucket][p.shard_offset:p.shard_offset + p.numel]
+        want = full[p.tensor][p.tensor_offset:p.tensor_offset + p.numel]
+        ok &= bool(torch.allclose(mine, want, rtol=1e-6, atol=1e-6))
+    return ok, len(layout.buckets)
+
+
+def test_bucketed_reduce_scatter_with_uneven_sizes(dist_pool):
+    results = dist_pool.run(_bucketed_uneven_reduce)
+    assert all(ok for ok, _ in results)
+    assert results[0][1] > 1, "the cap should have produced several buckets"
+
+
+def _errors():
+    world = dist.get_world_size()
+    msgs = []
+    cases = [
+        lambda: zs.reduce_scatter(torch.zeros(world * 4 + 1), torch.zeros(4)),
+        lambda: zs.reduce_scatter(torch.zeros(world * 4), torch.zeros(4, dtype=torch.float64)),
+        lambda: zs.all_gather(torch.zeros(4), torch.zeros(world * 4 - 1)),
+        lambda: zs.all_gather(torch.zeros(8)[::2], torch.zeros(world * 4)),
+        lambda: zs.all_reduce(torch.zeros(4, dtype=torch.int32)),
+        lambda: zs._C.all_reduce("no-such-group", torch.zeros(4), False),
+    ]
+    for case in cases:
+        try:
+            case()
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    # the group is still healthy after every refused call
+    t = torch.ones(3)
+    zs.all_reduce(t).wait()
+    return msgs, t.tolist()
+
+
+def test_bad_collective_input_is_refused_before_communicating(dist_pool):
+    for rank, (msgs, total) in enumerate(dist_pool.run(_errors)):
+        world = dist_pool.world_size
+        assert total == [float(world)] * 3
+        assert None not in msgs, msgs
+        assert f"[rank {rank}/{world}] reduce_scatter: input has {world * 4 + 1} elements" in msgs[0]
+        assert "dtype" in msgs[1]
+        assert "output has" in msgs[2] and "all_gather" in msgs[2]
+        assert "not contiguous" in msgs[3]
+        assert "dtype Int" in msgs[4]
+        assert "no-such-group" in msgs[5]

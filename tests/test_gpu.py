@@ -1,0 +1,64 @@
+"""CUDA-only checks: skipped cleanly without a GPU (conftest marks them)."""
+import pytest
+import torch
+
+import zeroshard as zs
+from test_adamw import check_against_torch, run_against_torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_decay,grad_scale", [(0.0, 1.0), (0.01, 0.37)])
+def test_cuda_kernel_matches_torch_adamw(grad_dtype, weight_decay, grad_scale):
+    check_against_torch(*run_against_torch("cuda", grad_dtype, weight_decay, grad_scale))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_cuda_low_precision_output_is_rounded_master(out_dtype):
+    run_against_torch("cuda", torch.bfloat16, 0.01, 1.0, steps=10, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3])  # 1, 3: misaligned views take the scalar path
+def test_cuda_kernel_equals_cpu_kernel(offset):
+    n = 100_003
+    g = torch.Generator().manual_seed(5)
+    base = [torch.randn(n + offset, generator=g) for _ in range(3)] + [torch.rand(n + offset, generator=g)]
+    cpu = [t[offset:].clone() for t in base]
+    cuda = [t.cuda()[offset:] for t in base]
+    out = torch.empty(n + offset, dtype=torch.bfloat16, device="cuda")[offset:]
+    zs.fused_adamw_([cpu[0]], [cpu[1]], [cpu[2]], [cpu[3]], lr=1e-3, step=3, weight_decay=0.1)
+    zs.fused_adamw_([cuda[0]], [cuda[1]], [cuda[2]], [cuda[3]], lr=1e-3, step=3, weight_decay=0.1,
+                    outs=[out])
+    for a, b in zip(cpu, cuda):
+        torch.testing.assert_close(b.cpu(), a, rtol=2e-6, atol=1e-7)
+    assert torch.equal(out, cuda[0].to(torch.bfloat16))
+
+
+def test_cuda_flags_without_host_sync():
+    n = 4099
+    p, m, v = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    g = torch.ones(n, device="cuda")
+    g[4000] = float("nan")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    zs.fused_adamw_([p], [g], [m], [v], lr=1e-3, step=1, found_inf=flag)
+    assert flag.item() == 1
+    before = p.clone()
+    zs.fused_adamw_([p], [g], [m], [v], lr=1e-3, step=2, noop=flag)
+    assert torch.equal(p, before)
+
+
+def test_cuda_collectives_world_size_1():
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        x = torch.randn(1000, device="cuda")
+        y = torch.empty(1000, device="cuda")
+        zs.reduce_scatter(x, y, average=True).wait()
+        z = torch.empty(1000, device="cuda")
+        zs.all_gather(y, z).wait()
+        torch.testing.assert_close(z, x)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,97 @@
+"""Layout math from Python: property tests over random sizes, dtypes, caps and world sizes."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import zeroshard as zs
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8]
+
+
+def scatter_into_buffers(layout, tensors):
+    """Build each flat buffer from the layout: tensor data at its offsets, zeros elsewhere."""
+    bufs = [torch.zeros(b.numel, dtype=torch.float64) for b in layout.buffers]
+    for t, place in zip(tensors, layout.tensors):
+        bufs[place.buffer][place.offset:place.offset + place.numel] = t
+    return bufs
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(DTYPES), st.integers(0, 2)),
+                   min_size=1, max_size=10),
+    world=st.integers(1, 9),
+    cap=st.integers(1, 40_000),
+)
+def test_shards_partition_buffers_exactly(specs, world, cap):
+    numels, dtypes, keys = zip(*specs)
+    layout = zs.compute_layout(numels, dtypes, cap, world, keys=keys)
+    # unique ids for every tensor element: id = running count + 1 (0 marks padding)
+    ids, start = [], 1
+    for n in numels:
+        ids.append(torch.arange(start, start + n, dtype=torch.float64))
+        start += n
+    bufs = scatter_into_buffers(layout, ids)
+
+    seen = torch.zeros(start, dtype=torch.int64)
+    for bi, b in enumerate(layout.buckets):
+        buf = layout.buffers[b.buffer]
+        itemsize = dtypes[buf.tensors[0]].itemsize
+        assert b.numel == world * b.shard_numel
+        assert (b.shard_numel * itemsize) % 16 == 0 and (b.offset * itemsize) % 16 == 0
+        assert b.numel * itemsize <= max(cap, world * 16)
+        # the rank shards tile the bucket: concatenating them gives the bucket back
+        shards = [bufs[b.buffer][b.offset + r * b.shard_numel:b.offset + (r + 1) * b.shard_numel]
+                  for r in range(world)]
+        bucket = bufs[b.buffer][b.offset:b.offset + b.numel]
+        assert torch.equal(torch.cat(shards), bucket)
+        seen.index_add_(0, bucket.long(), torch.ones(b.numel, dtype=torch.int64))
+    # each element of each tensor lies in exactly one bucket; padding is all that is left
+    assert torch.all(seen[1:] == 1), "an element is lost or appears twice"
+    assert seen[0].item() == sum(layout.padding_numel(i) for i in range(len(layout.buffers)))
+    # buckets tile each buffer in order
+    for buf in layout.buffers:
+        offs = [layout.buckets[b].offset for b in buf.buckets]
+        ends = [layout.buckets[b].offset + layout.buckets[b].numel for b in buf.buckets]
+        assert offs == ([0] + ends[:-1] if ends else []) and (ends[-1] if ends else 0) == buf.numel
+
+    # shard_pieces reconstruct every tensor from the shards alone
+    rebuilt = [torch.full((n,), -1.0, dtype=torch.float64) for n in numels]
+    for r in range(world):
+        for piece in layout.shard_pieces(r):
+            b = layout.buckets[piece.bucket]
+            src = bufs[b.buffer][b.offset + r * b.shard_numel + piece.shard_offset:][:piece.numel]
+            dst = rebuilt[piece.tensor][piece.tensor_offset:piece.tensor_offset + piece.numel]
+            assert torch.all(dst == -1), "two ranks own the same element"
+            dst.copy_(src)
+    for a, b in zip(rebuilt, ids):
+        assert torch.equal(a, b)
+
+
+def test_tensor_larger_than_bucket_is_split_and_cap_respected():
+    layout = zs.compute_layout([1000, 3, 997], [torch.float32] * 3, bucket_cap_bytes=1024, world_size=3)
+    assert all(b.numel * 4 <= 1024 for b in layout.buckets)
+    assert len(layout.tensors[0].fragments) > 1
+    assert sum(layout.fragments[f].numel for f in layout.tensors[2].fragments) == 997
+
+
+def test_keys_and_dtypes_separate_buffers():
+    layout = zs.compute_layout([5, 5, 5, 5], [torch.float32, torch.bfloat16, torch.float32, torch.float32],
+                               1 << 20, 2, keys=[0, 0, 0, 1])
+    assert len(layout.buffers) == 3
+    assert layout.tensors[2].buffer == layout.tensors[0].buffer
+    assert layout.tensors[3].buffer != layout.tensors[0].buffer
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(numels=[3, -1], dtypes=[torch.float32] * 2, bucket_cap_bytes=64, world_size=2), "tensor 1"),
+    (dict(numels=[3], dtypes=[torch.float32], bucket_cap_bytes=64, world_size=0), "world_size"),
+    (dict(numels=[3], dtypes=[torch.float32], bucket_cap_bytes=0, world_size=2), "bucket_cap_bytes"),
+    (dict(numels=[3, 4], dtypes=[torch.float32], bucket_cap_bytes=64, world_size=2), "dtypes has 1"),
+    (dict(numels=[3], dtypes=["float32"], bucket_cap_bytes=64, world_size=2), r"dtypes\[0\]"),
+    (dict(numels=[3], dtypes=[torch.complex128], bucket_cap_bytes=64, world_size=2), "itemsize 16"),
+])
+def test_bad_layout_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        zs.compute_layout(**kwargs)
