@@ -8,6 +8,10 @@
 
 #if defined(__CUDACC__)
 #define ZS_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+// always_inline: the CPU kernel is built once per ISA (target_clones); helpers
+// must be inlined into each clone to be vectorised with it.
+#define ZS_HD inline __attribute__((always_inline))
 #else
 #define ZS_HD inline
 #endif
@@ -69,8 +73,9 @@ ZS_HD bool is_finite_f32(float f) { return (f32_bits(f) & 0x7F800000u) != 0x7F80
 ZS_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 ZS_HD uint16_t f32_to_bf16(float f) {
   const uint32_t u = f32_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  // branch-free so loops over it vectorise; NaN -> canonical quiet NaN
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 
 // IEEE half <-> float without hardware support (the classic exact
@@ -89,8 +94,8 @@ ZS_HD uint16_t f32_to_f16(float f) {
   const uint32_t w = f32_bits(f);
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  const uint32_t exp_bits = shl1_w & 0xFF000000u;
+  const uint32_t bias = exp_bits < 0x71000000u ? 0x71000000u : exp_bits;
   base = f32_from_bits((bias >> 1) + 0x07800000u) + base;
   const uint32_t bits = f32_bits(base);
   const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);

@@ -26,26 +26,25 @@ AdamWHyper make_adamw_hyper(double lr, double beta1, double beta2, double eps,
 
 namespace {
 
-constexpr int64_t kBlock = 256;  // elements staged through the stack per block
+constexpr int64_t kBlock = 1024;  // elements per inner (vectorised) loop
 
 // always_inline: these must be compiled inside each target clone of adamw_cpu.
 #define ZS_INLINE inline __attribute__((always_inline))
 
 template <ScalarKind GK, ScalarKind OK, bool HasOut>
-ZS_INLINE bool adamw_block(const AdamWShard& s, const AdamWHyper& h, int64_t i0, int64_t n) {
-  float g[kBlock];
-  uint32_t bad = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const float x = load_as_f32(s.grad, GK, i0 + j) * h.grad_scale;
-    bad |= static_cast<uint32_t>((f32_bits(x) & 0x7F800000u) == 0x7F800000u);
-    g[j] = x;
-  }
+ZS_INLINE bool adamw_block(const AdamWShard& s, const AdamWHyper& hyper, int64_t i0, int64_t n) {
+  const AdamWHyper h = hyper;  // a local copy: provably not aliased by the stores below
+  const void* __restrict grad = s.grad;
+  void* __restrict out = s.out;
   float* __restrict p = s.param + i0;
   float* __restrict m = s.exp_avg + i0;
   float* __restrict v = s.exp_avg_sq + i0;
-  for (int64_t j = 0; j < n; ++j) adamw_update(p[j], g[j], m[j], v[j], h);
-  if constexpr (HasOut) {
-    for (int64_t j = 0; j < n; ++j) store_from_f32(s.out, OK, i0 + j, p[j]);
+  uint32_t bad = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = load_as_f32(grad, GK, i0 + j) * h.grad_scale;
+    bad |= static_cast<uint32_t>((f32_bits(g) & 0x7F800000u) == 0x7F800000u);
+    adamw_update(p[j], g, m[j], v[j], h);
+    if constexpr (HasOut) store_from_f32(out, OK, i0 + j, p[j]);
   }
   return bad != 0;
 }

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <thread>
 
 #include "adamw.h"
 #include "checks.h"
@@ -48,12 +49,25 @@ void adamw_cpu_parallel(const AdamWShard& s, const AdamWHyper& h, const at::Tens
   if (noop && noop->item<int32_t>() != 0) return;
   AdamWHyper hh = h;
   if (scale) hh.grad_scale *= scale->item<float>();
+  // [Note: CPU threads] at::parallel_for is header-inline and runs serially
+  // in a translation unit built without OpenMP, and linking a second OpenMP
+  // runtime next to torch's bundled one oversubscribes cores. So the range is
+  // split over std::threads here: torch.get_num_threads() of them, each with
+  // at least kMinPerThread elements so thread start-up (~tens of us) stays
+  // small against the work.
+  constexpr int64_t kMinPerThread = 1 << 17;
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), s.numel / kMinPerThread));
   std::atomic<bool> bad{false};
-  // Grain: large enough that thread start-up is amortised, small enough to
-  // split a 1M-element shard across cores.
-  at::parallel_for(0, s.numel, 1 << 15, [&](int64_t b, int64_t e) {
-    if (adamw_cpu(s, hh, b, e)) bad.store(true, std::memory_order_relaxed);
-  });
+  const int64_t chunk = (s.numel + threads - 1) / threads;
+  auto work = [&](int64_t t) {
+    const int64_t b = t * chunk, e = std::min(s.numel, b + chunk);
+    if (b < e && adamw_cpu(s, hh, b, e)) bad.store(true, std::memory_order_relaxed);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (auto& th : pool) th.join();
   if (bad.load() && found_inf) found_inf->fill_(1);
 }
 

@@ -1,0 +1,157 @@
+"""Fused AdamW benchmark: zeroshard's kernel against torch.optim.AdamW in the same run.
+
+For each shard size, on CPU and (when present) CUDA, times one optimizer step of:
+  zeroshard bf16     fp32 master/m/v, bf16 grad, writes the bf16 param (28 B/param)
+  zeroshard fp32     fp32 param/m/v, fp32 grad, no low-precision copy   (28 B/param)
+  torch fused        AdamW(fused=True), fp32 everything                 (28 B/param)
+  torch fused+cast   the same plus the separate bf16 cast a ZeRO step needs (34 B/param)
+  torch foreach+cast AdamW(foreach=True) plus the cast                 (34 B/param nominal)
+and a device copy (read + write bytes) measured in the same run. GB/s are
+bytes-per-param x params / time under the model above; "of copy" is that
+bandwidth as a fraction of the copy's; "vs ours" is time / zeroshard bf16 time.
+
+    python benchmarks/adamw.py            # full size sweep
+    python benchmarks/adamw.py --quick    # a few sizes (what `make demo` runs)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from datetime import date
+
+import torch
+
+import zeroshard as zs
+
+BYTES = {"zeroshard bf16": 28, "zeroshard fp32": 28, "torch fused": 28,
+         "torch fused+cast": 34, "torch foreach+cast": 34}
+
+
+def timer(device, fn, repeat):
+    """Median seconds per call after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, n, repeat):
+    """GB/s of dst.copy_(src) on fp32 buffers of n elements, counting read + write."""
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    t = timer(device, lambda: dst.copy_(src), repeat)
+    return 8 * n / t / 1e9
+
+
+def bench_size(device, n, repeat):
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = {}
+
+    def ours(grad_dtype, with_out):
+        p = torch.randn(n, device=device, generator=g)
+        grad = torch.randn(n, device=device, generator=g).to(grad_dtype)
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        out = [torch.empty(n, device=device, dtype=torch.bfloat16)] if with_out else None
+        step = [0]
+
+        def run():
+            step[0] += 1
+            zs.fused_adamw_([p], [grad], [m], [v], lr=1e-3, weight_decay=0.01, step=step[0], outs=out)
+        return timer(device, run, repeat)
+
+    rows["zeroshard bf16"] = ours(torch.bfloat16, True)
+    rows["zeroshard fp32"] = ours(torch.float32, False)
+    torch.cuda.empty_cache() if device == "cuda" else None
+
+    def torch_adamw(**kw):
+        p = torch.nn.Parameter(torch.randn(n, device=device, generator=g))
+        p.grad = torch.randn(n, device=device, generator=g)
+        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **kw)
+        low = torch.empty(n, device=device, dtype=torch.bfloat16)
+        plain = timer(device, opt.step, repeat)
+        cast = timer(device, lambda: (opt.step(), low.copy_(p.detach())), repeat)
+        return plain, cast
+
+    rows["torch fused"], rows["torch fused+cast"] = torch_adamw(fused=True)
+    _, rows["torch foreach+cast"] = torch_adamw(foreach=True)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def git_commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def device_name(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few sizes only")
+    ap.add_argument("--devices", default="cpu,cuda", help="comma-separated; cuda is skipped when absent")
+    ap.add_argument("--sizes", default=None, help="comma-separated parameter counts, e.g. 1e6,2.5e8")
+    ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "adamw.json"))
+    args = ap.parse_args()
+
+    devices = [d for d in args.devices.split(",") if d == "cpu" or torch.cuda.is_available()]
+    report = {"date": date.today().isoformat(), "commit": git_commit(), "torch": torch.__version__,
+              "build": zs.build_info(), "bytes_per_param": BYTES, "results": []}
+    for device in devices:
+        if args.sizes:
+            sizes = [int(float(s)) for s in args.sizes.split(",")]
+        elif device == "cuda":
+            sizes = [2**20, 2**24, 2**26] if args.quick else [2**20, 2**24, 2**26, 2**28, 2**30]
+        else:
+            sizes = [2**20, 2**22, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
+        repeat = args.repeat or (5 if device == "cpu" else 20)
+        copy_gbs = copy_bandwidth(device, max(sizes[-1], 2**24) if device == "cuda" else sizes[-1], repeat)
+        print(f"\n{device}: {device_name(device)} | torch {torch.__version__} | commit {report['commit']}")
+        print(f"device copy (read+write): {copy_gbs:.1f} GB/s")
+        print(f"{'params':>12} {'variant':<19} {'ms/step':>9} {'GB/s':>8} {'of copy':>8} {'vs ours':>8}")
+        for n in sizes:
+            try:
+                rows = bench_size(device, n, repeat)
+            except torch.OutOfMemoryError:
+                print(f"{n:>12,} out of memory: stopping the sweep here")
+                break
+            base = rows["zeroshard bf16"]
+            for name, t in rows.items():
+                gbs = BYTES[name] * n / t / 1e9
+                print(f"{n:>12,} {name:<19} {t * 1e3:>9.3f} {gbs:>8.1f} {gbs / copy_gbs:>8.1%} {t / base:>7.2f}x")
+                report["results"].append({"device": device, "device_name": device_name(device),
+                                          "params": n, "variant": name, "seconds": t, "gb_per_s": gbs,
+                                          "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs,
+                                          "time_vs_zeroshard_bf16": t / base})
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
