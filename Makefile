@@ -9,9 +9,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
-# Pinned so a fresh clone reuses pip's cached wheel; override to change it.
+# Pinned so a fresh clone reuses the cached wheels; override to change it.
 TORCH_SPEC ?= torch==2.15.0
-DEV_DEPS := scikit-build-core>=0.10 pytest>=7 pytest-timeout hypothesis ninja numpy
+# torch and its CUDA libraries are several GB. They are downloaded once into
+# this wheelhouse (outside the clone) and installed from it offline after
+# that, so a fresh clone does not download them again. (pip's own HTTP cache
+# is not relied on: index responses that forbid caching leave it empty.)
+WHEELHOUSE ?= $(HOME)/.cache/zeroshard/wheels
+DEV_DEPS := "scikit-build-core>=0.10" "pytest>=7" pytest-timeout hypothesis ninja numpy
 
 SOURCES := $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null) CMakeLists.txt pyproject.toml
 
@@ -23,7 +28,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.deps: $(PY) Makefile
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || { \
+	  $(PIP) install -q --no-index --find-links "$(WHEELHOUSE)" "$(TORCH_SPEC)" 2>/dev/null || { \
+	    echo "downloading $(TORCH_SPEC) into $(WHEELHOUSE) (once)"; \
+	    $(PIP) download -q -d "$(WHEELHOUSE)" --find-links "$(WHEELHOUSE)" "$(TORCH_SPEC)" && \
+	    $(PIP) install -q --no-index --find-links "$(WHEELHOUSE)" "$(TORCH_SPEC)"; }; }
 	$(PIP) install -q $(DEV_DEPS)
 	@touch $@
 
