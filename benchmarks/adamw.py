@@ -8,7 +8,8 @@ For each shard size, on CPU and (when present) CUDA, times one optimizer step of
   torch foreach+cast AdamW(foreach=True) plus the cast                 (34 B/param nominal)
 and a device copy (read + write bytes) measured in the same run. GB/s are
 bytes-per-param x params / time under the model above; "of copy" is that
-bandwidth as a fraction of the copy's; "vs ours" is time / zeroshard bf16 time.
+bandwidth as a fraction of the copy's; "vs ours" is time / zeroshard bf16 time. Times are the best of
+`--repeat` rounds in which every variant runs once, so all see the same load.
 
     python benchmarks/adamw.py            # full size sweep
     python benchmarks/adamw.py --quick    # a few sizes (what `make demo` runs)
@@ -32,36 +33,41 @@ BYTES = {"zeroshard bf16": 28, "zeroshard fp32": 28, "torch fused": 28,
          "torch fused+cast": 34, "torch foreach+cast": 34}
 
 
-def timer(device, fn, repeat):
-    """Median seconds per call after one warm-up call."""
+def time_once(device, fn):
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
     fn()
-    times = []
+    return time.perf_counter() - t0
+
+
+def best_times(device, fns, repeat):
+    """Best seconds per call of each fn, timed round-robin (one call of each per
+    round, after a warm-up round) so every variant sees the same machine load."""
+    for fn in fns.values():
+        fn()
+    best = {name: float("inf") for name in fns}
     for _ in range(repeat):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            best[name] = min(best[name], time_once(device, fn))
+    return best
 
 
 def copy_bandwidth(device, n, repeat):
     """GB/s of dst.copy_(src) on fp32 buffers of n elements, counting read + write."""
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    t = timer(device, lambda: dst.copy_(src), repeat)
-    return 8 * n / t / 1e9
+    return 8 * n / best_times(device, {"copy": lambda: dst.copy_(src)}, repeat)["copy"] / 1e9
 
 
 def bench_size(device, n, repeat):
     g = torch.Generator(device=device).manual_seed(0)
-    rows = {}
+    fns = {}
 
     def ours(grad_dtype, with_out):
         p = torch.randn(n, device=device, generator=g)
@@ -73,26 +79,23 @@ def bench_size(device, n, repeat):
         def run():
             step[0] += 1
             zs.fused_adamw_([p], [grad], [m], [v], lr=1e-3, weight_decay=0.01, step=step[0], outs=out)
-        return timer(device, run, repeat)
+        return run
 
-    rows["zeroshard bf16"] = ours(torch.bfloat16, True)
-    rows["zeroshard fp32"] = ours(torch.float32, False)
-    torch.cuda.empty_cache() if device == "cuda" else None
-
-    def torch_adamw(**kw):
+    def torch_adamw(cast, **kw):
         p = torch.nn.Parameter(torch.randn(n, device=device, generator=g))
         p.grad = torch.randn(n, device=device, generator=g)
         opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **kw)
+        if not cast:
+            return opt.step
         low = torch.empty(n, device=device, dtype=torch.bfloat16)
-        plain = timer(device, opt.step, repeat)
-        cast = timer(device, lambda: (opt.step(), low.copy_(p.detach())), repeat)
-        return plain, cast
+        return lambda: (opt.step(), low.copy_(p.detach()))
 
-    rows["torch fused"], rows["torch fused+cast"] = torch_adamw(fused=True)
-    _, rows["torch foreach+cast"] = torch_adamw(foreach=True)
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return rows
+    fns["zeroshard bf16"] = ours(torch.bfloat16, True)
+    fns["zeroshard fp32"] = ours(torch.float32, False)
+    fns["torch fused"] = torch_adamw(False, fused=True)
+    fns["torch fused+cast"] = torch_adamw(True, fused=True)
+    fns["torch foreach+cast"] = torch_adamw(True, foreach=True)
+    return best_times(device, fns, repeat)
 
 
 def git_commit():
@@ -125,10 +128,10 @@ def main():
         if args.sizes:
             sizes = [int(float(s)) for s in args.sizes.split(",")]
         elif device == "cuda":
-            sizes = [2**20, 2**24, 2**26] if args.quick else [2**20, 2**24, 2**26, 2**28, 2**30]
+            sizes = [2**20, 2**24, 2**26] if args.quick else [2**20, 2**24, 2**26, 2**28, 2**29, 2**30]
         else:
             sizes = [2**20, 2**22, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
-        repeat = args.repeat or (5 if device == "cpu" else 20)
+        repeat = args.repeat or (7 if device == "cpu" else 20)
         copy_gbs = copy_bandwidth(device, max(sizes[-1], 2**24) if device == "cuda" else sizes[-1], repeat)
         print(f"\n{device}: {device_name(device)} | torch {torch.__version__} | commit {report['commit']}")
         print(f"device copy (read+write): {copy_gbs:.1f} GB/s")
@@ -139,6 +142,9 @@ def main():
             except torch.OutOfMemoryError:
                 print(f"{n:>12,} out of memory: stopping the sweep here")
                 break
+            finally:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
             base = rows["zeroshard bf16"]
             for name, t in rows.items():
                 gbs = BYTES[name] * n / t / 1e9

@@ -70,12 +70,17 @@ ZS_HD float f32_from_bits(uint32_t u) {
 }
 ZS_HD bool is_finite_f32(float f) { return (f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
 
+// The conversions are written with masks instead of branches or selects so
+// the CPU loops that use them vectorise on every ISA (AVX2 included).
+ZS_HD uint32_t mask_if(bool c) { return 0u - static_cast<uint32_t>(c); }  // all ones if c
+ZS_HD uint32_t blend(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
+
 ZS_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 ZS_HD uint16_t f32_to_bf16(float f) {
   const uint32_t u = f32_bits(f);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  // branch-free so loops over it vectorise; NaN -> canonical quiet NaN
-  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+  // NaN -> canonical quiet NaN, as torch does
+  return static_cast<uint16_t>(blend(mask_if((u & 0x7FFFFFFFu) > 0x7F800000u), 0x7FC0u, rounded));
 }
 
 // IEEE half <-> float without hardware support (the classic exact
@@ -86,7 +91,7 @@ ZS_HD float f16_to_f32(uint16_t h) {
   const uint32_t two_w = w + w;
   const float normalized = f32_from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
   const float denormalized = f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t bits = two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized);
+  const uint32_t bits = blend(mask_if(two_w < (1u << 27)), f32_bits(denormalized), f32_bits(normalized));
   return f32_from_bits(sign | bits);
 }
 ZS_HD uint16_t f32_to_f16(float f) {
@@ -95,11 +100,11 @@ ZS_HD uint16_t f32_to_f16(float f) {
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   const uint32_t exp_bits = shl1_w & 0xFF000000u;
-  const uint32_t bias = exp_bits < 0x71000000u ? 0x71000000u : exp_bits;
+  const uint32_t bias = blend(mask_if(exp_bits < 0x71000000u), 0x71000000u, exp_bits);
   base = f32_from_bits((bias >> 1) + 0x07800000u) + base;
   const uint32_t bits = f32_bits(base);
   const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  return static_cast<uint16_t>((sign >> 16) | blend(mask_if(shl1_w > 0xFF000000u), 0x7E00u, nonsign));
 }
 
 ZS_HD float load_as_f32(const void* p, ScalarKind k, int64_t i) {
