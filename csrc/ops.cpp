@@ -49,10 +49,11 @@ void adamw_cpu_parallel(const AdamWShard& s, const AdamWHyper& h, const at::Tens
   if (noop && noop->item<int32_t>() != 0) return;
   AdamWHyper hh = h;
   if (scale) hh.grad_scale *= scale->item<float>();
-  // [Note: CPU threads] at::parallel_for is header-inline and runs serially
-  // in a translation unit built without OpenMP, and linking a second OpenMP
-  // runtime next to torch's bundled one oversubscribes cores. So the range is
-  // split over std::threads here: torch.get_num_threads() of them, each with
+  // [Note: CPU threads] at::parallel_for is header-inline: in a translation
+  // unit built without -fopenmp it silently runs on one thread, and building
+  // with -fopenmp ties the extension to whichever OpenMP runtime the installed
+  // torch bundles. So the range is split over std::threads here:
+  // torch.get_num_threads() of them, each with
   // at least kMinPerThread elements (measured: below ~1M elements a second
   // thread costs more in start-up and cache traffic than it saves).
   constexpr int64_t kMinPerThread = 1 << 20;
