@@ -10,6 +10,7 @@ from ._ext import _C
 from .comm import CommHandle, all_gather, all_reduce, reduce_scatter
 from .kernels import fused_adamw_
 from .layout import Layout, compute_layout
+from .sharded import ShardedOptimizer
 
 __version__ = "0.1.0"
 
@@ -33,5 +34,5 @@ def build_info() -> dict:
 
 __all__ = [
     "CommHandle", "Layout", "all_gather", "all_reduce", "build_info", "compute_layout",
-    "fused_adamw_", "reduce_scatter",
+    "fused_adamw_", "reduce_scatter", "ShardedOptimizer",
 ]

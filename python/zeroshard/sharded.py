@@ -1,0 +1,618 @@
+"""ZeRO-1 and ZeRO-2: ShardedOptimizer, a drop-in replacement for DDP + AdamW.
+
+[Note: sharded optimizer policy]
+* Layout. Trainable parameters are laid out in reverse registration order
+  (the order backward produces their gradients) in flat buffers, one per
+  (param group, dtype), cut into buckets of at most ``bucket_mb``
+  (zeroshard.compute_layout). Every parameter becomes a view into its flat
+  buffer, so the all-gather after the step writes the parameters in place.
+* Reductions are SUM; the 1/N average (and the clipping coefficient) are
+  folded into the fused AdamW kernel's gradient scale, so no extra pass runs.
+* Stage 1 keeps a persistent full gradient buffer; ``p.grad`` are views into
+  it and autograd accumulates there. Each bucket is reduce-scattered in place
+  (this rank's chunk receives the sum over ranks) and the chunks of other
+  ranks are zeroed afterwards, so later accumulation never counts a
+  gradient twice.
+* Stage 2 keeps only this rank's gradient shard. Each gradient is copied into
+  a transient bucket buffer as soon as autograd has accumulated it, and
+  ``p.grad`` is freed; a full bucket is reduce-scattered into the shard (or
+  into a transient shard that is then added, when the shard already holds an
+  earlier micro-batch).
+* Buckets are reduced strictly in bucket order, on every rank: a bucket that
+  completes early waits for the ones before it, and at the end of backward
+  every bucket not yet reduced is (gradients that never arrived count as
+  zero). So all ranks issue the same collectives in the same order, whatever
+  order gradients arrive in and whichever parameters a rank left unused.
+* ``p.grad`` after backward is not the averaged gradient (stage 1: partly
+  reduced, stage 2: None); the reduced gradient lives in the shards. Use
+  ``clip_grad_norm_`` of this optimizer, not torch.nn.utils'.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .kernels import fused_adamw_
+from .layout import compute_layout
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass
+class _Bucket:
+    index: int
+    buffer: "_FlatBuffer"
+    offset: int            # in the buffer
+    numel: int             # padded
+    shard_numel: int
+    shard_offset: int      # where this bucket's shard starts in the buffer's shard tensors
+    params: List[int] = field(default_factory=list)  # trainable-parameter indices with data here
+    pending: int = 0       # parameters whose gradient has not arrived this backward
+    grad: Optional[torch.Tensor] = None   # stage 2: transient bucket gradient (reduce dtype)
+    handle: Optional[comm.CommHandle] = None
+    reduce_out: Optional[torch.Tensor] = None  # where the reduce-scatter wrote
+    launched: bool = False
+
+    def own(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's chunk of a bucket-sized range of a buffer-sized tensor."""
+        start = self.offset + rank * self.shard_numel
+        return t[start:start + self.shard_numel]
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This bucket's piece of a shard-sized tensor."""
+        return t[self.shard_offset:self.shard_offset + self.shard_numel]
+
+
+@dataclass
+class _FlatBuffer:
+    group: int
+    dtype: torch.dtype
+    params: torch.Tensor                 # full flat parameters (every param is a view)
+    master: Optional[torch.Tensor]       # fp32 shard, None when params are fp32
+    exp_avg: torch.Tensor                # fp32 shard
+    exp_avg_sq: torch.Tensor             # fp32 shard
+    grad_shard: Optional[torch.Tensor]   # stage 2: reduced gradient shard (reduce dtype)
+    grads: Optional[torch.Tensor]        # stage 1: full flat gradients (param dtype)
+    buckets: List[_Bucket] = field(default_factory=list)
+    shard_data_numel: int = 0            # elements of real parameters in this rank's shard
+
+
+def _held_by_ddp(p: torch.Tensor) -> bool:
+    """Whether a DistributedDataParallel module holds p (checked once, at construction).
+
+    DDP keeps its parameters in the list attribute ``_module_parameters``,
+    next to its ``reducer``; the list is referred to by the DDP instance's
+    attribute dict."""
+    for lst in gc.get_referrers(p):
+        if isinstance(lst, list):
+            for attrs in gc.get_referrers(lst):
+                if isinstance(attrs, dict) and attrs.get("_module_parameters") is lst and "reducer" in attrs:
+                    return True
+    return False
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """AdamW with ZeRO stage 1 (sharded optimizer states) or 2 (also sharded gradients).
+
+    Replaces ``DistributedDataParallel`` + ``torch.optim.AdamW``: do not wrap the
+    model in DDP. Gradients are reduced bucket by bucket during backward; ``step()``
+    updates this rank's shard with the fused AdamW kernel and all-gathers the
+    parameters. See [Note: sharded optimizer policy] in this module.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, *, stage: int = 2, bucket_mb: float = 25,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 reduce_dtype: Optional[torch.dtype] = None):
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r} (ZeRO-3 is zeroshard.FullyShard)")
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if reduce_dtype is not None and reduce_dtype not in _SUPPORTED:
+            raise ValueError(f"reduce_dtype must be one of {_SUPPORTED}, got {reduce_dtype}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=False, foreach=None, capturable=False,
+                        differentiable=False, fused=None)
+        super().__init__(params, defaults)
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
+                               "torch.distributed.init_process_group() first (torchrun sets it up)")
+        self.stage = stage
+        self.reduce_dtype = reduce_dtype
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self._src = dist.get_global_rank(self.process_group, 0) if process_group is not None else 0
+        self.last_step_skipped = False
+        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
+        self.events: List[tuple] = []   # (what, index) in order: see tests/test_sharded.py
+        self._sync = True
+        self._in_backward = False
+        self._grads_ready = False
+        self._clip_coef: Optional[torch.Tensor] = None
+        self._steps = [0] * len(self.param_groups)
+        self._peak_inflight = 0
+        self._inflight = 0
+        self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
+
+        # every parameter, in state_dict index order
+        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._check_params()
+        self._check_same_shapes_across_ranks()
+        self._build()
+        self._hooks = [self._params[i].register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i in self._trainable]
+
+    # ------------------------------------------------------------------ setup
+    def _err(self, msg: str) -> str:
+        return f"[rank {self.rank}/{self.world_size}] {msg}"
+
+    def _check_params(self):
+        self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        if not self._trainable:
+            raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
+        device = self._params[self._trainable[0]].device
+        for i, p in enumerate(self._params):
+            if p.device != device:
+                raise ValueError(self._err(
+                    f"parameter {i} is on {p.device} but parameter {self._trainable[0]} is on {device}; "
+                    "move the whole model to one device before creating the optimizer"))
+            if p.requires_grad and p.dtype not in _SUPPORTED:
+                raise ValueError(self._err(
+                    f"parameter {i} has dtype {p.dtype}; supported dtypes are float32, bfloat16, float16"))
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(self._err(f"parameters are on {device}; ShardedOptimizer supports CPU and CUDA"))
+        self.device = device
+        if _held_by_ddp(self._params[self._trainable[0]]):
+            raise ValueError(self._err(
+                "the parameters belong to a model wrapped in DistributedDataParallel; DDP would "
+                "all-reduce the gradients and ShardedOptimizer would reduce them again. Pass the "
+                "unwrapped model's parameters (model.module.parameters()) and drop the DDP wrapper"))
+
+    def _check_same_shapes_across_ranks(self):
+        mine = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in self._params]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        ref = everyone[0]
+        for r, theirs in enumerate(everyone):
+            if len(theirs) != len(ref):
+                raise ValueError(self._err(
+                    f"rank {r} has {len(theirs)} parameters but rank 0 has {len(ref)}; every rank must "
+                    "build the same model"))
+            for i, (a, b) in enumerate(zip(theirs, ref)):
+                if a != b:
+                    raise ValueError(self._err(
+                        f"parameter {i} differs across ranks: rank {r} has (shape, dtype, requires_grad) "
+                        f"= {a} but rank 0 has {b}; every rank must build the same model"))
+
+    def _build(self):
+        order = list(reversed(self._trainable))        # backward order
+        numels = [self._params[i].numel() for i in order]
+        dtypes = [self._params[i].dtype for i in order]
+        keys = [self._group_of[i] * 8 + _DTYPE_CODE[self._params[i].dtype] for i in order]
+        self.layout = compute_layout(numels, dtypes, self.bucket_bytes, self.world_size, keys=keys)
+        L, r, dev = self.layout, self.rank, self.device
+        self._where: Dict[int, tuple] = {}  # param index -> (buffer, offset, fragments)
+        self._buffers: List[_FlatBuffer] = []
+        self._buckets: List[_Bucket] = [None] * len(L.buckets)
+        with torch.no_grad():
+            for bi, lb in enumerate(L.buffers):
+                first = order[lb.tensors[0]]
+                dtype = self._params[first].dtype
+                flat = torch.zeros(lb.numel, dtype=dtype, device=dev)
+                for t in lb.tensors:
+                    place, p = L.tensors[t], self._params[order[t]]
+                    flat[place.offset:place.offset + place.numel].copy_(p.detach().reshape(-1))
+                if self.world_size > 1:
+                    dist.broadcast(flat, src=self._src, group=self.process_group)
+                shard_len = lb.numel // self.world_size
+                buf = _FlatBuffer(
+                    group=self._group_of[first], dtype=dtype, params=flat, master=None,
+                    exp_avg=torch.zeros(shard_len, device=dev), exp_avg_sq=torch.zeros(shard_len, device=dev),
+                    grad_shard=(torch.zeros(shard_len, dtype=self._reduce_dtype(dtype), device=dev)
+                                if self.stage == 2 else None),
+                    grads=torch.zeros(lb.numel, dtype=dtype, device=dev) if self.stage == 1 else None)
+                shard_off = 0
+                for b in lb.buckets:
+                    lbk = L.buckets[b]
+                    bucket = _Bucket(index=b, buffer=buf, offset=lbk.offset, numel=lbk.numel,
+                                     shard_numel=lbk.shard_numel, shard_offset=shard_off)
+                    bucket.params = sorted({order[L.fragments[f].tensor] for f in lbk.fragments})
+                    shard_off += lbk.shard_numel
+                    buf.buckets.append(bucket)
+                    self._buckets[b] = bucket
+                if dtype != torch.float32:
+                    buf.master = torch.cat([b.own(flat, r) for b in buf.buckets]).float()
+                buf.shard_data_numel = sum(pc.numel for pc in L.shard_pieces(r)
+                                           if L.tensors[pc.tensor].buffer == bi)
+                self._buffers.append(buf)
+                for t in lb.tensors:
+                    place, i = L.tensors[t], order[t]
+                    p = self._params[i]
+                    p.data = flat[place.offset:place.offset + place.numel].view_as(p)
+                    frags = [L.fragments[f] for f in place.fragments]
+                    self._where[i] = (buf, place.offset, frags)
+                    if self.stage == 1:
+                        p.grad = None
+            # frozen parameters are not sharded, but all ranks start identical
+            for i, p in enumerate(self._params):
+                if not p.requires_grad and self.world_size > 1:
+                    dist.broadcast(p.data, src=self._src, group=self.process_group)
+
+    def _reduce_dtype(self, dtype):
+        return self.reduce_dtype or dtype
+
+    # --------------------------------------------------------------- backward
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor):
+            self._on_grad(i, p)
+        return hook
+
+    def _start_backward(self):
+        self._in_backward = True
+        self._next_launch = 0
+        self.events.append(("backward_start", -1))
+        for b in self._buckets:
+            b.pending, b.launched = len(b.params), False
+        # runs once, when the whole backward pass has finished
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _on_grad(self, i: int, p: torch.Tensor):
+        if not self._in_backward:
+            self._start_backward()
+        self.events.append(("grad", i))
+        buf, offset, frags = self._where[i]
+        if self.stage == 1:
+            view = buf.grads[offset:offset + p.numel()].view_as(p)
+            if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)   # p.grad was replaced or re-created: it holds the total
+                p.grad = view
+        if not self._sync:
+            return
+        if self.stage == 2:
+            flat = p.grad.detach().reshape(-1)
+        for f in frags:
+            bucket = self._buckets[f.bucket]
+            if bucket.launched:
+                raise RuntimeError(self._err(
+                    f"parameter {i} received a gradient after its bucket {f.bucket} was reduced in this "
+                    "backward pass (a second backward through the same parameters without a new "
+                    "forward?); call backward once per forward, or accumulate under no_sync()"))
+            if self.stage == 2:
+                if bucket.grad is None:
+                    bucket.grad = torch.zeros(bucket.numel, dtype=self._reduce_dtype(buf.dtype),
+                                              device=self.device)
+                    self._inflight += bucket.numel * bucket.grad.element_size()
+                    self._peak_inflight = max(self._peak_inflight, self._inflight)
+                bucket.grad[f.bucket_offset:f.bucket_offset + f.numel].add_(
+                    flat[f.tensor_offset:f.tensor_offset + f.numel])
+            bucket.pending -= 1
+        if self.stage == 2:
+            p.grad = None
+        self._launch_ready()
+
+    def _launch_ready(self, flush: bool = False):
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if bucket.pending > 0 and not flush:
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, b: _Bucket):
+        """Reduce-scatter (SUM) one bucket; see [Note: sharded optimizer policy]."""
+        buf, r = b.buffer, self.rank
+        rdt = self._reduce_dtype(buf.dtype)
+        if self.stage == 1:
+            src = buf.grads[b.offset:b.offset + b.numel]
+            if src.dtype != rdt:       # reduce in reduce_dtype, store back in the grad dtype
+                src = src.to(rdt)
+            out = src[r * b.shard_numel:(r + 1) * b.shard_numel]   # in place: this rank's chunk
+        else:
+            if b.grad is None:          # no gradient arrived for this bucket on this rank
+                b.grad = torch.zeros(b.numel, dtype=rdt, device=self.device)
+                self._inflight += b.numel * b.grad.element_size()
+                self._peak_inflight = max(self._peak_inflight, self._inflight)
+            src = b.grad
+            out = b.shard(buf.grad_shard) if self._shard_fresh else torch.empty(
+                b.shard_numel, dtype=rdt, device=self.device)
+        b.reduce_out = out
+        b.handle = comm.reduce_scatter(src, out, group=self.process_group, average=False)
+        b.launched = True
+        self.comm_elements["reduce_scatter"] += b.numel
+        self.events.append(("reduce_scatter", b.index))
+
+    def _finish_backward(self):
+        self._launch_ready(flush=self._sync)
+        for b in self._buckets:
+            if b.handle is None:
+                continue
+            b.handle.wait()
+            buf = b.buffer
+            if self.stage == 1:
+                own = b.own(buf.grads, self.rank)
+                if b.reduce_out.data_ptr() != own.data_ptr():
+                    own.copy_(b.reduce_out)
+                # other ranks' chunks were sent: zero them so they are never counted twice
+                whole = buf.grads[b.offset:b.offset + b.numel]
+                whole[:self.rank * b.shard_numel].zero_()
+                whole[(self.rank + 1) * b.shard_numel:].zero_()
+            else:
+                if b.reduce_out.data_ptr() != b.shard(buf.grad_shard).data_ptr():
+                    b.shard(buf.grad_shard).add_(b.reduce_out)
+                self._inflight -= b.numel * b.grad.element_size()
+                b.grad = None
+            b.handle, b.reduce_out = None, None
+        if self._sync:
+            self._shard_fresh = False
+            self._grads_ready = True
+        self._in_backward = False
+        self.events.append(("backward_end", -1))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, without communication; the next backward
+        outside this context reduces everything accumulated since the last step."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # ------------------------------------------------------------------ step
+    def _grad_shard(self, buf: _FlatBuffer, b: _Bucket) -> torch.Tensor:
+        return b.own(buf.grads, self.rank) if self.stage == 1 else b.shard(buf.grad_shard)
+
+    def _check_ready(self, what: str):
+        if not self._grads_ready:
+            raise RuntimeError(self._err(
+                f"{what} called before any backward() since the last step (or only under no_sync()); "
+                "run loss.backward() outside no_sync() first"))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm of the averaged gradient, over every shard of
+        every rank; returns that norm (the same on all ranks). The scale is
+        applied inside the fused step."""
+        self._check_ready("clip_grad_norm_")
+        norm_type = float(norm_type)
+        if norm_type not in (2.0, math.inf):
+            raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
+        parts = [self._grad_shard(buf, b).float() for buf in self._buffers for b in buf.buckets]
+        if norm_type == 2.0:
+            local = torch.stack([t.pow(2).sum() for t in parts]).sum().reshape(1)
+        else:
+            local = torch.stack([t.abs().max() for t in parts]).max().reshape(1)
+        if norm_type == 2.0:
+            self._all_reduce(local)
+            total = local.sqrt() / self.world_size
+        else:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = local / self.world_size
+        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
+        return total.reshape(())
+
+    def _all_reduce(self, t: torch.Tensor):
+        comm.all_reduce(t, group=self.process_group).wait()
+        self.comm_elements["all_reduce"] += t.numel()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_ready("step()")
+        self.last_step_skipped = False
+        if any(buf.dtype == torch.float16 for buf in self._buffers):
+            found = torch.zeros(1, device=self.device)
+            for buf in self._buffers:
+                for b in buf.buckets:
+                    found += (~torch.isfinite(self._grad_shard(buf, b))).any()
+            self._all_reduce(found)
+            self.last_step_skipped = bool(found.item() > 0)   # the fp16 path syncs here
+        if not self.last_step_skipped:
+            for gi, group in enumerate(self.param_groups):
+                self._update_group(gi, group)
+            for buf in self._buffers:
+                for b in buf.buckets:
+                    region = buf.params[b.offset:b.offset + b.numel]
+                    comm.all_gather(b.own(buf.params, self.rank), region, group=self.process_group).wait()
+                    self.comm_elements["all_gather"] += b.numel
+        self._clip_coef = None
+        self._grads_ready = False
+        self.events.append(("step", -1))
+        return loss
+
+    def _update_group(self, gi: int, group: dict):
+        bufs = [buf for buf in self._buffers if buf.group == gi]
+        if not bufs:
+            return
+        if group.get("amsgrad") or group.get("maximize"):
+            raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
+        self._steps[gi] += 1
+        beta1, beta2 = group["betas"]
+        for buf in bufs:   # one call per buffer: one kernel launch per bucket shard
+            owns = [b.own(buf.params, self.rank) for b in buf.buckets]
+            fused_adamw_(
+                [b.shard(buf.master) for b in buf.buckets] if buf.master is not None else owns,
+                [self._grad_shard(buf, b) for b in buf.buckets],
+                [b.shard(buf.exp_avg) for b in buf.buckets],
+                [b.shard(buf.exp_avg_sq) for b in buf.buckets],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=self._steps[gi],
+                grad_scale=1.0 / self.world_size, scale=self._clip_coef,
+                outs=owns if buf.master is not None else None)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Zero the gradients (and this rank's reduced shards)."""
+        if self._in_backward:
+            raise RuntimeError(self._err("zero_grad() called during backward"))
+        with torch.no_grad():
+            for buf in self._buffers:
+                if buf.grads is not None:
+                    buf.grads.zero_()
+                if buf.grad_shard is not None:
+                    buf.grad_shard.zero_()
+        for i in self._trainable:
+            p = self._params[i]
+            if self.stage == 1 and not set_to_none:
+                buf, offset, _ = self._where[i]
+                p.grad = buf.grads[offset:offset + p.numel()].view_as(p)
+            else:
+                p.grad = None
+        self._shard_fresh = True
+        self._grads_ready = False
+        self._clip_coef = None
+
+    # ---------------------------------------------------------------- memory
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes held on this rank, by category.
+
+        Persistent: ``params`` (full, stages 1 and 2), ``grads`` (stage 1: full;
+        stage 2: this rank's shard), ``master`` (fp32 shard, only for bf16/fp16
+        parameters), ``exp_avg`` and ``exp_avg_sq`` (fp32 shards): each counts
+        only elements of real parameters. ``padding`` is every byte the layout
+        adds to them. ``comm_buffers`` is the transient bucket memory in flight
+        now and ``comm_buffers_peak`` its peak since construction. ``total`` is
+        the persistent sum including padding.
+        """
+        rep = dict(params=0, grads=0, master=0, exp_avg=0, exp_avg_sq=0, padding=0)
+        for buf in self._buffers:
+            full = sum(self._params[i].numel() for i in self._trainable
+                       if self._where[i][0] is buf)
+            item = buf.params.element_size()
+            mine, shard_len = buf.shard_data_numel, buf.exp_avg.numel()
+            rep["params"] += full * item
+            rep["padding"] += (buf.params.numel() - full) * item
+            if self.stage == 1:
+                rep["grads"] += full * item
+                rep["padding"] += (buf.grads.numel() - full) * item
+            else:
+                gi = buf.grad_shard.element_size()
+                rep["grads"] += mine * gi
+                rep["padding"] += (shard_len - mine) * gi
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                t = getattr(buf, name)
+                if t is not None:
+                    rep[name] += mine * 4
+                    rep["padding"] += (shard_len - mine) * 4
+        rep["total"] = sum(rep.values())
+        rep["comm_buffers"] = self._inflight
+        rep["comm_buffers_peak"] = self._peak_inflight
+        return rep
+
+    # ------------------------------------------------------------ state dict
+    def _shard_pieces(self):
+        """(param index, buffer, bucket, piece) for every piece of a parameter this rank owns."""
+        order = list(reversed(self._trainable))
+        for pc in self.layout.shard_pieces(self.rank):
+            b = self._buckets[pc.bucket]
+            yield order[pc.tensor], b.buffer, b, pc
+
+    @torch.no_grad()
+    def state_dict(self, to: Optional[int] = None):
+        """The full state in torch.optim.AdamW's format (loadable by AdamW).
+
+        Collective: every rank must call it. Gathers bucket by bucket, so the
+        transient extra memory is one bucket; the result is on CPU. With
+        ``to=r`` only global rank ``r`` builds and returns the dict; the others
+        return None.
+        """
+        keep = to is None or dist.get_rank() == to
+        packed = super().state_dict()   # param_groups with indices; our torch state is empty
+        full = {}
+        if keep:
+            for i in self._trainable:
+                p = self._params[i]
+                full[i] = {"step": torch.tensor(float(self._steps[self._group_of[i]])),
+                           "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
+                           "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
+        order = list(reversed(self._trainable))
+        L = self.layout
+        for bk in self._buckets:
+            buf = bk.buffer
+            for name in ("exp_avg", "exp_avg_sq"):
+                gathered = torch.empty(bk.numel, dtype=torch.float32, device=self.device)
+                comm.all_gather(bk.shard(getattr(buf, name)), gathered, group=self.process_group).wait()
+                if not keep:
+                    continue
+                gathered = gathered.cpu()
+                for f in L.buckets[bk.index].fragments:
+                    fr = L.fragments[f]
+                    dst = full[order[fr.tensor]][name].view(-1)
+                    dst[fr.tensor_offset:fr.tensor_offset + fr.numel] = \
+                        gathered[fr.bucket_offset:fr.bucket_offset + fr.numel]
+        if not keep:
+            return None
+        packed["state"] = full
+        return packed
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict):
+        """Load a full AdamW state dict (ours or torch.optim.AdamW's, from any world
+        size), keeping only this rank's shard. Parameters come from the model:
+        load the model's state dict first; bf16/fp16 master weights are re-made
+        from the parameters."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(self._err(
+                f"the state dict has {len(groups)} param groups but this optimizer has "
+                f"{len(self.param_groups)}"))
+        for gi, (g, sg) in enumerate(zip(self.param_groups, groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(self._err(
+                    f"param group {gi} has {len(sg['params'])} parameters in the state dict but "
+                    f"{len(g['params'])} here"))
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+            if g.get("amsgrad") or g.get("maximize"):
+                raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
+        saved_ids = [pid for sg in groups for pid in sg["params"]]
+        state = state_dict["state"]
+        for buf in self._buffers:
+            buf.exp_avg.zero_()
+            buf.exp_avg_sq.zero_()
+        steps = [0] * len(self.param_groups)
+        for i in self._trainable:
+            st = state.get(saved_ids[i])
+            if st is None:
+                continue
+            p = self._params[i]
+            for name in ("exp_avg", "exp_avg_sq"):
+                if st[name].numel() != p.numel():
+                    raise ValueError(self._err(
+                        f"state of parameter {i}: {name} has {st[name].numel()} elements but the "
+                        f"parameter has {p.numel()} (shape {tuple(p.shape)}); the state dict is of "
+                        "another model"))
+            steps[self._group_of[i]] = max(steps[self._group_of[i]], int(float(st["step"])))
+        for i, buf, b, pc in self._shard_pieces():
+            st = state.get(saved_ids[i])
+            if st is None:
+                continue
+            for name in ("exp_avg", "exp_avg_sq"):
+                src = st[name].reshape(-1)[pc.tensor_offset:pc.tensor_offset + pc.numel]
+                b.shard(getattr(buf, name))[pc.shard_offset:pc.shard_offset + pc.numel].copy_(src)
+        self._steps = steps
+        for buf in self._buffers:
+            if buf.master is not None:
+                buf.master.copy_(torch.cat([b.own(buf.params, self.rank) for b in buf.buckets]).float())

@@ -1,0 +1,396 @@
+"""ShardedOptimizer (ZeRO-1/2) against single-process torch.optim.AdamW, on gloo at world sizes 2 and 3."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zeroshard as zs
+
+BATCH = 12          # divisible by 2 and 3: every rank gets an equal slice
+TINY_BUCKET_MB = 1000 / 2**20   # ~1000 bytes: buckets split tensors, big.weight spans several
+
+
+class Net(nn.Module):
+    """Awkward sizes: prime widths, a parameter larger than a bucket, a frozen
+    layer and a layer the forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(37, 13)
+        self.fc1 = nn.Linear(13, 29)
+        self.big = nn.Linear(29, 31)
+        self.frozen = nn.Linear(31, 31)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(5, 7)
+        self.head = nn.Linear(31, 3)
+
+    def forward(self, x):
+        h = self.emb(x).mean(1)
+        h = torch.tanh(self.fc1(h))
+        h = torch.tanh(self.big(h))
+        h = self.frozen(h)
+        return self.head(h)
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return Net().to(dtype)
+
+
+def param_groups(model, lr=1e-2):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": 0.1, "lr": lr},
+            {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
+
+
+def batches(steps, seed=1, micro=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randint(0, 37, (BATCH, 5), generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+             for _ in range(micro)] for _ in range(steps)]
+
+
+def local(x, rank, world):
+    n = x.shape[0] // world
+    return x[rank * n:(rank + 1) * n]
+
+
+def zero_fill_unused(model):
+    """ShardedOptimizer treats a parameter that got no gradient as a zero gradient
+    (AdamW still decays it); torch's AdamW skips it. Give the reference the same semantics."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def reference(steps, micro=1, clip=None, dtype=torch.float32, state_after=None):
+    """Single-process torch AdamW on the whole batch; returns the model (and norms)."""
+    model = make_model(dtype=torch.float32)
+    if dtype != torch.float32:   # same (rounded) starting point as the low-precision run
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype).float())
+    opt = torch.optim.AdamW(param_groups(model), foreach=False)
+    norms = []
+    for k, mbs in enumerate(batches(steps, micro=micro)):
+        opt.zero_grad()
+        for x, y in mbs:
+            (F.cross_entropy(model(x), y) / micro).backward()
+        zero_fill_unused(model)
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        if state_after is not None and k + 1 == state_after:
+            return model, opt
+    return model, norms
+
+
+def train_ours(steps, stage, micro=1, no_sync=False, clip=None, dtype=torch.float32, reduce_dtype=None,
+               bucket_mb=TINY_BUCKET_MB, model=None, opt=None, first_step=0):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if model is None:
+        model = make_model(dtype=dtype)
+        opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=bucket_mb,
+                                  reduce_dtype=reduce_dtype)
+    norms = []
+    for mbs in batches(first_step + steps, micro=micro)[first_step:]:
+        opt.zero_grad()
+        for j, (x, y) in enumerate(mbs):
+            ctx = opt.no_sync() if (no_sync and j < micro - 1) else _null()
+            with ctx:
+                (F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)) / micro).backward()
+        if clip is not None:
+            norms.append(opt.clip_grad_norm_(clip).item())
+        opt.step()
+    return model, opt, norms
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def rel_err(a, b):
+    a, b = a.detach().double().flatten(), b.detach().double().flatten()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def max_param_err(model, ref):
+    return max(rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+# ---------------------------------------------------------------- parity
+def _parity(stage, micro, no_sync, clip):
+    ref, ref_norms = reference(20, micro=micro, clip=clip)
+    model, _, norms = train_ours(20, stage, micro=micro, no_sync=no_sync, clip=clip)
+    out = {"err": max_param_err(model, ref)}
+    if clip is not None:
+        out["norm_err"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("case", ["plain", "accumulate", "accumulate_no_sync", "clip"])
+def test_parity_with_single_process_adamw(dist_pool, stage, case):
+    micro = 2 if case.startswith("accumulate") else 1
+    res = dist_pool.run(_parity, stage, micro, case == "accumulate_no_sync",
+                        0.05 if case == "clip" else None)
+    for r in res:
+        assert r["err"] <= 1e-5, r
+        if case == "clip":
+            assert r["norm_err"] <= 1e-5, r
+
+
+def _stages_agree():
+    a, _, _ = train_ours(8, 1)
+    b, _, _ = train_ours(8, 2)
+    return max_param_err(a, b)
+
+
+def test_stage1_and_stage2_agree(dist_pool):
+    assert max(dist_pool.run(_stages_agree)) <= 1e-6
+
+
+def _bf16():
+    ref, _ = reference(20, dtype=torch.bfloat16)
+    model, opt, _ = train_ours(20, 2, dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    return max_param_err(model.float(), ref)
+
+
+def test_bf16_params_with_fp32_master(dist_pool):
+    # bf16 forward/backward against an fp32 reference: bf16 tolerance
+    assert max(dist_pool.run(_bf16)) <= 3e-2
+
+
+# ---------------------------------------------------------------- memory
+def _memory(stage):
+    model = make_model()
+    opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=TINY_BUCKET_MB)
+    return opt.memory_report(), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_memory_report_matches_formulas_exactly(dist_pool, stage):
+    reports = dist_pool.run(_memory, stage)
+    psi = reports[0][1]
+    n = dist_pool.world_size
+    reps = [r for r, _ in reports]
+    for rep in reps:
+        assert rep["params"] == 4 * psi                 # full, fp32
+        if stage == 1:
+            assert rep["grads"] == 4 * psi              # full
+        assert rep["master"] == 0                       # fp32 params: no master copy
+        assert rep["exp_avg"] == rep["exp_avg_sq"]
+        assert rep["total"] == sum(rep[k] for k in ("params", "grads", "master", "exp_avg",
+                                                    "exp_avg_sq", "padding"))
+    # sharded categories: every element owned by exactly one rank
+    assert sum(r["exp_avg"] for r in reps) == 4 * psi
+    if stage == 2:
+        assert sum(r["grads"] for r in reps) == 4 * psi
+    # ... and each rank's share is psi/n up to the padding it reports
+    for rep in reps:
+        assert abs(rep["exp_avg"] - 4 * psi / n) <= rep["padding"]
+
+
+_FAKE_SCRIPT = r"""
+import sys, torch, torch.distributed as dist, torch.nn as nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import zeroshard as zs
+n, stage = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("fake", store=FakeStore(), rank=n - 1, world_size=n)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(257, 511), nn.Linear(511, 263)).to(torch.bfloat16)
+opt = zs.ShardedOptimizer(model.parameters(), stage=stage, bucket_mb=0.5)
+psi = sum(p.numel() for p in model.parameters())
+print(repr((psi, opt.memory_report())))
+"""
+
+
+@pytest.mark.parametrize("n", [8, 64])
+def test_memory_formulas_at_large_world_with_fake_process_group(n):
+    for stage in (1, 2):
+        out = subprocess.run([sys.executable, "-c", _FAKE_SCRIPT, str(n), str(stage)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        psi, rep = eval(out.stdout.strip().splitlines()[-1])
+        assert rep["params"] == 2 * psi                             # bf16, full
+        assert rep["grads"] == (2 * psi if stage == 1 else rep["grads"])
+        # the last rank owns psi/n elements up to padding: 12/n bytes of master + states
+        owned = rep["exp_avg"] // 4
+        assert rep["master"] == rep["exp_avg"] == rep["exp_avg_sq"] == 4 * owned
+        assert abs(owned - psi / n) <= 16 * n, (owned, psi / n)
+        if stage == 2:
+            assert rep["grads"] == 2 * owned                        # bf16 shard
+        per_rank = 2 * psi + (2 * psi if stage == 1 else 2 * owned) + 12 * owned
+        assert rep["total"] - rep["padding"] == per_rank
+
+
+# --------------------------------------------------------- communication
+def _comm_counts():
+    model, opt, _ = train_ours(1, 2)
+    before = dict(opt.comm_elements)
+    train_ours(1, 2, model=model, opt=opt, first_step=1)
+    after = opt.comm_elements
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    padded = sum(b.numel for b in opt.layout.buckets)
+    # DDP on the same model: count what its all-reduce moves
+    ddp_model = make_model()
+    ddp_model.unused.requires_grad_(False)   # DDP would otherwise refuse the unused layer
+    counted = []
+
+    def hook(state, bucket):
+        counted.append(bucket.buffer().numel())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+    ddp.register_comm_hook(None, hook)
+    x, y = batches(1)[0][0]
+    F.cross_entropy(ddp(x), y).backward()
+    ddp_psi = sum(p.numel() for p in ddp_model.parameters() if p.requires_grad)
+    return (after["reduce_scatter"] - before["reduce_scatter"], after["all_gather"] - before["all_gather"],
+            psi, padded, sum(counted), ddp_psi)
+
+
+def test_communication_volume_per_step(dist_pool):
+    for rs, ag, psi, padded, ddp_allreduce, ddp_psi in dist_pool.run(_comm_counts):
+        assert rs == padded and ag == padded                 # Ψ + padding each way: 2Ψ in total
+        assert padded - psi < 16 * dist_pool.world_size * 8  # padding is small
+        assert ddp_allreduce == ddp_psi                      # DDP: all-reduce of Ψ (= RS + AG = 2Ψ)
+
+
+# -------------------------------------------------------------- overlap
+def _overlap():
+    # every trainable parameter used: a never-used one holds its bucket (and, as
+    # buckets are reduced in order, the later ones) until the end of backward
+    model = make_model()
+    model.unused.requires_grad_(False)
+    opt = zs.ShardedOptimizer(param_groups(model), stage=2, bucket_mb=TINY_BUCKET_MB)
+    train_ours(1, 2, model=model, opt=opt)
+    ev = [e for e in opt.events]
+    last = max(i for i, e in enumerate(ev) if e[0] == "backward_start")
+    ev = ev[last:]
+    first_rs = next(i for i, e in enumerate(ev) if e[0] == "reduce_scatter")
+    end = next(i for i, e in enumerate(ev) if e[0] == "backward_end")
+    grads_after = sum(1 for e in ev[first_rs:end] if e[0] == "grad")
+    return first_rs, end, grads_after, len(opt.layout.buckets)
+
+
+def test_first_bucket_is_reduced_while_backward_continues(dist_pool):
+    for first_rs, end, grads_after, nb in dist_pool.run(_overlap):
+        assert nb > 3
+        assert first_rs < end
+        assert grads_after > 0, "no gradient arrived after the first reduce-scatter was launched"
+
+
+# ----------------------------------------------------------- state dict
+def _save(steps, stage):
+    model, opt, _ = train_ours(steps, stage)
+    sd = opt.state_dict(to=0)
+    return (model.state_dict(), sd) if dist.get_rank() == 0 else (None, sd)
+
+
+def _resume(model_sd, opt_sd, steps, first_step, stage):
+    model = make_model()
+    model.load_state_dict(model_sd)
+    opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=TINY_BUCKET_MB)
+    opt.load_state_dict(opt_sd)
+    train_ours(steps, stage, model=model, opt=opt, first_step=first_step)
+    ref, _ = reference(first_step + steps)
+    return max_param_err(model, ref)
+
+
+def test_state_dict_round_trip_across_world_sizes_and_plain_adamw():
+    from conftest import get_pool
+    p2, p3 = get_pool(2), get_pool(3)
+    saved = p2.run(_save, 5, 2)
+    model_sd, opt_sd = saved[0]
+    assert saved[1] == (None, None)         # to=0: only rank 0 builds the dict
+    # ours (world 2) -> plain torch AdamW: continues identically
+    model = make_model()
+    model.load_state_dict(model_sd)
+    plain = torch.optim.AdamW(param_groups(model), foreach=False)
+    plain.load_state_dict(copy.deepcopy(opt_sd))   # AdamW updates loaded tensors in place
+    for mbs in batches(10)[5:]:
+        plain.zero_grad()
+        for x, y in mbs:
+            F.cross_entropy(model(x), y).backward()
+        zero_fill_unused(model)
+        plain.step()
+    ref, _ = reference(10)
+    assert max_param_err(model, ref) <= 1e-5
+    # plain torch AdamW -> ours at world 3 (stage 1), and ours (world 2) -> ours (world 3)
+    ref5, ref_opt5 = reference(10, state_after=5)
+    for msd, osd in ((ref5.state_dict(), ref_opt5.state_dict()), (model_sd, opt_sd)):
+        assert max(p3.run(_resume, msd, osd, 5, 5, 1)) <= 1e-5
+
+
+# ---------------------------------------------------------- torchrun
+def test_torchrun_smoke(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, torch.nn as nn, zeroshard as zs\n"
+        "dist.init_process_group('gloo')\n"
+        "torch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 1))\n"
+        "opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2)\n"
+        "x = torch.randn(64, 7); y = x.sum(1, keepdim=True)\n"
+        "first = None\n"
+        "for _ in range(30):\n"
+        "    loss = ((model(x) - y) ** 2).mean(); first = first or loss.item()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n"
+        "assert loss.item() < first, (first, loss.item())\n"
+        "print('rank', dist.get_rank(), 'ok', first, loss.item())\n"
+        "dist.destroy_process_group()\n")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count(" ok ") == 2
+
+
+# ------------------------------------------------------------ bad input
+def _bad_inputs():
+    rank = dist.get_rank()
+    msgs = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            msgs[name] = None
+        except (ValueError, RuntimeError) as e:
+            msgs[name] = f"{type(e).__name__}: {e}"
+
+    catch("stage", lambda: zs.ShardedOptimizer(make_model().parameters(), stage=3))
+    # rank 1 builds a wider layer
+    catch("shapes", lambda: zs.ShardedOptimizer(
+        (nn.Linear(4, 5 + (rank == 1))).parameters()))
+    catch("devices", lambda: zs.ShardedOptimizer(
+        [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device="meta"))]))
+    m = make_model()
+    m.unused.requires_grad_(False)
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    catch("ddp", lambda: zs.ShardedOptimizer(ddp.parameters()))
+    opt = zs.ShardedOptimizer(make_model().parameters())
+    catch("step_first", opt.step)
+    return msgs
+
+
+def test_bad_input_gives_clear_errors_on_every_rank(dist_pool):
+    for rank, msgs in enumerate(dist_pool.run(_bad_inputs)):
+        assert "stage must be 1 or 2" in msgs["stage"]
+        assert "parameter 0 differs across ranks: rank 1 has" in msgs["shapes"]
+        assert "parameter 1 is on meta but parameter 0 is on cpu" in msgs["devices"]
+        assert "DistributedDataParallel" in msgs["ddp"] and "reduce them again" in msgs["ddp"]
+        assert "step() called before any backward()" in msgs["step_first"]
+        assert f"[rank {rank}/{dist_pool.world_size}]" in msgs["step_first"]
