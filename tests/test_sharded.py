@@ -394,3 +394,70 @@ def test_bad_input_gives_clear_errors_on_every_rank(dist_pool):
         assert "DistributedDataParallel" in msgs["ddp"] and "reduce them again" in msgs["ddp"]
         assert "step() called before any backward()" in msgs["step_first"]
         assert f"[rank {rank}/{dist_pool.world_size}]" in msgs["step_first"]
+
+
+# ------------------------------------------------- more AdamW behaviours
+def _fp16_skip():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Linear(11, 7).half()
+    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2)
+    x = torch.randn(4, 11).half()
+    results = []
+    for poison in (False, True, False):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        out = model(x).float().sum()
+        if poison and rank == 1:          # only one rank sees the overflow
+            out = out * float("inf")
+        out.backward()
+        opt.step()
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        results.append((opt.last_step_skipped, changed))
+    return results
+
+
+def test_fp16_non_finite_gradient_skips_the_step_on_every_rank(dist_pool):
+    for res in dist_pool.run(_fp16_skip):
+        assert res == [(False, True), (True, False), (False, True)]
+
+
+class Reversed(Net):
+    """Layers used in the reverse of their registration order: gradients reach
+    the buckets (laid out in reverse registration order) in the wrong order."""
+
+    def forward(self, x):
+        h = self.emb(x).mean(1)
+        h = torch.tanh(F.linear(h, self.fc1.weight, self.fc1.bias))
+        return h @ self.head.weight[:, :29].t() + self.big.bias[:3] + self.head.bias
+
+
+def _wrong_order(stage):
+    torch.manual_seed(0)
+    ref = Reversed()
+    torch.manual_seed(0)
+    model = Reversed()
+    opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=TINY_BUCKET_MB)
+    ropt = torch.optim.AdamW(param_groups(ref), foreach=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=3, gamma=0.5)
+    for mbs in batches(8):
+        x, y = mbs[0]
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
+        opt.step()
+        sched.step()
+        ropt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        zero_fill_unused(ref)
+        ropt.step()
+        rsched.step()
+    return max_param_err(model, ref), opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_out_of_order_gradients_lr_scheduler_and_zero_grad(dist_pool, stage):
+    for err, lr in dist_pool.run(_wrong_order, stage):
+        assert err <= 1e-5
+        assert lr == pytest.approx(1e-2 * 0.25)
