@@ -461,3 +461,18 @@ def test_out_of_order_gradients_lr_scheduler_and_zero_grad(dist_pool, stage):
     for err, lr in dist_pool.run(_wrong_order, stage):
         assert err <= 1e-5
         assert lr == pytest.approx(1e-2 * 0.25)
+
+
+def _inflight_bound():
+    model, opt, _ = train_ours(3, 2)
+    rep = opt.memory_report()
+    biggest = max(b.numel for b in opt.layout.buckets) * 4
+    return rep["comm_buffers_peak"], biggest, len(opt.layout.buckets)
+
+
+def test_stage2_bucket_memory_is_bounded(dist_pool):
+    from zeroshard.sharded import _MAX_INFLIGHT
+    for peak, biggest, nb in dist_pool.run(_inflight_bound):
+        assert nb > _MAX_INFLIGHT + 2
+        # in flight, plus the one being filled
+        assert 0 < peak <= (_MAX_INFLIGHT + 1) * biggest

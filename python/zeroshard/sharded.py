@@ -17,7 +17,9 @@
   a transient bucket buffer as soon as autograd has accumulated it, and
   ``p.grad`` is freed; a full bucket is reduce-scattered into the shard (or
   into a transient shard that is then added, when the shard already holds an
-  earlier micro-batch).
+  earlier micro-batch). At most _MAX_INFLIGHT buckets are in flight; their
+  buffers are recycled, so stage 2 holds at most that many buckets of
+  gradient beyond its shard.
 * Buckets are reduced strictly in bucket order, on every rank: a bucket that
   completes early waits for the ones before it, and at the end of backward
   every bucket not yet reduced is (gradients that never arrived count as
@@ -43,6 +45,11 @@ from .kernels import fused_adamw_
 from .layout import compute_layout
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+# At most this many buckets are being reduced at once: launching one more
+# first retires the oldest (waits for it, folds it into the shard, recycles
+# its buffer). Two keep the communication busy while backward continues and
+# bound the transient gradient memory of stage 2 to two buckets.
+_MAX_INFLIGHT = 2
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -151,6 +158,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._peak_inflight = 0
         self._inflight = 0
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
+        self._inflight_buckets: List[_Bucket] = []
+        self._free: Dict[tuple, List[torch.Tensor]] = {}   # recycled bucket buffers
 
         # every parameter, in state_dict index order
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
@@ -298,10 +307,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "forward?); call backward once per forward, or accumulate under no_sync()"))
             if self.stage == 2:
                 if bucket.grad is None:
-                    bucket.grad = torch.zeros(bucket.numel, dtype=self._reduce_dtype(buf.dtype),
-                                              device=self.device)
-                    self._inflight += bucket.numel * bucket.grad.element_size()
-                    self._peak_inflight = max(self._peak_inflight, self._inflight)
+                    bucket.grad = self._acquire(bucket.numel, self._reduce_dtype(buf.dtype))
                 bucket.grad[f.bucket_offset:f.bucket_offset + f.numel].add_(
                     flat[f.tensor_offset:f.tensor_offset + f.numel])
             bucket.pending -= 1
@@ -328,9 +334,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             out = src[r * b.shard_numel:(r + 1) * b.shard_numel]   # in place: this rank's chunk
         else:
             if b.grad is None:          # no gradient arrived for this bucket on this rank
-                b.grad = torch.zeros(b.numel, dtype=rdt, device=self.device)
-                self._inflight += b.numel * b.grad.element_size()
-                self._peak_inflight = max(self._peak_inflight, self._inflight)
+                b.grad = self._acquire(b.numel, rdt)
             src = b.grad
             out = b.shard(buf.grad_shard) if self._shard_fresh else torch.empty(
                 b.shard_numel, dtype=rdt, device=self.device)
@@ -339,28 +343,43 @@ class ShardedOptimizer(torch.optim.Optimizer):
         b.launched = True
         self.comm_elements["reduce_scatter"] += b.numel
         self.events.append(("reduce_scatter", b.index))
+        self._inflight_buckets.append(b)
+        while len(self._inflight_buckets) > _MAX_INFLIGHT:
+            self._retire(self._inflight_buckets.pop(0))
+
+    def _acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed bucket buffer, recycled when one of this size is free."""
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop().zero_()
+        t = torch.zeros(numel, dtype=dtype, device=self.device)
+        self._inflight += t.numel() * t.element_size()
+        self._peak_inflight = max(self._peak_inflight, self._inflight)
+        return t
+
+    def _retire(self, b: _Bucket):
+        """Wait for a bucket's reduce-scatter and fold its result into the shard."""
+        b.handle.wait()
+        buf = b.buffer
+        if self.stage == 1:
+            own = b.own(buf.grads, self.rank)
+            if b.reduce_out.data_ptr() != own.data_ptr():
+                own.copy_(b.reduce_out)
+            # other ranks' chunks were sent: zero them so they are never counted twice
+            whole = buf.grads[b.offset:b.offset + b.numel]
+            whole[:self.rank * b.shard_numel].zero_()
+            whole[(self.rank + 1) * b.shard_numel:].zero_()
+        else:
+            if b.reduce_out.data_ptr() != b.shard(buf.grad_shard).data_ptr():
+                b.shard(buf.grad_shard).add_(b.reduce_out)
+            self._free.setdefault((b.numel, b.grad.dtype), []).append(b.grad)
+            b.grad = None
+        b.handle, b.reduce_out = None, None
 
     def _finish_backward(self):
         self._launch_ready(flush=self._sync)
-        for b in self._buckets:
-            if b.handle is None:
-                continue
-            b.handle.wait()
-            buf = b.buffer
-            if self.stage == 1:
-                own = b.own(buf.grads, self.rank)
-                if b.reduce_out.data_ptr() != own.data_ptr():
-                    own.copy_(b.reduce_out)
-                # other ranks' chunks were sent: zero them so they are never counted twice
-                whole = buf.grads[b.offset:b.offset + b.numel]
-                whole[:self.rank * b.shard_numel].zero_()
-                whole[(self.rank + 1) * b.shard_numel:].zero_()
-            else:
-                if b.reduce_out.data_ptr() != b.shard(buf.grad_shard).data_ptr():
-                    b.shard(buf.grad_shard).add_(b.reduce_out)
-                self._inflight -= b.numel * b.grad.element_size()
-                b.grad = None
-            b.handle, b.reduce_out = None, None
+        while self._inflight_buckets:
+            self._retire(self._inflight_buckets.pop(0))
         if self._sync:
             self._shard_fresh = False
             self._grads_ready = True
@@ -491,8 +510,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stage 2: this rank's shard), ``master`` (fp32 shard, only for bf16/fp16
         parameters), ``exp_avg`` and ``exp_avg_sq`` (fp32 shards): each counts
         only elements of real parameters. ``padding`` is every byte the layout
-        adds to them. ``comm_buffers`` is the transient bucket memory in flight
-        now and ``comm_buffers_peak`` its peak since construction. ``total`` is
+        adds to them. ``comm_buffers`` is the bucket memory held for
+        reductions (stage 2: at most _MAX_INFLIGHT buckets, in flight or kept
+        for reuse) and ``comm_buffers_peak`` its peak since construction. ``total`` is
         the persistent sum including padding.
         """
         rep = dict(params=0, grads=0, master=0, exp_avg=0, exp_avg_sq=0, padding=0)

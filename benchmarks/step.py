@@ -1,0 +1,158 @@
+"""One training step of a small GPT: time and peak memory per variant, in one run.
+
+Variants (world size 2, CPU + gloo, unless --world-size says otherwise):
+  ddp           DDP + torch.optim.AdamW(fused=True)
+  ddp+zero      DDP + torch ZeroRedundancyOptimizer(AdamW)
+  fsdp2         FSDP2 fully_shard per block + root, reshard_after_forward=False
+                (ZeRO-2-like; gloo needs set_force_sum_reduction_for_comms(True))
+  zeroshard-1   zeroshard.ShardedOptimizer(stage=1)
+  zeroshard-2   zeroshard.ShardedOptimizer(stage=2)
+Each variant runs in fresh processes. "step ms" is the median over timed steps
+on rank 0; "peak MB" is the rise of rank 0's peak resident memory over what it
+held after building the model (the optimizer, gradients, communication buffers
+and activations of the steps), with glibc set to return every block >= 64 KiB
+on free so that RSS follows live memory. Ratios are against DDP, and "zs2 vs" is the
+variant's time over zeroshard stage 2's.
+
+    python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2"]
+
+
+def rss_mb(field="VmRSS"):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak_rss():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")   # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def build(variant, model, lr=3e-4):
+    if variant == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    if variant == "ddp+zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+    if variant == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for blk in model.blocks:
+            fully_shard(blk, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        if dist.get_backend() == "gloo":
+            model.set_force_sum_reduction_for_comms(True)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    import zeroshard as zs
+    return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(variant[-1]))
+
+
+def worker(rank, world, port, variant, cfg, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(rank)
+    data = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g)
+    base = rss_mb()
+    reset_peak_rss()
+    wrapped, opt = build(variant, model)
+    times = []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = wrapped(data[:, :-1], data[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    peak = rss_mb("VmHWM") - base
+    if rank == 0:
+        out.put(dict(variant=variant, params=n_params, step_ms=1e3 * statistics.median(times[args.warmup:]),
+                     peak_mb=peak, loss=loss.item()))
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    # Every variant's processes: glibc returns each block >= 64 KiB to the OS
+    # on free, so peak RSS measures live memory rather than what the
+    # allocator keeps cached (which otherwise differs by allocation pattern).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "step.json"))
+    args = ap.parse_args()
+    cfg = GPTConfig(layers=args.layers, dim=args.dim)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for v in args.variants.split(","):
+        q = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=worker, args=(r, args.world_size, port, v, cfg, args, q))
+                 for r in range(args.world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            print(f"{v}: failed (exit codes {[p.exitcode for p in procs]})")
+            continue
+        rows.append(q.get())
+    if not rows:
+        return
+    base = next((r for r in rows if r["variant"] == "ddp"), rows[0])
+    ours = next((r for r in rows if r["variant"] == "zeroshard-2"), base)
+    print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params | world size {args.world_size} | CPU gloo | "
+          f"torch {torch.__version__} | {date.today()}")
+    print(f"{'variant':<13} {'step ms':>9} {'vs DDP':>7} {'zs2 vs':>7} {'peak MB':>9} {'vs DDP':>7} {'loss':>7}")
+    for r in rows:
+        print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x "
+              f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
+              f"{r['loss']:>7.3f}")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(date=str(date.today()), torch=torch.__version__, world_size=args.world_size,
+                       config=vars(cfg), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
