@@ -464,7 +464,11 @@ def test_out_of_order_gradients_lr_scheduler_and_zero_grad(dist_pool, stage):
 
 
 def _inflight_bound():
-    model, opt, _ = train_ours(3, 2)
+    # every trainable parameter used (see test_first_bucket_is_reduced_while_backward_continues)
+    model = make_model()
+    model.unused.requires_grad_(False)
+    opt = zs.ShardedOptimizer(param_groups(model), stage=2, bucket_mb=TINY_BUCKET_MB)
+    train_ours(3, 2, model=model, opt=opt)
     rep = opt.memory_report()
     biggest = max(b.numel for b in opt.layout.buckets) * 4
     return rep["comm_buffers_peak"], biggest, len(opt.layout.buckets)
