@@ -20,8 +20,10 @@
   earlier micro-batch). At most _MAX_INFLIGHT buckets are in flight; their
   buffers are recycled, so stage 2 holds at most that many buckets of
   gradient beyond its shard.
-* Buckets are reduced strictly in bucket order, on every rank: a bucket that
-  completes early waits for the ones before it, and at the end of backward
+* Buckets are reduced in one fixed order on every rank: the order their last
+  gradient arrived in during the first backward (on rank 0, broadcast to all
+  at the end of that backward; before it, the reverse registration order).
+  A bucket that completes early waits for the ones before it, and at the end of backward
   every bucket not yet reduced is (gradients that never arrived count as
   zero). So all ranks issue the same collectives in the same order, whatever
   order gradients arrive in and whichever parameters a rank left unused.
@@ -222,6 +224,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._where: Dict[int, tuple] = {}  # param index -> (buffer, offset, fragments)
         self._buffers: List[_FlatBuffer] = []
         self._buckets: List[_Bucket] = [None] * len(L.buckets)
+        # launch order until the first backward has shown the real one
+        last = [max(L.fragments[f].tensor for f in lb.fragments) for lb in L.buckets]
+        self._launch_order = sorted(range(len(L.buckets)), key=lambda b: (last[b], b))
+        self._order_learned = False
+        self._arrival: List[int] = []
         with torch.no_grad():
             for bi, lb in enumerate(L.buffers):
                 first = order[lb.tensors[0]]
@@ -288,6 +295,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._in_backward:
             self._start_backward()
         self.events.append(("grad", i))
+        if not self._order_learned and self._sync:
+            self._arrival.append(i)
         buf, offset, frags = self._where[i]
         if self.stage == 1:
             view = buf.grads[offset:offset + p.numel()].view_as(p)
@@ -311,13 +320,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 bucket.grad[f.bucket_offset:f.bucket_offset + f.numel].add_(
                     flat[f.tensor_offset:f.tensor_offset + f.numel])
             bucket.pending -= 1
+            self._launch_ready()   # per fragment: a tensor split over buckets recycles buffers as it goes
         if self.stage == 2:
             p.grad = None
-        self._launch_ready()
 
     def _launch_ready(self, flush: bool = False):
         while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
+            bucket = self._buckets[self._launch_order[self._next_launch]]
             if bucket.pending > 0 and not flush:
                 return
             self._launch(bucket)
@@ -372,7 +381,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             if b.reduce_out.data_ptr() != b.shard(buf.grad_shard).data_ptr():
                 b.shard(buf.grad_shard).add_(b.reduce_out)
-            self._free.setdefault((b.numel, b.grad.dtype), []).append(b.grad)
+            if sum(len(v) for v in self._free.values()) < _MAX_INFLIGHT + 1:
+                self._free.setdefault((b.numel, b.grad.dtype), []).append(b.grad)
+            else:   # enough kept for reuse: release it
+                self._inflight -= b.grad.numel() * b.grad.element_size()
             b.grad = None
         b.handle, b.reduce_out = None, None
 
@@ -380,11 +392,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._launch_ready(flush=self._sync)
         while self._inflight_buckets:
             self._retire(self._inflight_buckets.pop(0))
+        if self._sync and not self._order_learned:
+            self._learn_launch_order()
         if self._sync:
             self._shard_fresh = False
             self._grads_ready = True
         self._in_backward = False
         self.events.append(("backward_end", -1))
+
+    def _learn_launch_order(self):
+        """Reduce buckets from now on in the order their last gradient arrived in
+        this backward; rank 0's order is used everywhere, so all ranks agree."""
+        pos = {p: k for k, p in enumerate(self._arrival)}
+        never = len(self._arrival)
+        key = [max(pos.get(p, never) for p in b.params) for b in self._buckets]
+        order = [sorted(range(len(self._buckets)), key=lambda b: (key[b], b))]
+        if self.world_size > 1:
+            dist.broadcast_object_list(order, src=self._src, group=self.process_group)
+        self._launch_order = order[0]
+        self._order_learned = True
+        self._arrival = []
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -503,7 +530,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clip_coef = None
 
     # ---------------------------------------------------------------- memory
-    def memory_report(self) -> Dict[str, int]:
+    def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
         """Bytes held on this rank, by category.
 
         Persistent: ``params`` (full, stages 1 and 2), ``grads`` (stage 1: full;
@@ -512,7 +539,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         only elements of real parameters. ``padding`` is every byte the layout
         adds to them. ``comm_buffers`` is the bucket memory held for
         reductions (stage 2: at most _MAX_INFLIGHT buckets, in flight or kept
-        for reuse) and ``comm_buffers_peak`` its peak since construction. ``total`` is
+        for reuse) and ``comm_buffers_peak`` its peak since construction or
+        the last call with ``reset_peak=True``. ``total`` is
         the persistent sum including padding.
         """
         rep = dict(params=0, grads=0, master=0, exp_avg=0, exp_avg_sq=0, padding=0)
@@ -538,6 +566,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         rep["total"] = sum(rep.values())
         rep["comm_buffers"] = self._inflight
         rep["comm_buffers_peak"] = self._peak_inflight
+        if reset_peak:
+            self._peak_inflight = self._inflight
         return rep
 
     # ------------------------------------------------------------ state dict
