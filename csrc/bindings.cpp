@@ -92,7 +92,8 @@ PYBIND11_MODULE(_C, m) {
            "Block (CPU) or order the current stream (CUDA) until the result is ready. Idempotent.")
       .def_property_readonly("waited", &CommHandle::waited);
   m.def("reduce_scatter", &reduce_scatter, py::arg("group_name"), py::arg("input"), py::arg("output"),
-        py::arg("average"), py::call_guard<py::gil_scoped_release>(), "Flat reduce-scatter (csrc/comm.h).");
+        py::arg("average"), py::arg("input_is_scratch") = false, py::call_guard<py::gil_scoped_release>(),
+        "Flat reduce-scatter (csrc/comm.h).");
   m.def("all_gather", &all_gather, py::arg("group_name"), py::arg("input"), py::arg("output"),
         py::call_guard<py::gil_scoped_release>(), "Flat all-gather (csrc/comm.h).");
   m.def("all_reduce", &all_reduce, py::arg("group_name"), py::arg("tensor"), py::arg("average"),

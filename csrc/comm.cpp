@@ -86,10 +86,12 @@ struct CommLauncher {
   // returns the handle that guards its result.
   template <typename Issue>
   static Handle run(StreamRole role, const at::Tensor& result, double divisor,
-                    std::vector<at::Tensor> keep_alive, Issue&& issue) {
+                    std::vector<at::Tensor> keep_alive, Issue&& issue,
+                    const at::Tensor& copy_from = at::Tensor()) {
     auto h = std::make_shared<CommHandle>();
     h->result_ = result;
     h->divisor_ = divisor;
+    h->copy_from_ = copy_from;
     if (!result.is_cuda()) {
       h->work_ = issue();
       h->keep_alive_ = std::move(keep_alive);
@@ -135,17 +137,28 @@ void CommHandle::wait() {
   }
 #endif
   if (work_) work_->wait();
+  if (copy_from_.defined() && copy_from_.data_ptr() != result_.data_ptr()) result_.copy_(copy_from_);
   if (divisor_ != 1.0) result_.div_(divisor_);
   waited_ = true;
   keep_alive_.clear();
+  copy_from_ = at::Tensor();
   work_.reset();
 }
 
 Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
-                      const at::Tensor& output, bool average) {
+                      const at::Tensor& output, bool average, bool input_is_scratch) {
   auto pg = resolve(group_name);
   check_pair(*pg, "reduce_scatter", input, "input", output, "output");
   const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
+  if (input.is_cpu() && input_is_scratch) {  // [Note: gloo algorithms]
+    const int64_t n = output.numel();
+    return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
+      std::vector<at::Tensor> ts{input};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      return pg->allreduce(ts, opts);
+    }, input.narrow(0, pg->getRank() * n, n));
+  }
   return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
     at::Tensor in = input, out = output;
     c10d::ReduceScatterOptions opts;
@@ -158,6 +171,19 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
                   const at::Tensor& output) {
   auto pg = resolve(group_name);
   check_pair(*pg, "all_gather", output, "output", input, "input");
+  const int64_t n = input.numel(), rank = pg->getRank();
+  const bool in_place = n > 0 && input.data_ptr() ==
+      static_cast<char*>(output.data_ptr()) + rank * n * output.element_size();
+  if (output.is_cpu() && in_place) {  // [Note: gloo algorithms]
+    output.narrow(0, 0, rank * n).zero_();
+    output.narrow(0, (rank + 1) * n, output.numel() - (rank + 1) * n).zero_();
+    return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {output}, [&] {
+      std::vector<at::Tensor> ts{output};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      return pg->allreduce(ts, opts);
+    });
+  }
   return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
     at::Tensor in = input, out = output;
     return pg->_allgather_base(out, in);

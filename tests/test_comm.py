@@ -136,3 +136,32 @@ def test_bad_collective_input_is_refused_before_communicating(dist_pool):
         assert "not contiguous" in msgs[3]
         assert "dtype Int" in msgs[4]
         assert "no-such-group" in msgs[5]
+
+
+def _scratch_and_in_place():
+    """reduce_scatter(input_is_scratch=True) and in-place all_gather (the
+    all-reduce algorithms on CPU) give torch.distributed's results."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ok = []
+    for shard in (1, 37, 1000):
+        x = _inputs(world * shard, torch.float32, salt=3)
+        theirs = torch.empty(shard)
+        dist.reduce_scatter_tensor(theirs, x.clone())
+        for alias in (False, True):
+            scratch = x.clone()
+            out = scratch[rank * shard:(rank + 1) * shard] if alias else torch.empty(shard)
+            zs.reduce_scatter(scratch, out, average=False, input_is_scratch=True).wait()
+            ok.append(torch.equal(out, theirs))
+        full = _inputs(world * shard, torch.float32, salt=4)
+        mine = full[rank * shard:(rank + 1) * shard].clone()
+        expect = torch.empty(world * shard)
+        dist.all_gather_into_tensor(expect, mine)
+        buf = full.clone()                 # other chunks hold garbage before the gather
+        zs.all_gather(buf[rank * shard:(rank + 1) * shard], buf).wait()
+        ok.append(torch.equal(buf, expect))
+    return ok
+
+
+def test_scratch_reduce_scatter_and_in_place_all_gather(dist_pool):
+    for ok in dist_pool.run(_scratch_and_in_place):
+        assert all(ok), ok

@@ -26,14 +26,19 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
 
 
 def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
-                   group: Optional[dist.ProcessGroup] = None, average: bool = True) -> CommHandle:
-    """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks."""
-    return _C.reduce_scatter(group_name(group), input, output, bool(average))
+                   group: Optional[dist.ProcessGroup] = None, average: bool = True,
+                   input_is_scratch: bool = False) -> CommHandle:
+    """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks.
+
+    ``input_is_scratch=True`` lets the collective overwrite ``input`` (on CPU
+    it then runs as a faster in-place all-reduce; see csrc/comm.h)."""
+    return _C.reduce_scatter(group_name(group), input, output, bool(average), bool(input_is_scratch))
 
 
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,
                group: Optional[dist.ProcessGroup] = None) -> CommHandle:
-    """``output`` = concatenation over ranks of ``input``."""
+    """``output`` = concatenation over ranks of ``input``. In place when ``input``
+    is this rank's chunk of ``output``."""
     return _C.all_gather(group_name(group), input, output)
 
 

@@ -348,7 +348,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             out = b.shard(buf.grad_shard) if self._shard_fresh else torch.empty(
                 b.shard_numel, dtype=rdt, device=self.device)
         b.reduce_out = out
-        b.handle = comm.reduce_scatter(src, out, group=self.process_group, average=False)
+        # the input is never needed afterwards: stage 1 zeroes the other ranks'
+        # chunks after the reduction, stage 2's bucket buffer is recycled
+        b.handle = comm.reduce_scatter(src, out, group=self.process_group, average=False,
+                                       input_is_scratch=True)
         b.launched = True
         self.comm_elements["reduce_scatter"] += b.numel
         self.events.append(("reduce_scatter", b.index))
@@ -478,11 +481,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self.last_step_skipped:
             for gi, group in enumerate(self.param_groups):
                 self._update_group(gi, group)
+            handles = []   # all buckets' gathers in flight at once, then wait
             for buf in self._buffers:
                 for b in buf.buckets:
                     region = buf.params[b.offset:b.offset + b.numel]
-                    comm.all_gather(b.own(buf.params, self.rank), region, group=self.process_group).wait()
+                    handles.append(comm.all_gather(b.own(buf.params, self.rank), region,
+                                                   group=self.process_group))
                     self.comm_elements["all_gather"] += b.numel
+            for h in handles:
+                h.wait()
         self._clip_coef = None
         self._grads_ready = False
         self.events.append(("step", -1))
