@@ -7,6 +7,7 @@ Variants (world size 2, CPU + gloo, unless --world-size says otherwise):
                 (ZeRO-2-like; gloo needs set_force_sum_reduction_for_comms(True))
   zeroshard-1   zeroshard.ShardedOptimizer(stage=1)
   zeroshard-2   zeroshard.ShardedOptimizer(stage=2)
+  zeroshard-2@5 the same with bucket_mb=5 (less transient bucket memory)
 Each variant runs in fresh processes. "step ms" is the median over timed steps
 on rank 0; "peak MB" is the rise of rank 0's peak resident memory over what it
 held after building the model (the optimizer, gradients, communication buffers
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 
-VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2"]
+VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2", "zeroshard-2@5"]
 
 
 def rss_mb(field="VmRSS"):
@@ -69,7 +70,9 @@ def build(variant, model, lr=3e-4):
             model.set_force_sum_reduction_for_comms(True)
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     import zeroshard as zs
-    return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(variant[-1]))
+    name, _, mb = variant.partition("@")   # "zeroshard-2@5": bucket_mb=5
+    return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(name[-1]),
+                                      bucket_mb=float(mb) if mb else 25)
 
 
 def worker(rank, world, port, variant, cfg, args, out):
