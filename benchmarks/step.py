@@ -1,6 +1,7 @@
 """One training step of a small GPT: time and peak memory per variant, in one run.
 
-Variants (world size 2, CPU + gloo, unless --world-size says otherwise):
+Variants (world size 2, CPU + gloo, unless --world-size / --device say otherwise):
+  adamw         no DDP, torch.optim.AdamW(fused=True): the world-size-1 baseline
   ddp           DDP + torch.optim.AdamW(fused=True)
   ddp+zero      DDP + torch ZeroRedundancyOptimizer(AdamW)
   fsdp2         FSDP2 fully_shard per block + root, reshard_after_forward=False
@@ -15,7 +16,11 @@ and activations of the steps), with glibc set to return every block >= 64 KiB
 on free so that RSS follows live memory. Ratios are against DDP, and "zs2 vs" is the
 variant's time over zeroshard stage 2's.
 
+With --device cuda (one GPU per rank, NCCL), peak MB is exact: the rise of
+torch.cuda.max_memory_allocated over what the built model holds.
+
     python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
+    python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768   # GPT-2 124M-sized
 """
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ def reset_peak_rss():
 
 
 def build(variant, model, lr=3e-4):
+    if variant == "adamw":
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "ddp+zero":
@@ -77,26 +84,38 @@ def build(variant, model, lr=3e-4):
 
 def worker(rank, world, port, variant, cfg, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    cuda = args.device == "cuda"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if cuda:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device=device, dtype=getattr(torch, args.dtype))
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(rank)
-    data = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g)
-    base = rss_mb()
-    reset_peak_rss()
+    data = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g).to(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    base = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mb()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_rss()
     wrapped, opt = build(variant, model)
     times = []
     for i in range(args.warmup + args.steps):
         dist.barrier()
+        sync()
         t0 = time.perf_counter()
         loss = wrapped(data[:, :-1], data[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
+        sync()
         times.append(time.perf_counter() - t0)
-    peak = rss_mb("VmHWM") - base
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM")) - base
     if rank == 0:
         out.put(dict(variant=variant, params=n_params, step_ms=1e3 * statistics.median(times[args.warmup:]),
                      peak_mb=peak, loss=loss.item()))
@@ -121,13 +140,17 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--variants", default=None, help="comma-separated; default: all that apply")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "step.json"))
     args = ap.parse_args()
     cfg = GPTConfig(layers=args.layers, dim=args.dim)
     ctx = mp.get_context("spawn")
     rows = []
-    for v in args.variants.split(","):
+    variants = args.variants.split(",") if args.variants else (
+        VARIANTS if args.world_size > 1 else ["adamw"] + [v for v in VARIANTS if v != "ddp+zero"])
+    for v in variants:
         q = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=worker, args=(r, args.world_size, port, v, cfg, args, q))
@@ -142,11 +165,12 @@ def main():
         rows.append(q.get())
     if not rows:
         return
-    base = next((r for r in rows if r["variant"] == "ddp"), rows[0])
+    base = next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
     ours = next((r for r in rows if r["variant"] == "zeroshard-2"), base)
-    print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params | world size {args.world_size} | CPU gloo | "
-          f"torch {torch.__version__} | {date.today()}")
-    print(f"{'variant':<13} {'step ms':>9} {'vs DDP':>7} {'zs2 vs':>7} {'peak MB':>9} {'vs DDP':>7} {'loss':>7}")
+    where = "CPU gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()} NCCL"
+    print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size} | {where} | "
+          f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}")
+    print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}")
     for r in rows:
         print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x "
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "

@@ -48,17 +48,52 @@ def test_cuda_flags_without_host_sync():
     assert torch.equal(p, before)
 
 
-def test_cuda_collectives_world_size_1():
+@pytest.fixture(scope="module")
+def nccl_world1():
     import torch.distributed as dist
     if dist.is_initialized():
         pytest.skip("a process group already exists")
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
-    try:
-        x = torch.randn(1000, device="cuda")
-        y = torch.empty(1000, device="cuda")
-        zs.reduce_scatter(x, y, average=True).wait()
-        z = torch.empty(1000, device="cuda")
-        zs.all_gather(y, z).wait()
-        torch.testing.assert_close(z, x)
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+def test_cuda_collectives_world_size_1(nccl_world1):
+    x = torch.randn(1000, device="cuda")
+    y = torch.empty(1000, device="cuda")
+    zs.reduce_scatter(x, y, average=True).wait()
+    z = torch.empty(1000, device="cuda")
+    zs.all_gather(y, z).wait()
+    torch.testing.assert_close(z, x)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_sharded_optimizer_matches_adamw(nccl_world1, stage, dtype):
+    import torch.nn as nn
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(33, 61), nn.Tanh(), nn.Linear(61, 7)).cuda()
+    model = nn.Sequential(nn.Linear(33, 61), nn.Tanh(), nn.Linear(61, 7)).cuda()
+    model.load_state_dict(ref.state_dict())
+    model.to(dtype)
+    if dtype != torch.float32:
+        ref.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=1e-3,
+                              reduce_dtype=torch.float32)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(10):
+        x = torch.randn(16, 33, device="cuda", generator=g)
+        opt.zero_grad()
+        model(x.to(dtype)).float().pow(2).mean().backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        ropt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ropt.step()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for p, q in zip(model.parameters(), ref.parameters()):
+        err = ((p.float() - q).norm() / q.norm()).item()
+        assert err <= tol, err
