@@ -33,11 +33,12 @@
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Deque, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,7 +152,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._src = dist.get_global_rank(self.process_group, 0) if process_group is not None else 0
         self.last_step_skipped = False
         self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
-        self.events: List[tuple] = []   # (what, index) in order: see tests/test_sharded.py
+        # (what, index) of recent hooks, launches and steps, in order; bounded so
+        # a long run does not grow it (tests/test_sharded.py reads it)
+        self.events: Deque[tuple] = collections.deque(maxlen=4096)
         self._sync = True
         self._in_backward = False
         self._grads_ready = False
