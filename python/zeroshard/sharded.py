@@ -303,7 +303,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         buf, offset, frags = self._where[i]
         if self.stage == 1:
             view = buf.grads[offset:offset + p.numel()].view_as(p)
-            if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
+            if p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)   # p.grad was replaced or re-created: it holds the total
                 p.grad = view
         if not self._sync:
