@@ -160,8 +160,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grads_ready = False
         self._clip_coef: Optional[torch.Tensor] = None
         self._steps = [0] * len(self.param_groups)
-        self._peak_inflight = 0
-        self._inflight = 0
+        self._peak_bucket_bytes = 0
+        self._bucket_bytes = 0
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
         self._inflight_buckets: List[_Bucket] = []
         self._free: Dict[tuple, List[torch.Tensor]] = {}   # recycled bucket buffers
@@ -343,13 +343,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             src = buf.grads[b.offset:b.offset + b.numel]
             if src.dtype != rdt:       # reduce in reduce_dtype, store back in the grad dtype
                 src = src.to(rdt)
-            out = src[r * b.shard_numel:(r + 1) * b.shard_numel]   # in place: this rank's chunk
         else:
             if b.grad is None:          # no gradient arrived for this bucket on this rank
                 b.grad = self._acquire(b.numel, rdt)
             src = b.grad
-            out = b.shard(buf.grad_shard) if self._shard_fresh else torch.empty(
-                b.shard_numel, dtype=rdt, device=self.device)
+        # In place into this rank's chunk of the input, except that a stage-2 shard
+        # holding nothing yet receives the result directly; _retire folds it in.
+        out = (b.shard(buf.grad_shard) if self.stage == 2 and self._shard_fresh
+               else src[r * b.shard_numel:(r + 1) * b.shard_numel])
         b.reduce_out = out
         # the input is never needed afterwards: stage 1 zeroes the other ranks'
         # chunks after the reduction, stage 2's bucket buffer is recycled
@@ -368,8 +369,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if free:
             return free.pop().zero_()
         t = torch.zeros(numel, dtype=dtype, device=self.device)
-        self._inflight += t.numel() * t.element_size()
-        self._peak_inflight = max(self._peak_inflight, self._inflight)
+        self._bucket_bytes += t.numel() * t.element_size()
+        self._peak_bucket_bytes = max(self._peak_bucket_bytes, self._bucket_bytes)
         return t
 
     def _retire(self, b: _Bucket):
@@ -390,7 +391,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if sum(len(v) for v in self._free.values()) < _MAX_INFLIGHT + 1:
                 self._free.setdefault((b.numel, b.grad.dtype), []).append(b.grad)
             else:   # enough kept for reuse: release it
-                self._inflight -= b.grad.numel() * b.grad.element_size()
+                self._bucket_bytes -= b.grad.numel() * b.grad.element_size()
             b.grad = None
         b.handle, b.reduce_out = None, None
 
@@ -574,10 +575,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     rep[name] += mine * 4
                     rep["padding"] += (shard_len - mine) * 4
         rep["total"] = sum(rep.values())
-        rep["comm_buffers"] = self._inflight
-        rep["comm_buffers_peak"] = self._peak_inflight
+        rep["comm_buffers"] = self._bucket_bytes
+        rep["comm_buffers_peak"] = self._peak_bucket_bytes
         if reset_peak:
-            self._peak_inflight = self._inflight
+            self._peak_bucket_bytes = self._bucket_bytes
         return rep
 
     # ------------------------------------------------------------ state dict
