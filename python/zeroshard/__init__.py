@@ -1,13 +1,17 @@
 """zeroshard: ZeRO sharding for PyTorch with a C++/CUDA core.
 
-What exists so far: the flat-buffer layout (:func:`compute_layout`), the fused
-AdamW kernel (:func:`fused_adamw_`) and flat-buffer collectives
-(:func:`reduce_scatter`, :func:`all_gather`, :func:`all_reduce`).
+Front doors: :class:`ShardedOptimizer` (ZeRO-1/2, replaces DDP + AdamW; with
+FullyShard parameters, the ZeRO-3 optimizer) and :class:`FullyShard` (ZeRO-3
+module wrapper, with :class:`MixedPrecision`). Underneath: the flat-buffer
+layout (:func:`compute_layout`), the fused AdamW kernel (:func:`fused_adamw_`)
+and flat-buffer collectives (:func:`reduce_scatter`, :func:`all_gather`,
+:func:`all_reduce`).
 """
 from __future__ import annotations
 
 from ._ext import _C
 from .comm import CommHandle, all_gather, all_reduce, reduce_scatter
+from .fully_shard import FullyShard, MixedPrecision
 from .kernels import fused_adamw_
 from .layout import Layout, compute_layout
 from .sharded import ShardedOptimizer
@@ -34,5 +38,5 @@ def build_info() -> dict:
 
 __all__ = [
     "CommHandle", "Layout", "all_gather", "all_reduce", "build_info", "compute_layout",
-    "fused_adamw_", "reduce_scatter", "ShardedOptimizer",
+    "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer",
 ]

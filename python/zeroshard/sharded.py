@@ -30,6 +30,16 @@
 * ``p.grad`` after backward is not the averaged gradient (stage 1: partly
   reduced, stage 2: None); the reduced gradient lives in the shards. Use
   ``clip_grad_norm_`` of this optimizer, not torch.nn.utils'.
+* Stage 3. Given parameters of a zeroshard.FullyShard model, the optimizer
+  is a policy over the FullyShard's units instead of its own buffers: the
+  units' fp32 shards are the master weights, their averaged gradient shards
+  the gradients; it adds exp_avg/exp_avg_sq shards per unit, and after a step
+  drops the units' gathered copies (the next forward gathers the new ones).
+* Whatever the stage, the update runs over "segments" (a flat range of
+  master, gradient and state shards with one set of hyperparameters: a
+  bucket for stages 1/2, a run of a unit's parameters for stage 3), and the
+  state dict over "regions" (a bucket or a unit: a range whose shards the
+  ranks hold in rank order), so step, clipping and checkpoints are shared.
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ import collections
 import contextlib
 import gc
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional
 
@@ -44,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .fully_shard import owner_of
 from .kernels import fused_adamw_
 from .layout import compute_layout
 
@@ -93,6 +105,26 @@ class _FlatBuffer:
     grads: Optional[torch.Tensor]        # stage 1: full flat gradients (param dtype)
     buckets: List[_Bucket] = field(default_factory=list)
     shard_data_numel: int = 0            # elements of real parameters in this rank's shard
+
+
+@dataclass
+class _Segment:
+    """A flat range updated by one fused AdamW launch."""
+    group: int
+    param: torch.Tensor        # fp32 master (or fp32 parameter) shard range
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    out: Optional[torch.Tensor] = None   # low-precision parameter range to write
+
+
+@dataclass
+class _Region:
+    """A range sharded over ranks in rank order (a bucket or a unit), for state dicts."""
+    shard_numel: int
+    exp_avg: torch.Tensor      # this rank's shard
+    exp_avg_sq: torch.Tensor
+    frags: List[tuple]         # (param index, offset in param, offset in region, numel)
 
 
 def _held_by_ddp(p: torch.Tensor) -> bool:
@@ -169,15 +201,99 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # every parameter, in state_dict index order
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._owners: list = []            # stage 3: the FullyShard models whose units we update
+        self._unit_states: Dict[tuple, Dict[str, torch.Tensor]] = {}
+        self._buffers: List[_FlatBuffer] = []
+        owned = [owner_of(p) for p in self._params]
+        if any(o is not None for o in owned):
+            self._build_stage3(owned, process_group)
+            return
         self._check_params()
         self._check_same_shapes_across_ranks()
         self._build()
+        self._grad_scale = 1.0 / self.world_size
+        self._check_finite = any(buf.dtype == torch.float16 for buf in self._buffers)
+        self._full_shapes = {i: p.shape for i, p in enumerate(self._params)}
+        self._segments = [
+            _Segment(buf.group, b.shard(buf.master) if buf.master is not None else b.own(buf.params, self.rank),
+                     self._grad_shard(buf, b), b.shard(buf.exp_avg), b.shard(buf.exp_avg_sq),
+                     b.own(buf.params, self.rank) if buf.master is not None else None)
+            for buf in self._buffers for b in buf.buckets]
+        order = list(reversed(self._trainable))
+        self._regions = [
+            _Region(bk.shard_numel, bk.shard(bk.buffer.exp_avg), bk.shard(bk.buffer.exp_avg_sq),
+                    [(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
+                     for fr in (self.layout.fragments[f] for f in self.layout.buckets[bk.index].fragments)])
+            for bk in self._buckets]
         self._hooks = [self._params[i].register_post_accumulate_grad_hook(self._make_hook(i))
                        for i in self._trainable]
 
     # ------------------------------------------------------------------ setup
     def _err(self, msg: str) -> str:
         return f"[rank {self.rank}/{self.world_size}] {msg}"
+
+    def _build_stage3(self, owned: list, process_group):
+        """Stage 3: see [Note: sharded optimizer policy]."""
+        for i, o in enumerate(owned):
+            if o is None:
+                raise ValueError(self._err(
+                    f"parameter {i} (shape {tuple(self._params[i].shape)}) is not a FullyShard parameter but "
+                    "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
+                    "outside the wrapped blocks) and pass model.parameters()"))
+        if self.reduce_dtype is not None:
+            raise ValueError(self._err("reduce_dtype is set by FullyShard's mixed_precision for FullyShard "
+                                       "parameters; do not pass it to ShardedOptimizer"))
+        owners = []
+        for fs, _, _ in owned:
+            if all(fs is not o for o in owners):
+                owners.append(fs)
+        for fs in owners:
+            if process_group is not None and fs.process_group is not process_group:
+                raise ValueError(self._err(
+                    "the FullyShard parameters are sharded over another process group than the one "
+                    "given to ShardedOptimizer; pass the FullyShard's process_group (or none)"))
+            if fs.process_group is not owners[0].process_group:
+                raise ValueError(self._err("the parameters come from FullyShard models on different "
+                                           "process groups; use one optimizer per process group"))
+        self._owners = owners
+        self.process_group = owners[0].process_group
+        self.world_size, self.rank = owners[0].world_size, owners[0].rank
+        self.device = owners[0]._device
+        self.stage = 3
+        self._grad_scale = 1.0
+        self._check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in owners)
+        self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        if not self._trainable:
+            raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
+        group_of = {id(self._params[i]): self._group_of[i] for i in self._trainable}
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._full_shapes, self._segments, self._regions = {}, [], []
+        for fs in owners:
+            fs._optimizers.append(weakref.ref(self))
+            for u in fs._units:
+                mine = [q for q in u.trainable if id(q.sharded) in group_of]
+                if not mine:
+                    continue
+                st = {n: torch.zeros(u.shard_numel, device=self.device) for n in ("exp_avg", "exp_avg_sq")}
+                self._unit_states[(fs, u.index)] = st
+                for q in mine:
+                    self._full_shapes[index_of[id(q.sharded)]] = q.shape
+                self._regions.append(_Region(u.shard_numel, st["exp_avg"], st["exp_avg_sq"],
+                                             [(index_of[id(q.sharded)], 0, q.offset, q.numel) for q in mine]))
+                # runs of consecutive pieces with one param group (padding between them is harmless:
+                # zero parameters with zero gradients stay zero)
+                pieces = sorted((q for q in u.params if q.sharded.numel() > 0), key=lambda q: q.shard_offset)
+                run = None
+                for q in pieces + [None]:
+                    g = group_of.get(id(q.sharded)) if q is not None else None
+                    if run is not None and (g is None or g != run[0]):
+                        a, b = run[1], run[2]
+                        self._segments.append(_Segment(run[0], u.shard[a:b], u.grad_shard[a:b],
+                                                       st["exp_avg"][a:b], st["exp_avg_sq"][a:b]))
+                        run = None
+                    if g is not None:
+                        end = q.shard_offset + q.sharded.numel()
+                        run = [g, q.shard_offset, end] if run is None else [g, run[1], end]
 
     def _check_params(self):
         self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
@@ -426,7 +542,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         outside this context reduces everything accumulated since the last step."""
         old, self._sync = self._sync, False
         try:
-            yield
+            with contextlib.ExitStack() as stack:
+                for fs in self._owners:
+                    stack.enter_context(fs.no_sync())
+                yield
         finally:
             self._sync = old
 
@@ -435,7 +554,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return b.own(buf.grads, self.rank) if self.stage == 1 else b.shard(buf.grad_shard)
 
     def _check_ready(self, what: str):
-        if not self._grads_ready:
+        ready = all(fs._grads_ready for fs in self._owners) if self._owners else self._grads_ready
+        if not ready:
             raise RuntimeError(self._err(
                 f"{what} called before any backward() since the last step (or only under no_sync()); "
                 "run loss.backward() outside no_sync() first"))
@@ -449,17 +569,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if norm_type not in (2.0, math.inf):
             raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
-        parts = [self._grad_shard(buf, b).float() for buf in self._buffers for b in buf.buckets]
+        parts = [seg.grad.float() for seg in self._segments] or [torch.zeros(1, device=self.device)]
         if norm_type == 2.0:
             local = torch.stack([t.pow(2).sum() for t in parts]).sum().reshape(1)
         else:
-            local = torch.stack([t.abs().max() for t in parts]).max().reshape(1)
+            local = torch.stack([t.abs().max(dim=0, keepdim=True)[0] if t.numel() else t.new_zeros(1)
+                                 for t in parts]).max().reshape(1)
         if norm_type == 2.0:
             self._all_reduce(local)
-            total = local.sqrt() / self.world_size
+            total = local.sqrt() * self._grad_scale
         else:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = local / self.world_size
+            total = local * self._grad_scale
         self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
         return total.reshape(())
 
@@ -475,11 +596,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_ready("step()")
         self.last_step_skipped = False
-        if any(buf.dtype == torch.float16 for buf in self._buffers):
+        if self._check_finite:
             found = torch.zeros(1, device=self.device)
-            for buf in self._buffers:
-                for b in buf.buckets:
-                    found += (~torch.isfinite(self._grad_shard(buf, b))).any()
+            for seg in self._segments:
+                found += (~torch.isfinite(seg.grad)).any()
             self._all_reduce(found)
             self.last_step_skipped = bool(found.item() > 0)   # the fp16 path syncs here
         if not self.last_step_skipped:
@@ -494,35 +614,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self.comm_elements["all_gather"] += b.numel
             for h in handles:
                 h.wait()
+        for fs in self._owners:      # stage 3: gathered copies are stale; the next forward gathers
+            fs._invalidate()
+            fs._grads_ready = False
         self._clip_coef = None
         self._grads_ready = False
         self.events.append(("step", -1))
         return loss
 
     def _update_group(self, gi: int, group: dict):
-        bufs = [buf for buf in self._buffers if buf.group == gi]
-        if not bufs:
-            return
+        segs = [seg for seg in self._segments if seg.group == gi]
         if group.get("amsgrad") or group.get("maximize"):
             raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
+        if not any(self._group_of[i] == gi for i in self._trainable):
+            return
         self._steps[gi] += 1
         beta1, beta2 = group["betas"]
-        for buf in bufs:   # one call per buffer: one kernel launch per bucket shard
-            owns = [b.own(buf.params, self.rank) for b in buf.buckets]
-            fused_adamw_(
-                [b.shard(buf.master) for b in buf.buckets] if buf.master is not None else owns,
-                [self._grad_shard(buf, b) for b in buf.buckets],
-                [b.shard(buf.exp_avg) for b in buf.buckets],
-                [b.shard(buf.exp_avg_sq) for b in buf.buckets],
-                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], step=self._steps[gi],
-                grad_scale=1.0 / self.world_size, scale=self._clip_coef,
-                outs=owns if buf.master is not None else None)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], step=self._steps[gi],
+                     grad_scale=self._grad_scale, scale=self._clip_coef)
+        for with_out in (False, True):   # one call each: one kernel launch per segment
+            part = [seg for seg in segs if (seg.out is not None) == with_out]
+            if part:
+                fused_adamw_([s.param for s in part], [s.grad for s in part], [s.exp_avg for s in part],
+                             [s.exp_avg_sq for s in part], outs=[s.out for s in part] if with_out else None,
+                             **hyper)
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients (and this rank's reduced shards)."""
         if self._in_backward:
             raise RuntimeError(self._err("zero_grad() called during backward"))
+        for fs in self._owners:
+            fs._zero_grad(set_to_none)
+        if self._owners:
+            self._clip_coef = None
+            return
         with torch.no_grad():
             for buf in self._buffers:
                 if buf.grads is not None:
@@ -554,6 +680,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         the last call with ``reset_peak=True``. ``total`` is
         the persistent sum including padding.
         """
+        if self._owners:   # stage 3: the FullyShard models' reports (they include our states)
+            reports = [fs.memory_report(reset_peak=reset_peak) for fs in self._owners]
+            return {k: sum(r[k] for r in reports) for k in reports[0]}
         rep = dict(params=0, grads=0, master=0, exp_avg=0, exp_avg_sq=0, padding=0)
         for buf in self._buffers:
             full = sum(self._params[i].numel() for i in self._trainable
@@ -582,46 +711,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return rep
 
     # ------------------------------------------------------------ state dict
-    def _shard_pieces(self):
-        """(param index, buffer, bucket, piece) for every piece of a parameter this rank owns."""
-        order = list(reversed(self._trainable))
-        for pc in self.layout.shard_pieces(self.rank):
-            b = self._buckets[pc.bucket]
-            yield order[pc.tensor], b.buffer, b, pc
-
     @torch.no_grad()
     def state_dict(self, to: Optional[int] = None):
-        """The full state in torch.optim.AdamW's format (loadable by AdamW).
+        """The full state in torch.optim.AdamW's format (loadable by AdamW over the
+        unwrapped model's parameters, in the same order).
 
-        Collective: every rank must call it. Gathers bucket by bucket, so the
-        transient extra memory is one bucket; the result is on CPU. With
-        ``to=r`` only global rank ``r`` builds and returns the dict; the others
-        return None.
+        Collective: every rank must call it. Gathers one region (bucket, or
+        unit for FullyShard parameters) at a time, so the transient extra memory
+        is one region; the result is on CPU. With ``to=r`` only global rank
+        ``r`` builds and returns the dict; the others return None.
         """
         keep = to is None or dist.get_rank() == to
         packed = super().state_dict()   # param_groups with indices; our torch state is empty
         full = {}
         if keep:
             for i in self._trainable:
-                p = self._params[i]
                 full[i] = {"step": torch.tensor(float(self._steps[self._group_of[i]])),
-                           "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
-                           "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
-        order = list(reversed(self._trainable))
-        L = self.layout
-        for bk in self._buckets:
-            buf = bk.buffer
+                           "exp_avg": torch.zeros(self._full_shapes[i], dtype=torch.float32),
+                           "exp_avg_sq": torch.zeros(self._full_shapes[i], dtype=torch.float32)}
+        for reg in self._regions:
             for name in ("exp_avg", "exp_avg_sq"):
-                gathered = torch.empty(bk.numel, dtype=torch.float32, device=self.device)
-                comm.all_gather(bk.shard(getattr(buf, name)), gathered, group=self.process_group).wait()
+                gathered = torch.empty(reg.shard_numel * self.world_size, dtype=torch.float32,
+                                       device=self.device)
+                comm.all_gather(getattr(reg, name), gathered, group=self.process_group).wait()
                 if not keep:
                     continue
                 gathered = gathered.cpu()
-                for f in L.buckets[bk.index].fragments:
-                    fr = L.fragments[f]
-                    dst = full[order[fr.tensor]][name].view(-1)
-                    dst[fr.tensor_offset:fr.tensor_offset + fr.numel] = \
-                        gathered[fr.bucket_offset:fr.bucket_offset + fr.numel]
+                for i, t_off, r_off, n in reg.frags:
+                    full[i][name].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
         if not keep:
             return None
         packed["state"] = full
@@ -650,29 +767,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
         saved_ids = [pid for sg in groups for pid in sg["params"]]
         state = state_dict["state"]
-        for buf in self._buffers:
-            buf.exp_avg.zero_()
-            buf.exp_avg_sq.zero_()
         steps = [0] * len(self.param_groups)
         for i in self._trainable:
             st = state.get(saved_ids[i])
             if st is None:
                 continue
-            p = self._params[i]
+            numel = self._full_shapes[i].numel()
             for name in ("exp_avg", "exp_avg_sq"):
-                if st[name].numel() != p.numel():
+                if st[name].numel() != numel:
                     raise ValueError(self._err(
                         f"state of parameter {i}: {name} has {st[name].numel()} elements but the "
-                        f"parameter has {p.numel()} (shape {tuple(p.shape)}); the state dict is of "
-                        "another model"))
+                        f"parameter has {numel} (shape {tuple(self._full_shapes[i])}); the state dict "
+                        "is of another model"))
             steps[self._group_of[i]] = max(steps[self._group_of[i]], int(float(st["step"])))
-        for i, buf, b, pc in self._shard_pieces():
-            st = state.get(saved_ids[i])
-            if st is None:
-                continue
-            for name in ("exp_avg", "exp_avg_sq"):
-                src = st[name].reshape(-1)[pc.tensor_offset:pc.tensor_offset + pc.numel]
-                b.shard(getattr(buf, name))[pc.shard_offset:pc.shard_offset + pc.numel].copy_(src)
+        lo_r = self.rank
+        for reg in self._regions:
+            reg.exp_avg.zero_()
+            reg.exp_avg_sq.zero_()
+            lo, hi = lo_r * reg.shard_numel, (lo_r + 1) * reg.shard_numel
+            for i, t_off, r_off, n in reg.frags:
+                st = state.get(saved_ids[i])
+                a, b = max(lo, r_off), min(hi, r_off + n)
+                if st is None or a >= b:
+                    continue
+                for name in ("exp_avg", "exp_avg_sq"):
+                    src = st[name].reshape(-1)[t_off + a - r_off:t_off + b - r_off]
+                    getattr(reg, name)[a - lo:b - lo].copy_(src)
         self._steps = steps
         for buf in self._buffers:
             if buf.master is not None:
