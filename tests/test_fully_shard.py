@@ -1,6 +1,8 @@
 """FullyShard (ZeRO-3) against single-process torch AdamW and FSDP2, on gloo at world sizes 2 and 3."""
 import contextlib
-import math
+import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,6 +56,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.tok.weight = self.head.weight
         self.register_buffer("temperature", torch.ones(1))
+
+    def reset_parameters(self):      # the buffer, for models built on meta
+        self.temperature.fill_(1.0)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -149,6 +154,13 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def err_after_training(model, steps):
+    """Train a FullyShard GPT ``steps`` steps; its largest relative error against the reference."""
+    opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
+    train(model, opt, steps)
+    return max_err(model.state_dict(), reference(steps)[0].state_dict())
+
+
 def max_err(sd, ref_sd):
     assert sd.keys() == ref_sd.keys()
     return max(rel_err(sd[k], ref_sd[k]) for k in ref_sd)
@@ -170,12 +182,21 @@ def _parity(case, reshard):
     return out
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-@pytest.mark.parametrize("case", ["plain", "checkpoint", "accumulate", "accumulate_no_sync", "clip", "bf16"])
-def test_parity_with_single_process_adamw(dist_pool, case, reshard):
-    if case != "plain" and not reshard and dist_pool.world_size == 3:
-        pytest.skip("covered at world size 2 (keeps the suite fast)")
-    res = dist_pool.run(_parity, case, reshard)
+_CASES = ["plain", "checkpoint", "accumulate", "accumulate_no_sync", "clip", "bf16"]
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_parity_with_single_process_adamw(dist_pool, case):
+    _check_parity(dist_pool.run(_parity, case, True), case, True)
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_parity_without_resharding_after_forward(case):
+    from conftest import get_pool
+    _check_parity(get_pool(2).run(_parity, case, False), case, False)   # world size 2 keeps the suite fast
+
+
+def _check_parity(res, case, reshard):
     # bf16: the reference does the same arithmetic and agrees exactly for the first steps;
     # later, one-ulp fp32 differences flip bf16 roundings, so the bound is half bf16's epsilon
     tol = 2.0**-8 if case == "bf16" else 1e-5
@@ -187,3 +208,326 @@ def test_parity_with_single_process_adamw(dist_pool, case, reshard):
         if reshard:
             assert rep["gathered_units_peak"] <= 2, rep     # prefetch=1: at most 2 units alive
             assert rep["gathered_peak"] <= 2 * rep["max_unit"], rep
+
+
+# ---------------------------------------------------------------- FSDP2
+def _against_fsdp2(param_dtype):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    theirs = make_gpt()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for blk in theirs.blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(theirs, mesh=mesh, mp_policy=mp)
+    theirs.set_force_sum_reduction_for_comms(True)   # gloo's reduce-scatter ignores AVG
+    topt = torch.optim.AdamW(param_groups(theirs.named_parameters()), lr=1e-2, foreach=False)
+    ours = wrapped(mixed_precision=zs.MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    oopt = zs.ShardedOptimizer(param_groups(ours.named_parameters()), lr=1e-2)
+    train(ours, oopt, 20)
+    for (x, y), in batches(20):
+        topt.zero_grad()
+        loss_fn(theirs(local(x, rank, world)), local(y, rank, world)).backward()
+        topt.step()
+    ref = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in theirs.state_dict().items()}
+    return max_err(ours.state_dict(), ref)
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_parity_with_fsdp2(dist_pool, param_dtype):
+    tol = 2.0**-8 if param_dtype else 1e-5
+    for err in dist_pool.run(_against_fsdp2, param_dtype):
+        assert err <= tol
+
+
+# ---------------------------------------------------------------- memory
+def _memory(prefetch):
+    model = wrapped(prefetch=prefetch, mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16))
+    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+    train(model, opt, 2)
+    rep = model.memory_report()
+    # the tensors that really exist on this rank, by bytes
+    real = sum(t.numel() * t.element_size() for u in model._units if u.params for t in (u.shard, u.grad_shard))
+    real += sum(t.numel() * t.element_size() for st in opt._unit_states.values() for t in st.values())
+    owned = sum(p.numel() for p in model.parameters())
+    return {"rep": rep, "opt_rep": opt.memory_report(), "real": real, "owned": owned,
+            "shard_numel": sum(u.shard_numel for u in model._units),
+            "psi": sum(p.numel() for p in make_gpt().parameters())}
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_memory_is_16_bytes_per_owned_element_and_gathers_are_bounded(dist_pool, prefetch):
+    res = dist_pool.run(_memory, prefetch)
+    assert sum(r["owned"] for r in res) == res[0]["psi"]          # the shards partition the model
+    for r in res:
+        rep = r["rep"]
+        assert rep == r["opt_rep"]
+        assert rep["total"] == r["real"] == 16 * r["shard_numel"]
+        assert rep["total"] - rep["padding"] == 16 * r["owned"]
+        assert rep["params"] == rep["grads"] == rep["exp_avg"] == rep["exp_avg_sq"] == 4 * r["owned"]
+        assert rep["master"] == 0
+        # at most prefetch + 1 blocks gathered at once, besides the root
+        assert 1 <= rep["gathered_units_peak"] <= prefetch + 1
+        assert rep["gathered_peak"] <= (prefetch + 1) * rep["max_unit"]
+        assert rep["gathered"] == 0 and rep["grad_buffers"] == 0   # nothing transient left after a step
+
+
+_FAKE_SCRIPT = r"""
+import sys, torch, torch.distributed as dist, torch.nn as nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import zeroshard as zs
+n = int(sys.argv[1])
+dist.init_process_group("fake", store=FakeStore(), rank=n - 1, world_size=n)
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+class GPT(nn.Module):   # 1.0B parameters: GPT-2 style, d=2048, 20 blocks, vocab 50257
+    def __init__(self, d=2048, layers=20, vocab=50257, seq=1024):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.tok.weight = self.head.weight
+
+with torch.device("meta"):
+    model = GPT()
+psi = sum(p.numel() for p in model.parameters())
+model = zs.FullyShard(model, wrap={Block}, mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16),
+                      device="meta")
+opt = zs.ShardedOptimizer(model.parameters(), lr=1e-4)
+print(repr((psi, sum(p.numel() for p in model.parameters()), model.memory_report())))
+"""
+
+
+@pytest.mark.parametrize("n", [8, 1024])
+def test_memory_at_large_world_for_a_1b_model_on_meta(n):
+    out = subprocess.run([sys.executable, "-c", _FAKE_SCRIPT, str(n)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    psi, owned, rep = eval(out.stdout.strip().splitlines()[-1])
+    assert 0.99e9 < psi < 1.2e9
+    assert rep["total"] - rep["padding"] == 16 * owned
+    # every rank allocates 16 bytes per element of its padded shard: psi/n, rounded up to
+    # one alignment unit (8 bf16 elements) in each of the 21 sharding units
+    assert rep["total"] % 16 == 0
+    assert 16 * psi / n <= rep["total"] <= 16 * (psi / n + 8 * 21)
+    assert rep["padding"] == rep["total"] - 16 * owned
+    print(f"N={n}: {rep['total'] / 2**20:.1f} MiB per rank = 16 B x {owned} owned (+{rep['padding']} B padding)")
+
+
+# ---------------------------------------------------------- communication
+def _comm(reshard):
+    model = wrapped(reshard_after_forward=reshard)
+    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+    train(model, opt, 1)
+    before = dict(model.comm_elements)
+    train(model, opt, 1, first_step=1)
+    per_step = {k: model.comm_elements[k] - before[k] for k in before}
+    units = sum(u.numel for u in model._units[1:])
+    return per_step, units, model._units[0].numel, [e for e in model.events]
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_communication_volume_per_step(dist_pool, reshard):
+    for per_step, units, root, _ in dist_pool.run(_comm, reshard):
+        # every element is reduce-scattered once; blocks are gathered twice when
+        # resharded after forward (forward, backward), once otherwise; the root
+        # once (it stays gathered from forward to the end of backward)
+        assert per_step["reduce_scatter"] == units + root
+        assert per_step["all_gather"] == (2 if reshard else 1) * units + root
+
+
+def test_prefetch_and_overlap_order(dist_pool):
+    events = dist_pool.run(_comm, True)[0][3]
+    step = events[-events[::-1].index(("all_gather", "")) - 1:]      # the last step, from its root gather
+    names = [f"blocks.{i}" for i in range(LAYERS)]
+    # forward: block i+1's gather is issued before block i runs ahead of it completes
+    for i in range(LAYERS - 1):
+        assert step.index(("all_gather", names[i + 1])) < step.index(("forward", names[i + 1]))
+        assert step.index(("all_gather", names[i + 1])) < step.index(("reshard", names[i]))
+    # backward: the last block's gradients are reduced while earlier blocks still compute
+    assert step.index(("reduce_scatter", names[-1])) < len(step) - 1 - step[::-1].index(("grad", names[0]))
+    assert [n for what, n in step if what == "reduce_scatter"] == names[::-1] + [""]
+
+
+# --------------------------------------------------------------- meta init
+def _meta_init():
+    with torch.device("meta"):
+        model = GPT()
+    torch.manual_seed(0)             # the seed make_gpt() builds with
+    model = zs.FullyShard(model, wrap={Block})
+    normal = make_gpt()
+    sd, ref = model.state_dict(), normal.state_dict()
+    assert sd.keys() == ref.keys()
+    out = {"equal": all(torch.equal(sd[k], ref[k]) for k in ref)}
+    out["err"] = err_after_training(model, 3)    # and it trains like the normally built model
+    return out
+
+
+def test_meta_init_equals_a_normally_built_model(dist_pool):
+    for r in dist_pool.run(_meta_init):
+        assert r["equal"] and r["err"] <= 1e-5, r
+
+
+# --------------------------------------------------------------- state dict
+def _fs_save(steps):
+    model = wrapped()
+    opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
+    train(model, opt, steps)
+    return model.state_dict(to=0), opt.state_dict(to=0)
+
+
+def _fs_resume(msd, osd, steps, first):
+    model = wrapped()
+    opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
+    model.load_state_dict(msd)
+    opt.load_state_dict(osd)
+    train(model, opt, steps, first_step=first)
+    return max_err(model.state_dict(), reference(first + steps)[0].state_dict())
+
+
+def test_state_dict_round_trip_across_world_sizes_and_the_unwrapped_model():
+    from conftest import get_pool
+    p2, p3 = get_pool(2), get_pool(3)
+    ref, _ = reference(10)
+    for save, load in ((p2, p3), (p3, p2)):
+        saved = save.run(_fs_save, 5)
+        msd, osd = saved[0]
+        assert all(s == (None, None) for s in saved[1:])       # to=0: only rank 0 builds them
+        assert max(load.run(_fs_resume, msd, osd, 5, 5)) <= 1e-5
+    # into the unwrapped model and torch's AdamW, which continue identically
+    model = make_gpt()
+    model.load_state_dict(msd)
+    opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=1e-2, foreach=False)
+    opt.load_state_dict(copy.deepcopy(osd))
+    for (x, y), in batches(10)[5:]:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    assert max_err(model.state_dict(), ref.state_dict()) <= 1e-5
+    # and from the unwrapped model (plain torch) into ours
+    torch_sd, torch_osd = model_and_opt_after(5)
+    assert max(p3.run(_fs_resume, torch_sd, torch_osd, 5, 5)) <= 1e-5
+
+
+def model_and_opt_after(steps):
+    model = make_gpt()
+    opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=1e-2, foreach=False)
+    for (x, y), in batches(steps):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return model.state_dict(), opt.state_dict()
+
+
+# ---------------------------------------------------------------- features
+def _features():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    # buffers are not sharded: every rank gets rank 0's
+    m = make_gpt()
+    m.temperature.fill_(1.0 + rank)
+    model = zs.FullyShard(m, wrap={Block})
+    out["buffer"] = model.module.temperature.item()
+    # inference: eval + no_grad equals the plain model and leaves nothing gathered
+    x, y = batches(1)[0][0]
+    model.eval()
+    with torch.no_grad():
+        logits = model(local(x, rank, world))
+    out["inference_err"] = rel_err(logits, make_gpt().eval()(local(x, rank, world)))
+    out["gathered_after_inference"] = model.memory_report()["gathered"] + sum(
+        u.state != 0 for u in model._units)
+    model.train()
+    # frozen parameters (one in the root unit, one in a block) stay put; the rest trains like torch
+    frozen = ("pos.weight", "blocks.1.fc.weight", "blocks.1.fc.bias")
+    m, ref = make_gpt(), make_gpt()
+    for net in (m, ref):
+        for n, p in net.named_parameters():
+            p.requires_grad_(n not in frozen)
+    model = zs.FullyShard(m, wrap={Block})
+    opt = zs.ShardedOptimizer([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train(model, opt, 5)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    for (bx, by), in batches(5):
+        ropt.zero_grad()
+        loss_fn(ref(bx), by).backward()
+        ropt.step()
+    sd, init = model.state_dict(), make_gpt().state_dict()
+    out["frozen_unchanged"] = all(torch.equal(sd[n], init[n]) for n in frozen)
+    out["frozen_err"] = max_err(sd, ref.state_dict())
+    # nested wrapping: the linear layers inside each block are units of their own
+    m = make_gpt()
+    head = m.head
+    model = zs.FullyShard(m, wrap=lambda mod: isinstance(mod, Block) or (isinstance(mod, nn.Linear)
+                                                                         and mod is not head))
+    out["nested_units"] = len(model._units)
+    out["nested_err"] = err_after_training(model, 5)
+    return out
+
+
+def test_buffers_inference_frozen_and_nested_units(dist_pool):
+    for r in dist_pool.run(_features):
+        assert r["buffer"] == 1.0
+        assert r["inference_err"] <= 1e-6 and r["gathered_after_inference"] == 0, r
+        assert r["frozen_unchanged"] and r["frozen_err"] <= 1e-5, r
+        assert r["nested_units"] == 1 + LAYERS * 5, r
+        assert r["nested_err"] <= 1e-5, r
+
+
+# ---------------------------------------------------------------- bad input
+def _bad_inputs():
+    rank = dist.get_rank()
+    msgs = {}
+
+    def catch(name, fn, exc=(ValueError, RuntimeError)):
+        try:
+            fn()
+        except exc as e:
+            msgs[name] = str(e)
+
+    catch("wrap_missing", lambda: zs.FullyShard(make_gpt(), wrap={nn.Conv2d}))
+
+    def split_tie():
+        m = make_gpt()
+        m.blocks[1].fc.weight = m.blocks[0].fc.weight
+        zs.FullyShard(m, wrap={Block})
+    catch("split_tie", split_tie)
+
+    model = wrapped()
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    h = torch.randn(2, SEQ, DIM)
+    catch("unit_direct", lambda: model.module.blocks[1](h))
+    catch("root_direct", lambda: model.module.head(h))
+    msgs["still_works"] = tuple(model(x).shape)          # no hang, nothing left half-done
+
+    other = dist.new_group(list(range(dist.get_world_size())))
+    catch("other_group", lambda: zs.ShardedOptimizer(model.parameters(), process_group=other))
+    catch("mixed", lambda: zs.ShardedOptimizer(list(model.parameters()) + [nn.Parameter(torch.ones(3))]))
+
+    def different_models():
+        m = make_gpt()
+        if rank == 1:
+            m.blocks[2].fc = nn.Linear(DIM, 38)
+        zs.FullyShard(m, wrap={Block})
+    catch("different_models", different_models)
+    return msgs
+
+
+def test_bad_input_gives_clear_errors_on_every_rank(dist_pool):
+    for m in dist_pool.run(_bad_inputs):
+        assert "Conv2d" in m["wrap_missing"] and "no module of that class" in m["wrap_missing"]
+        assert "blocks.0.fc.weight" in m["split_tie"] and "blocks.1" in m["split_tie"]
+        assert "wrap a module that contains both" in m["split_tie"]
+        assert "blocks.1" in m["unit_direct"] and "called directly" in m["unit_direct"]
+        assert "Linear" in m["root_direct"] and "called directly" in m["root_direct"]
+        assert m["still_works"] == (2, SEQ, VOCAB)
+        assert "process group" in m["other_group"]
+        assert "not a FullyShard parameter" in m["mixed"]
+        assert "rank 1" in m["different_models"] and "blocks.2.fc.weight" in m["different_models"]

@@ -43,8 +43,8 @@
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-import itertools
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -190,6 +190,9 @@ class FullyShard(nn.Module):
         self.rank = dist.get_rank(self.process_group)
         self._src = dist.get_global_rank(self.process_group, 0) if process_group is not None else 0
         self.comm_elements = {"all_gather": 0, "reduce_scatter": 0}
+        # (what, unit name) of recent gathers, forwards, reshards and reductions, in
+        # order; bounded so a long run does not grow it (the tests read it)
+        self.events: collections.deque = collections.deque(maxlen=4096)
         self._sync = True
         self._in_forward = False
         self._bwd_active = False
@@ -214,7 +217,7 @@ class FullyShard(nn.Module):
         self._buffers_to_device(meta_init)
         if meta_init and self._device.type != "meta":
             self._materialize()
-        self._sharded = [q.sharded for u in self._units for q in u.params]
+        self._sharded = [p for _, p in self.named_parameters()]
         fs_ref = weakref.ref(self)
         for ui, u in enumerate(self._units):
             for pi, q in enumerate(u.params):
@@ -268,6 +271,7 @@ class FullyShard(nn.Module):
             pred = lambda m: isinstance(m, classes)  # noqa: E731
         units = [_Unit(index=0, name="", module=self.module, params=[])]
         owner: Dict[int, Tuple[int, _Param]] = {}
+        self._named: List[Tuple[str, _Param]] = []   # every registration, in named_parameters() order
 
         def visit(mod: nn.Module, path: str, unit: _Unit):
             for attr, p in mod._parameters.items():
@@ -275,11 +279,14 @@ class FullyShard(nn.Module):
                     continue
                 name = f"{path}.{attr}" if path else attr
                 seen = owner.get(id(p))
+                if seen is None or seen[0] == unit.index:
+                    self._named.append((name, seen[1] if seen else None))
                 if seen is None:
                     q = _Param(names=[name], slots=[(mod, attr)], shape=p.shape, dtype=p.dtype,
                                requires_grad=p.requires_grad)
                     owner[id(p)] = (unit.index, q)
                     unit.params.append(q)
+                    self._named[-1] = (name, q)
                     if p.dtype not in _SUPPORTED:
                         raise ValueError(self._err(f"parameter '{name}' has dtype {p.dtype}; FullyShard "
                                                    "supports float32, bfloat16 and float16 parameters"))
@@ -385,34 +392,35 @@ class FullyShard(nn.Module):
 
     @torch.no_grad()
     def _materialize(self):
-        """Initialise a model built on meta unit by unit: run every module's
-        reset_parameters() (in module order, as construction would) on fp32
-        full-size copies of its unit, then keep this rank's shard."""
-        last_use: Dict[int, int] = {}
-        unit_of: Dict[int, Tuple[_Unit, _Param]] = {}
+        """Initialise a model built on meta unit by unit: run the reset_parameters()
+        of every module that registers parameters or buffers, in module order (the
+        order construction would initialise them, so a seeded run reproduces a
+        model built normally), on fp32 full-size copies of its unit; then keep
+        this rank's shard. At most the root unit and one other are full at once."""
+        unit_of: Dict[tuple, Tuple[_Unit, _Param]] = {}
         for u in self._units:
             for q in u.params:
                 for mod, attr in q.slots:
                     unit_of[id(mod), attr] = (u, q)
         mods = list(self.module.modules())
+        last_use: Dict[int, int] = {}
         for k, mod in enumerate(mods):
             for attr in mod._parameters:
                 if (id(mod), attr) in unit_of:
                     last_use[unit_of[id(mod), attr][0].index] = k
         temp: Dict[int, torch.Tensor] = {}
-        initialised = set()
+        initialised, uninitialised_buffers = set(), []
         for k, mod in enumerate(mods):
-            owned = [(attr, unit_of[id(mod), attr]) for attr in mod._parameters if (id(mod), attr) in unit_of]
-            if owned and callable(getattr(mod, "reset_parameters", None)):
-                for attr, (u, q) in owned:
+            owned = [unit_of[id(mod), attr] for attr in mod._parameters if (id(mod), attr) in unit_of]
+            has_buffers = any(b is not None for b in mod._buffers.values())
+            if callable(getattr(mod, "reset_parameters", None)) and (owned or has_buffers):
+                for u, q in owned:
                     if u.index not in temp:
-                        temp[u.index] = torch.zeros(u.numel, dtype=torch.float32, device=self._device)
-                        for q2 in u.params:
-                            view = temp[u.index][q2.offset:q2.offset + q2.numel].view(q2.shape)
-                            for m2, a2 in q2.slots:
-                                m2._parameters[a2] = nn.Parameter(view, requires_grad=q2.requires_grad)
+                        temp[u.index] = self._full_fp32_views(u)
                     initialised.add(id(q))
                 mod.reset_parameters()
+            elif has_buffers:
+                uninitialised_buffers += [n for n, b in mod._buffers.items() if b is not None]
             for ui in [ui for ui, last in last_use.items() if last == k and ui in temp]:
                 u = self._units[ui]
                 u.shard.copy_(u.own(temp.pop(ui), self.rank))
@@ -420,10 +428,20 @@ class FullyShard(nn.Module):
                     for m2, a2 in q.slots:
                         m2._parameters[a2] = q.sharded
         missing = [q.names[0] for u in self._units for q in u.params if id(q) not in initialised]
-        if missing:
-            warnings.warn(f"FullyShard: the model was built on meta and these parameters have no module "
-                          f"reset_parameters() to initialise them, so they start at zero: {missing}. "
-                          "Load a state dict (model.load_state_dict) or give their modules reset_parameters().")
+        if missing or uninitialised_buffers:
+            warnings.warn(
+                "FullyShard: the model was built on meta; these parameters/buffers have no module "
+                f"reset_parameters() to initialise them, so they start at zero: {missing + uninitialised_buffers}. "
+                "Load a state dict (model.load_state_dict) or give their modules reset_parameters().")
+
+    def _full_fp32_views(self, u: _Unit) -> torch.Tensor:
+        """An fp32 full-size buffer for unit u, its parameters' modules pointing at views of it."""
+        flat = torch.zeros(u.numel, dtype=torch.float32, device=self._device)
+        for q in u.params:
+            view = nn.Parameter(flat[q.offset:q.offset + q.numel].view(q.shape), requires_grad=q.requires_grad)
+            for mod, attr in q.slots:
+                mod._parameters[attr] = view
+        return flat
 
     def _install_hooks(self):
         for u in self._units[1:]:
@@ -453,12 +471,14 @@ class FullyShard(nn.Module):
             return getattr(self._modules["module"], name)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's sharded parameters (1-D pieces), under their original names."""
-        for u in self._units:
-            for q in u.params:
-                names = q.names[:1] if remove_duplicate else q.names
-                for n in names:
-                    yield (f"{prefix}.{n}" if prefix else n), q.sharded
+        """This rank's sharded parameters (1-D pieces), under their original names,
+        in the unwrapped model's order."""
+        seen = set()
+        for n, q in self._named:
+            if remove_duplicate and id(q) in seen:
+                continue
+            seen.add(id(q))
+            yield (f"{prefix}.{n}" if prefix else n), q.sharded
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         yield from self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
@@ -482,6 +502,7 @@ class FullyShard(nn.Module):
             own.copy_(u.shard)
             u.gather = comm.all_gather(own, u.full, group=self.process_group)
             self.comm_elements["all_gather"] += u.numel
+            self.events.append(("all_gather", u.name))
             u.state = _GATHERING
             if not u.is_root:
                 self._gathered_bytes += u.full.numel() * u.full.element_size()
@@ -502,6 +523,7 @@ class FullyShard(nn.Module):
             u.gather.wait()
             u.gather = None
         u.full.untyped_storage().resize_(0)
+        self.events.append(("reshard", u.name))
         for q in u.params:
             for mod, attr in q.slots:
                 mod._parameters[attr] = q.sharded
@@ -573,6 +595,7 @@ class FullyShard(nn.Module):
                 self._gather(u)
                 return
             self._fwd_seen.append(u.index)
+            self.events.append(("forward", u.name))
             pos = len(self._fwd_seen) - 1
             self._gather(u)
             if pos < len(self._fwd_order) and self._fwd_order[pos] == u.index:
@@ -628,6 +651,7 @@ class FullyShard(nn.Module):
             self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
         u.grad_flat[q.offset:q.offset + q.numel].add_(g.reshape(-1))
         q.full.grad = None
+        self.events.append(("grad", u.name))
         if not q.arrived:
             q.arrived = True
             u.pending -= 1
@@ -656,6 +680,7 @@ class FullyShard(nn.Module):
                                        average=False, input_is_scratch=True)
         u.launched = True
         self.comm_elements["reduce_scatter"] += u.numel
+        self.events.append(("reduce_scatter", u.name))
         self._inflight.append(u)
         while len(self._inflight) > _MAX_INFLIGHT:
             self._retire(self._inflight.pop(0))
