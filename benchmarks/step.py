@@ -9,6 +9,10 @@ Variants (world size 2, CPU + gloo, unless --world-size / --device say otherwise
   zeroshard-1   zeroshard.ShardedOptimizer(stage=1)
   zeroshard-2   zeroshard.ShardedOptimizer(stage=2)
   zeroshard-2@5 the same with bucket_mb=5 (less transient bucket memory)
+  fsdp2-3       FSDP2 fully_shard per block + root, reshard_after_forward=True (ZeRO-3)
+  zeroshard-3   zeroshard.FullyShard(wrap={Block}) + ShardedOptimizer (ZeRO-3)
+The two ZeRO-3 variants use the same units and the same mixed precision
+(--param-dtype for the gathered parameters, fp32 reduction and shards).
 Each variant runs in fresh processes. "step ms" is the median over timed steps
 on rank 0; "peak MB" is the rise of rank 0's peak resident memory over what it
 held after building the model (the optimizer, gradients, communication buffers
@@ -21,6 +25,8 @@ torch.cuda.max_memory_allocated over what the built model holds.
 
     python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
     python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768   # GPT-2 124M-sized
+    python benchmarks/step.py --device cuda --world-size 1 --layers 24 --dim 1024 \
+        --param-dtype bfloat16 --variants fsdp2-3,zeroshard-3                      # 350M-sized, bf16
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 
-VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2", "zeroshard-2@5"]
+VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2", "zeroshard-2@5", "fsdp2-3", "zeroshard-3"]
 
 
 def rss_mb(field="VmRSS"):
@@ -59,7 +65,7 @@ def reset_peak_rss():
         pass
 
 
-def build(variant, model, lr=3e-4):
+def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
     if variant == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "ddp":
@@ -76,7 +82,21 @@ def build(variant, model, lr=3e-4):
         if dist.get_backend() == "gloo":
             model.set_force_sum_reduction_for_comms(True)
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    if variant == "fsdp2-3":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for blk in model.blocks:
+            fully_shard(blk, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        if dist.get_backend() == "gloo":
+            model.set_force_sum_reduction_for_comms(True)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
     import zeroshard as zs
+    if variant == "zeroshard-3":
+        from gpt import Block
+        model = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
+            param_dtype=param_dtype, reduce_dtype=torch.float32))
+        return model, zs.ShardedOptimizer(model.parameters(), lr=lr)
     name, _, mb = variant.partition("@")   # "zeroshard-2@5": bucket_mb=5
     return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(name[-1]),
                                       bucket_mb=float(mb) if mb else 25)
@@ -103,7 +123,7 @@ def worker(rank, world, port, variant, cfg, args, out):
         torch.cuda.reset_peak_memory_stats()
     else:
         reset_peak_rss()
-    wrapped, opt = build(variant, model)
+    wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch)
     times = []
     for i in range(args.warmup + args.steps):
         dist.barrier()
@@ -142,6 +162,9 @@ def main():
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="gathered-parameter dtype of the ZeRO-3 variants (mixed precision)")
+    ap.add_argument("--prefetch", type=int, default=1, help="zeroshard-3: units gathered ahead")
     ap.add_argument("--variants", default=None, help="comma-separated; default: all that apply")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "step.json"))
     args = ap.parse_args()
@@ -175,10 +198,14 @@ def main():
         print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x "
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
               f"{r['loss']:>7.3f}")
+    z3, f3 = (next((r for r in rows if r["variant"] == v), None) for v in ("zeroshard-3", "fsdp2-3"))
+    if z3 and f3:
+        print(f"ZeRO-3 ({args.param_dtype} params): zeroshard-3 / fsdp2-3 = {z3['step_ms'] / f3['step_ms']:.2f}x "
+              f"time, {z3['peak_mb'] / f3['peak_mb']:.2f}x peak memory")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(date=str(date.today()), torch=torch.__version__, world_size=args.world_size,
-                       config=vars(cfg), rows=rows), f, indent=1)
+                       param_dtype=args.param_dtype, config=vars(cfg), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<CommHandle, Handle>(m, "CommHandle", "Guards the result of one collective.")
       .def("wait", &CommHandle::wait, py::call_guard<py::gil_scoped_release>(),
            "Block (CPU) or order the current stream (CUDA) until the result is ready. Idempotent.")
-      .def_property_readonly("waited", &CommHandle::waited);
+      .def_property_readonly("waited", &CommHandle::waited)
+      .def("completed", &CommHandle::completed,
+           "Whether the collective has finished; never blocks (wait() is still needed).");
   m.def("reduce_scatter", &reduce_scatter, py::arg("group_name"), py::arg("input"), py::arg("output"),
         py::arg("average"), py::arg("input_is_scratch") = false, py::call_guard<py::gil_scoped_release>(),
         "Flat reduce-scatter (csrc/comm.h).");

@@ -126,6 +126,14 @@ struct CommLauncher {
   }
 };
 
+bool CommHandle::completed() const {
+  if (waited_) return true;
+#ifdef ZEROSHARD_WITH_CUDA
+  if (done_) return done_->query();
+#endif
+  return !work_ || work_->isCompleted();
+}
+
 void CommHandle::wait() {
   if (waited_) return;
 #ifdef ZEROSHARD_WITH_CUDA

@@ -45,6 +45,10 @@ class CommHandle {
   // stream (CUDA) or by the host (CPU).
   void wait();
   bool waited() const { return waited_; }
+  // Whether the collective has finished (never blocks). CPU: the backend's
+  // work is done, so wait() returns at once. CUDA: the completion event has
+  // passed on the device (the caller's stream still needs wait()).
+  bool completed() const;
 
  private:
   friend struct CommLauncher;

@@ -60,7 +60,7 @@ from . import comm
 from .layout import compute_layout
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_INFLIGHT = 2        # reduce-scatters in flight at once (each holds one unit's gradients)
+_MAX_INFLIGHT = 1        # reduce-scatters in flight at once (each holds one unit's gradients)
 _NO_CAP = 1 << 62        # bucket cap for unit layouts: one bucket per unit
 
 # sharded parameter id -> (weakref to it, weakref to its FullyShard, unit index, param index)
@@ -637,6 +637,7 @@ class FullyShard(nn.Module):
             self._gather(self._units[0])
             self._prefetch(bwd, -1)
             return
+        self._retire_completed()
         self._gather(u)
         if u.index in bwd:
             self._prefetch(bwd, bwd.index(u.index))
@@ -646,6 +647,7 @@ class FullyShard(nn.Module):
         self._start_backward()
         g = q.full.grad
         if u.grad_flat is None:
+            self._retire_completed()      # free finished reductions' buffers before taking another
             u.grad_flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self._device)
             self._grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
             self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
@@ -683,6 +685,10 @@ class FullyShard(nn.Module):
         self.events.append(("reduce_scatter", u.name))
         self._inflight.append(u)
         while len(self._inflight) > _MAX_INFLIGHT:
+            self._retire(self._inflight.pop(0))
+
+    def _retire_completed(self):
+        while self._inflight and self._inflight[0].reduce.completed():
             self._retire(self._inflight.pop(0))
 
     def _retire(self, u: _Unit):
