@@ -74,20 +74,14 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
-    if variant == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for blk in model.blocks:
-            fully_shard(blk, reshard_after_forward=False)
-        fully_shard(model, reshard_after_forward=False)
-        if dist.get_backend() == "gloo":
-            model.set_force_sum_reduction_for_comms(True)
-        return model, torch.optim.AdamW(model.parameters(), lr=lr)
-    if variant == "fsdp2-3":
+    if variant in ("fsdp2", "fsdp2-3"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        zero3 = variant == "fsdp2-3"
+        kw = dict(reshard_after_forward=zero3, mp_policy=MixedPrecisionPolicy(
+            param_dtype=param_dtype if zero3 else None, reduce_dtype=torch.float32 if zero3 else None))
         for blk in model.blocks:
-            fully_shard(blk, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(blk, **kw)
+        fully_shard(model, **kw)
         if dist.get_backend() == "gloo":
             model.set_force_sum_reduction_for_comms(True)
         return model, torch.optim.AdamW(model.parameters(), lr=lr)

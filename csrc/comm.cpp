@@ -131,7 +131,15 @@ bool CommHandle::completed() const {
 #ifdef ZEROSHARD_WITH_CUDA
   if (done_) return done_->query();
 #endif
-  return !work_ || work_->isCompleted();
+  if (!work_) return true;
+  if (work_->isCompleted()) return true;
+  // gloo marks its work's future, not the work, when the collective finishes
+  try {
+    auto fut = work_->getFuture();
+    return fut && fut->completed();
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 void CommHandle::wait() {

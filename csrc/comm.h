@@ -45,9 +45,11 @@ class CommHandle {
   // stream (CUDA) or by the host (CPU).
   void wait();
   bool waited() const { return waited_; }
-  // Whether the collective has finished (never blocks). CPU: the backend's
-  // work is done, so wait() returns at once. CUDA: the completion event has
-  // passed on the device (the caller's stream still needs wait()).
+  // Whether the collective has finished (never blocks); a hint for freeing
+  // buffers early, wait() stays required. CPU: the backend's work is done
+  // (gloo's native reduce-scatter reports it only in wait(); its all-reduce,
+  // which the scratch and in-place paths use, does). CUDA: the completion
+  // event has passed on the device.
   bool completed() const;
 
  private:
