@@ -531,3 +531,28 @@ def test_bad_input_gives_clear_errors_on_every_rank(dist_pool):
         assert "process group" in m["other_group"]
         assert "not a FullyShard parameter" in m["mixed"]
         assert "rank 1" in m["different_models"] and "blocks.2.fc.weight" in m["different_models"]
+
+
+def _backward_that_raises():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = wrapped()
+    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+    (x, y), = batches(1)[0]
+    logits = model(local(x, rank, world))
+
+    def boom(grad):
+        raise ValueError("user error in backward")
+    logits.register_hook(boom)
+    try:
+        loss_fn(logits, local(y, rank, world)).backward()
+    except ValueError:
+        pass
+    with pytest.warns(UserWarning, match="did not finish"):
+        loss = loss_fn(model(local(x, rank, world)), local(y, rank, world))
+    loss.backward()
+    opt.step()
+    return model.memory_report()["gathered"]
+
+
+def test_a_backward_that_raises_does_not_wedge_the_model(dist_pool):
+    assert dist_pool.run(_backward_that_raises) == [0] * dist_pool.world_size

@@ -553,7 +553,9 @@ class FullyShard(nn.Module):
     # --------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
         if self._bwd_active:
-            raise RuntimeError(self._err("the FullyShard model was called during its own backward"))
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError(self._err("the FullyShard model was called during its own backward"))
+            self._abandon_backward()     # the last backward raised before it finished
         root = self._units[0]
         self._in_forward = True
         self._fwd_seen = []
@@ -714,6 +716,20 @@ class FullyShard(nn.Module):
             self._grads_ready = True
         self._invalidate()
         self._bwd_active = False
+
+    @torch.no_grad()
+    def _abandon_backward(self):
+        """Forget a backward that stopped half-way (it raised): its gradients are dropped."""
+        for u in self._inflight:
+            u.reduce.wait()
+        self._inflight = []
+        for u in self._units:
+            u.reduce, u.grad_flat = None, None
+        self._grad_bytes = 0
+        self._invalidate()
+        self._bwd_active = False
+        warnings.warn("FullyShard: the previous backward did not finish (it raised); its partial "
+                      "gradients were dropped")
 
     @contextlib.contextmanager
     def no_sync(self):
