@@ -34,8 +34,9 @@
   (SUM) in place; the result, divided by the world size, is written (or
   added, when accumulating) into the fp32 gradient shard. Reduce-scatters
   are issued in one fixed order on every rank (reverse forward order, root
-  last); at most two are in flight, and at the end of backward every unit
-  not yet reduced is (a gradient that never arrived counts as zero).
+  last; zeroshard/_ordered.py, shared with stages 1 and 2); one is in flight
+  at a time (finished ones are retired early), and at the end of backward
+  every unit not yet reduced is (a gradient that never arrived counts as zero).
 * ``no_sync()`` skips the reduce-scatters: the flat gradient buffers (full
   size, ``reduce_dtype``) keep accumulating until a backward outside it.
 * The optimizer (zeroshard.ShardedOptimizer) updates the fp32 shards in place
@@ -57,6 +58,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from . import comm
+from ._ordered import OrderedReductions
 from .layout import compute_layout
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -128,7 +130,6 @@ class _Unit:
     reduce: Optional[comm.CommHandle] = None
     fresh: bool = True            # the reduction overwrites the gradient shard (no accumulation)
     pending: int = 0              # trainable params whose gradient has not arrived this backward
-    launched: bool = False
     hooks: list = field(default_factory=list)
 
     @property
@@ -199,9 +200,8 @@ class FullyShard(nn.Module):
         self._grads_ready = False
         self._fwd_order: List[int] = []      # recorded forward order of non-root units
         self._fwd_seen: List[int] = []
-        self._rs_order: List[int] = []
-        self._next_rs = 0
-        self._inflight: List[_Unit] = []
+        self._bwd_order: List[int] = []      # reverse forward order, fixed at backward start
+        self._reductions = OrderedReductions(self._launch, self._retire, _MAX_INFLIGHT)
         self._optimizers: List[weakref.ref] = []
         self._gathered_bytes = 0             # non-root units
         self._gathered_peak = 0
@@ -214,15 +214,14 @@ class FullyShard(nn.Module):
         self._check_same_model_across_ranks()
         meta_init = any(p.is_meta for p in module.parameters())
         self._build(meta_init)
-        self._buffers_to_device(meta_init)
+        self._buffers_to_device()
         if meta_init and self._device.type != "meta":
             self._materialize()
-        self._sharded = [p for _, p in self.named_parameters()]
         fs_ref = weakref.ref(self)
         for ui, u in enumerate(self._units):
             for pi, q in enumerate(u.params):
                 _OWNERS[id(q.sharded)] = (weakref.ref(q.sharded), fs_ref, ui, pi)
-        weakref.finalize(self, _forget, [id(s) for s in self._sharded])
+        weakref.finalize(self, _forget, [id(q.sharded) for u in self._units for q in u.params])
         self._install_hooks()
 
     # ------------------------------------------------------------------ setup
@@ -377,7 +376,7 @@ class FullyShard(nn.Module):
                 u.full.untyped_storage().resize_(0)
 
     @torch.no_grad()
-    def _buffers_to_device(self, meta_init: bool):
+    def _buffers_to_device(self):
         for mod in self.module.modules():
             for name, b in mod._buffers.items():
                 if b is None:
@@ -620,13 +619,13 @@ class FullyShard(nn.Module):
             return
         self._bwd_active = True
         self._grads_ready = False
+        self._bwd_order = list(reversed(self._fwd_order))
         seen = set(self._fwd_order)
         rest = [u.index for u in self._units[1:] if u.index not in seen]
-        self._rs_order = [ui for ui in list(reversed(self._fwd_order)) + rest + [0]
-                          if self._units[ui].trainable]
-        self._next_rs = 0
+        self._reductions.start([self._units[ui] for ui in self._bwd_order + rest + [0]
+                                if self._units[ui].trainable])
         for u in self._units:
-            u.pending, u.launched = len(u.trainable), False
+            u.pending = len(u.trainable)
             for q in u.params:
                 q.arrived = False
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -634,7 +633,7 @@ class FullyShard(nn.Module):
     @torch.no_grad()
     def _pre_backward(self, u: Optional[_Unit]):
         self._start_backward()
-        bwd = list(reversed(self._fwd_order))
+        bwd = self._bwd_order
         if u is None:              # root: its outputs' gradient is the first of the backward
             self._gather(self._units[0])
             self._prefetch(bwd, -1)
@@ -647,13 +646,10 @@ class FullyShard(nn.Module):
     @torch.no_grad()
     def _on_grad(self, u: _Unit, q: _Param):
         self._start_backward()
-        g = q.full.grad
         if u.grad_flat is None:
             self._retire_completed()      # free finished reductions' buffers before taking another
-            u.grad_flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self._device)
-            self._grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
-            self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
-        u.grad_flat[q.offset:q.offset + q.numel].add_(g.reshape(-1))
+            self._new_grad_flat(u)
+        u.grad_flat[q.offset:q.offset + q.numel].add_(q.full.grad.reshape(-1))
         q.full.grad = None
         self.events.append(("grad", u.name))
         if not q.arrived:
@@ -663,43 +659,34 @@ class FullyShard(nn.Module):
                 if not u.is_root:
                     self._reshard(u)
                 if self._sync:
-                    self._launch_ready()
+                    self._reductions.advance()
 
-    def _launch_ready(self, flush: bool = False):
-        while self._next_rs < len(self._rs_order):
-            u = self._units[self._rs_order[self._next_rs]]
-            if u.pending > 0 and not flush:
-                return
-            self._launch(u)
-            self._next_rs += 1
+    def _new_grad_flat(self, u: _Unit):
+        u.grad_flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self._device)
+        self._grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
+        self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
 
     def _launch(self, u: _Unit):
         if u.grad_flat is None:      # no gradient arrived here: contribute zeros
-            u.grad_flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self._device)
-            self._grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
-            self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
+            self._new_grad_flat(u)
         # overwrite the shard unless the user kept gradients from an earlier backward
         u.fresh = any(q.sharded.grad is None for q in u.trainable)
         u.reduce = comm.reduce_scatter(u.grad_flat, u.own(u.grad_flat, self.rank), group=self.process_group,
                                        average=False, input_is_scratch=True)
-        u.launched = True
         self.comm_elements["reduce_scatter"] += u.numel
         self.events.append(("reduce_scatter", u.name))
-        self._inflight.append(u)
-        while len(self._inflight) > _MAX_INFLIGHT:
-            self._retire(self._inflight.pop(0))
 
     def _retire_completed(self):
-        while self._inflight and self._inflight[0].reduce.completed():
-            self._retire(self._inflight.pop(0))
+        self._reductions.retire_done(lambda u: u.reduce.completed())
 
     def _retire(self, u: _Unit):
         u.reduce.wait()
         u.reduce = None
         chunk = u.own(u.grad_flat, self.rank)
-        if u.fresh:
-            u.grad_shard.copy_(chunk)
-            u.grad_shard.div_(self.world_size)
+        if u.fresh and chunk.dtype == torch.float32:
+            torch.div(chunk, self.world_size, out=u.grad_shard)     # one pass
+        elif u.fresh:
+            u.grad_shard.copy_(chunk).div_(self.world_size)          # divide in fp32
         else:
             u.grad_shard.add_(chunk.float().div_(self.world_size))
         for q in u.trainable:
@@ -710,9 +697,8 @@ class FullyShard(nn.Module):
     @torch.no_grad()
     def _finish_backward(self):
         if self._sync:
-            self._launch_ready(flush=True)
-            while self._inflight:
-                self._retire(self._inflight.pop(0))
+            self._reductions.advance(flush=True)
+            self._reductions.drain()
             self._grads_ready = True
         self._invalidate()
         self._bwd_active = False
@@ -720,9 +706,10 @@ class FullyShard(nn.Module):
     @torch.no_grad()
     def _abandon_backward(self):
         """Forget a backward that stopped half-way (it raised): its gradients are dropped."""
-        for u in self._inflight:
+        for u in self._reductions.inflight:
             u.reduce.wait()
-        self._inflight = []
+        self._reductions.start([])
+        self._reductions.inflight = []
         for u in self._units:
             u.reduce, u.grad_flat = None, None
         self._grad_bytes = 0

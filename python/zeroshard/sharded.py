@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from ._ordered import OrderedReductions
 from .fully_shard import owner_of
 from .kernels import fused_adamw_
 from .layout import compute_layout
@@ -195,7 +196,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._peak_bucket_bytes = 0
         self._bucket_bytes = 0
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
-        self._inflight_buckets: List[_Bucket] = []
+        self._reductions = OrderedReductions(self._launch, self._retire, _MAX_INFLIGHT)
         self._free: Dict[tuple, List[torch.Tensor]] = {}   # recycled bucket buffers
 
         # every parameter, in state_dict index order
@@ -403,7 +404,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _start_backward(self):
         self._in_backward = True
-        self._next_launch = 0
+        self._reductions.start([self._buckets[b] for b in self._launch_order])
         self.events.append(("backward_start", -1))
         for b in self._buckets:
             b.pending, b.launched = len(b.params), False
@@ -439,17 +440,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 bucket.grad[f.bucket_offset:f.bucket_offset + f.numel].add_(
                     flat[f.tensor_offset:f.tensor_offset + f.numel])
             bucket.pending -= 1
-            self._launch_ready()   # per fragment: a tensor split over buckets recycles buffers as it goes
+            self._reductions.advance()   # per fragment: a tensor split over buckets recycles buffers as it goes
         if self.stage == 2:
             p.grad = None
-
-    def _launch_ready(self, flush: bool = False):
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._launch_order[self._next_launch]]
-            if bucket.pending > 0 and not flush:
-                return
-            self._launch(bucket)
-            self._next_launch += 1
 
     def _launch(self, b: _Bucket):
         """Reduce-scatter (SUM) one bucket; see [Note: sharded optimizer policy]."""
@@ -475,9 +468,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         b.launched = True
         self.comm_elements["reduce_scatter"] += b.numel
         self.events.append(("reduce_scatter", b.index))
-        self._inflight_buckets.append(b)
-        while len(self._inflight_buckets) > _MAX_INFLIGHT:
-            self._retire(self._inflight_buckets.pop(0))
 
     def _acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed bucket buffer, recycled when one of this size is free."""
@@ -512,9 +502,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         b.handle, b.reduce_out = None, None
 
     def _finish_backward(self):
-        self._launch_ready(flush=self._sync)
-        while self._inflight_buckets:
-            self._retire(self._inflight_buckets.pop(0))
+        self._reductions.advance(flush=self._sync)
+        self._reductions.drain()
         if self._sync and not self._order_learned:
             self._learn_launch_order()
         if self._sync:
