@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.15.0
 # that, so a fresh clone does not download them again. (pip's own HTTP cache
 # is not relied on: index responses that forbid caching leave it empty.)
 WHEELHOUSE ?= $(HOME)/.cache/zeroshard/wheels
-DEV_DEPS := "scikit-build-core>=0.10" "pytest>=7" pytest-timeout hypothesis ninja numpy
+DEV_DEPS := "scikit-build-core>=0.10" "pytest>=7" pytest-timeout hypothesis ninja numpy safetensors
 
 SOURCES := $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null) CMakeLists.txt pyproject.toml
 

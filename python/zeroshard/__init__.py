@@ -5,11 +5,13 @@ FullyShard parameters, the ZeRO-3 optimizer) and :class:`FullyShard` (ZeRO-3
 module wrapper, with :class:`MixedPrecision`). Underneath: the flat-buffer
 layout (:func:`compute_layout`), the fused AdamW kernel (:func:`fused_adamw_`)
 and flat-buffer collectives (:func:`reduce_scatter`, :func:`all_gather`,
-:func:`all_reduce`).
+:func:`all_reduce`). Checkpoints that resume at any world size and stage:
+:func:`save_checkpoint`, :func:`load_checkpoint`, :func:`export_full_state_dict`.
 """
 from __future__ import annotations
 
 from ._ext import _C
+from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, save_checkpoint
 from .comm import CommHandle, all_gather, all_reduce, reduce_scatter
 from .fully_shard import FullyShard, MixedPrecision
 from .kernels import fused_adamw_
@@ -37,6 +39,6 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "CommHandle", "Layout", "all_gather", "all_reduce", "build_info", "compute_layout",
+    "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout", "all_gather", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer",
 ]

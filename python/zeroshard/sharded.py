@@ -126,6 +126,8 @@ class _Region:
     exp_avg: torch.Tensor      # this rank's shard
     exp_avg_sq: torch.Tensor
     frags: List[tuple]         # (param index, offset in param, offset in region, numel)
+    values: Optional[torch.Tensor] = None  # stages 1/2: this rank's master (or fp32 parameter)
+                                           # shard; stage 3: None (the FullyShard units hold it)
 
 
 def _held_by_ddp(p: torch.Tensor) -> bool:
@@ -224,7 +226,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._regions = [
             _Region(bk.shard_numel, bk.shard(bk.buffer.exp_avg), bk.shard(bk.buffer.exp_avg_sq),
                     [(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
-                     for fr in (self.layout.fragments[f] for f in self.layout.buckets[bk.index].fragments)])
+                     for fr in (self.layout.fragments[f] for f in self.layout.buckets[bk.index].fragments)],
+                    bk.shard(bk.buffer.master) if bk.buffer.master is not None
+                    else bk.own(bk.buffer.params, self.rank))
             for bk in self._buckets]
         self._hooks = [self._params[i].register_post_accumulate_grad_hook(self._make_hook(i))
                        for i in self._trainable]
@@ -594,15 +598,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self.last_step_skipped:
             for gi, group in enumerate(self.param_groups):
                 self._update_group(gi, group)
-            handles = []   # all buckets' gathers in flight at once, then wait
-            for buf in self._buffers:
-                for b in buf.buckets:
-                    region = buf.params[b.offset:b.offset + b.numel]
-                    handles.append(comm.all_gather(b.own(buf.params, self.rank), region,
-                                                   group=self.process_group))
-                    self.comm_elements["all_gather"] += b.numel
-            for h in handles:
-                h.wait()
+            self._gather_params()
         for fs in self._owners:      # stage 3: gathered copies are stale; the next forward gathers
             fs._invalidate()
             fs._grads_ready = False
@@ -610,6 +606,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grads_ready = False
         self.events.append(("step", -1))
         return loss
+
+    def _gather_params(self):
+        """Stages 1/2: all-gather every bucket's parameters in place from each rank's
+        chunk; all gathers in flight at once, then wait."""
+        handles = []
+        for buf in self._buffers:
+            for b in buf.buckets:
+                region = buf.params[b.offset:b.offset + b.numel]
+                handles.append(comm.all_gather(b.own(buf.params, self.rank), region,
+                                               group=self.process_group))
+                self.comm_elements["all_gather"] += b.numel
+        for h in handles:
+            h.wait()
+
+    @torch.no_grad()
+    def _shards_loaded(self, steps: List[int]):
+        """After a checkpoint wrote this rank's region values and states: set the
+        step counts and rebuild everything derived from the shards (stages 1/2:
+        the low-precision chunks and the full parameters; stage 3: drop the
+        units' gathered copies)."""
+        self._steps = list(steps)
+        for fs in self._owners:
+            fs._invalidate()
+        if self._owners:
+            return
+        for buf in self._buffers:
+            if buf.master is not None:
+                for b in buf.buckets:
+                    b.own(buf.params, self.rank).copy_(b.shard(buf.master))
+        # each rank's chunk broadcast in place, in turn: unlike the all-gather (on
+        # gloo, an all-reduce with scratch space), no transient memory at all
+        for buf in self._buffers:
+            for b in buf.buckets:
+                for r in range(self.world_size):
+                    src = dist.get_global_rank(self.process_group, r) if self.process_group is not dist.group.WORLD else r
+                    dist.broadcast(b.own(buf.params, r), src=src, group=self.process_group)
 
     def _update_group(self, gi: int, group: dict):
         segs = [seg for seg in self._segments if seg.group == gi]

@@ -1,0 +1,137 @@
+"""Checkpoint save and load of a small GPT: time, bytes written and peak memory per rank.
+
+Variants (world size 2, CPU + gloo by default), each in fresh processes:
+  fsdp2-3+dcp   FSDP2 fully_shard per block + root, saved and loaded with
+                torch.distributed.checkpoint (get_state_dict / dcp.save / dcp.load / set_state_dict)
+  zeroshard-3   zeroshard.FullyShard + ShardedOptimizer, save_checkpoint / load_checkpoint
+  zeroshard-2   zeroshard.ShardedOptimizer(stage=2), save_checkpoint / load_checkpoint
+Both write fsynced files. "save ms" / "load ms" are medians over --repeats
+on rank 0 (barrier-to-barrier); "MB/rank" is what each rank wrote (its data
+file; rank 0 also the metadata/manifest); "peak MB" is the rise of rank 0's
+peak resident memory over what it held before the call (save, load).
+
+    python benchmarks/checkpoint.py [--world-size 2] [--layers 4 --dim 512] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import GPT, GPTConfig  # noqa: E402
+from step import build, free_port, reset_peak_rss, rss_mb  # noqa: E402
+
+VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2"]
+
+
+def save_load(variant, model, opt):
+    if variant == "fsdp2-3+dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        def save(path):
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+        def load(path):
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return save, load
+    import zeroshard as zs
+    return (lambda path: zs.save_checkpoint(path, model, opt)), (lambda path: zs.load_checkpoint(path, model, opt))
+
+
+def timed(fn, repeats):
+    times, peaks = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        reset_peak_rss()
+        base = rss_mb()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        peaks.append(rss_mb("VmHWM") - base)
+    return 1e3 * statistics.median(times), max(peaks)
+
+
+def worker(rank, world, port, variant, cfg, args, root, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    wrapped, opt = build(variant.removesuffix("+dcp"), model, torch.float32)
+    data = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
+    wrapped(data[:, :-1], data[:, 1:]).backward()   # one step, so every optimizer state exists
+    opt.step()
+    opt.zero_grad()
+    save, load = save_load(variant, wrapped, opt)
+    path = os.path.join(root, variant)
+    save_ms, save_peak = timed(lambda: save(path), args.repeats)
+    load_ms, load_peak = timed(lambda: load(path), args.repeats)
+    mine = [f for f in glob.glob(os.path.join(path, "*")) if
+            os.path.basename(f) in (f"rank{rank}.safetensors", f"__{rank}_0.distcp")
+            or (rank == 0 and os.path.basename(f) in ("manifest.json", ".metadata"))]
+    written = sum(os.path.getsize(f) for f in mine) / 2**20
+    everyone = [None] * world
+    dist.all_gather_object(everyone, written)
+    if rank == 0:
+        out.put(dict(variant=variant, params=sum(p.numel() for p in model.parameters()), save_ms=save_ms,
+                     load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak))
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
+                                                   "checkpoint.json"))
+    args = ap.parse_args()
+    cfg = GPTConfig(layers=args.layers, dim=args.dim)
+    ctx = mp.get_context("spawn")
+    rows = []
+    root = tempfile.mkdtemp(prefix="zs-ckpt-bench-")
+    try:
+        for variant in args.variants.split(","):
+            q = ctx.SimpleQueue()
+            mp.start_processes(worker, args=(args.world_size, free_port(), variant, cfg, args, root, q),
+                               nprocs=args.world_size, start_method="spawn")
+            rows.append(q.get())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ref = next((r for r in rows if r["variant"] == "fsdp2-3+dcp"), None)
+    print(f"checkpoint of a {rows[0]['params'] / 1e6:.1f}M-parameter GPT, world size {args.world_size}, "
+          f"CPU + gloo, {date.today()}")
+    print(f"{'variant':<14}{'save ms':>9}{'vs dcp':>8}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
+          f"{'save peak MB':>14}{'load peak MB':>14}")
+    for r in rows:
+        vs = (lambda k: f"{r[k] / ref[k]:.2f}x") if ref else (lambda k: "-")
+        mb = "/".join(f"{m:.1f}" for m in r["mb_per_rank"])
+        print(f"{r['variant']:<14}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
+              f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(date=str(date.today()), world_size=args.world_size, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
