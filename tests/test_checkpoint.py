@@ -29,8 +29,8 @@ TINY_BUCKET_MB = 0.004      # buckets of ~1000 fp32 elements: parameters split a
 
 
 def build(kind, dtype=None, seed=0):
-    """A GPT and its optimizer: kind 'plain' (torch AdamW, no process group), 1, 2
-    (ShardedOptimizer stages) or 3 (FullyShard)."""
+    """A GPT and its optimizer: kind 'plain' (torch AdamW, no process group), 'ddp'
+    (DDP + torch AdamW), 1, 2 (ShardedOptimizer stages) or 3 (FullyShard)."""
     if kind == 3:
         mp_ = zs.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else None
         model = zs.FullyShard(make_gpt(seed), wrap={Block}, mixed_precision=mp_)
@@ -38,8 +38,9 @@ def build(kind, dtype=None, seed=0):
     model = make_gpt(seed)
     if dtype is not None:
         model.to(dtype)
-    if kind == "plain":
-        return model, torch.optim.AdamW(param_groups(model.named_parameters()), lr=1e-2, foreach=False)
+    if kind in ("plain", "ddp"):
+        opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=1e-2, foreach=False)
+        return (nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model), opt
     return model, zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2, stage=kind,
                                       bucket_mb=TINY_BUCKET_MB)
 
@@ -102,8 +103,14 @@ def test_resume_across_world_sizes_and_stages_matches_an_uninterrupted_run(tmp_p
     path = str(tmp_path / "z3w3")
     p3.run(_save_after, 3, 5, path)
     check_resumed(p2.run(_resume, 3, path, 5), path)
+    check_resumed(p2.run(_resume, 2, path, 5), path)
     check_resumed(p2.run(_resume, 1, path, 5), path)
     assert _resume_plain(path, 5) <= 1e-5
+    # DDP + torch AdamW at world size 2 (rank 0 writes the replicated state) -> ZeRO-3 at 3
+    path = str(tmp_path / "ddp")
+    assert p2.run(_save_after, "ddp", 5, path)[0] == ["extra0.pt", "extra1.pt", "manifest.json",
+                                                     "rank0.safetensors"]
+    assert max(err for err, _ in p3.run(_resume, 3, path, 5)) <= 1e-5
     # plain torch AdamW without a process group -> ZeRO-3 at 3 and ZeRO-2 at 2
     path = str(tmp_path / "plain")
     model, opt = build("plain")

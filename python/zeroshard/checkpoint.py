@@ -558,12 +558,13 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None) -
 
     def write():
         mine = [p for p in h.pieces if (not p.replicated or h.rank == 0) and p.data.numel()]
-        fname = f"rank{h.rank}.safetensors"
-        crc, size, placed = _write_safetensors(
-            os.path.join(tmp, fname),
-            [(f"{p.key}@{p.start}", p.data.dtype, (p.data.numel(),), lambda p=p: p.data) for p in mine])
-        entries = [(p.key, [fname, off, p.start, p.data.numel(), crcs]) for p, (off, crcs) in zip(mine, placed)]
-        files = {fname: {"size": size, "crc32": crc}}
+        fname, entries, files = f"rank{h.rank}.safetensors", [], {}
+        if mine:          # (a rank of a replicated model owns nothing and writes no file)
+            crc, size, placed = _write_safetensors(
+                os.path.join(tmp, fname),
+                [(f"{p.key}@{p.start}", p.data.dtype, (p.data.numel(),), lambda p=p: p.data) for p in mine])
+            entries = [(p.key, [fname, off, p.start, p.data.numel(), crcs]) for p, (off, crcs) in zip(mine, placed)]
+            files[fname] = {"size": size, "crc32": crc}
         if extra is not None:
             buf = io.BytesIO()
             torch.save(extra, buf)
