@@ -57,6 +57,8 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/adamw.py
+	$(PY) benchmarks/step.py
+	$(PY) benchmarks/checkpoint.py
 
 clean:
 	rm -rf build $(VENV)/.built
