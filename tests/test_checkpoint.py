@@ -1,6 +1,5 @@
 """Checkpoints: resume across world sizes and stages, crash safety, bad files,
 export, and memory during save and load (gloo, world sizes 1, 2 and 3)."""
-import contextlib
 import ctypes
 import gc
 import glob
@@ -23,7 +22,7 @@ from safetensors.torch import load_file
 import zeroshard as zs
 from conftest import get_pool
 from test_fully_shard import (BATCH, DIM, SEQ, VOCAB, Block, batches, loss_fn, make_gpt, max_err,
-                              param_groups, reference, train, wrapped)
+                              param_groups, reference, train)
 
 TINY_BUCKET_MB = 0.004      # buckets of ~1000 fp32 elements: parameters split across buckets
 

@@ -104,21 +104,24 @@ def test_cuda_sharded_optimizer_matches_adamw(nccl_world1, stage, dtype):
         assert err <= tol, err
 
 
+class Block(torch.nn.Module):
+    """A residual MLP block: the sharding unit of the FullyShard tests."""
+
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_cuda_fully_shard_matches_adamw_and_frees_gathered_memory(nccl_world1, reshard):
     import torch.nn as nn
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(61, 127), nn.Linear(127, 61)
-
-        def forward(self, x):
-            return x + self.fc2(torch.tanh(self.fc1(x)))
-
     def make():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(33, 61), *[Block() for _ in range(3)], nn.Linear(61, 7)).cuda()
+        return nn.Sequential(nn.Linear(33, 61), *[Block(61, 127) for _ in range(3)], nn.Linear(61, 7)).cuda()
 
     ref, model = make(), zs.FullyShard(make(), wrap={Block}, reshard_after_forward=reshard)
     opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
@@ -142,17 +145,9 @@ def test_cuda_checkpoint_round_trip_and_peak_memory(nccl_world1, tmp_path):
     save and load under one unit."""
     import torch.nn as nn
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(256, 1024), nn.Linear(1024, 256)
-
-        def forward(self, x):
-            return x + self.fc2(torch.relu(self.fc1(x)))
-
     def make(seed):
         torch.manual_seed(seed)
-        return nn.Sequential(*[Block() for _ in range(4)])
+        return nn.Sequential(*[Block(256, 1024) for _ in range(4)])
 
     model = zs.FullyShard(make(0).cuda(), wrap={Block})
     opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)

@@ -130,7 +130,6 @@ class _Holdings:
             self.group = dist.group.WORLD if dist.is_initialized() else None
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
-        self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         self.stage = 3 if fs is not None else (sharded_opt.stage if sharded_opt is not None else 0)
         self.specs: Dict[str, _Spec] = {}
         self.pieces: List[_Piece] = []
@@ -187,9 +186,12 @@ class _Holdings:
         else:
             self.pieces.append(_Piece(key, 0, t.reshape(-1).clone(), True, writeback=t))
 
-    def _save_groups(self, groups: list, steps: List[Dict[str, int]]):
+    def _groups(self, opt, group_names: List[List[str]]):
+        """Record opt's param groups (hyperparameters and parameter names) for a
+        save, and have a load restore the hyperparameters: each group takes those
+        of the saved group holding its first parameter."""
         self.groups = []
-        for g, st in zip(groups, steps):
+        for g, names in zip(opt.param_groups, group_names):
             hyper = {}
             for k, v in g.items():
                 if k in _SKIP_HYPER:
@@ -199,7 +201,15 @@ class _Holdings:
                 except TypeError:
                     continue
                 hyper[k] = v
-            self.groups.append({"params": list(st), "hyper": hyper})
+            self.groups.append({"params": list(names), "hyper": hyper})
+
+        def finish(man):
+            where = {n: g["hyper"] for g in man["param_groups"] for n in g["params"]}
+            for g, names in zip(opt.param_groups, group_names):
+                saved = next((where[n] for n in names if n in where), None)
+                for k, v in (saved or {}).items():
+                    g[k] = tuple(v) if k == "betas" else v
+        self._finish.append(finish)
 
     def _sharded_optimizer(self, opt, covered: set):
         names = [self._name_of(p, i) for i, p in enumerate(opt._params)]
@@ -224,25 +234,17 @@ class _Holdings:
                     self.pieces.append(_Piece("param:" + names[i], start, reg.values[a - lo:b - lo], False))
                 for kind in ("exp_avg", "exp_avg_sq"):
                     self.pieces.append(_Piece(f"{kind}:{names[i]}", start, getattr(reg, kind)[a - lo:b - lo], False))
-        self._save_groups(opt.param_groups, [
-            {names[i]: opt._steps[gi] for i in range(len(opt._params)) if opt._group_of[i] == gi}
-            for gi in range(len(opt.param_groups))])
-
-        def finish(man):
-            steps = [_group_step(man, [names[i] for i in range(len(names)) if opt._group_of[i] == gi])
-                     for gi in range(len(opt.param_groups))]
-            _load_hyper(man, opt.param_groups, [[names[i] for i in range(len(names)) if opt._group_of[i] == gi]
-                                                for gi in range(len(opt.param_groups))])
-            opt._shards_loaded(steps)
-        self._finish.append(finish)
+        group_names = [[n for n, g in zip(names, opt._group_of) if g == gi] for gi in range(len(opt.param_groups))]
+        self._groups(opt, group_names)
+        self._finish.append(lambda man: opt._shards_loaded([_group_step(man, nm) for nm in group_names]))
 
     def _torch_adamw(self, opt, for_load: bool):
         if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
             raise CheckpointError(f"optimizer {type(opt).__name__} is not supported: checkpoints hold "
                                   "zeroshard.ShardedOptimizer or torch.optim.AdamW/Adam state")
-        steps, group_names = [], []
+        group_names = []
         for g in opt.param_groups:
-            st, nm = {}, []
+            nm = []
             for p in g["params"]:
                 name = self._name_of(p, len(nm))
                 nm.append(name)
@@ -252,17 +254,15 @@ class _Holdings:
                         "step": torch.tensor(0.0, device=p.device if g.get("capturable") or g.get("fused") else None),
                         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-                st[name] = int(float(state["step"])) if state else 0
                 if state:
                     for kind in ("exp_avg", "exp_avg_sq"):
-                        self.specs[f"{kind}:{name}"] = _Spec(tuple(p.shape), state[kind].dtype, p.dtype, st[name])
+                        self.specs[f"{kind}:{name}"] = _Spec(tuple(p.shape), state[kind].dtype, p.dtype,
+                                                             int(float(state["step"])))
                         self._whole(f"{kind}:{name}", state[kind])
-            steps.append(st)
             group_names.append(nm)
-        self._save_groups(opt.param_groups, steps)
+        self._groups(opt, group_names)
 
         def finish(man):
-            _load_hyper(man, opt.param_groups, group_names)
             for g, nm in zip(opt.param_groups, group_names):
                 for p, name in zip(g["params"], nm):
                     opt.state[p]["step"].fill_(_group_step(man, [name]))
@@ -286,17 +286,6 @@ def _persistent_buffers(module: nn.Module):
 def _group_step(man: dict, names: List[str]) -> int:
     steps = [man["tensors"].get(f"exp_avg:{n}", {}).get("step") for n in names]
     return max([s for s in steps if s is not None], default=0)
-
-
-def _load_hyper(man: dict, groups: list, group_names: List[List[str]]):
-    """Each group takes the hyperparameters of the saved group holding its first parameter."""
-    where = {n: g["hyper"] for g in man["param_groups"] for n in g["params"]}
-    for g, names in zip(groups, group_names):
-        saved = next((where[n] for n in names if n in where), None)
-        if saved is None:
-            continue
-        for k, v in saved.items():
-            g[k] = tuple(v) if k == "betas" else v
 
 
 # ------------------------------------------------------------------ collectives

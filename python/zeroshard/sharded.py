@@ -640,8 +640,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for buf in self._buffers:
             for b in buf.buckets:
                 for r in range(self.world_size):
-                    src = dist.get_global_rank(self.process_group, r) if self.process_group is not dist.group.WORLD else r
-                    dist.broadcast(b.own(buf.params, r), src=src, group=self.process_group)
+                    dist.broadcast(b.own(buf.params, r), src=dist.get_global_rank(self.process_group, r),
+                                   group=self.process_group)
 
     def _update_group(self, gi: int, group: dict):
         segs = [seg for seg in self._segments if seg.group == gi]
