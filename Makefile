@@ -1,5 +1,5 @@
 # Two commands for a fresh machine (see README):
-#   make demo   the main job (for now: the fused AdamW benchmark table)
+#   make demo   the main job: examples/train_gpt.py on 2 CPU processes (gloo)
 #   make test   the whole test suite (C++ unit tests + pytest)
 # Both create/refresh .venv, install torch if it is missing (pip keeps the
 # wheel in its cache, so a fresh clone does not download it again), build the
@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.15.0
 # that, so a fresh clone does not download them again. (pip's own HTTP cache
 # is not relied on: index responses that forbid caching leave it empty.)
 WHEELHOUSE ?= $(HOME)/.cache/zeroshard/wheels
-DEV_DEPS := "scikit-build-core>=0.10" "pytest>=7" pytest-timeout hypothesis ninja numpy safetensors
+DEV_DEPS := "scikit-build-core>=0.10" "pytest>=7" pytest-timeout hypothesis ninja numpy safetensors matplotlib
 
 SOURCES := $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null) CMakeLists.txt pyproject.toml
 
@@ -52,13 +52,23 @@ test-py: build
 
 test: build test-cpp test-py
 
+# Two ranks on this machine (gloo on CPU; NCCL, one GPU each, where there are GPUs).
+# Stages 0-2 run briefly for their memory tables, then ZeRO-3 trains with
+# checkpoints and the run resumes from the last one as ZeRO-2. The memory
+# picture is examples/out/memory_by_stage.png.
+DEMO := OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+
 demo: build
-	$(PY) benchmarks/adamw.py --quick
+	rm -rf examples/out
+	for s in 0 1 2; do $(DEMO) --stage $$s --steps 40 || exit 1; done
+	$(DEMO) --stage 3 --steps 300 --ckpt-dir examples/out/ckpt --ckpt-every 100
+	$(DEMO) --stage 2 --steps 340 --ckpt-dir examples/out/ckpt --resume
 
 bench: build
 	$(PY) benchmarks/adamw.py
 	$(PY) benchmarks/step.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf build $(VENV)/.built

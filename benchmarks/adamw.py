@@ -28,6 +28,7 @@ from datetime import date
 import torch
 
 import zeroshard as zs
+from machine import machine_info
 
 BYTES = {"zeroshard bf16": 28, "zeroshard fp32": 28, "torch fused": 28,
          "torch fused+cast": 34, "torch foreach+cast": 34}
@@ -123,6 +124,7 @@ def main():
 
     devices = [d for d in args.devices.split(",") if d == "cpu" or torch.cuda.is_available()]
     report = {"date": date.today().isoformat(), "commit": git_commit(), "torch": torch.__version__,
+              "machine": machine_info("cuda" if "cuda" in devices else "cpu"),
               "build": zs.build_info(), "bytes_per_param": BYTES, "results": []}
     for device in devices:
         if args.sizes:

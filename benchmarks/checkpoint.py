@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
+from machine import machine_info  # noqa: E402
 from step import build, free_port, reset_peak_rss, rss_mb  # noqa: E402
 
 VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2"]
@@ -75,6 +76,7 @@ def worker(rank, world, port, variant, cfg, args, root, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())   # before wrapping (FullyShard leaves shards)
     wrapped, opt = build(variant.removesuffix("+dcp"), model, torch.float32)
     data = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
     wrapped(data[:, :-1], data[:, 1:]).backward()   # one step, so every optimizer state exists
@@ -91,7 +93,7 @@ def worker(rank, world, port, variant, cfg, args, root, out):
     everyone = [None] * world
     dist.all_gather_object(everyone, written)
     if rank == 0:
-        out.put(dict(variant=variant, params=sum(p.numel() for p in model.parameters()), save_ms=save_ms,
+        out.put(dict(variant=variant, params=n_params, save_ms=save_ms,
                      load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak))
     dist.destroy_process_group()
 
@@ -130,7 +132,9 @@ def main():
               f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(date=str(date.today()), world_size=args.world_size, rows=rows), f, indent=1)
+        json.dump(dict(date=str(date.today()), world_size=args.world_size, rows=rows, torch=torch.__version__,
+                       config=vars(cfg), repeats=args.repeats, backend="CPU gloo", machine=machine_info("cpu")),
+                  f, indent=1)
 
 
 if __name__ == "__main__":

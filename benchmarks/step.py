@@ -23,6 +23,16 @@ variant's time over zeroshard stage 2's.
 With --device cuda (one GPU per rank, NCCL), peak MB is exact: the rise of
 torch.cuda.max_memory_allocated over what the built model holds.
 
+"comm MB" is what one rank sends per step under the ring model of the
+collectives the step actually issued, counted by the profiler on rank 0 in one
+extra step after the timed ones (so it is neither timed nor in the peak): for a
+collective on a buffer of S bytes (all-reduce: the tensor; all-gather: the
+gathered output; reduce-scatter: the input; broadcast: the tensor), all-reduce
+sends 2(N-1)/N x S and the others (N-1)/N x S (NCCL's "bus bytes"). The JSON
+row also has each kind's calls and summed S. The kinds are the backend's: on
+gloo, FSDP2's reduce-scatter and zeroshard's reduce-scatter and all-gather run
+as all-reduces (see csrc/comm.h) and are counted as such. --no-comm skips it.
+
     python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
     python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768   # GPT-2 124M-sized
     python benchmarks/step.py --device cuda --world-size 1 --layers 24 --dim 1024 \
@@ -45,6 +55,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
+from machine import machine_info  # noqa: E402
 
 VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2", "zeroshard-2@5", "fsdp2-3", "zeroshard-3"]
 
@@ -96,6 +107,51 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
                                       bucket_mb=float(mb) if mb else 25)
 
 
+ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
+                 "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
+
+
+def comm_kind(name):
+    """The collective kind of a backend's profiler event ("gloo:all_reduce",
+    "nccl:_all_gather_base", ...), or None for events that are not collectives."""
+    backend, _, op = name.partition(":")
+    if backend not in ("gloo", "nccl", "xccl", "ucc", "mpi") or not op:
+        return None
+    for kind in ("all_reduce", "allreduce", "reduce_scatter", "all_gather", "allgather", "broadcast"):
+        if kind in op:
+            return kind.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
+    return op
+
+
+def count_comm(step, world):
+    """Runs ``step`` once under the profiler; returns ({kind: {calls, bytes}}, ring-model
+    bytes this rank sends), the latter None when an element size is unknown."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    kinds, sent = {}, 0.0
+    for e in prof.events():
+        kind = comm_kind(e.name)
+        if kind is None:
+            continue
+        size = 0
+        for shape, dtype in zip(e.input_shapes, e.input_dtypes):
+            if not shape:
+                continue
+            if dtype not in ELEMENT_BYTES:
+                sent = None
+                continue
+            size += ELEMENT_BYTES[dtype] * int(torch.Size(shape).numel())
+        if kind == "all_gather":
+            size *= world   # the backend event's input is this rank's chunk
+        k = kinds.setdefault(kind, {"calls": 0, "bytes": 0})
+        k["calls"] += 1
+        k["bytes"] += size
+        if sent is not None:
+            sent += size * (2 if kind == "all_reduce" else 1) * (world - 1) / world
+    return kinds, sent
+
+
 def worker(rank, world, port, variant, cfg, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     cuda = args.device == "cuda"
@@ -119,20 +175,33 @@ def worker(rank, world, port, variant, cfg, args, out):
         reset_peak_rss()
     wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch)
     times = []
-    for i in range(args.warmup + args.steps):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
+
+    def step():
         loss = wrapped(data[:, :-1], data[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
         sync()
+        return loss
+
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        loss = step()
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM")) - base
+    row = dict(variant=variant, params=n_params, step_ms=1e3 * statistics.median(times[args.warmup:]),
+               peak_mb=peak, loss=loss.item())
+    if args.comm:   # one more step, untimed: every rank runs it, rank 0 counts its collectives
+        dist.barrier()
+        if rank == 0:
+            kinds, sent = count_comm(step, world)
+            row.update(comm=kinds, comm_mb=None if sent is None else sent / 2**20)
+        else:
+            step()
     if rank == 0:
-        out.put(dict(variant=variant, params=n_params, step_ms=1e3 * statistics.median(times[args.warmup:]),
-                     peak_mb=peak, loss=loss.item()))
+        out.put(row)
     dist.destroy_process_group()
 
 
@@ -160,6 +229,8 @@ def main():
                     help="gathered-parameter dtype of the ZeRO-3 variants (mixed precision)")
     ap.add_argument("--prefetch", type=int, default=1, help="zeroshard-3: units gathered ahead")
     ap.add_argument("--variants", default=None, help="comma-separated; default: all that apply")
+    ap.add_argument("--no-comm", dest="comm", action="store_false",
+                    help="skip counting each variant's collectives (one extra, profiled step)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "step.json"))
     args = ap.parse_args()
     cfg = GPTConfig(layers=args.layers, dim=args.dim)
@@ -187,11 +258,13 @@ def main():
     where = "CPU gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()} NCCL"
     print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size} | {where} | "
           f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}")
-    print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}")
+    print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
+          f"{' comm MB' if args.comm else ''}")
     for r in rows:
+        comm = r.get("comm_mb")
         print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x "
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
-              f"{r['loss']:>7.3f}")
+              f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}"))
     z3, f3 = (next((r for r in rows if r["variant"] == v), None) for v in ("zeroshard-3", "fsdp2-3"))
     if z3 and f3:
         print(f"ZeRO-3 ({args.param_dtype} params): zeroshard-3 / fsdp2-3 = {z3['step_ms'] / f3['step_ms']:.2f}x "
@@ -199,7 +272,10 @@ def main():
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(date=str(date.today()), torch=torch.__version__, world_size=args.world_size,
-                       param_dtype=args.param_dtype, config=vars(cfg), rows=rows), f, indent=1)
+                       param_dtype=args.param_dtype, config=vars(cfg), rows=rows,
+                       machine=machine_info(args.device), device=args.device, backend=where, dtype=args.dtype,
+                       batch=args.batch, steps=args.steps, warmup=args.warmup, prefetch=args.prefetch,
+                       baseline=base["variant"]), f, indent=1)
 
 
 if __name__ == "__main__":

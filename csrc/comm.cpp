@@ -81,6 +81,15 @@ c10::cuda::CUDAStream comm_stream(StreamRole role, c10::DeviceIndex device) {
 
 }  // namespace
 
+// [Note: backend views] The backend gets C++-made aliases of the caller's
+// tensors, never the tensors Python holds. gloo's worker thread can drop its
+// reference to a finished work after wait() has returned; if that is the last
+// reference to a tensor with a Python object, dropping it needs the GIL, and
+// at interpreter exit (a script whose last call was a step, whose all-gather
+// just finished) that aborts the process ("terminate called without an active
+// exception"). An alias has no Python object: dropping it never needs the GIL.
+static at::Tensor backend_view(const at::Tensor& t) { return t.alias(); }
+
 struct CommLauncher {
   // Issues `issue()` ordered after the caller's current stream (CUDA) and
   // returns the handle that guards its result.
@@ -169,14 +178,14 @@ Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
   if (input.is_cpu() && input_is_scratch) {  // [Note: gloo algorithms]
     const int64_t n = output.numel();
     return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
-      std::vector<at::Tensor> ts{input};
+      std::vector<at::Tensor> ts{backend_view(input)};
       c10d::AllreduceOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
       return pg->allreduce(ts, opts);
     }, input.narrow(0, pg->getRank() * n, n));
   }
   return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
-    at::Tensor in = input, out = output;
+    at::Tensor in = backend_view(input), out = backend_view(output);
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     return pg->_reduce_scatter_base(out, in, opts);
@@ -194,14 +203,14 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
     output.narrow(0, 0, rank * n).zero_();
     output.narrow(0, (rank + 1) * n, output.numel() - (rank + 1) * n).zero_();
     return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {output}, [&] {
-      std::vector<at::Tensor> ts{output};
+      std::vector<at::Tensor> ts{backend_view(output)};
       c10d::AllreduceOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
       return pg->allreduce(ts, opts);
     });
   }
   return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
-    at::Tensor in = input, out = output;
+    at::Tensor in = backend_view(input), out = backend_view(output);
     return pg->_allgather_base(out, in);
   });
 }
@@ -211,7 +220,7 @@ Handle all_reduce(const std::string& group_name, const at::Tensor& tensor, bool 
   check_buffer(*pg, "all_reduce", tensor, "tensor");
   const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
   return CommLauncher::run(StreamRole::kAllReduce, tensor, divisor, {tensor}, [&] {
-    std::vector<at::Tensor> ts{tensor};
+    std::vector<at::Tensor> ts{backend_view(tensor)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     return pg->allreduce(ts, opts);

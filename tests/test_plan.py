@@ -1,4 +1,5 @@
 """The memory planner: the seeds' worked examples, the CLI, and agreement with memory_report()."""
+import os
 import subprocess
 import sys
 
@@ -70,3 +71,102 @@ def test_formula_matches_what_the_ranks_hold(dist_pool, stage, dtype, conv):
         assert got["params"] == [want["params"]] * world
         grads = got["grads"] if stage == 1 else [sum(got["grads"]) / world] * world
         assert grads == [want["grads"]] * world
+
+
+# --------------------------------------------------------- --model mode
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+MODEL_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)   # awkward sizes: the layouts pad
+BATCH = 16
+
+
+def _example():
+    sys.path.insert(0, EXAMPLES)
+    import train_gpt
+    return train_gpt
+
+
+def _build():
+    return _example().build_model("tiny", **MODEL_KW)
+
+
+def _batch():
+    return _example().example_batch("tiny", batch=BATCH, **MODEL_KW)
+
+
+def _measured(stage, dtype):
+    """memory_report() of a real run and its exact peak of live CPU tensor bytes over two training steps
+    (the CPU allocator's own accounting, through the profiler's memory events)."""
+    import gc
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    tg = _example()
+    pdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+    x = torch.randint(0, MODEL_KW["vocab"], (BATCH, MODEL_KW["seq"] + 1))
+    gc.collect()   # an earlier test's objects freed inside the window would read as negative bytes
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = _build()
+        if stage == 3:
+            mp = zs.MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if dtype == "bf16" else None
+            model = zs.FullyShard(model, wrap={tg.Block}, mixed_precision=mp)
+            opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3)
+        else:
+            model.to(pdt)
+            opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage)
+        start = time.time_ns()
+        for _ in range(2):
+            model(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live, peak = 0, 0
+    for e in events:
+        live += e.nbytes()
+        if e.start_ns() >= start:
+            peak = max(peak, live)
+    return opt.memory_report(), peak
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_model_plan_matches_real_runs(dist_pool, dtype):
+    """Model-state bytes equal every rank's memory_report() exactly; the predicted peak is within 10%."""
+    from zeroshard.plan import plan_model
+    world = dist_pool.world_size
+    plan = plan_model(_build, world, dtype, example=_batch)
+    assert plan["wrap"] == ["Block"] and plan["max_unit"][0] == "blocks.0"
+    padding = 0
+    for stage in (1, 2, 3):
+        want = plan["stages"][f"ZeRO-{stage}"]
+        got = dist_pool.run(_measured, stage, dtype)
+        for r, (rep, peak) in enumerate(got):
+            assert want["ranks"][r] == {k: rep[k] for k in want["ranks"][r]}, (stage, r)
+            print(f"ZeRO-{stage} rank {r}: predicted peak {want['peak']} measured {peak}")
+            assert abs(want["peak"] - peak) <= 0.10 * peak, (stage, r, want["peak"], peak)
+            padding += rep["padding"]
+    assert padding > 0                                          # the awkward sizes do pad
+
+
+def test_model_cli(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--model",
+                          os.path.join(EXAMPLES, "train_gpt.py") + ":build_model", "--world-size", "4",
+                          "--input", os.path.join(EXAMPLES, "train_gpt.py") + ":example_batch", "--batch", "4"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "largest unit 'blocks.0'" in out and "ZeRO-3" in out
+    bad = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--model", "no_such_module:f",
+                          "--world-size", "2"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "no_such_module" in bad.stderr
+
+
+def test_meta_optimizer_plans_but_does_not_step():
+    """What plan_model builds is for reports only: stepping it is a clear error, and it leaves no process group."""
+    import torch.distributed as dist
+    from zeroshard.plan import _fake_world
+    with _fake_world(1, 3):
+        with torch.device("meta"):
+            model = _build()
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=2)
+        assert opt.memory_report()["total"] > 0
+        with pytest.raises(RuntimeError, match="meta device"):
+            opt.step()
+    assert not dist.is_initialized()

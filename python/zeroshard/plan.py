@@ -16,11 +16,21 @@ Conventions (the seeds use both; say which one you mean):
 This is the model state only (what ``memory_report()`` calls persistent,
 without layout padding); activations, communication buckets and gathered
 units come on top.
+
+    python -m zeroshard.plan --model examples/train_gpt.py:build_model --world-size 8 \
+        [--input examples/train_gpt.py:example_batch --batch 16] [--wrap Block] [--dtype bf16]
+
+builds a real model on the meta device and plans it exactly: padding, the
+largest sharding unit, communication buckets, gathered units and (with an
+example batch) activations; see [Note: model plan].
 """
 from __future__ import annotations
 
 import argparse
-from typing import Dict, List
+import contextlib
+import sys
+import weakref
+from typing import Callable, Dict, List, Optional
 
 CARDS_GB = (24, 40, 80, 141)
 _BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}   # params, grads, optimizer
@@ -56,19 +66,313 @@ def format_table(params: float, world_size: int, dtype: str = "bf16") -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------ --model mode
+# [Note: model plan]
+# ``plan_model`` builds the user's model on the meta device and asks the
+# library itself what each rank would hold: for every stage and rank it sets
+# up a fake process group of the requested world size (no communication, no
+# data), wraps the meta model exactly as a run would (ShardedOptimizer for
+# stages 1/2, FullyShard + ShardedOptimizer for stage 3) and reads
+# memory_report(). The model-state bytes, padding included, are therefore the
+# ones a real run reports, by construction. On top come the transient buffers,
+# from the library's rules:
+#   DDP      its gradient buckets: one more copy of the gradients;
+#   ZeRO-1   none (gradients are reduced in place in the flat gradient buffer;
+#            a reduce_dtype other than the parameters' adds one bucket);
+#   ZeRO-2   the bucket buffers kept for reduce-scatter: _MAX_INFLIGHT + 1 of
+#            the largest bucket (fewer if there are fewer buckets);
+#   ZeRO-3   the root unit gathered for the whole step, prefetch + 1 gathered
+#            non-root units of the largest size, the root's gradient buffer
+#            and one non-root unit's: what is alive at the start of backward.
+#            (A second unit's buffer, while the first is being reduced, comes
+#            once that unit's activations are freed; a rank whose reduction
+#            is slow can briefly hold both: measured 3% over this estimate.)
+# With an example batch (--input) the planner also runs one forward and
+# backward of the unwrapped model on fake tensors (FakeTensorMode: shapes and
+# dtypes, no data, on the CPU kernels' choices) and counts the live bytes of
+# every tensor it creates: activations and, for the moment each exists, a
+# parameter's full gradient. The predicted peak is model state + transient
+# buffers + that activation peak: the three are all alive at the start of
+# backward, which is where the peak falls.
+
+
+def _load(spec: str):
+    """'pkg.module:function' or 'path/to/file.py:function' -> the function."""
+    import importlib
+    import importlib.util
+    import os
+    mod_name, sep, fn = spec.rpartition(":")
+    if not sep or not mod_name or not fn:
+        raise ValueError(f"{spec!r}: expected module:function or path/to/file.py:function")
+    if mod_name.endswith(".py") or os.sep in mod_name:
+        if not os.path.exists(mod_name):
+            raise ValueError(f"{spec!r}: no such file {mod_name!r}")
+        name = "_zeroshard_plan_" + os.path.splitext(os.path.basename(mod_name))[0]
+        spec_ = importlib.util.spec_from_file_location(name, mod_name)
+        module = importlib.util.module_from_spec(spec_)
+        sys.modules[name] = module          # so dataclasses and pickling see it
+        spec_.loader.exec_module(module)
+    else:
+        module = importlib.import_module(mod_name)
+    if not hasattr(module, fn):
+        raise ValueError(f"{spec!r}: {mod_name} has no attribute {fn!r}")
+    return getattr(module, fn)
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world_size: int):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("plan_model sets up its own (fake) process group: call it where "
+                           "torch.distributed is not initialized (or use python -m zeroshard.plan)")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _default_wrap(model) -> tuple:
+    """The class of the blocks of the model's longest ModuleList/Sequential (the usual transformer layout)."""
+    import torch.nn as nn
+    best = None
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
+            kinds = {type(c) for c in m}
+            if len(kinds) == 1 and (best is None or len(m) > len(best)):
+                best = m
+    return (type(best[0]),) if best is not None else ()
+
+
+def _resolve_wrap(model, wrap) -> tuple:
+    if wrap is None:
+        return _default_wrap(model)
+    if isinstance(wrap, str):
+        wrap = [w for w in wrap.split(",") if w]
+    classes = []
+    for w in wrap:
+        if isinstance(w, type):
+            classes.append(w)
+            continue
+        found = {type(m) for m in model.modules() if type(m).__name__ == w}
+        if not found:
+            names = ", ".join(sorted({type(m).__name__ for m in model.modules()}))
+            raise ValueError(f"--wrap names {w!r}, but the model has no module of that class (classes: {names})")
+        classes.extend(found)
+    return tuple(classes)
+
+
+def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: str, wrap: tuple,
+              bucket_mb: float, prefetch: int) -> Dict[str, object]:
+    import torch
+    import torch.nn as nn
+    from .fully_shard import FullyShard, MixedPrecision
+    from .sharded import _MAX_INFLIGHT, ShardedOptimizer
+    low = dtype in ("bf16", "fp16")
+    pdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    with _fake_world(rank, world_size):
+        with torch.device("meta"):
+            model = build()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"the --model function returned {type(model).__name__}, not an nn.Module")
+        if stage == 3:
+            mp = MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if low else None
+            fs = FullyShard(model, wrap=set(wrap) or None, mixed_precision=mp, prefetch=prefetch, device="meta")
+            rep = ShardedOptimizer(fs.parameters(), lr=1e-3).memory_report()
+            units = fs._units
+            ri = fs.reduce_dtype.itemsize
+            biggest = max(units[1:], key=lambda u: u.numel, default=None)
+            out = dict(report=rep, root_numel=units[0].numel,
+                       max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
+                       transient=rep["root_gathered"] + (prefetch + 1) * rep["max_unit"]
+                       + ri * (units[0].numel + (biggest.numel if biggest else 0)))
+        else:
+            model.to(pdt)
+            opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb)
+            rep = opt.memory_report()
+            sizes = sorted((b.numel * b.buffer.grad_shard.element_size() if stage == 2 else 0)
+                           for b in opt._buckets)
+            out = dict(report=rep, buckets=len(opt._buckets),
+                       transient=sum(sizes[-(_MAX_INFLIGHT + 1):]))
+    return out
+
+
+class _LiveBytes:
+    """A dispatch mode that counts the bytes of live tensor storages created under it, and their peak."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.live, self.peak, self._seen = 0, 0, {}
+
+            def ignore(self, tensors):
+                """Storages that exist already (parameters, inputs): views of them are not new bytes."""
+                for t in tensors:
+                    self._seen[id(t.untyped_storage())] = None
+
+            def _free(self, key, n):
+                self.live -= n
+                self._seen.pop(key, None)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        if id(st) not in self._seen:
+                            n = st.nbytes()
+                            self._seen[id(st)] = weakref.finalize(st, self._free, id(st), n)
+                            self.live += n
+                            self.peak = max(self.peak, self.live)
+                return out
+        return Mode()
+
+
+def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32") -> int:
+    """Peak bytes of the tensors one forward + backward of the unwrapped model creates (fake tensors)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    pdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    fake = FakeTensorMode()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(pdt)   # (module.to() cannot convert fake parameters in place)
+    try:
+        with fake:
+            model = build()
+            inputs = example()
+    finally:
+        torch.set_default_dtype(default)
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    for p in model.parameters():   # zeroshard moves each gradient into a flat buffer and drops it
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    live = _LiveBytes()
+    live.ignore([*model.parameters(), *model.buffers(), *(t for t in inputs if torch.is_tensor(t))])
+    with fake, live:
+        out = model(*inputs)
+        loss = out if out.dim() == 0 else out.float().sum()
+        loss.backward()
+    return live.peak
+
+
+def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=None, bucket_mb: float = 25,
+               prefetch: int = 1, example: Optional[Callable] = None, ranks: Optional[List[int]] = None) -> dict:
+    """Per-rank memory of ``build()`` (a function returning the model) at each stage.
+
+    Returns ``{"params", "wrap", "max_unit", "activations", "stages": {name: {"ranks": {r: report},
+    "model_state", "transient", "peak"}}}`` where ``report`` is memory_report()'s persistent
+    categories for rank r, ``model_state`` the largest total over the ranks, ``transient`` the
+    buffers of [Note: model plan], and ``peak`` their sum with ``activations`` (None without
+    ``example``, a function returning one micro-batch of inputs). See [Note: model plan].
+    """
+    import torch
+    if dtype not in _BYTES:
+        raise ValueError(f"dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    with torch.device("meta"):
+        model = build()
+    unique = {id(p): p for p in model.parameters()}.values()
+    n = sum(p.numel() for p in unique)
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    wrap_classes = _resolve_wrap(model, wrap)
+    del model
+    if ranks is None:   # only the ends of the rank range differ in padding
+        ranks = sorted({0, 1, world_size - 2, world_size - 1} & set(range(world_size)))
+    acts = activation_bytes(build, example, dtype) if example is not None else None
+    pb, gb, ob = _BYTES[dtype]
+    ddp_state = pb * n + (gb + ob) * trainable
+    stages = {"DDP": dict(ranks={r: dict(params=pb * n, grads=gb * trainable, master=(4 if pb < 4 else 0) * trainable,
+                                          exp_avg=4 * trainable, exp_avg_sq=4 * trainable, padding=0,
+                                          total=ddp_state) for r in ranks},
+                          model_state=ddp_state, transient=gb * trainable)}
+    max_unit = ("", 0)
+    for stage in (1, 2, 3):
+        runs = {r: _meta_run(build, world_size, r, stage, dtype, wrap_classes, bucket_mb, prefetch) for r in ranks}
+        persistent = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding", "total")
+        stages[f"ZeRO-{stage}"] = dict(ranks={r: {k: v["report"][k] for k in persistent} for r, v in runs.items()},
+                                       model_state=max(v["report"]["total"] for v in runs.values()),
+                                       transient=max(v["transient"] for v in runs.values()))
+        if stage == 3:
+            max_unit = runs[ranks[0]]["max_unit"]
+    for s in stages.values():
+        s["peak"] = None if acts is None else s["model_state"] + s["transient"] + acts
+    return dict(params=n, trainable=trainable, world_size=world_size, dtype=dtype,
+                wrap=[c.__name__ for c in wrap_classes], max_unit=max_unit, activations=acts, stages=stages)
+
+
+def format_model_plan(plan: dict) -> str:
+    gb = 1e9
+    mib = 2**20
+    unit = mib if plan["stages"]["DDP"]["model_state"] < 10 * gb else gb
+    uname = "MiB" if unit == mib else "GB"
+    name, numel = plan["max_unit"]
+    lines = [f"model: {plan['params']:,} parameters ({plan['trainable']:,} trainable), {plan['world_size']} ranks, "
+             f"{plan['dtype']}; ZeRO-3 units: {', '.join(plan['wrap']) or 'none (root only)'}; largest unit "
+             f"'{name}' {numel:,} elements (padded)",
+             f"{'stage':<8}{'params':>10}{'grads':>10}{'optimizer':>11}{'padding':>10}{'state':>10}"
+             f"{'buffers':>10}{'activ.':>10}{'peak':>10}  " + "".join(f"{c:>5}GB" for c in CARDS_GB)]
+    for s in STAGES:
+        st = plan["stages"][s]
+        r = max(st["ranks"].values(), key=lambda rep: rep["total"])
+        opt = r["master"] + r["exp_avg"] + r["exp_avg_sq"]
+        acts = plan["activations"]
+        need = st["peak"] if st["peak"] is not None else st["model_state"] + st["transient"]
+        fits = "".join(f"{'yes' if need <= c * gb else 'no':>7}" for c in CARDS_GB)
+        lines.append(f"{s:<8}{r['params'] / unit:>10.3f}{r['grads'] / unit:>10.3f}{opt / unit:>11.3f}"
+                     f"{r['padding'] / unit:>10.3f}{st['model_state'] / unit:>10.3f}{st['transient'] / unit:>10.3f}"
+                     f"{'-' if acts is None else format(acts / unit, '.3f'):>10}"
+                     f"{'-' if st['peak'] is None else format(st['peak'] / unit, '.3f'):>10}  {fits}")
+    lines.append(f"({uname} per rank, the rank with the most; state = params + grads + optimizer + padding, "
+                 "exactly what memory_report() will say; buffers = buckets / gathered units; "
+                 "peak = state + buffers + activations)")
+    if plan["activations"] is None:
+        lines.append("activations not counted: pass --input module:function (one micro-batch) to include them; "
+                     "'fits' then compares state + buffers only")
+    return "\n".join(lines)
+
+
 def main(argv: List[str] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m zeroshard.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 7e9")
+    ap.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
+    ap.add_argument("--model", help="module:function or file.py:function returning the model (built on meta)")
+    ap.add_argument("--input", help="module:function returning one micro-batch of inputs (for activations)")
+    ap.add_argument("--batch", type=int, help="passed to the --input function as batch=")
+    ap.add_argument("--wrap", help="ZeRO-3 unit classes, comma-separated names (default: the blocks of the "
+                                   "longest ModuleList)")
+    ap.add_argument("--bucket-mb", type=float, default=25, help="ShardedOptimizer bucket_mb (default 25)")
+    ap.add_argument("--prefetch", type=int, default=1, help="FullyShard prefetch (default 1)")
     ap.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
     ap.add_argument("--dtype", choices=sorted(_BYTES), default="bf16",
                     help="bf16/fp16: mixed precision with fp32 master (default); fp32: plain fp32")
     args = ap.parse_args(argv)
     if args.world_size < 1:
         ap.error("--world-size must be >= 1")
-    if not args.params > 0:
-        ap.error("--params must be > 0")
-    print(format_table(args.params, args.world_size, args.dtype))
+    if (args.params is None) == (args.model is None):
+        ap.error("give exactly one of --params and --model")
+    if args.model is None:
+        if not args.params > 0:
+            ap.error("--params must be > 0")
+        print(format_table(args.params, args.world_size, args.dtype))
+        return
+    try:
+        build = _load(args.model)
+        example = None
+        if args.input:
+            fn = _load(args.input)
+            example = (lambda: fn(batch=args.batch)) if args.batch else fn
+        plan = plan_model(build, args.world_size, args.dtype, wrap=args.wrap, bucket_mb=args.bucket_mb,
+                          prefetch=args.prefetch, example=example)
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+    print(format_model_plan(plan))
 
 
 if __name__ == "__main__":

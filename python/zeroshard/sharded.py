@@ -313,8 +313,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if p.requires_grad and p.dtype not in _SUPPORTED:
                 raise ValueError(self._err(
                     f"parameter {i} has dtype {p.dtype}; supported dtypes are float32, bfloat16, float16"))
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(self._err(f"parameters are on {device}; ShardedOptimizer supports CPU and CUDA"))
+        if device.type not in ("cpu", "cuda", "meta"):
+            raise ValueError(self._err(f"parameters are on {device}; ShardedOptimizer supports CPU and CUDA "
+                                       "(and meta, for planning: zeroshard.plan)"))
         self.device = device
         if _held_by_ddp(self._params[self._trainable[0]]):
             raise ValueError(self._err(
@@ -547,6 +548,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return b.own(buf.grads, self.rank) if self.stage == 1 else b.shard(buf.grad_shard)
 
     def _check_ready(self, what: str):
+        if self.device.type == "meta":
+            raise RuntimeError(self._err(
+                f"{what} on parameters on the meta device: they have no data (an optimizer over meta "
+                "parameters is for planning, as zeroshard.plan does); build or materialize the model "
+                "on CPU or CUDA to train"))
         ready = all(fs._grads_ready for fs in self._owners) if self._owners else self._grads_ready
         if not ready:
             raise RuntimeError(self._err(

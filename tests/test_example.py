@@ -1,0 +1,49 @@
+"""The training example (what `make demo` runs), launched with torchrun on 2 CPU processes."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
+
+
+def _launch(*args, tmp):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT,
+           "--out-dir", str(tmp), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def _table(out):
+    """{rank: (total, formula, ddp)} from the memory table."""
+    rows = re.findall(r"^(\d)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    return {int(r): tuple(map(float, v)) for r, *v in rows}
+
+
+@pytest.mark.timeout(600)
+def test_train_checkpoint_resume_at_another_stage(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = _launch("--stage", "3", "--steps", "24", "--accum", "2", "--clip", "1.0", "--ckpt-dir", str(ckpt),
+                  "--ckpt-every", "12", tmp=tmp_path)
+    first, last = map(float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", out).groups())
+    assert last < first - 0.3, out                              # it learns
+    assert "checkpoint: step 24" in out and (ckpt / "manifest.json").exists()
+    table = _table(out)
+    assert sorted(table) == [0, 1]
+    for total, formula, ddp in table.values():                  # no padding in this model: exact
+        assert total == formula and abs(ddp - 2 * formula) < 2e-3   # ZeRO-3 fp32, 2 ranks: 8 vs 16 B/param
+    out2 = _launch("--stage", "2", "--steps", "28", "--ckpt-dir", str(ckpt), "--resume", tmp=tmp_path)
+    assert "steps 24..28" in out2
+    resumed = float(re.search(r"loss: first \d+ steps ([\d.]+)", out2).group(1))
+    assert resumed < first - 0.3                                # it continued, not restarted
+    assert (tmp_path / "memory_by_stage.png").stat().st_size > 10_000 or "matplotlib is not installed" in out2
+
+
+def test_resume_needs_a_checkpoint_dir(tmp_path):
+    res = subprocess.run([sys.executable, SCRIPT, "--resume"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--resume needs --ckpt-dir" in res.stderr

@@ -1,0 +1,135 @@
+"""benchmarks/report.py on synthetic benchmark JSONs: plots, the RESULTS.md and
+README.md sections between their markers, idempotence, missing JSONs."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "report.py")
+_spec = importlib.util.spec_from_file_location("bench_report", _PATH)
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+MACHINE = {"description": "Test CPU 9000, 4 CPUs", "cpu": "Test CPU 9000", "cpus": 4, "gpu": None, "gpus": None,
+           "torch": "2.99.0", "python": "3.11.0", "os": "Linux", "commit": "abc1234"}
+P = 3_437_312
+
+
+def _step(variant, ms, mb, comm):
+    return {"variant": variant, "params": P, "step_ms": ms, "peak_mb": mb, "loss": 5.45,
+            "comm": {"all_reduce": {"calls": 1, "bytes": int(comm * 2**20)}}, "comm_mb": comm}
+
+
+STEP = {"date": "2031-01-02", "torch": "2.99.0", "world_size": 2, "param_dtype": "float32",
+        "config": {"vocab": 1021, "seq": 64, "layers": 4, "dim": 256, "heads": 4}, "machine": MACHINE,
+        "device": "cpu", "backend": "CPU gloo", "dtype": "float32", "batch": 8, "steps": 6, "warmup": 2,
+        "prefetch": 1, "baseline": "ddp",
+        "rows": [_step("ddp", 368.1, 243.6, 13.1), _step("ddp+zero", 420.0, 230.0, 19.7),
+                 _step("fsdp2", 500.0, 225.0, 19.7), _step("zeroshard-1", 380.0, 229.0, 26.2),
+                 _step("zeroshard-2", 370.0, 226.0, 26.2), _step("zeroshard-2@5", 375.0, 224.0, 26.2),
+                 _step("fsdp2-3", 690.3, 220.6, 26.3), _step("zeroshard-3", 433.5, 227.0, 31.6)]}
+ADAMW = {"date": "2031-01-02", "commit": "abc1234", "torch": "2.99.0", "machine": MACHINE,
+         "bytes_per_param": {"zeroshard bf16": 28, "torch fused": 28},
+         "results": [{"device": "cpu", "device_name": "x86_64, 4 threads", "params": n, "variant": v,
+                      "seconds": t * n / 2**20, "gb_per_s": 28 * 2**20 / t / 1e9, "copy_gb_per_s": 25.0,
+                      "fraction_of_copy": 28 * 2**20 / t / 1e9 / 25.0, "time_vs_zeroshard_bf16": t / 1e-3}
+                     for n in (2**20, 2**22) for v, t in (("zeroshard bf16", 1e-3), ("torch fused", 1.1e-3))]}
+CKPT = {"date": "2031-01-02", "world_size": 2, "torch": "2.99.0", "backend": "CPU gloo", "machine": MACHINE,
+        "config": {"layers": 4, "dim": 512}, "repeats": 3,
+        "rows": [{"variant": v, "params": 13_166_080, "save_ms": s, "load_ms": lo, "mb_per_rank": [75.4, 75.3],
+                  "save_peak_mb": 0.4, "load_peak_mb": 0.2}
+                 for v, s, lo in (("fsdp2-3+dcp", 384.3, 275.1), ("zeroshard-3", 262.9, 77.7))]}
+
+RESULTS = "# Benchmark results\n\nIntro paragraph.\n\n## Old run\n\nhand-written reading\n"
+README = ("# proj\n\ntext\n\n## Benchmarks\n\n- `make bench` runs them.\n\nshort summary\n\n"
+          "## Afterwards\n\nlast section\n")
+
+
+def _setup(tmp_path, files=(("step.json", STEP), ("adamw.json", ADAMW), ("checkpoint.json", CKPT))):
+    out = tmp_path / "bench" / "out"
+    out.mkdir(parents=True)
+    for name, data in files:
+        (out / name).write_text(json.dumps(data))
+    results, readme = tmp_path / "bench" / "RESULTS.md", tmp_path / "README.md"
+    results.write_text(RESULTS)
+    readme.write_text(README)
+    return out, results, readme
+
+
+def _section(text, markers):
+    i, j = text.index(markers[0]), text.index(markers[1])
+    assert text.count(markers[0]) == text.count(markers[1]) == 1
+    return text[i:j + len(markers[1])]
+
+
+def test_plots_sections_and_idempotent(tmp_path):
+    out, results, readme = _setup(tmp_path)
+    changed = report.report(str(out), str(results), str(readme))
+    pngs = ["memory_by_stage.png", "step_time_ratio.png", "adamw.png", "checkpoint.png"]
+    for png in pngs:
+        data = (out / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) < 100_000, png
+        assert changed[str(out / png)]
+
+    res = results.read_text()
+    sec = _section(res, report.RESULTS_MARKERS)
+    assert res.startswith("# Benchmark results\n\nIntro paragraph.\n\n" + report.RESULTS_MARKERS[0])
+    assert res.endswith("\n\n## Old run\n\nhand-written reading\n")
+    assert "| 2031-01-02 | Test CPU 9000, 4 CPUs | 2.99.0 | abc1234 |" in sec
+    assert "| zeroshard-2 | ZeRO-2 | 370.0 | 1.01x | 226.0 | 0.93x | 26.20 | 5.450 |" in sec
+    assert "zeroshard-3 / fsdp2-3 (ZeRO-3): 0.63x time" in sec
+    assert "| zeroshard-3 | 262.9 | 0.68x | 77.7 | 0.28x |" in sec
+
+    rd = readme.read_text()
+    sec = _section(rd, report.README_MARKERS)
+    before, after = rd.split(sec)
+    assert before == "# proj\n\ntext\n\n## Benchmarks\n\n- `make bench` runs them.\n\nshort summary\n\n"
+    assert after == "\n\n## Afterwards\n\nlast section\n"
+    for png in pngs:
+        assert f"](bench/out/{png})" in sec
+    assert "run of 2031-01-02 on Test CPU 9000, 4 CPUs (torch 2.99.0, commit abc1234)" in " ".join(sec.split())
+
+    snapshot = {p: p.read_bytes() for p in [results, readme] + [out / png for png in pngs]}
+    again = report.report(str(out), str(results), str(readme))
+    assert not any(again.values())
+    assert snapshot == {p: p.read_bytes() for p in snapshot}
+
+
+def test_missing_jsons_are_skipped(tmp_path):
+    out, results, readme = _setup(tmp_path, files=[("checkpoint.json", CKPT), ("notes.json", {"x": 1})])
+    (out / "broken.json").write_text("{not json")
+    report.report(str(out), str(results), str(readme))
+    assert sorted(p.name for p in out.glob("*.png")) == ["checkpoint.png"]
+    sec = _section(readme.read_text(), report.README_MARKERS)
+    assert "checkpoint.png" in sec and "memory_by_stage.png" not in sec and "adamw.png" not in sec
+    res = _section(results.read_text(), report.RESULTS_MARKERS)
+    assert "Checkpoint save and load" in res and "One training step" not in res and "Fused AdamW" not in res
+
+
+def test_existing_sections_are_replaced_in_place(tmp_path):
+    out, results, readme = _setup(tmp_path)
+    old = f"# R\n\nintro\n\n{report.RESULTS_MARKERS[0]}\nstale numbers\n{report.RESULTS_MARKERS[1]}\n\n## Old\n"
+    results.write_text(old)
+    readme.write_text(f"# P\n\n{report.README_MARKERS[0]}\nold\n{report.README_MARKERS[1]}\n\n## Benchmarks\n")
+    report.report(str(out), str(results), str(readme))
+    res, rd = results.read_text(), readme.read_text()
+    assert "stale numbers" not in res and res.startswith("# R\n\nintro\n\n") and res.endswith("\n\n## Old\n")
+    assert "old\n" not in rd and rd.startswith("# P\n\n" + report.README_MARKERS[0])
+    assert rd.endswith(report.README_MARKERS[1] + "\n\n## Benchmarks\n")
+
+
+def test_cli_and_broken_markers(tmp_path, capsys):
+    out, results, readme = _setup(tmp_path, files=[("step.json", STEP)])
+    args = ["--out-dir", str(out), "--results", str(results), "--readme", str(readme)]
+    assert report.main(args) == 0
+    assert (out / "memory_by_stage.png").exists() and (out / "step_time_ratio.png").exists()
+    capsys.readouterr()
+    assert report.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "wrote" not in printed and printed.count("unchanged") == 4
+    results.write_text(f"# R\n\n{report.RESULTS_MARKERS[0]}\nno end marker\n")
+    with pytest.raises(ValueError, match="by hand"):
+        report.main(args)
