@@ -187,10 +187,16 @@ def _wrap(text: str, width: int) -> list:
     return lines + [line]
 
 
+def _exact(d):
+    """Whether a step run has the exact CPU tensor-byte peak of every variant."""
+    return all("tensor_mb" in r for r in d["rows"])
+
+
 def plot_memory(runs, path):
-    return _bar_panels(runs, lambda d, r: r["peak_mb"],
-                       lambda d: "peak MB per rank (rise on rank 0)" + (" (CUDA allocator)" if d.get("device") ==
-                                                                        "cuda" else ""),
+    return _bar_panels(runs, lambda d, r: r["tensor_mb"] if _exact(d) else r["peak_mb"],
+                       lambda d: ("peak tensor MB per rank (CPU allocator, exact)" if _exact(d) else
+                                  "peak MB per rank (rise on rank 0)" + (" (CUDA allocator)" if d.get("device") ==
+                                                                         "cuda" else "")),
                        "Peak memory per rank by variant", path)
 
 
@@ -296,19 +302,25 @@ def results_section(found: dict) -> str:
                         f"{base['variant']}." + (" comm MB: what one rank sends per step under the ring model "
                                                  "of the collectives counted in one step (see "
                                                  "`benchmarks/step.py`)."
-                                                 if comm else " Communication bytes not recorded in this JSON.")),
+                                                 if comm else " Communication bytes not recorded in this JSON.")
+                        + (" tensor MB: the exact peak of live tensor bytes over the built model, from the "
+                           "CPU allocator's own events (peak MB is resident memory, which also counts what "
+                           "is not tensors)." if _exact(d) else "")),
                   ""]
         header = ["variant", "stage", "step ms", f"vs {base['variant']}", "peak MB/rank", f"vs {base['variant']}"]
-        header += ["comm MB/rank/step"] * comm + ["loss"]
+        exact = _exact(d)
+        header += ["comm MB/rank/step"] * comm + ["tensor MB", f"vs {base['variant']}"] * exact + ["loss"]
         rows = []
         for r in step_rows(d):
             row = [r["variant"], stage(r["variant"]), f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}x",
                    f"{r['peak_mb']:.1f}", f"{r['peak_mb'] / base['peak_mb']:.2f}x" if base["peak_mb"] else "-"]
             if comm:
                 row.append(f"{r['comm_mb']:.2f}" if r.get("comm_mb") is not None else "-")
+            if exact:
+                row += [f"{r['tensor_mb']:.1f}", f"{r['tensor_mb'] / base['tensor_mb']:.2f}x"]
             row.append(f"{r['loss']:.3f}" if "loss" in r else "-")
             rows.append(row)
-        lines += _table(header, rows, "llrrrr" + "r" * comm + "r")
+        lines += _table(header, rows, "llrrrr" + "r" * comm + "rr" * exact + "r")
         by = {r["variant"]: r for r in d["rows"]}
         pairs = [(a, b) for a, b in PAIRS if a in by and b in by]
         if pairs:
@@ -317,6 +329,7 @@ def results_section(found: dict) -> str:
                 ra, rb = by[a], by[b]
                 lines.append(f"- {a} / {b} ({stage(a)}): {ra['step_ms'] / rb['step_ms']:.2f}x time, "
                              f"{ra['peak_mb'] / rb['peak_mb']:.2f}x peak memory"
+                             + (f", {ra['tensor_mb'] / rb['tensor_mb']:.2f}x exact tensor peak" if exact else "")
                              + (f", {ra['comm_mb'] / rb['comm_mb']:.2f}x comm bytes"
                                 if ra.get("comm_mb") and rb.get("comm_mb") else ""))
 

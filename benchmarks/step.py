@@ -20,6 +20,12 @@ and activations of the steps), with glibc set to return every block >= 64 KiB
 on free so that RSS follows live memory. Ratios are against DDP, and "zs2 vs" is the
 variant's time over zeroshard stage 2's.
 
+On CPU, "tensor MB" is exact: the peak of live tensor bytes over what the
+built model holds, counted from the CPU allocator's own allocation and free
+events (the profiler's memory events) in a second build of the variant
+running two more steps; RSS also counts what is not tensors (gloo's and
+Python's memory, the allocator's fragmentation).
+
 With --device cuda (one GPU per rank, NCCL), peak MB is exact: the rise of
 torch.cuda.max_memory_allocated over what the built model holds.
 
@@ -152,6 +158,33 @@ def count_comm(step, world):
     return kinds, sent
 
 
+def tensor_peak_mb(variant, cfg, args, data):
+    """CPU: builds the variant again and runs two steps under the profiler's memory events
+    (the CPU allocator's own count of every tensor allocation and free); returns the peak of
+    live tensor bytes over what the built model holds, the CPU analog of
+    torch.cuda.max_memory_allocated's rise."""
+    import gc
+    from torch.profiler import ProfilerActivity, profile
+    gc.collect()   # nothing of the timed run may be freed inside the window
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.manual_seed(0)
+        model = GPT(cfg).to(dtype=getattr(torch, args.dtype))
+        built = time.time_ns()
+        wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch)
+        for _ in range(2):
+            wrapped(data[:, :-1], data[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+    live, base, peak = 0, 0, 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        if e.start_ns() < built:
+            base = live
+        peak = max(peak, live - base)
+    return peak / 2**20
+
+
 def worker(rank, world, port, variant, cfg, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     cuda = args.device == "cuda"
@@ -200,8 +233,13 @@ def worker(rank, world, port, variant, cfg, args, out):
             row.update(comm=kinds, comm_mb=None if sent is None else sent / 2**20)
         else:
             step()
+    if not cuda:    # the exact tensor-byte peak, in a second build of the same variant
+        del wrapped, opt, model
+        dist.barrier()
+        row["tensor_mb"] = tensor_peak_mb(variant, cfg, args, data)
     if rank == 0:
         out.put(row)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -258,17 +296,20 @@ def main():
     where = "CPU gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()} NCCL"
     print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size} | {where} | "
           f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}")
+    exact = args.device == "cpu"
     print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
-          f"{' comm MB' if args.comm else ''}")
+          f"{' comm MB' if args.comm else ''}{' tensor MB  ratio' if exact else ''}")
     for r in rows:
         comm = r.get("comm_mb")
         print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x "
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
-              f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}"))
+              f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
+              + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else ""))
     z3, f3 = (next((r for r in rows if r["variant"] == v), None) for v in ("zeroshard-3", "fsdp2-3"))
     if z3 and f3:
         print(f"ZeRO-3 ({args.param_dtype} params): zeroshard-3 / fsdp2-3 = {z3['step_ms'] / f3['step_ms']:.2f}x "
-              f"time, {z3['peak_mb'] / f3['peak_mb']:.2f}x peak memory")
+              f"time, {z3['peak_mb'] / f3['peak_mb']:.2f}x peak memory"
+              + (f", {z3['tensor_mb'] / f3['tensor_mb']:.2f}x exact tensor peak" if exact else ""))
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(date=str(date.today()), torch=torch.__version__, world_size=args.world_size,

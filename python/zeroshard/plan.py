@@ -79,8 +79,10 @@ def format_table(params: float, world_size: int, dtype: str = "bf16") -> str:
 #   DDP      its gradient buckets: one more copy of the gradients;
 #   ZeRO-1   none (gradients are reduced in place in the flat gradient buffer;
 #            a reduce_dtype other than the parameters' adds one bucket);
-#   ZeRO-2   the bucket buffers kept for reduce-scatter: _MAX_INFLIGHT + 1 of
-#            the largest bucket (fewer if there are fewer buckets);
+#   ZeRO-2   one bucket buffer of the largest size: the one being filled at
+#            the start of backward (buffers are released after each backward;
+#            the others, up to _MAX_INFLIGHT + 1, come once earlier layers'
+#            activations are freed);
 #   ZeRO-3   the root unit gathered for the whole step, prefetch + 1 gathered
 #            non-root units of the largest size, the root's gradient buffer
 #            and one non-root unit's: what is alive at the start of backward.
@@ -168,7 +170,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
     import torch
     import torch.nn as nn
     from .fully_shard import FullyShard, MixedPrecision
-    from .sharded import _MAX_INFLIGHT, ShardedOptimizer
+    from .sharded import ShardedOptimizer
     low = dtype in ("bf16", "fp16")
     pdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     with _fake_world(rank, world_size):
@@ -191,10 +193,8 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             model.to(pdt)
             opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb)
             rep = opt.memory_report()
-            sizes = sorted((b.numel * b.buffer.grad_shard.element_size() if stage == 2 else 0)
-                           for b in opt._buckets)
-            out = dict(report=rep, buckets=len(opt._buckets),
-                       transient=sum(sizes[-(_MAX_INFLIGHT + 1):]))
+            sizes = [b.numel * b.buffer.grad_shard.element_size() if stage == 2 else 0 for b in opt._buckets]
+            out = dict(report=rep, buckets=len(opt._buckets), transient=max(sizes, default=0))
     return out
 
 

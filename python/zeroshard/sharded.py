@@ -18,8 +18,9 @@
   ``p.grad`` is freed; a full bucket is reduce-scattered into the shard (or
   into a transient shard that is then added, when the shard already holds an
   earlier micro-batch). At most _MAX_INFLIGHT buckets are in flight; their
-  buffers are recycled, so stage 2 holds at most that many buckets of
-  gradient beyond its shard.
+  buffers are recycled within the backward and released at its end, so
+  stage 2 holds at most that many buckets of gradient (plus those being
+  filled) beyond its shard, and none between steps.
 * Buckets are reduced in one fixed order on every rank: the order their last
   gradient arrived in during the first backward (on rank 0, broadcast to all
   at the end of that backward; before it, the reverse registration order).
@@ -509,6 +510,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _finish_backward(self):
         self._reductions.advance(flush=self._sync)
         self._reductions.drain()
+        # Bucket buffers are recycled within a backward only: none is held
+        # between steps, so none is alive at the start of the next backward,
+        # when the activations peak.
+        for bufs in self._free.values():
+            self._bucket_bytes -= sum(t.numel() * t.element_size() for t in bufs)
+        self._free.clear()
         if self._sync and not self._order_learned:
             self._learn_launch_order()
         if self._sync:
@@ -702,8 +709,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameters), ``exp_avg`` and ``exp_avg_sq`` (fp32 shards): each counts
         only elements of real parameters. ``padding`` is every byte the layout
         adds to them. ``comm_buffers`` is the bucket memory held for
-        reductions (stage 2: at most _MAX_INFLIGHT buckets, in flight or kept
-        for reuse) and ``comm_buffers_peak`` its peak since construction or
+        reductions (stage 2: buckets being filled or in flight, recycled within
+        a backward and released at its end) and ``comm_buffers_peak`` its peak since construction or
         the last call with ``reset_peak=True``. ``total`` is
         the persistent sum including padding.
         """
