@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from datetime import date
 
@@ -99,14 +98,6 @@ def bench_size(device, n, repeat):
     return best_times(device, fns, repeat)
 
 
-def git_commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def device_name(device):
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -123,8 +114,9 @@ def main():
     args = ap.parse_args()
 
     devices = [d for d in args.devices.split(",") if d == "cpu" or torch.cuda.is_available()]
-    report = {"date": date.today().isoformat(), "commit": git_commit(), "torch": torch.__version__,
-              "machine": machine_info("cuda" if "cuda" in devices else "cpu"),
+    machine = machine_info("cuda" if "cuda" in devices else "cpu")
+    report = {"date": date.today().isoformat(), "commit": machine["commit"], "torch": torch.__version__,
+              "machine": machine,
               "build": zs.build_info(), "bytes_per_param": BYTES, "results": []}
     for device in devices:
         if args.sizes:

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 from machine import machine_info  # noqa: E402
-from step import build, free_port, reset_peak_rss, rss_mb  # noqa: E402
+from step import build, free_port, init_dist, reset_peak_rss, rss_mb  # noqa: E402
 
 VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2"]
 
@@ -71,9 +71,7 @@ def timed(fn, repeats):
 
 
 def worker(rank, world, port, variant, cfg, args, root, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_dist(rank, world, port)
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())   # before wrapping (FullyShard leaves shards)

@@ -297,6 +297,7 @@ def results_section(found: dict) -> str:
     for name, d in found["step"]:
         base = step_baseline(d)
         comm = any("comm_mb" in r for r in d["rows"])
+        exact = _exact(d)
         lines += ["", f"### One training step: `{name}` ({d.get('date', '?')})", "",
                   _para(f"{step_setup(d)}. Median step time and peak memory on rank 0; ratios against "
                         f"{base['variant']}." + (" comm MB: what one rank sends per step under the ring model "
@@ -305,10 +306,9 @@ def results_section(found: dict) -> str:
                                                  if comm else " Communication bytes not recorded in this JSON.")
                         + (" tensor MB: the exact peak of live tensor bytes over the built model, from the "
                            "CPU allocator's own events (peak MB is resident memory, which also counts what "
-                           "is not tensors)." if _exact(d) else "")),
+                           "is not tensors)." if exact else "")),
                   ""]
         header = ["variant", "stage", "step ms", f"vs {base['variant']}", "peak MB/rank", f"vs {base['variant']}"]
-        exact = _exact(d)
         header += ["comm MB/rank/step"] * comm + ["tensor MB", f"vs {base['variant']}"] * exact + ["loss"]
         rows = []
         for r in step_rows(d):
@@ -456,11 +456,11 @@ def report(out_dir: str, results: str, readme: str) -> dict:
     if steps:
         names = [n for n, _ in steps]
         ref = steps[0][1]
-        changed[os.path.join(out_dir, "memory_by_stage.png")] = plot_memory(
-            steps, os.path.join(out_dir, "memory_by_stage.png"))
+        path = os.path.join(out_dir, "memory_by_stage.png")
+        changed[path] = plot_memory(steps, path)
         plots["memory_by_stage.png"] = ("Peak memory per rank by variant and stage", ref, names)
-        changed[os.path.join(out_dir, "step_time_ratio.png")] = plot_ratio(
-            steps, os.path.join(out_dir, "step_time_ratio.png"))
+        path = os.path.join(out_dir, "step_time_ratio.png")
+        changed[path] = plot_ratio(steps, path)
         plots["step_time_ratio.png"] = ("Step time of each variant relative to DDP", ref, names)
     if found["adamw"]:
         path = os.path.join(out_dir, "adamw.png")

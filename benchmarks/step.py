@@ -60,7 +60,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig  # noqa: E402
+from cpu_memory import TensorBytes  # noqa: E402
+from gpt import GPT, Block, GPTConfig  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2", "zeroshard-2@5", "fsdp2-3", "zeroshard-3"]
@@ -104,7 +105,6 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     import zeroshard as zs
     if variant == "zeroshard-3":
-        from gpt import Block
         model = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
             param_dtype=param_dtype, reduce_dtype=torch.float32))
         return model, zs.ShardedOptimizer(model.parameters(), lr=lr)
@@ -159,42 +159,37 @@ def count_comm(step, world):
 
 
 def tensor_peak_mb(variant, cfg, args, data):
-    """CPU: builds the variant again and runs two steps under the profiler's memory events
-    (the CPU allocator's own count of every tensor allocation and free); returns the peak of
-    live tensor bytes over what the built model holds, the CPU analog of
-    torch.cuda.max_memory_allocated's rise."""
-    import gc
-    from torch.profiler import ProfilerActivity, profile
-    gc.collect()   # nothing of the timed run may be freed inside the window
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    """CPU: builds the variant again and runs two steps under cpu_memory.TensorBytes;
+    returns the peak of live tensor bytes over what the built model holds, the CPU
+    analog of torch.cuda.max_memory_allocated's rise."""
+    with TensorBytes() as t:
         torch.manual_seed(0)
         model = GPT(cfg).to(dtype=getattr(torch, args.dtype))
-        built = time.time_ns()
+        t.mark()
         wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch)
         for _ in range(2):
             wrapped(data[:, :-1], data[:, 1:]).backward()
             opt.step()
             opt.zero_grad()
-    live, base, peak = 0, 0, 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        if e.start_ns() < built:
-            base = live
-        peak = max(peak, live - base)
-    return peak / 2**20
+    return max(0, t.peak - t.at_mark) / 2**20
 
 
-def worker(rank, world, port, variant, cfg, args, out):
+def init_dist(rank, world, port, cuda=False):
+    """One process of a benchmark's group on this machine: NCCL with GPU ``rank``, or gloo
+    with an equal share of the CPU threads. Returns the device."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    cuda = args.device == "cuda"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if cuda:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        return torch.device("cuda", rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return torch.device("cpu")
+
+
+def worker(rank, world, port, variant, cfg, args, out):
+    cuda = args.device == "cuda"
+    device = init_dist(rank, world, port, cuda)
     torch.manual_seed(0)
     model = GPT(cfg).to(device=device, dtype=getattr(torch, args.dtype))
     n_params = sum(p.numel() for p in model.parameters())

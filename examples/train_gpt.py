@@ -30,7 +30,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -137,21 +137,20 @@ _WORDS = dict(
 def make_corpus(n_chars: int = 400_000, seed: int = 1234) -> str:
     """Sentences from a small grammar: structured enough that the loss falls fast, varied enough that it keeps falling."""
     rng = random.Random(seed)
-    w = {k: v for k, v in _WORDS.items()}
 
     def phrase():
-        s = f"{rng.choice(w['det'])} "
+        s = f"{rng.choice(_WORDS['det'])} "
         if rng.random() < 0.6:
-            s += f"{rng.choice(w['adj'])} "
-        return s + rng.choice(w["noun"])
+            s += f"{rng.choice(_WORDS['adj'])} "
+        return s + rng.choice(_WORDS["noun"])
 
     out, size = [], 0
     while size < n_chars:
-        s = f"{phrase()} {rng.choice(w['verb'])} {phrase()}"
+        s = f"{phrase()} {rng.choice(_WORDS['verb'])} {phrase()}"
         if rng.random() < 0.5:
-            s += f" {rng.choice(w['prep'])} {phrase()}"
+            s += f" {rng.choice(_WORDS['prep'])} {phrase()}"
         if rng.random() < 0.4:
-            s += f" {rng.choice(w['adv'])}"
+            s += f" {rng.choice(_WORDS['adv'])}"
         s = s[0].upper() + s[1:] + rng.choice([".", ".", ".", "!", "?"]) + ("\n" if rng.random() < 0.2 else " ")
         out.append(s)
         size += len(s)
@@ -164,7 +163,6 @@ class CharData:
         if len(chars) > vocab:
             raise ValueError(f"the corpus has {len(chars)} distinct characters but the model's vocab is {vocab}")
         self.stoi = {c: i for i, c in enumerate(chars)}
-        self.itos = chars
         self.data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
 
     def batch(self, batch: int, seq: int, step: int, rank: int, micro: int, seed: int):
@@ -208,7 +206,7 @@ def measured_bytes(stage: int, model: nn.Module, opt) -> dict:
         rep = opt.memory_report()
         return dict(params=rep["params"], grads=rep["grads"],
                     optimizer=rep["master"] + rep["exp_avg"] + rep["exp_avg_sq"], padding=rep["padding"])
-    params = {id(p): p for p in model.parameters()}.values()
+    params = list(model.parameters())   # a tied weight once
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     state = sum(nbytes(v) for s in opt.state.values() for v in s.values()
                 if torch.is_tensor(v) and v.dim() > 0)
@@ -219,9 +217,7 @@ def measured_bytes(stage: int, model: nn.Module, opt) -> dict:
 
 def memory_table(reports: list, stage: int, n_params: int, dtype: str, world: int) -> str:
     from zeroshard.plan import model_state_bytes
-    conv = "bf16" if dtype == "bf16" else "fp32"
-    if stage == 0 and dtype == "bf16":
-        conv = "fp32"   # DDP + autocast keeps fp32 parameters, gradients and states
+    conv = "fp32" if stage == 0 else dtype   # DDP + autocast keeps fp32 parameters, gradients and states
     rows = model_state_bytes(n_params, world, conv)
     name = "DDP" if stage == 0 else f"ZeRO-{stage}"
     f, ddp = rows[name], rows["DDP"]
@@ -246,8 +242,7 @@ def plot_memory(path: str, reports_by_stage: dict, n_params: int, dtype: str, wo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from zeroshard.plan import STAGES, model_state_bytes
-    conv = "bf16" if dtype == "bf16" else "fp32"
-    rows = model_state_bytes(n_params, world, conv)
+    rows = model_state_bytes(n_params, world, dtype)
     mb = 2**20
     bands = [("params", "parameters", "#4C72B0"), ("grads", "gradients", "#DD8452"),
              ("optimizer", "optimizer states", "#55A868")]
@@ -345,7 +340,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)   # the same initial model everywhere (rank 0's is broadcast anyway)
     data = CharData(make_corpus(), vocab=64)
     model = build_model(args.size, vocab=64).to(device)
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    n_params = sum(p.numel() for p in model.parameters())
     engine, inner, opt = wrap(args, model, device)
     start = 0
     if args.resume:

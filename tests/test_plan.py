@@ -1,4 +1,5 @@
 """The memory planner: the seeds' worked examples, the CLI, and agreement with memory_report()."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -74,13 +75,16 @@ def test_formula_matches_what_the_ranks_hold(dist_pool, stage, dtype, conv):
 
 
 # --------------------------------------------------------- --model mode
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
 MODEL_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)   # awkward sizes: the layouts pad
 BATCH = 16
 
 
 def _example():
-    sys.path.insert(0, EXAMPLES)
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
     import train_gpt
     return train_gpt
 
@@ -95,16 +99,15 @@ def _batch():
 
 def _measured(stage, dtype, bucket_mb=25):
     """memory_report() of a real run and its exact peak of live CPU tensor bytes over two training steps
-    (the CPU allocator's own accounting, through the profiler's memory events)."""
-    import gc
-    import time
-    from torch.profiler import ProfilerActivity, profile
+    (the CPU allocator's own accounting: benchmarks/cpu_memory.py)."""
+    spec = importlib.util.spec_from_file_location("cpu_memory", os.path.join(BENCHMARKS, "cpu_memory.py"))
+    cpu_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_memory)
     tg = _example()
     pdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     x = torch.randint(0, MODEL_KW["vocab"], (BATCH, MODEL_KW["seq"] + 1))
-    gc.collect()   # an earlier test's objects freed inside the window would read as negative bytes
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory.TensorBytes() as t:
         model = _build()
         if stage == 3:
             mp = zs.MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if dtype == "bf16" else None
@@ -113,19 +116,12 @@ def _measured(stage, dtype, bucket_mb=25):
         else:
             model.to(pdt)
             opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb)
-        start = time.time_ns()
+        t.mark()
         for _ in range(2):
             model(x[:, :-1], x[:, 1:]).backward()
             opt.step()
             opt.zero_grad()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live, peak = 0, 0
-    for e in events:
-        live += e.nbytes()
-        if e.start_ns() >= start:
-            peak = max(peak, live)
-    return opt.memory_report(), peak
+    return opt.memory_report(), t.peak
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -41,6 +41,10 @@ class OrderedReductions:
         while self.inflight and done(self.inflight[0]):
             self._retire(self.inflight.pop(0))
 
+    def reset(self):
+        """Forget the current backward (its launched items are the caller's to wait on first)."""
+        self.order, self.next, self.inflight = [], 0, []
+
     def drain(self):
         """Retire every launched item."""
         self.retire_done(lambda item: True)

@@ -219,21 +219,16 @@ class _Holdings:
                 self.specs[f"{kind}:{names[i]}"] = _Spec(tuple(opt._full_shapes[i]), torch.float32, torch.float32,
                                                           step)
         for reg in opt._regions:
-            lo, hi = self.rank * reg.shard_numel, (self.rank + 1) * reg.shard_numel
-            for i, t_off, r_off, n in reg.frags:
-                a, b = max(lo, r_off), min(hi, r_off + n)
-                if reg.values is not None:
-                    key = "param:" + names[i]
+            if reg.values is not None:
+                for i, *_ in reg.frags:
                     p = opt._params[i]
-                    self.specs[key] = _Spec(tuple(p.shape), reg.values.dtype, p.dtype)
+                    self.specs["param:" + names[i]] = _Spec(tuple(p.shape), reg.values.dtype, p.dtype)
                     covered.add(id(p))
-                if a >= b:
-                    continue
-                start = t_off + a - r_off
+            for i, start, sl in reg.owned(self.rank):
                 if reg.values is not None:
-                    self.pieces.append(_Piece("param:" + names[i], start, reg.values[a - lo:b - lo], False))
+                    self.pieces.append(_Piece("param:" + names[i], start, reg.values[sl], False))
                 for kind in ("exp_avg", "exp_avg_sq"):
-                    self.pieces.append(_Piece(f"{kind}:{names[i]}", start, getattr(reg, kind)[a - lo:b - lo], False))
+                    self.pieces.append(_Piece(f"{kind}:{names[i]}", start, getattr(reg, kind)[sl], False))
         group_names = [[n for n, g in zip(names, opt._group_of) if g == gi] for gi in range(len(opt.param_groups))]
         self._groups(opt, group_names)
         self._finish.append(lambda man: opt._shards_loaded([_group_step(man, nm) for nm in group_names]))
@@ -255,9 +250,9 @@ class _Holdings:
                         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
                 if state:
+                    step = int(float(state["step"]))   # once: a fused/capturable step is on the GPU
                     for kind in ("exp_avg", "exp_avg_sq"):
-                        self.specs[f"{kind}:{name}"] = _Spec(tuple(p.shape), state[kind].dtype, p.dtype,
-                                                             int(float(state["step"])))
+                        self.specs[f"{kind}:{name}"] = _Spec(tuple(p.shape), state[kind].dtype, p.dtype, step)
                         self._whole(f"{kind}:{name}", state[kind])
             group_names.append(nm)
         self._groups(opt, group_names)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -70,12 +71,9 @@ _OWNERS: Dict[int, tuple] = {}
 
 
 def owner_of(p: torch.Tensor):
-    """(FullyShard, unit index, param index) for a parameter FullyShard made, else None."""
+    """The FullyShard that made parameter ``p``, else None."""
     e = _OWNERS.get(id(p))
-    if e is None or e[0]() is not p:
-        return None
-    fs = e[1]()
-    return None if fs is None else (fs, e[2], e[3])
+    return e[1]() if e is not None and e[0]() is p else None
 
 
 @dataclass(frozen=True)
@@ -136,8 +134,8 @@ class _Unit:
     def is_root(self) -> bool:
         return self.index == 0
 
-    @property
-    def trainable(self) -> List[_Param]:
+    @functools.cached_property
+    def trainable(self) -> List[_Param]:   # read once the units are built (every backward)
         return [p for p in self.params if p.requires_grad]
 
     def own(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
@@ -218,9 +216,9 @@ class FullyShard(nn.Module):
         if meta_init and self._device.type != "meta":
             self._materialize()
         fs_ref = weakref.ref(self)
-        for ui, u in enumerate(self._units):
-            for pi, q in enumerate(u.params):
-                _OWNERS[id(q.sharded)] = (weakref.ref(q.sharded), fs_ref, ui, pi)
+        for u in self._units:
+            for q in u.params:
+                _OWNERS[id(q.sharded)] = (weakref.ref(q.sharded), fs_ref)
         weakref.finalize(self, _forget, [id(q.sharded) for u in self._units for q in u.params])
         self._install_hooks()
 
@@ -708,8 +706,7 @@ class FullyShard(nn.Module):
         """Forget a backward that stopped half-way (it raised): its gradients are dropped."""
         for u in self._reductions.inflight:
             u.reduce.wait()
-        self._reductions.start([])
-        self._reductions.inflight = []
+        self._reductions.reset()
         for u in self._units:
             u.reduce, u.grad_flat = None, None
         self._grad_bytes = 0
@@ -728,7 +725,7 @@ class FullyShard(nn.Module):
         finally:
             self._sync = old
 
-    def _zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True):
         if self._bwd_active:
             raise RuntimeError(self._err("zero_grad() called during backward"))
         for u in self._units:
@@ -738,9 +735,6 @@ class FullyShard(nn.Module):
                 q.sharded.grad = None if set_to_none else u.grad_shard[
                     q.shard_offset:q.shard_offset + q.sharded.numel()]
         self._grads_ready = False
-
-    def zero_grad(self, set_to_none: bool = True):
-        self._zero_grad(set_to_none)
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:

@@ -28,23 +28,44 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
+import os
 import sys
 import weakref
 from typing import Callable, Dict, List, Optional
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .fully_shard import FullyShard, MixedPrecision
+from .sharded import ShardedOptimizer
+
 CARDS_GB = (24, 40, 80, 141)
 _BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}   # params, grads, optimizer
 STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+_PERSISTENT = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding", "total")   # memory_report()'s
+
+
+def _check(dtype: str, world_size: int) -> None:
+    if dtype not in _BYTES:
+        raise ValueError(f"dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
 
 
 def model_state_bytes(params: float, world_size: int, dtype: str = "bf16") -> Dict[str, Dict[str, float]]:
     """Per-rank bytes of parameters, gradients and optimizer states for each stage."""
-    if dtype not in _BYTES:
-        raise ValueError(f"dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
+    _check(dtype, world_size)
     if not params > 0:
         raise ValueError(f"params must be > 0, got {params}")
-    if not (isinstance(world_size, int) and world_size >= 1):
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     p, g, o = (b * params for b in _BYTES[dtype])
     n = world_size
     rows = {"DDP": (p, g, o), "ZeRO-1": (p, g, o / n), "ZeRO-2": (p, g / n, o / n), "ZeRO-3": (p / n, g / n, o / n)}
@@ -100,9 +121,6 @@ def format_table(params: float, world_size: int, dtype: str = "bf16") -> str:
 
 def _load(spec: str):
     """'pkg.module:function' or 'path/to/file.py:function' -> the function."""
-    import importlib
-    import importlib.util
-    import os
     mod_name, sep, fn = spec.rpartition(":")
     if not sep or not mod_name or not fn:
         raise ValueError(f"{spec!r}: expected module:function or path/to/file.py:function")
@@ -123,7 +141,6 @@ def _load(spec: str):
 
 @contextlib.contextmanager
 def _fake_world(rank: int, world_size: int):
-    import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise RuntimeError("plan_model sets up its own (fake) process group: call it where "
@@ -137,7 +154,6 @@ def _fake_world(rank: int, world_size: int):
 
 def _default_wrap(model) -> tuple:
     """The class of the blocks of the model's longest ModuleList/Sequential (the usual transformer layout)."""
-    import torch.nn as nn
     best = None
     for m in model.modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
@@ -167,26 +183,20 @@ def _resolve_wrap(model, wrap) -> tuple:
 
 def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: str, wrap: tuple,
               bucket_mb: float, prefetch: int) -> Dict[str, object]:
-    import torch
-    import torch.nn as nn
-    from .fully_shard import FullyShard, MixedPrecision
-    from .sharded import ShardedOptimizer
-    low = dtype in ("bf16", "fp16")
-    pdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    pdt = _torch_dtype(dtype)
     with _fake_world(rank, world_size):
         with torch.device("meta"):
             model = build()
         if not isinstance(model, nn.Module):
             raise TypeError(f"the --model function returned {type(model).__name__}, not an nn.Module")
         if stage == 3:
-            mp = MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if low else None
+            mp = MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if pdt != torch.float32 else None
             fs = FullyShard(model, wrap=set(wrap) or None, mixed_precision=mp, prefetch=prefetch, device="meta")
             rep = ShardedOptimizer(fs.parameters(), lr=1e-3).memory_report()
             units = fs._units
             ri = fs.reduce_dtype.itemsize
             biggest = max(units[1:], key=lambda u: u.numel, default=None)
-            out = dict(report=rep, root_numel=units[0].numel,
-                       max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
+            out = dict(report=rep, max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
                        transient=rep["root_gathered"] + (prefetch + 1) * rep["max_unit"]
                        + ri * (units[0].numel + (biggest.numel if biggest else 0)))
         else:
@@ -194,51 +204,43 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb)
             rep = opt.memory_report()
             sizes = [b.numel * b.buffer.grad_shard.element_size() if stage == 2 else 0 for b in opt._buckets]
-            out = dict(report=rep, buckets=len(opt._buckets), transient=max(sizes, default=0))
+            out = dict(report=rep, transient=max(sizes, default=0))
     return out
 
 
-class _LiveBytes:
+class _LiveBytes(TorchDispatchMode):
     """A dispatch mode that counts the bytes of live tensor storages created under it, and their peak."""
 
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self._seen = 0, 0, {}
 
-        class Mode(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.live, self.peak, self._seen = 0, 0, {}
+    def ignore(self, tensors):
+        """Storages that exist already (parameters, inputs): views of them are not new bytes."""
+        for t in tensors:
+            self._seen[id(t.untyped_storage())] = None
 
-            def ignore(self, tensors):
-                """Storages that exist already (parameters, inputs): views of them are not new bytes."""
-                for t in tensors:
-                    self._seen[id(t.untyped_storage())] = None
+    def _free(self, key, n):
+        self.live -= n
+        self._seen.pop(key, None)
 
-            def _free(self, key, n):
-                self.live -= n
-                self._seen.pop(key, None)
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                import torch
-                out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        st = t.untyped_storage()
-                        if id(st) not in self._seen:
-                            n = st.nbytes()
-                            self._seen[id(st)] = weakref.finalize(st, self._free, id(st), n)
-                            self.live += n
-                            self.peak = max(self.peak, self.live)
-                return out
-        return Mode()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if id(st) not in self._seen:
+                    n = st.nbytes()
+                    self._seen[id(st)] = weakref.finalize(st, self._free, id(st), n)
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+        return out
 
 
 def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32") -> int:
     """Peak bytes of the tensors one forward + backward of the unwrapped model creates (fake tensors)."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    pdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    pdt = _torch_dtype(dtype)
     fake = FakeTensorMode()
     default = torch.get_default_dtype()
     torch.set_default_dtype(pdt)   # (module.to() cannot convert fake parameters in place)
@@ -271,16 +273,11 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     buffers of [Note: model plan], and ``peak`` their sum with ``activations`` (None without
     ``example``, a function returning one micro-batch of inputs). See [Note: model plan].
     """
-    import torch
-    if dtype not in _BYTES:
-        raise ValueError(f"dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
-    if not (isinstance(world_size, int) and world_size >= 1):
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    _check(dtype, world_size)
     with torch.device("meta"):
         model = build()
-    unique = {id(p): p for p in model.parameters()}.values()
-    n = sum(p.numel() for p in unique)
-    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    n = sum(p.numel() for p in model.parameters())   # parameters() lists a tied weight once
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     wrap_classes = _resolve_wrap(model, wrap)
     del model
     if ranks is None:   # only the ends of the rank range differ in padding
@@ -295,8 +292,7 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     max_unit = ("", 0)
     for stage in (1, 2, 3):
         runs = {r: _meta_run(build, world_size, r, stage, dtype, wrap_classes, bucket_mb, prefetch) for r in ranks}
-        persistent = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding", "total")
-        stages[f"ZeRO-{stage}"] = dict(ranks={r: {k: v["report"][k] for k in persistent} for r, v in runs.items()},
+        stages[f"ZeRO-{stage}"] = dict(ranks={r: {k: v["report"][k] for k in _PERSISTENT} for r, v in runs.items()},
                                        model_state=max(v["report"]["total"] for v in runs.values()),
                                        transient=max(v["transient"] for v in runs.values()))
         if stage == 3:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -57,11 +58,10 @@ import torch.distributed as dist
 
 from . import comm
 from ._ordered import OrderedReductions
-from .fully_shard import owner_of
+from .fully_shard import _SUPPORTED, owner_of
 from .kernels import fused_adamw_
 from .layout import compute_layout
 
-_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 # At most this many buckets are being reduced at once: launching one more
 # first retires the oldest (waits for it, folds it into the shard, recycles
 # its buffer). Two keep the communication busy while backward continues and
@@ -129,6 +129,14 @@ class _Region:
     frags: List[tuple]         # (param index, offset in param, offset in region, numel)
     values: Optional[torch.Tensor] = None  # stages 1/2: this rank's master (or fp32 parameter)
                                            # shard; stage 3: None (the FullyShard units hold it)
+
+    def owned(self, rank: int):
+        """(param index, offset in the param, slice of the rank's shard) for each piece ``rank`` owns."""
+        lo = rank * self.shard_numel
+        for i, t_off, r_off, n in self.frags:
+            a, b = max(lo, r_off), min(lo + self.shard_numel, r_off + n)
+            if a < b:
+                yield i, t_off + a - r_off, slice(a - lo, b - lo)
 
 
 def _held_by_ddp(p: torch.Tensor) -> bool:
@@ -208,6 +216,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._owners: list = []            # stage 3: the FullyShard models whose units we update
         self._unit_states: Dict[tuple, Dict[str, torch.Tensor]] = {}
         self._buffers: List[_FlatBuffer] = []
+        self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        if not self._trainable:
+            raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
+        self._trained_groups = {self._group_of[i] for i in self._trainable}
         owned = [owner_of(p) for p in self._params]
         if any(o is not None for o in owned):
             self._build_stage3(owned, process_group)
@@ -250,7 +262,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(self._err("reduce_dtype is set by FullyShard's mixed_precision for FullyShard "
                                        "parameters; do not pass it to ShardedOptimizer"))
         owners = []
-        for fs, _, _ in owned:
+        for fs in owned:
             if all(fs is not o for o in owners):
                 owners.append(fs)
         for fs in owners:
@@ -268,9 +280,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.stage = 3
         self._grad_scale = 1.0
         self._check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in owners)
-        self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
-        if not self._trainable:
-            raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
         group_of = {id(self._params[i]): self._group_of[i] for i in self._trainable}
         index_of = {id(p): i for i, p in enumerate(self._params)}
         self._full_shapes, self._segments, self._regions = {}, [], []
@@ -289,22 +298,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 # runs of consecutive pieces with one param group (padding between them is harmless:
                 # zero parameters with zero gradients stay zero)
                 pieces = sorted((q for q in u.params if q.sharded.numel() > 0), key=lambda q: q.shard_offset)
-                run = None
-                for q in pieces + [None]:
-                    g = group_of.get(id(q.sharded)) if q is not None else None
-                    if run is not None and (g is None or g != run[0]):
-                        a, b = run[1], run[2]
-                        self._segments.append(_Segment(run[0], u.shard[a:b], u.grad_shard[a:b],
-                                                       st["exp_avg"][a:b], st["exp_avg_sq"][a:b]))
-                        run = None
-                    if g is not None:
-                        end = q.shard_offset + q.sharded.numel()
-                        run = [g, q.shard_offset, end] if run is None else [g, run[1], end]
+                for g, run in itertools.groupby(pieces, key=lambda q: group_of.get(id(q.sharded))):
+                    if g is None:        # frozen, or not given to this optimizer
+                        continue
+                    run = list(run)
+                    a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].sharded.numel()
+                    self._segments.append(_Segment(g, u.shard[a:b], u.grad_shard[a:b],
+                                                   st["exp_avg"][a:b], st["exp_avg_sq"][a:b]))
 
     def _check_params(self):
-        self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
-        if not self._trainable:
-            raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
         device = self._params[self._trainable[0]].device
         for i, p in enumerate(self._params):
             if p.device != device:
@@ -579,8 +581,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if norm_type == 2.0:
             local = torch.stack([t.pow(2).sum() for t in parts]).sum().reshape(1)
         else:
-            local = torch.stack([t.abs().max(dim=0, keepdim=True)[0] if t.numel() else t.new_zeros(1)
-                                 for t in parts]).max().reshape(1)
+            local = torch.stack([t.abs().max() for t in parts]).max().reshape(1)
         if norm_type == 2.0:
             self._all_reduce(local)
             total = local.sqrt() * self._grad_scale
@@ -660,7 +661,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         segs = [seg for seg in self._segments if seg.group == gi]
         if group.get("amsgrad") or group.get("maximize"):
             raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
-        if not any(self._group_of[i] == gi for i in self._trainable):
+        if gi not in self._trained_groups:
             return
         self._steps[gi] += 1
         beta1, beta2 = group["betas"]
@@ -679,7 +680,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._in_backward:
             raise RuntimeError(self._err("zero_grad() called during backward"))
         for fs in self._owners:
-            fs._zero_grad(set_to_none)
+            fs.zero_grad(set_to_none)
         if self._owners:
             self._clip_coef = None
             return
@@ -814,19 +815,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         f"parameter has {numel} (shape {tuple(self._full_shapes[i])}); the state dict "
                         "is of another model"))
             steps[self._group_of[i]] = max(steps[self._group_of[i]], int(float(st["step"])))
-        lo_r = self.rank
         for reg in self._regions:
             reg.exp_avg.zero_()
             reg.exp_avg_sq.zero_()
-            lo, hi = lo_r * reg.shard_numel, (lo_r + 1) * reg.shard_numel
-            for i, t_off, r_off, n in reg.frags:
+            for i, start, sl in reg.owned(self.rank):
                 st = state.get(saved_ids[i])
-                a, b = max(lo, r_off), min(hi, r_off + n)
-                if st is None or a >= b:
+                if st is None:
                     continue
                 for name in ("exp_avg", "exp_avg_sq"):
-                    src = st[name].reshape(-1)[t_off + a - r_off:t_off + b - r_off]
-                    getattr(reg, name)[a - lo:b - lo].copy_(src)
+                    getattr(reg, name)[sl].copy_(st[name].reshape(-1)[start:start + sl.stop - sl.start])
         self._steps = steps
         for buf in self._buffers:
             if buf.master is not None:
