@@ -377,7 +377,7 @@ def main(argv=None):
             else:
                 opt.clip_grad_norm_(args.clip)
         opt.step()
-        opt.zero_grad(set_to_none=args.stage == 0)
+        opt.zero_grad()
         dist.all_reduce(total)
         loss_now = total.item() / world
         losses.append(loss_now)

@@ -322,6 +322,33 @@ def test_memory_at_large_world_for_a_1b_model_on_meta(n):
     print(f"N={n}: {rep['total'] / 2**20:.1f} MiB per rank = 16 B x {owned} owned (+{rep['padding']} B padding)")
 
 
+def _grad_shard_lifetime():
+    """The units' gradient shards: none during forward after zero_grad(), one per
+    trainable unit after backward; zero_grad(set_to_none=False) keeps them zeroed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = wrapped()
+    opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
+    held = lambda: [u.grad_shard is not None for u in model._units if u.trainable]  # noqa: E731
+    in_forward, after_backward, zeroed = [], [], []
+    model.module.blocks[0].register_forward_pre_hook(lambda m, a: in_forward.append(held()))
+    for k, mbs in enumerate(batches(4)):
+        opt.zero_grad(set_to_none=k % 2 == 0)
+        zeroed.append(all(float(p.grad.abs().sum()) == 0 for p in model.parameters() if p.grad is not None))
+        x, y = mbs[0]
+        loss_fn(model(local(x, rank, world)), local(y, rank, world)).backward()
+        after_backward.append(held())
+        opt.step()
+    return in_forward, after_backward, zeroed, max_err(model.state_dict(), reference(4)[0].state_dict())
+
+
+def test_gradient_shards_are_freed_by_zero_grad_and_not_held_in_forward(dist_pool):
+    for in_forward, after_backward, zeroed, err in dist_pool.run(_grad_shard_lifetime):
+        assert err <= 1e-5
+        assert not any(any(h) for h in in_forward[0::2])     # after zero_grad(set_to_none=True)
+        assert all(all(h) for h in in_forward[1::2])         # after set_to_none=False: kept
+        assert all(all(h) for h in after_backward) and all(zeroed)
+
+
 # ---------------------------------------------------------- communication
 def _comm(reshard):
     model = wrapped(reshard_after_forward=reshard)

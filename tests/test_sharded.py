@@ -477,3 +477,34 @@ def test_stage2_bucket_memory_is_bounded(dist_pool):
         # being filled per flat buffer -- never the whole gradient
         assert 0 < peak <= (_MAX_INFLIGHT + 1 + nbuf) * biggest
         assert peak < 0.6 * full, (peak, full)
+
+
+def _grad_shard_lifetime():
+    """Stage 2's gradient shard: absent during forward, allocated by backward,
+    freed by zero_grad(); zero_grad(set_to_none=False) keeps it (zeroed), and
+    steps after either equal the reference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    opt = zs.ShardedOptimizer(param_groups(model), stage=2, bucket_mb=TINY_BUCKET_MB)
+    ref, _ = reference(4)
+    held_in_forward = []
+    model.register_forward_pre_hook(
+        lambda m, a: held_in_forward.append([b.grad_shard is not None for b in opt._buffers]))
+    after = []
+    for k, mbs in enumerate(batches(4)):
+        opt.zero_grad(set_to_none=k % 2 == 0)
+        after.append(("zero_grad", [b.grad_shard is not None for b in opt._buffers]))
+        x, y = mbs[0]
+        F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
+        after.append(("backward", [b.grad_shard is not None for b in opt._buffers]))
+        opt.step()
+    return held_in_forward, after, max_param_err(model, ref)
+
+
+def test_stage2_gradient_shard_is_freed_by_zero_grad_and_not_held_in_forward(dist_pool):
+    for held, after, err in dist_pool.run(_grad_shard_lifetime):
+        assert err <= 1e-5
+        assert not any(any(h) for h in held[0::2])        # steps after zero_grad(set_to_none=True)
+        assert all(all(h) for h in held[1::2])            # steps after set_to_none=False: kept, zeroed
+        assert after[0] == ("zero_grad", [False] * len(after[0][1]))
+        assert all(all(flags) for what, flags in after if what == "backward")

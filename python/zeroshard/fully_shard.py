@@ -8,7 +8,10 @@
   registered in two units (a tie across units) is an error. Each unit is laid
   out by zeroshard.compute_layout as one bucket, so each rank owns one
   contiguous, padded, 16-byte aligned fp32 shard of it (``_Unit.shard``), plus
-  an fp32 gradient shard of the same length (``_Unit.grad_shard``).
+  an fp32 gradient shard of the same length (``_Unit.grad_shard``). The
+  gradient shard exists only from the unit's first reduction to
+  ``zero_grad(set_to_none=True)``, which frees it, so it is not held through
+  the forward and the start of backward, where the activations peak.
 * Parameters. ``FullyShard.named_parameters()`` yields one 1-D parameter per
   original parameter: this rank's piece of it, a view into the unit's shard
   (possibly empty). While a unit is gathered, its modules hold "full"
@@ -27,11 +30,14 @@
   end of backward (it is needed at both ends of both passes); inference
   (no grad) frees every unit after its forward.
 * Backward. A hook on each unit's forward outputs re-gathers it (and
-  prefetches the next units in reverse forward order). Each full parameter's
-  gradient is added into the unit's flat gradient buffer (``reduce_dtype``)
-  as soon as autograd has accumulated it, and freed. When a unit's last
-  gradient has arrived it is resharded, and its buffer is reduce-scattered
-  (SUM) in place; the result, divided by the world size, is written (or
+  prefetches the next units in reverse forward order). Autograd leaves each
+  full parameter's gradient on it. When a unit's last gradient has arrived,
+  the unit is resharded and the gradients are moved (added, then freed) into
+  its flat gradient buffer (``reduce_dtype``), allocated only then, after
+  the unit's activations are freed (once the buffer exists, e.g. while
+  accumulating under ``no_sync``, gradients are added as they arrive). The
+  buffer is reduce-scattered (SUM) in place; the result, divided by the
+  world size, is written (or
   added, when accumulating) into the fp32 gradient shard. Reduce-scatters
   are issued in one fixed order on every rank (reverse forward order, root
   last; zeroshard/_ordered.py, shared with stages 1 and 2); one is in flight
@@ -120,7 +126,7 @@ class _Unit:
     numel: int = 0                # padded flat size (world_size * shard_numel)
     shard_numel: int = 0
     shard: Optional[torch.Tensor] = None        # fp32, this rank's shard
-    grad_shard: Optional[torch.Tensor] = None   # fp32, averaged gradient shard
+    grad_shard: Optional[torch.Tensor] = None   # fp32, averaged gradient shard (None until reduced)
     full: Optional[torch.Tensor] = None         # param_dtype flat buffer; storage freed when sharded
     state: int = _SHARDED
     gather: Optional[comm.CommHandle] = None
@@ -346,7 +352,6 @@ class FullyShard(nn.Module):
             for q, place in zip(u.params, L.tensors):
                 q.offset = place.offset
             u.shard = torch.zeros(u.shard_numel, dtype=torch.float32, device=dev)
-            u.grad_shard = torch.zeros(u.shard_numel, dtype=torch.float32, device=dev)
             if not meta_init and dev.type != "meta":
                 # rank 0's values everywhere (like DDP), one unit at a time
                 flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
@@ -644,11 +649,8 @@ class FullyShard(nn.Module):
     @torch.no_grad()
     def _on_grad(self, u: _Unit, q: _Param):
         self._start_backward()
-        if u.grad_flat is None:
-            self._retire_completed()      # free finished reductions' buffers before taking another
-            self._new_grad_flat(u)
-        u.grad_flat[q.offset:q.offset + q.numel].add_(q.full.grad.reshape(-1))
-        q.full.grad = None
+        if u.grad_flat is not None:   # accumulating into an existing flat buffer: add as they come
+            self._move_grad(u, q)
         self.events.append(("grad", u.name))
         if not q.arrived:
             q.arrived = True
@@ -656,17 +658,29 @@ class FullyShard(nn.Module):
             if u.pending == 0:
                 if not u.is_root:
                     self._reshard(u)
+                self._flatten_grads(u)
                 if self._sync:
                     self._reductions.advance()
 
-    def _new_grad_flat(self, u: _Unit):
-        u.grad_flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self._device)
-        self._grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
-        self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
+    def _move_grad(self, u: _Unit, q: _Param):
+        u.grad_flat[q.offset:q.offset + q.numel].add_(q.full.grad.reshape(-1))
+        q.full.grad = None
+
+    def _flatten_grads(self, u: _Unit):
+        """Move the gradients autograd left on the unit's full parameters into its
+        flat gradient buffer, allocated now: not at the unit's first gradient,
+        while the unit's activations are still alive (the peak of backward)."""
+        if u.grad_flat is None:
+            self._retire_completed()      # free finished reductions' buffers before taking another
+            u.grad_flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self._device)
+            self._grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
+            self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
+        for q in u.trainable:
+            if q.full.grad is not None:
+                self._move_grad(u, q)
 
     def _launch(self, u: _Unit):
-        if u.grad_flat is None:      # no gradient arrived here: contribute zeros
-            self._new_grad_flat(u)
+        self._flatten_grads(u)        # a unit some gradient never reached: the rest count as zero
         # overwrite the shard unless the user kept gradients from an earlier backward
         u.fresh = any(q.sharded.grad is None for q in u.trainable)
         u.reduce = comm.reduce_scatter(u.grad_flat, u.own(u.grad_flat, self.rank), group=self.process_group,
@@ -681,6 +695,9 @@ class FullyShard(nn.Module):
         u.reduce.wait()
         u.reduce = None
         chunk = u.own(u.grad_flat, self.rank)
+        if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
+            u.grad_shard = torch.empty(u.shard_numel, dtype=torch.float32, device=self._device)
+            u.fresh = True
         if u.fresh and chunk.dtype == torch.float32:
             torch.div(chunk, self.world_size, out=u.grad_shard)     # one pass
         elif u.fresh:
@@ -709,6 +726,8 @@ class FullyShard(nn.Module):
         self._reductions.reset()
         for u in self._units:
             u.reduce, u.grad_flat = None, None
+            for q in u.trainable:
+                q.full.grad = None
         self._grad_bytes = 0
         self._invalidate()
         self._bwd_active = False
@@ -726,21 +745,29 @@ class FullyShard(nn.Module):
             self._sync = old
 
     def zero_grad(self, set_to_none: bool = True):
+        """``set_to_none=True`` (the default) frees the gradient shards; the next
+        backward allocates them as its reductions finish. ``False`` zeroes them
+        in place (gradients that were None stay None, as in torch)."""
         if self._bwd_active:
             raise RuntimeError(self._err("zero_grad() called during backward"))
         for u in self._units:
-            if u.grad_shard is not None:
-                u.grad_shard.zero_()
+            if set_to_none or u.grad_shard is None:
+                u.grad_shard = None
+                for q in u.trainable:
+                    q.sharded.grad = None
+                continue
+            u.grad_shard.zero_()
             for q in u.trainable:
-                q.sharded.grad = None if set_to_none else u.grad_shard[
-                    q.shard_offset:q.shard_offset + q.sharded.numel()]
+                q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()]
         self._grads_ready = False
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
         """Bytes held on this rank.
 
-        Persistent: ``params`` (fp32 shards), ``grads`` (fp32 gradient shards),
+        Persistent: ``params`` (fp32 shards), ``grads`` (fp32 gradient shards,
+        held from backward's reductions to ``zero_grad(set_to_none=True)`` and
+        counted whether held at the moment or not),
         ``master`` (always 0: the fp32 shard is the master), ``exp_avg`` and
         ``exp_avg_sq`` (fp32, from the ShardedOptimizer over these parameters;
         0 without one): each counts only elements of real parameters (grads
@@ -762,7 +789,7 @@ class FullyShard(nn.Module):
             own_t = sum(q.sharded.numel() for q in u.trainable)
             rep["params"] += 4 * own
             rep["grads"] += 4 * own_t
-            rep["padding"] += 4 * (u.shard_numel - own) + 4 * (u.shard_numel - own_t)
+            rep["padding"] += 4 * (u.shard_numel - own) + (4 * (u.shard_numel - own_t) if u.trainable else 0)
             for name, t in states.get(u.index, {}).items():
                 rep[name] += 4 * own_t
                 rep["padding"] += t.numel() * t.element_size() - 4 * own_t

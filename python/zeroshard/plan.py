@@ -33,6 +33,8 @@ import importlib.util
 import os
 import sys
 import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -41,7 +43,10 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ._ordered import OrderedReductions
+from .fully_shard import _MAX_INFLIGHT as _FS_INFLIGHT
 from .fully_shard import FullyShard, MixedPrecision
+from .sharded import _MAX_INFLIGHT as _SO_INFLIGHT
 from .sharded import ShardedOptimizer
 
 CARDS_GB = (24, 40, 80, 141)
@@ -95,28 +100,32 @@ def format_table(params: float, world_size: int, dtype: str = "bf16") -> str:
 # data), wraps the meta model exactly as a run would (ShardedOptimizer for
 # stages 1/2, FullyShard + ShardedOptimizer for stage 3) and reads
 # memory_report(). The model-state bytes, padding included, are therefore the
-# ones a real run reports, by construction. On top come the transient buffers,
-# from the library's rules:
+# ones a real run reports, by construction. On top come the transient buffers
+# ("buffers" in the table), from the library's rules:
 #   DDP      its gradient buckets: one more copy of the gradients;
 #   ZeRO-1   none (gradients are reduced in place in the flat gradient buffer;
 #            a reduce_dtype other than the parameters' adds one bucket);
-#   ZeRO-2   one bucket buffer of the largest size: the one being filled at
-#            the start of backward (buffers are released after each backward;
-#            the others, up to _MAX_INFLIGHT + 1, come once earlier layers'
-#            activations are freed);
+#   ZeRO-2   a bucket buffer of the largest size;
 #   ZeRO-3   the root unit gathered for the whole step, prefetch + 1 gathered
-#            non-root units of the largest size, the root's gradient buffer
-#            and one non-root unit's: what is alive at the start of backward.
-#            (A second unit's buffer, while the first is being reduced, comes
-#            once that unit's activations are freed; a rank whose reduction
-#            is slow can briefly hold both: measured 3% over this estimate.)
+#            non-root units of the largest size, and the root's and one
+#            non-root unit's gradient buffers.
 # With an example batch (--input) the planner also runs one forward and
 # backward of the unwrapped model on fake tensors (FakeTensorMode: shapes and
 # dtypes, no data, on the CPU kernels' choices) and counts the live bytes of
-# every tensor it creates: activations and, for the moment each exists, a
-# parameter's full gradient. The predicted peak is model state + transient
-# buffers + that activation peak: the three are all alive at the start of
-# backward, which is where the peak falls.
+# every tensor it creates. For DDP and ZeRO-1 each gradient is dropped as soon
+# as it is accumulated (its memory is counted in the state or the buckets),
+# and the peak is state + buffers + that activation peak. ZeRO-2 and ZeRO-3
+# hold gradients longer and allocate their buffers and gradient shards during
+# backward, so for them the trace replays the stage's policy, read from the
+# library's own objects (_Policy: the buckets or units in launch order, their
+# buffer and shard bytes, how many are in flight): a gradient stays on its
+# parameter until its bucket / unit is complete; then the flat buffer is
+# allocated and the gradients freed; retiring a reduction frees the buffer
+# and (ZeRO-3) allocates the unit's gradient shard; ZeRO-2's whole gradient
+# shard is allocated at the first launch. The peak is then the state without
+# the gradient shards, plus ZeRO-3's gathered units, plus the replay's peak.
+# What it leaves out: a reduction that finishes late on one rank holds its
+# buffer a little longer (measured up to 3% over the prediction).
 
 
 def _load(spec: str):
@@ -193,19 +202,96 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             mp = MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if pdt != torch.float32 else None
             fs = FullyShard(model, wrap=set(wrap) or None, mixed_precision=mp, prefetch=prefetch, device="meta")
             rep = ShardedOptimizer(fs.parameters(), lr=1e-3).memory_report()
-            units = fs._units
+            units = [u for u in fs._units if u.trainable]
             ri = fs.reduce_dtype.itemsize
-            biggest = max(units[1:], key=lambda u: u.numel, default=None)
+            biggest = max(fs._units[1:], key=lambda u: u.numel, default=None)
+            gathered = rep["root_gathered"] + (prefetch + 1) * rep["max_unit"]
+            # backward's order: units in reverse, the root last
             out = dict(report=rep, max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
-                       transient=rep["root_gathered"] + (prefetch + 1) * rep["max_unit"]
-                       + ri * (units[0].numel + (biggest.numel if biggest else 0)))
+                       transient=gathered + ri * (fs._units[0].numel + (biggest.numel if biggest else 0)),
+                       fixed=gathered, policy=_Policy(
+                           [_Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel)
+                            for u in units[::-1] if not u.is_root] +
+                           [_Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel)
+                            for u in units if u.is_root],
+                           inflight=_FS_INFLIGHT, first=0))
         else:
             model.to(pdt)
+            names = [n for n, _ in model.named_parameters()]   # opt's parameter order
             opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb)
             rep = opt.memory_report()
-            sizes = [b.numel * b.buffer.grad_shard.element_size() if stage == 2 else 0 for b in opt._buckets]
-            out = dict(report=rep, transient=max(sizes, default=0))
+            item = {id(b): opt._reduce_dtype(b.buffer.dtype).itemsize for b in opt._buckets}
+            sizes = [b.numel * item[id(b)] if stage == 2 else 0 for b in opt._buckets]
+            out = dict(report=rep, transient=max(sizes, default=0), fixed=max(sizes, default=0), policy=None)
+            if stage == 2:
+                out["fixed"] = 0
+                out["policy"] = _Policy(
+                    [_Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0)
+                     for b in (opt._buckets[k] for k in opt._launch_order)],
+                    inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for b in opt._buckets))
+        out["grad_shards"] = (0 if out["policy"] is None else
+                              out["policy"].first + sum(r.shard for r in out["policy"].reductions))
     return out
+
+
+@dataclass
+class _Reduction:
+    names: List[str]    # parameters whose gradients it takes
+    buffer: int         # bytes of its flat gradient buffer
+    shard: int          # gradient-shard bytes allocated when it retires (ZeRO-3's units)
+
+
+@dataclass
+class _Policy:
+    """A stage's gradient lifetimes, replayed in the fake backward; see [Note: model plan]."""
+    reductions: List[_Reduction]   # in launch order
+    inflight: int                  # reductions in flight at once
+    first: int                     # bytes allocated by the first launch (ZeRO-2's gradient shard)
+
+
+class _Replay:
+    """Installs a _Policy on a (fake) model: each gradient stays on its parameter
+    until every gradient of its reduction has arrived; then the reduction's
+    buffer is allocated and the gradients freed; retiring a reduction frees its
+    buffer and allocates its gradient shard."""
+
+    def __init__(self, model: nn.Module, policy: _Policy):
+        self.policy, self.held = policy, []
+        self.params = dict(model.named_parameters())
+        self.items = [SimpleNamespace(r=r, pending=len(r.names), buf=None) for r in policy.reductions]
+        self.left = {n: 0 for n in self.params}
+        for it in self.items:
+            for n in it.r.names:
+                self.left[n] += 1
+        self.ordered = OrderedReductions(self._launch, self._retire, policy.inflight)
+        self.ordered.start(self.items)
+        by_name = {n: [it for it in self.items if n in it.r.names] for n in self.params}
+        for n, p in self.params.items():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p, n=n: self._arrived(by_name[n]))
+
+    def _arrived(self, items):
+        for it in items:
+            it.pending -= 1
+        self.ordered.advance()
+
+    def _launch(self, it):
+        if self.policy.first and not self.held:
+            self.held.append(torch.empty(self.policy.first, dtype=torch.uint8))
+        it.buf = torch.empty(it.r.buffer, dtype=torch.uint8)
+        for n in it.r.names:
+            self.left[n] -= 1
+            if self.left[n] == 0:
+                self.params[n].grad = None
+
+    def _retire(self, it):
+        it.buf = None
+        if it.r.shard:
+            self.held.append(torch.empty(it.r.shard, dtype=torch.uint8))
+
+    def finish(self):
+        self.ordered.advance(flush=True)
+        self.ordered.drain()
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -237,8 +323,13 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32") -> int:
-    """Peak bytes of the tensors one forward + backward of the unwrapped model creates (fake tensors)."""
+def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32", policy: Optional[_Policy] = None) -> int:
+    """Peak bytes of the tensors one forward + backward of the unwrapped model creates (fake tensors).
+
+    Without ``policy`` each gradient is dropped as soon as autograd has
+    accumulated it (ZeRO-1 and DDP copy it into memory counted elsewhere);
+    with one, gradients, reduction buffers and gradient shards live as that
+    stage's policy keeps them (see [Note: model plan])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     pdt = _torch_dtype(dtype)
     fake = FakeTensorMode()
@@ -251,15 +342,21 @@ def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32") ->
     finally:
         torch.set_default_dtype(default)
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    for p in model.parameters():   # zeroshard moves each gradient into a flat buffer and drops it
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    replay = None
+    if policy is None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     live = _LiveBytes()
     live.ignore([*model.parameters(), *model.buffers(), *(t for t in inputs if torch.is_tensor(t))])
     with fake, live:
+        if policy is not None:
+            replay = _Replay(model, policy)
         out = model(*inputs)
         loss = out if out.dim() == 0 else out.float().sum()
         loss.backward()
+        if replay is not None:
+            replay.finish()
     return live.peak
 
 
@@ -270,8 +367,9 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     Returns ``{"params", "wrap", "max_unit", "activations", "stages": {name: {"ranks": {r: report},
     "model_state", "transient", "peak"}}}`` where ``report`` is memory_report()'s persistent
     categories for rank r, ``model_state`` the largest total over the ranks, ``transient`` the
-    buffers of [Note: model plan], and ``peak`` their sum with ``activations`` (None without
-    ``example``, a function returning one micro-batch of inputs). See [Note: model plan].
+    buffers of [Note: model plan], and ``peak`` the most alive at once in a training step with
+    one micro-batch (None without ``example``, a function returning that micro-batch's inputs).
+    See [Note: model plan].
     """
     _check(dtype, world_size)
     with torch.device("meta"):
@@ -290,15 +388,20 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
                                           total=ddp_state) for r in ranks},
                           model_state=ddp_state, transient=gb * trainable)}
     max_unit = ("", 0)
+    stages["DDP"]["peak"] = None if acts is None else ddp_state + gb * trainable + acts
     for stage in (1, 2, 3):
         runs = {r: _meta_run(build, world_size, r, stage, dtype, wrap_classes, bucket_mb, prefetch) for r in ranks}
+        state = max(v["report"]["total"] for v in runs.values())
+        run = runs[ranks[0]]      # the policy: every rank's shards have one length
+        peak = None
+        if acts is not None:
+            traced = acts if run["policy"] is None else activation_bytes(build, example, dtype, run["policy"])
+            peak = max(state, state - run["grad_shards"] + run["fixed"] + traced)
         stages[f"ZeRO-{stage}"] = dict(ranks={r: {k: v["report"][k] for k in _PERSISTENT} for r, v in runs.items()},
-                                       model_state=max(v["report"]["total"] for v in runs.values()),
-                                       transient=max(v["transient"] for v in runs.values()))
+                                       model_state=state, transient=max(v["transient"] for v in runs.values()),
+                                       peak=peak)
         if stage == 3:
-            max_unit = runs[ranks[0]]["max_unit"]
-    for s in stages.values():
-        s["peak"] = None if acts is None else s["model_state"] + s["transient"] + acts
+            max_unit = run["max_unit"]
     return dict(params=n, trainable=trainable, world_size=world_size, dtype=dtype,
                 wrap=[c.__name__ for c in wrap_classes], max_unit=max_unit, activations=acts, stages=stages)
 
@@ -326,8 +429,9 @@ def format_model_plan(plan: dict) -> str:
                      f"{'-' if acts is None else format(acts / unit, '.3f'):>10}"
                      f"{'-' if st['peak'] is None else format(st['peak'] / unit, '.3f'):>10}  {fits}")
     lines.append(f"({uname} per rank, the rank with the most; state = params + grads + optimizer + padding, "
-                 "exactly what memory_report() will say; buffers = buckets / gathered units; "
-                 "peak = state + buffers + activations)")
+                 "exactly what memory_report() will say; buffers = buckets / gathered units and gradient "
+                 "buffers; activ. = one forward + backward's tensors; peak = the most alive at once, with "
+                 "each stage's gradients, buffers and gradient shards alive when that stage holds them)")
     if plan["activations"] is None:
         lines.append("activations not counted: pass --input module:function (one micro-batch) to include them; "
                      "'fits' then compares state + buffers only")

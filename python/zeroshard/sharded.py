@@ -13,14 +13,19 @@
   (this rank's chunk receives the sum over ranks) and the chunks of other
   ranks are zeroed afterwards, so later accumulation never counts a
   gradient twice.
-* Stage 2 keeps only this rank's gradient shard. Each gradient is copied into
-  a transient bucket buffer as soon as autograd has accumulated it, and
-  ``p.grad`` is freed; a full bucket is reduce-scattered into the shard (or
+* Stage 2 keeps only this rank's gradient shard. Autograd leaves each
+  gradient in ``p.grad`` until every gradient of its bucket has arrived; the
+  bucket's buffer is allocated only then (not at its first gradient, while
+  the activations are still alive), the gradients are copied in and the
+  ``p.grad`` freed, and the bucket is reduce-scattered into the shard (or
   into a transient shard that is then added, when the shard already holds an
-  earlier micro-batch). At most _MAX_INFLIGHT buckets are in flight; their
-  buffers are recycled within the backward and released at its end, so
-  stage 2 holds at most that many buckets of gradient (plus those being
-  filled) beyond its shard, and none between steps.
+  earlier micro-batch). The shard itself is allocated by the first reduction
+  of a backward and freed by ``zero_grad(set_to_none=True)``, so it is not
+  held through the forward, where activations peak. At most _MAX_INFLIGHT
+  buckets are in flight; their buffers are recycled within the backward and
+  released at its end, so stage 2 holds at most that many buckets of
+  gradient (plus the loose gradients of buckets not yet complete) beyond its
+  shard, and none between steps.
 * Buckets are reduced in one fixed order on every rank: the order their last
   gradient arrived in during the first backward (on rank 0, broadcast to all
   at the end of that backward; before it, the reverse registration order).
@@ -79,6 +84,7 @@ class _Bucket:
     shard_numel: int
     shard_offset: int      # where this bucket's shard starts in the buffer's shard tensors
     params: List[int] = field(default_factory=list)  # trainable-parameter indices with data here
+    frags: List[tuple] = field(default_factory=list)   # (param index, layout fragment) in this bucket
     pending: int = 0       # parameters whose gradient has not arrived this backward
     grad: Optional[torch.Tensor] = None   # stage 2: transient bucket gradient (reduce dtype)
     handle: Optional[comm.CommHandle] = None
@@ -114,10 +120,18 @@ class _Segment:
     """A flat range updated by one fused AdamW launch."""
     group: int
     param: torch.Tensor        # fp32 master (or fp32 parameter) shard range
-    grad: torch.Tensor
+    grads: object              # holds the gradient: a _FlatBuffer (stages 1/2) or a FullyShard _Unit
+    grad_attr: str             # its attribute holding the gradients ("grads" or "grad_shard")
+    grad_range: tuple          # (start, stop) in that tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     out: Optional[torch.Tensor] = None   # low-precision parameter range to write
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """Looked up at each use: gradient shards are allocated by backward's
+        reductions and freed by zero_grad(set_to_none=True)."""
+        return getattr(self.grads, self.grad_attr)[self.grad_range[0]:self.grad_range[1]]
 
 
 @dataclass
@@ -232,7 +246,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._full_shapes = {i: p.shape for i, p in enumerate(self._params)}
         self._segments = [
             _Segment(buf.group, b.shard(buf.master) if buf.master is not None else b.own(buf.params, self.rank),
-                     self._grad_shard(buf, b), b.shard(buf.exp_avg), b.shard(buf.exp_avg_sq),
+                     buf, *self._grad_range(b), b.shard(buf.exp_avg), b.shard(buf.exp_avg_sq),
                      b.own(buf.params, self.rank) if buf.master is not None else None)
             for buf in self._buffers for b in buf.buckets]
         order = list(reversed(self._trainable))
@@ -303,7 +317,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         continue
                     run = list(run)
                     a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].sharded.numel()
-                    self._segments.append(_Segment(g, u.shard[a:b], u.grad_shard[a:b],
+                    self._segments.append(_Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
                                                    st["exp_avg"][a:b], st["exp_avg_sq"][a:b]))
 
     def _check_params(self):
@@ -371,15 +385,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 buf = _FlatBuffer(
                     group=self._group_of[first], dtype=dtype, params=flat, master=None,
                     exp_avg=torch.zeros(shard_len, device=dev), exp_avg_sq=torch.zeros(shard_len, device=dev),
-                    grad_shard=(torch.zeros(shard_len, dtype=self._reduce_dtype(dtype), device=dev)
-                                if self.stage == 2 else None),
+                    grad_shard=None,    # stage 2: allocated by the first reduction of a backward
                     grads=torch.zeros(lb.numel, dtype=dtype, device=dev) if self.stage == 1 else None)
                 shard_off = 0
                 for b in lb.buckets:
                     lbk = L.buckets[b]
                     bucket = _Bucket(index=b, buffer=buf, offset=lbk.offset, numel=lbk.numel,
                                      shard_numel=lbk.shard_numel, shard_offset=shard_off)
-                    bucket.params = sorted({order[L.fragments[f].tensor] for f in lbk.fragments})
+                    bucket.frags = [(order[L.fragments[f].tensor], L.fragments[f]) for f in lbk.fragments]
+                    bucket.params = sorted({i for i, _ in bucket.frags})
                     shard_off += lbk.shard_numel
                     buf.buckets.append(bucket)
                     self._buckets[b] = bucket
@@ -416,6 +430,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.events.append(("backward_start", -1))
         for b in self._buckets:
             b.pending, b.launched = len(b.params), False
+        # stage 2: buckets still to copy each parameter's gradient (then it is freed)
+        self._copies_left = {i: len(self._where[i][2]) for i in self._trainable}
         # runs once, when the whole backward pass has finished
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -433,8 +449,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.grad = view
         if not self._sync:
             return
-        if self.stage == 2:
-            flat = p.grad.detach().reshape(-1)
         for f in frags:
             bucket = self._buckets[f.bucket]
             if bucket.launched:
@@ -442,15 +456,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"parameter {i} received a gradient after its bucket {f.bucket} was reduced in this "
                     "backward pass (a second backward through the same parameters without a new "
                     "forward?); call backward once per forward, or accumulate under no_sync()"))
-            if self.stage == 2:
-                if bucket.grad is None:
-                    bucket.grad = self._acquire(bucket.numel, self._reduce_dtype(buf.dtype))
-                bucket.grad[f.bucket_offset:f.bucket_offset + f.numel].add_(
-                    flat[f.tensor_offset:f.tensor_offset + f.numel])
             bucket.pending -= 1
-            self._reductions.advance()   # per fragment: a tensor split over buckets recycles buffers as it goes
-        if self.stage == 2:
-            p.grad = None
+        # launches every bucket now complete, in order (a tensor split over several
+        # buckets recycles their buffers as it goes)
+        self._reductions.advance()
 
     def _launch(self, b: _Bucket):
         """Reduce-scatter (SUM) one bucket; see [Note: sharded optimizer policy]."""
@@ -461,11 +470,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if src.dtype != rdt:       # reduce in reduce_dtype, store back in the grad dtype
                 src = src.to(rdt)
         else:
-            if b.grad is None:          # no gradient arrived for this bucket on this rank
-                b.grad = self._acquire(b.numel, rdt)
-            src = b.grad
+            src = b.grad = self._acquire(b.numel, rdt)
+            for i, f in b.frags:   # gradients that never arrived on this rank count as zero
+                p = self._params[i]
+                if p.grad is not None:
+                    src[f.bucket_offset:f.bucket_offset + f.numel].copy_(
+                        p.grad.detach().reshape(-1)[f.tensor_offset:f.tensor_offset + f.numel])
+                self._copies_left[i] -= 1
+                if self._copies_left[i] == 0:
+                    p.grad = None
         # In place into this rank's chunk of the input, except that a stage-2 shard
         # holding nothing yet receives the result directly; _retire folds it in.
+        if self.stage == 2 and buf.grad_shard is None:   # freed by zero_grad(set_to_none=True)
+            # every bucket writes its whole piece of the shard: no zeroing needed
+            buf.grad_shard = torch.empty(buf.exp_avg.numel(), dtype=rdt, device=self.device)
         out = (b.shard(buf.grad_shard) if self.stage == 2 and self._shard_fresh
                else src[r * b.shard_numel:(r + 1) * b.shard_numel])
         b.reduce_out = out
@@ -553,8 +571,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._sync = old
 
     # ------------------------------------------------------------------ step
-    def _grad_shard(self, buf: _FlatBuffer, b: _Bucket) -> torch.Tensor:
-        return b.own(buf.grads, self.rank) if self.stage == 1 else b.shard(buf.grad_shard)
+    def _grad_range(self, b: _Bucket):
+        """(attribute of the bucket's _FlatBuffer, (start, stop)) of this rank's reduced gradient of b."""
+        if self.stage == 1:
+            start = b.offset + self.rank * b.shard_numel
+            return "grads", (start, start + b.shard_numel)
+        return "grad_shard", (b.shard_offset, b.shard_offset + b.shard_numel)
 
     def _check_ready(self, what: str):
         if self.device.type == "meta":
@@ -688,7 +710,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for buf in self._buffers:
                 if buf.grads is not None:
                     buf.grads.zero_()
-                if buf.grad_shard is not None:
+                if set_to_none:     # stage 2: the next backward allocates it again
+                    buf.grad_shard = None
+                elif buf.grad_shard is not None:
                     buf.grad_shard.zero_()
         for i in self._trainable:
             p = self._params[i]
@@ -706,13 +730,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Bytes held on this rank, by category.
 
         Persistent: ``params`` (full, stages 1 and 2), ``grads`` (stage 1: full;
-        stage 2: this rank's shard), ``master`` (fp32 shard, only for bf16/fp16
-        parameters), ``exp_avg`` and ``exp_avg_sq`` (fp32 shards): each counts
-        only elements of real parameters. ``padding`` is every byte the layout
-        adds to them. ``comm_buffers`` is the bucket memory held for
-        reductions (stage 2: buckets being filled or in flight, recycled within
-        a backward and released at its end) and ``comm_buffers_peak`` its peak since construction or
-        the last call with ``reset_peak=True``. ``total`` is
+        stage 2: this rank's shard, held from backward's first reduction to
+        ``zero_grad(set_to_none=True)`` and counted whether held at the moment
+        or not), ``master`` (fp32 shard, only for bf16/fp16 parameters),
+        ``exp_avg`` and ``exp_avg_sq`` (fp32 shards): each counts only elements
+        of real parameters. ``padding`` is every byte the layout adds to them.
+        ``comm_buffers`` is the bucket memory held for reductions (stage 2:
+        buckets being filled or in flight, recycled within a backward and
+        released at its end) and ``comm_buffers_peak`` its peak since
+        construction or the last call with ``reset_peak=True``. ``total`` is
         the persistent sum including padding.
         """
         if self._owners:   # stage 3: the FullyShard models' reports (they include our states)
@@ -730,7 +756,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 rep["grads"] += full * item
                 rep["padding"] += (buf.grads.numel() - full) * item
             else:
-                gi = buf.grad_shard.element_size()
+                gi = self._reduce_dtype(buf.dtype).itemsize
                 rep["grads"] += mine * gi
                 rep["padding"] += (shard_len - mine) * gi
             for name in ("master", "exp_avg", "exp_avg_sq"):
