@@ -299,8 +299,9 @@ def results_section(found: dict) -> str:
         comm = any("comm_mb" in r for r in d["rows"])
         exact = _exact(d)
         lines += ["", f"### One training step: `{name}` ({d.get('date', '?')})", "",
-                  _para(f"{step_setup(d)}. Median step time and peak memory on rank 0; ratios against "
-                        f"{base['variant']}." + (" comm MB: what one rank sends per step under the ring model "
+                  _para(f"{step_setup(d)}. Median step time on rank 0 (over {d.get('rounds', 1)} rounds, each "
+                        "running every variant in turn: the median of the rounds' medians) and peak memory on "
+                        f"rank 0; ratios against {base['variant']}." + (" comm MB: what one rank sends per step under the ring model "
                                                  "of the collectives counted in one step (see "
                                                  "`benchmarks/step.py`)."
                                                  if comm else " Communication bytes not recorded in this JSON.")

@@ -13,12 +13,15 @@ Variants (world size 2, CPU + gloo, unless --world-size / --device say otherwise
   zeroshard-3   zeroshard.FullyShard(wrap={Block}) + ShardedOptimizer (ZeRO-3)
 The two ZeRO-3 variants use the same units and the same mixed precision
 (--param-dtype for the gathered parameters, fp32 reduction and shards).
-Each variant runs in fresh processes. "step ms" is the median over timed steps
-on rank 0; "peak MB" is the rise of rank 0's peak resident memory over what it
-held after building the model (the optimizer, gradients, communication buffers
-and activations of the steps), with glibc set to return every block >= 64 KiB
-on free so that RSS follows live memory. Ratios are against DDP, and "zs2 vs" is the
-variant's time over zeroshard stage 2's.
+Each variant runs in fresh processes, in --rounds rounds that each run every
+variant once in turn (so all see the same machine load). "step ms" is the
+median over a round's timed steps on rank 0, and the median of that over the
+rounds; "peak MB" is the rise of rank 0's peak resident memory over what it
+held after building the model (the optimizer, gradients, communication
+buffers and activations of the steps, plus whatever the C allocator keeps
+cached), in the first round. glibc runs with its default settings, as a
+training job would. Ratios are against DDP, and "zs2 vs" is the variant's
+time over zeroshard stage 2's.
 
 On CPU, "tensor MB" is exact: the peak of live tensor bytes over what the
 built model holds, counted from the CPU allocator's own allocation and free
@@ -36,8 +39,9 @@ collective on a buffer of S bytes (all-reduce: the tensor; all-gather: the
 gathered output; reduce-scatter: the input; broadcast: the tensor), all-reduce
 sends 2(N-1)/N x S and the others (N-1)/N x S (NCCL's "bus bytes"). The JSON
 row also has each kind's calls and summed S. The kinds are the backend's: on
-gloo, FSDP2's reduce-scatter and zeroshard's reduce-scatter and all-gather run
-as all-reduces (see csrc/comm.h) and are counted as such. --no-comm skips it.
+gloo, FSDP2's reduce-scatter and zeroshard's reduce-scatter run as
+all-reduces, and zeroshard's all-gather as one broadcast per rank (see
+csrc/comm.h); they are counted as such. --no-comm skips it.
 
     python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
     python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768   # GPT-2 124M-sized
@@ -187,7 +191,7 @@ def init_dist(rank, world, port, cuda=False):
     return torch.device("cpu")
 
 
-def worker(rank, world, port, variant, cfg, args, out):
+def worker(rank, world, port, variant, cfg, args, out, measure=True):
     cuda = args.device == "cuda"
     device = init_dist(rank, world, port, cuda)
     torch.manual_seed(0)
@@ -221,14 +225,14 @@ def worker(rank, world, port, variant, cfg, args, out):
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM")) - base
     row = dict(variant=variant, params=n_params, step_ms=1e3 * statistics.median(times[args.warmup:]),
                peak_mb=peak, loss=loss.item())
-    if args.comm:   # one more step, untimed: every rank runs it, rank 0 counts its collectives
+    if args.comm and measure:   # one more step, untimed: every rank runs it, rank 0 counts its collectives
         dist.barrier()
         if rank == 0:
             kinds, sent = count_comm(step, world)
             row.update(comm=kinds, comm_mb=None if sent is None else sent / 2**20)
         else:
             step()
-    if not cuda:    # the exact tensor-byte peak, in a second build of the same variant
+    if not cuda and measure:    # the exact tensor-byte peak, in a second build of the same variant
         del wrapped, opt, model
         dist.barrier()
         row["tensor_mb"] = tensor_peak_mb(variant, cfg, args, data)
@@ -244,15 +248,28 @@ def free_port():
         return s.getsockname()[1]
 
 
+def run_variant(ctx, v, cfg, args, measure):
+    """One variant's processes; rank 0's row, or None if a rank failed."""
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, v, cfg, args, q, measure))
+             for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        print(f"{v}: failed (exit codes {[p.exitcode for p in procs]})")
+        return None
+    return q.get()
+
+
 def main():
-    # Every variant's processes: glibc returns each block >= 64 KiB to the OS
-    # on free, so peak RSS measures live memory rather than what the
-    # allocator keeps cached (which otherwise differs by allocation pattern).
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (timing)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
@@ -271,21 +288,22 @@ def main():
     rows = []
     variants = args.variants.split(",") if args.variants else (
         VARIANTS if args.world_size > 1 else ["adamw"] + [v for v in VARIANTS if v != "ddp+zero"])
-    for v in variants:
-        q = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, args.world_size, port, v, cfg, args, q))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            print(f"{v}: failed (exit codes {[p.exitcode for p in procs]})")
-            continue
-        rows.append(q.get())
+    for k in range(max(1, args.rounds)):
+        for v in variants:
+            row = run_variant(ctx, v, cfg, args, measure=k == 0)
+            if row is None:
+                continue
+            if k == 0:
+                row["step_ms_rounds"] = [row["step_ms"]]
+                rows.append(row)
+            else:
+                first = next((r for r in rows if r["variant"] == v), None)
+                if first is not None:
+                    first["step_ms_rounds"].append(row["step_ms"])
     if not rows:
         return
+    for r in rows:
+        r["step_ms"] = statistics.median(r["step_ms_rounds"])
     base = next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
     ours = next((r for r in rows if r["variant"] == "zeroshard-2"), base)
     where = "CPU gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()} NCCL"
@@ -310,7 +328,8 @@ def main():
         json.dump(dict(date=str(date.today()), torch=torch.__version__, world_size=args.world_size,
                        param_dtype=args.param_dtype, config=vars(cfg), rows=rows,
                        machine=machine_info(args.device), device=args.device, backend=where, dtype=args.dtype,
-                       batch=args.batch, steps=args.steps, warmup=args.warmup, prefetch=args.prefetch,
+                       batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+                       prefetch=args.prefetch,
                        baseline=base["variant"]), f, indent=1)
 
 

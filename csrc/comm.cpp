@@ -90,9 +90,28 @@ c10::cuda::CUDAStream comm_stream(StreamRole role, c10::DeviceIndex device) {
 // exception"). An alias has no Python object: dropping it never needs the GIL.
 static at::Tensor backend_view(const at::Tensor& t) { return t.alias(); }
 
+using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
+
+static void add_works(Works& to, c10::intrusive_ptr<c10d::Work> w) { to.push_back(std::move(w)); }
+static void add_works(Works& to, Works ws) {
+  for (auto& w : ws) to.push_back(std::move(w));
+}
+
+static bool work_completed(const c10::intrusive_ptr<c10d::Work>& w) {
+  if (w->isCompleted()) return true;
+  // gloo marks its work's future, not the work, when the collective finishes
+  try {
+    auto fut = w->getFuture();
+    return fut && fut->completed();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 struct CommLauncher {
   // Issues `issue()` ordered after the caller's current stream (CUDA) and
   // returns the handle that guards its result.
+  // CPU: `issue` may instead return several works (all waited on).
   template <typename Issue>
   static Handle run(StreamRole role, const at::Tensor& result, double divisor,
                     std::vector<at::Tensor> keep_alive, Issue&& issue,
@@ -102,7 +121,7 @@ struct CommLauncher {
     h->divisor_ = divisor;
     h->copy_from_ = copy_from;
     if (!result.is_cuda()) {
-      h->work_ = issue();
+      add_works(h->works_, issue());
       h->keep_alive_ = std::move(keep_alive);
       return h;
     }
@@ -115,10 +134,12 @@ struct CommLauncher {
     ready.block(comm);
     {
       const c10::cuda::CUDAStreamGuard on_comm(comm);
-      auto work = issue();
+      Works works;
+      add_works(works, issue());
       // NCCL's wait() only makes the current (comm) stream wait on NCCL's own
       // stream; the host does not block.
-      if (work) work->wait();
+      for (auto& w : works)
+        if (w) w->wait();
       if (divisor != 1.0) result.div_(divisor);
     }
     h->done_ = std::make_shared<at::cuda::CUDAEvent>();
@@ -140,15 +161,9 @@ bool CommHandle::completed() const {
 #ifdef ZEROSHARD_WITH_CUDA
   if (done_) return done_->query();
 #endif
-  if (!work_) return true;
-  if (work_->isCompleted()) return true;
-  // gloo marks its work's future, not the work, when the collective finishes
-  try {
-    auto fut = work_->getFuture();
-    return fut && fut->completed();
-  } catch (const std::exception&) {
-    return false;
-  }
+  for (const auto& w : works_)
+    if (!work_completed(w)) return false;
+  return true;
 }
 
 void CommHandle::wait() {
@@ -161,13 +176,13 @@ void CommHandle::wait() {
     return;
   }
 #endif
-  if (work_) work_->wait();
+  for (auto& w : works_) w->wait();
   if (copy_from_.defined() && copy_from_.data_ptr() != result_.data_ptr()) result_.copy_(copy_from_);
   if (divisor_ != 1.0) result_.div_(divisor_);
   waited_ = true;
   keep_alive_.clear();
   copy_from_ = at::Tensor();
-  work_.reset();
+  works_.clear();
 }
 
 Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
@@ -200,13 +215,15 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
   const bool in_place = n > 0 && input.data_ptr() ==
       static_cast<char*>(output.data_ptr()) + rank * n * output.element_size();
   if (output.is_cpu() && in_place) {  // [Note: gloo algorithms]
-    output.narrow(0, 0, rank * n).zero_();
-    output.narrow(0, (rank + 1) * n, output.numel() - (rank + 1) * n).zero_();
     return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {output}, [&] {
-      std::vector<at::Tensor> ts{backend_view(output)};
-      c10d::AllreduceOptions opts;
-      opts.reduceOp = c10d::ReduceOp::SUM;
-      return pg->allreduce(ts, opts);
+      Works works;
+      for (int64_t r = 0; r < pg->getSize(); ++r) {
+        std::vector<at::Tensor> ts{backend_view(output.narrow(0, r * n, n))};
+        c10d::BroadcastOptions opts;
+        opts.rootRank = r;
+        works.push_back(pg->broadcast(ts, opts));
+      }
+      return works;
     });
   }
   return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {

@@ -38,7 +38,8 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,
                group: Optional[dist.ProcessGroup] = None) -> CommHandle:
     """``output`` = concatenation over ranks of ``input``. In place when ``input``
-    is this rank's chunk of ``output``."""
+    is this rank's chunk of ``output`` (on CPU it then runs as one broadcast per
+    rank, faster on gloo; see csrc/comm.h)."""
     return _C.all_gather(group_name(group), input, output)
 
 

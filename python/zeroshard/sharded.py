@@ -671,13 +671,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if buf.master is not None:
                 for b in buf.buckets:
                     b.own(buf.params, self.rank).copy_(b.shard(buf.master))
-        # each rank's chunk broadcast in place, in turn: unlike the all-gather (on
-        # gloo, an all-reduce with scratch space), no transient memory at all
-        for buf in self._buffers:
-            for b in buf.buckets:
-                for r in range(self.world_size):
-                    dist.broadcast(b.own(buf.params, r), src=dist.get_global_rank(self.process_group, r),
-                                   group=self.process_group)
+        self._gather_params()     # in place: no transient memory
 
     def _update_group(self, gi: int, group: dict):
         segs = [seg for seg in self._segments if seg.group == gi]
