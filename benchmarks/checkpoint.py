@@ -84,15 +84,14 @@ def worker(rank, world, port, variant, cfg, args, root, out):
     path = os.path.join(root, variant)
     save_ms, save_peak = timed(lambda: save(path), args.repeats)
     load_ms, load_peak = timed(lambda: load(path), args.repeats)
-    mine = [f for f in glob.glob(os.path.join(path, "*")) if
-            os.path.basename(f) in (f"rank{rank}.safetensors", f"__{rank}_0.distcp")
-            or (rank == 0 and os.path.basename(f) in ("manifest.json", ".metadata"))]
-    written = sum(os.path.getsize(f) for f in mine) / 2**20
-    everyone = [None] * world
-    dist.all_gather_object(everyone, written)
-    if rank == 0:
+    if rank == 0:   # what each rank wrote, read from the shared directory
+        everyone = [sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*")) if
+                        os.path.basename(f) in (f"rank{r}.safetensors", f"__{r}_0.distcp")
+                        or (r == 0 and os.path.basename(f) in ("manifest.json", ".metadata"))) / 2**20
+                    for r in range(world)]
         out.put(dict(variant=variant, params=n_params, save_ms=save_ms,
                      load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak))
+    dist.barrier()
     dist.destroy_process_group()
 
 

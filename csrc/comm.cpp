@@ -81,14 +81,23 @@ c10::cuda::CUDAStream comm_stream(StreamRole role, c10::DeviceIndex device) {
 
 }  // namespace
 
-// [Note: backend views] The backend gets C++-made aliases of the caller's
-// tensors, never the tensors Python holds. gloo's worker thread can drop its
-// reference to a finished work after wait() has returned; if that is the last
-// reference to a tensor with a Python object, dropping it needs the GIL, and
-// at interpreter exit (a script whose last call was a step, whose all-gather
-// just finished) that aborts the process ("terminate called without an active
-// exception"). An alias has no Python object: dropping it never needs the GIL.
-static at::Tensor backend_view(const at::Tensor& t) { return t.alias(); }
+// [Note: backend views] The backend never gets a tensor that shares a
+// TensorImpl or a StorageImpl with what Python holds. gloo's worker thread can
+// drop its reference to a finished work after wait() has returned; if that is
+// the last reference to a tensor or storage with a Python object (a storage
+// gets one when Python calls untyped_storage(), as FullyShard does), dropping
+// it needs the GIL, and at interpreter exit (a script whose last call was a
+// step, whose collective just finished) that aborts the process ("terminate
+// called without an active exception"). So on CPU the backend gets a
+// non-owning tensor over the same memory (from_blob: its own TensorImpl and
+// StorageImpl, no Python object, no deleter); the handle keeps the real
+// tensors alive until the collective has completed (wait(), or the handle's
+// destructor). CUDA tensors (NCCL, which records streams on the caching
+// allocator's blocks) get an alias.
+static at::Tensor backend_view(const at::Tensor& t) {
+  if (!t.is_cpu() || t.numel() == 0) return t.alias();
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options());
+}
 
 using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
@@ -164,6 +173,17 @@ bool CommHandle::completed() const {
   for (const auto& w : works_)
     if (!work_completed(w)) return false;
   return true;
+}
+
+CommHandle::~CommHandle() {
+  // CPU: the backend writes through non-owning views of keep_alive_ (see
+  // [Note: backend views]): never free them under a running collective.
+  for (auto& w : works_) {
+    try {
+      w->wait();
+    } catch (...) {  // a failed collective: nothing left to protect
+    }
+  }
 }
 
 void CommHandle::wait() {

@@ -43,6 +43,10 @@ enum class StreamRole : int { kReduceScatter = 0, kAllGather = 1, kAllReduce = 2
 
 class CommHandle {
  public:
+  CommHandle() = default;
+  CommHandle(const CommHandle&) = delete;
+  CommHandle& operator=(const CommHandle&) = delete;
+  ~CommHandle();
   // Idempotent. After it returns, the result may be used on the current
   // stream (CUDA) or by the host (CPU).
   void wait();

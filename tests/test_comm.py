@@ -74,6 +74,26 @@ def test_collectives_equal_torch_distributed(dist_pool):
         assert not bad, f"differs from torch.distributed: {bad}"
 
 
+def _objects():
+    """comm.all_gather_object against torch's, with objects of different sizes per rank
+    (one a multiple of 8 bytes or not, one with a NaN and raw bytes)."""
+    from zeroshard import comm
+    rank = dist.get_rank()
+    objs = [{"rank": rank, "pad": "x" * (rank * 13 + 5), "nan": float("nan"), "raw": bytes(range(rank + 3))},
+            [rank] * (rank + 1), None]
+    out = []
+    for obj in objs:
+        theirs = [None] * dist.get_world_size()
+        dist.all_gather_object(theirs, obj)
+        out.append(repr(comm.all_gather_object(obj)) == repr(theirs))
+    return out
+
+
+def test_all_gather_object_equals_torch(dist_pool):
+    for res in dist_pool.run(_objects):
+        assert res == [True, True, True]
+
+
 def _bucketed_uneven_reduce():
     """Prime-sized tensors laid out in padded buckets (a cap that splits tensors),
     reduce-scattered bucket by bucket with all handles outstanding at once, waited in

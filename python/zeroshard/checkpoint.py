@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import comm
 from .fully_shard import FullyShard
 
 FORMAT, VERSION = "zeroshard-checkpoint", 1
@@ -296,8 +297,7 @@ def _collective(h: _Holdings, fn: Callable[[], Any], gather: bool = False):
         out = (f"{type(e).__name__}: {e}", None)
     everyone = [out]
     if h.world > 1:
-        everyone = [None] * h.world
-        dist.all_gather_object(everyone, out, group=h.group)
+        everyone = comm.all_gather_object(out, group=h.group)
     if exc is not None:
         raise exc
     for r, (err, _) in enumerate(everyone):

@@ -5,7 +5,8 @@ csrc/comm.h): each returns a handle; call ``.wait()`` before using the result.
 """
 from __future__ import annotations
 
-from typing import Optional
+import pickle
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,3 +48,33 @@ def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = Non
                average: bool = False) -> CommHandle:
     """``tensor`` = sum (mean if ``average``) of ``tensor`` over ranks, in place."""
     return _C.all_reduce(group_name(group), tensor, bool(average))
+
+
+def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
+    """Every rank's ``obj`` (picklable), in group-rank order; collective.
+
+    ``torch.distributed.all_gather_object`` hands gloo tensors that Python
+    owns, and gloo's worker thread may drop the last reference to one after
+    the call returned: at interpreter exit (a script whose last collective it
+    was: a checkpoint save, say) that needs the GIL and aborts the process.
+    On gloo this runs over this module's all-gather instead, which never
+    hands the backend such a tensor (see [Note: backend views] in
+    csrc/comm.cpp); other backends use torch's."""
+    if group is None:
+        group = dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) != "gloo":
+        out = [None] * world
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    data = pickle.dumps(obj)
+    lens = torch.zeros(world, dtype=torch.float64)   # exact for lengths < 2**53
+    lens[rank] = len(data)
+    all_gather(lens[rank:rank + 1], lens, group=group).wait()
+    words = max(1, -(-int(lens.max().item()) // 8))   # the bytes travel as float64 bit patterns
+    buf = torch.zeros(world * words, dtype=torch.float64)
+    mine = buf[rank * words:(rank + 1) * words]
+    mine.view(torch.uint8)[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    all_gather(mine, buf, group=group).wait()
+    raw = buf.view(torch.uint8).numpy().tobytes()
+    return [pickle.loads(raw[r * words * 8:r * words * 8 + int(lens[r])]) for r in range(world)]

@@ -327,8 +327,7 @@ class FullyShard(nn.Module):
     def _check_same_model_across_ranks(self):
         mine = [(u.name, [(q.names[0], tuple(q.shape), str(q.dtype), q.requires_grad) for q in u.params])
                 for u in self._units]
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
+        everyone = comm.all_gather_object(mine, group=self.process_group)
         for r, theirs in enumerate(everyone):
             if theirs != everyone[0]:
                 raise ValueError(self._err(f"rank {r} and rank 0 built different models "

@@ -342,8 +342,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _check_same_shapes_across_ranks(self):
         mine = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in self._params]
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
+        everyone = comm.all_gather_object(mine, group=self.process_group)
         ref = everyone[0]
         for r, theirs in enumerate(everyone):
             if len(theirs) != len(ref):
@@ -550,10 +549,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pos = {p: k for k, p in enumerate(self._arrival)}
         never = len(self._arrival)
         key = [max(pos.get(p, never) for p in b.params) for b in self._buckets]
-        order = [sorted(range(len(self._buckets)), key=lambda b: (key[b], b))]
+        order = sorted(range(len(self._buckets)), key=lambda b: (key[b], b))
         if self.world_size > 1:
-            dist.broadcast_object_list(order, src=self._src, group=self.process_group)
-        self._launch_order = order[0]
+            order = comm.all_gather_object(order, group=self.process_group)[0]
+        self._launch_order = order
         self._order_learned = True
         self._arrival = []
 
@@ -608,8 +607,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._all_reduce(local)
             total = local.sqrt() * self._grad_scale
         else:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = local * self._grad_scale
+            every = local.new_zeros(self.world_size)
+            every[self.rank:self.rank + 1].copy_(local)
+            comm.all_gather(every[self.rank:self.rank + 1], every, group=self.process_group).wait()
+            total = every.max().reshape(1) * self._grad_scale
         self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
         return total.reshape(())
 
@@ -766,6 +767,68 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return rep
 
     # ------------------------------------------------------------ state dict
+    def _layout_signature(self) -> list:
+        """What a sharded state dict is only valid for: world size, rank, stage and every region's cut."""
+        return [self.world_size, self.rank, self.stage,
+                [[reg.shard_numel, [list(f) for f in reg.frags]] for reg in self._regions]]
+
+    @torch.no_grad()
+    def sharded_state_dict(self) -> dict:
+        """This rank's shard of the optimizer state, without communication: fast
+        to save (e.g. ``torch.save`` per rank) and exact (stages 1/2 include the
+        fp32 master of bf16/fp16 parameters). It loads back only with
+        ``load_sharded_state_dict`` into the same layout (same model, world size,
+        rank, stage and bucket_mb); to change any of those use ``state_dict()``
+        or ``zeroshard.save_checkpoint``. The tensors are views of the live
+        state (stages 1/2: ``values`` is this rank's chunk of the fp32 master or
+        of the fp32 parameters) on its device: copy them (or save) before the
+        next step."""
+        state = {}
+        for k, reg in enumerate(self._regions):
+            state[f"{k}.exp_avg"], state[f"{k}.exp_avg_sq"] = reg.exp_avg, reg.exp_avg_sq
+            if reg.values is not None:
+                state[f"{k}.values"] = reg.values
+        return {"format": "zeroshard-sharded-optimizer", "layout": self._layout_signature(),
+                "steps": list(self._steps), "param_groups": super().state_dict()["param_groups"],
+                "state": state}
+
+    def _sharded_mismatch(self, sharded) -> Optional[str]:
+        if not isinstance(sharded, dict) or sharded.get("format") != "zeroshard-sharded-optimizer":
+            return "it is not a sharded state dict of ShardedOptimizer (load_state_dict takes full ones)"
+        mine, theirs = self._layout_signature(), sharded["layout"]
+        for name, a, b in zip(("world size", "rank", "stage"), mine[:3], theirs[:3]):
+            if a != b:
+                return f"it was saved with {name} {b}, this optimizer has {a}"
+        if mine[3] != theirs[3]:
+            return "it was saved with another flat layout (other parameters, param groups or bucket_mb)"
+        return None
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, sharded: dict):
+        """Load what ``sharded_state_dict()`` returned on this rank, into the same
+        layout. Collective: every rank calls it with its own dict; if any rank's
+        does not match its layout, every rank raises, naming the rank and what
+        differs. Stages 1/2 restore the parameters too (each rank's chunk, then
+        an all-gather); stage 3's are the model's: load the model's state first."""
+        problems = comm.all_gather_object(self._sharded_mismatch(sharded), group=self.process_group)
+        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
+        if bad:
+            raise ValueError(self._err(
+                "cannot load the sharded state dict (" + "; ".join(bad) + "); a sharded state dict loads "
+                "only into the layout it was saved from: use state_dict()/load_state_dict() or "
+                "zeroshard.save_checkpoint/load_checkpoint to change world size, stage or layout"))
+        groups = sharded["param_groups"]
+        for g, sg in zip(self.param_groups, groups):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+        for k, reg in enumerate(self._regions):
+            reg.exp_avg.copy_(sharded["state"][f"{k}.exp_avg"])
+            reg.exp_avg_sq.copy_(sharded["state"][f"{k}.exp_avg_sq"])
+            if reg.values is not None:
+                reg.values.copy_(sharded["state"][f"{k}.values"])
+        self._shards_loaded(list(sharded["steps"]))
+
     @torch.no_grad()
     def state_dict(self, to: Optional[int] = None):
         """The full state in torch.optim.AdamW's format (loadable by AdamW over the
