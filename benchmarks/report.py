@@ -39,7 +39,8 @@ STAGES = {"adamw": "no DDP", "ddp": "DDP", "ddp+zero": "ZeRO-1", "zeroshard-1": 
           "zeroshard-2": "ZeRO-2", "fsdp2-3": "ZeRO-3", "zeroshard-3": "ZeRO-3", "fsdp2-3+dcp": "ZeRO-3"}
 STAGE_ORDER = ["no DDP", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 # Ours against torch's alternative of the same stage (summary lines under the step tables).
-PAIRS = [("zeroshard-1", "ddp+zero"), ("zeroshard-2", "fsdp2"), ("zeroshard-3", "fsdp2-3")]
+PAIRS = [("zeroshard-1", "ddp+zero"), ("zeroshard-2", "fsdp2"), ("zeroshard-3", "fsdp2-3"),
+         ("zeroshard-3@p0", "fsdp2-3")]
 
 
 def stage(variant: str) -> str:

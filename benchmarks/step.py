@@ -11,6 +11,9 @@ Variants (world size 2, CPU + gloo, unless --world-size / --device say otherwise
   zeroshard-2@5 the same with bucket_mb=5 (less transient bucket memory)
   fsdp2-3       FSDP2 fully_shard per block + root, reshard_after_forward=True (ZeRO-3)
   zeroshard-3   zeroshard.FullyShard(wrap={Block}) + ShardedOptimizer (ZeRO-3)
+  zeroshard-3@p0  the same with prefetch=0 (CPU only: gathers each unit when it
+                runs, as FSDP2 does on CPU, where its prefetching needs CUDA
+                streams; the memory-matched comparison)
 The two ZeRO-3 variants use the same units and the same mixed precision
 (--param-dtype for the gathered parameters, fp32 reduction and shards).
 Each variant runs in fresh processes, in --rounds rounds that each run every
@@ -68,7 +71,8 @@ from cpu_memory import TensorBytes  # noqa: E402
 from gpt import GPT, Block, GPTConfig  # noqa: E402
 from machine import machine_info  # noqa: E402
 
-VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2", "zeroshard-2@5", "fsdp2-3", "zeroshard-3"]
+VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2", "zeroshard-2@5", "fsdp2-3", "zeroshard-3",
+            "zeroshard-3@p0"]
 
 
 def rss_mb(field="VmRSS"):
@@ -108,7 +112,8 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
             model.set_force_sum_reduction_for_comms(True)
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     import zeroshard as zs
-    if variant == "zeroshard-3":
+    if variant.startswith("zeroshard-3"):
+        prefetch = 0 if variant == "zeroshard-3@p0" else prefetch
         model = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
             param_dtype=param_dtype, reduce_dtype=torch.float32))
         return model, zs.ShardedOptimizer(model.parameters(), lr=lr)
@@ -288,6 +293,8 @@ def main():
     rows = []
     variants = args.variants.split(",") if args.variants else (
         VARIANTS if args.world_size > 1 else ["adamw"] + [v for v in VARIANTS if v != "ddp+zero"])
+    if args.device == "cuda" and not args.variants:   # FSDP2 prefetches on CUDA: compare like with like
+        variants = [v for v in variants if v != "zeroshard-3@p0"]
     for k in range(max(1, args.rounds)):
         for v in variants:
             row = run_variant(ctx, v, cfg, args, measure=k == 0)
@@ -318,11 +325,12 @@ def main():
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
               f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
               + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else ""))
-    z3, f3 = (next((r for r in rows if r["variant"] == v), None) for v in ("zeroshard-3", "fsdp2-3"))
-    if z3 and f3:
-        print(f"ZeRO-3 ({args.param_dtype} params): zeroshard-3 / fsdp2-3 = {z3['step_ms'] / f3['step_ms']:.2f}x "
-              f"time, {z3['peak_mb'] / f3['peak_mb']:.2f}x peak memory"
-              + (f", {z3['tensor_mb'] / f3['tensor_mb']:.2f}x exact tensor peak" if exact else ""))
+    f3 = next((r for r in rows if r["variant"] == "fsdp2-3"), None)
+    for z3 in (r for r in rows if r["variant"].startswith("zeroshard-3")):
+        if f3:
+            print(f"ZeRO-3 ({args.param_dtype} params): {z3['variant']} / fsdp2-3 = "
+                  f"{z3['step_ms'] / f3['step_ms']:.2f}x time, {z3['peak_mb'] / f3['peak_mb']:.2f}x peak memory"
+                  + (f", {z3['tensor_mb'] / f3['tensor_mb']:.2f}x exact tensor peak" if exact else ""))
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(date=str(date.today()), torch=torch.__version__, world_size=args.world_size,
