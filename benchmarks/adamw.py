@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 from datetime import date
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ._ext import _C
 from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, save_checkpoint
-from .comm import CommHandle, all_gather, all_reduce, reduce_scatter
+from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .fully_shard import FullyShard, MixedPrecision
 from .kernels import fused_adamw_
 from .layout import Layout, compute_layout
@@ -39,6 +39,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout", "all_gather", "all_reduce", "build_info", "compute_layout",
+    "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout", "all_gather",
+    "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer",
 ]
