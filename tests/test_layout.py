@@ -95,3 +95,19 @@ def test_keys_and_dtypes_separate_buffers():
 def test_bad_layout_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         zs.compute_layout(**kwargs)
+
+
+def test_fill_flat_copies_sources_and_zeroes_the_rest():
+    """Random non-overlapping pieces (bf16 sources into an fp32 buffer full of NaN):
+    every covered element equals its source, every other element is zero."""
+    from zeroshard.layout import fill_flat
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n = 97
+    cuts = sorted(torch.randperm(n, generator=g)[:12].tolist())
+    pieces = [(a, torch.randn(b - a, generator=g).bfloat16()) for a, b in zip(cuts[0::2], cuts[1::2])]
+    flat = torch.full((n,), float("nan"))
+    fill_flat(flat, pieces[::-1])          # any order
+    want = torch.zeros(n)
+    for a, src in pieces:
+        want[a:a + src.numel()] = src.float()
+    assert torch.equal(flat, want)

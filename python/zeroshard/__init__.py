@@ -39,7 +39,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout", "all_gather",
-    "all_gather_object", "all_reduce", "build_info", "compute_layout",
+    "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout",
+    "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer",
 ]

@@ -37,8 +37,8 @@
   the unit's activations are freed (once the buffer exists, e.g. while
   accumulating under ``no_sync``, gradients are added as they arrive). The
   buffer is reduce-scattered (SUM) in place; the result, divided by the
-  world size, is written (or
-  added, when accumulating) into the fp32 gradient shard. Reduce-scatters
+  world size, is written (or added, when accumulating) into the fp32
+  gradient shard. Reduce-scatters
   are issued in one fixed order on every rank (reverse forward order, root
   last; zeroshard/_ordered.py, shared with stages 1 and 2); one is in flight
   at a time (finished ones are retired early), and at the end of backward
@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import comm
 from ._ordered import OrderedReductions
-from .layout import compute_layout
+from .layout import compute_layout, fill_flat
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_INFLIGHT = 1        # reduce-scatters in flight at once (each holds one unit's gradients)
@@ -669,14 +669,20 @@ class FullyShard(nn.Module):
         """Move the gradients autograd left on the unit's full parameters into its
         flat gradient buffer, allocated now: not at the unit's first gradient,
         while the unit's activations are still alive (the peak of backward)."""
-        if u.grad_flat is None:
-            self._retire_completed()      # free finished reductions' buffers before taking another
-            u.grad_flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self._device)
-            self._grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
-            self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
+        if u.grad_flat is not None:       # accumulating: add what arrived since
+            for q in u.trainable:
+                if q.full.grad is not None:
+                    self._move_grad(u, q)
+            return
+        self._retire_completed()          # free finished reductions' buffers before taking another
+        u.grad_flat = torch.empty(u.numel, dtype=self.reduce_dtype, device=self._device)
+        self._grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
+        self._grad_bytes_peak = max(self._grad_bytes_peak, self._grad_bytes)
+        # one pass: gradients copied in; padding and gradients that never arrived are zero
+        fill_flat(u.grad_flat, [(q.offset, q.full.grad.reshape(-1))
+                                for q in u.trainable if q.full.grad is not None])
         for q in u.trainable:
-            if q.full.grad is not None:
-                self._move_grad(u, q)
+            q.full.grad = None
 
     def _launch(self, u: _Unit):
         self._flatten_grads(u)        # a unit some gradient never reached: the rest count as zero

@@ -47,3 +47,19 @@ def compute_layout(
     itemsizes = [dt.itemsize for dt in dtypes]
     return _C.compute_layout(numels, itemsizes, ids, int(bucket_cap_bytes), int(world_size),
                              int(align_bytes))
+
+
+def fill_flat(flat: torch.Tensor, pieces: Sequence) -> None:
+    """Write ``pieces`` -- ``(offset, source)`` pairs, each source 1-D and none
+    overlapping -- into ``flat`` in one pass: each source copied (cast to
+    ``flat``'s dtype) at its offset, and every element no source covers
+    (layout padding, tensors without a source) zeroed. Cheaper than zeroing
+    the whole buffer and then adding."""
+    end = 0
+    for offset, src in sorted(pieces, key=lambda piece: piece[0]):
+        if offset > end:
+            flat[end:offset].zero_()
+        flat[offset:offset + src.numel()].copy_(src)
+        end = offset + src.numel()
+    if end < flat.numel():
+        flat[end:].zero_()

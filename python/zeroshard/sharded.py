@@ -65,7 +65,7 @@ from . import comm
 from ._ordered import OrderedReductions
 from .fully_shard import _SUPPORTED, owner_of
 from .kernels import fused_adamw_
-from .layout import compute_layout
+from .layout import compute_layout, fill_flat
 
 # At most this many buckets are being reduced at once: launching one more
 # first retires the oldest (waits for it, folds it into the shard, recycles
@@ -470,14 +470,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 src = src.to(rdt)
         else:
             src = b.grad = self._acquire(b.numel, rdt)
-            for i, f in b.frags:   # gradients that never arrived on this rank count as zero
-                p = self._params[i]
-                if p.grad is not None:
-                    src[f.bucket_offset:f.bucket_offset + f.numel].copy_(
-                        p.grad.detach().reshape(-1)[f.tensor_offset:f.tensor_offset + f.numel])
+            # gradients that never arrived on this rank count as zero, as does padding
+            fill_flat(src, [(f.bucket_offset, self._params[i].grad.detach().reshape(-1)[
+                f.tensor_offset:f.tensor_offset + f.numel]) for i, f in b.frags if self._params[i].grad is not None])
+            for i, _ in b.frags:
                 self._copies_left[i] -= 1
                 if self._copies_left[i] == 0:
-                    p.grad = None
+                    self._params[i].grad = None
         # In place into this rank's chunk of the input, except that a stage-2 shard
         # holding nothing yet receives the result directly; _retire folds it in.
         if self.stage == 2 and buf.grad_shard is None:   # freed by zero_grad(set_to_none=True)
@@ -495,11 +494,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.events.append(("reduce_scatter", b.index))
 
     def _acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed bucket buffer, recycled when one of this size is free."""
+        """A bucket buffer (uninitialised: _launch writes every element), recycled
+        when one of this size is free."""
         free = self._free.get((numel, dtype))
         if free:
-            return free.pop().zero_()
-        t = torch.zeros(numel, dtype=dtype, device=self.device)
+            return free.pop()
+        t = torch.empty(numel, dtype=dtype, device=self.device)
         self._bucket_bytes += t.numel() * t.element_size()
         self._peak_bucket_bytes = max(self._peak_bucket_bytes, self._bucket_bytes)
         return t
@@ -792,6 +792,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "steps": list(self._steps), "param_groups": super().state_dict()["param_groups"],
                 "state": state}
 
+    def _take_hyperparameters(self, groups: list):
+        """Each param group takes the saved group's hyperparameters (everything but its params)."""
+        for g, sg in zip(self.param_groups, groups):
+            g.update((k, v) for k, v in sg.items() if k != "params")
+            if g.get("amsgrad") or g.get("maximize"):
+                raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
+
     def _sharded_mismatch(self, sharded) -> Optional[str]:
         if not isinstance(sharded, dict) or sharded.get("format") != "zeroshard-sharded-optimizer":
             return "it is not a sharded state dict of ShardedOptimizer (load_state_dict takes full ones)"
@@ -817,11 +824,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "cannot load the sharded state dict (" + "; ".join(bad) + "); a sharded state dict loads "
                 "only into the layout it was saved from: use state_dict()/load_state_dict() or "
                 "zeroshard.save_checkpoint/load_checkpoint to change world size, stage or layout"))
-        groups = sharded["param_groups"]
-        for g, sg in zip(self.param_groups, groups):
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = v
+        self._take_hyperparameters(sharded["param_groups"])
         for k, reg in enumerate(self._regions):
             reg.exp_avg.copy_(sharded["state"][f"{k}.exp_avg"])
             reg.exp_avg_sq.copy_(sharded["state"][f"{k}.exp_avg_sq"])
@@ -878,11 +881,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise ValueError(self._err(
                     f"param group {gi} has {len(sg['params'])} parameters in the state dict but "
                     f"{len(g['params'])} here"))
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = v
-            if g.get("amsgrad") or g.get("maximize"):
-                raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
+        self._take_hyperparameters(groups)
         saved_ids = [pid for sg in groups for pid in sg["params"]]
         state = state_dict["state"]
         steps = [0] * len(self.param_groups)
