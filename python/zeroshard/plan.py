@@ -206,25 +206,21 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             ri = fs.reduce_dtype.itemsize
             biggest = max(fs._units[1:], key=lambda u: u.numel, default=None)
             gathered = rep["root_gathered"] + (prefetch + 1) * rep["max_unit"]
-            # backward's order: units in reverse, the root last
+            order = [u for u in units[::-1] if not u.is_root] + [u for u in units if u.is_root]  # backward's
             out = dict(report=rep, max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
                        transient=gathered + ri * (fs._units[0].numel + (biggest.numel if biggest else 0)),
                        fixed=gathered, policy=_Policy(
                            [_Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel)
-                            for u in units[::-1] if not u.is_root] +
-                           [_Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel)
-                            for u in units if u.is_root],
-                           inflight=_FS_INFLIGHT, first=0))
+                            for u in order], inflight=_FS_INFLIGHT, first=0))
         else:
             model.to(pdt)
             names = [n for n, _ in model.named_parameters()]   # opt's parameter order
             opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb)
             rep = opt.memory_report()
-            item = {id(b): opt._reduce_dtype(b.buffer.dtype).itemsize for b in opt._buckets}
-            sizes = [b.numel * item[id(b)] if stage == 2 else 0 for b in opt._buckets]
-            out = dict(report=rep, transient=max(sizes, default=0), fixed=max(sizes, default=0), policy=None)
+            out = dict(report=rep, transient=0, fixed=0, policy=None)   # stage 1 reduces in place
             if stage == 2:
-                out["fixed"] = 0
+                item = {id(b): opt._reduce_dtype(b.buffer.dtype).itemsize for b in opt._buckets}
+                out["transient"] = max(b.numel * item[id(b)] for b in opt._buckets)
                 out["policy"] = _Policy(
                     [_Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0)
                      for b in (opt._buckets[k] for k in opt._launch_order)],
