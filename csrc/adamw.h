@@ -28,7 +28,7 @@ struct AdamWHyper {
   float beta2;
   float one_minus_beta2;  // 1 - beta2
   float eps;
-  float bc2_sqrt;    // sqrt(1 - beta2^step)
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step)
   float decay;       // 1 - lr * weight_decay
   float grad_scale;  // gradients are multiplied by this before use
 };
@@ -123,13 +123,18 @@ ZS_HD void store_from_f32(void* p, ScalarKind k, int64_t i, float v) {
 // [Note: AdamW math] The one implementation of the update, in the operation
 // order of torch.optim.AdamW(foreach=False) so results agree to rounding:
 //   p *= 1 - lr*wd;  m = m + (1-b1)*(g-m);  v = v*b2 + (1-b2)*g*g;
-//   p = p - step_size * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+//   p = p - step_size * m / (sqrt(v) * (1/sqrt(1-b2^t)) + eps)
+// One difference from torch: sqrt(v) is multiplied by the host-computed
+// reciprocal of sqrt(1-b2^t) instead of divided by sqrt(1-b2^t) (at most one
+// rounding apart). Division and square root share one slow unit on CPUs;
+// dropping one of the two divisions makes the CPU kernel ~20% faster where it
+// is compute-bound (the bf16 path, and shards that fit in cache).
 // `g` already carries the gradient scale.
 ZS_HD void adamw_update(float& p, float g, float& m, float& v, const AdamWHyper& h) {
   p = p * h.decay;
   m = m + h.one_minus_beta1 * (g - m);
   v = v * h.beta2 + h.one_minus_beta2 * g * g;
-  const float denom = sqrtf(v) / h.bc2_sqrt + h.eps;
+  const float denom = sqrtf(v) * h.inv_bc2_sqrt + h.eps;
   p = p + (-h.step_size) * (m / denom);
 }
 

@@ -18,7 +18,7 @@ AdamWHyper make_adamw_hyper(double lr, double beta1, double beta2, double eps,
   h.beta2 = static_cast<float>(beta2);
   h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   h.eps = static_cast<float>(eps);
-  h.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   h.decay = static_cast<float>(1.0 - lr * weight_decay);
   h.grad_scale = static_cast<float>(grad_scale);
   return h;
