@@ -40,11 +40,12 @@ collectives the step actually issued, counted by the profiler on rank 0 in one
 extra step after the timed ones (so it is neither timed nor in the peak): for a
 collective on a buffer of S bytes (all-reduce: the tensor; all-gather: the
 gathered output; reduce-scatter: the input; broadcast: the tensor), all-reduce
-sends 2(N-1)/N x S and the others (N-1)/N x S (NCCL's "bus bytes"). The JSON
-row also has each kind's calls and summed S. The kinds are the backend's: on
-gloo, FSDP2's reduce-scatter and zeroshard's reduce-scatter run as
-all-reduces, and zeroshard's all-gather as one broadcast per rank (see
-csrc/comm.h); they are counted as such. --no-comm skips it.
+sends 2(N-1)/N x S and the others (N-1)/N x S (NCCL's "bus bytes"); a
+point-to-point send sends its S, a receive nothing. The JSON row also has each
+kind's calls and summed S. The kinds are the backend's: on gloo, FSDP2's
+reduce-scatter runs as an all-reduce, and zeroshard's reduce-scatter and
+all-gather as point-to-point sends and receives (see csrc/comm.h); they are
+counted as such. --no-comm skips it.
 
     python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
     python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768   # GPT-2 124M-sized
@@ -162,8 +163,9 @@ def count_comm(step, world):
         k = kinds.setdefault(kind, {"calls": 0, "bytes": 0})
         k["calls"] += 1
         k["bytes"] += size
-        if sent is not None:
-            sent += size * (2 if kind == "all_reduce" else 1) * (world - 1) / world
+        if sent is not None:   # a send is its own bytes; a receive sends nothing
+            sent += (size if kind == "send" else 0 if kind == "recv" else
+                     size * (2 if kind == "all_reduce" else 1) * (world - 1) / world)
     return kinds, sent
 
 

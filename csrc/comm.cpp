@@ -101,6 +101,30 @@ static at::Tensor backend_view(const at::Tensor& t) {
 
 using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
+// Tags of zeroshard's point-to-point messages (one per collective kind, apart
+// from the tags users pick for their own send/recv). gloo matches a pair's
+// messages of one tag in the order they were posted, and every rank issues
+// the collectives in one order, so each receive meets its send.
+constexpr int kTagReduceScatter = 0x7A5301;
+constexpr int kTagAllGather = 0x7A5302;
+
+// Whether CPU collectives on `t` run as point-to-point messages: gloo groups
+// of more than one rank ([Note: gloo algorithms]).
+static bool point_to_point(c10d::ProcessGroup& pg, const at::Tensor& t) {
+  if (!t.is_cpu() || pg.getSize() < 2 || t.numel() == 0) return false;
+  try {
+    return pg.getBackend(c10::DeviceType::CPU)->getBackendName() == "gloo";
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+static bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
 static void add_works(Works& to, c10::intrusive_ptr<c10d::Work> w) { to.push_back(std::move(w)); }
 static void add_works(Works& to, Works ws) {
   for (auto& w : ws) to.push_back(std::move(w));
@@ -124,11 +148,13 @@ struct CommLauncher {
   template <typename Issue>
   static Handle run(StreamRole role, const at::Tensor& result, double divisor,
                     std::vector<at::Tensor> keep_alive, Issue&& issue,
-                    const at::Tensor& copy_from = at::Tensor()) {
+                    const at::Tensor& copy_from = at::Tensor(),
+                    std::vector<at::Tensor> addends = {}) {
     auto h = std::make_shared<CommHandle>();
     h->result_ = result;
     h->divisor_ = divisor;
     h->copy_from_ = copy_from;
+    h->addends_ = std::move(addends);
     if (!result.is_cuda()) {
       add_works(h->works_, issue());
       h->keep_alive_ = std::move(keep_alive);
@@ -198,10 +224,12 @@ void CommHandle::wait() {
 #endif
   for (auto& w : works_) w->wait();
   if (copy_from_.defined() && copy_from_.data_ptr() != result_.data_ptr()) result_.copy_(copy_from_);
+  for (const auto& a : addends_) result_.add_(a);
   if (divisor_ != 1.0) result_.div_(divisor_);
   waited_ = true;
   keep_alive_.clear();
   copy_from_ = at::Tensor();
+  addends_.clear();
   works_.clear();
 }
 
@@ -210,14 +238,42 @@ Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
   auto pg = resolve(group_name);
   check_pair(*pg, "reduce_scatter", input, "input", output, "output");
   const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
-  if (input.is_cpu() && input_is_scratch) {  // [Note: gloo algorithms]
-    const int64_t n = output.numel();
+  const int64_t n = output.numel(), world = pg->getSize(), rank = pg->getRank();
+  if (point_to_point(*pg, output)) {  // [Note: gloo algorithms]
+    // Each peer's contribution to this rank's chunk lands in `output` itself
+    // when output is not inside input (it is then summed with our own
+    // chunk), else in a scratch chunk; both are summed into output in wait().
+    const bool in_place = overlaps(output, input);
+    const int64_t scratch_chunks = in_place ? world - 1 : world - 2;
+    const at::Tensor scratch = at::empty({scratch_chunks * n}, output.options());
+    std::vector<at::Tensor> landing, addends;
+    if (!in_place) {
+      landing.push_back(output);
+      addends.push_back(input.narrow(0, rank * n, n));
+    }
+    for (int64_t k = 0; k < scratch_chunks; ++k) {
+      landing.push_back(scratch.narrow(0, k * n, n));
+      addends.push_back(landing.back());
+    }
+    return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output, scratch}, [&] {
+      Works works;
+      for (int64_t k = 1; k < world; ++k) {   // step k: send to rank + k, receive from rank - k
+        std::vector<at::Tensor> in{backend_view(landing[k - 1])};
+        works.push_back(pg->recv(in, static_cast<int>((rank - k + world) % world), kTagReduceScatter));
+        const int64_t to = (rank + k) % world;
+        std::vector<at::Tensor> out{backend_view(input.narrow(0, to * n, n))};
+        works.push_back(pg->send(out, static_cast<int>(to), kTagReduceScatter));
+      }
+      return works;
+    }, at::Tensor(), std::move(addends));
+  }
+  if (input.is_cpu() && input_is_scratch) {
     return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
       std::vector<at::Tensor> ts{backend_view(input)};
       c10d::AllreduceOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
       return pg->allreduce(ts, opts);
-    }, input.narrow(0, pg->getRank() * n, n));
+    }, input.narrow(0, rank * n, n));
   }
   return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
     at::Tensor in = backend_view(input), out = backend_view(output);
@@ -234,14 +290,16 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
   const int64_t n = input.numel(), rank = pg->getRank();
   const bool in_place = n > 0 && input.data_ptr() ==
       static_cast<char*>(output.data_ptr()) + rank * n * output.element_size();
-  if (output.is_cpu() && in_place) {  // [Note: gloo algorithms]
+  if (in_place && point_to_point(*pg, output)) {  // [Note: gloo algorithms]
+    const int64_t world = pg->getSize();
     return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {output}, [&] {
       Works works;
-      for (int64_t r = 0; r < pg->getSize(); ++r) {
-        std::vector<at::Tensor> ts{backend_view(output.narrow(0, r * n, n))};
-        c10d::BroadcastOptions opts;
-        opts.rootRank = r;
-        works.push_back(pg->broadcast(ts, opts));
+      for (int64_t k = 1; k < world; ++k) {   // step k: send to rank + k, receive from rank - k
+        const int64_t from = (rank - k + world) % world, to = (rank + k) % world;
+        std::vector<at::Tensor> in{backend_view(output.narrow(0, from * n, n))};
+        works.push_back(pg->recv(in, static_cast<int>(from), kTagAllGather));
+        std::vector<at::Tensor> out{backend_view(input)};
+        works.push_back(pg->send(out, static_cast<int>(to), kTagAllGather));
       }
       return works;
     });

@@ -31,16 +31,19 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
                    input_is_scratch: bool = False) -> CommHandle:
     """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks.
 
-    ``input_is_scratch=True`` lets the collective overwrite ``input`` (on CPU
-    it then runs as a faster in-place all-reduce; see csrc/comm.h)."""
+    ``input_is_scratch=True`` lets the collective overwrite ``input`` (a CPU
+    group whose backend is not gloo then runs an in-place all-reduce). On gloo
+    it runs as point-to-point messages that leave ``input`` as it is: when
+    ``output`` lies inside ``input`` the peers' chunks are received into
+    scratch memory ((N-1)/N of ``input``) until ``wait()``; see csrc/comm.h."""
     return _C.reduce_scatter(group_name(group), input, output, bool(average), bool(input_is_scratch))
 
 
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,
                group: Optional[dist.ProcessGroup] = None) -> CommHandle:
     """``output`` = concatenation over ranks of ``input``. In place when ``input``
-    is this rank's chunk of ``output`` (on CPU it then runs as one broadcast per
-    rank, faster on gloo; see csrc/comm.h)."""
+    is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
+    messages, faster than gloo's all-gather; see csrc/comm.h)."""
     return _C.all_gather(group_name(group), input, output)
 
 
