@@ -205,8 +205,10 @@ def plot_ratio(runs, path):
     bases = {step_baseline(d)["variant"] for _, d in runs}
     head = ("Step time relative to DDP" if bases == {"ddp"} else
             "Step time relative to DDP (or the run's baseline where DDP did not run)")
-    return _bar_panels(runs, lambda d, r: r["step_ms"] / step_baseline(d)["step_ms"],
-                       lambda d: f"step time / {step_baseline(d)['variant']}'s",
+    # the paired ratio (steps taken in turn in one process group) where the run has one
+    return _bar_panels(runs, lambda d, r: r.get("paired_ratio", r["step_ms"] / step_baseline(d)["step_ms"]),
+                       lambda d: f"step time / {step_baseline(d)['variant']}'s"
+                       + (" (paired)" if all("paired_ratio" in r for r in d["rows"]) else ""),
                        head, path, ref_line=1.0, fmt="{:.2f}x")
 
 
@@ -299,6 +301,7 @@ def results_section(found: dict) -> str:
         base = step_baseline(d)
         comm = any("comm_mb" in r for r in d["rows"])
         exact = _exact(d)
+        paired = all("paired_ratio" in r for r in d["rows"])
         lines += ["", f"### One training step: `{name}` ({d.get('date', '?')})", "",
                   _para(f"{step_setup(d)}. Median step time on rank 0 (over {d.get('rounds', 1)} rounds, each "
                         "running every variant in turn: the median of the rounds' medians) and peak memory on "
@@ -308,28 +311,34 @@ def results_section(found: dict) -> str:
                                                  if comm else " Communication bytes not recorded in this JSON.")
                         + (" tensor MB: the exact peak of live tensor bytes over the built model, from the "
                            "CPU allocator's own events (peak MB is resident memory, which also counts what "
-                           "is not tensors)." if exact else "")),
+                           "is not tensors)." if exact else "")
+                        + (f" paired: the median over {d.get('paired')} turns, in one process group taking "
+                           f"every variant's step in turn, of the step time over {base['variant']}'s in the "
+                           "same turn (steadier than separate runs on a shared machine)." if paired else "")),
                   ""]
-        header = ["variant", "stage", "step ms", f"vs {base['variant']}", "peak MB/rank", f"vs {base['variant']}"]
+        header = ["variant", "stage", "step ms", f"vs {base['variant']}"] + [f"paired vs {base['variant']}"] * paired
+        header += ["peak MB/rank", f"vs {base['variant']}"]
         header += ["comm MB/rank/step"] * comm + ["tensor MB", f"vs {base['variant']}"] * exact + ["loss"]
         rows = []
         for r in step_rows(d):
-            row = [r["variant"], stage(r["variant"]), f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}x",
-                   f"{r['peak_mb']:.1f}", f"{r['peak_mb'] / base['peak_mb']:.2f}x" if base["peak_mb"] else "-"]
+            row = [r["variant"], stage(r["variant"]), f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}x"]
+            row += [f"{r['paired_ratio']:.2f}x"] if paired else []
+            row += [f"{r['peak_mb']:.1f}", f"{r['peak_mb'] / base['peak_mb']:.2f}x" if base["peak_mb"] else "-"]
             if comm:
                 row.append(f"{r['comm_mb']:.2f}" if r.get("comm_mb") is not None else "-")
             if exact:
                 row += [f"{r['tensor_mb']:.1f}", f"{r['tensor_mb'] / base['tensor_mb']:.2f}x"]
             row.append(f"{r['loss']:.3f}" if "loss" in r else "-")
             rows.append(row)
-        lines += _table(header, rows, "llrrrr" + "r" * comm + "rr" * exact + "r")
+        lines += _table(header, rows, "llrr" + "r" * paired + "rr" + "r" * comm + "rr" * exact + "r")
         by = {r["variant"]: r for r in d["rows"]}
         pairs = [(a, b) for a, b in PAIRS if a in by and b in by]
         if pairs:
             lines.append("")
             for a, b in pairs:
                 ra, rb = by[a], by[b]
-                lines.append(f"- {a} / {b} ({stage(a)}): {ra['step_ms'] / rb['step_ms']:.2f}x time, "
+                lines.append(f"- {a} / {b} ({stage(a)}): {ra['step_ms'] / rb['step_ms']:.2f}x time"
+                             + (f" ({ra['paired_ratio'] / rb['paired_ratio']:.2f}x paired)" if paired else "") + ", "
                              f"{ra['peak_mb'] / rb['peak_mb']:.2f}x peak memory"
                              + (f", {ra['tensor_mb'] / rb['tensor_mb']:.2f}x exact tensor peak" if exact else "")
                              + (f", {ra['comm_mb'] / rb['comm_mb']:.2f}x comm bytes"

@@ -26,6 +26,13 @@ cached), in the first round. glibc runs with its default settings, as a
 training job would. Ratios are against DDP, and "zs2 vs" is the variant's
 time over zeroshard stage 2's.
 
+"paired" is a steadier time ratio against DDP: after the rounds, one process
+group builds every variant, each on its own copy of the model, and takes
+their steps in turn (--paired steps each, the order rotated every time);
+the ratio is the median over those turns of the variant's step time over
+DDP's step time in the same turn. On a shared machine the load changes by
+tens of percent between separate runs; within a turn it does not.
+
 On CPU, "tensor MB" is exact: the peak of live tensor bytes over what the
 built model holds, counted from the CPU allocator's own allocation and free
 events (the profiler's memory events) in a second build of the variant
@@ -249,6 +256,56 @@ def worker(rank, world, port, variant, cfg, args, out, measure=True):
     dist.destroy_process_group()
 
 
+def paired_worker(rank, world, port, variants, cfg, args, out):
+    """Every variant built in one process group, each on its own copy of the
+    model, their steps taken in turn (the order rotated each round): every
+    variant sees the same machine load, so their time ratios are steadier
+    than those of separate runs. Rank 0 puts {variant: [seconds per step]}."""
+    cuda = args.device == "cuda"
+    device = init_dist(rank, world, port, cuda)
+    g = torch.Generator().manual_seed(rank)
+    data = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g).to(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    built = {}
+    for v in variants:
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device=device, dtype=getattr(torch, args.dtype))
+        built[v] = build(v, model, getattr(torch, args.param_dtype), args.prefetch)
+    times = {v: [] for v in variants}
+    for i in range(args.warmup + args.paired):
+        k = i % len(variants)
+        for v in variants[k:] + variants[:k]:
+            wrapped, opt = built[v]
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            wrapped(data[:, :-1], data[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+            sync()
+            if i >= args.warmup:
+                times[v].append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_paired(ctx, variants, cfg, args):
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=paired_worker, args=(r, args.world_size, port, variants, cfg, args, q))
+             for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        print(f"paired timing failed (exit codes {[p.exitcode for p in procs]})")
+        return None
+    return q.get()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -277,6 +334,8 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (timing)")
+    ap.add_argument("--paired", type=int, default=12,
+                    help="steps of every variant taken in turn in one process group (0: skip)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
@@ -314,16 +373,21 @@ def main():
     for r in rows:
         r["step_ms"] = statistics.median(r["step_ms_rounds"])
     base = next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
+    paired = run_paired(ctx, [r["variant"] for r in rows], cfg, args) if args.paired > 0 else None
+    for r in rows if paired else []:
+        r["paired_ms"] = 1e3 * statistics.median(paired[r["variant"]])
+        r["paired_ratio"] = statistics.median(a / b for a, b in zip(paired[r["variant"]], paired[base["variant"]]))
     ours = next((r for r in rows if r["variant"] == "zeroshard-2"), base)
     where = "CPU gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()} NCCL"
     print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size} | {where} | "
           f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}")
     exact = args.device == "cpu"
-    print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
+    print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'paired':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
           f"{' comm MB' if args.comm else ''}{' tensor MB  ratio' if exact else ''}")
     for r in rows:
         comm = r.get("comm_mb")
-        print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x "
+        pr = f"{r['paired_ratio']:>6.2f}x" if "paired_ratio" in r else f"{'-':>7}"
+        print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x {pr} "
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
               f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
               + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else ""))
@@ -339,7 +403,7 @@ def main():
                        param_dtype=args.param_dtype, config=vars(cfg), rows=rows,
                        machine=machine_info(args.device), device=args.device, backend=where, dtype=args.dtype,
                        batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                       prefetch=args.prefetch,
+                       prefetch=args.prefetch, paired=args.paired,
                        baseline=base["variant"]), f, indent=1)
 
 

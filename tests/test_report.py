@@ -133,3 +133,18 @@ def test_cli_and_broken_markers(tmp_path, capsys):
     results.write_text(f"# R\n\n{report.RESULTS_MARKERS[0]}\nno end marker\n")
     with pytest.raises(ValueError, match="by hand"):
         report.main(args)
+
+
+def test_paired_ratios_get_their_column(tmp_path):
+    step = json.loads(json.dumps(STEP))
+    step["paired"] = 12
+    for r, ratio in zip(step["rows"], (1.0, 1.13, 1.4, 0.97, 0.96, 0.99, 1.8, 1.2)):
+        r["paired_ratio"] = ratio
+    out, results, readme = _setup(tmp_path, files=[("step.json", step)])
+    report.report(str(out), str(results), str(readme))
+    sec = _section(results.read_text(), report.RESULTS_MARKERS)
+    assert "| variant | stage | step ms | vs ddp | paired vs ddp | peak MB/rank |" in sec
+    assert "| zeroshard-2 | ZeRO-2 | 370.0 | 1.01x | 0.96x | 226.0 | 0.93x |" in sec
+    assert "median over 12 turns" in " ".join(sec.split())
+    # a/b in the stage comparisons uses the paired ratios too: 0.97 / 1.13
+    assert "zeroshard-1 / ddp+zero (ZeRO-1): 0.90x time (0.86x paired)" in sec
