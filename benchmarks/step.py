@@ -205,7 +205,7 @@ def init_dist(rank, world, port, cuda=False):
     return torch.device("cpu")
 
 
-def worker(rank, world, port, variant, cfg, args, out, measure=True):
+def worker(rank, world, port, out, variant, cfg, args, measure=True):
     cuda = args.device == "cuda"
     device = init_dist(rank, world, port, cuda)
     torch.manual_seed(0)
@@ -256,7 +256,7 @@ def worker(rank, world, port, variant, cfg, args, out, measure=True):
     dist.destroy_process_group()
 
 
-def paired_worker(rank, world, port, variants, cfg, args, out):
+def paired_worker(rank, world, port, out, variants, cfg, args):
     """Every variant built in one process group, each on its own copy of the
     model, their steps taken in turn (the order rotated each round): every
     variant sees the same machine load, so their time ratios are steadier
@@ -291,39 +291,24 @@ def paired_worker(rank, world, port, variants, cfg, args, out):
     dist.destroy_process_group()
 
 
-def run_paired(ctx, variants, cfg, args):
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=paired_worker, args=(r, args.world_size, port, variants, cfg, args, q))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        print(f"paired timing failed (exit codes {[p.exitcode for p in procs]})")
-        return None
-    return q.get()
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_variant(ctx, v, cfg, args, measure):
-    """One variant's processes; rank 0's row, or None if a rank failed."""
+def spawn(ctx, target, world, what, *extra):
+    """Runs ``target(rank, world, port, queue, *extra)`` in one process per
+    rank; returns what rank 0 put in the queue, or None if a rank failed."""
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, v, cfg, args, q, measure))
-             for r in range(args.world_size)]
+    procs = [ctx.Process(target=target, args=(r, world, port, q) + extra) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
-        print(f"{v}: failed (exit codes {[p.exitcode for p in procs]})")
+        print(f"{what}: failed (exit codes {[p.exitcode for p in procs]})")
         return None
     return q.get()
 
@@ -358,7 +343,7 @@ def main():
         variants = [v for v in variants if v != "zeroshard-3@p0"]
     for k in range(max(1, args.rounds)):
         for v in variants:
-            row = run_variant(ctx, v, cfg, args, measure=k == 0)
+            row = spawn(ctx, worker, args.world_size, v, v, cfg, args, k == 0)
             if row is None:
                 continue
             if k == 0:
@@ -373,7 +358,8 @@ def main():
     for r in rows:
         r["step_ms"] = statistics.median(r["step_ms_rounds"])
     base = next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
-    paired = run_paired(ctx, [r["variant"] for r in rows], cfg, args) if args.paired > 0 else None
+    paired = (spawn(ctx, paired_worker, args.world_size, "paired timing", [r["variant"] for r in rows], cfg, args)
+              if args.paired > 0 else None)
     for r in rows if paired else []:
         r["paired_ms"] = 1e3 * statistics.median(paired[r["variant"]])
         r["paired_ratio"] = statistics.median(a / b for a, b in zip(paired[r["variant"]], paired[base["variant"]]))
