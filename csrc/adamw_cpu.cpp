@@ -43,8 +43,15 @@ ZS_INLINE bool adamw_block(const AdamWShard& s, const AdamWHyper& hyper, int64_t
   for (int64_t j = 0; j < n; ++j) {
     const float g = load_as_f32(grad, GK, i0 + j) * h.grad_scale;
     bad |= static_cast<uint32_t>((f32_bits(g) & 0x7F800000u) == 0x7F800000u);
-    adamw_update(p[j], g, m[j], v[j], h);
-    if constexpr (HasOut) store_from_f32(out, OK, i0 + j, p[j]);
+    // Through locals, so each array is read once and written once per
+    // element: updating p[j] and m[j] in place made the compiler store them
+    // mid-update and load them again.
+    float pj = p[j], mj = m[j], vj = v[j];
+    adamw_update(pj, g, mj, vj, h);
+    p[j] = pj;
+    m[j] = mj;
+    v[j] = vj;
+    if constexpr (HasOut) store_from_f32(out, OK, i0 + j, pj);
   }
   return bad != 0;
 }
