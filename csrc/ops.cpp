@@ -2,11 +2,7 @@
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #include "adamw.h"
@@ -48,53 +44,21 @@ void check_hyper(const AdamWOptions& o) {
   if (o.step < 1) value_error("step must be >= 1 (the count including this update), got ", o.step);
 }
 
-// [Note: CPU threads] The range is split over torch.get_num_threads() parts
-// of at least kMinPerThread elements each (measured: below ~1M elements a
-// second thread costs more in start-up and cache traffic than it saves). The
-// caller runs part 0; the others are handed to torch's inter-op thread pool
-// (at::launch), whose threads persist: a thread started per call made large
-// shards ~15% slower. at::parallel_for is not used: it is header-inline, and in
-// a translation unit built without -fopenmp it silently runs on one thread,
-// while building with -fopenmp ties the extension to whichever OpenMP runtime
-// the installed torch bundles. Each part is run by whoever claims it first,
-// and the caller claims every part still unclaimed once its own is done, so a
-// busy pool (or a call from a pool thread) delays nothing and cannot deadlock.
-struct CpuParts {
-  explicit CpuParts(int64_t n) : claimed(n), bad(n) {}
-  std::vector<std::atomic<bool>> claimed;
-  std::vector<char> bad;
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t finished = 0;
-};
-
 void adamw_cpu_parallel(const AdamWShard& s, const AdamWHyper& h, const at::Tensor* scale,
                         const at::Tensor* noop, const at::Tensor* found_inf) {
   if (noop && noop->item<int32_t>() != 0) return;
   AdamWHyper hh = h;
   if (scale) hh.grad_scale *= scale->item<float>();
+  // torch.get_num_threads() parts of at least kMinPerThread elements each
+  // (measured: below ~1M elements a second thread costs more in start-up and
+  // cache traffic than it saves), on torch's own intra-op threads; see
+  // [Note: CPU threads] in CMakeLists.txt.
   constexpr int64_t kMinPerThread = 1 << 20;
-  const int64_t parts = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), s.numel / kMinPerThread));
-  const int64_t chunk = (s.numel + parts - 1) / parts;
-  // shared with the pool's tasks, which may run after this call has returned
-  auto st = std::make_shared<CpuParts>(parts);
-  auto run = [st, s, hh, chunk](int64_t t) {
-    if (st->claimed[t].exchange(true)) return;
-    const int64_t b = t * chunk, e = std::min(s.numel, b + chunk);
-    st->bad[t] = b < e && adamw_cpu(s, hh, b, e);
-    std::lock_guard<std::mutex> lock(st->mu);
-    ++st->finished;
-    st->cv.notify_all();
-  };
-  for (int64_t t = 1; t < parts; ++t) at::launch([run, t] { run(t); });
-  for (int64_t t = 0; t < parts; ++t) run(t);
-  {
-    std::unique_lock<std::mutex> lock(st->mu);
-    st->cv.wait(lock, [&] { return st->finished == parts; });
-  }
-  const bool bad = std::any_of(st->bad.begin(), st->bad.end(), [](char b) { return b != 0; });
-  if (bad && found_inf) found_inf->fill_(1);
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, s.numel, kMinPerThread, [&](int64_t b, int64_t e) {
+    if (b < e && adamw_cpu(s, hh, b, e)) bad.store(true, std::memory_order_relaxed);
+  });
+  if (bad.load() && found_inf) found_inf->fill_(1);
 }
 
 }  // namespace
