@@ -181,11 +181,10 @@ def tensor_peak_mb(variant, cfg, args, data):
     returns the peak of live tensor bytes over what the built model holds, the CPU
     analog of torch.cuda.max_memory_allocated's rise."""
     with TensorBytes() as t:
-        torch.manual_seed(0)
-        model = GPT(cfg).to(dtype=getattr(torch, args.dtype))
+        model = new_model(cfg, args, torch.device("cpu"))
         t.mark()
         wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch)
-        for _ in range(2):
+        for _ in range(2):   # (the loss is not kept: exactly the step's own tensors are counted)
             wrapped(data[:, :-1], data[:, 1:]).backward()
             opt.step()
             opt.zero_grad()
@@ -205,15 +204,44 @@ def init_dist(rank, world, port, cuda=False):
     return torch.device("cpu")
 
 
-def worker(rank, world, port, out, variant, cfg, args, measure=True):
+def setup(rank, world, port, cfg, args):
+    """A worker's process group, its batch (one per rank) and its device sync."""
     cuda = args.device == "cuda"
     device = init_dist(rank, world, port, cuda)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device=device, dtype=getattr(torch, args.dtype))
-    n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(rank)
     data = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g).to(device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return device, data, torch.cuda.synchronize if cuda else (lambda: None)
+
+
+def new_model(cfg, args, device):
+    """The benchmark's GPT, with the same initial weights in every build."""
+    torch.manual_seed(0)
+    return GPT(cfg).to(device=device, dtype=getattr(torch, args.dtype))
+
+
+def train_step(wrapped, opt, data, sync):
+    loss = wrapped(data[:, :-1], data[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sync()
+    return loss
+
+
+def timed_step(wrapped, opt, data, sync):
+    """One training step started together on every rank: (loss, seconds)."""
+    dist.barrier()
+    sync()
+    t0 = time.perf_counter()
+    loss = train_step(wrapped, opt, data, sync)
+    return loss, time.perf_counter() - t0
+
+
+def worker(rank, world, port, out, variant, cfg, args, measure=True):
+    cuda = args.device == "cuda"
+    device, data, sync = setup(rank, world, port, cfg, args)
+    model = new_model(cfg, args, device)
+    n_params = sum(p.numel() for p in model.parameters())
     base = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mb()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -221,31 +249,19 @@ def worker(rank, world, port, out, variant, cfg, args, measure=True):
         reset_peak_rss()
     wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch)
     times = []
-
-    def step():
-        loss = wrapped(data[:, :-1], data[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sync()
-        return loss
-
     for i in range(args.warmup + args.steps):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
+        loss, seconds = timed_step(wrapped, opt, data, sync)
+        times.append(seconds)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM")) - base
     row = dict(variant=variant, params=n_params, step_ms=1e3 * statistics.median(times[args.warmup:]),
                peak_mb=peak, loss=loss.item())
     if args.comm and measure:   # one more step, untimed: every rank runs it, rank 0 counts its collectives
         dist.barrier()
         if rank == 0:
-            kinds, sent = count_comm(step, world)
+            kinds, sent = count_comm(lambda: train_step(wrapped, opt, data, sync), world)
             row.update(comm=kinds, comm_mb=None if sent is None else sent / 2**20)
         else:
-            step()
+            train_step(wrapped, opt, data, sync)
     if not cuda and measure:    # the exact tensor-byte peak, in a second build of the same variant
         del wrapped, opt, model
         dist.barrier()
@@ -261,30 +277,16 @@ def paired_worker(rank, world, port, out, variants, cfg, args):
     model, their steps taken in turn (the order rotated each round): every
     variant sees the same machine load, so their time ratios are steadier
     than those of separate runs. Rank 0 puts {variant: [seconds per step]}."""
-    cuda = args.device == "cuda"
-    device = init_dist(rank, world, port, cuda)
-    g = torch.Generator().manual_seed(rank)
-    data = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g).to(device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    built = {}
-    for v in variants:
-        torch.manual_seed(0)
-        model = GPT(cfg).to(device=device, dtype=getattr(torch, args.dtype))
-        built[v] = build(v, model, getattr(torch, args.param_dtype), args.prefetch)
+    device, data, sync = setup(rank, world, port, cfg, args)
+    built = {v: build(v, new_model(cfg, args, device), getattr(torch, args.param_dtype), args.prefetch)
+             for v in variants}
     times = {v: [] for v in variants}
     for i in range(args.warmup + args.paired):
         k = i % len(variants)
         for v in variants[k:] + variants[:k]:
-            wrapped, opt = built[v]
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            wrapped(data[:, :-1], data[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad()
-            sync()
+            _, seconds = timed_step(*built[v], data, sync)
             if i >= args.warmup:
-                times[v].append(time.perf_counter() - t0)
+                times[v].append(seconds)
     if rank == 0:
         out.put(times)
     dist.barrier()

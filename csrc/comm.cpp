@@ -119,6 +119,22 @@ static bool point_to_point(c10d::ProcessGroup& pg, const at::Tensor& t) {
   }
 }
 
+// N-1 steps, all in flight at once: at step k this rank receives from rank - k
+// into `into(from)` and sends `from_here(to)` to rank + k.
+template <typename Into, typename FromHere>
+static Works exchange(c10d::ProcessGroup& pg, int tag, Into&& into, FromHere&& from_here) {
+  const int64_t world = pg.getSize(), rank = pg.getRank();
+  Works works;
+  for (int64_t k = 1; k < world; ++k) {
+    const int64_t from = (rank - k + world) % world, to = (rank + k) % world;
+    std::vector<at::Tensor> in{backend_view(into(from))};
+    works.push_back(pg.recv(in, static_cast<int>(from), tag));
+    std::vector<at::Tensor> out{backend_view(from_here(to))};
+    works.push_back(pg.send(out, static_cast<int>(to), tag));
+  }
+  return works;
+}
+
 static bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   const auto* a0 = static_cast<const char*>(a.data_ptr());
   const auto* b0 = static_cast<const char*>(b.data_ptr());
@@ -245,26 +261,23 @@ Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
     // chunk), else in a scratch chunk; both are summed into output in wait().
     const bool in_place = overlaps(output, input);
     const int64_t scratch_chunks = in_place ? world - 1 : world - 2;
-    const at::Tensor scratch = at::empty({scratch_chunks * n}, output.options());
-    std::vector<at::Tensor> landing, addends;
+    std::vector<at::Tensor> keep_alive{input, output}, landing, addends;
     if (!in_place) {
       landing.push_back(output);
       addends.push_back(input.narrow(0, rank * n, n));
     }
-    for (int64_t k = 0; k < scratch_chunks; ++k) {
-      landing.push_back(scratch.narrow(0, k * n, n));
-      addends.push_back(landing.back());
-    }
-    return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output, scratch}, [&] {
-      Works works;
-      for (int64_t k = 1; k < world; ++k) {   // step k: send to rank + k, receive from rank - k
-        std::vector<at::Tensor> in{backend_view(landing[k - 1])};
-        works.push_back(pg->recv(in, static_cast<int>((rank - k + world) % world), kTagReduceScatter));
-        const int64_t to = (rank + k) % world;
-        std::vector<at::Tensor> out{backend_view(input.narrow(0, to * n, n))};
-        works.push_back(pg->send(out, static_cast<int>(to), kTagReduceScatter));
+    if (scratch_chunks > 0) {
+      keep_alive.push_back(at::empty({scratch_chunks * n}, output.options()));
+      for (int64_t k = 0; k < scratch_chunks; ++k) {
+        landing.push_back(keep_alive.back().narrow(0, k * n, n));
+        addends.push_back(landing.back());
       }
-      return works;
+    }
+    return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, std::move(keep_alive), [&] {
+      // rank - k's chunk (step k) lands in landing[k - 1]
+      return exchange(
+          *pg, kTagReduceScatter, [&](int64_t from) { return landing[(rank - from - 1 + world) % world]; },
+          [&](int64_t to) { return input.narrow(0, to * n, n); });
     }, at::Tensor(), std::move(addends));
   }
   if (input.is_cpu() && input_is_scratch) {
@@ -291,17 +304,9 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
   const bool in_place = n > 0 && input.data_ptr() ==
       static_cast<char*>(output.data_ptr()) + rank * n * output.element_size();
   if (in_place && point_to_point(*pg, output)) {  // [Note: gloo algorithms]
-    const int64_t world = pg->getSize();
     return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {output}, [&] {
-      Works works;
-      for (int64_t k = 1; k < world; ++k) {   // step k: send to rank + k, receive from rank - k
-        const int64_t from = (rank - k + world) % world, to = (rank + k) % world;
-        std::vector<at::Tensor> in{backend_view(output.narrow(0, from * n, n))};
-        works.push_back(pg->recv(in, static_cast<int>(from), kTagAllGather));
-        std::vector<at::Tensor> out{backend_view(input)};
-        works.push_back(pg->send(out, static_cast<int>(to), kTagAllGather));
-      }
-      return works;
+      return exchange(*pg, kTagAllGather, [&](int64_t from) { return output.narrow(0, from * n, n); },
+                      [&](int64_t) { return input; });
     });
   }
   return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
