@@ -9,7 +9,9 @@ For each shard size, on CPU and (when present) CUDA, times one optimizer step of
 and a device copy (read + write bytes) measured in the same run. GB/s are
 bytes-per-param x params / time under the model above; "of copy" is that
 bandwidth as a fraction of the copy's; "vs ours" is time / zeroshard bf16 time. Times are the best of
-`--repeat` rounds in which every variant runs once, so all see the same load.
+`--repeat` rounds in which every variant runs once, so all see the same load (on a GPU
+whose free memory cannot hold every variant at once, each variant's rounds
+run alone).
 
     python benchmarks/adamw.py            # full size sweep
     python benchmarks/adamw.py --quick    # a few sizes (what `make demo` runs)
@@ -64,9 +66,18 @@ def copy_bandwidth(device, n, repeat):
     return 8 * n / best_times(device, {"copy": lambda: dst.copy_(src)}, repeat)["copy"] / 1e9
 
 
+# Bytes each variant holds while it runs, per parameter (its tensors plus
+# foreach's temporaries, which are one fp32 copy of the parameters).
+RESIDENT = {"zeroshard bf16": 16, "zeroshard fp32": 16, "torch fused": 16,
+            "torch fused+cast": 18, "torch foreach+cast": 22}
+
+
 def bench_size(device, n, repeat):
+    """Best seconds per step of every variant at n parameters. All variants are
+    built together and timed round-robin when they fit in the device's free
+    memory; otherwise (1B parameters on an 80 GB GPU) each is built, timed and
+    freed in turn."""
     g = torch.Generator(device=device).manual_seed(0)
-    fns = {}
 
     def ours(grad_dtype, with_out):
         p = torch.randn(n, device=device, generator=g)
@@ -89,12 +100,18 @@ def bench_size(device, n, repeat):
         low = torch.empty(n, device=device, dtype=torch.bfloat16)
         return lambda: (opt.step(), low.copy_(p.detach()))
 
-    fns["zeroshard bf16"] = ours(torch.bfloat16, True)
-    fns["zeroshard fp32"] = ours(torch.float32, False)
-    fns["torch fused"] = torch_adamw(False, fused=True)
-    fns["torch fused+cast"] = torch_adamw(True, fused=True)
-    fns["torch foreach+cast"] = torch_adamw(True, foreach=True)
-    return best_times(device, fns, repeat)
+    makers = {"zeroshard bf16": lambda: ours(torch.bfloat16, True),
+              "zeroshard fp32": lambda: ours(torch.float32, False),
+              "torch fused": lambda: torch_adamw(False, fused=True),
+              "torch fused+cast": lambda: torch_adamw(True, fused=True),
+              "torch foreach+cast": lambda: torch_adamw(True, foreach=True)}
+    if device != "cuda" or sum(RESIDENT.values()) * n < 0.9 * torch.cuda.mem_get_info()[0]:
+        return best_times(device, {name: make() for name, make in makers.items()}, repeat)
+    best = {}
+    for name, make in makers.items():
+        best.update(best_times(device, {name: make()}, repeat))
+        torch.cuda.empty_cache()
+    return best
 
 
 def device_name(device):

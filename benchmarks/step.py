@@ -2,6 +2,8 @@
 
 Variants (world size 2, CPU + gloo, unless --world-size / --device say otherwise):
   adamw         no DDP, torch.optim.AdamW(fused=True): the world-size-1 baseline
+  adamw-amp     the same with fp32 parameters and the forward under
+                torch.autocast(bfloat16): plain mixed-precision training
   ddp           DDP + torch.optim.AdamW(fused=True)
   ddp+zero      DDP + torch ZeroRedundancyOptimizer(AdamW)
   fsdp2         FSDP2 fully_shard per block + root, reshard_after_forward=False
@@ -40,7 +42,11 @@ running two more steps; RSS also counts what is not tensors (gloo's and
 Python's memory, the allocator's fragmentation).
 
 With --device cuda (one GPU per rank, NCCL), peak MB is exact: the rise of
-torch.cuda.max_memory_allocated over what the built model holds.
+torch.cuda.max_memory_allocated over what the built model holds. "alloc MB"
+is the CUDA allocator's peak over what was allocated before the model was
+built (the model state included), and "plan MB" the memory planner's
+predicted peak for the same model, batch and stage (zeroshard.plan's
+plan_model; zeroshard variants only).
 
 "comm MB" is what one rank sends per step under the ring model of the
 collectives the step actually issued, counted by the profiler on rank 0 in one
@@ -55,7 +61,8 @@ all-gather as point-to-point sends and receives (see csrc/comm.h); they are
 counted as such. --no-comm skips it.
 
     python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
-    python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768   # GPT-2 124M-sized
+    python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768 --heads 12 \
+        --seq 1024 --vocab 50257 --dtype bfloat16                                  # GPT-2 124M
     python benchmarks/step.py --device cuda --world-size 1 --layers 24 --dim 1024 \
         --param-dtype bfloat16 --variants fsdp2-3,zeroshard-3                      # 350M-sized, bf16
 """
@@ -99,9 +106,25 @@ def reset_peak_rss():
         pass
 
 
+class Autocast(torch.nn.Module):
+    """Runs the wrapped model's forward under torch.autocast(bfloat16)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        device = next(self.model.parameters()).device.type
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return self.model(*args)
+
+
 def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
     if variant == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    if variant == "adamw-amp":
+        model.float()
+        return Autocast(model), torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "ddp+zero":
@@ -240,6 +263,7 @@ def timed_step(wrapped, opt, data, sync):
 def worker(rank, world, port, out, variant, cfg, args, measure=True):
     cuda = args.device == "cuda"
     device, data, sync = setup(rank, world, port, cfg, args)
+    before_model = torch.cuda.memory_allocated() if cuda else 0
     model = new_model(cfg, args, device)
     n_params = sum(p.numel() for p in model.parameters())
     base = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mb()
@@ -255,6 +279,8 @@ def worker(rank, world, port, out, variant, cfg, args, measure=True):
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM")) - base
     row = dict(variant=variant, params=n_params, step_ms=1e3 * statistics.median(times[args.warmup:]),
                peak_mb=peak, loss=loss.item())
+    if cuda:
+        row["alloc_peak_mb"] = (torch.cuda.max_memory_allocated() - before_model) / 2**20
     if args.comm and measure:   # one more step, untimed: every rank runs it, rank 0 counts its collectives
         dist.barrier()
         if rank == 0:
@@ -293,6 +319,30 @@ def paired_worker(rank, world, port, out, variants, cfg, args):
     dist.destroy_process_group()
 
 
+def planned_peak_mb(variant, cfg, args):
+    """The memory planner's predicted per-rank peak for a zeroshard variant of
+    this benchmark (same model, batch, world size, dtypes and options), or
+    None where the planner has no matching configuration."""
+    from zeroshard.plan import plan_model
+    if not variant.startswith("zeroshard"):
+        return None
+    name, _, opt = variant.partition("@")
+    stage = int(name[-1])
+    if stage == 3:
+        if args.dtype != "float32" or opt:   # the planner's ZeRO-3 keeps fp32 shards
+            return None
+        dtype = "bf16" if args.param_dtype == "bfloat16" else "fp32"
+    else:
+        dtype = "bf16" if args.dtype == "bfloat16" else "fp32"
+    def example():   # called under the planner's fake-tensor mode
+        idx = torch.zeros(args.batch, cfg.seq, dtype=torch.long)
+        return idx, idx
+
+    plan = plan_model(lambda: GPT(cfg), args.world_size, dtype, wrap={Block}, prefetch=args.prefetch,
+                      bucket_mb=float(opt) if opt and stage < 3 else 25, example=example)
+    return plan["stages"][f"ZeRO-{stage}"]["peak"] / 2**20
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -326,6 +376,9 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=1021)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -336,11 +389,11 @@ def main():
                     help="skip counting each variant's collectives (one extra, profiled step)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "step.json"))
     args = ap.parse_args()
-    cfg = GPTConfig(layers=args.layers, dim=args.dim)
+    cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, vocab=args.vocab)
     ctx = mp.get_context("spawn")
     rows = []
     variants = args.variants.split(",") if args.variants else (
-        VARIANTS if args.world_size > 1 else ["adamw"] + [v for v in VARIANTS if v != "ddp+zero"])
+        VARIANTS if args.world_size > 1 else ["adamw", "adamw-amp"] + [v for v in VARIANTS if v != "ddp+zero"])
     if args.device == "cuda" and not args.variants:   # FSDP2 prefetches on CUDA: compare like with like
         variants = [v for v in variants if v != "zeroshard-3@p0"]
     for k in range(max(1, args.rounds)):
@@ -360,6 +413,9 @@ def main():
     for r in rows:
         r["step_ms"] = statistics.median(r["step_ms_rounds"])
     base = next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
+    if args.device == "cuda":
+        for r in rows:
+            r["plan_mb"] = planned_peak_mb(r["variant"], cfg, args)
     paired = (spawn(ctx, paired_worker, args.world_size, "paired timing", [r["variant"] for r in rows], cfg, args)
               if args.paired > 0 else None)
     for r in rows if paired else []:
@@ -371,14 +427,16 @@ def main():
           f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}")
     exact = args.device == "cpu"
     print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'paired':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
-          f"{' comm MB' if args.comm else ''}{' tensor MB  ratio' if exact else ''}")
+          f"{' comm MB' if args.comm else ''}{' tensor MB  ratio' if exact else '  alloc MB   plan MB  plan/alloc'}")
     for r in rows:
         comm = r.get("comm_mb")
         pr = f"{r['paired_ratio']:>6.2f}x" if "paired_ratio" in r else f"{'-':>7}"
         print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x {pr} "
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
               f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
-              + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else ""))
+              + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else
+                 f"{r['alloc_peak_mb']:>10.1f}" + (f"{r['plan_mb']:>10.1f} {r['plan_mb'] / r['alloc_peak_mb']:>10.2f}x"
+                                                    if r.get("plan_mb") else f"{'-':>10} {'-':>10}")))
     f3 = next((r for r in rows if r["variant"] == "fsdp2-3"), None)
     for z3 in (r for r in rows if r["variant"].startswith("zeroshard-3")):
         if f3:

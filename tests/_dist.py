@@ -9,11 +9,15 @@ and the pool is torn down and rebuilt for the next test.
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
+import tempfile
+import time
 import traceback
 
 
@@ -23,8 +27,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stack_file(port: int, rank: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"zeroshard-pool-{port}-rank{rank}.stacks")
+
+
 def _worker(rank, world_size, port, tasks, results, sys_path):
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    # On a hang the parent sends SIGUSR1: every thread's Python stack goes to a
+    # file the parent puts in the test's failure message.
+    faulthandler.register(signal.SIGUSR1, file=open(_stack_file(port, rank), "w"), all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
@@ -56,7 +67,7 @@ class DistPool:
 
     def _start(self):
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = self._port = _free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
@@ -67,8 +78,10 @@ class DistPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = 120.0, **kwargs):
-        """Run fn(*args, **kwargs) on every rank; return [result of rank 0, 1, ...]."""
+    def run(self, fn, *args, timeout: float = None, **kwargs):
+        """Run fn(*args, **kwargs) on every rank; return [result of rank 0, 1, ...].
+        ``timeout`` defaults to $ZEROSHARD_TEST_TIMEOUT seconds, else 120."""
+        timeout = timeout or float(os.environ.get("ZEROSHARD_TEST_TIMEOUT", 120))
         if not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
@@ -81,14 +94,33 @@ class DistPool:
                 (out if ok else errors)[rank] = value
         except queue.Empty:
             missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+            stuck = self._where(missing)
             self.close()
             self._start()
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             raise RankError(f"{fn.__name__}: ranks {missing} did not finish within {timeout}s "
-                            f"(hang in a collective?){detail}")
+                            f"(hang in a collective?){detail}{stuck}")
         if errors:
             raise RankError("".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())))
         return [out[r] for r in range(self.world_size)]
+
+    def _where(self, ranks) -> str:
+        """For each rank: its exit code if it died, else its threads' Python stacks."""
+        alive = [r for r in ranks if self._procs[r].is_alive()]
+        for r in alive:
+            os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        out = []
+        for r in ranks:
+            if r not in alive:
+                out.append(f"\n--- rank {r} died with exit code {self._procs[r].exitcode} ---")
+                continue
+            try:
+                with open(_stack_file(self._port, r)) as f:
+                    out.append(f"\n--- rank {r} stacks ---\n{f.read()}")
+            except OSError as e:
+                out.append(f"\n--- rank {r}: no stacks ({e}) ---")
+        return "".join(out)
 
     def close(self):
         for t in self._tasks:

@@ -60,8 +60,10 @@ def check_against_torch(ref, opt, exact, opt64, ours, m, v):
                             ("exp_avg_sq", v, "exp_avg_sq")):
         theirs = ref if key is None else [opt.state[p][key] for p in ref]
         truth = exact if key is None else [opt64.state[p][key] for p in exact]
-        assert rel_err(mine, theirs) <= 1e-6, name
-        assert rel_err(mine, truth) <= 2 * rel_err(theirs, truth) + 6e-8, name
+        errs = f"{name}: ours vs torch {rel_err(mine, theirs):.3g}, ours vs fp64 {rel_err(mine, truth):.3g}, " \
+               f"torch vs fp64 {rel_err(theirs, truth):.3g}"
+        assert rel_err(mine, theirs) <= 1e-6, errs
+        assert rel_err(mine, truth) <= 2 * rel_err(theirs, truth) + 6e-8, errs
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])

@@ -30,8 +30,8 @@ def test_cuda_kernel_equals_cpu_kernel(offset):
     zs.fused_adamw_([cpu[0]], [cpu[1]], [cpu[2]], [cpu[3]], lr=1e-3, step=3, weight_decay=0.1)
     zs.fused_adamw_([cuda[0]], [cuda[1]], [cuda[2]], [cuda[3]], lr=1e-3, step=3, weight_decay=0.1,
                     outs=[out])
-    for a, b in zip(cpu, cuda):
-        torch.testing.assert_close(b.cpu(), a, rtol=2e-6, atol=1e-7)
+    for a, b in zip(cpu, cuda):   # both round every operation alike (no contraction): bit-equal
+        torch.testing.assert_close(b.cpu(), a, rtol=0, atol=0)
     assert torch.equal(out, cuda[0].to(torch.bfloat16))
 
 
@@ -45,7 +45,8 @@ def test_cuda_flags_without_host_sync():
     assert flag.item() == 1
     before = p.clone()
     zs.fused_adamw_([p], [g], [m], [v], lr=1e-3, step=2, noop=flag)
-    assert torch.equal(p, before)
+    # p[4000] is NaN since the first step (its gradient was): compare NaN as equal
+    torch.testing.assert_close(p, before, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One pass on a CUDA machine: build against the machine's own torch, run the
+# GPU tests (and optionally the whole suite), then the CUDA benchmarks.
+# Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
+# arguments: build gpu suite adamw step124 step124z3 example (default: all).
+#   bash benchmarks/gpu_run.sh build gpu adamw
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/out/gpu}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+parts="${*:-build gpu suite adamw step124 step124z3 example}"
+has() { [[ " $parts " == *" $1 "* ]]; }
+t0=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - t0 ))s] $*"; }
+
+if has build; then
+  stamp "machine"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/machine.txt"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
+    2>&1 | tee -a "$OUT/machine.txt"
+  stamp "build"
+  # Only the machine's own architecture: one nvcc pass instead of two.
+  cap=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  TORCH_CUDA_ARCH_LIST="$cap" CMAKE_BUILD_PARALLEL_LEVEL=16 ZEROSHARD_CUDA=ON \
+    $PY -m pip install -q --no-build-isolation --no-deps --no-cache-dir \
+        -C cmake.define.ZEROSHARD_CUDA=ON . > "$OUT/build.log" 2>&1 \
+    || { tail -50 "$OUT/build.log"; exit 1; }
+  $PY -c "import zeroshard as zs; print(zs.build_info())" 2>&1 | tee -a "$OUT/machine.txt"
+  # the built extension comes back too (a later run can carry it instead of building)
+  cp "$($PY -c 'import zeroshard._C as c; print(c.__file__)')" "$OUT/" 2>/dev/null || true
+fi
+if has gpu; then
+  stamp "pytest -m gpu"
+  $PY -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q --timeout 600 -rfE 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+fi
+if has suite; then
+  stamp "whole suite"
+  ZEROSHARD_EXPECT_CUDA_BUILD=1 timeout 420 $PY -m pytest tests -p no:cacheprovider -q --timeout 300 -rfE -x \
+    2>&1 | tee "$OUT/pytest_all.log" | tail -25
+fi
+if has adamw; then
+  stamp "adamw benchmark"
+  $PY benchmarks/adamw.py --devices cuda --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | tail -45
+fi
+GPT2="--world-size 1 --layers 12 --dim 768 --heads 12 --seq 1024 --vocab 50257 --batch 8 --no-comm"
+if has step124; then
+  stamp "step GPT-2 124M, bf16 parameters (stages 1/2) against plain bf16 and autocast training"
+  $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds ${ROUNDS:-1} \
+    --variants adamw,adamw-amp,fsdp2,zeroshard-1,zeroshard-2 --json "$OUT/step124.json" 2>&1 | tee "$OUT/step124.log" | tail -9
+fi
+if has step124z3; then
+  stamp "step GPT-2 124M, fp32 shards + bf16 compute (ZeRO-3) against autocast training"
+  $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds ${ROUNDS:-1} \
+    --variants adamw-amp,fsdp2-3,zeroshard-3 --json "$OUT/step124z3.json" 2>&1 | tee "$OUT/step124z3.log" | tail -7
+fi
+if has example; then
+  stamp "example: stage 1, then ZeRO-3 with checkpoints resumed as ZeRO-2"
+  ck=$(mktemp -d)
+  { torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --stage 1 --dtype bf16 --steps 60 --out-dir "$OUT/example" &&
+    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --stage 3 --dtype bf16 --steps 100 \
+      --ckpt-dir "$ck" --ckpt-every 50 --out-dir "$OUT/example" &&
+    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --stage 2 --dtype bf16 --steps 120 \
+      --ckpt-dir "$ck" --resume --out-dir "$OUT/example"; echo "example exit $?"; } > "$OUT/example.log" 2>&1
+  grep -E "^GPT|loss:|checkpoint|resum|peak GPU|example exit|Error" "$OUT/example.log"
+fi
+stamp "done"
