@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -44,19 +45,28 @@ void check_hyper(const AdamWOptions& o) {
   if (o.step < 1) value_error("step must be >= 1 (the count including this update), got ", o.step);
 }
 
-void adamw_cpu_parallel(const AdamWShard& s, const AdamWHyper& h, const at::Tensor* scale,
-                        const at::Tensor* noop, const at::Tensor* found_inf) {
+// One parallel region over every shard of the call: the shards are laid end
+// to end and at::parallel_for splits the total into torch.get_num_threads()
+// parts of at least kMinPerThread elements each (measured: below ~1M elements
+// a second thread costs more in start-up and cache traffic than it saves), on
+// torch's own intra-op threads ([Note: CPU threads] in CMakeLists.txt). A part
+// may span several shards; each shard's range is updated independently.
+void adamw_cpu_all(const std::vector<AdamWShard>& shards, const AdamWHyper& h, const at::Tensor* scale,
+                   const at::Tensor* noop, const at::Tensor* found_inf) {
   if (noop && noop->item<int32_t>() != 0) return;
   AdamWHyper hh = h;
   if (scale) hh.grad_scale *= scale->item<float>();
-  // torch.get_num_threads() parts of at least kMinPerThread elements each
-  // (measured: below ~1M elements a second thread costs more in start-up and
-  // cache traffic than it saves), on torch's own intra-op threads; see
-  // [Note: CPU threads] in CMakeLists.txt.
+  std::vector<int64_t> start(shards.size() + 1, 0);
+  for (size_t k = 0; k < shards.size(); ++k) start[k + 1] = start[k] + shards[k].numel;
   constexpr int64_t kMinPerThread = 1 << 20;
   std::atomic<bool> bad{false};
-  at::parallel_for(0, s.numel, kMinPerThread, [&](int64_t b, int64_t e) {
-    if (b < e && adamw_cpu(s, hh, b, e)) bad.store(true, std::memory_order_relaxed);
+  at::parallel_for(0, start.back(), kMinPerThread, [&](int64_t b, int64_t e) {
+    // the first shard that ends after b, then every shard that starts before e
+    size_t k = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
+    for (; k < shards.size() && start[k] < e; ++k) {
+      const int64_t lo = std::max(b, start[k]) - start[k], hi = std::min(e, start[k + 1]) - start[k];
+      if (lo < hi && adamw_cpu(shards[k], hh, lo, hi)) bad.store(true, std::memory_order_relaxed);
+    }
   });
   if (bad.load() && found_inf) found_inf->fill_(1);
 }
@@ -128,9 +138,8 @@ void fused_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::T
   const AdamWHyper h = make_adamw_hyper(opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay,
                                         opt.step, opt.grad_scale);
   if (ref.is_cpu()) {
-    for (const AdamWShard& s : shards)
-      adamw_cpu_parallel(s, h, scale ? &*scale : nullptr, noop ? &*noop : nullptr,
-                         found_inf ? &*found_inf : nullptr);
+    adamw_cpu_all(shards, h, scale ? &*scale : nullptr, noop ? &*noop : nullptr,
+                  found_inf ? &*found_inf : nullptr);
     return;
   }
 #ifdef ZEROSHARD_WITH_CUDA

@@ -136,3 +136,31 @@ def test_thread_count_does_not_change_results():
     zs.fused_adamw_([b[0]], [b[1]], [b[2]], [b[3]], lr=1e-3, step=1)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_one_call_over_many_shards_equals_one_call_per_shard(grad_dtype):
+    """The CPU kernel runs one parallel region over every shard of a call: parts
+    that span shard boundaries give exactly the per-shard results."""
+    torch.set_num_threads(2)
+    sizes = [3, 700_001, 1, 1_500_007, 65_537]      # 2 threads split ~2.27M elements inside shard 3
+    g = torch.Generator().manual_seed(11)
+    base = [[torch.randn(n, generator=g), torch.randn(n, generator=g).to(grad_dtype),
+             torch.randn(n, generator=g), torch.rand(n, generator=g)] for n in sizes]
+    one = [[t.clone() for t in s] for s in base]
+    each = [[t.clone() for t in s] for s in base]
+    outs_one = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    outs_each = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    flag = torch.zeros(1, dtype=torch.int32)
+    hyper = dict(lr=1e-3, step=4, weight_decay=0.05, grad_scale=0.5)
+    zs.fused_adamw_(*[[s[k] for s in one] for k in range(4)], outs=outs_one, found_inf=flag, **hyper)
+    for s, o in zip(each, outs_each):
+        zs.fused_adamw_([s[0]], [s[1]], [s[2]], [s[3]], outs=[o], **hyper)
+    for a, b in zip(one, each):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(outs_one, outs_each))
+    assert flag.item() == 0
+    one[3][1][1_000_000] = float("inf")               # a non-finite gradient in the part that spans shards
+    zs.fused_adamw_(*[[s[k] for s in one] for k in range(4)], found_inf=flag, **hyper)
+    assert flag.item() == 1

@@ -54,18 +54,20 @@ def train_plain(model, opt, steps, first_step=0):
 def _save_after(kind, steps, path):
     model, opt = build(kind)
     train(model, opt, steps)
-    block, zs.checkpoint._BLOCK = zs.checkpoint._BLOCK, 256   # checksum blocks as fine as the tiny model
+    from zeroshard import _ckpt_format as fmt
+    block, fmt.BLOCK = fmt.BLOCK, 256   # checksum blocks as fine as the tiny model
     try:
         zs.save_checkpoint(path, model, opt, extra={"step": steps})
     finally:
-        zs.checkpoint._BLOCK = block
+        fmt.BLOCK = block
     return sorted(os.listdir(path))
 
 
 def _resume(kind, path, steps):
     model, opt = build(kind, seed=7)         # other initial values: the load must replace them all
     extra = zs.load_checkpoint(path, model, opt)
-    read = zs.checkpoint._stats["bytes_read"]
+    from zeroshard import _ckpt_format as fmt
+    read = fmt.stats["bytes_read"]
     train(model, opt, steps, first_step=extra["step"])
     return max_err(model.state_dict(), reference(extra["step"] + steps)[0].state_dict()), read
 
@@ -176,7 +178,7 @@ def _save_and_die(rank, port, path, ref_file, dying):
         torch.save((sd, osd), ref_file)
     train(model, opt, 1, first_step=2)
     if rank in dying:
-        import zeroshard.checkpoint as ck
+        from zeroshard import _ckpt_format as fmt
 
         def write_half_then_die(fpath, items):
             with open(fpath, "wb") as f:
@@ -184,7 +186,7 @@ def _save_and_die(rank, port, path, ref_file, dying):
                 f.flush()
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
-        ck._write_safetensors = write_half_then_die
+        fmt.write_safetensors = write_half_then_die
     try:
         zs.save_checkpoint(path, model, opt, extra={"step": 3})
     except Exception:  # noqa: BLE001 - a surviving rank must fail, not hang
@@ -243,8 +245,8 @@ def test_replacing_without_atomic_exchange_and_a_cut_between_the_renames(tmp_pat
     """Filesystems without renameat2(RENAME_EXCHANGE) replace a checkpoint with two
     renames; a crash between them leaves the previous one beside the path, and
     load_checkpoint finds it."""
-    import zeroshard.checkpoint as ck
-    monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    from zeroshard import _ckpt_format as fmt
+    monkeypatch.setattr(fmt, "exchange", lambda a, b: False)
     path = str(tmp_path / "ck")
     model, opt = build("plain")
     zs.save_checkpoint(path, model, opt, extra={"step": 0})
@@ -448,7 +450,7 @@ def _memory(stage, path):
     persistent = opt.memory_report()["total"]
     save = _peak_extra(lambda: zs.save_checkpoint(path, model, opt))
     load = _peak_extra(lambda: zs.load_checkpoint(path, model, opt))
-    states = [t for reg in opt._regions for t in (reg.exp_avg, reg.exp_avg_sq)]
+    states = [t for reg in opt.regions for t in (reg.exp_avg, reg.exp_avg_sq)]
     meter = _peak_extra(lambda: [t.clone() for t in states])  # the meter sees a copy of the states
     state_bytes = sum(t.numel() * t.element_size() for t in states)
     return dict(save=save, load=load, meter=meter, bound=bound, persistent=persistent, states=state_bytes)

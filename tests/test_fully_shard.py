@@ -249,11 +249,11 @@ def _memory(prefetch):
     train(model, opt, 2)
     rep = model.memory_report()
     # the tensors that really exist on this rank, by bytes
-    real = sum(t.numel() * t.element_size() for u in model._units if u.params for t in (u.shard, u.grad_shard))
-    real += sum(t.numel() * t.element_size() for st in opt._unit_states.values() for t in st.values())
+    real = sum(t.numel() * t.element_size() for u in model.units if u.params for t in (u.shard, u.grad_shard))
+    real += sum(t.numel() * t.element_size() for reg in opt.regions for t in (reg.exp_avg, reg.exp_avg_sq))
     owned = sum(p.numel() for p in model.parameters())
     return {"rep": rep, "opt_rep": opt.memory_report(), "real": real, "owned": owned,
-            "shard_numel": sum(u.shard_numel for u in model._units),
+            "shard_numel": sum(u.shard_numel for u in model.units),
             "psi": sum(p.numel() for p in make_gpt().parameters())}
 
 
@@ -328,7 +328,7 @@ def _grad_shard_lifetime():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = wrapped()
     opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
-    held = lambda: [u.grad_shard is not None for u in model._units if u.trainable]  # noqa: E731
+    held = lambda: [u.grad_shard is not None for u in model.units if u.trainable]  # noqa: E731
     in_forward, after_backward, zeroed = [], [], []
     model.module.blocks[0].register_forward_pre_hook(lambda m, a: in_forward.append(held()))
     for k, mbs in enumerate(batches(4)):
@@ -357,8 +357,8 @@ def _comm(reshard):
     before = dict(model.comm_elements)
     train(model, opt, 1, first_step=1)
     per_step = {k: model.comm_elements[k] - before[k] for k in before}
-    units = sum(u.numel for u in model._units[1:])
-    return per_step, units, model._units[0].numel, [e for e in model.events]
+    units = sum(u.numel for u in model.units[1:])
+    return per_step, units, model.units[0].numel, [e for e in model.events]
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
@@ -470,7 +470,7 @@ def _features():
         logits = model(local(x, rank, world))
     out["inference_err"] = rel_err(logits, make_gpt().eval()(local(x, rank, world)))
     out["gathered_after_inference"] = model.memory_report()["gathered"] + sum(
-        u.state != 0 for u in model._units)
+        u.state is not zs.fully_shard.UnitState.SHARDED for u in model.units)
     model.train()
     # frozen parameters (one in the root unit, one in a block) stay put; the rest trains like torch
     frozen = ("pos.weight", "blocks.1.fc.weight", "blocks.1.fc.bias")
@@ -494,7 +494,7 @@ def _features():
     head = m.head
     model = zs.FullyShard(m, wrap=lambda mod: isinstance(mod, Block) or (isinstance(mod, nn.Linear)
                                                                          and mod is not head))
-    out["nested_units"] = len(model._units)
+    out["nested_units"] = len(model.units)
     out["nested_err"] = err_after_training(model, 5)
     return out
 

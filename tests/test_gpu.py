@@ -137,7 +137,7 @@ def test_cuda_fully_shard_matches_adamw_and_frees_gathered_memory(nccl_world1, r
     if reshard:
         assert rep["gathered_units_peak"] <= 2
     # a gathered unit's storage really is released between steps
-    assert all(u.full.untyped_storage().nbytes() == 0 for u in model._units if u.params)
+    assert all(u.full.untyped_storage().nbytes() == 0 for u in model.units if u.params)
 
 
 def test_cuda_checkpoint_round_trip_and_peak_memory(nccl_world1, tmp_path):

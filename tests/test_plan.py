@@ -47,7 +47,7 @@ def _reports(stage, dtype):
     if stage == 3:
         model = zs.FullyShard(model, wrap={Block})
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3)
-        n = sum(q.numel for u in model._units for q in u.params)
+        n = sum(q.numel for u in model.units for q in u.params)
     else:
         model.to(dtype)
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=0.004)

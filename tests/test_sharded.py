@@ -470,7 +470,7 @@ def _inflight_bound():
 
 
 def test_stage2_bucket_memory_is_bounded(dist_pool):
-    from zeroshard.sharded import _MAX_INFLIGHT
+    from zeroshard._reducer import MAX_INFLIGHT as _MAX_INFLIGHT
     for peak, biggest, nb, full, nbuf in dist_pool.run(_inflight_bound):
         assert nb > _MAX_INFLIGHT + 2
         # after the first backward: the buckets in flight, plus at most about one
@@ -489,14 +489,14 @@ def _grad_shard_lifetime():
     ref, _ = reference(4)
     held_in_forward = []
     model.register_forward_pre_hook(
-        lambda m, a: held_in_forward.append([b.grad_shard is not None for b in opt._buffers]))
+        lambda m, a: held_in_forward.append([b.grad_shard is not None for b in opt.source.buffers]))
     after = []
     for k, mbs in enumerate(batches(4)):
         opt.zero_grad(set_to_none=k % 2 == 0)
-        after.append(("zero_grad", [b.grad_shard is not None for b in opt._buffers]))
+        after.append(("zero_grad", [b.grad_shard is not None for b in opt.source.buffers]))
         x, y = mbs[0]
         F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
-        after.append(("backward", [b.grad_shard is not None for b in opt._buffers]))
+        after.append(("backward", [b.grad_shard is not None for b in opt.source.buffers]))
         opt.step()
     return held_in_forward, after, max_param_err(model, ref)
 

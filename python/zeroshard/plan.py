@@ -44,9 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ._ordered import OrderedReductions
-from .fully_shard import _MAX_INFLIGHT as _FS_INFLIGHT
+from ._reducer import MAX_INFLIGHT as _SO_INFLIGHT
+from .fully_shard import MAX_INFLIGHT as _FS_INFLIGHT
 from .fully_shard import FullyShard, MixedPrecision
-from .sharded import _MAX_INFLIGHT as _SO_INFLIGHT
 from .sharded import ShardedOptimizer
 
 CARDS_GB = (24, 40, 80, 141)
@@ -202,13 +202,13 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             mp = MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if pdt != torch.float32 else None
             fs = FullyShard(model, wrap=set(wrap) or None, mixed_precision=mp, prefetch=prefetch, device="meta")
             rep = ShardedOptimizer(fs.parameters(), lr=1e-3).memory_report()
-            units = [u for u in fs._units if u.trainable]
+            units = [u for u in fs.units if u.trainable]
             ri = fs.reduce_dtype.itemsize
-            biggest = max(fs._units[1:], key=lambda u: u.numel, default=None)
+            biggest = max(fs.units[1:], key=lambda u: u.numel, default=None)
             gathered = rep["root_gathered"] + (prefetch + 1) * rep["max_unit"]
             order = [u for u in units[::-1] if not u.is_root] + [u for u in units if u.is_root]  # backward's
             out = dict(report=rep, max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
-                       transient=gathered + ri * (fs._units[0].numel + (biggest.numel if biggest else 0)),
+                       transient=gathered + ri * (fs.units[0].numel + (biggest.numel if biggest else 0)),
                        fixed=gathered, policy=_Policy(
                            [_Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel)
                             for u in order], inflight=_FS_INFLIGHT, first=0))
@@ -219,12 +219,13 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             rep = opt.memory_report()
             out = dict(report=rep, transient=0, fixed=0, policy=None)   # stage 1 reduces in place
             if stage == 2:
-                item = {id(b): opt._reduce_dtype(b.buffer.dtype).itemsize for b in opt._buckets}
-                out["transient"] = max(b.numel * item[id(b)] for b in opt._buckets)
+                red = opt.source
+                item = {id(b): red.reduce_dtype_of(b.buffer.dtype).itemsize for b in red.buckets}
+                out["transient"] = max(b.numel * item[id(b)] for b in red.buckets)
                 out["policy"] = _Policy(
                     [_Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0)
-                     for b in (opt._buckets[k] for k in opt._launch_order)],
-                    inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for b in opt._buckets))
+                     for b in (red.buckets[k] for k in red.launch_order)],
+                    inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for b in red.buckets))
         out["grad_shards"] = (0 if out["policy"] is None else
                               out["policy"].first + sum(r.shard for r in out["policy"].reductions))
     return out

@@ -1,0 +1,183 @@
+"""ZeRO-1/2 flat buffers: their records, the checks on the parameters, and
+how the buffers are built (the parameters become views of them).
+
+See [Note: sharded optimizer policy] in _reducer.py for how they are used.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from ._shards import SUPPORTED
+from .layout import compute_layout
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass
+class Bucket:
+    """A contiguous range of a flat buffer, reduced by one reduce-scatter."""
+    index: int
+    buffer: "FlatBuffer"
+    offset: int            # in the buffer
+    numel: int             # padded
+    shard_numel: int
+    shard_offset: int      # where this bucket's shard starts in the buffer's shard tensors
+    params: List[int] = field(default_factory=list)  # trainable-parameter indices with data here
+    frags: List[tuple] = field(default_factory=list)   # (param index, layout fragment) in this bucket
+    pending: int = 0       # parameters whose gradient has not arrived this backward
+    grad: Optional[torch.Tensor] = None   # stage 2: transient bucket gradient (reduce dtype)
+    handle: Optional[comm.CommHandle] = None
+    reduce_out: Optional[torch.Tensor] = None  # where the reduce-scatter wrote
+    launched: bool = False
+
+    def own(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's chunk of a bucket-sized range of a buffer-sized tensor."""
+        start = self.offset + rank * self.shard_numel
+        return t[start:start + self.shard_numel]
+
+    def shard_of(self, t: torch.Tensor) -> torch.Tensor:
+        """This bucket's piece of a shard-sized tensor."""
+        return t[self.shard_offset:self.shard_offset + self.shard_numel]
+
+
+@dataclass
+class FlatBuffer:
+    """One (param group, dtype)'s parameters, laid out flat, and this rank's shards of them."""
+    group: int
+    dtype: torch.dtype
+    params: torch.Tensor                 # full flat parameters (every param is a view)
+    master: Optional[torch.Tensor]       # fp32 shard, None when params are fp32
+    exp_avg: torch.Tensor                # fp32 shard
+    exp_avg_sq: torch.Tensor             # fp32 shard
+    grad_shard: Optional[torch.Tensor]   # stage 2: reduced gradient shard (reduce dtype)
+    grads: Optional[torch.Tensor]        # stage 1: full flat gradients (param dtype)
+    buckets: List[Bucket] = field(default_factory=list)
+    shard_data_numel: int = 0            # elements of real parameters in this rank's shard
+
+
+def held_by_ddp(p: torch.Tensor) -> bool:
+    """Whether a DistributedDataParallel module holds p (checked once, at construction).
+
+    DDP keeps its parameters in the list attribute ``_module_parameters``,
+    next to its ``reducer``; the list is referred to by the DDP instance's
+    attribute dict."""
+    for lst in gc.get_referrers(p):
+        if isinstance(lst, list):
+            for attrs in gc.get_referrers(lst):
+                if isinstance(attrs, dict) and attrs.get("_module_parameters") is lst and "reducer" in attrs:
+                    return True
+    return False
+
+
+def check_params(params: List[torch.Tensor], trainable: List[int], err: Callable[[str], str]) -> torch.device:
+    """The one device every parameter is on; raises on mixed devices, unsupported
+    dtypes or devices, and parameters of a DistributedDataParallel model."""
+    first = trainable[0]
+    device = params[first].device
+    for i, p in enumerate(params):
+        if p.device != device:
+            raise ValueError(err(f"parameter {i} is on {p.device} but parameter {first} is on {device}; "
+                                 "move the whole model to one device before creating the optimizer"))
+        if p.requires_grad and p.dtype not in SUPPORTED:
+            raise ValueError(err(f"parameter {i} has dtype {p.dtype}; supported dtypes are float32, "
+                                 "bfloat16, float16"))
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(err(f"parameters are on {device}; ShardedOptimizer supports CPU and CUDA "
+                             "(and meta, for planning: zeroshard.plan)"))
+    if held_by_ddp(params[first]):
+        raise ValueError(err(
+            "the parameters belong to a model wrapped in DistributedDataParallel; DDP would "
+            "all-reduce the gradients and ShardedOptimizer would reduce them again. Pass the "
+            "unwrapped model's parameters (model.module.parameters()) and drop the DDP wrapper"))
+    return device
+
+
+def check_same_across_ranks(params: List[torch.Tensor], group, err: Callable[[str], str]):
+    """Every rank has the same parameters (shape, dtype, requires_grad); collective."""
+    mine = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params]
+    everyone = comm.all_gather_object(mine, group=group)
+    ref = everyone[0]
+    for r, theirs in enumerate(everyone):
+        if len(theirs) != len(ref):
+            raise ValueError(err(f"rank {r} has {len(theirs)} parameters but rank 0 has {len(ref)}; every "
+                                 "rank must build the same model"))
+        for i, (a, b) in enumerate(zip(theirs, ref)):
+            if a != b:
+                raise ValueError(err(
+                    f"parameter {i} differs across ranks: rank {r} has (shape, dtype, requires_grad) "
+                    f"= {a} but rank 0 has {b}; every rank must build the same model"))
+
+
+@dataclass
+class FlatState:
+    """What build_flat made: the layout, its buffers and buckets, where each parameter lives."""
+    layout: object                 # zeroshard.compute_layout's result
+    buffers: List[FlatBuffer]
+    buckets: List[Bucket]          # by layout bucket index
+    where: Dict[int, tuple]        # param index -> (buffer, offset, layout fragments)
+    launch_order: List[int]        # bucket indices, until the first backward shows the real order
+
+
+@torch.no_grad()
+def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int,
+               bucket_bytes: int, device: torch.device, group, src: int) -> FlatState:
+    """Lay the trainable parameters out in flat buffers (reverse registration order,
+    one buffer per (param group, dtype)), copy rank ``src``'s values in everywhere,
+    and make every parameter a view of its buffer; frozen parameters are broadcast."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    order = list(reversed(trainable))        # backward order
+    keys = [group_of[i] * 8 + _DTYPE_CODE[params[i].dtype] for i in order]
+    L = compute_layout([params[i].numel() for i in order], [params[i].dtype for i in order], bucket_bytes,
+                       world, keys=keys)
+    last = [max(L.fragments[f].tensor for f in lb.fragments) for lb in L.buckets]
+    st = FlatState(L, [], [None] * len(L.buckets), {}, sorted(range(len(L.buckets)), key=lambda b: (last[b], b)))
+    for bi, lb in enumerate(L.buffers):
+        flat = torch.zeros(lb.numel, dtype=params[order[lb.tensors[0]]].dtype, device=device)
+        for t in lb.tensors:
+            place = L.tensors[t]
+            flat[place.offset:place.offset + place.numel].copy_(params[order[t]].detach().reshape(-1))
+        if world > 1:
+            dist.broadcast(flat, src=src, group=group)
+        buf = _make_buffer(L, bi, lb, flat, order, group_of[order[lb.tensors[0]]], stage, (world, rank), st)
+        for t in lb.tensors:
+            place, i = L.tensors[t], order[t]
+            params[i].data = flat[place.offset:place.offset + place.numel].view_as(params[i])
+            st.where[i] = (buf, place.offset, [L.fragments[f] for f in place.fragments])
+            if stage == 1:
+                params[i].grad = None
+    for p in params:   # frozen parameters are not sharded, but all ranks start identical
+        if not p.requires_grad and world > 1:
+            dist.broadcast(p.data, src=src, group=group)
+    return st
+
+
+def _make_buffer(L, bi: int, lb, flat: torch.Tensor, order: List[int], group: int, stage: int, where: tuple,
+                 st: FlatState) -> FlatBuffer:
+    """One flat buffer's record, its buckets and this rank's shards (``where``: (world size, rank))."""
+    world, rank = where
+    shard_len, dev = lb.numel // world, flat.device
+    buf = FlatBuffer(group=group, dtype=flat.dtype, params=flat, master=None,
+                     exp_avg=torch.zeros(shard_len, device=dev), exp_avg_sq=torch.zeros(shard_len, device=dev),
+                     grad_shard=None,    # stage 2: allocated by the first reduction of a backward
+                     grads=torch.zeros(lb.numel, dtype=flat.dtype, device=dev) if stage == 1 else None)
+    shard_off = 0
+    for b in lb.buckets:
+        lbk = L.buckets[b]
+        bucket = Bucket(index=b, buffer=buf, offset=lbk.offset, numel=lbk.numel,
+                        shard_numel=lbk.shard_numel, shard_offset=shard_off)
+        bucket.frags = [(order[L.fragments[f].tensor], L.fragments[f]) for f in lbk.fragments]
+        bucket.params = sorted({i for i, _ in bucket.frags})
+        shard_off += lbk.shard_numel
+        buf.buckets.append(bucket)
+        st.buckets[b] = bucket
+    if flat.dtype != torch.float32:
+        buf.master = torch.cat([b.own(flat, rank) for b in buf.buckets]).float()
+    buf.shard_data_numel = sum(pc.numel for pc in L.shard_pieces(rank) if L.tensors[pc.tensor].buffer == bi)
+    st.buffers.append(buf)
+    return buf

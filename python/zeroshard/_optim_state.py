@@ -1,0 +1,141 @@
+"""ShardedOptimizer's state dicts, full and sharded, read and written one
+region at a time through the optimizer's public accessors (``regions``,
+``trainable``, ``group_of``, ``full_shape``, ``steps``)."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from . import comm
+
+_FORMAT = "zeroshard-sharded-optimizer"
+
+
+def layout_signature(opt) -> list:
+    """What a sharded state dict is only valid for: world size, rank, stage and every region's cut."""
+    return [opt.world_size, opt.rank, opt.stage,
+            [[reg.shard_numel, [list(f) for f in reg.frags]] for reg in opt.regions]]
+
+
+def take_hyperparameters(opt, groups: list):
+    """Each param group takes the saved group's hyperparameters (everything but its params)."""
+    for g, sg in zip(opt.param_groups, groups):
+        g.update((k, v) for k, v in sg.items() if k != "params")
+        if g.get("amsgrad") or g.get("maximize"):
+            raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
+
+
+def _err(opt, msg: str) -> str:
+    return f"[rank {opt.rank}/{opt.world_size}] {msg}"
+
+
+@torch.no_grad()
+def sharded(opt, param_groups: list) -> dict:
+    """This rank's shard (views of the live state); see ShardedOptimizer.sharded_state_dict."""
+    state = {}
+    for k, reg in enumerate(opt.regions):
+        state[f"{k}.exp_avg"], state[f"{k}.exp_avg_sq"] = reg.exp_avg, reg.exp_avg_sq
+        if reg.values is not None:
+            state[f"{k}.values"] = reg.values
+    return {"format": _FORMAT, "layout": layout_signature(opt), "steps": opt.steps,
+            "param_groups": param_groups, "state": state}
+
+
+def _mismatch(opt, sd) -> Optional[str]:
+    if not isinstance(sd, dict) or sd.get("format") != _FORMAT:
+        return "it is not a sharded state dict of ShardedOptimizer (load_state_dict takes full ones)"
+    mine, theirs = layout_signature(opt), sd["layout"]
+    for name, a, b in zip(("world size", "rank", "stage"), mine[:3], theirs[:3]):
+        if a != b:
+            return f"it was saved with {name} {b}, this optimizer has {a}"
+    if mine[3] != theirs[3]:
+        return "it was saved with another flat layout (other parameters, param groups or bucket_mb)"
+    return None
+
+
+@torch.no_grad()
+def load_sharded(opt, sd: dict) -> List[int]:
+    """Writes a sharded state dict into the regions (collective: every rank checks
+    every rank's match first); returns the saved step counts."""
+    problems = comm.all_gather_object(_mismatch(opt, sd), group=opt.process_group)
+    bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
+    if bad:
+        raise ValueError(_err(opt,
+            "cannot load the sharded state dict (" + "; ".join(bad) + "); a sharded state dict loads "
+            "only into the layout it was saved from: use state_dict()/load_state_dict() or "
+            "zeroshard.save_checkpoint/load_checkpoint to change world size, stage or layout"))
+    take_hyperparameters(opt, sd["param_groups"])
+    for k, reg in enumerate(opt.regions):
+        reg.exp_avg.copy_(sd["state"][f"{k}.exp_avg"])
+        reg.exp_avg_sq.copy_(sd["state"][f"{k}.exp_avg_sq"])
+        if reg.values is not None:
+            reg.values.copy_(sd["state"][f"{k}.values"])
+    return list(sd["steps"])
+
+
+@torch.no_grad()
+def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
+    """Every trainable parameter's full AdamW state on CPU, gathered one region at a
+    time (collective); None where ``keep`` is false."""
+    full, steps = {}, opt.steps
+    if keep:
+        for i in opt.trainable:
+            full[i] = {"step": torch.tensor(float(steps[opt.group_of(i)])),
+                       "exp_avg": torch.zeros(opt.full_shape(i), dtype=torch.float32),
+                       "exp_avg_sq": torch.zeros(opt.full_shape(i), dtype=torch.float32)}
+    for reg in opt.regions:
+        for name in ("exp_avg", "exp_avg_sq"):
+            gathered = torch.empty(reg.shard_numel * opt.world_size, dtype=torch.float32, device=opt.device)
+            comm.all_gather(getattr(reg, name), gathered, group=opt.process_group).wait()
+            if not keep:
+                continue
+            gathered = gathered.cpu()
+            for i, t_off, r_off, n in reg.frags:
+                full[i][name].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
+    return full if keep else None
+
+
+def _check_full(opt, state_dict: dict):
+    groups = state_dict["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(_err(opt, f"the state dict has {len(groups)} param groups but this optimizer has "
+                                   f"{len(opt.param_groups)}"))
+    for gi, (g, sg) in enumerate(zip(opt.param_groups, groups)):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(_err(opt, f"param group {gi} has {len(sg['params'])} parameters in the state "
+                                       f"dict but {len(g['params'])} here"))
+
+
+@torch.no_grad()
+def load_full(opt, state_dict: dict) -> List[int]:
+    """Writes this rank's pieces of a full AdamW state dict (ours or torch's, any
+    world size) into the regions; returns the step counts by param group."""
+    _check_full(opt, state_dict)
+    groups = state_dict["param_groups"]
+    take_hyperparameters(opt, groups)
+    saved_ids = [pid for sg in groups for pid in sg["params"]]
+    state = state_dict["state"]
+    steps = [0] * len(opt.param_groups)
+    for i in opt.trainable:
+        st = state.get(saved_ids[i])
+        if st is None:
+            continue
+        numel = opt.full_shape(i).numel()
+        for name in ("exp_avg", "exp_avg_sq"):
+            if st[name].numel() != numel:
+                raise ValueError(_err(opt,
+                    f"state of parameter {i}: {name} has {st[name].numel()} elements but the "
+                    f"parameter has {numel} (shape {tuple(opt.full_shape(i))}); the state dict "
+                    "is of another model"))
+        steps[opt.group_of(i)] = max(steps[opt.group_of(i)], int(float(st["step"])))
+    for reg in opt.regions:
+        reg.exp_avg.zero_()
+        reg.exp_avg_sq.zero_()
+        for i, start, sl in reg.owned(opt.rank):
+            st = state.get(saved_ids[i])
+            if st is None:
+                continue
+            for name in ("exp_avg", "exp_avg_sq"):
+                getattr(reg, name)[sl].copy_(st[name].reshape(-1)[start:start + sl.stop - sl.start])
+    return steps

@@ -1,0 +1,359 @@
+"""ZeRO-1 and ZeRO-2 gradient source: flat buffers, buckets, backward hooks.
+
+[Note: sharded optimizer policy]
+* Layout. Trainable parameters are laid out in reverse registration order
+  (the order backward produces their gradients) in flat buffers, one per
+  (param group, dtype), cut into buckets of at most ``bucket_mb``
+  (zeroshard.compute_layout). Every parameter becomes a view into its flat
+  buffer, so the all-gather after the step writes the parameters in place.
+* Reductions are SUM; the 1/N average (and the clipping coefficient) are
+  folded into the fused AdamW kernel's gradient scale, so no extra pass runs.
+* Stage 1 keeps a persistent full gradient buffer; ``p.grad`` are views into
+  it and autograd accumulates there. Each bucket is reduce-scattered in place
+  (this rank's chunk receives the sum over ranks) and the chunks of other
+  ranks are zeroed afterwards, so later accumulation never counts a
+  gradient twice.
+* Stage 2 keeps only this rank's gradient shard. Autograd leaves each
+  gradient in ``p.grad`` until every gradient of its bucket has arrived; the
+  bucket's buffer is allocated only then (not at its first gradient, while
+  the activations are still alive), the gradients are copied in and the
+  ``p.grad`` freed, and the bucket is reduce-scattered into the shard (or
+  into a transient shard that is then added, when the shard already holds an
+  earlier micro-batch). The shard itself is allocated by the first reduction
+  of a backward and freed by ``zero_grad(set_to_none=True)``, so it is not
+  held through the forward, where activations peak. At most MAX_INFLIGHT
+  buckets are in flight; their buffers are recycled within the backward and
+  released at its end, so stage 2 holds at most that many buckets of
+  gradient (plus the loose gradients of buckets not yet complete) beyond its
+  shard, and none between steps.
+* Buckets are reduced in one fixed order on every rank: the order their last
+  gradient arrived in during the first backward (on rank 0, broadcast to all
+  at the end of that backward; before it, the reverse registration order).
+  A bucket that completes early waits for the ones before it, and at the end
+  of backward every bucket not yet reduced is (gradients that never arrived
+  count as zero). So all ranks issue the same collectives in the same order,
+  whatever order gradients arrive in and whichever parameters a rank left
+  unused.
+* ``p.grad`` after backward is not the averaged gradient (stage 1: partly
+  reduced, stage 2: None); the reduced gradient lives in the shards. Use
+  ``clip_grad_norm_`` of the optimizer, not torch.nn.utils'.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Deque, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
+from ._ordered import OrderedReductions
+from ._shards import Region, Segment, ShardSource
+from .layout import fill_flat
+
+# At most this many buckets are being reduced at once: launching one more
+# first retires the oldest (waits for it, folds it into the shard, recycles
+# its buffer). Two keep the communication busy while backward continues and
+# bound the transient gradient memory of stage 2 to two buckets.
+MAX_INFLIGHT = 2
+
+
+class FlatReducer(ShardSource):
+    """The ZeRO-1/2 source; see [Note: sharded optimizer policy] in this module."""
+
+    def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, bucket_bytes: int,
+                 reduce_dtype: Optional[torch.dtype], process_group: dist.ProcessGroup, src: int):
+        self.params, self.group_of, self.stage = params, group_of, stage
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.bucket_bytes, self.reduce_dtype = bucket_bytes, reduce_dtype
+        self.process_group, self.src = process_group, src
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
+        # (what, index) of recent hooks, launches and steps, in order; bounded so
+        # a long run does not grow it (tests/test_sharded.py reads it)
+        self.events: Deque[tuple] = collections.deque(maxlen=4096)
+        self._sync = True
+        self._in_backward = False
+        self._grads_ready = False
+        self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
+        self._peak_bucket_bytes = self._bucket_bytes = 0
+        self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
+        self._free: Dict[tuple, List[torch.Tensor]] = {}   # recycled bucket buffers
+        self.device = check_params(params, self.trainable, self.err)
+        check_same_across_ranks(params, process_group, self.err)
+        flat = build_flat(params, group_of, self.trainable, stage=stage, bucket_bytes=bucket_bytes,
+                          device=self.device, group=process_group, src=src)
+        self.layout, self.buffers, self.buckets, self.where = flat.layout, flat.buffers, flat.buckets, flat.where
+        self.launch_order = flat.launch_order
+        self._order_learned = False
+        self._arrival: List[int] = []
+        self.grad_scale = 1.0 / self.world_size
+        self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
+        self.full_shapes = {i: params[i].shape for i in self.trainable}
+        self.segments = [Segment(buf.group, b.shard_of(buf.master) if buf.master is not None
+                                 else b.own(buf.params, self.rank), buf, *self._grad_range(b),
+                                 b.shard_of(buf.exp_avg), b.shard_of(buf.exp_avg_sq),
+                                 b.own(buf.params, self.rank) if buf.master is not None else None)
+                         for buf in self.buffers for b in buf.buckets]
+        order = list(reversed(self.trainable))
+        self.regions = [
+            Region(bk.shard_numel, bk.shard_of(bk.buffer.exp_avg), bk.shard_of(bk.buffer.exp_avg_sq),
+                   [(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
+                    for fr in (self.layout.fragments[f] for f in self.layout.buckets[bk.index].fragments)],
+                   bk.shard_of(bk.buffer.master) if bk.buffer.master is not None
+                   else bk.own(bk.buffer.params, self.rank))
+            for bk in self.buckets]
+        self._hooks = [params[i].register_post_accumulate_grad_hook(self._make_hook(i)) for i in self.trainable]
+
+    # ------------------------------------------------------------------ setup
+    def err(self, msg: str) -> str:
+        return f"[rank {self.rank}/{self.world_size}] {msg}"
+
+    def reduce_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of ``dtype`` parameters are reduced and held in."""
+        return self.reduce_dtype or dtype
+
+    def _grad_range(self, b: Bucket):
+        """(attribute of the bucket's FlatBuffer, (start, stop)) of this rank's reduced gradient of b."""
+        if self.stage == 1:
+            start = b.offset + self.rank * b.shard_numel
+            return "grads", (start, start + b.shard_numel)
+        return "grad_shard", (b.shard_offset, b.shard_offset + b.shard_numel)
+
+    # --------------------------------------------------------------- backward
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor):
+            self._on_grad(i, p)
+        return hook
+
+    def _start_backward(self):
+        self._in_backward = True
+        self._reductions.start([self.buckets[b] for b in self.launch_order])
+        self.events.append(("backward_start", -1))
+        for b in self.buckets:
+            b.pending, b.launched = len(b.params), False
+        # stage 2: buckets still to copy each parameter's gradient (then it is freed)
+        self._copies_left = {i: len(self.where[i][2]) for i in self.trainable}
+        # runs once, when the whole backward pass has finished
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _on_grad(self, i: int, p: torch.Tensor):
+        if not self._in_backward:
+            self._start_backward()
+        self.events.append(("grad", i))
+        if not self._order_learned and self._sync:
+            self._arrival.append(i)
+        buf, offset, frags = self.where[i]
+        if self.stage == 1:
+            view = buf.grads[offset:offset + p.numel()].view_as(p)
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)   # p.grad was replaced or re-created: it holds the total
+                p.grad = view
+        if not self._sync:
+            return
+        for f in frags:
+            bucket = self.buckets[f.bucket]
+            if bucket.launched:
+                raise RuntimeError(self.err(
+                    f"parameter {i} received a gradient after its bucket {f.bucket} was reduced in this "
+                    "backward pass (a second backward through the same parameters without a new "
+                    "forward?); call backward once per forward, or accumulate under no_sync()"))
+            bucket.pending -= 1
+        # launches every bucket now complete, in order (a tensor split over several
+        # buckets recycles their buffers as it goes)
+        self._reductions.advance()
+
+    def _bucket_input(self, b: Bucket, rdt: torch.dtype) -> torch.Tensor:
+        """The tensor a bucket's reduce-scatter reads: stage 1 its range of the
+        gradient buffer (in the reduce dtype); stage 2 a recycled buffer the
+        parameters' gradients are copied into (then freed)."""
+        buf = b.buffer
+        if self.stage == 1:
+            src = buf.grads[b.offset:b.offset + b.numel]
+            return src.to(rdt) if src.dtype != rdt else src   # reduce in rdt, store back in the grad dtype
+        src = b.grad = self._acquire(b.numel, rdt)
+        # gradients that never arrived on this rank count as zero, as does padding
+        fill_flat(src, [(f.bucket_offset, self.params[i].grad.detach().reshape(-1)[
+            f.tensor_offset:f.tensor_offset + f.numel]) for i, f in b.frags if self.params[i].grad is not None])
+        for i, _ in b.frags:
+            self._copies_left[i] -= 1
+            if self._copies_left[i] == 0:
+                self.params[i].grad = None
+        return src
+
+    def _launch(self, b: Bucket):
+        """Reduce-scatter (SUM) one bucket; see [Note: sharded optimizer policy]."""
+        buf, r = b.buffer, self.rank
+        rdt = self.reduce_dtype_of(buf.dtype)
+        src = self._bucket_input(b, rdt)
+        # In place into this rank's chunk of the input, except that a stage-2 shard
+        # holding nothing yet receives the result directly; _retire folds it in.
+        if self.stage == 2 and buf.grad_shard is None:   # freed by zero_grad(set_to_none=True)
+            # every bucket writes its whole piece of the shard: no zeroing needed
+            buf.grad_shard = torch.empty(buf.exp_avg.numel(), dtype=rdt, device=self.device)
+        out = (b.shard_of(buf.grad_shard) if self.stage == 2 and self._shard_fresh
+               else src[r * b.shard_numel:(r + 1) * b.shard_numel])
+        b.reduce_out = out
+        # the input is never needed afterwards: stage 1 zeroes the other ranks'
+        # chunks after the reduction, stage 2's bucket buffer is recycled
+        b.handle = comm.reduce_scatter(src, out, group=self.process_group, average=False,
+                                       input_is_scratch=True)
+        b.launched = True
+        self.comm_elements["reduce_scatter"] += b.numel
+        self.events.append(("reduce_scatter", b.index))
+
+    def _acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A bucket buffer (uninitialised: _launch writes every element), recycled
+        when one of this size is free."""
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        t = torch.empty(numel, dtype=dtype, device=self.device)
+        self._bucket_bytes += t.numel() * t.element_size()
+        self._peak_bucket_bytes = max(self._peak_bucket_bytes, self._bucket_bytes)
+        return t
+
+    def _retire(self, b: Bucket):
+        """Wait for a bucket's reduce-scatter and fold its result into the shard."""
+        b.handle.wait()
+        buf = b.buffer
+        if self.stage == 1:
+            own = b.own(buf.grads, self.rank)
+            if b.reduce_out.data_ptr() != own.data_ptr():
+                own.copy_(b.reduce_out)
+            # other ranks' chunks were sent: zero them so they are never counted twice
+            whole = buf.grads[b.offset:b.offset + b.numel]
+            whole[:self.rank * b.shard_numel].zero_()
+            whole[(self.rank + 1) * b.shard_numel:].zero_()
+        else:
+            if b.reduce_out.data_ptr() != b.shard_of(buf.grad_shard).data_ptr():
+                b.shard_of(buf.grad_shard).add_(b.reduce_out)
+            if sum(len(v) for v in self._free.values()) < MAX_INFLIGHT + 1:
+                self._free.setdefault((b.numel, b.grad.dtype), []).append(b.grad)
+            else:   # enough kept for reuse: release it
+                self._bucket_bytes -= b.grad.numel() * b.grad.element_size()
+            b.grad = None
+        b.handle, b.reduce_out = None, None
+
+    def _finish_backward(self):
+        self._reductions.advance(flush=self._sync)
+        self._reductions.drain()
+        # Bucket buffers are recycled within a backward only: none is held
+        # between steps, so none is alive at the start of the next backward,
+        # when the activations peak.
+        for bufs in self._free.values():
+            self._bucket_bytes -= sum(t.numel() * t.element_size() for t in bufs)
+        self._free.clear()
+        if self._sync and not self._order_learned:
+            self._learn_launch_order()
+        if self._sync:
+            self._shard_fresh = False
+            self._grads_ready = True
+        self._in_backward = False
+        self.events.append(("backward_end", -1))
+
+    def _learn_launch_order(self):
+        """Reduce buckets from now on in the order their last gradient arrived in
+        this backward; rank 0's order is used everywhere, so all ranks agree."""
+        pos = {p: k for k, p in enumerate(self._arrival)}
+        never = len(self._arrival)
+        key = [max(pos.get(p, never) for p in b.params) for b in self.buckets]
+        order = sorted(range(len(self.buckets)), key=lambda b: (key[b], b))
+        if self.world_size > 1:
+            order = comm.all_gather_object(order, group=self.process_group)[0]
+        self.launch_order = order
+        self._order_learned = True
+        self._arrival = []
+
+    # ------------------------------------------------------- ShardSource API
+    def grads_ready(self) -> bool:
+        return self._grads_ready
+
+    def in_backward(self) -> bool:
+        return self._in_backward
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def step_done(self, updated: bool):
+        if updated:
+            self.gather_params()
+        self._grads_ready = False
+
+    def gather_params(self):
+        """All-gather every bucket's parameters in place from each rank's chunk;
+        all gathers in flight at once, then wait."""
+        handles = []
+        for buf in self.buffers:
+            for b in buf.buckets:
+                region = buf.params[b.offset:b.offset + b.numel]
+                handles.append(comm.all_gather(b.own(buf.params, self.rank), region, group=self.process_group))
+                self.comm_elements["all_gather"] += b.numel
+        for h in handles:
+            h.wait()
+
+    @torch.no_grad()
+    def shards_loaded(self):
+        for buf in self.buffers:
+            if buf.master is not None:
+                for b in buf.buckets:
+                    b.own(buf.params, self.rank).copy_(b.shard_of(buf.master))
+        self.gather_params()     # in place: no transient memory
+
+    @torch.no_grad()
+    def params_loaded(self):
+        for buf in self.buffers:
+            if buf.master is not None:
+                buf.master.copy_(torch.cat([b.own(buf.params, self.rank) for b in buf.buckets]).float())
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool):
+        for buf in self.buffers:
+            if buf.grads is not None:
+                buf.grads.zero_()
+            if set_to_none:     # stage 2: the next backward allocates it again
+                buf.grad_shard = None
+            elif buf.grad_shard is not None:
+                buf.grad_shard.zero_()
+        for i in self.trainable:
+            p = self.params[i]
+            if self.stage == 1 and not set_to_none:
+                buf, offset, _ = self.where[i]
+                p.grad = buf.grads[offset:offset + p.numel()].view_as(p)
+            else:
+                p.grad = None
+        self._shard_fresh = True
+        self._grads_ready = False
+
+    def memory_report(self, reset_peak: bool) -> Dict[str, int]:
+        rep = dict(params=0, grads=0, master=0, exp_avg=0, exp_avg_sq=0, padding=0)
+        for buf in self.buffers:
+            full = sum(self.params[i].numel() for i in self.trainable if self.where[i][0] is buf)
+            item = buf.params.element_size()
+            mine, shard_len = buf.shard_data_numel, buf.exp_avg.numel()
+            rep["params"] += full * item
+            rep["padding"] += (buf.params.numel() - full) * item
+            if self.stage == 1:
+                rep["grads"] += full * item
+                rep["padding"] += (buf.grads.numel() - full) * item
+            else:
+                gi = self.reduce_dtype_of(buf.dtype).itemsize
+                rep["grads"] += mine * gi
+                rep["padding"] += (shard_len - mine) * gi
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                if getattr(buf, name) is not None:
+                    rep[name] += mine * 4
+                    rep["padding"] += (shard_len - mine) * 4
+        rep["total"] = sum(rep.values())
+        rep["comm_buffers"] = self._bucket_bytes
+        rep["comm_buffers_peak"] = self._peak_bucket_bytes
+        if reset_peak:
+            self._peak_bucket_bytes = self._bucket_bytes
+        return rep

@@ -1,0 +1,120 @@
+"""The shard-source interface: what the update engine (ShardedOptimizer) needs
+from a gradient source, and the two records it is made of.
+
+[Note: shard sources] The optimizer has no stage branches. A *source* owns
+the sharded tensors of one way of producing gradients and says what to
+update:
+* ``_reducer.FlatReducer`` (ZeRO-1/2): flat buffers cut into buckets,
+  reduced by backward hooks; the optimizer's own master and state shards.
+* ``_units.UnitSource`` (ZeRO-3): the units of one or more FullyShard
+  models; their fp32 shards are the master weights.
+Both yield *segments* (flat ranges updated by one fused AdamW call: master
+or fp32 parameter shard, gradient shard, state shards, param group,
+optional low-precision output) and *regions* (ranges sharded over the ranks
+in rank order, which state dicts and checkpoints read), say when gradients
+are ready, and are told when a step is done.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
+
+
+@dataclass
+class Segment:
+    """A flat range updated by one fused AdamW call."""
+    group: int                 # param group index
+    param: torch.Tensor        # fp32 master (or fp32 parameter) shard range
+    holder: object             # the record whose attribute ``grad_attr`` holds the gradient tensor
+    grad_attr: str             # "grads" / "grad_shard": allocated and freed as backward and zero_grad go
+    grad_range: tuple          # (start, stop) in that tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """Looked up at each use: gradient shards are allocated by backward's
+        reductions and freed by zero_grad(set_to_none=True)."""
+        return getattr(self.holder, self.grad_attr)[self.grad_range[0]:self.grad_range[1]]
+
+
+@dataclass
+class Region:
+    """A range sharded over the ranks in rank order (a bucket or a unit), for state dicts."""
+    shard_numel: int
+    exp_avg: torch.Tensor      # this rank's shard
+    exp_avg_sq: torch.Tensor
+    frags: List[tuple]         # (param index, offset in param, offset in region, numel)
+    values: Optional[torch.Tensor] = None  # ZeRO-1/2: this rank's master (or fp32 parameter)
+                                           # shard; ZeRO-3: None (the FullyShard units hold it)
+
+    def owned(self, rank: int) -> Iterator[tuple]:
+        """(param index, offset in the param, slice of the rank's shard) for each piece ``rank`` owns."""
+        lo = rank * self.shard_numel
+        for i, t_off, r_off, n in self.frags:
+            a, b = max(lo, r_off), min(lo + self.shard_numel, r_off + n)
+            if a < b:
+                yield i, t_off + a - r_off, slice(a - lo, b - lo)
+
+
+class ShardSource(abc.ABC):
+    """A gradient source the update engine steps over; see [Note: shard sources].
+
+    Set by the constructor: ``segments``, ``regions``, ``full_shapes`` (param
+    index -> full shape, trainable parameters only), ``grad_scale`` (the
+    kernel multiplies gradients by it: 1/N for summed reductions),
+    ``check_finite`` (fp16 anywhere: the step checks for inf/NaN first),
+    ``stage``, ``device``, ``process_group``, ``world_size``, ``rank``."""
+    segments: List[Segment]
+    regions: List[Region]
+    full_shapes: Dict[int, torch.Size]
+    grad_scale: float
+    check_finite: bool
+    stage: int
+    device: torch.device
+    process_group: dist.ProcessGroup
+    world_size: int
+    rank: int
+
+    @abc.abstractmethod
+    def grads_ready(self) -> bool:
+        """Whether a backward outside no_sync() finished since the last step or zero_grad."""
+
+    @abc.abstractmethod
+    def in_backward(self) -> bool:
+        """Whether a backward is running now."""
+
+    @abc.abstractmethod
+    def step_done(self, updated: bool) -> None:
+        """The shards were updated (``updated``) or the step was skipped: rebuild what
+        derives from them (ZeRO-1/2: all-gather the parameters; ZeRO-3: drop gathered
+        copies) and mark the gradients consumed."""
+
+    @abc.abstractmethod
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Zero or free the gradients and gradient shards."""
+
+    @abc.abstractmethod
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients without communication inside the context."""
+
+    @abc.abstractmethod
+    def memory_report(self, reset_peak: bool) -> Dict[str, int]:
+        """Bytes held on this rank by category (see ShardedOptimizer.memory_report)."""
+
+    @abc.abstractmethod
+    def shards_loaded(self) -> None:
+        """Region values and states were written (a checkpoint or sharded state dict
+        loaded): rebuild everything derived from the shards."""
+
+    @abc.abstractmethod
+    def params_loaded(self) -> None:
+        """The model's parameters were loaded (load_state_dict): re-make master shards."""

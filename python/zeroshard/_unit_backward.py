@@ -1,0 +1,174 @@
+"""ZeRO-3 backward: each unit is gathered again before its backward, its
+gradients are moved into one flat buffer once all have arrived, and the
+buffers are reduce-scattered (SUM) in one fixed order on every rank, then
+divided by N and written (or added) into the fp32 gradient shards. See
+[Note: fully shard policy] in fully_shard.py."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, List, Optional
+
+import torch
+
+from . import comm
+from ._gather import Gatherer
+from ._ordered import OrderedReductions
+from ._unit import Param, Unit
+from .layout import fill_flat
+
+MAX_INFLIGHT = 1        # reduce-scatters in flight at once (each holds one unit's gradients)
+
+
+class UnitBackward:
+    """The backward of one FullyShard's units."""
+
+    def __init__(self, units: List[Unit], gatherer: Gatherer, *, device: torch.device, group, rank: int,
+                 world: int, reduce_dtype: torch.dtype, events, comm_elements: dict,
+                 fwd_order: Callable[[], List[int]]):
+        self.units, self.gatherer, self.device, self.group = units, gatherer, device, group
+        self.rank, self.world, self.reduce_dtype = rank, world, reduce_dtype
+        self.events, self.comm_elements, self._fwd_order = events, comm_elements, fwd_order
+        self.active = False          # a backward is running
+        self.sync = True             # reduce (False under no_sync(): accumulate locally)
+        self.grads_ready = False     # a backward outside no_sync() finished since the last step / zero_grad
+        self.order: List[int] = []   # reverse forward order of the non-root units, fixed at backward start
+        self.grad_bytes = 0          # flat gradient buffers alive now
+        self.grad_bytes_peak = 0
+        self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
+
+    def start(self):
+        """A backward begins (first hook of it): fix the reduction order, reset the counts."""
+        if self.active:
+            return
+        self.active = True
+        self.grads_ready = False
+        fwd = self._fwd_order()
+        self.order = list(reversed(fwd))
+        seen = set(fwd)
+        rest = [u.index for u in self.units[1:] if u.index not in seen]
+        self._reductions.start([self.units[ui] for ui in self.order + rest + [0] if self.units[ui].trainable])
+        for u in self.units:
+            u.pending = len(u.trainable)
+            for q in u.params:
+                q.arrived = False
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    @torch.no_grad()
+    def pre_backward(self, u: Optional[Unit]):
+        """Before ``u``'s backward (None: the root's outputs, the first of the backward): gather it, prefetch."""
+        self.start()
+        bwd = self.order
+        if u is None:              # root: its outputs' gradient is the first of the backward
+            self.gatherer.gather(self.units[0])
+            self.gatherer.prefetch_after(bwd, -1)
+            return
+        self._retire_completed()
+        self.gatherer.gather(u)
+        if u.index in bwd:
+            self.gatherer.prefetch_after(bwd, bwd.index(u.index))
+
+    @torch.no_grad()
+    def on_grad(self, u: Unit, q: Param):
+        """Autograd accumulated ``q``'s gradient on its full parameter."""
+        self.start()
+        if u.grad_flat is not None:   # accumulating into an existing flat buffer: add as they come
+            self._move_grad(u, q)
+        self.events.append(("grad", u.name))
+        if not q.arrived:
+            q.arrived = True
+            u.pending -= 1
+            if u.pending == 0:
+                if not u.is_root:
+                    self.gatherer.reshard(u)
+                self._flatten_grads(u)
+                if self.sync:
+                    self._reductions.advance()
+
+    def _move_grad(self, u: Unit, q: Param):
+        u.grad_flat[q.offset:q.offset + q.numel].add_(q.full.grad.reshape(-1))
+        q.full.grad = None
+
+    def _flatten_grads(self, u: Unit):
+        """Move the gradients autograd left on the unit's full parameters into its
+        flat gradient buffer, allocated now: not at the unit's first gradient,
+        while the unit's activations are still alive (the peak of backward)."""
+        if u.grad_flat is not None:       # accumulating: add what arrived since
+            for q in u.trainable:
+                if q.full.grad is not None:
+                    self._move_grad(u, q)
+            return
+        self._retire_completed()          # free finished reductions' buffers before taking another
+        u.grad_flat = torch.empty(u.numel, dtype=self.reduce_dtype, device=self.device)
+        self.grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
+        self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes)
+        # one pass: gradients copied in; padding and gradients that never arrived are zero
+        fill_flat(u.grad_flat, [(q.offset, q.full.grad.reshape(-1))
+                                for q in u.trainable if q.full.grad is not None])
+        for q in u.trainable:
+            q.full.grad = None
+
+    def _launch(self, u: Unit):
+        self._flatten_grads(u)        # a unit some gradient never reached: the rest count as zero
+        # overwrite the shard unless the user kept gradients from an earlier backward
+        u.fresh = any(q.sharded.grad is None for q in u.trainable)
+        u.reduce = comm.reduce_scatter(u.grad_flat, u.own(u.grad_flat, self.rank), group=self.group,
+                                       average=False, input_is_scratch=True)
+        self.comm_elements["reduce_scatter"] += u.numel
+        self.events.append(("reduce_scatter", u.name))
+
+    def _retire_completed(self):
+        self._reductions.retire_done(lambda u: u.reduce.completed())
+
+    def _retire(self, u: Unit):
+        u.reduce.wait()
+        u.reduce = None
+        chunk = u.own(u.grad_flat, self.rank)
+        if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
+            u.grad_shard = torch.empty(u.shard_numel, dtype=torch.float32, device=self.device)
+            u.fresh = True
+        if u.fresh and chunk.dtype == torch.float32:
+            torch.div(chunk, self.world, out=u.grad_shard)     # one pass
+        elif u.fresh:
+            u.grad_shard.copy_(chunk).div_(self.world)          # divide in fp32
+        else:
+            u.grad_shard.add_(chunk.float().div_(self.world))
+        for q in u.trainable:
+            q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()]
+        self.grad_bytes -= u.grad_flat.numel() * u.grad_flat.element_size()
+        u.grad_flat = None
+
+    @torch.no_grad()
+    def _finish(self):
+        if self.sync:
+            self._reductions.advance(flush=True)
+            self._reductions.drain()
+            self.grads_ready = True
+        self.gatherer.reshard_all()
+        self.active = False
+
+    @torch.no_grad()
+    def abandon(self):
+        """Forget a backward that stopped half-way (it raised): its gradients are dropped."""
+        for u in self._reductions.inflight:
+            u.reduce.wait()
+        self._reductions.reset()
+        for u in self.units:
+            u.reduce, u.grad_flat = None, None
+            for q in u.trainable:
+                q.full.grad = None
+        self.grad_bytes = 0
+        self.gatherer.reshard_all()
+        self.active = False
+        warnings.warn("FullyShard: the previous backward did not finish (it raised); its partial "
+                      "gradients were dropped")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (full size, in reduce_dtype) without
+        communication; the next backward outside this context reduces them all."""
+        old, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = old

@@ -1,0 +1,94 @@
+"""FullyShard's memory accounting and full state dicts, through its public API
+(``units``, ``module``, ``device``, ``process_group``, ``invalidate``)."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import comm
+from ._unit import Unit
+
+
+def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]], param_dtype: torch.dtype,
+                  gatherer, backward, reset_peak: bool) -> Dict[str, int]:
+    """See FullyShard.memory_report. ``states``: an optimizer's state shards by unit index."""
+    rep = dict(params=0, grads=0, master=0, exp_avg=0, exp_avg_sq=0, padding=0)
+    for u in units:
+        if not u.params:
+            continue
+        own = sum(q.sharded.numel() for q in u.params)
+        own_t = sum(q.sharded.numel() for q in u.trainable)
+        rep["params"] += 4 * own
+        rep["grads"] += 4 * own_t
+        rep["padding"] += 4 * (u.shard_numel - own) + (4 * (u.shard_numel - own_t) if u.trainable else 0)
+        for name, t in states.get(u.index, {}).items():
+            rep[name] += 4 * own_t
+            rep["padding"] += t.numel() * t.element_size() - 4 * own_t
+    rep["total"] = sum(rep.values())
+    item = param_dtype.itemsize
+    rep.update(gathered=gatherer.gathered_bytes, gathered_peak=gatherer.gathered_peak,
+               gathered_units_peak=gatherer.alive_peak, root_gathered=units[0].numel * item,
+               max_unit=max([u.numel * item for u in units[1:]], default=0),
+               grad_buffers=backward.grad_bytes, grad_buffers_peak=backward.grad_bytes_peak)
+    if reset_peak:
+        gatherer.reset_peaks()
+        backward.grad_bytes_peak = backward.grad_bytes
+    return rep
+
+
+@torch.no_grad()
+def full_state_dict(fs, *, to: Optional[int], prefix: str, destination) -> Optional[dict]:
+    """See FullyShard.state_dict: units gathered one at a time and copied to CPU."""
+    keep = to is None or dist.get_rank() == to
+    template = fs.module.state_dict(keep_vars=True)
+    values: Dict[str, torch.Tensor] = {}
+    for u in fs.units:
+        if not u.params:
+            continue
+        flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
+        comm.all_gather(u.shard, flat, group=fs.process_group).wait()
+        if not keep:
+            continue
+        flat = flat.cpu()
+        for q in u.params:
+            t = flat[q.offset:q.offset + q.numel].view(q.shape).to(q.dtype).clone()
+            for n in q.names:
+                values[n] = t
+    if not keep:
+        return None
+    out = destination if destination is not None else {}
+    for k, v in template.items():
+        out[prefix + k] = values[k] if k in values else v.detach().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(fs, state_dict: dict, strict: bool):
+    """See FullyShard.load_state_dict: each rank copies its own pieces; no communication."""
+    template = fs.module.state_dict(keep_vars=True)
+    missing = [k for k in template if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in template]
+    err = lambda msg: f"[rank {fs.rank}/{fs.world_size}] {msg}"  # noqa: E731
+    if strict and (missing or unexpected):
+        raise RuntimeError(err(f"state dict mismatch: missing keys {missing}, unexpected keys "
+                               f"{unexpected}; it must be the unwrapped model's state dict"))
+    fs.invalidate()
+    param_names = set()
+    for u in fs.units:
+        for q in u.params:
+            param_names.update(q.names)
+            src = next((state_dict[n] for n in q.names if n in state_dict), None)
+            if src is None:
+                continue
+            if src.numel() != q.numel:
+                raise ValueError(err(f"state dict entry '{q.names[0]}' has shape {tuple(src.shape)} "
+                                     f"but the parameter has shape {tuple(q.shape)}"))
+            n = q.sharded.numel()
+            u.shard[q.shard_offset:q.shard_offset + n].copy_(src.reshape(-1)[q.tensor_offset:q.tensor_offset + n])
+    for k, v in template.items():
+        if k not in param_names and k in state_dict and isinstance(v, torch.Tensor):
+            v.copy_(state_dict[k])
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -1,0 +1,120 @@
+"""ZeRO-3 gradient source: the units of FullyShard models, seen by the optimizer.
+
+The units' fp32 shards are the master weights and their averaged gradient
+shards the gradients; this source adds exp_avg/exp_avg_sq shards per unit,
+and after a step drops the units' gathered copies (the next forward gathers
+the new ones). See [Note: shard sources] in _shards.py.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+from typing import Dict, List
+
+import torch
+
+from ._shards import Region, Segment, ShardSource
+
+
+class UnitSource(ShardSource):
+    """The ZeRO-3 source over the FullyShard models that own ``params``
+    (``owners[i]`` is the FullyShard of ``params[i]``; none is None)."""
+
+    def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, process_group,
+                 reduce_dtype):
+        self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
+        for fs in owners:
+            if all(fs is not o for o in self.owners):
+                self.owners.append(fs)
+        first = self.owners[0]
+        self.world_size, self.rank = first.world_size, first.rank
+        self._check(process_group, reduce_dtype)
+        self.process_group, self.device, self.stage = first.process_group, first.device, 3
+        self.grad_scale = 1.0    # FullyShard divides by N as it folds the reduction into the shard
+        self.check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in self.owners)
+        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
+        self.events: collections.deque = collections.deque(maxlen=4096)
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.full_shapes, self.segments, self.regions = {}, [], []
+        group = {id(params[i]): group_of[i] for i in self.trainable}
+        index = {id(p): i for i, p in enumerate(params)}
+        for fs in self.owners:
+            states = {}
+            for u in fs.units:
+                st = self._add_unit(u, group, index)
+                if st is not None:
+                    states[u.index] = st
+            fs.register_optimizer_states(self, states)
+
+    def err(self, msg: str) -> str:
+        return f"[rank {self.rank}/{self.world_size}] {msg}"
+
+    def _check(self, process_group, reduce_dtype):
+        if reduce_dtype is not None:
+            raise ValueError(self.err("reduce_dtype is set by FullyShard's mixed_precision for FullyShard "
+                                      "parameters; do not pass it to ShardedOptimizer"))
+        for fs in self.owners:
+            if process_group is not None and fs.process_group is not process_group:
+                raise ValueError(self.err(
+                    "the FullyShard parameters are sharded over another process group than the one "
+                    "given to ShardedOptimizer; pass the FullyShard's process_group (or none)"))
+            if fs.process_group is not self.owners[0].process_group:
+                raise ValueError(self.err("the parameters come from FullyShard models on different "
+                                          "process groups; use one optimizer per process group"))
+
+    def _add_unit(self, u, group: Dict[int, int], index: Dict[int, int]):
+        """The unit's state shards, region and segments (None if it has nothing to train here)."""
+        mine = [q for q in u.trainable if id(q.sharded) in group]
+        if not mine:
+            return None
+        st = {n: torch.zeros(u.shard_numel, device=self.device) for n in ("exp_avg", "exp_avg_sq")}
+        for q in mine:
+            self.full_shapes[index[id(q.sharded)]] = q.shape
+        self.regions.append(Region(u.shard_numel, st["exp_avg"], st["exp_avg_sq"],
+                                   [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine]))
+        # runs of consecutive pieces with one param group (padding between them is harmless:
+        # zero parameters with zero gradients stay zero)
+        pieces = sorted((q for q in u.params if q.sharded.numel() > 0), key=lambda q: q.shard_offset)
+        for g, run in itertools.groupby(pieces, key=lambda q: group.get(id(q.sharded))):
+            if g is None:        # frozen, or not given to this optimizer
+                continue
+            run = list(run)
+            a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].sharded.numel()
+            self.segments.append(Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
+                                         st["exp_avg"][a:b], st["exp_avg_sq"][a:b]))
+        return st
+
+    # ------------------------------------------------------- ShardSource API
+    def grads_ready(self) -> bool:
+        return all(fs.grads_ready() for fs in self.owners)
+
+    def in_backward(self) -> bool:
+        return any(fs.in_backward() for fs in self.owners)
+
+    def step_done(self, updated: bool):
+        for fs in self.owners:      # gathered copies are stale; the next forward gathers
+            fs.step_done()
+
+    def zero_grad(self, set_to_none: bool):
+        for fs in self.owners:
+            fs.zero_grad(set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for fs in self.owners:
+                stack.enter_context(fs.no_sync())
+            yield
+
+    def memory_report(self, reset_peak: bool) -> Dict[str, int]:
+        """The FullyShard models' reports (they include this source's states)."""
+        reports = [fs.memory_report(reset_peak=reset_peak) for fs in self.owners]
+        return {k: sum(r[k] for r in reports) for k in reports[0]}
+
+    def shards_loaded(self):
+        for fs in self.owners:
+            fs.invalidate()
+
+    def params_loaded(self):
+        """The units' shards are the master weights: nothing derives from them here."""
