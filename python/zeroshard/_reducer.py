@@ -50,7 +50,7 @@ import torch.distributed as dist
 from . import comm
 from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
 from ._ordered import OrderedReductions
-from ._shards import Region, Segment, ShardSource
+from ._shards import Region, Segment, ShardSource, empty_report
 from .layout import fill_flat
 
 # At most this many buckets are being reduced at once: launching one more
@@ -333,7 +333,7 @@ class FlatReducer(ShardSource):
         self._grads_ready = False
 
     def memory_report(self, reset_peak: bool) -> Dict[str, int]:
-        rep = dict(params=0, grads=0, master=0, exp_avg=0, exp_avg_sq=0, padding=0)
+        rep = empty_report()
         for buf in self.buffers:
             full = sum(self.params[i].numel() for i in self.trainable if self.where[i][0] is buf)
             item = buf.params.element_size()

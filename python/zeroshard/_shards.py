@@ -26,6 +26,14 @@ import torch.distributed as dist
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
 
+# memory_report()'s persistent categories, bytes on this rank; "total" is their sum. Every
+# report (ZeRO-1/2, FullyShard) and the planner use this one schema.
+PERSISTENT = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding")
+
+
+def empty_report() -> Dict[str, int]:
+    return dict.fromkeys(PERSISTENT, 0)
+
 
 @dataclass
 class Segment:

@@ -9,13 +9,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from ._shards import empty_report
 from ._unit import Unit
 
 
 def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]], param_dtype: torch.dtype,
                   gatherer, backward, reset_peak: bool) -> Dict[str, int]:
     """See FullyShard.memory_report. ``states``: an optimizer's state shards by unit index."""
-    rep = dict(params=0, grads=0, master=0, exp_avg=0, exp_avg_sq=0, padding=0)
+    rep = empty_report()
     for u in units:
         if not u.params:
             continue

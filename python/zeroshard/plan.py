@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._ordered import OrderedReductions
 from ._reducer import MAX_INFLIGHT as _SO_INFLIGHT
+from ._shards import PERSISTENT
 from .fully_shard import MAX_INFLIGHT as _FS_INFLIGHT
 from .fully_shard import FullyShard, MixedPrecision
 from .sharded import ShardedOptimizer
@@ -52,7 +53,7 @@ from .sharded import ShardedOptimizer
 CARDS_GB = (24, 40, 80, 141)
 _BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}   # params, grads, optimizer
 STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
-_PERSISTENT = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding", "total")   # memory_report()'s
+_PERSISTENT = PERSISTENT + ("total",)   # memory_report()'s persistent categories
 
 
 def _check(dtype: str, world_size: int) -> None:

@@ -166,11 +166,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if norm_type not in (2.0, math.inf):
             raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
-        parts = [seg.grad.float() for seg in self._source.segments] or [torch.zeros(1, device=self.device)]
-        if norm_type == 2.0:
-            local = torch.stack([t.pow(2).sum() for t in parts]).sum().reshape(1)
-        else:
-            local = torch.stack([t.abs().max() for t in parts]).max().reshape(1)
+        # one norm per segment, computed in fp32 without an fp32 copy of the gradients
+        # (as torch.nn.utils.clip_grad_norm_ takes one norm per tensor)
+        norms = torch.stack([torch.linalg.vector_norm(seg.grad, norm_type, dtype=torch.float32)
+                             for seg in self._source.segments] or [torch.zeros((), device=self.device)])
+        local = (norms.pow(2).sum() if norm_type == 2.0 else norms.max()).reshape(1)
         if norm_type == 2.0:
             self._all_reduce(local)
             total = local.sqrt() * self._source.grad_scale
