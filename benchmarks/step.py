@@ -343,6 +343,13 @@ def planned_peak_mb(variant, cfg, args):
     return plan["stages"][f"ZeRO-{stage}"]["peak"] / 2**20
 
 
+def plan_columns(r) -> str:
+    """'plan MB  plan/alloc' of a CUDA row ('-' where the planner has no prediction)."""
+    if not r.get("plan_mb"):
+        return f"{'-':>10} {'-':>10}"
+    return f"{r['plan_mb']:>10.1f} {r['plan_mb'] / r['alloc_peak_mb']:>10.2f}x"
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -435,8 +442,7 @@ def main():
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
               f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
               + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else
-                 f"{r['alloc_peak_mb']:>10.1f}" + (f"{r['plan_mb']:>10.1f} {r['plan_mb'] / r['alloc_peak_mb']:>10.2f}x"
-                                                    if r.get("plan_mb") else f"{'-':>10} {'-':>10}")))
+                 f"{r['alloc_peak_mb']:>10.1f}" + plan_columns(r)))
     f3 = next((r for r in rows if r["variant"] == "fsdp2-3"), None)
     for z3 in (r for r in rows if r["variant"].startswith("zeroshard-3")):
         if f3:

@@ -26,10 +26,6 @@ def take_hyperparameters(opt, groups: list):
             raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
 
 
-def _err(opt, msg: str) -> str:
-    return f"[rank {opt.rank}/{opt.world_size}] {msg}"
-
-
 @torch.no_grad()
 def sharded(opt, param_groups: list) -> dict:
     """This rank's shard (views of the live state); see ShardedOptimizer.sharded_state_dict."""
@@ -61,7 +57,7 @@ def load_sharded(opt, sd: dict) -> List[int]:
     problems = comm.all_gather_object(_mismatch(opt, sd), group=opt.process_group)
     bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
     if bad:
-        raise ValueError(_err(opt,
+        raise ValueError(comm.on_rank(opt,
             "cannot load the sharded state dict (" + "; ".join(bad) + "); a sharded state dict loads "
             "only into the layout it was saved from: use state_dict()/load_state_dict() or "
             "zeroshard.save_checkpoint/load_checkpoint to change world size, stage or layout"))
@@ -99,12 +95,12 @@ def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
 def _check_full(opt, state_dict: dict):
     groups = state_dict["param_groups"]
     if len(groups) != len(opt.param_groups):
-        raise ValueError(_err(opt, f"the state dict has {len(groups)} param groups but this optimizer has "
-                                   f"{len(opt.param_groups)}"))
+        raise ValueError(comm.on_rank(opt, f"the state dict has {len(groups)} param groups but this optimizer "
+                                           f"has {len(opt.param_groups)}"))
     for gi, (g, sg) in enumerate(zip(opt.param_groups, groups)):
         if len(sg["params"]) != len(g["params"]):
-            raise ValueError(_err(opt, f"param group {gi} has {len(sg['params'])} parameters in the state "
-                                       f"dict but {len(g['params'])} here"))
+            raise ValueError(comm.on_rank(opt, f"param group {gi} has {len(sg['params'])} parameters in the "
+                                               f"state dict but {len(g['params'])} here"))
 
 
 @torch.no_grad()
@@ -124,7 +120,7 @@ def load_full(opt, state_dict: dict) -> List[int]:
         numel = opt.full_shape(i).numel()
         for name in ("exp_avg", "exp_avg_sq"):
             if st[name].numel() != numel:
-                raise ValueError(_err(opt,
+                raise ValueError(comm.on_rank(opt,
                     f"state of parameter {i}: {name} has {st[name].numel()} elements but the "
                     f"parameter has {numel} (shape {tuple(opt.full_shape(i))}); the state dict "
                     "is of another model"))

@@ -40,9 +40,8 @@
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-from typing import Deque, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,15 +64,12 @@ class FlatReducer(ShardSource):
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, bucket_bytes: int,
                  reduce_dtype: Optional[torch.dtype], process_group: dist.ProcessGroup, src: int):
+        super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.bucket_bytes, self.reduce_dtype = bucket_bytes, reduce_dtype
         self.process_group, self.src = process_group, src
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
-        # (what, index) of recent hooks, launches and steps, in order; bounded so
-        # a long run does not grow it (tests/test_sharded.py reads it)
-        self.events: Deque[tuple] = collections.deque(maxlen=4096)
         self._sync = True
         self._in_backward = False
         self._grads_ready = False
@@ -109,7 +105,7 @@ class FlatReducer(ShardSource):
 
     # ------------------------------------------------------------------ setup
     def err(self, msg: str) -> str:
-        return f"[rank {self.rank}/{self.world_size}] {msg}"
+        return comm.on_rank(self, msg)
 
     def reduce_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of ``dtype`` parameters are reduced and held in."""

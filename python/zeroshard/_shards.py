@@ -17,6 +17,7 @@ are ready, and are told when a step is done.
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
@@ -91,6 +92,13 @@ class ShardSource(abc.ABC):
     process_group: dist.ProcessGroup
     world_size: int
     rank: int
+
+    def __init__(self):
+        # elements each kind of collective moved (the optimizer adds its all-reduces)
+        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
+        # (what, index) of recent hooks, launches and steps, in order; bounded so
+        # a long run does not grow it (tests/test_sharded.py reads it)
+        self.events: collections.deque = collections.deque(maxlen=4096)
 
     @abc.abstractmethod
     def grads_ready(self) -> bool:

@@ -72,9 +72,8 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
     template = fs.module.state_dict(keep_vars=True)
     missing = [k for k in template if k not in state_dict]
     unexpected = [k for k in state_dict if k not in template]
-    err = lambda msg: f"[rank {fs.rank}/{fs.world_size}] {msg}"  # noqa: E731
     if strict and (missing or unexpected):
-        raise RuntimeError(err(f"state dict mismatch: missing keys {missing}, unexpected keys "
+        raise RuntimeError(comm.on_rank(fs, f"state dict mismatch: missing keys {missing}, unexpected keys "
                                f"{unexpected}; it must be the unwrapped model's state dict"))
     fs.invalidate()
     param_names = set()
@@ -85,7 +84,7 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
             if src is None:
                 continue
             if src.numel() != q.numel:
-                raise ValueError(err(f"state dict entry '{q.names[0]}' has shape {tuple(src.shape)} "
+                raise ValueError(comm.on_rank(fs, f"state dict entry '{q.names[0]}' has shape {tuple(src.shape)} "
                                      f"but the parameter has shape {tuple(q.shape)}"))
             n = q.sharded.numel()
             u.shard[q.shard_offset:q.shard_offset + n].copy_(src.reshape(-1)[q.tensor_offset:q.tensor_offset + n])

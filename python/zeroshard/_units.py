@@ -7,13 +7,13 @@ the new ones). See [Note: shard sources] in _shards.py.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 from typing import Dict, List
 
 import torch
 
+from . import comm
 from ._shards import Region, Segment, ShardSource
 
 
@@ -23,6 +23,7 @@ class UnitSource(ShardSource):
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, process_group,
                  reduce_dtype):
+        super().__init__()
         self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
         for fs in owners:
             if all(fs is not o for o in self.owners):
@@ -33,8 +34,6 @@ class UnitSource(ShardSource):
         self.process_group, self.device, self.stage = first.process_group, first.device, 3
         self.grad_scale = 1.0    # FullyShard divides by N as it folds the reduction into the shard
         self.check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in self.owners)
-        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
-        self.events: collections.deque = collections.deque(maxlen=4096)
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.full_shapes, self.segments, self.regions = {}, [], []
         group = {id(params[i]): group_of[i] for i in self.trainable}
@@ -48,7 +47,7 @@ class UnitSource(ShardSource):
             fs.register_optimizer_states(self, states)
 
     def err(self, msg: str) -> str:
-        return f"[rank {self.rank}/{self.world_size}] {msg}"
+        return comm.on_rank(self, msg)
 
     def _check(self, process_group, reduce_dtype):
         if reduce_dtype is not None:

@@ -16,6 +16,12 @@ from ._ext import _C
 CommHandle = _C.CommHandle
 
 
+def on_rank(who, msg: str) -> str:
+    """``msg`` prefixed with ``[rank r/N]`` of ``who`` (anything with ``rank`` and ``world_size``):
+    every error message of the library that depends on the rank says which one."""
+    return f"[rank {who.rank}/{who.world_size}] {msg}"
+
+
 def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     """The registered name of ``group`` (default: the world group)."""
     if not dist.is_initialized():

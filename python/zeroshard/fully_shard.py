@@ -64,6 +64,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import _unit_setup as setup
 from . import _unit_state as unit_state
+from . import comm
 from ._gather import Gatherer
 from ._shards import SUPPORTED
 from ._unit import MixedPrecision, Unit, UnitState, register_owner
@@ -155,7 +156,7 @@ class FullyShard(nn.Module):
 
     # ------------------------------------------------------------------ setup
     def _err(self, msg: str) -> str:
-        return f"[rank {self.rank}/{self.world_size}] {msg}"
+        return comm.on_rank(self, msg)
 
     def _install_hooks(self):
         for u in self._units[1:]:
@@ -356,7 +357,6 @@ class FullyShard(nn.Module):
         self._optimizer_states.append((weakref.ref(owner), states))
 
     # ------------------------------------------------------------ state dict
-    @torch.no_grad()
     def state_dict(self, *, to: Optional[int] = None, prefix: str = "", keep_vars: bool = False,
                    destination=None):
         """The full, unsharded state dict of the wrapped model (original names,
@@ -368,7 +368,6 @@ class FullyShard(nn.Module):
         """
         return unit_state.full_state_dict(self, to=to, prefix=prefix, destination=destination)
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (of the unwrapped model, from any world size):
         each rank copies its own pieces; no communication."""

@@ -138,7 +138,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return list(self._steps)
 
     def _err(self, msg: str) -> str:
-        return f"[rank {self.rank}/{self.world_size}] {msg}"
+        return comm.on_rank(self, msg)
 
     def no_sync(self):
         """Accumulate gradients locally, without communication; the next backward
