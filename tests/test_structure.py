@@ -9,10 +9,14 @@ MAX_FILE, MAX_CLASS, MAX_FUNCTION = 500, 300, 60
 
 # torch internals with no public equivalent, allowed where they are needed:
 # autograd's end-of-backward callback, the nn.Module slots a parameter is
-# swapped into and out of, autograd's current graph task, and the return type
-# of nn.Module.load_state_dict.
+# swapped into and out of, autograd's current graph task, the return type
+# of nn.Module.load_state_dict, the default c10d store (check-ins that must
+# not go through the communicator), the wrapper-subclass constructor of
+# p.grad's placeholder and the aten ops it answers.
 TORCH_INTERNALS = {"_execution_engine", "_parameters", "_buffers", "_modules", "_C", "_current_graph_task_id",
-                   "_IncompatibleKeys"}
+                   "_IncompatibleKeys", "_get_default_store", "_make_wrapper_subclass",
+                   "_disabled_torch_function_impl", "_foreach_mul_", "_foreach_zero_",
+                   "_amp_foreach_non_finite_check_and_unscale_", "_to_copy"}
 
 # Known exceptions, each of which must still be over its limit (so the list
 # cannot go stale): none.

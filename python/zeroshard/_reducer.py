@@ -34,9 +34,9 @@
   count as zero). So all ranks issue the same collectives in the same order,
   whatever order gradients arrive in and whichever parameters a rank left
   unused.
-* ``p.grad`` after backward is not the averaged gradient (stage 1: partly
-  reduced, stage 2: None); the reduced gradient lives in the shards. Use
-  ``clip_grad_norm_`` of the optimizer, not torch.nn.utils'.
+* After a backward outside no_sync() the reduced gradient lives in the
+  shards; ``p.grad`` is then a placeholder whose operations run on them
+  (see [Note: sharded gradients] in _grads.py).
 """
 from __future__ import annotations
 
@@ -88,11 +88,6 @@ class FlatReducer(ShardSource):
         self.grad_scale = 1.0 / self.world_size
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
         self.full_shapes = {i: params[i].shape for i in self.trainable}
-        self.segments = [Segment(buf.group, b.shard_of(buf.master) if buf.master is not None
-                                 else b.own(buf.params, self.rank), buf, *self._grad_range(b),
-                                 b.shard_of(buf.exp_avg), b.shard_of(buf.exp_avg_sq),
-                                 b.own(buf.params, self.rank) if buf.master is not None else None)
-                         for buf in self.buffers for b in buf.buckets]
         order = list(reversed(self.trainable))
         self.regions = [
             Region(bk.shard_numel, bk.shard_of(bk.buffer.exp_avg), bk.shard_of(bk.buffer.exp_avg_sq),
@@ -101,6 +96,13 @@ class FlatReducer(ShardSource):
                    bk.shard_of(bk.buffer.master) if bk.buffer.master is not None
                    else bk.own(bk.buffer.params, self.rank))
             for bk in self.buckets]
+        region_of = {bk.index: reg for bk, reg in zip(self.buckets, self.regions)}
+        self.segments = [Segment(buf.group, b.shard_of(buf.master) if buf.master is not None
+                                 else b.own(buf.params, self.rank), buf, *self._grad_range(b),
+                                 b.shard_of(buf.exp_avg), b.shard_of(buf.exp_avg_sq),
+                                 b.own(buf.params, self.rank) if buf.master is not None else None,
+                                 [(i, sl.start, sl.stop) for i, _, sl in region_of[b.index].owned(self.rank)])
+                         for buf in self.buffers for b in buf.buckets]
         self._hooks = [params[i].register_post_accumulate_grad_hook(self._make_hook(i)) for i in self.trainable]
 
     # ------------------------------------------------------------------ setup
@@ -244,11 +246,12 @@ class FlatReducer(ShardSource):
         self._free.clear()
         if self._sync and not self._order_learned:
             self._learn_launch_order()
+        self._in_backward = False
+        self.events.append(("backward_end", -1))
         if self._sync:
             self._shard_fresh = False
             self._grads_ready = True
-        self._in_backward = False
-        self.events.append(("backward_end", -1))
+            self.notify_grads_ready()
 
     def _learn_launch_order(self):
         """Reduce buckets from now on in the order their last gradient arrived in

@@ -19,8 +19,8 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ class Segment:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
+    pieces: List[tuple] = field(default_factory=list)   # (param index, start, stop): each trainable
+                                                         # parameter's range within this segment
 
     @property
     def grad(self) -> torch.Tensor:
@@ -99,6 +101,13 @@ class ShardSource(abc.ABC):
         # (what, index) of recent hooks, launches and steps, in order; bounded so
         # a long run does not grow it (tests/test_sharded.py reads it)
         self.events: collections.deque = collections.deque(maxlen=4096)
+        # called with no argument when a backward outside no_sync() has finished and
+        # every gradient shard holds its reduced value (the engine takes its statistics)
+        self.listeners: List[Callable[[], None]] = []
+
+    def notify_grads_ready(self):
+        for fn in self.listeners:
+            fn()
 
     @abc.abstractmethod
     def grads_ready(self) -> bool:

@@ -35,6 +35,7 @@ class UnitBackward:
         self.order: List[int] = []   # reverse forward order of the non-root units, fixed at backward start
         self.grad_bytes = 0          # flat gradient buffers alive now
         self.grad_bytes_peak = 0
+        self.listeners: List[Callable[[], None]] = []   # told when a synced backward has finished
         self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
 
     def start(self):
@@ -146,6 +147,9 @@ class UnitBackward:
             self.grads_ready = True
         self.gatherer.reshard_all()
         self.active = False
+        if self.sync:
+            for fn in self.listeners:
+                fn()
 
     @torch.no_grad()
     def abandon(self):

@@ -43,6 +43,9 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
 @torch.no_grad()
 def full_state_dict(fs, *, to: Optional[int], prefix: str, destination) -> Optional[dict]:
     """See FullyShard.state_dict: units gathered one at a time and copied to CPU."""
+    comm.check_in("FullyShard.state_dict()", fs, fs.process_group,
+                  "For a checkpoint written by rank 0 alone, call model.state_dict(to=0) on every rank "
+                  "(it returns None elsewhere), or use zeroshard.save_checkpoint")
     keep = to is None or dist.get_rank() == to
     template = fs.module.state_dict(keep_vars=True)
     values: Dict[str, torch.Tensor] = {}

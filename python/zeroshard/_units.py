@@ -45,6 +45,11 @@ class UnitSource(ShardSource):
                 if st is not None:
                     states[u.index] = st
             fs.register_optimizer_states(self, states)
+            fs.add_grads_ready_listener(self._owner_ready)
+
+    def _owner_ready(self):
+        if self.grads_ready():      # the last of the models whose backward this step needed
+            self.notify_grads_ready()
 
     def err(self, msg: str) -> str:
         return comm.on_rank(self, msg)
@@ -80,8 +85,10 @@ class UnitSource(ShardSource):
                 continue
             run = list(run)
             a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].sharded.numel()
+            pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.sharded.numel())
+                      for q in run]
             self.segments.append(Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
-                                         st["exp_avg"][a:b], st["exp_avg_sq"][a:b]))
+                                         st["exp_avg"][a:b], st["exp_avg_sq"][a:b], pieces=pieces))
         return st
 
     # ------------------------------------------------------- ShardSource API

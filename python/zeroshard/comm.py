@@ -5,7 +5,10 @@ csrc/comm.h): each returns a handle; call ``.wait()`` before using the result.
 """
 from __future__ import annotations
 
+import collections
+import os
 import pickle
+from datetime import timedelta
 from typing import Any, List, Optional
 
 import torch
@@ -20,6 +23,41 @@ def on_rank(who, msg: str) -> str:
     """``msg`` prefixed with ``[rank r/N]`` of ``who`` (anything with ``rank`` and ``world_size``):
     every error message of the library that depends on the rank says which one."""
     return f"[rank {who.rank}/{who.world_size}] {msg}"
+
+
+def timeout_s() -> float:
+    """Seconds a rank waits for the others at a check-in: ``ZEROSHARD_TIMEOUT``, else 300."""
+    return float(os.environ.get("ZEROSHARD_TIMEOUT", 300))
+
+
+_checkins: collections.Counter = collections.Counter()
+
+
+def check_in(what: str, who, group: Optional[dist.ProcessGroup] = None, hint: str = "") -> None:
+    """Wait until every rank of ``group`` has called ``check_in(what)`` as many
+    times as this one, or raise after ``timeout_s()`` naming the ranks that did
+    not; ``who`` (with ``rank`` and ``world_size``) prefixes the error and
+    ``hint`` ends it (how to do the same from one rank).
+
+    Guards a collective that code under ``if rank == 0:`` would otherwise enter
+    alone and wait in forever. It goes through the default store, not the
+    communicator, and costs one store round trip."""
+    group = group if group is not None else dist.group.WORLD
+    key = (what, group_name(group))
+    _checkins[key] += 1
+    prefix = f"zeroshard/check_in/{key[1]}/{what}/{_checkins[key]}/"
+    store = dist.distributed_c10d._get_default_store()
+    ranks = dist.get_process_group_ranks(group)
+    store.set(prefix + str(dist.get_rank()), "1")
+    try:
+        store.wait([prefix + str(r) for r in ranks], timedelta(seconds=timeout_s()))
+    except RuntimeError:
+        missing = [r for r in ranks if not store.check([prefix + str(r)])]
+        store.delete_key(prefix + str(dist.get_rank()))
+        _checkins[key] -= 1      # the ranks stay in step for the next call
+        raise RuntimeError(on_rank(who,
+            f"{what} is collective, but rank(s) {missing} did not call it within {timeout_s():g} s "
+            f"(ZEROSHARD_TIMEOUT). Call it on every rank. {hint}")) from None
 
 
 def group_name(group: Optional[dist.ProcessGroup] = None) -> str:

@@ -351,6 +351,11 @@ class FullyShard(nn.Module):
         self.invalidate()
         self._backward.grads_ready = False
 
+    def add_grads_ready_listener(self, fn):
+        """Call ``fn()`` whenever a backward outside no_sync() has finished and the
+        gradient shards hold their reduced values."""
+        self._backward.listeners.append(fn)
+
     def register_optimizer_states(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]]):
         """An optimizer's state shards by unit index, counted by memory_report()
         while ``owner`` (held weakly) is alive."""

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _optim_state, comm
+from ._grads import ReducedGrads
 from ._reducer import FlatReducer
 from ._shards import SUPPORTED, Region, ShardSource
 from ._units import UnitSource
@@ -72,6 +73,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self._clip_coef: Optional[torch.Tensor] = None
         self._steps = [0] * len(self.param_groups)
+        # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(),
+        # until the state changes (a step or a load)
+        self._consolidated = None
         # every parameter, in state_dict index order
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -83,6 +87,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
         self.events, self.comm_elements = self._source.events, self._source.comm_elements
+        self._grads = ReducedGrads(self._params, self._trainable, self._source, self._err)
 
     def _make_source(self, stage: int, process_group) -> ShardSource:
         owners = [owner_of(p) for p in self._params]
@@ -166,25 +171,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if norm_type not in (2.0, math.inf):
             raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
-        # one norm per segment, computed in fp32 without an fp32 copy of the gradients
-        # (as torch.nn.utils.clip_grad_norm_ takes one norm per tensor)
-        norms = torch.stack([torch.linalg.vector_norm(seg.grad, norm_type, dtype=torch.float32)
-                             for seg in self._source.segments] or [torch.zeros((), device=self.device)])
-        local = (norms.pow(2).sum() if norm_type == 2.0 else norms.max()).reshape(1)
-        if norm_type == 2.0:
-            self._all_reduce(local)
-            total = local.sqrt() * self._source.grad_scale
-        else:
-            every = local.new_zeros(self.world_size)
-            every[self.rank:self.rank + 1].copy_(local)
-            comm.all_gather(every[self.rank:self.rank + 1], every, group=self.process_group).wait()
-            total = every.max().reshape(1) * self._source.grad_scale
-        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
+        # from the statistics the backward took (see [Note: sharded gradients]): no pass, no collective
+        # for the 2-norm
+        per_param = self._grads.sumsq if norm_type == 2.0 else self._grads.inf_norms()
+        total = per_param.sum().sqrt() if norm_type == 2.0 else per_param.max()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(1)
+        self._grads.scale_all_(coef.reshape(()))
+        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
         return total.reshape(())
-
-    def _all_reduce(self, t: torch.Tensor):
-        comm.all_reduce(t, group=self.process_group).wait()
-        self.comm_elements["all_reduce"] += t.numel()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -194,16 +188,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_ready("step()")
         self.last_step_skipped = False
-        if self._source.check_finite:
-            found = torch.zeros(1, device=self.device)
-            for seg in self._source.segments:
-                found += (~torch.isfinite(seg.grad)).any()
-            self._all_reduce(found)
-            self.last_step_skipped = bool(found.item() > 0)   # the fp16 path syncs here
+        if self._source.check_finite:    # every rank agrees: the statistics are summed over the ranks
+            self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
         if not self.last_step_skipped:
             for gi, group in enumerate(self.param_groups):
                 self._update_group(gi, group)
         self._source.step_done(updated=not self.last_step_skipped)
+        if not self.last_step_skipped:
+            self._consolidated = None
         self._clip_coef = None
         self.events.append(("step", -1))
         return loss
@@ -216,6 +208,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         units' gathered copies)."""
         self._steps = list(steps)
         self._source.shards_loaded()
+        self._consolidated = None
 
     def _update_group(self, gi: int, group: dict):
         segs = [seg for seg in self._source.segments if seg.group == gi]
@@ -239,6 +232,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Zero the gradients (and this rank's reduced shards)."""
         if self._source.in_backward():
             raise RuntimeError(self._err("zero_grad() called during backward"))
+        self._grads.clear()
         self._source.zero_grad(set_to_none)
         self._clip_coef = None
 
@@ -283,15 +277,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
         an all-gather); stage 3's are the model's: load the model's state first."""
         self.shards_loaded(_optim_state.load_sharded(self, sharded))
 
+    def consolidate_state_dict(self, to: Optional[int] = 0):
+        """Gather the full state onto global rank ``to`` (every rank with ``to=None``),
+        where ``state_dict()`` then returns it without communication, as with
+        torch's ZeroRedundancyOptimizer. Collective: every rank must call it. The
+        copy is on CPU and is dropped by the next step."""
+        self._consolidated = (to, self._gather_state(to, "consolidate_state_dict()"))
+
     def state_dict(self, to: Optional[int] = None):
         """The full state in torch.optim.AdamW's format (loadable by AdamW over the
         unwrapped model's parameters, in the same order).
 
-        Collective: every rank must call it. Gathers one region (bucket, or
-        unit for FullyShard parameters) at a time, so the transient extra memory
-        is one region; the result is on CPU. With ``to=r`` only global rank
-        ``r`` builds and returns the dict; the others return None.
+        After ``consolidate_state_dict(to=r)`` on every rank, rank ``r`` gets it
+        here without communication (a checkpoint under ``if rank == 0:``).
+        Otherwise it is collective: every rank must call it; a rank that waits
+        for the others longer than ``ZEROSHARD_TIMEOUT`` (300 s) raises, naming
+        them. Gathers one region (bucket, or unit for FullyShard parameters) at a
+        time, so the transient extra memory is one region; the result is on CPU.
+        With ``to=r`` only global rank ``r`` builds and returns the dict; the
+        others return None.
         """
+        held = self._consolidated
+        if held is not None and to is None:
+            if held[1] is None:
+                raise RuntimeError(self._err(
+                    f"the state was consolidated onto rank {held[0]} by consolidate_state_dict(to="
+                    f"{held[0]}): call opt.state_dict() there (this rank holds none; a collective "
+                    "state_dict() here would wait for a rank that already has its copy)"))
+            return held[1]
+        return self._gather_state(to, "ShardedOptimizer.state_dict()")
+
+    def _gather_state(self, to: Optional[int], what: str):
+        """The full state dict on rank ``to`` (every rank if None), None elsewhere; collective."""
+        comm.check_in(what, self, self.process_group,
+                      "For a checkpoint written by rank 0 alone, call opt.consolidate_state_dict(to=0) on "
+                      "every rank first, then opt.state_dict() on rank 0 needs no communication")
         keep = to is None or dist.get_rank() == to
         packed = super().state_dict()   # param_groups with indices; our torch state is empty
         full = _optim_state.gather_full(self, keep)
@@ -307,3 +327,4 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from the parameters."""
         self._steps = _optim_state.load_full(self, state_dict)
         self._source.params_loaded()
+        self._consolidated = None

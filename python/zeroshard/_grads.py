@@ -1,0 +1,262 @@
+"""What ``p.grad`` holds after a backward, and the per-step gradient statistics.
+
+[Note: sharded gradients] After a backward outside ``no_sync()``, the
+averaged gradient of every parameter lives sharded over the ranks, in the
+shard source's buffers (see [Note: shard sources] in _shards.py): no rank
+holds a parameter's whole averaged gradient. So that code written for DDP
+cannot read a wrong one, ``p.grad`` of every trainable parameter is then a
+``ShardedGrad``: a tensor with the gradient's shape and dtype but no storage
+of its own, whose operations run on the shards:
+
+* ``torch.linalg.vector_norm`` / ``p.grad.norm()`` (2 and inf): the global
+  norm of the averaged gradient, so ``torch.nn.utils.clip_grad_norm_``
+  returns and clips by exactly what it would under DDP;
+* ``mul_`` / ``div_`` by a number or a one-element tensor, ``zero_``:
+  applied to this rank's pieces (clip_grad_norm_'s scaling is one);
+* ``torch.amp.GradScaler.unscale_`` (its ``_amp_foreach_non_finite_check_
+  and_unscale_``): unscales the pieces and reports a non-finite value found
+  on *any* rank, so every rank skips the same steps and keeps the same scale;
+* anything else raises an error naming the parameter and what does work.
+
+The statistics behind this (each parameter's squared 2-norm, summed over
+the ranks) are taken once per step, at the end of the backward, with one
+small all-reduce; the engine reads the non-finite check and its own
+``clip_grad_norm_`` from them too, so neither needs a pass of its own.
+
+Before the next backward accumulates, each placeholder is swapped back for
+what the source keeps in ``p.grad`` (ZeRO-1: a view of its gradient buffer;
+ZeRO-2: None), by a hook that runs before autograd accumulates the first
+gradient. ``opt.zero_grad()`` and ``model.zero_grad()`` both clear them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import comm
+
+aten = torch.ops.aten
+
+
+class ShardedGrad(torch.Tensor):
+    """``p.grad`` after a backward; see [Note: sharded gradients]."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, index: int, grads: "ReducedGrads", dtype=None, device=None):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype,
+                                                device=device or like.device)
+        t.index, t.grads = index, grads
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        handler = _HANDLERS.get(func)
+        if handler is None or not isinstance(first, ShardedGrad):
+            owner = first if isinstance(first, ShardedGrad) else next(
+                a for a in args if isinstance(a, ShardedGrad))
+            raise RuntimeError(owner.grads.unsupported(owner.index, str(func)))
+        return handler(first.grads, *args, **(kwargs or {}))
+
+    def __repr__(self):
+        return (f"ShardedGrad(parameter {self.index}, shape {tuple(self.shape)}, {self.dtype}: "
+                "sharded over the ranks, see zeroshard's README, 'Converting a DDP script')")
+
+
+def _norm(grads, g, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if dim is not None:
+        raise RuntimeError(grads.unsupported(g.index, "a norm over some dimensions"))
+    return grads.norm(g.index, float(ord)).to(dtype or g.dtype)
+
+
+def _scale(grads, g, factor):
+    grads.scale_([g.index], factor)
+    return g
+
+
+def _divide(grads, g, factor):
+    grads.scale_([g.index], 1.0 / factor)
+    return g
+
+
+def _foreach_scale(grads, gs, factor):
+    grads.scale_([g.index for g in gs], factor)
+
+
+def _zero(grads, g):
+    grads.scale_([g.index], 0.0)
+    return g
+
+
+def _unscale(grads, gs, found_inf, inv_scale):
+    grads.unscale_([g.index for g in gs], found_inf, inv_scale)
+
+
+def _detach(grads, g):
+    return ShardedGrad(g, g.index, grads)
+
+
+def _convert(grads, g, *, dtype=None, device=None, **kwargs):
+    """``.to()``/``.float()`` (as ``model.float()`` applies to gradients): the same
+    sharded gradient, seen with the new dtype and device."""
+    return ShardedGrad(g, g.index, grads, dtype=dtype, device=device)
+
+
+_HANDLERS: Dict[object, Callable] = {
+    aten.linalg_vector_norm.default: _norm,
+    aten.mul_.Tensor: _scale, aten.mul_.Scalar: _scale,
+    aten.div_.Tensor: _divide, aten.div_.Scalar: _divide,
+    aten._foreach_mul_.Tensor: _foreach_scale, aten._foreach_mul_.Scalar: _foreach_scale,
+    aten.zero_.default: _zero,
+    aten._foreach_zero_.default: lambda grads, gs: grads.scale_([g.index for g in gs], 0.0),
+    aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale,
+    aten.detach.default: _detach, aten.alias.default: _detach, aten._to_copy.default: _convert,
+}
+
+
+class ReducedGrads:
+    """The engine's view of the reduced gradient shards: per-parameter pieces,
+    the per-step statistics and the ``p.grad`` placeholders; see [Note: sharded
+    gradients]."""
+
+    def __init__(self, params: List[torch.Tensor], trainable: List[int], source, err: Callable[[str], str]):
+        self.params, self.trainable, self.source, self.err = params, trainable, source, err
+        # param index -> [(segment, start, stop)]: this rank's pieces of its reduced gradient
+        self.pieces: Dict[int, list] = {i: [] for i in trainable}
+        for seg in source.segments:
+            for i, a, b in seg.pieces:
+                self.pieces[i].append((seg, a, b))
+        self.placeholders = {i: ShardedGrad(params[i], i, self) for i in trainable}
+        self.kept: Dict[int, Optional[torch.Tensor]] = {}   # p.grad the source had before the placeholder
+        self.sumsq: Optional[torch.Tensor] = None   # per parameter: squared 2-norm of the averaged gradient
+        self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
+        self.hooks = [params[i].register_hook(self._before_accumulate) for i in trainable
+                      if params[i].grad_fn is None]
+        source.listeners.append(self.backward_done)
+
+    # ----------------------------------------------------------- statistics
+    def _local(self, fn) -> torch.Tensor:
+        """``fn`` of each of this rank's pieces, one value per parameter (0 where none)."""
+        dev = self.source.device
+        out = torch.zeros(len(self.params), dtype=torch.float32, device=dev)
+        idx, vals = [], []
+        for i, pieces in self.pieces.items():
+            for seg, a, b in pieces:
+                idx.append(i)
+                vals.append(fn(seg.grad[a:b]))
+        if vals:
+            out.index_add_(0, torch.tensor(idx, device=dev), torch.stack(vals))
+        return out
+
+    @torch.no_grad()
+    def backward_done(self):
+        """A backward outside no_sync() finished: take the statistics (one
+        all-reduce) and put the placeholders into ``p.grad``."""
+        local = self._local(lambda g: torch.linalg.vector_norm(g, dtype=torch.float32).square())
+        local *= self.source.grad_scale ** 2
+        comm.all_reduce(local, group=self.source.process_group).wait()
+        self.source.comm_elements["all_reduce"] += local.numel()
+        self.sumsq, self.maxabs = local, None
+        for i in self.trainable:
+            p = self.params[i]
+            if p.grad is not self.placeholders[i]:
+                self.kept[i] = p.grad
+                p.grad = self.placeholders[i]
+
+    def nonfinite(self) -> torch.Tensor:
+        """One-element bool tensor: some gradient element, on some rank, is inf or NaN."""
+        return (~torch.isfinite(self.sumsq)).any().reshape(1)
+
+    def norm(self, i: int, ord: float) -> torch.Tensor:
+        if ord == 2.0:
+            return self.sumsq[i].sqrt()
+        if ord == math.inf:
+            return self.inf_norms()[i]
+        raise RuntimeError(self.err(f"the norm of order {ord} of parameter {i}'s gradient: only orders 2 "
+                                    "and inf are computed over sharded gradients"))
+
+    def inf_norms(self) -> torch.Tensor:
+        """Per parameter: the largest absolute gradient element (collective on first use per step)."""
+        if self.maxabs is None:
+            local = self._local(lambda g: g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32))
+            local *= abs(self.source.grad_scale)
+            world, rank = self.source.world_size, self.source.rank
+            every = local.new_zeros(world, local.numel())
+            every[rank].copy_(local)
+            comm.all_gather(every[rank].view(-1), every.view(-1), group=self.source.process_group).wait()
+            self.maxabs = every.amax(0)
+        return self.maxabs
+
+    # ------------------------------------------------------ in-place updates
+    @torch.no_grad()
+    def scale_(self, indices: List[int], factor):
+        """Multiply the gradients of ``indices`` by ``factor`` (a number or a one-element tensor)."""
+        for i in indices:
+            for seg, a, b in self.pieces[i]:
+                g = seg.grad[a:b]
+                if isinstance(factor, torch.Tensor):
+                    g.mul_(factor.to(g.device))
+                elif factor == 0:
+                    g.zero_()
+                else:
+                    g.mul_(factor)
+        idx = torch.tensor(indices, device=self.sumsq.device)
+        if not isinstance(factor, torch.Tensor) and factor == 0:
+            self.sumsq[idx] = 0.0           # exact, even where the gradient was inf or NaN
+            if self.maxabs is not None:
+                self.maxabs[idx] = 0.0
+            return
+        f = factor.to(self.sumsq.device, torch.float32).reshape(()) if isinstance(factor, torch.Tensor) \
+            else torch.tensor(float(factor), device=self.sumsq.device)
+        self.sumsq[idx] = self.sumsq[idx] * (f * f)
+        if self.maxabs is not None:
+            self.maxabs[idx] = self.maxabs[idx] * f.abs()
+
+    def unscale_(self, indices: List[int], found_inf: torch.Tensor, inv_scale: torch.Tensor):
+        """GradScaler's unscale: multiply by ``inv_scale``; ``found_inf`` becomes 1 if
+        any of these gradients holds an inf or NaN on any rank."""
+        self.scale_(indices, inv_scale)
+        bad = (~torch.isfinite(self.sumsq[torch.tensor(indices, device=self.sumsq.device)])).any()
+        found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape)))
+
+    def scale_all_(self, factor: torch.Tensor):
+        """The engine's clip_grad_norm_ folds ``factor`` into its step: keep the statistics in step."""
+        self.sumsq.mul_(factor * factor)
+        if self.maxabs is not None:
+            self.maxabs.mul_(factor)
+
+    # ------------------------------------------------------------ placeholders
+    def _before_accumulate(self, grad):
+        """Runs before autograd accumulates into ``p.grad``: a new backward begins."""
+        if self.kept:
+            self.clear(from_backward=True)
+        return None
+
+    def clear(self, from_backward: bool = False):
+        """Give ``p.grad`` back to the source: what it held before the placeholders
+        (the next backward accumulates there, or zero_grad frees it)."""
+        gone = [i for i in self.kept if self.params[i].grad is not self.placeholders[i]]
+        for i, g in self.kept.items():
+            if self.params[i].grad is self.placeholders[i]:
+                self.params[i].grad = g
+        kept, self.kept = self.kept, {}
+        if gone and from_backward:
+            if len(gone) < len(kept):
+                raise RuntimeError(self.err(
+                    f"p.grad of parameters {gone[:8]} was replaced or set to None outside opt.zero_grad(), "
+                    "but not of the others: their sharded gradients cannot be cleared one by one; call "
+                    "opt.zero_grad() (or model.zero_grad()) to clear every gradient"))
+            self.source.zero_grad(set_to_none=True)   # model.zero_grad() cleared every gradient
+
+    def unsupported(self, i: int, what: str) -> str:
+        shape = tuple(self.params[i].shape)
+        return self.err(
+            f"{what} on p.grad of parameter {i} (shape {shape}): after backward its averaged gradient is "
+            "sharded over the ranks (p.grad is a zeroshard ShardedGrad with no data of its own). What works "
+            "on it: torch.nn.utils.clip_grad_norm_ (or opt.clip_grad_norm_), torch.amp.GradScaler, "
+            "p.grad.norm() (orders 2 and inf), mul_/div_ by a number, zero_(). Read gradients inside "
+            "opt.no_sync() (local, unreduced) if you need the values")

@@ -1,0 +1,214 @@
+"""A DDP training loop converted with the README's lines behaves exactly like
+DDP + torch.optim.AdamW: torch's clip_grad_norm_, GradScaler (an overflow on
+one rank), p.grad norms, model.zero_grad() and accumulation over several
+syncing backwards; at stages 1, 2 and 3, on gloo at world sizes 2 and 3."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroshard as zs
+
+BATCH = 12
+TINY_BUCKET_MB = 700 / 2**20     # buckets split tensors
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(11, 17)
+        self.blocks = nn.Sequential(Block(17), Block(17))
+        self.head = nn.Linear(17, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.inp(x)))
+
+
+def data(steps, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 11, generator=g) * 2, torch.randint(0, 3, (BATCH,), generator=g))
+            for _ in range(steps)]
+
+
+def local(t):
+    n = t.shape[0] // dist.get_world_size()
+    return t[dist.get_rank() * n:(dist.get_rank() + 1) * n]
+
+
+def build(kind):
+    """(model to call, optimizer) for "ddp" or a zeroshard stage."""
+    torch.manual_seed(0)
+    model = Model()
+    if kind == "ddp":
+        return DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    if kind == 3:
+        model = zs.FullyShard(model, wrap={Block})
+        return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
+                                      bucket_mb=TINY_BUCKET_MB)
+
+
+def full_params(kind, model):
+    sd = model.state_dict() if kind == 3 else (model.module if kind == "ddp" else model).state_dict()
+    return {k: v.detach().clone().float() for k, v in sd.items()}
+
+
+def script(kind, case, steps=6, overflow_at=2):
+    """One training loop in the idioms of common DDP scripts; returns what to compare."""
+    model, opt = build(kind)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2) if case == "scaler" else None
+    out = {"norms": [], "scales": [], "pnorms": []}
+    for k, (x, y) in enumerate(data(steps)):
+        if case == "model_zero_grad":
+            model.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=True)
+        micro = 2 if case == "model_zero_grad" else 1
+        for j in range(micro):        # several syncing backwards accumulate, as under DDP
+            loss = F.cross_entropy(model(local(x) * (j + 1)), local(y)) / micro
+            if scaler is not None and k == overflow_at and rank == world - 1:
+                loss = loss * float("inf")        # overflow on one rank only
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if case in ("torch_clip", "scaler"):
+            out["pnorms"].append([p.grad.norm().item() for p in model.parameters()])
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            out["scales"].append(scaler.get_scale())
+        else:
+            opt.step()
+    out["params"] = full_params(kind, model)
+    return out
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _compare(stage, case):
+    ours, ddp = script(stage, case), script("ddp", case)
+    res = {"param_err": max(rel(ours["params"][k], ddp["params"][k]) for k in ddp["params"]),
+           "scales": (ours["scales"], ddp["scales"])}
+    if ddp["norms"]:
+        res["norm_err"] = max(abs(a - b) / b for a, b in zip(ours["norms"], ddp["norms"]))
+        res["pnorm_err"] = max(abs(a - b) / max(b, 1e-12) for pa, pb in zip(ours["pnorms"], ddp["pnorms"])
+                               for a, b in zip(pa, pb))
+    return res
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("case", ["torch_clip", "scaler", "model_zero_grad"])
+def test_a_converted_ddp_script_equals_ddp(dist_pool, stage, case):
+    for r in dist_pool.run(_compare, stage, case):
+        assert r["param_err"] < 1e-5, r
+        if case != "model_zero_grad":
+            assert r["norm_err"] < 1e-5 and r["pnorm_err"] < 1e-5, r
+        ours, ddp = r["scales"]
+        assert ours == ddp, r      # the overflow step is skipped everywhere; same scale after it
+        if case == "scaler":
+            assert ddp[2] < ddp[1], ddp   # the injected overflow did back the scale off
+
+
+def _grad_misuse(stage):
+    model, opt = build(stage)
+    x, y = data(1)[0]
+    F.cross_entropy(model(local(x)), local(y)).backward()
+    p = next(iter(model.parameters()))
+    try:
+        p.grad + 1
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        msg = None
+    shown = repr(p.grad)
+    opt.step()
+    return msg, shown
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reading_a_sharded_gradient_wrongly_raises_a_clear_error(dist_pool, stage):
+    for rank, (msg, shown) in enumerate(dist_pool.run(_grad_misuse, stage)):
+        assert msg is not None and f"[rank {rank}/" in msg and "parameter 0" in msg, msg
+        assert "clip_grad_norm_" in msg and "GradScaler" in msg, msg
+        assert "ShardedGrad" in shown
+
+
+def _train_steps(kind, steps=3):
+    model, opt = build(kind)
+    for x, y in data(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(local(x)), local(y)).backward()
+        opt.step()
+    return model, opt
+
+
+def _consolidate(stage):
+    _, ddp_opt = _train_steps("ddp")
+    _, opt = _train_steps(stage)
+    opt.consolidate_state_dict(to=0)
+    if dist.get_rank() != 0:        # rank 0 holds it: elsewhere an error at once, not a hang
+        with pytest.raises(RuntimeError, match="consolidated onto rank 0"):
+            opt.state_dict()
+        return None
+    sd, ref = opt.state_dict(), ddp_opt.state_dict()     # no communication on rank 0
+    plain = torch.optim.AdamW(Model().parameters())       # plain torch loads it
+    plain.load_state_dict(sd)
+    return max(rel(sd["state"][i][k], ref["state"][i][k]) for i in ref["state"] for k in ("exp_avg", "exp_avg_sq")), \
+        [float(sd["state"][i]["step"]) for i in sorted(sd["state"])]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_consolidate_then_state_dict_on_rank_0_alone(dist_pool, stage):
+    res = dist_pool.run(_consolidate, stage)
+    err, steps = res[0]
+    assert err < 1e-5 and set(steps) == {3.0}, res[0]
+    assert all(r is None for r in res[1:])
+
+
+def _rank0_only(stage, timeout):
+    import os
+    model, opt = _train_steps(stage, steps=1)
+    os.environ["ZEROSHARD_TIMEOUT"] = str(timeout)
+    errors = []
+    try:
+        if dist.get_rank() == 0:
+            for call in (opt.state_dict, model.state_dict):   # each would wait forever for the others
+                try:
+                    call()
+                except RuntimeError as e:
+                    errors.append(str(e))
+    finally:
+        del os.environ["ZEROSHARD_TIMEOUT"]
+    dist.barrier()
+    opt.consolidate_state_dict(to=1)     # the ranks are still in step afterwards
+    return errors, opt.state_dict() is not None if dist.get_rank() == 1 else None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_state_dict_on_rank_0_alone_errors_instead_of_hanging(dist_pool, stage):
+    import time
+    t0 = time.time()
+    res = dist_pool.run(_rank0_only, stage, 2)
+    errors = res[0][0]
+    expected = 2 if stage == 3 else 1     # stages 1/2: model.state_dict() is local, as under DDP
+    assert len(errors) == expected, errors
+    others = list(range(1, dist_pool.world_size))
+    assert all(f"rank(s) {others} did not call it" in e and "[rank 0/" in e for e in errors), errors
+    assert "consolidate_state_dict(to=0)" in errors[0]
+    assert res[1][1] is True
+    assert time.time() - t0 < 30
