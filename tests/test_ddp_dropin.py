@@ -212,3 +212,63 @@ def test_state_dict_on_rank_0_alone_errors_instead_of_hanging(dist_pool, stage):
     assert "consolidate_state_dict(to=0)" in errors[0]
     assert res[1][1] is True
     assert time.time() - t0 < 30
+
+
+class Branchy(Model):
+    """A branch some ranks take in some steps, and a layer no step uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(17, 17)
+        self.never = nn.Linear(3, 3)
+
+    def forward(self, x, use_extra=False):
+        h = self.inp(x)
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(self.blocks(h))
+
+
+def _unused(kind, steps=7):
+    torch.manual_seed(0)
+    model = Branchy()
+    if kind == "ddp":
+        net, opt = DDP(model, find_unused_parameters=True), torch.optim.AdamW(
+            model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    elif kind == 3:
+        net = zs.FullyShard(model, wrap={Block})
+        opt = zs.ShardedOptimizer(net.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        net, opt = model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
+                                              bucket_mb=TINY_BUCKET_MB)
+    rank = dist.get_rank()
+    grads_none = []
+    for k, (x, y) in enumerate(data(steps)):
+        opt.zero_grad()
+        # step 0, 3, 6: rank 0 only; 1, 4: every rank; 2, 5: no rank
+        use = (k % 3 == 0 and rank == 0) or k % 3 == 1
+        F.cross_entropy(net(local(x), use_extra=use), local(y)).backward()
+        grads_none.append([p.grad is None for p in net.parameters()])
+        opt.step()
+    if kind == "ddp":
+        state = opt.state_dict()
+    else:
+        opt.consolidate_state_dict(to=None)
+        state = opt.state_dict()
+    steps_of = {i: float(st["step"]) for i, st in state["state"].items()}
+    return full_params(kind, net), steps_of, grads_none
+
+
+def _compare_unused(stage):
+    (ours, our_steps, our_none), (ddp, ddp_steps, ddp_none) = _unused(stage), _unused("ddp")
+    return max(rel(ours[k], ddp[k]) if ddp[k].norm() > 0 else (ours[k] - ddp[k]).abs().max().item()
+               for k in ddp), our_steps, ddp_steps, our_none == ddp_none
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_without_gradient_are_left_alone_as_by_ddp_and_adamw(dist_pool, stage):
+    for err, ours, ddp, same_none in dist_pool.run(_compare_unused, stage):
+        assert err < 1e-5
+        assert ours == ddp, (ours, ddp)       # per-parameter step counts
+        assert sorted(set(ddp.values())) == [5.0, 7.0], ddp   # the extra layer stepped 5 times of 7
+        assert same_none                      # p.grad is None exactly where DDP leaves it None

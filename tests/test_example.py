@@ -47,3 +47,33 @@ def test_train_checkpoint_resume_at_another_stage(tmp_path):
 def test_resume_needs_a_checkpoint_dir(tmp_path):
     res = subprocess.run([sys.executable, SCRIPT, "--resume"], capture_output=True, text=True)
     assert res.returncode == 2 and "--resume needs --ckpt-dir" in res.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_ddp_script_and_its_conversions_end_with_equal_parameters(tmp_path):
+    """examples/ddp_idioms.py (autocast, GradScaler, accumulation, torch's clip, a rank-0
+    checkpoint, resume) under DDP and at stages 1, 2 and 3: the same parameters."""
+    import torch
+    script = os.path.join(ROOT, "examples", "ddp_idioms.py")
+    results = {}
+    for mode in ("ddp", "1", "2", "3"):
+        out = tmp_path / f"{mode}.pt"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              "2", script, "--mode", mode, "--out", str(out)],
+                             capture_output=True, text=True, env=env, timeout=240)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        results[mode] = torch.load(out)
+    ddp = results["ddp"]["straight"]
+    for mode, r in results.items():
+        for run in ("straight", "resumed"):
+            for k, ref in ddp.items():
+                err = ((r[run][k].double() - ref.double()).norm() / ref.double().norm()).item()
+                assert err < 1e-5, (mode, run, k, err)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ddp_idioms", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    init = mod.Net().state_dict()
+    assert max(((ddp[k] - init[k]).norm() / init[k].norm()).item() for k in init) > 1e-2   # it trained

@@ -62,14 +62,6 @@ def local(x, rank, world):
     return x[rank * n:(rank + 1) * n]
 
 
-def zero_fill_unused(model):
-    """ShardedOptimizer treats a parameter that got no gradient as a zero gradient
-    (AdamW still decays it); torch's AdamW skips it. Give the reference the same semantics."""
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-
 def reference(steps, micro=1, clip=None, dtype=torch.float32, state_after=None):
     """Single-process torch AdamW on the whole batch; returns the model (and norms)."""
     model = make_model(dtype=torch.float32)
@@ -83,7 +75,6 @@ def reference(steps, micro=1, clip=None, dtype=torch.float32, state_after=None):
         opt.zero_grad()
         for x, y in mbs:
             (F.cross_entropy(model(x), y) / micro).backward()
-        zero_fill_unused(model)
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
@@ -318,7 +309,6 @@ def test_state_dict_round_trip_across_world_sizes_and_plain_adamw():
         plain.zero_grad()
         for x, y in mbs:
             F.cross_entropy(model(x), y).backward()
-        zero_fill_unused(model)
         plain.step()
     ref, _ = reference(10)
     assert max_param_err(model, ref) <= 1e-5
@@ -443,7 +433,6 @@ def _wrong_order(stage):
         sched.step()
         ropt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
-        zero_fill_unused(ref)
         ropt.step()
         rsched.step()
     return max_param_err(model, ref), opt.param_groups[0]["lr"]

@@ -137,7 +137,7 @@ class Holdings:
     def _sharded_optimizer(self, opt, covered: set):
         names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
         for i in opt.trainable:
-            step = opt.steps[opt.group_of(i)]
+            step = opt.param_steps[i]
             for kind in ("exp_avg", "exp_avg_sq"):
                 self.specs[f"{kind}:{names[i]}"] = Spec(tuple(opt.full_shape(i)), torch.float32, torch.float32,
                                                           step)
@@ -155,7 +155,7 @@ class Holdings:
         group_names = [[n for i, n in enumerate(names) if opt.group_of(i) == gi]
                        for gi in range(len(opt.param_groups))]
         self._groups(opt, group_names)
-        self._finish.append(lambda man: opt.shards_loaded([group_step(man, nm) for nm in group_names]))
+        self._finish.append(lambda man: opt.shards_loaded([group_step(man, [n]) for n in names]))
 
     def _torch_adamw(self, opt, for_load: bool):
         if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):

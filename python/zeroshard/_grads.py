@@ -132,6 +132,8 @@ class ReducedGrads:
                 self.pieces[i].append((seg, a, b))
         self.placeholders = {i: ShardedGrad(params[i], i, self) for i in trainable}
         self.kept: Dict[int, Optional[torch.Tensor]] = {}   # p.grad the source had before the placeholder
+        self.placed: Dict[int, Optional[torch.Tensor]] = {}  # what backward_done put in p.grad
+        self.used: List[bool] = [False] * len(params)       # got a gradient on some rank (this step)
         self.sumsq: Optional[torch.Tensor] = None   # per parameter: squared 2-norm of the averaged gradient
         self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
         self.hooks = [params[i].register_hook(self._before_accumulate) for i in trainable
@@ -155,17 +157,26 @@ class ReducedGrads:
     @torch.no_grad()
     def backward_done(self):
         """A backward outside no_sync() finished: take the statistics (one
-        all-reduce) and put the placeholders into ``p.grad``."""
-        local = self._local(lambda g: torch.linalg.vector_norm(g, dtype=torch.float32).square())
-        local *= self.source.grad_scale ** 2
-        comm.all_reduce(local, group=self.source.process_group).wait()
-        self.source.comm_elements["all_reduce"] += local.numel()
-        self.sumsq, self.maxabs = local, None
+        all-reduce of two floats per parameter: its squared norm, and whether it
+        got a gradient) and put the placeholders into ``p.grad`` (None for a
+        parameter no rank gave a gradient, as under DDP)."""
+        n = len(self.params)
+        stats = torch.zeros(2 * n, dtype=torch.float32, device=self.source.device)
+        stats[:n] = self._local(lambda g: torch.linalg.vector_norm(g, dtype=torch.float32).square())
+        stats[:n] *= self.source.grad_scale ** 2
+        arrived = self.source.arrived()
+        if arrived:
+            stats[n:].index_fill_(0, torch.tensor(arrived, device=stats.device), 1.0)
+        comm.all_reduce(stats, group=self.source.process_group).wait()
+        self.source.comm_elements["all_reduce"] += stats.numel()
+        self.sumsq, self.maxabs = stats[:n], None
+        self.used = (stats[n:] > 0).tolist()     # read on the host: which parameters step
         for i in self.trainable:
             p = self.params[i]
-            if p.grad is not self.placeholders[i]:
+            if i not in self.placed or p.grad is not self.placed[i]:   # (ZeRO-3: backward re-set it)
                 self.kept[i] = p.grad
-                p.grad = self.placeholders[i]
+            self.placed[i] = self.placeholders[i] if self.used[i] else None
+            p.grad = self.placed[i]
 
     def nonfinite(self) -> torch.Tensor:
         """One-element bool tensor: some gradient element, on some rank, is inf or NaN."""
@@ -232,20 +243,20 @@ class ReducedGrads:
     # ------------------------------------------------------------ placeholders
     def _before_accumulate(self, grad):
         """Runs before autograd accumulates into ``p.grad``: a new backward begins."""
-        if self.kept:
+        if self.placed:
             self.clear(from_backward=True)
         return None
 
     def clear(self, from_backward: bool = False):
         """Give ``p.grad`` back to the source: what it held before the placeholders
         (the next backward accumulates there, or zero_grad frees it)."""
-        gone = [i for i in self.kept if self.params[i].grad is not self.placeholders[i]]
+        gone = [i for i, g in self.placed.items() if g is not None and self.params[i].grad is not g]
         for i, g in self.kept.items():
-            if self.params[i].grad is self.placeholders[i]:
+            if self.params[i].grad is self.placed[i]:
                 self.params[i].grad = g
-        kept, self.kept = self.kept, {}
+        placed, self.kept, self.placed = self.placed, {}, {}
         if gone and from_backward:
-            if len(gone) < len(kept):
+            if len(gone) < sum(g is not None for g in placed.values()):
                 raise RuntimeError(self.err(
                     f"p.grad of parameters {gone[:8]} was replaced or set to None outside opt.zero_grad(), "
                     "but not of the others: their sharded gradients cannot be cleared one by one; call "

@@ -1,6 +1,6 @@
 """ShardedOptimizer's state dicts, full and sharded, read and written one
 region at a time through the optimizer's public accessors (``regions``,
-``trainable``, ``group_of``, ``full_shape``, ``steps``)."""
+``trainable``, ``group_of``, ``full_shape``, ``param_steps``)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -34,7 +34,7 @@ def sharded(opt, param_groups: list) -> dict:
         state[f"{k}.exp_avg"], state[f"{k}.exp_avg_sq"] = reg.exp_avg, reg.exp_avg_sq
         if reg.values is not None:
             state[f"{k}.values"] = reg.values
-    return {"format": _FORMAT, "layout": layout_signature(opt), "steps": opt.steps,
+    return {"format": _FORMAT, "layout": layout_signature(opt), "param_steps": opt.param_steps,
             "param_groups": param_groups, "state": state}
 
 
@@ -53,7 +53,7 @@ def _mismatch(opt, sd) -> Optional[str]:
 @torch.no_grad()
 def load_sharded(opt, sd: dict) -> List[int]:
     """Writes a sharded state dict into the regions (collective: every rank checks
-    every rank's match first); returns the saved step counts."""
+    every rank's match first); returns the saved per-parameter step counts."""
     problems = comm.all_gather_object(_mismatch(opt, sd), group=opt.process_group)
     bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
     if bad:
@@ -67,17 +67,17 @@ def load_sharded(opt, sd: dict) -> List[int]:
         reg.exp_avg_sq.copy_(sd["state"][f"{k}.exp_avg_sq"])
         if reg.values is not None:
             reg.values.copy_(sd["state"][f"{k}.values"])
-    return list(sd["steps"])
+    return list(sd["param_steps"])
 
 
 @torch.no_grad()
 def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
-    """Every trainable parameter's full AdamW state on CPU, gathered one region at a
-    time (collective); None where ``keep`` is false."""
-    full, steps = {}, opt.steps
+    """The full AdamW state on CPU of every trainable parameter that has stepped,
+    gathered one region at a time (collective); None where ``keep`` is false."""
+    full, steps = {}, opt.param_steps
     if keep:
         for i in opt.trainable:
-            full[i] = {"step": torch.tensor(float(steps[opt.group_of(i)])),
+            full[i] = {"step": torch.tensor(float(steps[i])),
                        "exp_avg": torch.zeros(opt.full_shape(i), dtype=torch.float32),
                        "exp_avg_sq": torch.zeros(opt.full_shape(i), dtype=torch.float32)}
     for reg in opt.regions:
@@ -89,7 +89,10 @@ def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
             gathered = gathered.cpu()
             for i, t_off, r_off, n in reg.frags:
                 full[i][name].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
-    return full if keep else None
+    if not keep:
+        return None
+    # as torch's AdamW: no state for a parameter that never stepped
+    return {i: st for i, st in full.items() if steps[i] > 0}
 
 
 def _check_full(opt, state_dict: dict):
@@ -106,13 +109,13 @@ def _check_full(opt, state_dict: dict):
 @torch.no_grad()
 def load_full(opt, state_dict: dict) -> List[int]:
     """Writes this rank's pieces of a full AdamW state dict (ours or torch's, any
-    world size) into the regions; returns the step counts by param group."""
+    world size) into the regions; returns each parameter's step count."""
     _check_full(opt, state_dict)
     groups = state_dict["param_groups"]
     take_hyperparameters(opt, groups)
     saved_ids = [pid for sg in groups for pid in sg["params"]]
     state = state_dict["state"]
-    steps = [0] * len(opt.param_groups)
+    steps = [0] * len(opt.params)
     for i in opt.trainable:
         st = state.get(saved_ids[i])
         if st is None:
@@ -124,7 +127,7 @@ def load_full(opt, state_dict: dict) -> List[int]:
                     f"state of parameter {i}: {name} has {st[name].numel()} elements but the "
                     f"parameter has {numel} (shape {tuple(opt.full_shape(i))}); the state dict "
                     "is of another model"))
-        steps[opt.group_of(i)] = max(steps[opt.group_of(i)], int(float(st["step"])))
+        steps[i] = int(float(st["step"]))
     for reg in opt.regions:
         reg.exp_avg.zero_()
         reg.exp_avg_sq.zero_()

@@ -73,6 +73,7 @@ class FlatReducer(ShardSource):
         self._sync = True
         self._in_backward = False
         self._grads_ready = False
+        self._arrived = set()       # parameters with a gradient since zero_grad(set_to_none=True)
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
         self._peak_bucket_bytes = self._bucket_bytes = 0
         self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
@@ -88,21 +89,7 @@ class FlatReducer(ShardSource):
         self.grad_scale = 1.0 / self.world_size
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
         self.full_shapes = {i: params[i].shape for i in self.trainable}
-        order = list(reversed(self.trainable))
-        self.regions = [
-            Region(bk.shard_numel, bk.shard_of(bk.buffer.exp_avg), bk.shard_of(bk.buffer.exp_avg_sq),
-                   [(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
-                    for fr in (self.layout.fragments[f] for f in self.layout.buckets[bk.index].fragments)],
-                   bk.shard_of(bk.buffer.master) if bk.buffer.master is not None
-                   else bk.own(bk.buffer.params, self.rank))
-            for bk in self.buckets]
-        region_of = {bk.index: reg for bk, reg in zip(self.buckets, self.regions)}
-        self.segments = [Segment(buf.group, b.shard_of(buf.master) if buf.master is not None
-                                 else b.own(buf.params, self.rank), buf, *self._grad_range(b),
-                                 b.shard_of(buf.exp_avg), b.shard_of(buf.exp_avg_sq),
-                                 b.own(buf.params, self.rank) if buf.master is not None else None,
-                                 [(i, sl.start, sl.stop) for i, _, sl in region_of[b.index].owned(self.rank)])
-                         for buf in self.buffers for b in buf.buckets]
+        self.regions, self.segments = _regions_and_segments(self, self.stage, self.rank)
         self._hooks = [params[i].register_post_accumulate_grad_hook(self._make_hook(i)) for i in self.trainable]
 
     # ------------------------------------------------------------------ setup
@@ -112,13 +99,6 @@ class FlatReducer(ShardSource):
     def reduce_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of ``dtype`` parameters are reduced and held in."""
         return self.reduce_dtype or dtype
-
-    def _grad_range(self, b: Bucket):
-        """(attribute of the bucket's FlatBuffer, (start, stop)) of this rank's reduced gradient of b."""
-        if self.stage == 1:
-            start = b.offset + self.rank * b.shard_numel
-            return "grads", (start, start + b.shard_numel)
-        return "grad_shard", (b.shard_offset, b.shard_offset + b.shard_numel)
 
     # --------------------------------------------------------------- backward
     def _make_hook(self, i: int):
@@ -141,6 +121,7 @@ class FlatReducer(ShardSource):
         if not self._in_backward:
             self._start_backward()
         self.events.append(("grad", i))
+        self._arrived.add(i)
         if not self._order_learned and self._sync:
             self._arrival.append(i)
         buf, offset, frags = self.where[i]
@@ -273,6 +254,9 @@ class FlatReducer(ShardSource):
     def in_backward(self) -> bool:
         return self._in_backward
 
+    def arrived(self) -> List[int]:
+        return sorted(self._arrived)
+
     @contextlib.contextmanager
     def no_sync(self):
         old, self._sync = self._sync, False
@@ -319,6 +303,7 @@ class FlatReducer(ShardSource):
                 buf.grads.zero_()
             if set_to_none:     # stage 2: the next backward allocates it again
                 buf.grad_shard = None
+                self._arrived.clear()
             elif buf.grad_shard is not None:
                 buf.grad_shard.zero_()
         for i in self.trainable:
@@ -356,3 +341,30 @@ class FlatReducer(ShardSource):
         if reset_peak:
             self._peak_bucket_bytes = self._bucket_bytes
         return rep
+
+
+def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
+    """One region per bucket (what state dicts read) and one segment per bucket
+    shard (what a fused call updates), with each parameter's piece of it."""
+    order = list(reversed(src.trainable))
+    regions = [
+        Region(bk.shard_numel, bk.shard_of(bk.buffer.exp_avg), bk.shard_of(bk.buffer.exp_avg_sq),
+               [(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
+                for fr in (src.layout.fragments[f] for f in src.layout.buckets[bk.index].fragments)],
+               bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params, rank))
+        for bk in src.buckets]
+    region_of = {bk.index: reg for bk, reg in zip(src.buckets, regions)}
+    segments = []
+    for buf in src.buffers:
+        for b in buf.buckets:
+            if stage == 1:     # this rank's reduced chunk of the full gradient buffer
+                start = b.offset + rank * b.shard_numel
+                grad = ("grads", (start, start + b.shard_numel))
+            else:
+                grad = ("grad_shard", (b.shard_offset, b.shard_offset + b.shard_numel))
+            low = buf.master is not None
+            segments.append(Segment(buf.group, b.shard_of(buf.master) if low else b.own(buf.params, rank), buf,
+                                    *grad, b.shard_of(buf.exp_avg), b.shard_of(buf.exp_avg_sq),
+                                    b.own(buf.params, rank) if low else None,
+                                    [(i, sl.start, sl.stop) for i, _, sl in region_of[b.index].owned(rank)]))
+    return regions, segments

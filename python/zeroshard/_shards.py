@@ -57,6 +57,30 @@ class Segment:
         return getattr(self.holder, self.grad_attr)[self.grad_range[0]:self.grad_range[1]]
 
 
+def update_calls(segments: List[Segment], group: int, used: List[bool], steps: List[int]) -> Dict[tuple, list]:
+    """What one step updates in param group ``group``, by fused call: ``(step count
+    after this step, has a low-precision output) -> [(param, grad, exp_avg,
+    exp_avg_sq, out)]``. As torch's AdamW: a parameter no rank gave a gradient
+    (``used[i]`` false) is not updated, and each parameter's own step count sets
+    its bias correction. A segment whose parameters all step with one count is
+    updated whole (padding included: zeros stay zero); otherwise piece by piece."""
+    calls: Dict[tuple, list] = {}
+    for seg in segments:
+        if seg.group != group or not seg.pieces:
+            continue
+        ids = [i for i, _, _ in seg.pieces]
+        if all(used[i] and steps[i] == steps[ids[0]] for i in ids):
+            ranges = [(ids[0], 0, seg.param.numel())]
+        else:
+            ranges = [(i, a, b) for i, a, b in seg.pieces if used[i]]
+        grad = seg.grad
+        for i, a, b in ranges:
+            calls.setdefault((steps[i] + 1, seg.out is not None), []).append(
+                (seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
+                 None if seg.out is None else seg.out[a:b]))
+    return calls
+
+
 @dataclass
 class Region:
     """A range sharded over the ranks in rank order (a bucket or a unit), for state dicts."""
@@ -116,6 +140,11 @@ class ShardSource(abc.ABC):
     @abc.abstractmethod
     def in_backward(self) -> bool:
         """Whether a backward is running now."""
+
+    @abc.abstractmethod
+    def arrived(self) -> List[int]:
+        """Parameter indices that received a gradient on this rank since the last
+        ``zero_grad(set_to_none=True)``: what torch's AdamW would see a ``p.grad`` for."""
 
     @abc.abstractmethod
     def step_done(self, updated: bool) -> None:

@@ -50,6 +50,7 @@ class Param:
     shard_offset: int = 0               # where the piece starts in the shard
     tensor_offset: int = 0              # where the piece starts in the flattened parameter
     arrived: bool = False               # gradient arrived in this backward
+    got_grad: bool = False              # a gradient arrived since zero_grad(set_to_none=True)
 
     @property
     def numel(self) -> int:

@@ -76,6 +76,7 @@ class UnitBackward:
         if u.grad_flat is not None:   # accumulating into an existing flat buffer: add as they come
             self._move_grad(u, q)
         self.events.append(("grad", u.name))
+        q.got_grad = True
         if not q.arrived:
             q.arrived = True
             u.pending -= 1
@@ -112,7 +113,7 @@ class UnitBackward:
     def _launch(self, u: Unit):
         self._flatten_grads(u)        # a unit some gradient never reached: the rest count as zero
         # overwrite the shard unless the user kept gradients from an earlier backward
-        u.fresh = any(q.sharded.grad is None for q in u.trainable)
+        u.fresh = u.grad_shard is None
         u.reduce = comm.reduce_scatter(u.grad_flat, u.own(u.grad_flat, self.rank), group=self.group,
                                        average=False, input_is_scratch=True)
         self.comm_elements["reduce_scatter"] += u.numel

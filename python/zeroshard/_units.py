@@ -37,7 +37,7 @@ class UnitSource(ShardSource):
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.full_shapes, self.segments, self.regions = {}, [], []
         group = {id(params[i]): group_of[i] for i in self.trainable}
-        index = {id(p): i for i, p in enumerate(params)}
+        index = self._index = {id(p): i for i, p in enumerate(params)}
         for fs in self.owners:
             states = {}
             for u in fs.units:
@@ -97,6 +97,10 @@ class UnitSource(ShardSource):
 
     def in_backward(self) -> bool:
         return any(fs.in_backward() for fs in self.owners)
+
+    def arrived(self) -> List[int]:
+        return sorted(self._index[id(q.sharded)] for fs in self.owners for u in fs.units for q in u.trainable
+                      if q.got_grad and id(q.sharded) in self._index)
 
     def step_done(self, updated: bool):
         for fs in self.owners:      # gathered copies are stale; the next forward gathers

@@ -291,7 +291,7 @@ class FullyShard(nn.Module):
             if set_to_none or u.grad_shard is None:
                 u.grad_shard = None
                 for q in u.trainable:
-                    q.sharded.grad = None
+                    q.sharded.grad, q.got_grad = None, False
                 continue
             u.grad_shard.zero_()
             for q in u.trainable:

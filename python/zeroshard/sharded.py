@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import _optim_state, comm
 from ._grads import ReducedGrads
 from ._reducer import FlatReducer
-from ._shards import SUPPORTED, Region, ShardSource
+from ._shards import SUPPORTED, Region, ShardSource, update_calls
 from ._units import UnitSource
 from ._unit import owner_of
 from .kernels import fused_adamw_
@@ -72,7 +72,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
         self.last_step_skipped = False
         self._clip_coef: Optional[torch.Tensor] = None
-        self._steps = [0] * len(self.param_groups)
         # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(),
         # until the state changes (a step or a load)
         self._consolidated = None
@@ -80,9 +79,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
         if not self._trainable:
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        self._trained_groups = {self._group_of[i] for i in self._trainable}
         self._source = self._make_source(stage, process_group)
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
@@ -138,9 +137,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._source.full_shapes[i]
 
     @property
-    def steps(self) -> List[int]:
-        """Steps taken by each param group."""
-        return list(self._steps)
+    def param_steps(self) -> List[int]:
+        """Each parameter's step count (state-dict index order; 0 for frozen ones): the
+        steps in which some rank gave it a gradient, as torch's AdamW counts them."""
+        return list(self._param_steps)
 
     def _err(self, msg: str) -> str:
         return comm.on_rank(self, msg)
@@ -203,30 +203,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def shards_loaded(self, steps: List[int]):
         """After a checkpoint wrote this rank's region values and states: set the
-        step counts and rebuild everything derived from the shards (ZeRO-1/2:
+        step counts (one per parameter, as ``param_steps``) and rebuild everything derived from the shards (ZeRO-1/2:
         the low-precision chunks and the full parameters; ZeRO-3: drop the
         units' gathered copies)."""
-        self._steps = list(steps)
+        self._param_steps = list(steps)
         self._source.shards_loaded()
         self._consolidated = None
 
     def _update_group(self, gi: int, group: dict):
-        segs = [seg for seg in self._source.segments if seg.group == gi]
         if group.get("amsgrad") or group.get("maximize"):
             raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
-        if gi not in self._trained_groups:
-            return
-        self._steps[gi] += 1
+        used = self._grads.used
+        calls = update_calls(self._source.segments, gi, used, self._param_steps)
+        for i in self._trainable:
+            if self._group_of[i] == gi and used[i]:
+                self._param_steps[i] += 1
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                     weight_decay=group["weight_decay"], step=self._steps[gi],
-                     grad_scale=self._source.grad_scale, scale=self._clip_coef)
-        for with_out in (False, True):   # one call each: one kernel launch per segment
-            part = [seg for seg in segs if (seg.out is not None) == with_out]
-            if part:
-                fused_adamw_([s.param for s in part], [s.grad for s in part], [s.exp_avg for s in part],
-                             [s.exp_avg_sq for s in part], outs=[s.out for s in part] if with_out else None,
-                             **hyper)
+                     weight_decay=group["weight_decay"], grad_scale=self._source.grad_scale,
+                     scale=self._clip_coef)
+        # usually one call per (group, low-precision output or not): one kernel launch per segment
+        for (step, with_out), parts in calls.items():
+            p, g, m, v, out = zip(*parts)
+            fused_adamw_(p, g, m, v, outs=out if with_out else None, step=step, **hyper)
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients (and this rank's reduced shards)."""
@@ -325,6 +324,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         size), keeping only this rank's shard. Parameters come from the model:
         load the model's state dict first; bf16/fp16 master weights are re-made
         from the parameters."""
-        self._steps = _optim_state.load_full(self, state_dict)
+        self._param_steps = _optim_state.load_full(self, state_dict)
         self._source.params_loaded()
         self._consolidated = None
