@@ -47,6 +47,15 @@
   size, ``reduce_dtype``) keep accumulating until a backward outside it.
 * The optimizer (zeroshard.ShardedOptimizer) updates the fp32 shards in place
   and calls ``invalidate`` so no stale gathered copy survives a step.
+* torch.compile. Every hook and every gather/reshard runs eagerly
+  (``torch.compiler.disable``): dynamo does not trace the collectives, and a
+  compiled block (``block.compile()`` before wrapping, as torchtitan does
+  with FSDP2) graph-breaks around its hooks and runs its own forward
+  compiled. Every unit shares the *same* hook objects (the unit is looked up
+  from the module), so dynamo's guards do not differ from block to block and
+  one compiled graph serves every block of a class, instead of one recompile
+  per unit until the recompile limit. ``torch.compile(model)`` of the whole
+  FullyShard model works the same way: compiled between the hooks.
 """
 from __future__ import annotations
 
@@ -159,22 +168,33 @@ class FullyShard(nn.Module):
         return comm.on_rank(self, msg)
 
     def _install_hooks(self):
+        # one hook object of each kind for every unit: see [Note: fully shard policy], torch.compile
+        self._unit_of = {id(u.module): u for u in self._units[1:]}
+        pre = torch.compiler.disable(self._unit_pre_forward)
+        post = torch.compiler.disable(self._unit_post_forward)
         for u in self._units[1:]:
-            u.hooks.append(u.module.register_forward_pre_hook(
-                lambda m, args, u=u: self._pre_forward(u)))
-            u.hooks.append(u.module.register_forward_hook(
-                lambda m, args, out, u=u: self._post_forward(u, out)))
+            u.hooks.append(u.module.register_forward_pre_hook(pre))
+            u.hooks.append(u.module.register_forward_hook(post))
         # root-unit modules called directly (not through this wrapper) get a clear error
         root_mods = {id(mod): mod for q in self._units[0].params for mod, _ in q.slots}
+        check = torch.compiler.disable(self._root_module_pre_forward)
         for mod in root_mods.values():
             if mod is not self.module:
-                self._units[0].hooks.append(mod.register_forward_pre_hook(
-                    lambda m, args: self._check_called_inside(self._units[0], m)))
+                self._units[0].hooks.append(mod.register_forward_pre_hook(check))
         for u in self._units:
             for q in u.params:
                 if q.requires_grad:
                     u.hooks.append(q.full.register_post_accumulate_grad_hook(
                         lambda p, u=u, q=q: self._backward.on_grad(u, q)))
+
+    def _unit_pre_forward(self, module, args):
+        self._pre_forward(self._unit_of[id(module)])
+
+    def _unit_post_forward(self, module, args, out):
+        self._post_forward(self._unit_of[id(module)], out)
+
+    def _root_module_pre_forward(self, module, args):
+        self._check_called_inside(self._units[0], module)
 
     # -------------------------------------------------------------- nn.Module
     def __getattr__(self, name: str):
@@ -218,6 +238,16 @@ class FullyShard(nn.Module):
 
     # --------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
+        self._begin_forward()
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            self._abort_forward()
+            raise
+        return self._end_forward(out)
+
+    @torch.compiler.disable
+    def _begin_forward(self):
         if self._backward.active:
             if torch._C._current_graph_task_id() != -1:
                 raise RuntimeError(self._err("the FullyShard model was called during its own backward"))
@@ -230,11 +260,17 @@ class FullyShard(nn.Module):
                 self._gatherer.gather(root, wait=False)
                 self._gatherer.prefetch_after(self._fwd_order, -1)
                 self._gatherer.gather(root)
-            out = self.module(*args, **kwargs)
         except BaseException:
-            self._in_forward = False
-            self.invalidate()
+            self._abort_forward()
             raise
+
+    @torch.compiler.disable
+    def _abort_forward(self):
+        self._in_forward = False
+        self.invalidate()
+
+    @torch.compiler.disable
+    def _end_forward(self, out):
         self._in_forward = False
         grad = torch.is_grad_enabled()
         if self._fwd_seen != self._fwd_order:
