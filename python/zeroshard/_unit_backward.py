@@ -168,6 +168,19 @@ class UnitBackward:
         warnings.warn("FullyShard: the previous backward did not finish (it raised); its partial "
                       "gradients were dropped")
 
+    def zero_grad(self, set_to_none: bool):
+        """Free (``set_to_none``) or zero the gradient shards; see FullyShard.zero_grad."""
+        for u in self.units:
+            if set_to_none or u.grad_shard is None:
+                u.grad_shard = None
+                for q in u.trainable:
+                    q.sharded.grad, q.got_grad = None, False
+                continue
+            u.grad_shard.zero_()
+            for q in u.trainable:
+                q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()]
+        self.grads_ready = False
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (full size, in reduce_dtype) without

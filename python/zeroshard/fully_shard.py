@@ -323,16 +323,7 @@ class FullyShard(nn.Module):
         in place (gradients that were None stay None, as in torch)."""
         if self._backward.active:
             raise RuntimeError(self._err("zero_grad() called during backward"))
-        for u in self._units:
-            if set_to_none or u.grad_shard is None:
-                u.grad_shard = None
-                for q in u.trainable:
-                    q.sharded.grad, q.got_grad = None, False
-                continue
-            u.grad_shard.zero_()
-            for q in u.trainable:
-                q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()]
-        self._backward.grads_ready = False
+        self._backward.zero_grad(set_to_none)
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
