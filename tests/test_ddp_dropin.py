@@ -83,9 +83,12 @@ def script(kind, case, steps=6, overflow_at=2):
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.unscale_(opt)
-        if case in ("torch_clip", "scaler"):
+        if case in ("torch_clip", "scaler", "opt_clip"):
             out["pnorms"].append([p.grad.norm().item() for p in model.parameters()])
-            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+            if case == "opt_clip" and kind != "ddp":     # the optimizer's own: no pass over the gradients
+                out["norms"].append(opt.clip_grad_norm_(0.5).item())
+            else:
+                out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -112,7 +115,7 @@ def _compare(stage, case):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("case", ["torch_clip", "scaler", "model_zero_grad"])
+@pytest.mark.parametrize("case", ["torch_clip", "opt_clip", "scaler", "model_zero_grad"])
 def test_a_converted_ddp_script_equals_ddp(dist_pool, stage, case):
     for r in dist_pool.run(_compare, stage, case):
         assert r["param_err"] < 1e-5, r
@@ -272,3 +275,92 @@ def test_parameters_without_gradient_are_left_alone_as_by_ddp_and_adamw(dist_poo
         assert ours == ddp, (ours, ddp)       # per-parameter step counts
         assert sorted(set(ddp.values())) == [5.0, 7.0], ddp   # the extra layer stepped 5 times of 7
         assert same_none                      # p.grad is None exactly where DDP leaves it None
+
+
+OPTIMIZERS = {
+    "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=1e-2)),
+    "adamw_amsgrad": (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True)),
+}
+
+
+def _other_optimizer(kind, name, steps=5):
+    cls, kw = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    model = Branchy()
+    if kind == "ddp":
+        net, opt = DDP(model, find_unused_parameters=True), cls(model.parameters(), foreach=False, **kw)
+    elif kind == 3:
+        net = zs.FullyShard(model, wrap={Block})
+        opt = zs.ShardedOptimizer(net.parameters(), optimizer_class=cls, **kw)
+    else:
+        net, opt = model, zs.ShardedOptimizer(model.parameters(), optimizer_class=cls, stage=kind,
+                                              bucket_mb=TINY_BUCKET_MB, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    rank = dist.get_rank()
+    for k, (x, y) in enumerate(data(steps)):
+        opt.zero_grad()
+        F.cross_entropy(net(local(x), use_extra=(k % 3 == 0 and rank == 0)), local(y)).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+        sched.step()
+    if kind == "ddp":
+        return full_params(kind, net), opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    sd = opt.state_dict() if rank == 0 else None
+    if rank == 0:       # plain torch loads it
+        cls(Branchy().parameters(), **kw).load_state_dict(sd)
+    return full_params(kind, net), sd, opt.memory_report()
+
+
+def _compare_optimizer(stage, name):
+    ours, sd, rep = _other_optimizer(stage, name)
+    ref, ref_sd = _other_optimizer("ddp", name)
+    err = max(rel(ours[k], ref[k]) for k in ref)
+    state_err = None
+    if sd is not None:
+        assert sd["state"].keys() == ref_sd["state"].keys(), (sd["state"].keys(), ref_sd["state"].keys())
+        state_err = max((rel(v, ref_sd["state"][i][k]) if v.dim() else abs(float(v) - float(ref_sd["state"][i][k])))
+                        for i, st in sd["state"].items() for k, v in st.items())
+    return err, state_err, rep
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_any_elementwise_torch_optimizer_equals_ddp_with_it(dist_pool, stage, name):
+    for rank, (err, state_err, rep) in enumerate(dist_pool.run(_compare_optimizer, stage, name)):
+        assert err < 1e-5, (rank, err)
+        assert rank != 0 or state_err < 1e-5, state_err
+        assert rep["exp_avg"] == rep["exp_avg_sq"] == 0 and rep["optimizer_state"] > 0, rep
+
+
+def _refused():
+    model = Model()
+    out = []
+    for cls, kw in ((torch.optim.LBFGS, {}), (torch.optim.Adafactor, {})):
+        try:
+            zs.ShardedOptimizer(model.parameters(), optimizer_class=cls, lr=0.1, **kw)
+        except ValueError as e:
+            out.append(str(e))
+    try:
+        zs.ShardedOptimizer(model.parameters(), lr=0.1, momentum=0.9)
+    except TypeError as e:
+        out.append(str(e))
+    # a class the user vouches for runs
+    opt = zs.ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.Adafactor, elementwise=True, lr=0.1)
+    import tempfile
+    for call in (lambda: zs.save_checkpoint(tempfile.mkdtemp(), model, opt), opt.sharded_state_dict):
+        try:
+            call()
+        except (RuntimeError, NotImplementedError) as e:
+            out.append(str(e))
+    return out
+
+
+def test_non_elementwise_optimizers_are_refused_unless_vouched_for(dist_pool):
+    for msgs in dist_pool.run(_refused):
+        assert len(msgs) == 5, msgs
+        assert "LBFGS" in msgs[0] and "elementwise=True" in msgs[0] and "Adafactor" in msgs[1]
+        assert "optimizer_class" in msgs[2]
+        assert all("Adafactor" in m and "consolidate_state_dict" in m for m in msgs[3:]), msgs[3:]

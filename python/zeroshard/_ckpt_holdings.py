@@ -135,6 +135,10 @@ class Holdings:
         self._finish.append(finish)
 
     def _sharded_optimizer(self, opt, covered: set):
+        if not opt.fused:
+            raise CheckpointError(f"zeroshard checkpoints hold the fused AdamW's state only so far; this "
+                                  f"ShardedOptimizer runs {opt.optimizer_class.__name__}: save "
+                                  "opt.consolidate_state_dict(to=0) + opt.state_dict() instead")
         names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
         for i in opt.trainable:
             step = opt.param_steps[i]

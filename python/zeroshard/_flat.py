@@ -53,12 +53,13 @@ class FlatBuffer:
     dtype: torch.dtype
     params: torch.Tensor                 # full flat parameters (every param is a view)
     master: Optional[torch.Tensor]       # fp32 shard, None when params are fp32
-    exp_avg: torch.Tensor                # fp32 shard
-    exp_avg_sq: torch.Tensor             # fp32 shard
+    exp_avg: Optional[torch.Tensor]      # fp32 shard (None: the optimizer is not the fused AdamW)
+    exp_avg_sq: Optional[torch.Tensor]   # fp32 shard
     grad_shard: Optional[torch.Tensor]   # stage 2: reduced gradient shard (reduce dtype)
     grads: Optional[torch.Tensor]        # stage 1: full flat gradients (param dtype)
     buckets: List[Bucket] = field(default_factory=list)
     shard_data_numel: int = 0            # elements of real parameters in this rank's shard
+    shard_numel: int = 0                 # this rank's shard, padding included
 
 
 def held_by_ddp(p: torch.Tensor) -> bool:
@@ -125,7 +126,7 @@ class FlatState:
 
 
 @torch.no_grad()
-def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int,
+def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int, adam: bool,
                bucket_bytes: int, device: torch.device, group, src: int) -> FlatState:
     """Lay the trainable parameters out in flat buffers (reverse registration order,
     one buffer per (param group, dtype)), copy rank ``src``'s values in everywhere,
@@ -145,6 +146,8 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
         if world > 1:
             dist.broadcast(flat, src=src, group=group)
         buf = _make_buffer(L, bi, lb, flat, order, group_of[order[lb.tensors[0]]], stage, (world, rank), st)
+        if not adam:     # another optimizer keeps its own state (zeroshard/_rules.py)
+            buf.exp_avg = buf.exp_avg_sq = None
         for t in lb.tensors:
             place, i = L.tensors[t], order[t]
             params[i].data = flat[place.offset:place.offset + place.numel].view_as(params[i])
@@ -178,6 +181,7 @@ def _make_buffer(L, bi: int, lb, flat: torch.Tensor, order: List[int], group: in
         st.buckets[b] = bucket
     if flat.dtype != torch.float32:
         buf.master = torch.cat([b.own(flat, rank) for b in buf.buckets]).float()
+    buf.shard_numel = shard_len
     buf.shard_data_numel = sum(pc.numel for pc in L.shard_pieces(rank) if L.tensors[pc.tensor].buffer == bi)
     st.buffers.append(buf)
     return buf

@@ -128,7 +128,7 @@ class ReducedGrads:
         # param index -> [(segment, start, stop)]: this rank's pieces of its reduced gradient
         self.pieces: Dict[int, list] = {i: [] for i in trainable}
         for seg in source.segments:
-            for i, a, b in seg.pieces:
+            for i, a, b, _ in seg.pieces:
                 self.pieces[i].append((seg, a, b))
         self.placeholders = {i: ShardedGrad(params[i], i, self) for i in trainable}
         self.kept: Dict[int, Optional[torch.Tensor]] = {}   # p.grad the source had before the placeholder
@@ -181,6 +181,11 @@ class ReducedGrads:
     def nonfinite(self) -> torch.Tensor:
         """One-element bool tensor: some gradient element, on some rank, is inf or NaN."""
         return (~torch.isfinite(self.sumsq)).any().reshape(1)
+
+    def total_norm(self, ord: float) -> torch.Tensor:
+        """The norm over every parameter, from the statistics the backward took (the
+        2-norm: no pass over the gradients, no collective)."""
+        return self.sumsq.sum().sqrt() if ord == 2.0 else self.inf_norms().max()
 
     def norm(self, i: int, ord: float) -> torch.Tensor:
         if ord == 2.0:

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import comm
+from . import _rules, comm
 
 _FORMAT = "zeroshard-sharded-optimizer"
 
@@ -107,9 +107,10 @@ def _check_full(opt, state_dict: dict):
 
 
 @torch.no_grad()
-def load_full(opt, state_dict: dict) -> List[int]:
+def load_full(opt, state_dict: dict, rule=None) -> List[int]:
     """Writes this rank's pieces of a full AdamW state dict (ours or torch's, any
-    world size) into the regions; returns each parameter's step count."""
+    world size) into the regions (or, with a ``rule`` of another optimizer class,
+    that class's state dict into its pieces); returns each parameter's step count."""
     _check_full(opt, state_dict)
     groups = state_dict["param_groups"]
     take_hyperparameters(opt, groups)
@@ -121,13 +122,16 @@ def load_full(opt, state_dict: dict) -> List[int]:
         if st is None:
             continue
         numel = opt.full_shape(i).numel()
-        for name in ("exp_avg", "exp_avg_sq"):
+        for name in (("exp_avg", "exp_avg_sq") if rule is None else sorted(rule.elementwise_keys & set(st))):
             if st[name].numel() != numel:
                 raise ValueError(comm.on_rank(opt,
                     f"state of parameter {i}: {name} has {st[name].numel()} elements but the "
                     f"parameter has {numel} (shape {tuple(opt.full_shape(i))}); the state dict "
                     "is of another model"))
-        steps[i] = int(float(st["step"]))
+        steps[i] = int(float(st.get("step", 0)))
+    if rule is not None:
+        _rules.load_full(opt, rule, state, saved_ids)
+        return steps
     for reg in opt.regions:
         reg.exp_avg.zero_()
         reg.exp_avg_sq.zero_()

@@ -62,7 +62,7 @@ MAX_INFLIGHT = 2
 class FlatReducer(ShardSource):
     """The ZeRO-1/2 source; see [Note: sharded optimizer policy] in this module."""
 
-    def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, bucket_bytes: int,
+    def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, adam: bool, bucket_bytes: int,
                  reduce_dtype: Optional[torch.dtype], process_group: dist.ProcessGroup, src: int):
         super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
@@ -80,7 +80,7 @@ class FlatReducer(ShardSource):
         self._free: Dict[tuple, List[torch.Tensor]] = {}   # recycled bucket buffers
         self.device = check_params(params, self.trainable, self.err)
         check_same_across_ranks(params, process_group, self.err)
-        flat = build_flat(params, group_of, self.trainable, stage=stage, bucket_bytes=bucket_bytes,
+        flat = build_flat(params, group_of, self.trainable, stage=stage, adam=adam, bucket_bytes=bucket_bytes,
                           device=self.device, group=process_group, src=src)
         self.layout, self.buffers, self.buckets, self.where = flat.layout, flat.buffers, flat.buckets, flat.where
         self.launch_order = flat.launch_order
@@ -171,7 +171,7 @@ class FlatReducer(ShardSource):
         # holding nothing yet receives the result directly; _retire folds it in.
         if self.stage == 2 and buf.grad_shard is None:   # freed by zero_grad(set_to_none=True)
             # every bucket writes its whole piece of the shard: no zeroing needed
-            buf.grad_shard = torch.empty(buf.exp_avg.numel(), dtype=rdt, device=self.device)
+            buf.grad_shard = torch.empty(buf.shard_numel, dtype=rdt, device=self.device)
         out = (b.shard_of(buf.grad_shard) if self.stage == 2 and self._shard_fresh
                else src[r * b.shard_numel:(r + 1) * b.shard_numel])
         b.reduce_out = out
@@ -321,7 +321,7 @@ class FlatReducer(ShardSource):
         for buf in self.buffers:
             full = sum(self.params[i].numel() for i in self.trainable if self.where[i][0] is buf)
             item = buf.params.element_size()
-            mine, shard_len = buf.shard_data_numel, buf.exp_avg.numel()
+            mine, shard_len = buf.shard_data_numel, buf.shard_numel
             rep["params"] += full * item
             rep["padding"] += (buf.params.numel() - full) * item
             if self.stage == 1:
@@ -348,7 +348,7 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
     shard (what a fused call updates), with each parameter's piece of it."""
     order = list(reversed(src.trainable))
     regions = [
-        Region(bk.shard_numel, bk.shard_of(bk.buffer.exp_avg), bk.shard_of(bk.buffer.exp_avg_sq),
+        Region(bk.shard_numel, _shard_of(bk, bk.buffer.exp_avg), _shard_of(bk, bk.buffer.exp_avg_sq),
                [(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
                 for fr in (src.layout.fragments[f] for f in src.layout.buckets[bk.index].fragments)],
                bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params, rank))
@@ -364,7 +364,12 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
                 grad = ("grad_shard", (b.shard_offset, b.shard_offset + b.shard_numel))
             low = buf.master is not None
             segments.append(Segment(buf.group, b.shard_of(buf.master) if low else b.own(buf.params, rank), buf,
-                                    *grad, b.shard_of(buf.exp_avg), b.shard_of(buf.exp_avg_sq),
+                                    *grad, _shard_of(b, buf.exp_avg), _shard_of(b, buf.exp_avg_sq),
                                     b.own(buf.params, rank) if low else None,
-                                    [(i, sl.start, sl.stop) for i, _, sl in region_of[b.index].owned(rank)]))
+                                    [(i, sl.start, sl.stop, t_off)
+                                     for i, t_off, sl in region_of[b.index].owned(rank)]))
     return regions, segments
+
+
+def _shard_of(b: Bucket, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else b.shard_of(t)

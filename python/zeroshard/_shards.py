@@ -47,8 +47,9 @@ class Segment:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
-    pieces: List[tuple] = field(default_factory=list)   # (param index, start, stop): each trainable
-                                                         # parameter's range within this segment
+    # (param index, start, stop, offset in the flattened parameter): each trainable
+    # parameter's range within this segment
+    pieces: List[tuple] = field(default_factory=list)
 
     @property
     def grad(self) -> torch.Tensor:
@@ -68,11 +69,11 @@ def update_calls(segments: List[Segment], group: int, used: List[bool], steps: L
     for seg in segments:
         if seg.group != group or not seg.pieces:
             continue
-        ids = [i for i, _, _ in seg.pieces]
+        ids = [i for i, *_ in seg.pieces]
         if all(used[i] and steps[i] == steps[ids[0]] for i in ids):
             ranges = [(ids[0], 0, seg.param.numel())]
         else:
-            ranges = [(i, a, b) for i, a, b in seg.pieces if used[i]]
+            ranges = [(i, a, b) for i, a, b, _ in seg.pieces if used[i]]
         grad = seg.grad
         for i, a, b in ranges:
             calls.setdefault((steps[i] + 1, seg.out is not None), []).append(

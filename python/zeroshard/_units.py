@@ -22,13 +22,13 @@ class UnitSource(ShardSource):
     (``owners[i]`` is the FullyShard of ``params[i]``; none is None)."""
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, process_group,
-                 reduce_dtype):
+                 reduce_dtype, adam: bool = True):
         super().__init__()
         self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
         for fs in owners:
             if all(fs is not o for o in self.owners):
                 self.owners.append(fs)
-        first = self.owners[0]
+        first, self.adam = self.owners[0], adam
         self.world_size, self.rank = first.world_size, first.rank
         self._check(process_group, reduce_dtype)
         self.process_group, self.device, self.stage = first.process_group, first.device, 3
@@ -72,7 +72,9 @@ class UnitSource(ShardSource):
         mine = [q for q in u.trainable if id(q.sharded) in group]
         if not mine:
             return None
-        st = {n: torch.zeros(u.shard_numel, device=self.device) for n in ("exp_avg", "exp_avg_sq")}
+        # the fused AdamW's state shards (another optimizer keeps its own: zeroshard/_rules.py)
+        st = {n: torch.zeros(u.shard_numel, device=self.device) if self.adam else None
+              for n in ("exp_avg", "exp_avg_sq")}
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
         self.regions.append(Region(u.shard_numel, st["exp_avg"], st["exp_avg_sq"],
@@ -85,11 +87,12 @@ class UnitSource(ShardSource):
                 continue
             run = list(run)
             a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].sharded.numel()
-            pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.sharded.numel())
-                      for q in run]
+            pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.sharded.numel(),
+                       q.tensor_offset) for q in run]
             self.segments.append(Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
-                                         st["exp_avg"][a:b], st["exp_avg_sq"][a:b], pieces=pieces))
-        return st
+                                         *(None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"])),
+                                         pieces=pieces))
+        return {n: t for n, t in st.items() if t is not None}
 
     # ------------------------------------------------------- ShardSource API
     def grads_ready(self) -> bool:

@@ -20,15 +20,32 @@ import torch.distributed as dist
 from . import _optim_state, comm
 from ._grads import ReducedGrads
 from ._reducer import FlatReducer
-from ._shards import SUPPORTED, Region, ShardSource, update_calls
+from ._rules import FusedAdamW, TorchElementwise, check_class, probe_defaults, require_fused
+from ._rules import gather_full as gather_full_state
+from ._shards import SUPPORTED, Region, ShardSource
 from ._units import UnitSource
 from ._unit import owner_of
-from .kernels import fused_adamw_
 
 
-def _check_arguments(stage, lr, betas, eps, weight_decay, bucket_mb, reduce_dtype):
+_ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _check_arguments(stage, bucket_mb, reduce_dtype):
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r} (ZeRO-3 is zeroshard.FullyShard)")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    if reduce_dtype is not None and reduce_dtype not in SUPPORTED:
+        raise ValueError(f"reduce_dtype must be one of {SUPPORTED}, got {reduce_dtype}")
+
+
+def _adamw_defaults(given: dict, extra: dict) -> dict:
+    """The fused AdamW's param-group defaults from the arguments given (checked)."""
+    if extra:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(extra)} for the fused AdamW; to use another "
+                        "optimizer pass optimizer_class=... (its keyword arguments go to it)")
+    h = dict(_ADAMW_DEFAULTS, **given)
+    lr, betas, eps, weight_decay = h["lr"], tuple(h["betas"]), h["eps"], h["weight_decay"]
     if not lr >= 0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -37,10 +54,8 @@ def _check_arguments(stage, lr, betas, eps, weight_decay, bucket_mb, reduce_dtyp
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-    if reduce_dtype is not None and reduce_dtype not in SUPPORTED:
-        raise ValueError(f"reduce_dtype must be one of {SUPPORTED}, got {reduce_dtype}")
+    return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
+                foreach=None, capturable=False, differentiable=False, fused=None)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -54,14 +69,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
     zeroshard/_reducer.py.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, *, stage: int = 2, bucket_mb: float = 25,
+    def __init__(self, params, lr: Optional[float] = None, betas=None, eps: Optional[float] = None,
+                 weight_decay: Optional[float] = None, *, stage: int = 2, bucket_mb: float = 25,
                  process_group: Optional[dist.ProcessGroup] = None,
-                 reduce_dtype: Optional[torch.dtype] = None):
-        _check_arguments(stage, lr, betas, eps, weight_decay, bucket_mb, reduce_dtype)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=False, maximize=False, foreach=None, capturable=False,
-                        differentiable=False, fused=None)
+                 reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
+                 **optimizer_kwargs):
+        _check_arguments(stage, bucket_mb, reduce_dtype)
+        given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items()
+                 if v is not None}
+        # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
+        fused = optimizer_class is None or (optimizer_class is torch.optim.AdamW and not optimizer_kwargs)
+        if fused:
+            defaults = _adamw_defaults(given, optimizer_kwargs)
+        else:
+            check_class(optimizer_class, elementwise)
+            self._optimizer_kwargs = dict(given, **optimizer_kwargs)
+            defaults = probe_defaults(optimizer_class, self._optimizer_kwargs)
+        self.optimizer_class = optimizer_class or torch.optim.AdamW
         super().__init__(params, defaults)
         if not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
@@ -82,17 +106,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
         if not self._trainable:
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        self._source = self._make_source(stage, process_group)
+        self._source = self._make_source(stage, process_group, adam=fused)
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
         self.events, self.comm_elements = self._source.events, self._source.comm_elements
         self._grads = ReducedGrads(self._params, self._trainable, self._source, self._err)
+        # see [Note: update rules] in _rules.py
+        self._rule = FusedAdamW() if fused else TorchElementwise(
+            optimizer_class, self._optimizer_kwargs, self._source.segments, self.param_groups)
 
-    def _make_source(self, stage: int, process_group) -> ShardSource:
+    def _make_source(self, stage: int, process_group, adam: bool) -> ShardSource:
         owners = [owner_of(p) for p in self._params]
         if all(o is None for o in owners):
             src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            return FlatReducer(self._params, self._group_of, stage=stage, bucket_bytes=self.bucket_bytes,
+            return FlatReducer(self._params, self._group_of, stage=stage, adam=adam, bucket_bytes=self.bucket_bytes,
                                reduce_dtype=self.reduce_dtype,
                                process_group=process_group if process_group is not None else dist.group.WORLD,
                                src=src)
@@ -102,7 +129,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"parameter {i} (shape {tuple(self._params[i].shape)}) is not a FullyShard parameter but "
                     "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
                     "outside the wrapped blocks) and pass model.parameters()"))
-        return UnitSource(self._params, self._group_of, owners, process_group, self.reduce_dtype)
+        return UnitSource(self._params, self._group_of, owners, process_group, self.reduce_dtype, adam)
 
     # ------------------------------------------------- what checkpoints read
     @property
@@ -171,10 +198,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if norm_type not in (2.0, math.inf):
             raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
-        # from the statistics the backward took (see [Note: sharded gradients]): no pass, no collective
-        # for the 2-norm
-        per_param = self._grads.sumsq if norm_type == 2.0 else self._grads.inf_norms()
-        total = per_param.sum().sqrt() if norm_type == 2.0 else per_param.max()
+        total = self._grads.total_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(1)
         self._grads.scale_all_(coef.reshape(()))
         self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
@@ -203,29 +227,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def shards_loaded(self, steps: List[int]):
         """After a checkpoint wrote this rank's region values and states: set the
-        step counts (one per parameter, as ``param_steps``) and rebuild everything derived from the shards (ZeRO-1/2:
-        the low-precision chunks and the full parameters; ZeRO-3: drop the
-        units' gathered copies)."""
+        step counts (one per parameter, as ``param_steps``) and rebuild
+        everything derived from the shards (ZeRO-1/2: the low-precision chunks
+        and the full parameters; ZeRO-3: drop the units' gathered copies)."""
         self._param_steps = list(steps)
         self._source.shards_loaded()
         self._consolidated = None
 
     def _update_group(self, gi: int, group: dict):
-        if group.get("amsgrad") or group.get("maximize"):
-            raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
         used = self._grads.used
-        calls = update_calls(self._source.segments, gi, used, self._param_steps)
+        self._rule.update(self._source.segments, gi, group, used, self._param_steps, self._source.grad_scale,
+                          self._clip_coef)
         for i in self._trainable:
             if self._group_of[i] == gi and used[i]:
                 self._param_steps[i] += 1
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                     weight_decay=group["weight_decay"], grad_scale=self._source.grad_scale,
-                     scale=self._clip_coef)
-        # usually one call per (group, low-precision output or not): one kernel launch per segment
-        for (step, with_out), parts in calls.items():
-            p, g, m, v, out = zip(*parts)
-            fused_adamw_(p, g, m, v, outs=out if with_out else None, step=step, **hyper)
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients (and this rank's reduced shards)."""
@@ -251,9 +266,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         construction or the last call with ``reset_peak=True``. ``total`` is
         the persistent sum including padding. For FullyShard parameters: the
         FullyShard models' reports (FullyShard.memory_report), which include
-        this optimizer's states.
+        this optimizer's states. With another ``optimizer_class``, ``exp_avg``
+        and ``exp_avg_sq`` are 0 and ``optimizer_state`` counts that class's
+        state on this rank (its pieces of every parameter), included in ``total``.
         """
-        return self._source.memory_report(reset_peak)
+        rep = self._source.memory_report(reset_peak)
+        if not self._rule.fused:
+            rep["optimizer_state"] = self._rule.state_bytes()
+            rep["total"] += rep["optimizer_state"]
+        return rep
 
     # ------------------------------------------------------------ state dict
     def sharded_state_dict(self) -> dict:
@@ -266,6 +287,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state (stages 1/2: ``values`` is this rank's chunk of the fp32 master or
         of the fp32 parameters) on its device: copy them (or save) before the
         next step."""
+        require_fused(self, "sharded_state_dict()")
         return _optim_state.sharded(self, super().state_dict()["param_groups"])
 
     def load_sharded_state_dict(self, sharded: dict):
@@ -274,7 +296,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         does not match its layout, every rank raises, naming the rank and what
         differs. Stages 1/2 restore the parameters too (each rank's chunk, then
         an all-gather); stage 3's are the model's: load the model's state first."""
+        require_fused(self, "load_sharded_state_dict()")
         self.shards_loaded(_optim_state.load_sharded(self, sharded))
+
+    @property
+    def fused(self) -> bool:
+        """Whether the step is zeroshard's fused AdamW (else ``optimizer_class``'s own)."""
+        return self._rule.fused
+
 
     def consolidate_state_dict(self, to: Optional[int] = 0):
         """Gather the full state onto global rank ``to`` (every rank with ``to=None``),
@@ -284,8 +313,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated = (to, self._gather_state(to, "consolidate_state_dict()"))
 
     def state_dict(self, to: Optional[int] = None):
-        """The full state in torch.optim.AdamW's format (loadable by AdamW over the
-        unwrapped model's parameters, in the same order).
+        """The full state in torch.optim.AdamW's format (with ``optimizer_class``:
+        that class's), loadable by that torch optimizer over the unwrapped
+        model's parameters, in the same order.
 
         After ``consolidate_state_dict(to=r)`` on every rank, rank ``r`` gets it
         here without communication (a checkpoint under ``if rank == 0:``).
@@ -313,7 +343,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                       "every rank first, then opt.state_dict() on rank 0 needs no communication")
         keep = to is None or dist.get_rank() == to
         packed = super().state_dict()   # param_groups with indices; our torch state is empty
-        full = _optim_state.gather_full(self, keep)
+        full = _optim_state.gather_full(self, keep) if self._rule.fused else gather_full_state(self, self._rule, keep)
         if not keep:
             return None
         packed["state"] = full
@@ -324,6 +354,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         size), keeping only this rank's shard. Parameters come from the model:
         load the model's state dict first; bf16/fp16 master weights are re-made
         from the parameters."""
-        self._param_steps = _optim_state.load_full(self, state_dict)
+        self._param_steps = _optim_state.load_full(self, state_dict, None if self._rule.fused else self._rule)
         self._source.params_loaded()
         self._consolidated = None
