@@ -193,3 +193,57 @@ def test_cuda_training_example(stage, tmp_path):
     assert last < first - 0.5, res.stdout
     row = re.search(r"^0\s+(?:[\d.]+\s+){4}([\d.]+)\s+([\d.]+)\s+[\d.]+$", res.stdout, re.M)
     assert row and row.group(1) == row.group(2), res.stdout    # measured total == the seeds' formula
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.extra, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 5)
+
+    def forward(self, x, use_extra):
+        h = torch.relu(self.a(x))
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(torch.relu(self.b(h)))
+
+
+def _dropin_run(kind, stage, cls):
+    """4 steps of bf16 autocast + GradScaler + torch's clip with a branch used every other
+    step, on one GPU: plain torch (kind "torch") or zeroshard at ``stage``."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = _Branchy().cuda()
+    kw = dict(lr=1e-2, weight_decay=0.1) if cls is torch.optim.AdamW else dict(lr=0.05, momentum=0.9)
+    extra = {} if cls is torch.optim.AdamW else dict(optimizer_class=cls)
+    if kind == "torch":
+        net, opt = model, cls(model.parameters(), foreach=False, **kw)
+    elif stage == 3:
+        net = zs.FullyShard(model, wrap={torch.nn.Linear})
+        opt = zs.ShardedOptimizer(net.parameters(), **kw, **extra)
+    else:
+        net, opt = model, zs.ShardedOptimizer(model.parameters(), stage=stage, **kw, **extra)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for k in range(4):
+        x = torch.randn(16, 64, device="cuda", generator=g)
+        y = torch.randint(0, 5, (16,), device="cuda", generator=g)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(net(x, k % 2 == 0).float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return {k: v.float().cpu() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD], ids=["adamw", "sgd"])
+def test_cuda_drop_in_idioms_equal_plain_torch(nccl_world1, stage, cls):
+    ref = _dropin_run("torch", stage, cls)
+    ours = _dropin_run("zeroshard", stage, cls)
+    for k, v in ref.items():
+        err = ((ours[k] - v).norm() / v.norm()).item()
+        assert err < 1e-5, (k, err)
