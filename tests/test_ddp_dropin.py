@@ -364,3 +364,42 @@ def test_non_elementwise_optimizers_are_refused_unless_vouched_for(dist_pool):
         assert "LBFGS" in msgs[0] and "elementwise=True" in msgs[0] and "Adafactor" in msgs[1]
         assert "optimizer_class" in msgs[2]
         assert all("Adafactor" in m and "consolidate_state_dict" in m for m in msgs[3:]), msgs[3:]
+
+
+def _unused_ckpt_save(stage, path):
+    torch.manual_seed(0)
+    model = Branchy()
+    if stage == 3:
+        model = zs.FullyShard(model, wrap={Block})
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+    else:
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=TINY_BUCKET_MB)
+    for k, (x, y) in enumerate(data(4)):
+        opt.zero_grad()
+        F.cross_entropy(model(local(x), use_extra=k == 1), local(y)).backward()
+        opt.step()
+    zs.save_checkpoint(path, model, opt)
+    return opt.param_steps
+
+
+def _unused_ckpt_load(stage, path):
+    torch.manual_seed(1)
+    model = Branchy()
+    if stage == 3:
+        model = zs.FullyShard(model, wrap={Block})
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+    else:
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=TINY_BUCKET_MB)
+    zs.load_checkpoint(path, model, opt)
+    opt.consolidate_state_dict(to=None)
+    return opt.param_steps, {i: float(st["step"]) for i, st in opt.state_dict()["state"].items()}
+
+
+def test_per_parameter_step_counts_survive_a_checkpoint_at_another_world_size_and_stage(tmp_path):
+    from conftest import get_pool
+    saved = get_pool(2).run(_unused_ckpt_save, 2, str(tmp_path / "ck"))[0]
+    assert sorted(set(saved)) == [0, 1, 4], saved     # never used / used in one step / every step
+    for stage in (1, 3):
+        steps, state = get_pool(3).run(_unused_ckpt_load, stage, str(tmp_path / "ck"))[0]
+        assert steps == saved, (stage, steps, saved)
+        assert sorted(set(state.values())) == [1.0, 4.0] and 0 not in state.values()
