@@ -49,7 +49,7 @@ import torch.distributed as dist
 from . import comm
 from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
 from ._ordered import OrderedReductions
-from ._shards import Region, Segment, ShardSource, empty_report
+from ._shards import GradState, Region, Segment, ShardSource, empty_report
 from .layout import fill_flat
 
 # At most this many buckets are being reduced at once: launching one more
@@ -71,8 +71,7 @@ class FlatReducer(ShardSource):
         self.process_group, self.src = process_group, src
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self._sync = True
-        self._in_backward = False
-        self._grads_ready = False
+        self._state = GradState.EMPTY
         self._arrived = set()       # parameters with a gradient since zero_grad(set_to_none=True)
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
         self._peak_bucket_bytes = self._bucket_bytes = 0
@@ -107,7 +106,7 @@ class FlatReducer(ShardSource):
         return hook
 
     def _start_backward(self):
-        self._in_backward = True
+        self._state = GradState.BACKWARD
         self._reductions.start([self.buckets[b] for b in self.launch_order])
         self.events.append(("backward_start", -1))
         for b in self.buckets:
@@ -118,7 +117,7 @@ class FlatReducer(ShardSource):
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_grad(self, i: int, p: torch.Tensor):
-        if not self._in_backward:
+        if self._state != GradState.BACKWARD:
             self._start_backward()
         self.events.append(("grad", i))
         self._arrived.add(i)
@@ -227,11 +226,10 @@ class FlatReducer(ShardSource):
         self._free.clear()
         if self._sync and not self._order_learned:
             self._learn_launch_order()
-        self._in_backward = False
+        self._state = GradState.READY if self._sync else GradState.EMPTY
         self.events.append(("backward_end", -1))
         if self._sync:
             self._shard_fresh = False
-            self._grads_ready = True
             self.notify_grads_ready()
 
     def _learn_launch_order(self):
@@ -249,10 +247,10 @@ class FlatReducer(ShardSource):
 
     # ------------------------------------------------------- ShardSource API
     def grads_ready(self) -> bool:
-        return self._grads_ready
+        return self._state == GradState.READY
 
     def in_backward(self) -> bool:
-        return self._in_backward
+        return self._state == GradState.BACKWARD
 
     def arrived(self) -> List[int]:
         return sorted(self._arrived)
@@ -268,7 +266,7 @@ class FlatReducer(ShardSource):
     def step_done(self, updated: bool):
         if updated:
             self.gather_params()
-        self._grads_ready = False
+        self._state = GradState.EMPTY
 
     def gather_params(self):
         """All-gather every bucket's parameters in place from each rank's chunk;
@@ -314,7 +312,7 @@ class FlatReducer(ShardSource):
             else:
                 p.grad = None
         self._shard_fresh = True
-        self._grads_ready = False
+        self._state = GradState.EMPTY
 
     def memory_report(self, reset_peak: bool) -> Dict[str, int]:
         rep = empty_report()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import enum
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -34,6 +35,13 @@ PERSISTENT = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding")
 
 def empty_report() -> Dict[str, int]:
     return dict.fromkeys(PERSISTENT, 0)
+
+
+class GradState(enum.Enum):
+    """Where a gradient source stands between two steps (both sources use it)."""
+    EMPTY = "empty"        # no reduced gradients to step on: after a step, zero_grad, or a no_sync() backward
+    BACKWARD = "backward"  # a backward is running
+    READY = "ready"        # a backward outside no_sync() finished: the shards hold the reduced gradients
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 from . import comm
 from ._gather import Gatherer
 from ._ordered import OrderedReductions
+from ._shards import GradState
 from ._unit import Param, Unit
 from .layout import fill_flat
 
@@ -29,9 +30,8 @@ class UnitBackward:
         self.units, self.gatherer, self.device, self.group = units, gatherer, device, group
         self.rank, self.world, self.reduce_dtype = rank, world, reduce_dtype
         self.events, self.comm_elements, self._fwd_order = events, comm_elements, fwd_order
-        self.active = False          # a backward is running
+        self.state = GradState.EMPTY
         self.sync = True             # reduce (False under no_sync(): accumulate locally)
-        self.grads_ready = False     # a backward outside no_sync() finished since the last step / zero_grad
         self.order: List[int] = []   # reverse forward order of the non-root units, fixed at backward start
         self.grad_bytes = 0          # flat gradient buffers alive now
         self.grad_bytes_peak = 0
@@ -40,10 +40,9 @@ class UnitBackward:
 
     def start(self):
         """A backward begins (first hook of it): fix the reduction order, reset the counts."""
-        if self.active:
+        if self.state == GradState.BACKWARD:
             return
-        self.active = True
-        self.grads_ready = False
+        self.state = GradState.BACKWARD
         fwd = self._fwd_order()
         self.order = list(reversed(fwd))
         seen = set(fwd)
@@ -145,9 +144,8 @@ class UnitBackward:
         if self.sync:
             self._reductions.advance(flush=True)
             self._reductions.drain()
-            self.grads_ready = True
         self.gatherer.reshard_all()
-        self.active = False
+        self.state = GradState.READY if self.sync else GradState.EMPTY
         if self.sync:
             for fn in self.listeners:
                 fn()
@@ -164,7 +162,7 @@ class UnitBackward:
                 q.full.grad = None
         self.grad_bytes = 0
         self.gatherer.reshard_all()
-        self.active = False
+        self.state = GradState.EMPTY
         warnings.warn("FullyShard: the previous backward did not finish (it raised); its partial "
                       "gradients were dropped")
 
@@ -179,7 +177,12 @@ class UnitBackward:
             u.grad_shard.zero_()
             for q in u.trainable:
                 q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()]
-        self.grads_ready = False
+        self.state = GradState.EMPTY
+
+    @property
+    def active(self) -> bool:
+        """A backward is running."""
+        return self.state == GradState.BACKWARD
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -75,7 +75,7 @@ from . import _unit_setup as setup
 from . import _unit_state as unit_state
 from . import comm
 from ._gather import Gatherer
-from ._shards import SUPPORTED
+from ._shards import SUPPORTED, GradState
 from ._unit import MixedPrecision, Unit, UnitState, register_owner
 from ._unit_backward import MAX_INFLIGHT, UnitBackward
 
@@ -367,7 +367,7 @@ class FullyShard(nn.Module):
 
     def grads_ready(self) -> bool:
         """Whether a backward outside no_sync() finished since the last step or zero_grad."""
-        return self._backward.grads_ready
+        return self._backward.state == GradState.READY
 
     def in_backward(self) -> bool:
         return self._backward.active
@@ -376,7 +376,7 @@ class FullyShard(nn.Module):
         """The shards were stepped (or the step skipped): drop the gathered copies
         and mark the gradients consumed."""
         self.invalidate()
-        self._backward.grads_ready = False
+        self._backward.state = GradState.EMPTY
 
     def add_grads_ready_listener(self, fn):
         """Call ``fn()`` whenever a backward outside no_sync() has finished and the
