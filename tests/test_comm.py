@@ -211,3 +211,50 @@ def _scratch_and_in_place():
 def test_scratch_reduce_scatter_and_in_place_all_gather(dist_pool):
     for ok in dist_pool.run(_scratch_and_in_place):
         assert all(ok), ok
+
+
+def _flight(stage):
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import zeroshard as zs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
+    if stage == 3:
+        model = zs.FullyShard(model, wrap={nn.Linear})
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+    else:
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=200 / 2**20)
+    world = dist.group.WORLD.group_name
+    # the pool's earlier tests issued collectives too: keep this run's
+    after = max([r["seq"] for r in zs.flight_record() if r["group"] == world], default=0)
+    for _ in range(2):      # the first backward also agrees on the bucket order
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(4, 7)), torch.randint(0, 3, (4,))).backward()
+        opt.step()
+    return [r for r in zs.flight_record() if r["group"] == world and r["seq"] > after]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_flight_record_of_a_step(dist_pool, stage):
+    records = dist_pool.run(_flight, stage)
+    mine = records[0]
+    last = [r for r in mine if r["what"] == "gradient statistics"][-1]
+    assert last["kind"] == "all_reduce" and last["numel"] == 2 * 4    # two floats per parameter
+    for r in mine:
+        assert r["end"] is not None and r["end"] >= r["start"], r
+    seqs = [r["seq"] for r in mine]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))        # one group, no gap
+    if stage == 2:
+        step2 = [r for r in mine if r["what"].startswith("step 2, bucket")]
+        kinds = [r["kind"] for r in step2]
+        n = kinds.count("reduce_scatter")
+        assert n >= 2 and kinds == ["reduce_scatter"] * n + ["all_gather"] * n, kinds
+    else:   # forward gathers, backward gathers again in reverse, reduces, then the statistics
+        step = [(r["kind"], r["what"]) for r in mine[-7:]]
+        assert step == [("all_gather", "unit '0' all-gather"), ("all_gather", "unit '2' all-gather"),
+                        ("all_gather", "unit '2' all-gather"), ("all_gather", "unit '0' all-gather"),
+                        ("reduce_scatter", "unit '2' reduce-scatter"), ("reduce_scatter", "unit '0' reduce-scatter"),
+                        ("all_reduce", "gradient statistics")], step
+    # every rank issued the same collectives, in the same order, with the same sizes
+    strip = [[(r["seq"], r["kind"], r["what"], r["numel"]) for r in rs] for rs in records]
+    assert all(s == strip[0] for s in strip)

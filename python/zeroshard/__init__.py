@@ -11,6 +11,7 @@ and flat-buffer collectives (:func:`reduce_scatter`, :func:`all_gather`,
 from __future__ import annotations
 
 from ._ext import _C
+from ._flight import flight_record
 from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, save_checkpoint
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .fully_shard import FullyShard, MixedPrecision
@@ -41,5 +42,5 @@ def build_info() -> dict:
 __all__ = [
     "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout",
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
-    "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer",
+    "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer", "flight_record",
 ]

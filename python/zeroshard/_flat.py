@@ -102,7 +102,7 @@ def check_params(params: List[torch.Tensor], trainable: List[int], err: Callable
 def check_same_across_ranks(params: List[torch.Tensor], group, err: Callable[[str], str]):
     """Every rank has the same parameters (shape, dtype, requires_grad); collective."""
     mine = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params]
-    everyone = comm.all_gather_object(mine, group=group)
+    everyone = comm.all_gather_object(mine, group=group, what="setup: same parameters on every rank")
     ref = everyone[0]
     for r, theirs in enumerate(everyone):
         if len(theirs) != len(ref):

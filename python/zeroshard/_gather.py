@@ -32,7 +32,7 @@ class Gatherer:
             u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
             own = u.own(u.full, self.rank)
             own.copy_(u.shard)
-            u.gather = comm.all_gather(own, u.full, group=self.group)
+            u.gather = comm.all_gather(own, u.full, group=self.group, what=f"unit '{u.name}' all-gather")
             self.comm_elements["all_gather"] += u.numel
             self.events.append(("all_gather", u.name))
             u.state = UnitState.GATHERING

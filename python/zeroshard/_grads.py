@@ -167,7 +167,7 @@ class ReducedGrads:
         arrived = self.source.arrived()
         if arrived:
             stats[n:].index_fill_(0, torch.tensor(arrived, device=stats.device), 1.0)
-        comm.all_reduce(stats, group=self.source.process_group).wait()
+        comm.all_reduce(stats, group=self.source.process_group, what="gradient statistics").wait()
         self.source.comm_elements["all_reduce"] += stats.numel()
         self.sumsq, self.maxabs = stats[:n], None
         self.used = (stats[n:] > 0).tolist()     # read on the host: which parameters step
@@ -203,7 +203,8 @@ class ReducedGrads:
             world, rank = self.source.world_size, self.source.rank
             every = local.new_zeros(world, local.numel())
             every[rank].copy_(local)
-            comm.all_gather(every[rank].view(-1), every.view(-1), group=self.source.process_group).wait()
+            comm.all_gather(every[rank].view(-1), every.view(-1), group=self.source.process_group,
+                            what="gradient inf-norms").wait()
             self.maxabs = every.amax(0)
         return self.maxabs
 

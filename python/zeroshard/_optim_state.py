@@ -54,7 +54,8 @@ def _mismatch(opt, sd) -> Optional[str]:
 def load_sharded(opt, sd: dict) -> List[int]:
     """Writes a sharded state dict into the regions (collective: every rank checks
     every rank's match first); returns the saved per-parameter step counts."""
-    problems = comm.all_gather_object(_mismatch(opt, sd), group=opt.process_group)
+    problems = comm.all_gather_object(_mismatch(opt, sd), group=opt.process_group,
+                                      what="load_sharded_state_dict check")
     bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
     if bad:
         raise ValueError(comm.on_rank(opt,
@@ -83,7 +84,8 @@ def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
     for reg in opt.regions:
         for name in ("exp_avg", "exp_avg_sq"):
             gathered = torch.empty(reg.shard_numel * opt.world_size, dtype=torch.float32, device=opt.device)
-            comm.all_gather(getattr(reg, name), gathered, group=opt.process_group).wait()
+            comm.all_gather(getattr(reg, name), gathered, group=opt.process_group,
+                            what=f"state_dict gather: {name}").wait()
             if not keep:
                 continue
             gathered = gathered.cpu()

@@ -72,6 +72,7 @@ class FlatReducer(ShardSource):
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self._sync = True
         self._state = GradState.EMPTY
+        self.steps_done = 0         # steps that updated the shards (names the collectives)
         self._arrived = set()       # parameters with a gradient since zero_grad(set_to_none=True)
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
         self._peak_bucket_bytes = self._bucket_bytes = 0
@@ -176,8 +177,8 @@ class FlatReducer(ShardSource):
         b.reduce_out = out
         # the input is never needed afterwards: stage 1 zeroes the other ranks'
         # chunks after the reduction, stage 2's bucket buffer is recycled
-        b.handle = comm.reduce_scatter(src, out, group=self.process_group, average=False,
-                                       input_is_scratch=True)
+        b.handle = comm.reduce_scatter(src, out, group=self.process_group, average=False, input_is_scratch=True,
+                                       what=f"step {self.steps_done + 1}, bucket {b.index} reduce-scatter")
         b.launched = True
         self.comm_elements["reduce_scatter"] += b.numel
         self.events.append(("reduce_scatter", b.index))
@@ -240,7 +241,7 @@ class FlatReducer(ShardSource):
         key = [max(pos.get(p, never) for p in b.params) for b in self.buckets]
         order = sorted(range(len(self.buckets)), key=lambda b: (key[b], b))
         if self.world_size > 1:
-            order = comm.all_gather_object(order, group=self.process_group)[0]
+            order = comm.all_gather_object(order, group=self.process_group, what="bucket order")[0]
         self.launch_order = order
         self._order_learned = True
         self._arrival = []
@@ -265,6 +266,7 @@ class FlatReducer(ShardSource):
 
     def step_done(self, updated: bool):
         if updated:
+            self.steps_done += 1
             self.gather_params()
         self._state = GradState.EMPTY
 
@@ -275,7 +277,8 @@ class FlatReducer(ShardSource):
         for buf in self.buffers:
             for b in buf.buckets:
                 region = buf.params[b.offset:b.offset + b.numel]
-                handles.append(comm.all_gather(b.own(buf.params, self.rank), region, group=self.process_group))
+                handles.append(comm.all_gather(b.own(buf.params, self.rank), region, group=self.process_group,
+                                               what=f"step {self.steps_done}, bucket {b.index} all-gather"))
                 self.comm_elements["all_gather"] += b.numel
         for h in handles:
             h.wait()

@@ -161,7 +161,7 @@ def gather_scalars(opt, rule: TorchElementwise) -> Dict[int, dict]:
     out: Dict[int, dict] = {}
     for theirs in comm.all_gather_object({i: {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                                               for k, v in d.items()} for i, d in mine.items()},
-                                         group=opt.process_group):
+                                         group=opt.process_group, what="state_dict scalars"):
         for i, d in theirs.items():
             out.setdefault(i, {}).update(d)
     return out
@@ -184,7 +184,7 @@ def gather_full(opt, rule: TorchElementwise, keep: bool) -> Optional[Dict[int, d
                 if st is not None and k in st:
                     local[sl].copy_(st[k].reshape(-1))
             gathered = torch.empty(reg.shard_numel * opt.world_size, dtype=torch.float32, device=opt.device)
-            comm.all_gather(local, gathered, group=opt.process_group).wait()
+            comm.all_gather(local, gathered, group=opt.process_group, what=f"state_dict gather: {k}").wait()
             gathered = gathered.cpu() if keep else None
             for i, t_off, r_off, n in reg.frags if keep else ():
                 if i in full:

@@ -137,7 +137,7 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
 def check_same_model(cfg: "Setup", units: List[Unit]):
     mine = [(u.name, [(q.names[0], tuple(q.shape), str(q.dtype), q.requires_grad) for q in u.params])
             for u in units]
-    everyone = comm.all_gather_object(mine, group=cfg.group)
+    everyone = comm.all_gather_object(mine, group=cfg.group, what="setup: same model on every rank")
     for r, theirs in enumerate(everyone):
         if theirs != everyone[0]:
             raise ValueError(cfg.err(f"rank {r} and rank 0 built different models "

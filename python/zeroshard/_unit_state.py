@@ -53,7 +53,7 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination) -> Optio
         if not u.params:
             continue
         flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
-        comm.all_gather(u.shard, flat, group=fs.process_group).wait()
+        comm.all_gather(u.shard, flat, group=fs.process_group, what=f"state_dict gather: unit '{u.name}'").wait()
         if not keep:
             continue
         flat = flat.cpu()

@@ -80,7 +80,7 @@ def _collective(h: Holdings, fn: Callable[[], Any], gather: bool = False):
         out = (f"{type(e).__name__}: {e}", None)
     everyone = [out]
     if h.world > 1:
-        everyone = comm.all_gather_object(out, group=h.group)
+        everyone = comm.all_gather_object(out, group=h.group, what="checkpoint outcome exchange")
     if exc is not None:
         raise exc
     for r, (err, _) in enumerate(everyone):

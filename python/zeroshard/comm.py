@@ -2,18 +2,22 @@
 
 Thin wrappers over csrc/comm.cpp (see [Note: collective ordering] in
 csrc/comm.h): each returns a handle; call ``.wait()`` before using the result.
+Each is recorded in the flight record, labelled with ``what`` it serves (see
+[Note: flight record] in _flight.py).
 """
 from __future__ import annotations
 
 import collections
 import os
 import pickle
+import time
 from datetime import timedelta
 from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import _flight
 from ._ext import _C
 
 CommHandle = _C.CommHandle
@@ -72,7 +76,7 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
 
 def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
                    group: Optional[dist.ProcessGroup] = None, average: bool = True,
-                   input_is_scratch: bool = False) -> CommHandle:
+                   input_is_scratch: bool = False, what: str = "") -> _flight.Tracked:
     """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks.
 
     ``input_is_scratch=True`` lets the collective overwrite ``input`` (a CPU
@@ -80,24 +84,30 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
     it runs as point-to-point messages that leave ``input`` as it is: when
     ``output`` lies inside ``input`` the peers' chunks are received into
     scratch memory ((N-1)/N of ``input``) until ``wait()``; see csrc/comm.h."""
-    return _C.reduce_scatter(group_name(group), input, output, bool(average), bool(input_is_scratch))
+    name = group_name(group)
+    rec = _flight.start("reduce_scatter", name, what, input)
+    return _flight.Tracked(_C.reduce_scatter(name, input, output, bool(average), bool(input_is_scratch)), rec)
 
 
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,
-               group: Optional[dist.ProcessGroup] = None) -> CommHandle:
+               group: Optional[dist.ProcessGroup] = None, what: str = "") -> _flight.Tracked:
     """``output`` = concatenation over ranks of ``input``. In place when ``input``
     is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
     messages, faster than gloo's all-gather; see csrc/comm.h)."""
-    return _C.all_gather(group_name(group), input, output)
+    name = group_name(group)
+    rec = _flight.start("all_gather", name, what, input)
+    return _flight.Tracked(_C.all_gather(name, input, output), rec)
 
 
 def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
-               average: bool = False) -> CommHandle:
+               average: bool = False, what: str = "") -> _flight.Tracked:
     """``tensor`` = sum (mean if ``average``) of ``tensor`` over ranks, in place."""
-    return _C.all_reduce(group_name(group), tensor, bool(average))
+    name = group_name(group)
+    rec = _flight.start("all_reduce", name, what, tensor)
+    return _flight.Tracked(_C.all_reduce(name, tensor, bool(average)), rec)
 
 
-def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
+def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None, what: str = "") -> List[Any]:
     """Every rank's ``obj`` (picklable), in group-rank order; collective.
 
     ``torch.distributed.all_gather_object`` hands gloo tensors that Python
@@ -112,16 +122,18 @@ def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None) ->
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if dist.get_backend(group) != "gloo":
         out = [None] * world
+        rec = _flight.start("all_gather_object", group_name(group), what, None)
         dist.all_gather_object(out, obj, group=group)
+        rec.end = time.time()
         return out
     data = pickle.dumps(obj)
     lens = torch.zeros(world, dtype=torch.float64)   # exact for lengths < 2**53
     lens[rank] = len(data)
-    all_gather(lens[rank:rank + 1], lens, group=group).wait()
+    all_gather(lens[rank:rank + 1], lens, group=group, what=f"{what} (object sizes)").wait()
     words = max(1, -(-int(lens.max().item()) // 8))   # the bytes travel as float64 bit patterns
     buf = torch.zeros(world * words, dtype=torch.float64)
     mine = buf[rank * words:(rank + 1) * words]
     mine.view(torch.uint8)[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    all_gather(mine, buf, group=group).wait()
+    all_gather(mine, buf, group=group, what=f"{what} (object bytes)").wait()
     raw = buf.view(torch.uint8).numpy().tobytes()
     return [pickle.loads(raw[r * words * 8:r * words * 8 + int(lens[r])]) for r in range(world)]
