@@ -11,7 +11,7 @@ and flat-buffer collectives (:func:`reduce_scatter`, :func:`all_gather`,
 from __future__ import annotations
 
 from ._ext import _C
-from ._flight import flight_record
+from ._flight import CollectiveError, flight_record
 from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, save_checkpoint
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .fully_shard import FullyShard, MixedPrecision
@@ -43,4 +43,5 @@ __all__ = [
     "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout",
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer", "flight_record",
+    "CollectiveError",
 ]

@@ -74,6 +74,19 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     return group.group_name
 
 
+def _issue(kind: str, group, what: str, t: torch.Tensor, launch) -> _flight.Tracked:
+    """Record the collective, launch it; a transport failure raises CollectiveError
+    naming it (bad input stays the C++ core's ValueError)."""
+    name = group_name(group)
+    rec = _flight.start(kind, name, what, t)
+    try:
+        return _flight.Tracked(launch(name), rec)
+    except ValueError:
+        raise
+    except RuntimeError as e:
+        raise _flight.failed(rec, e) from e
+
+
 def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
                    group: Optional[dist.ProcessGroup] = None, average: bool = True,
                    input_is_scratch: bool = False, what: str = "") -> _flight.Tracked:
@@ -84,9 +97,8 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
     it runs as point-to-point messages that leave ``input`` as it is: when
     ``output`` lies inside ``input`` the peers' chunks are received into
     scratch memory ((N-1)/N of ``input``) until ``wait()``; see csrc/comm.h."""
-    name = group_name(group)
-    rec = _flight.start("reduce_scatter", name, what, input)
-    return _flight.Tracked(_C.reduce_scatter(name, input, output, bool(average), bool(input_is_scratch)), rec)
+    return _issue("reduce_scatter", group, what, input,
+                  lambda name: _C.reduce_scatter(name, input, output, bool(average), bool(input_is_scratch)))
 
 
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,
@@ -94,17 +106,13 @@ def all_gather(input: torch.Tensor, output: torch.Tensor, *,
     """``output`` = concatenation over ranks of ``input``. In place when ``input``
     is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
     messages, faster than gloo's all-gather; see csrc/comm.h)."""
-    name = group_name(group)
-    rec = _flight.start("all_gather", name, what, input)
-    return _flight.Tracked(_C.all_gather(name, input, output), rec)
+    return _issue("all_gather", group, what, input, lambda name: _C.all_gather(name, input, output))
 
 
 def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
                average: bool = False, what: str = "") -> _flight.Tracked:
     """``tensor`` = sum (mean if ``average``) of ``tensor`` over ranks, in place."""
-    name = group_name(group)
-    rec = _flight.start("all_reduce", name, what, tensor)
-    return _flight.Tracked(_C.all_reduce(name, tensor, bool(average)), rec)
+    return _issue("all_reduce", group, what, tensor, lambda name: _C.all_reduce(name, tensor, bool(average)))
 
 
 def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None, what: str = "") -> List[Any]:
