@@ -366,14 +366,19 @@ def test_non_elementwise_optimizers_are_refused_unless_vouched_for(dist_pool):
         assert all("Adafactor" in m and "consolidate_state_dict" in m for m in msgs[3:]), msgs[3:]
 
 
-def _unused_ckpt_save(stage, path):
-    torch.manual_seed(0)
+def _branchy(stage, seed):
+    torch.manual_seed(seed)
     model = Branchy()
     if stage == 3:
         model = zs.FullyShard(model, wrap={Block})
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
     else:
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=TINY_BUCKET_MB)
+    return model, opt
+
+
+def _unused_ckpt_save(stage, path):
+    model, opt = _branchy(stage, seed=0)
     for k, (x, y) in enumerate(data(4)):
         opt.zero_grad()
         F.cross_entropy(model(local(x), use_extra=k == 1), local(y)).backward()
@@ -383,13 +388,7 @@ def _unused_ckpt_save(stage, path):
 
 
 def _unused_ckpt_load(stage, path):
-    torch.manual_seed(1)
-    model = Branchy()
-    if stage == 3:
-        model = zs.FullyShard(model, wrap={Block})
-        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
-    else:
-        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=TINY_BUCKET_MB)
+    model, opt = _branchy(stage, seed=1)
     zs.load_checkpoint(path, model, opt)
     opt.consolidate_state_dict(to=None)
     return opt.param_steps, {i: float(st["step"]) for i, st in opt.state_dict()["state"].items()}

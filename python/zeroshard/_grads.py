@@ -130,6 +130,10 @@ class ReducedGrads:
         for seg in source.segments:
             for i, a, b, _ in seg.pieces:
                 self.pieces[i].append((seg, a, b))
+        # the same pieces in one list, and their parameter indices (fixed: built once)
+        self.flat = [(seg, a, b) for pieces in self.pieces.values() for seg, a, b in pieces]
+        self.flat_index = torch.tensor([i for i, pieces in self.pieces.items() for _ in pieces],
+                                       dtype=torch.long, device=source.device)
         self.placeholders = {i: ShardedGrad(params[i], i, self) for i in trainable}
         self.kept: Dict[int, Optional[torch.Tensor]] = {}   # p.grad the source had before the placeholder
         self.placed: Dict[int, Optional[torch.Tensor]] = {}  # what backward_done put in p.grad
@@ -143,15 +147,9 @@ class ReducedGrads:
     # ----------------------------------------------------------- statistics
     def _local(self, fn) -> torch.Tensor:
         """``fn`` of each of this rank's pieces, one value per parameter (0 where none)."""
-        dev = self.source.device
-        out = torch.zeros(len(self.params), dtype=torch.float32, device=dev)
-        idx, vals = [], []
-        for i, pieces in self.pieces.items():
-            for seg, a, b in pieces:
-                idx.append(i)
-                vals.append(fn(seg.grad[a:b]))
-        if vals:
-            out.index_add_(0, torch.tensor(idx, device=dev), torch.stack(vals))
+        out = torch.zeros(len(self.params), dtype=torch.float32, device=self.source.device)
+        if self.flat:
+            out.index_add_(0, self.flat_index, torch.stack([fn(seg.grad[a:b]) for seg, a, b in self.flat]))
         return out
 
     @torch.no_grad()

@@ -97,7 +97,8 @@ class TorchElementwise:
         mine = [(i, piece) for (i, _), piece in self.pieces.items() if piece[0].group == gi]
         for i, (seg, a, b, leaf) in mine:
             if used[i]:     # None: the class skips it, as torch's optimizers skip a None gradient
-                g = seg.grad[a:b].float() * grad_scale      # a transient fp32 copy of the averaged gradient
+                src = seg.grad[a:b]    # one transient fp32 copy of the averaged gradient, one pass
+                g = src * grad_scale if src.dtype == torch.float32 else src.float().mul_(grad_scale)
                 leaf.grad = g.mul_(scale) if scale is not None else g
         self.inner.step()
         for i, (seg, a, b, leaf) in mine:

@@ -52,8 +52,8 @@ class Segment:
     holder: object             # the record whose attribute ``grad_attr`` holds the gradient tensor
     grad_attr: str             # "grads" / "grad_shard": allocated and freed as backward and zero_grad go
     grad_range: tuple          # (start, stop) in that tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: Optional[torch.Tensor]      # the fused AdamW's state (None for another optimizer_class)
+    exp_avg_sq: Optional[torch.Tensor]
     out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
     # (param index, start, stop, offset in the flattened parameter): each trainable
     # parameter's range within this segment
@@ -94,8 +94,8 @@ def update_calls(segments: List[Segment], group: int, used: List[bool], steps: L
 class Region:
     """A range sharded over the ranks in rank order (a bucket or a unit), for state dicts."""
     shard_numel: int
-    exp_avg: torch.Tensor      # this rank's shard
-    exp_avg_sq: torch.Tensor
+    exp_avg: Optional[torch.Tensor]      # this rank's shard (None for another optimizer_class)
+    exp_avg_sq: Optional[torch.Tensor]
     frags: List[tuple]         # (param index, offset in param, offset in region, numel)
     values: Optional[torch.Tensor] = None  # ZeRO-1/2: this rank's master (or fp32 parameter)
                                            # shard; ZeRO-3: None (the FullyShard units hold it)
