@@ -90,9 +90,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<CommHandle, Handle>(m, "CommHandle", "Guards the result of one collective.")
       .def("wait", &CommHandle::wait, py::call_guard<py::gil_scoped_release>(),
            "Block (CPU) or order the current stream (CUDA) until the result is ready. Idempotent.")
+      .def("wait_for", &CommHandle::wait_for, py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+           "wait() for at most `seconds`; False (the handle abandoned) when the time ran out.")
       .def_property_readonly("waited", &CommHandle::waited)
       .def("completed", &CommHandle::completed,
            "Whether the collective has finished; never blocks (wait() is still needed).");
+  m.def("abandon_unwaited", &abandon_unwaited,
+        "Handles dropped without wait() park their collectives from now on (csrc/comm.h).");
   m.def("reduce_scatter", &reduce_scatter, py::arg("group_name"), py::arg("input"), py::arg("output"),
         py::arg("average"), py::arg("input_is_scratch") = false, py::call_guard<py::gil_scoped_release>(),
         "Flat reduce-scatter (csrc/comm.h).");

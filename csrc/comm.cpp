@@ -3,8 +3,13 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
+#include <stdexcept>
+#include <tuple>
 
 #include "checks.h"
 
@@ -101,12 +106,21 @@ static at::Tensor backend_view(const at::Tensor& t) {
 
 using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
-// Tags of zeroshard's point-to-point messages (one per collective kind, apart
-// from the tags users pick for their own send/recv). gloo matches a pair's
-// messages of one tag in the order they were posted, and every rank issues
-// the collectives in one order, so each receive meets its send.
-constexpr int kTagReduceScatter = 0x7A5301;
-constexpr int kTagAllGather = 0x7A5302;
+// Tags of zeroshard's point-to-point messages: one per collective kind and
+// message size, apart from the tags users pick for their own send/recv
+// (small numbers). gloo matches a pair's messages of one tag in the order
+// they were posted, and every rank issues the collectives in one order, so
+// each receive meets its send. Ranks that diverged (one in a checkpoint's
+// exchange, the other in a unit's all-gather) then wait for messages that
+// never come, which the watchdog reports, instead of receiving a message of
+// the wrong size, which gloo answers by terminating the process.
+constexpr int kKindReduceScatter = 1;
+constexpr int kKindAllGather = 2;
+
+static int message_tag(int kind, const at::Tensor& chunk) {
+  const uint64_t h = static_cast<uint64_t>(chunk.nbytes()) * 0x9E3779B97F4A7C15ull;
+  return 0x40000000 | (kind << 24) | static_cast<int>((h >> 40) & 0xFFFFFF);
+}
 
 // Whether CPU collectives on `t` run as point-to-point messages: gloo groups
 // of more than one rank ([Note: gloo algorithms]).
@@ -217,9 +231,19 @@ bool CommHandle::completed() const {
   return true;
 }
 
+static std::atomic<bool> g_abandon_unwaited{false};
+
+void abandon_unwaited() { g_abandon_unwaited = true; }
+
 CommHandle::~CommHandle() {
   // CPU: the backend writes through non-owning views of keep_alive_ (see
   // [Note: backend views]): never free them under a running collective.
+  // Once a collective of this process hung or failed, its peers may never
+  // complete the others: park them instead of waiting.
+  if (g_abandon_unwaited && !works_.empty()) {
+    abandon();
+    return;
+  }
   for (auto& w : works_) {
     try {
       w->wait();
@@ -230,6 +254,8 @@ CommHandle::~CommHandle() {
 
 void CommHandle::wait() {
   if (waited_) return;
+  if (abandoned_)
+    throw std::runtime_error("this collective was abandoned after its wait timed out; its result is lost");
 #ifdef ZEROSHARD_WITH_CUDA
   if (done_) {
     done_->block(c10::cuda::getCurrentCUDAStream(done_->device_index()));
@@ -239,6 +265,39 @@ void CommHandle::wait() {
   }
 #endif
   for (auto& w : works_) w->wait();
+  finish();
+}
+
+bool CommHandle::wait_for(double seconds) {
+  if (waited_) return true;
+#ifdef ZEROSHARD_WITH_CUDA
+  if (done_) {
+    wait();
+    return true;
+  }
+#endif
+  if (abandoned_) wait();  // raises
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(seconds));
+  for (auto& w : works_) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    try {
+      w->wait(std::max(left, std::chrono::milliseconds(1)));
+    } catch (...) {
+      // A backend reports its own timeout as an error ("Operation timed out!",
+      // gloo's "Timed out waiting ... for recv"): one raised at the deadline
+      // is ours; one raised before it is the transport failing.
+      if (Clock::now() + std::chrono::milliseconds(1) < deadline) throw;
+      abandon();
+      return false;
+    }
+  }
+  finish();
+  return true;
+}
+
+void CommHandle::finish() {
   if (copy_from_.defined() && copy_from_.data_ptr() != result_.data_ptr()) result_.copy_(copy_from_);
   for (const auto& a : addends_) result_.add_(a);
   if (divisor_ != 1.0) result_.div_(divisor_);
@@ -247,6 +306,20 @@ void CommHandle::wait() {
   copy_from_ = at::Tensor();
   addends_.clear();
   works_.clear();
+}
+
+void CommHandle::abandon() {
+  // Never freed: the backend may still write these buffers, and waiting on
+  // the works again (as the destructor would) could block forever.
+  static std::mutex mu;
+  static auto* parked = new std::vector<std::shared_ptr<void>>();
+  auto held = std::make_shared<std::tuple<Works, std::vector<at::Tensor>, at::Tensor, at::Tensor,
+                                          std::vector<at::Tensor>>>(
+      std::move(works_), std::move(keep_alive_), result_, copy_from_, std::move(addends_));
+  const std::lock_guard<std::mutex> lock(mu);
+  parked->push_back(std::move(held));
+  works_.clear();
+  abandoned_ = true;
 }
 
 Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
@@ -276,7 +349,7 @@ Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
     return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, std::move(keep_alive), [&] {
       // rank - k's chunk (step k) lands in landing[k - 1]
       return exchange(
-          *pg, kTagReduceScatter, [&](int64_t from) { return landing[(rank - from - 1 + world) % world]; },
+          *pg, message_tag(kKindReduceScatter, output), [&](int64_t from) { return landing[(rank - from - 1 + world) % world]; },
           [&](int64_t to) { return input.narrow(0, to * n, n); });
     }, at::Tensor(), std::move(addends));
   }
@@ -305,7 +378,7 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
       static_cast<char*>(output.data_ptr()) + rank * n * output.element_size();
   if (in_place && point_to_point(*pg, output)) {  // [Note: gloo algorithms]
     return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {output}, [&] {
-      return exchange(*pg, kTagAllGather, [&](int64_t from) { return output.narrow(0, from * n, n); },
+      return exchange(*pg, message_tag(kKindAllGather, input), [&](int64_t from) { return output.narrow(0, from * n, n); },
                       [&](int64_t) { return input; });
     });
   }

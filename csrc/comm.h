@@ -58,6 +58,12 @@ class CommHandle {
   // Idempotent. After it returns, the result may be used on the current
   // stream (CUDA) or by the host (CPU).
   void wait();
+  // wait() for at most `seconds` (CPU; CUDA never blocks the host, see
+  // [Note: collective ordering]). False when the time ran out: the handle is
+  // then abandoned (its works and buffers are parked for the process's
+  // lifetime, since the backend may still write them; a later wait() raises)
+  // and the caller reports the hang. A transport failure raises as in wait().
+  bool wait_for(double seconds);
   bool waited() const { return waited_; }
   // Whether the collective has finished (never blocks); a hint for freeing
   // buffers early, wait() stays required. CPU: the backend's works are done
@@ -79,9 +85,17 @@ class CommHandle {
   std::shared_ptr<at::cuda::CUDAEvent> done_;
 #endif
   bool waited_ = false;
+  bool abandoned_ = false;
+  void finish();   // CPU: apply copy/addends/divisor, release buffers
+  void abandon();
 };
 
 using Handle = std::shared_ptr<CommHandle>;
+
+// From now on a handle dropped without wait() parks its works and buffers
+// instead of waiting for them (called once a collective of this process hung
+// or failed: its peers may never complete the others).
+void abandon_unwaited();
 
 // output (this rank's shard) = sum over ranks of input[rank*n : (rank+1)*n],
 // divided by the world size when `average`. input.numel() == world * n.

@@ -1,6 +1,7 @@
 """A rank that dies mid-training: the survivors fail at once with an error that
-names the collective (from the flight record), instead of gloo's bare
-"Connection reset by peer" or a hang. Real processes, SIGKILL."""
+names the collective (from the flight record) and the rank that stopped
+answering, instead of gloo's bare "Connection reset by peer" or a hang. Real
+processes, SIGKILL; the store lives in rank 0, as without torchrun."""
 import multiprocessing as mp
 import os
 import signal
@@ -68,4 +69,6 @@ def test_a_rank_killed_mid_backward_makes_the_other_fail_naming_the_collective(s
     expected = "step 3, bucket" if stage == 2 else "unit '"
     assert expected in msg and ("reduce_scatter" in msg or "all_gather" in msg), msg
     assert "stopped answering" in msg and "flight_record()" in msg
+    assert "Rank(s) [1] did not answer" in msg, msg          # the dead rank, named
+    assert "rank 0: last started #" in msg and "not completed" in msg, msg
     assert elapsed < 60, elapsed          # at once, not after a timeout

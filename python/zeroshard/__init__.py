@@ -7,11 +7,14 @@ layout (:func:`compute_layout`), the fused AdamW kernel (:func:`fused_adamw_`)
 and flat-buffer collectives (:func:`reduce_scatter`, :func:`all_gather`,
 :func:`all_reduce`). Checkpoints that resume at any world size and stage:
 :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`export_full_state_dict`.
+When collectives hang or fail: :func:`flight_record`, :func:`set_timeout`,
+:class:`CollectiveTimeout`, :class:`CollectiveError`, :class:`CollectiveMismatch`.
 """
 from __future__ import annotations
 
 from ._ext import _C
 from ._flight import CollectiveError, flight_record
+from ._incident import CollectiveMismatch, CollectiveTimeout, set_timeout
 from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, save_checkpoint
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .fully_shard import FullyShard, MixedPrecision
@@ -43,5 +46,5 @@ __all__ = [
     "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout",
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer", "flight_record",
-    "CollectiveError",
+    "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout",
 ]

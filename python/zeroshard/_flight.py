@@ -9,9 +9,9 @@ when it started and completed (``end`` is None until a ``wait()`` or
 ``completed()`` saw it done). The last ``RING`` records are kept (a bounded
 ring: always on, one small object per collective). ``zeroshard.flight_record()``
 returns them, oldest first: when two ranks' records differ, the first
-difference is where they took different branches. A collective that fails in
-the transport (a peer died: gloo's "Connection reset by peer") raises
-``CollectiveError`` naming the collective from its record.
+difference is where they took different branches. A collective that hangs or
+fails raises with every rank's records compared (see [Note: watchdog] in
+_incident.py).
 """
 from __future__ import annotations
 
@@ -50,47 +50,13 @@ def start(kind: str, group: str, what: str, t: Optional[torch.Tensor], numel: Op
 
 
 class CollectiveError(RuntimeError):
-    """A collective zeroshard issued failed in the transport; the message names it."""
+    """A collective zeroshard issued failed in the transport; the message names it,
+    what every rank last did, and which ranks stopped answering."""
 
 
-def failed(rec: Record, err: BaseException) -> CollectiveError:
-    import torch.distributed as dist
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return CollectiveError(
-        f"[rank {rank}/{world}] collective #{rec.seq} on process group '{rec.group}' ({rec.kind} of "
-        f"{rec.numel} {rec.dtype}: {rec.what or 'unlabelled'}) failed in the transport: {err}\n"
-        "Another rank of the group stopped answering (it crashed, was killed, ran out of memory, or took "
-        "another branch and waits elsewhere): read the other ranks' logs first. zeroshard.flight_record() "
-        "lists this rank's collectives up to this one")
-
-
-class Tracked:
-    """A collective's handle that marks its record's end when it is seen done."""
-    __slots__ = ("handle", "record")
-
-    def __init__(self, handle, record: Record):
-        self.handle, self.record = handle, record
-
-    def wait(self):
-        try:
-            self.handle.wait()
-        except RuntimeError as e:
-            raise failed(self.record, e) from e
-        if self.record.end is None:
-            self.record.end = time.time()
-
-    @property
-    def waited(self) -> bool:
-        return self.handle.waited
-
-    def completed(self) -> bool:
-        try:
-            done = self.handle.completed()
-        except RuntimeError as e:
-            raise failed(self.record, e) from e
-        if done and self.record.end is None:
-            self.record.end = time.time()
-        return done
+def recent(n: int) -> List[dict]:
+    """This rank's last ``n`` records, oldest first, as dicts."""
+    return [dataclasses.asdict(r) for r in list(_ring)[-n:]]
 
 
 def flight_record() -> List[dict]:

@@ -8,7 +8,6 @@ Each is recorded in the flight record, labelled with ``what`` it serves (see
 from __future__ import annotations
 
 import collections
-import os
 import pickle
 import time
 from datetime import timedelta
@@ -17,7 +16,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _flight
+from . import _flight, _incident
 from ._ext import _C
 
 CommHandle = _C.CommHandle
@@ -29,39 +28,38 @@ def on_rank(who, msg: str) -> str:
     return f"[rank {who.rank}/{who.world_size}] {msg}"
 
 
-def timeout_s() -> float:
-    """Seconds a rank waits for the others at a check-in: ``ZEROSHARD_TIMEOUT``, else 300."""
-    return float(os.environ.get("ZEROSHARD_TIMEOUT", 300))
-
-
 _checkins: collections.Counter = collections.Counter()
 
 
 def check_in(what: str, who, group: Optional[dist.ProcessGroup] = None, hint: str = "") -> None:
     """Wait until every rank of ``group`` has called ``check_in(what)`` as many
-    times as this one, or raise after ``timeout_s()`` naming the ranks that did
-    not; ``who`` (with ``rank`` and ``world_size``) prefixes the error and
-    ``hint`` ends it (how to do the same from one rank).
+    times as this one, or raise ``CollectiveTimeout`` after the watchdog's
+    timeout naming the ranks that did not; ``who`` (with ``rank`` and
+    ``world_size``) prefixes the error and ``hint`` ends it (how to do the same
+    from one rank).
 
     Guards a collective that code under ``if rank == 0:`` would otherwise enter
-    alone and wait in forever. It goes through the default store, not the
-    communicator, and costs one store round trip."""
+    alone. It goes through the default store, not the communicator, costs one
+    store round trip, and is a flight record of kind ``check_in``."""
     group = group if group is not None else dist.group.WORLD
     key = (what, group_name(group))
     _checkins[key] += 1
+    rec = _flight.start("check_in", key[1], what, None)
     prefix = f"zeroshard/check_in/{key[1]}/{what}/{_checkins[key]}/"
     store = dist.distributed_c10d._get_default_store()
     ranks = dist.get_process_group_ranks(group)
     store.set(prefix + str(dist.get_rank()), "1")
     try:
-        store.wait([prefix + str(r) for r in ranks], timedelta(seconds=timeout_s()))
+        store.wait([prefix + str(r) for r in ranks], timedelta(seconds=_incident.timeout()))
     except RuntimeError:
         missing = [r for r in ranks if not store.check([prefix + str(r)])]
         store.delete_key(prefix + str(dist.get_rank()))
         _checkins[key] -= 1      # the ranks stay in step for the next call
-        raise RuntimeError(on_rank(who,
-            f"{what} is collective, but rank(s) {missing} did not call it within {timeout_s():g} s "
-            f"(ZEROSHARD_TIMEOUT). Call it on every rank. {hint}")) from None
+        raise _incident.check_in_timed_out(on_rank(who,
+            f"{what} is collective, but rank(s) {missing} did not call it within {_incident.timeout():g} s "
+            f"(ZEROSHARD_TIMEOUT or zeroshard.set_timeout()). Call it on every rank. {hint}"),
+            key[1], rec) from None
+    rec.end = time.time()
 
 
 def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
@@ -74,22 +72,58 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     return group.group_name
 
 
-def _issue(kind: str, group, what: str, t: torch.Tensor, launch) -> _flight.Tracked:
-    """Record the collective, launch it; a transport failure raises CollectiveError
-    naming it (bad input stays the C++ core's ValueError)."""
+class Tracked:
+    """A collective's handle: its wait is bounded by the watchdog's timeout
+    (see [Note: watchdog] in _incident.py) and marks its record's end."""
+    __slots__ = ("handle", "record")
+
+    def __init__(self, handle, record: _flight.Record):
+        self.handle, self.record = handle, record
+
+    def wait(self):
+        broken = _incident.raised()     # then only a collective already done may pass
+        try:
+            done = self.handle.wait_for(0.0 if broken else _incident.timeout())
+        except RuntimeError as e:
+            raise (broken or _incident.transport_failed(self.record, e)) from e
+        if not done:
+            raise broken or _incident.timed_out(self.record)
+        if self.record.end is None:
+            self.record.end = time.time()
+
+    @property
+    def waited(self) -> bool:
+        return self.handle.waited
+
+    def completed(self) -> bool:
+        try:
+            done = self.handle.completed()
+        except RuntimeError as e:
+            raise (_incident.raised() or _incident.transport_failed(self.record, e)) from e
+        if done and self.record.end is None:
+            self.record.end = time.time()
+        return done
+
+
+def _issue(kind: str, group, what: str, t: torch.Tensor, launch) -> Tracked:
+    """Record the collective (checked across ranks first under ZEROSHARD_DEBUG),
+    launch it; a transport failure raises CollectiveError naming it (bad input
+    stays the C++ core's ValueError)."""
     name = group_name(group)
     rec = _flight.start(kind, name, what, t)
+    if _incident.debug():
+        _incident.agree(rec, group)
     try:
-        return _flight.Tracked(launch(name), rec)
+        return Tracked(launch(name), rec)
     except ValueError:
         raise
     except RuntimeError as e:
-        raise _flight.failed(rec, e) from e
+        raise (_incident.raised() or _incident.transport_failed(rec, e)) from e
 
 
 def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
                    group: Optional[dist.ProcessGroup] = None, average: bool = True,
-                   input_is_scratch: bool = False, what: str = "") -> _flight.Tracked:
+                   input_is_scratch: bool = False, what: str = "") -> Tracked:
     """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks.
 
     ``input_is_scratch=True`` lets the collective overwrite ``input`` (a CPU
@@ -102,7 +136,7 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
 
 
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,
-               group: Optional[dist.ProcessGroup] = None, what: str = "") -> _flight.Tracked:
+               group: Optional[dist.ProcessGroup] = None, what: str = "") -> Tracked:
     """``output`` = concatenation over ranks of ``input``. In place when ``input``
     is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
     messages, faster than gloo's all-gather; see csrc/comm.h)."""
@@ -110,7 +144,7 @@ def all_gather(input: torch.Tensor, output: torch.Tensor, *,
 
 
 def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
-               average: bool = False, what: str = "") -> _flight.Tracked:
+               average: bool = False, what: str = "") -> Tracked:
     """``tensor`` = sum (mean if ``average``) of ``tensor`` over ranks, in place."""
     return _issue("all_reduce", group, what, tensor, lambda name: _C.all_reduce(name, tensor, bool(average)))
 
@@ -131,6 +165,8 @@ def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None, wh
     if dist.get_backend(group) != "gloo":
         out = [None] * world
         rec = _flight.start("all_gather_object", group_name(group), what, None)
+        if _incident.debug():
+            _incident.agree(rec, group)
         dist.all_gather_object(out, obj, group=group)
         rec.end = time.time()
         return out

@@ -320,8 +320,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         After ``consolidate_state_dict(to=r)`` on every rank, rank ``r`` gets it
         here without communication (a checkpoint under ``if rank == 0:``).
         Otherwise it is collective: every rank must call it; a rank that waits
-        for the others longer than ``ZEROSHARD_TIMEOUT`` (300 s) raises, naming
-        them. Gathers one region (bucket, or unit for FullyShard parameters) at a
+        for the others longer than the watchdog's timeout raises
+        ``CollectiveTimeout``, naming them. Gathers one region (bucket, or unit for FullyShard parameters) at a
         time, so the transient extra memory is one region; the result is on CPU.
         With ``to=r`` only global rank ``r`` builds and returns the dict; the
         others return None.
