@@ -46,17 +46,17 @@ def local(t):
     return t[dist.get_rank() * n:(dist.get_rank() + 1) * n]
 
 
-def build(kind):
-    """(model to call, optimizer) for "ddp" or a zeroshard stage."""
+def build(kind, **zs_kw):
+    """(model to call, optimizer) for "ddp" or a zeroshard stage (``zs_kw``: e.g. shard_size)."""
     torch.manual_seed(0)
     model = Model()
     if kind == "ddp":
         return DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     if kind == 3:
-        model = zs.FullyShard(model, wrap={Block})
+        model = zs.FullyShard(model, wrap={Block}, **zs_kw)
         return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
-                                      bucket_mb=TINY_BUCKET_MB)
+                                      bucket_mb=TINY_BUCKET_MB, **zs_kw)
 
 
 def full_params(kind, model):
@@ -64,9 +64,9 @@ def full_params(kind, model):
     return {k: v.detach().clone().float() for k, v in sd.items()}
 
 
-def script(kind, case, steps=6, overflow_at=2):
+def script(kind, case, steps=6, overflow_at=2, **zs_kw):
     """One training loop in the idioms of common DDP scripts; returns what to compare."""
-    model, opt = build(kind)
+    model, opt = build(kind, **zs_kw)
     rank, world = dist.get_rank(), dist.get_world_size()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2) if case == "scaler" else None
     out = {"norms": [], "scales": [], "pnorms": []}
@@ -103,8 +103,8 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _compare(stage, case):
-    ours, ddp = script(stage, case), script("ddp", case)
+def _compare(stage, case, **zs_kw):
+    ours, ddp = script(stage, case, **zs_kw), script("ddp", case)
     res = {"param_err": max(rel(ours["params"][k], ddp["params"][k]) for k in ddp["params"]),
            "scales": (ours["scales"], ddp["scales"])}
     if ddp["norms"]:
@@ -232,18 +232,18 @@ class Branchy(Model):
         return self.head(self.blocks(h))
 
 
-def _unused(kind, steps=7):
+def _unused(kind, steps=7, **zs_kw):
     torch.manual_seed(0)
     model = Branchy()
     if kind == "ddp":
         net, opt = DDP(model, find_unused_parameters=True), torch.optim.AdamW(
             model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     elif kind == 3:
-        net = zs.FullyShard(model, wrap={Block})
+        net = zs.FullyShard(model, wrap={Block}, **zs_kw)
         opt = zs.ShardedOptimizer(net.parameters(), lr=1e-2, weight_decay=0.1)
     else:
         net, opt = model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
-                                              bucket_mb=TINY_BUCKET_MB)
+                                              bucket_mb=TINY_BUCKET_MB, **zs_kw)
     rank = dist.get_rank()
     grads_none = []
     for k, (x, y) in enumerate(data(steps)):
@@ -262,8 +262,8 @@ def _unused(kind, steps=7):
     return full_params(kind, net), steps_of, grads_none
 
 
-def _compare_unused(stage):
-    (ours, our_steps, our_none), (ddp, ddp_steps, ddp_none) = _unused(stage), _unused("ddp")
+def _compare_unused(stage, **zs_kw):
+    (ours, our_steps, our_none), (ddp, ddp_steps, ddp_none) = _unused(stage, **zs_kw), _unused("ddp")
     return max(rel(ours[k], ddp[k]) if ddp[k].norm() > 0 else (ours[k] - ddp[k]).abs().max().item()
                for k in ddp), our_steps, ddp_steps, our_none == ddp_none
 

@@ -41,6 +41,27 @@ def test_cli_prints_the_table_and_rejects_bad_input():
     assert bad.returncode == 2 and "--world-size must be >= 1" in bad.stderr
 
 
+def test_hybrid_sharding_formulas_and_the_slow_link():
+    from zeroshard.plan import slow_link_bytes
+    # per rank, sharding over S of N ranks holds what sharding over S ranks does
+    assert model_state_bytes(7e9, 32, "bf16", shard_size=8) == model_state_bytes(7e9, 8, "bf16")
+    assert model_state_bytes(7e9, 32, "bf16", shard_size=8)["ZeRO-3"]["total"] == 16 * 7e9 / 8
+    # 7B, bf16, 4 nodes x 8 GPUs: flat ZeRO-3 sends 3 x 31/32 x 14 GB per rank across nodes;
+    # hybrid only the all-reduce of its 1/8 shard among 4 replicas: 2 x 3/4 x 14/8 GB
+    link = slow_link_bytes(7e9, 32, 8, "bf16")
+    assert link["ZeRO-3"]["flat"] == pytest.approx(3 * 31 / 32 * 14 * GB)
+    assert link["ZeRO-1/2"]["flat"] == pytest.approx(2 * 31 / 32 * 14 * GB)
+    assert link["ZeRO-3"]["hybrid"] == link["ZeRO-1/2"]["hybrid"] == pytest.approx(2 * 3 / 4 * 14 / 8 * GB)
+    with pytest.raises(ValueError, match="shard_size must be an int >= 1 dividing the world size"):
+        model_state_bytes(7e9, 32, "bf16", shard_size=5)
+    out = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "32",
+                          "--shard-size", "8"], capture_output=True, text=True, check=True).stdout
+    assert "sharded over 8 (x4 replicas)" in out and "ZeRO-3    flat over 32:    40.69 GB   hybrid:     2.62 GB" in out
+    bad = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "32",
+                          "--shard-size", "5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--shard-size must divide --world-size (32), got 5" in bad.stderr
+
+
 def _reports(stage, dtype):
     from test_fully_shard import Block, make_gpt
     model = make_gpt()
@@ -149,6 +170,13 @@ def test_model_cli(tmp_path):
                           "--input", os.path.join(EXAMPLES, "train_gpt.py") + ":example_batch", "--batch", "4"],
                          capture_output=True, text=True, check=True).stdout
     assert "largest unit 'blocks.0'" in out and "ZeRO-3" in out
+    # hybrid: 8 ranks as 4 replicas of 2 shards hold, per rank, what 2 ranks do
+    model = os.path.join(EXAMPLES, "train_gpt.py") + ":build_model"
+    plans = [subprocess.run([sys.executable, "-m", "zeroshard.plan", "--model", model] + args,
+                            capture_output=True, text=True, check=True).stdout
+             for args in (["--world-size", "8", "--shard-size", "2"], ["--world-size", "2"])]
+    assert plans[0].startswith("hybrid sharding: 8 ranks = 4 replicas x 2 shards")
+    assert plans[0].split("\n", 1)[1] == plans[1]
     bad = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--model", "no_such_module:f",
                           "--world-size", "2"], capture_output=True, text=True)
     assert bad.returncode != 0 and "no_such_module" in bad.stderr

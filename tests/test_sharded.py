@@ -84,12 +84,12 @@ def reference(steps, micro=1, clip=None, dtype=torch.float32, state_after=None):
 
 
 def train_ours(steps, stage, micro=1, no_sync=False, clip=None, dtype=torch.float32, reduce_dtype=None,
-               bucket_mb=TINY_BUCKET_MB, model=None, opt=None, first_step=0):
+               bucket_mb=TINY_BUCKET_MB, model=None, opt=None, first_step=0, **hybrid):
     rank, world = dist.get_rank(), dist.get_world_size()
     if model is None:
         model = make_model(dtype=dtype)
         opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=bucket_mb,
-                                  reduce_dtype=reduce_dtype)
+                                  reduce_dtype=reduce_dtype, **hybrid)
     norms = []
     for mbs in batches(first_step + steps, micro=micro)[first_step:]:
         opt.zero_grad()

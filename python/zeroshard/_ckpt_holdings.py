@@ -45,6 +45,11 @@ class Holdings:
         fs = model if isinstance(model, FullyShard) else None
         inner = model.module if fs is not None or isinstance(model, nn.parallel.DistributedDataParallel) else model
         sharded_opt = optimizer if isinstance(optimizer, ShardedOptimizer) else None
+        groups = fs.groups if fs is not None else sharded_opt.source.groups if sharded_opt else None
+        # hybrid sharding: each shard group holds everything; its first copy writes
+        self.replicas = groups.replicas if groups is not None else 1
+        self.replica_rank = groups.replica_rank if groups is not None else 0
+        self.every = groups.every if groups is not None else None
         if fs is not None:
             self.group = fs.process_group
         elif sharded_opt is not None:

@@ -127,11 +127,14 @@ class FlatState:
 
 @torch.no_grad()
 def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int, adam: bool,
-               bucket_bytes: int, device: torch.device, group, src: int) -> FlatState:
+               bucket_bytes: int, device: torch.device, group, src: int, everyone=None) -> FlatState:
     """Lay the trainable parameters out in flat buffers (reverse registration order,
-    one buffer per (param group, dtype)), copy rank ``src``'s values in everywhere,
-    and make every parameter a view of its buffer; frozen parameters are broadcast."""
+    one buffer per (param group, dtype)) sharded over ``group``, copy global rank
+    ``src``'s values in on every rank of ``everyone`` (default: ``group``), and
+    make every parameter a view of its buffer; frozen parameters are broadcast."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    everyone = group if everyone is None else everyone
+    copies = dist.get_world_size(everyone)
     order = list(reversed(trainable))        # backward order
     keys = [group_of[i] * 8 + _DTYPE_CODE[params[i].dtype] for i in order]
     L = compute_layout([params[i].numel() for i in order], [params[i].dtype for i in order], bucket_bytes,
@@ -143,8 +146,8 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
         for t in lb.tensors:
             place = L.tensors[t]
             flat[place.offset:place.offset + place.numel].copy_(params[order[t]].detach().reshape(-1))
-        if world > 1:
-            dist.broadcast(flat, src=src, group=group)
+        if copies > 1:
+            dist.broadcast(flat, src=src, group=everyone)
         buf = _make_buffer(L, bi, lb, flat, order, group_of[order[lb.tensors[0]]], stage, (world, rank), st)
         if not adam:     # another optimizer keeps its own state (zeroshard/_rules.py)
             buf.exp_avg = buf.exp_avg_sq = None
@@ -155,8 +158,8 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
             if stage == 1:
                 params[i].grad = None
     for p in params:   # frozen parameters are not sharded, but all ranks start identical
-        if not p.requires_grad and world > 1:
-            dist.broadcast(p.data, src=src, group=group)
+        if not p.requires_grad and copies > 1:
+            dist.broadcast(p.data, src=src, group=everyone)
     return st
 
 

@@ -59,6 +59,13 @@ def recent(n: int) -> List[dict]:
     return [dataclasses.asdict(r) for r in list(_ring)[-n:]]
 
 
+def last_completed() -> float:
+    """When the last collective this rank saw complete was issued (0 if none):
+    every rank of its group had issued it too, so whatever stopped a rank
+    before then is over."""
+    return max((r.start for r in _ring if r.end is not None), default=0.0)
+
+
 def flight_record() -> List[dict]:
     """This rank's last collectives, oldest first, as dicts (see [Note: flight record])."""
     return [dataclasses.asdict(r) for r in _ring]

@@ -162,10 +162,13 @@ class ReducedGrads:
         stats = torch.zeros(2 * n, dtype=torch.float32, device=self.source.device)
         stats[:n] = self._local(lambda g: torch.linalg.vector_norm(g, dtype=torch.float32).square())
         stats[:n] *= self.source.grad_scale ** 2
+        groups = self.source.groups
+        if groups.replica_rank != 0:     # hybrid: the replicas' shards are equal; count each once
+            stats[:n] = 0
         arrived = self.source.arrived()
         if arrived:
             stats[n:].index_fill_(0, torch.tensor(arrived, device=stats.device), 1.0)
-        comm.all_reduce(stats, group=self.source.process_group, what="gradient statistics").wait()
+        comm.all_reduce(stats, group=groups.every, what="gradient statistics").wait()
         self.source.comm_elements["all_reduce"] += stats.numel()
         self.sumsq, self.maxabs = stats[:n], None
         self.used = (stats[n:] > 0).tolist()     # read on the host: which parameters step

@@ -182,10 +182,11 @@ def _exchange(mine: dict) -> Tuple[Dict[int, dict], Optional[str]]:
         except RuntimeError:
             pass                    # some ranks did not answer: named in the diagnosis
         got = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
-        # a report older than any wait that could belong to this incident is an
-        # earlier incident's (a job that caught the error and went on)
-        oldest = mine["time"] - timeout() - 2 * grace()
-        return {r: v for r, v in got.items() if v["time"] >= oldest}, None
+        # a report older than this rank's last completed collective is an earlier
+        # incident's, which the ranks got past (a caught check-in timeout, say)
+        # (approximate across hosts: it compares wall clocks)
+        since = _flight.last_completed()
+        return {r: v for r, v in got.items() if r == mine["rank"] or v["time"] >= since}, None
     except RuntimeError as e:
         return {mine["rank"]: mine}, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
@@ -197,7 +198,8 @@ def diagnose(reports: Dict[int, dict], group: str, world: int, now: float) -> st
     if first:
         lines.append(first)
     lines.append(f"What each rank last did on process group '{group}':")
-    for r in sorted(reports):
+    others = [r for r in sorted(reports) if not any(x["group"] == group for x in reports[r]["records"])]
+    for r in sorted(set(reports) - set(others)):
         recs = [x for x in reports[r]["records"] if x["group"] == group]
         started = recs[-1] if recs else None
         done = next((x for x in reversed(recs) if x["end"] is not None), None)
@@ -205,6 +207,8 @@ def diagnose(reports: Dict[int, dict], group: str, world: int, now: float) -> st
             f", not completed after {now - started['start']:.1f} s"
         lines.append(f"  rank {r}: last started {describe(started)}{state}; last completed {describe(done)}; "
                      f"cause: {reports[r]['cause']}")
+    for r in others:
+        lines.append(f"  rank {r} (no recent collective on this group): cause: {reports[r]['cause']}")
     silent = [r for r in range(world) if r not in reports]
     if silent:
         lines.append(f"Rank(s) {silent} did not answer within {grace():g} s: dead, or busy outside zeroshard "

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from . import comm
 from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
+from ._mesh import Groups
 from ._ordered import OrderedReductions
 from ._shards import GradState, Region, Segment, ShardSource, empty_report
 from .layout import fill_flat
@@ -63,30 +64,33 @@ class FlatReducer(ShardSource):
     """The ZeRO-1/2 source; see [Note: sharded optimizer policy] in this module."""
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, adam: bool, bucket_bytes: int,
-                 reduce_dtype: Optional[torch.dtype], process_group: dist.ProcessGroup, src: int):
+                 reduce_dtype: Optional[torch.dtype], groups: Groups):
         super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.bucket_bytes, self.reduce_dtype = bucket_bytes, reduce_dtype
-        self.process_group, self.src = process_group, src
+        self.groups = groups
+        self.process_group = process_group = groups.shard
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self._sync = True
         self._state = GradState.EMPTY
         self.steps_done = 0         # steps that updated the shards (names the collectives)
         self._arrived = set()       # parameters with a gradient since zero_grad(set_to_none=True)
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
-        self._peak_bucket_bytes = self._bucket_bytes = 0
+        self.bucket_bytes_peak = self.bucket_bytes_now = 0    # stage-2 bucket buffers: peak, alive now
         self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
+        self._replicating: List[Bucket] = []   # hybrid: buckets whose replica all-reduce is in flight
         self._free: Dict[tuple, List[torch.Tensor]] = {}   # recycled bucket buffers
         self.device = check_params(params, self.trainable, self.err)
-        check_same_across_ranks(params, process_group, self.err)
+        check_same_across_ranks(params, groups.every, self.err)
         flat = build_flat(params, group_of, self.trainable, stage=stage, adam=adam, bucket_bytes=bucket_bytes,
-                          device=self.device, group=process_group, src=src)
+                          device=self.device, group=process_group, src=dist.get_global_rank(groups.every, 0),
+                          everyone=groups.every)
         self.layout, self.buffers, self.buckets, self.where = flat.layout, flat.buffers, flat.buckets, flat.where
         self.launch_order = flat.launch_order
         self._order_learned = False
         self._arrival: List[int] = []
-        self.grad_scale = 1.0 / self.world_size
+        self.grad_scale = 1.0 / (self.world_size * groups.replicas)
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
         self.full_shapes = {i: params[i].shape for i in self.trainable}
         self.regions, self.segments = _regions_and_segments(self, self.stage, self.rank)
@@ -107,6 +111,11 @@ class FlatReducer(ShardSource):
         return hook
 
     def _start_backward(self):
+        if self.stage == 1 and self.groups.replicate is not None and self._sync and not self._shard_fresh:
+            raise RuntimeError(self.err(
+                "hybrid sharding at stage 1: a second backward outside no_sync() without zero_grad() in between "
+                "would count the first one's reduced gradient once per replica; call opt.zero_grad() after "
+                "each step and accumulate micro-batches under opt.no_sync() (or use stage=2)"))
         self._state = GradState.BACKWARD
         self._reductions.start([self.buckets[b] for b in self.launch_order])
         self.events.append(("backward_start", -1))
@@ -190,12 +199,27 @@ class FlatReducer(ShardSource):
         if free:
             return free.pop()
         t = torch.empty(numel, dtype=dtype, device=self.device)
-        self._bucket_bytes += t.numel() * t.element_size()
-        self._peak_bucket_bytes = max(self._peak_bucket_bytes, self._bucket_bytes)
+        self.bucket_bytes_now += t.numel() * t.element_size()
+        self.bucket_bytes_peak = max(self.bucket_bytes_peak, self.bucket_bytes_now)
         return t
 
     def _retire(self, b: Bucket):
-        """Wait for a bucket's reduce-scatter and fold its result into the shard."""
+        """Wait for a bucket's reduce-scatter; fold its result into the shard, after
+        all-reducing it across the replicas under hybrid sharding (see [Note:
+        hybrid sharding] in _mesh.py: that all-reduce stays in flight until the
+        next bucket retires, so it overlaps the backward too)."""
+        b.handle.wait()
+        if self.groups.replicate is None:
+            self._fold(b)
+            return
+        b.handle = comm.all_reduce(b.reduce_out, group=self.groups.replicate,
+                                   what=f"step {self.steps_done + 1}, bucket {b.index} replica all-reduce")
+        self.comm_elements["replica_all_reduce"] += b.reduce_out.numel()
+        self._replicating.append(b)
+        while len(self._replicating) > 1:
+            self._fold(self._replicating.pop(0))
+
+    def _fold(self, b: Bucket):
         b.handle.wait()
         buf = b.buffer
         if self.stage == 1:
@@ -212,18 +236,20 @@ class FlatReducer(ShardSource):
             if sum(len(v) for v in self._free.values()) < MAX_INFLIGHT + 1:
                 self._free.setdefault((b.numel, b.grad.dtype), []).append(b.grad)
             else:   # enough kept for reuse: release it
-                self._bucket_bytes -= b.grad.numel() * b.grad.element_size()
+                self.bucket_bytes_now -= b.grad.numel() * b.grad.element_size()
             b.grad = None
         b.handle, b.reduce_out = None, None
 
     def _finish_backward(self):
         self._reductions.advance(flush=self._sync)
         self._reductions.drain()
+        while self._replicating:
+            self._fold(self._replicating.pop(0))
         # Bucket buffers are recycled within a backward only: none is held
         # between steps, so none is alive at the start of the next backward,
         # when the activations peak.
         for bufs in self._free.values():
-            self._bucket_bytes -= sum(t.numel() * t.element_size() for t in bufs)
+            self.bucket_bytes_now -= sum(t.numel() * t.element_size() for t in bufs)
         self._free.clear()
         if self._sync and not self._order_learned:
             self._learn_launch_order()
@@ -235,13 +261,14 @@ class FlatReducer(ShardSource):
 
     def _learn_launch_order(self):
         """Reduce buckets from now on in the order their last gradient arrived in
-        this backward; rank 0's order is used everywhere, so all ranks agree."""
+        this backward; rank 0's order is used everywhere (every replica too: their
+        all-reduces pair up bucket by bucket), so all ranks agree."""
         pos = {p: k for k, p in enumerate(self._arrival)}
         never = len(self._arrival)
         key = [max(pos.get(p, never) for p in b.params) for b in self.buckets]
         order = sorted(range(len(self.buckets)), key=lambda b: (key[b], b))
-        if self.world_size > 1:
-            order = comm.all_gather_object(order, group=self.process_group, what="bucket order")[0]
+        if dist.get_world_size(self.groups.every) > 1:
+            order = comm.all_gather_object(order, group=self.groups.every, what="bucket order")[0]
         self.launch_order = order
         self._order_learned = True
         self._arrival = []
@@ -318,30 +345,7 @@ class FlatReducer(ShardSource):
         self._state = GradState.EMPTY
 
     def memory_report(self, reset_peak: bool) -> Dict[str, int]:
-        rep = empty_report()
-        for buf in self.buffers:
-            full = sum(self.params[i].numel() for i in self.trainable if self.where[i][0] is buf)
-            item = buf.params.element_size()
-            mine, shard_len = buf.shard_data_numel, buf.shard_numel
-            rep["params"] += full * item
-            rep["padding"] += (buf.params.numel() - full) * item
-            if self.stage == 1:
-                rep["grads"] += full * item
-                rep["padding"] += (buf.grads.numel() - full) * item
-            else:
-                gi = self.reduce_dtype_of(buf.dtype).itemsize
-                rep["grads"] += mine * gi
-                rep["padding"] += (shard_len - mine) * gi
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                if getattr(buf, name) is not None:
-                    rep[name] += mine * 4
-                    rep["padding"] += (shard_len - mine) * 4
-        rep["total"] = sum(rep.values())
-        rep["comm_buffers"] = self._bucket_bytes
-        rep["comm_buffers_peak"] = self._peak_bucket_bytes
-        if reset_peak:
-            self._peak_bucket_bytes = self._bucket_bytes
-        return rep
+        return _memory_report(self, reset_peak)
 
 
 def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
@@ -374,3 +378,31 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
 
 def _shard_of(b: Bucket, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else b.shard_of(t)
+
+
+def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
+    """Bytes by category (see ShardedOptimizer.memory_report)."""
+    rep = empty_report()
+    for buf in src.buffers:
+        full = sum(src.params[i].numel() for i in src.trainable if src.where[i][0] is buf)
+        item = buf.params.element_size()
+        mine, shard_len = buf.shard_data_numel, buf.shard_numel
+        rep["params"] += full * item
+        rep["padding"] += (buf.params.numel() - full) * item
+        if src.stage == 1:
+            rep["grads"] += full * item
+            rep["padding"] += (buf.grads.numel() - full) * item
+        else:
+            gi = src.reduce_dtype_of(buf.dtype).itemsize
+            rep["grads"] += mine * gi
+            rep["padding"] += (shard_len - mine) * gi
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            if getattr(buf, name) is not None:
+                rep[name] += mine * 4
+                rep["padding"] += (shard_len - mine) * 4
+    rep["total"] = sum(rep.values())
+    rep["comm_buffers"] = src.bucket_bytes_now
+    rep["comm_buffers_peak"] = src.bucket_bytes_peak
+    if reset_peak:
+        src.bucket_bytes_peak = src.bucket_bytes_now
+    return rep

@@ -26,6 +26,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from ._mesh import Groups
+
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
 
 # memory_report()'s persistent categories, bytes on this rank; "total" is their sum. Every
@@ -116,7 +118,10 @@ class ShardSource(abc.ABC):
     index -> full shape, trainable parameters only), ``grad_scale`` (the
     kernel multiplies gradients by it: 1/N for summed reductions),
     ``check_finite`` (fp16 anywhere: the step checks for inf/NaN first),
-    ``stage``, ``device``, ``process_group``, ``world_size``, ``rank``."""
+    ``stage``, ``device``, ``process_group`` (the group the state is sharded
+    over), ``world_size``, ``rank`` (in it), ``groups`` (with the replica
+    and statistics groups of hybrid sharding; see [Note: hybrid sharding] in
+    _mesh.py)."""
     segments: List[Segment]
     regions: List[Region]
     full_shapes: Dict[int, torch.Size]
@@ -127,10 +132,11 @@ class ShardSource(abc.ABC):
     process_group: dist.ProcessGroup
     world_size: int
     rank: int
+    groups: Groups
 
     def __init__(self):
         # elements each kind of collective moved (the optimizer adds its all-reduces)
-        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
+        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0, "replica_all_reduce": 0}
         # (what, index) of recent hooks, launches and steps, in order; bounded so
         # a long run does not grow it (tests/test_sharded.py reads it)
         self.events: collections.deque = collections.deque(maxlen=4096)

@@ -10,6 +10,7 @@ import warnings
 from typing import Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 from ._gather import Gatherer
@@ -25,10 +26,15 @@ class UnitBackward:
     """The backward of one FullyShard's units."""
 
     def __init__(self, units: List[Unit], gatherer: Gatherer, *, device: torch.device, group, rank: int,
-                 world: int, reduce_dtype: torch.dtype, events, comm_elements: dict,
+                 world: int, replicate, reduce_dtype: torch.dtype, events, comm_elements: dict,
                  fwd_order: Callable[[], List[int]]):
         self.units, self.gatherer, self.device, self.group = units, gatherer, device, group
         self.rank, self.world, self.reduce_dtype = rank, world, reduce_dtype
+        # hybrid sharding: each reduced shard is all-reduced across these replicas
+        # ([Note: hybrid sharding] in _mesh.py); the gradient is divided by every rank
+        self.replicate = replicate
+        self.divisor = world * (dist.get_world_size(replicate) if replicate is not None else 1)
+        self._replicating: List[Unit] = []    # units whose replica all-reduce is in flight
         self.events, self.comm_elements, self._fwd_order = events, comm_elements, fwd_order
         self.state = GradState.EMPTY
         self.sync = True             # reduce (False under no_sync(): accumulate locally)
@@ -125,16 +131,32 @@ class UnitBackward:
     def _retire(self, u: Unit):
         u.reduce.wait()
         u.reduce = None
+        if self.replicate is None:
+            self._fold(u)
+            return
+        # stays in flight until the next unit retires: it overlaps the backward too
+        u.reduce = comm.all_reduce(u.own(u.grad_flat, self.rank), group=self.replicate,
+                                   what=f"unit '{u.name}' replica all-reduce")
+        self.comm_elements["replica_all_reduce"] += u.shard_numel
+        self._replicating.append(u)
+        while len(self._replicating) > 1:
+            self._fold(self._replicating.pop(0))
+
+    def _fold(self, u: Unit):
+        """Divide the reduced chunk by every rank and write (or add) it into the fp32 shard."""
+        if u.reduce is not None:
+            u.reduce.wait()
+            u.reduce = None
         chunk = u.own(u.grad_flat, self.rank)
         if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
             u.grad_shard = torch.empty(u.shard_numel, dtype=torch.float32, device=self.device)
             u.fresh = True
         if u.fresh and chunk.dtype == torch.float32:
-            torch.div(chunk, self.world, out=u.grad_shard)     # one pass
+            torch.div(chunk, self.divisor, out=u.grad_shard)     # one pass
         elif u.fresh:
-            u.grad_shard.copy_(chunk).div_(self.world)          # divide in fp32
+            u.grad_shard.copy_(chunk).div_(self.divisor)          # divide in fp32
         else:
-            u.grad_shard.add_(chunk.float().div_(self.world))
+            u.grad_shard.add_(chunk.float().div_(self.divisor))
         for q in u.trainable:
             q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()]
         self.grad_bytes -= u.grad_flat.numel() * u.grad_flat.element_size()
@@ -145,6 +167,8 @@ class UnitBackward:
         if self.sync:
             self._reductions.advance(flush=True)
             self._reductions.drain()
+            while self._replicating:
+                self._fold(self._replicating.pop(0))
         self.gatherer.reshard_all()
         self.state = GradState.READY if self.sync else GradState.EMPTY
         if self.sync:
@@ -154,9 +178,11 @@ class UnitBackward:
     @torch.no_grad()
     def abandon(self):
         """Forget a backward that stopped half-way (it raised): its gradients are dropped."""
-        for u in self._reductions.inflight:
-            u.reduce.wait()
+        for u in self._reductions.inflight + self._replicating:
+            if u.reduce is not None:
+                u.reduce.wait()
         self._reductions.reset()
+        self._replicating = []
         for u in self.units:
             u.reduce, u.grad_flat = None, None
             for q in u.trainable:

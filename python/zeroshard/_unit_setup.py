@@ -27,9 +27,23 @@ class Setup:
     group: object                  # the process group
     world: int
     rank: int
-    src: int                       # global rank of the group's rank 0 (whose values everyone takes)
+    src: int                       # global rank whose values everyone takes (rank 0 of ``everyone``)
     param_dtype: torch.dtype
     err: Callable[[str], str]      # rank-prefixed error message
+    everyone: object               # every rank holding a copy: ``group`` x the replicas (hybrid sharding)
+
+
+def build(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
+    """Every setup step in order: units from the module tree, the same model on
+    every rank, their layout and shards, buffers, meta initialisation."""
+    units, named = make_units(cfg, wrap, nested)
+    check_same_model(cfg, units)
+    meta_init = any(p.is_meta for p in cfg.module.parameters())
+    build_units(cfg, units, meta_init)
+    buffers_to_device(cfg)
+    if meta_init and cfg.device.type != "meta":
+        materialize(cfg, units)
+    return units, named
 
 
 def pick_device(module: nn.Module, device, group, err: Callable[[str], str]) -> torch.device:
@@ -137,7 +151,7 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
 def check_same_model(cfg: "Setup", units: List[Unit]):
     mine = [(u.name, [(q.names[0], tuple(q.shape), str(q.dtype), q.requires_grad) for q in u.params])
             for u in units]
-    everyone = comm.all_gather_object(mine, group=cfg.group, what="setup: same model on every rank")
+    everyone = comm.all_gather_object(mine, group=cfg.everyone, what="setup: same model on every rank")
     for r, theirs in enumerate(everyone):
         if theirs != everyone[0]:
             raise ValueError(cfg.err(f"rank {r} and rank 0 built different models "
@@ -171,8 +185,8 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
             for q in u.params:
                 src = q.slots[0][0]._parameters[q.slots[0][1]]
                 flat[q.offset:q.offset + q.numel].copy_(src.detach().reshape(-1))
-            if W > 1:
-                dist.broadcast(flat, src=cfg.src, group=cfg.group)
+            if dist.get_world_size(cfg.everyone) > 1:
+                dist.broadcast(flat, src=cfg.src, group=cfg.everyone)
             u.shard.copy_(u.own(flat, r))
             del flat
         lo, hi = r * u.shard_numel, (r + 1) * u.shard_numel
@@ -202,8 +216,8 @@ def buffers_to_device(cfg: "Setup"):
                 b = torch.zeros(b.shape, dtype=b.dtype, device=cfg.device)
             elif b.device != cfg.device and cfg.device.type != "meta":
                 b = b.to(cfg.device)
-            if cfg.world > 1 and not b.is_meta:
-                dist.broadcast(b, src=cfg.src, group=cfg.group)
+            if dist.get_world_size(cfg.everyone) > 1 and not b.is_meta:
+                dist.broadcast(b, src=cfg.src, group=cfg.everyone)
             mod._buffers[name] = b
 
 

@@ -21,8 +21,9 @@ class UnitSource(ShardSource):
     """The ZeRO-3 source over the FullyShard models that own ``params``
     (``owners[i]`` is the FullyShard of ``params[i]``; none is None)."""
 
-    def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, process_group,
+    def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, groups: tuple,
                  reduce_dtype, adam: bool = True):
+        """``groups``: the optimizer's (process_group, shard_size, device_mesh) arguments."""
         super().__init__()
         self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
         for fs in owners:
@@ -30,8 +31,9 @@ class UnitSource(ShardSource):
                 self.owners.append(fs)
         first, self.adam = self.owners[0], adam
         self.world_size, self.rank = first.world_size, first.rank
-        self._check(process_group, reduce_dtype)
+        self._check(groups, reduce_dtype)
         self.process_group, self.device, self.stage = first.process_group, first.device, 3
+        self.groups = first.groups
         self.grad_scale = 1.0    # FullyShard divides by N as it folds the reduction into the shard
         self.check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in self.owners)
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
@@ -54,7 +56,12 @@ class UnitSource(ShardSource):
     def err(self, msg: str) -> str:
         return comm.on_rank(self, msg)
 
-    def _check(self, process_group, reduce_dtype):
+    def _check(self, groups: tuple, reduce_dtype):
+        process_group = groups[0]
+        if groups[1:] != (None, None):
+            raise ValueError(self.err(
+                "these are FullyShard parameters: their sharding is FullyShard's, so pass shard_size / "
+                "device_mesh to zeroshard.FullyShard, not to ShardedOptimizer"))
         if reduce_dtype is not None:
             raise ValueError(self.err("reduce_dtype is set by FullyShard's mixed_precision for FullyShard "
                                       "parameters; do not pass it to ShardedOptimizer"))

@@ -100,12 +100,36 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None) -
     with FullyShard, ShardedOptimizer (any stage), and plain models with
     ``torch.optim.AdamW`` (with or without torch.distributed). ``extra`` (any
     picklable object, e.g. ``{"step": step, "rng": torch.get_rng_state()}``)
-    is kept per rank and returned by ``load_checkpoint``. An existing
+    is kept per rank and returned by ``load_checkpoint``. With hybrid sharding
+    the first shard group writes (each shard once; its ranks' ``extra``) and
+    the replicas wait for it. An existing
     checkpoint at ``path`` is replaced only once the new one is complete; an
     existing directory that is not a zeroshard checkpoint is never touched.
     """
     path = os.path.abspath(os.fspath(path))
     h = Holdings(model, optimizer, for_load=False)   # same outcome on every rank
+    if h.replicas == 1:
+        _save(h, path, extra)
+        return
+    # hybrid sharding: the first shard group writes (its replicas hold the same
+    # shards); the others wait for its outcome, so the checkpoint is complete
+    # wherever this returns
+    err = None
+    if h.replica_rank == 0:
+        try:
+            _save(h, path, extra)
+        except Exception as e:  # noqa: BLE001 - every failure must reach every rank
+            err = e
+    told = comm.all_gather_object(None if err is None else f"{type(err).__name__}: {err}", group=h.every,
+                                  what="checkpoint outcome exchange (replicas)")
+    if err is not None:
+        raise err
+    failed = [(r, m) for r, m in enumerate(told) if m is not None]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+
+
+def _save(h: Holdings, path: str, extra: Any) -> None:
     tmp = _collective(h, lambda: _prepare(h, path), gather=True)[0]
     try:
         written = _collective(h, lambda: _write(h, tmp, extra), gather=True)

@@ -71,6 +71,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from . import _mesh
 from . import _unit_setup as setup
 from . import _unit_state as unit_state
 from . import comm
@@ -114,12 +115,14 @@ class FullyShard(nn.Module):
     shards in place. ``device`` (default: the parameters' device, or the
     current CUDA device / CPU for a model on ``meta``) holds the shards;
     ``device="meta"`` keeps them on meta, for planning and memory reports.
+    ``shard_size`` / ``device_mesh``: see [Note: hybrid sharding] in zeroshard/_mesh.py.
     """
 
     def __init__(self, module: nn.Module, wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
                  mixed_precision: Optional[MixedPrecision] = None, reshard_after_forward: bool = True,
                  prefetch: int = 1, process_group: Optional[dist.ProcessGroup] = None, *,
-                 device: Union[torch.device, str, None] = None):
+                 device: Union[torch.device, str, None] = None, shard_size: Optional[int] = None,
+                 device_mesh=None):
         super().__init__()
         mp = _check_arguments(module, mixed_precision, prefetch)
         self.module = module
@@ -128,11 +131,12 @@ class FullyShard(nn.Module):
         self.mixed_precision = mp
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = prefetch
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.groups = _mesh.groups(process_group, shard_size, device_mesh, "FullyShard")
+        self.process_group = self.groups.shard
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self._src = dist.get_global_rank(self.process_group, 0) if process_group is not None else 0
-        self.comm_elements = {"all_gather": 0, "reduce_scatter": 0}
+        self._src = dist.get_global_rank(self.groups.every, 0)
+        self.comm_elements = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
         # (what, unit name) of recent gathers, forwards, reshards and reductions, in
         # order; bounded so a long run does not grow it (the tests read it)
         self.events: collections.deque = collections.deque(maxlen=4096)
@@ -144,20 +148,15 @@ class FullyShard(nn.Module):
         self._optimizer_states: List[tuple] = []
 
         self._device = setup.pick_device(module, device, self.process_group, self._err)
-        cfg = setup.Setup(module, self._device, self.process_group, self.world_size, self.rank, self._src,
-                          self.param_dtype, self._err)
-        self._units, self._named = setup.make_units(cfg, wrap, FullyShard)
-        setup.check_same_model(cfg, self._units)
-        meta_init = any(p.is_meta for p in module.parameters())
-        setup.build_units(cfg, self._units, meta_init)
-        setup.buffers_to_device(cfg)
-        if meta_init and self._device.type != "meta":
-            setup.materialize(cfg, self._units)
+        self._units, self._named = setup.build(setup.Setup(
+            module, self._device, self.process_group, self.world_size, self.rank, self._src, self.param_dtype,
+            self._err, self.groups.every), wrap, FullyShard)
         self._gatherer = Gatherer(self._units, device=self._device, group=self.process_group, rank=self.rank,
                                   prefetch=prefetch, events=self.events, comm_elements=self.comm_elements,
                                   err=self._err)
         self._backward = UnitBackward(self._units, self._gatherer, device=self._device, group=self.process_group,
-                                      rank=self.rank, world=self.world_size, reduce_dtype=self.reduce_dtype,
+                                      rank=self.rank, world=self.world_size, replicate=self.groups.replicate,
+                                      reduce_dtype=self.reduce_dtype,
                                       events=self.events, comm_elements=self.comm_elements,
                                       fwd_order=lambda: self._fwd_order)
         register_owner(self, self._units)

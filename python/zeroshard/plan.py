@@ -1,6 +1,7 @@
 """Memory planner: per-rank model-state bytes for DDP and ZeRO-1/2/3.
 
     python -m zeroshard.plan --params 7e9 --world-size 8 --dtype bf16
+    python -m zeroshard.plan --params 7e9 --world-size 32 --shard-size 8   # hybrid: 4 nodes x 8 GPUs
 
 Conventions (the seeds use both; say which one you mean):
 * ``--dtype bf16`` / ``fp16`` (mixed precision, seed 004 and seed 003's table):
@@ -44,53 +45,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ._ordered import OrderedReductions
+from ._plan_formula import (
+    _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, slow_link_bytes)
 from ._reducer import MAX_INFLIGHT as _SO_INFLIGHT
 from ._shards import PERSISTENT
 from .fully_shard import MAX_INFLIGHT as _FS_INFLIGHT
 from .fully_shard import FullyShard, MixedPrecision
 from .sharded import ShardedOptimizer
 
-CARDS_GB = (24, 40, 80, 141)
-_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}   # params, grads, optimizer
-STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+__all__ = ["model_state_bytes", "slow_link_bytes", "format_table", "plan_model", "format_model_plan",
+           "activation_bytes", "main"]
+
 _PERSISTENT = PERSISTENT + ("total",)   # memory_report()'s persistent categories
-
-
-def _check(dtype: str, world_size: int) -> None:
-    if dtype not in _BYTES:
-        raise ValueError(f"dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
-    if not (isinstance(world_size, int) and world_size >= 1):
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-
-
-def model_state_bytes(params: float, world_size: int, dtype: str = "bf16") -> Dict[str, Dict[str, float]]:
-    """Per-rank bytes of parameters, gradients and optimizer states for each stage."""
-    _check(dtype, world_size)
-    if not params > 0:
-        raise ValueError(f"params must be > 0, got {params}")
-    p, g, o = (b * params for b in _BYTES[dtype])
-    n = world_size
-    rows = {"DDP": (p, g, o), "ZeRO-1": (p, g, o / n), "ZeRO-2": (p, g / n, o / n), "ZeRO-3": (p / n, g / n, o / n)}
-    return {s: {"params": a, "grads": b, "optimizer": c, "total": a + b + c} for s, (a, b, c) in rows.items()}
-
-
-def format_table(params: float, world_size: int, dtype: str = "bf16") -> str:
-    rows = model_state_bytes(params, world_size, dtype)
-    gb = 1e9
-    lines = [f"model state per rank: {params / 1e9:g}B parameters, {world_size} ranks, {dtype} "
-             f"(GB = 10^9 bytes; activations and buffers not included)",
-             f"{'stage':<8}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9}  " +
-             "".join(f"{c:>6}GB" for c in CARDS_GB)]
-    for s in STAGES:
-        r = rows[s]
-        fits = "".join(f"{'yes' if r['total'] <= c * gb else 'no':>8}" for c in CARDS_GB)
-        lines.append(f"{s:<8}{r['params'] / gb:>9.2f}{r['grads'] / gb:>9.2f}{r['optimizer'] / gb:>11.2f}"
-                     f"{r['total'] / gb:>9.2f}  {fits}")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------ --model mode
@@ -448,6 +418,8 @@ def main(argv: List[str] = None) -> None:
     ap.add_argument("--bucket-mb", type=float, default=25, help="ShardedOptimizer bucket_mb (default 25)")
     ap.add_argument("--prefetch", type=int, default=1, help="FullyShard prefetch (default 1)")
     ap.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
+    ap.add_argument("--shard-size", type=int, help="hybrid sharding: shard over S ranks (a node), replicate "
+                                                   "across the N/S groups (default: shard over all N)")
     ap.add_argument("--dtype", choices=sorted(_BYTES), default="bf16",
                     help="bf16/fp16: mixed precision with fp32 master (default); fp32: plain fp32")
     args = ap.parse_args(argv)
@@ -455,10 +427,12 @@ def main(argv: List[str] = None) -> None:
         ap.error("--world-size must be >= 1")
     if (args.params is None) == (args.model is None):
         ap.error("give exactly one of --params and --model")
+    if args.shard_size is not None and (args.shard_size < 1 or args.world_size % args.shard_size):
+        ap.error(f"--shard-size must divide --world-size ({args.world_size}), got {args.shard_size}")
     if args.model is None:
         if not args.params > 0:
             ap.error("--params must be > 0")
-        print(format_table(args.params, args.world_size, args.dtype))
+        print(format_table(args.params, args.world_size, args.dtype, args.shard_size))
         return
     try:
         build = _load(args.model)
@@ -466,10 +440,14 @@ def main(argv: List[str] = None) -> None:
         if args.input:
             fn = _load(args.input)
             example = (lambda: fn(batch=args.batch)) if args.batch else fn
-        plan = plan_model(build, args.world_size, args.dtype, wrap=args.wrap, bucket_mb=args.bucket_mb,
-                          prefetch=args.prefetch, example=example)
+        # hybrid sharding holds per rank exactly what sharding over S ranks does
+        plan = plan_model(build, args.shard_size or args.world_size, args.dtype, wrap=args.wrap,
+                          bucket_mb=args.bucket_mb, prefetch=args.prefetch, example=example)
     except (ValueError, TypeError) as e:
         ap.error(str(e))
+    if args.shard_size is not None:
+        print(f"hybrid sharding: {args.world_size} ranks = {args.world_size // args.shard_size} replicas x "
+              f"{args.shard_size} shards; per rank as when sharding over {args.shard_size} ranks:")
     print(format_model_plan(plan))
 
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _optim_state, comm
+from . import _mesh, _optim_state, comm
 from ._grads import ReducedGrads
 from ._reducer import FlatReducer
 from ._rules import FusedAdamW, TorchElementwise, check_class, probe_defaults, require_fused
@@ -66,14 +66,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     updates this rank's shard with the fused AdamW kernel and all-gathers the
     parameters. Given the parameters of a zeroshard.FullyShard model it updates
     that model's shards (ZeRO-3). See [Note: sharded optimizer policy] in
-    zeroshard/_reducer.py.
+    zeroshard/_reducer.py; ``shard_size`` / ``device_mesh``: [Note: hybrid sharding] in _mesh.py.
     """
 
     def __init__(self, params, lr: Optional[float] = None, betas=None, eps: Optional[float] = None,
                  weight_decay: Optional[float] = None, *, stage: int = 2, bucket_mb: float = 25,
                  process_group: Optional[dist.ProcessGroup] = None,
                  reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
-                 **optimizer_kwargs):
+                 shard_size: Optional[int] = None, device_mesh=None, **optimizer_kwargs):
         _check_arguments(stage, bucket_mb, reduce_dtype)
         given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items()
                  if v is not None}
@@ -106,7 +106,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
         if not self._trainable:
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        self._source = self._make_source(stage, process_group, adam=fused)
+        self._source = self._make_source(stage, process_group, (shard_size, device_mesh), adam=fused)
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
         self.events, self.comm_elements = self._source.events, self._source.comm_elements
@@ -115,21 +115,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._rule = FusedAdamW() if fused else TorchElementwise(
             optimizer_class, self._optimizer_kwargs, self._source.segments, self.param_groups)
 
-    def _make_source(self, stage: int, process_group, adam: bool) -> ShardSource:
+    def _make_source(self, stage: int, process_group, hybrid: tuple, adam: bool) -> ShardSource:
         owners = [owner_of(p) for p in self._params]
         if all(o is None for o in owners):
-            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            groups = _mesh.groups(process_group, *hybrid, who="ShardedOptimizer")
             return FlatReducer(self._params, self._group_of, stage=stage, adam=adam, bucket_bytes=self.bucket_bytes,
-                               reduce_dtype=self.reduce_dtype,
-                               process_group=process_group if process_group is not None else dist.group.WORLD,
-                               src=src)
+                               reduce_dtype=self.reduce_dtype, groups=groups)
         for i, o in enumerate(owners):
             if o is None:
                 raise ValueError(self._err(
                     f"parameter {i} (shape {tuple(self._params[i].shape)}) is not a FullyShard parameter but "
                     "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
                     "outside the wrapped blocks) and pass model.parameters()"))
-        return UnitSource(self._params, self._group_of, owners, process_group, self.reduce_dtype, adam)
+        return UnitSource(self._params, self._group_of, owners, (process_group, *hybrid), self.reduce_dtype, adam)
 
     # ------------------------------------------------- what checkpoints read
     @property
