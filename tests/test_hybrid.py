@@ -21,18 +21,19 @@ def hybrid(request):
     return get_pool(world), shard
 
 
-def _train(stage, shard_size, clip, mesh):
+def _train(stage, shard_size, clip, mesh, micro=1):
     kw = dict(shard_size=shard_size)
     if mesh:
         from torch.distributed.device_mesh import init_device_mesh
         world = dist.get_world_size()
         kw = dict(device_mesh=init_device_mesh("cpu", (world // shard_size, shard_size),
                                                mesh_dim_names=("replicate", "shard")))
-    model, opt, norms = train_ours(1, stage, clip=clip, **kw)
+    acc = dict(micro=micro, no_sync=micro > 1)      # micro-batches accumulated under no_sync()
+    model, opt, norms = train_ours(1, stage, clip=clip, **acc, **kw)
     before = dict(opt.comm_elements)
-    train_ours(STEPS - 1, stage, clip=clip, model=model, opt=opt, first_step=1)
+    train_ours(STEPS - 1, stage, clip=clip, model=model, opt=opt, first_step=1, **acc)
     per_step = {k: (opt.comm_elements[k] - before[k]) / (STEPS - 1) for k in before}
-    ref, _ = reference(STEPS)
+    ref, _ = reference(STEPS, micro=micro)
     err = max(rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     rep = opt.memory_report()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -41,10 +42,10 @@ def _train(stage, shard_size, clip, mesh):
                 norms=norms)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_hybrid_equals_single_process_adamw(hybrid, stage):
+@pytest.mark.parametrize("stage,micro", [(1, 1), (2, 1), (2, 2)])
+def test_hybrid_equals_single_process_adamw(hybrid, stage, micro):
     pool, shard = hybrid
-    res = pool.run(_train, stage, shard, None, False)
+    res = pool.run(_train, stage, shard, None, False, micro)
     replicas = pool.world_size // shard
     for r, out in enumerate(res):
         assert out["err"] < 1e-5, (r, out["err"])
@@ -65,6 +66,35 @@ def test_hybrid_equals_single_process_adamw(hybrid, stage):
             grads = 4 * psi if stage == 1 else 4 * own
             assert rep["total"] - rep["padding"] == 4 * psi + grads + 8 * own, (r, rep)
     assert replicas > 1
+
+
+def _train_fully_shard(shard_size, micro):
+    import contextlib
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from test_sharded import batches
+    from test_sharded import local as local_slice
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = zs.FullyShard(make_model(), wrap={nn.Linear}, shard_size=shard_size)
+    opt = zs.ShardedOptimizer(param_groups(model))
+    for mbs in batches(STEPS, micro=micro):
+        opt.zero_grad()
+        for j, (x, y) in enumerate(mbs):
+            with opt.no_sync() if j < micro - 1 else contextlib.nullcontext():
+                (F.cross_entropy(model(local_slice(x, rank, world)), local_slice(y, rank, world)) / micro).backward()
+        opt.step()
+    ref, _ = reference(STEPS, micro=micro)
+    full = model.state_dict()
+    return max(rel_err(full[k], v) for k, v in ref.state_dict().items()), model.comm_elements
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_hybrid_fully_shard_equals_single_process_adamw(hybrid, micro):
+    pool, shard = hybrid
+    for err, comm_elements in pool.run(_train_fully_shard, shard, micro):
+        assert err < 1e-5, err
+        assert comm_elements["replica_all_reduce"] > 0
 
 
 def test_hybrid_clipping_counts_each_shard_once_and_mesh_equals_shard_size():
