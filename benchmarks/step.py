@@ -119,7 +119,9 @@ class Autocast(torch.nn.Module):
             return self.model(*args)
 
 
-def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
+def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None):
+    """The variant's (model to call, optimizer); ``shard_size``: hybrid sharding
+    (zeroshard's shard_size=, FSDP2's 2-D mesh: HSDP); DDP variants ignore it."""
     if variant == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "adamw-amp":
@@ -136,6 +138,11 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
         zero3 = variant == "fsdp2-3"
         kw = dict(reshard_after_forward=zero3, mp_policy=MixedPrecisionPolicy(
             param_dtype=param_dtype if zero3 else None, reduce_dtype=torch.float32 if zero3 else None))
+        if shard_size is not None:    # HSDP: shard within S ranks, replicate across the groups
+            from torch.distributed.device_mesh import init_device_mesh
+            kw["mesh"] = init_device_mesh(next(model.parameters()).device.type,
+                                          (dist.get_world_size() // shard_size, shard_size),
+                                          mesh_dim_names=("replicate", "shard"))
         for blk in model.blocks:
             fully_shard(blk, **kw)
         fully_shard(model, **kw)
@@ -146,11 +153,11 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4):
     if variant.startswith("zeroshard-3"):
         prefetch = 0 if variant == "zeroshard-3@p0" else prefetch
         model = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
-            param_dtype=param_dtype, reduce_dtype=torch.float32))
+            param_dtype=param_dtype, reduce_dtype=torch.float32), shard_size=shard_size)
         return model, zs.ShardedOptimizer(model.parameters(), lr=lr)
     name, _, mb = variant.partition("@")   # "zeroshard-2@5": bucket_mb=5
     return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(name[-1]),
-                                      bucket_mb=float(mb) if mb else 25)
+                                      bucket_mb=float(mb) if mb else 25, shard_size=shard_size)
 
 
 ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
@@ -206,7 +213,7 @@ def tensor_peak_mb(variant, cfg, args, data):
     with TensorBytes() as t:
         model = new_model(cfg, args, torch.device("cpu"))
         t.mark()
-        wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch)
+        wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch, shard_size=args.shard_size)
         for _ in range(2):   # (the loss is not kept: exactly the step's own tensors are counted)
             wrapped(data[:, :-1], data[:, 1:]).backward()
             opt.step()
@@ -271,7 +278,7 @@ def worker(rank, world, port, out, variant, cfg, args, measure=True):
         torch.cuda.reset_peak_memory_stats()
     else:
         reset_peak_rss()
-    wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch)
+    wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch, shard_size=args.shard_size)
     times = []
     for i in range(args.warmup + args.steps):
         loss, seconds = timed_step(wrapped, opt, data, sync)
@@ -304,7 +311,8 @@ def paired_worker(rank, world, port, out, variants, cfg, args):
     variant sees the same machine load, so their time ratios are steadier
     than those of separate runs. Rank 0 puts {variant: [seconds per step]}."""
     device, data, sync = setup(rank, world, port, cfg, args)
-    built = {v: build(v, new_model(cfg, args, device), getattr(torch, args.param_dtype), args.prefetch)
+    built = {v: build(v, new_model(cfg, args, device), getattr(torch, args.param_dtype), args.prefetch,
+                     shard_size=args.shard_size)
              for v in variants}
     times = {v: [] for v in variants}
     for i in range(args.warmup + args.paired):
@@ -338,7 +346,7 @@ def planned_peak_mb(variant, cfg, args):
         idx = torch.zeros(args.batch, cfg.seq, dtype=torch.long)
         return idx, idx
 
-    plan = plan_model(lambda: GPT(cfg), args.world_size, dtype, wrap={Block}, prefetch=args.prefetch,
+    plan = plan_model(lambda: GPT(cfg), args.shard_size or args.world_size, dtype, wrap={Block}, prefetch=args.prefetch,
                       bucket_mb=float(opt) if opt and stage < 3 else 25, example=example)
     return plan["stages"][f"ZeRO-{stage}"]["peak"] / 2**20
 
@@ -375,6 +383,8 @@ def spawn(ctx, target, world, what, *extra):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--shard-size", type=int, default=None,
+                    help="hybrid sharding: zeroshard's shard_size, FSDP2 with a (replicate, shard) mesh (HSDP)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (timing)")
@@ -396,6 +406,8 @@ def main():
                     help="skip counting each variant's collectives (one extra, profiled step)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "step.json"))
     args = ap.parse_args()
+    if args.shard_size is not None and (args.shard_size < 1 or args.world_size % args.shard_size):
+        ap.error(f"--shard-size must divide --world-size ({args.world_size})")
     cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, vocab=args.vocab)
     ctx = mp.get_context("spawn")
     rows = []
@@ -430,7 +442,8 @@ def main():
         r["paired_ratio"] = statistics.median(a / b for a, b in zip(paired[r["variant"]], paired[base["variant"]]))
     ours = next((r for r in rows if r["variant"] == "zeroshard-2"), base)
     where = "CPU gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()} NCCL"
-    print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size} | {where} | "
+    hybrid = f" ({args.world_size // args.shard_size} replicas x {args.shard_size} shards)" if args.shard_size else ""
+    print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size}{hybrid} | {where} | "
           f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}")
     exact = args.device == "cpu"
     print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'paired':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
@@ -452,6 +465,7 @@ def main():
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(date=str(date.today()), torch=torch.__version__, world_size=args.world_size,
+                       shard_size=args.shard_size,
                        param_dtype=args.param_dtype, config=vars(cfg), rows=rows,
                        machine=machine_info(args.device), device=args.device, backend=where, dtype=args.dtype,
                        batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
