@@ -75,7 +75,8 @@ def _train_fully_shard(shard_size, micro):
     import torch.nn.functional as F
     from test_sharded import batches
     from test_sharded import local as local_slice
-    rank, world = dist.get_rank(), dist.get_world_size()
+    import time
+    rank, world, t0 = dist.get_rank(), dist.get_world_size(), time.time()
     model = zs.FullyShard(make_model(), wrap={nn.Linear}, shard_size=shard_size)
     opt = zs.ShardedOptimizer(param_groups(model))
     for mbs in batches(STEPS, micro=micro):
@@ -86,15 +87,20 @@ def _train_fully_shard(shard_size, micro):
         opt.step()
     ref, _ = reference(STEPS, micro=micro)
     full = model.state_dict()
-    return max(rel_err(full[k], v) for k, v in ref.state_dict().items()), model.comm_elements
+    groups = {kind: {r["group"] for r in zs.flight_record() if kind in r["what"] and r["start"] >= t0}
+              for kind in ("replica all-reduce", "all-gather")}
+    return max(rel_err(full[k], v) for k, v in ref.state_dict().items()), model.comm_elements, groups
 
 
 @pytest.mark.parametrize("micro", [1, 2])
 def test_hybrid_fully_shard_equals_single_process_adamw(hybrid, micro):
     pool, shard = hybrid
-    for err, comm_elements in pool.run(_train_fully_shard, shard, micro):
+    for err, comm_elements, groups in pool.run(_train_fully_shard, shard, micro):
         assert err < 1e-5, err
         assert comm_elements["replica_all_reduce"] > 0
+        # the flight record names each collective's group: replicas, and the shard group
+        assert len(groups["replica all-reduce"]) == 1 and len(groups["all-gather"]) == 1
+        assert groups["replica all-reduce"] != groups["all-gather"]
 
 
 def test_hybrid_clipping_counts_each_shard_once_and_mesh_equals_shard_size():
@@ -110,10 +116,8 @@ def test_hybrid_clipping_counts_each_shard_once_and_mesh_equals_shard_size():
 # A DDP script's habits (torch's clip, GradScaler with an overflow on one rank, several
 # synced backwards per step, parameters used on one rank only) against DDP itself,
 # with 2 replicas of 2 shards; stage 3 is FullyShard(shard_size=2).
-# (stage 1 refuses two synced backwards without zero_grad under hybrid sharding:
-# test_hybrid_misuse_is_a_clear_error)
-@pytest.mark.parametrize("stage,case", [(s, c) for s in (1, 2, 3) for c in ("torch_clip", "scaler", "model_zero_grad")
-                                        if (s, c) != (1, "model_zero_grad")])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("case", ["torch_clip", "scaler", "model_zero_grad"])
 def test_hybrid_ddp_script_equals_ddp(stage, case):
     for r in get_pool(4).run(_compare, stage, case, shard_size=2):
         assert r["param_err"] < 1e-5, r
@@ -159,13 +163,6 @@ def _bad(kind):
     elif kind == "1-D mesh":
         from torch.distributed.device_mesh import init_device_mesh
         zs.ShardedOptimizer(model.parameters(), device_mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    elif kind == "stage 1 double sync":
-        from test_sharded import batches
-        import torch.nn.functional as F
-        zs.ShardedOptimizer(param_groups(model), stage=1, shard_size=2)
-        x, y = batches(1)[0][0]
-        F.cross_entropy(model(x), y).backward()
-        F.cross_entropy(model(x), y).backward()
     elif kind == "fully shard":
         zs.FullyShard(model, shard_size=5)
 
@@ -175,7 +172,6 @@ def _bad(kind):
                      r"size \(4\), got 3"),
     ("with process_group", "pass process_group or shard_size, not both"),
     ("1-D mesh", "device_mesh must be 2-D"),
-    ("stage 1 double sync", "hybrid sharding at stage 1: a second backward outside no_sync"),
     ("fully shard", r"FullyShard: shard_size must be a positive integer dividing the world size \(4\), got 5"),
 ])
 def test_hybrid_misuse_is_a_clear_error(kind, match):

@@ -95,6 +95,9 @@ class FlatReducer(ShardSource):
         self.full_shapes = {i: params[i].shape for i in self.trainable}
         self.regions, self.segments = _regions_and_segments(self, self.stage, self.rank)
         self._hooks = [params[i].register_post_accumulate_grad_hook(self._make_hook(i)) for i in self.trainable]
+        self._kept: Optional[Dict[int, torch.Tensor]] = None     # see _before_grad
+        if stage == 1 and groups.replicate is not None:
+            self._hooks += [params[i].register_hook(self._before_grad) for i in self.trainable]
 
     # ------------------------------------------------------------------ setup
     def err(self, msg: str) -> str:
@@ -110,12 +113,15 @@ class FlatReducer(ShardSource):
             self._on_grad(i, p)
         return hook
 
+    def _before_grad(self, grad):
+        """Stage 1, hybrid: before a backward adds to chunks that still hold the last
+        synced backward's reduced gradient, keep a copy of them: the replica
+        all-reduce will count that gradient once per replica, and _fold takes the
+        extra copies off again. Costs this rank's chunks while it lasts."""
+        if self._kept is None and not self._shard_fresh:
+            self._kept = {b.index: b.own(b.buffer.grads, self.rank).clone() for b in self.buckets}
+
     def _start_backward(self):
-        if self.stage == 1 and self.groups.replicate is not None and self._sync and not self._shard_fresh:
-            raise RuntimeError(self.err(
-                "hybrid sharding at stage 1: a second backward outside no_sync() without zero_grad() in between "
-                "would count the first one's reduced gradient once per replica; call opt.zero_grad() after "
-                "each step and accumulate micro-batches under opt.no_sync() (or use stage=2)"))
         self._state = GradState.BACKWARD
         self._reductions.start([self.buckets[b] for b in self.launch_order])
         self.events.append(("backward_start", -1))
@@ -226,6 +232,8 @@ class FlatReducer(ShardSource):
             own = b.own(buf.grads, self.rank)
             if b.reduce_out.data_ptr() != own.data_ptr():
                 own.copy_(b.reduce_out)
+            if self._kept is not None:      # hybrid: counted once per replica (see _before_grad)
+                own.sub_(self._kept[b.index], alpha=self.groups.replicas - 1)
             # other ranks' chunks were sent: zero them so they are never counted twice
             whole = buf.grads[b.offset:b.offset + b.numel]
             whole[:self.rank * b.shard_numel].zero_()
@@ -257,6 +265,7 @@ class FlatReducer(ShardSource):
         self.events.append(("backward_end", -1))
         if self._sync:
             self._shard_fresh = False
+            self._kept = None
             self.notify_grads_ready()
 
     def _learn_launch_order(self):
@@ -342,6 +351,7 @@ class FlatReducer(ShardSource):
             else:
                 p.grad = None
         self._shard_fresh = True
+        self._kept = None
         self._state = GradState.EMPTY
 
     def memory_report(self, reset_peak: bool) -> Dict[str, int]:
