@@ -31,7 +31,7 @@ import os
 import tempfile
 import time
 from datetime import timedelta
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -118,17 +118,20 @@ def debug() -> bool:
     return os.environ.get("ZEROSHARD_DEBUG", "") not in ("", "0")
 
 
-def describe(rec: Optional[dict]) -> str:
+def describe(rec) -> str:
+    """A record (a Record or its dict) in words."""
     if rec is None:
         return "none"
+    if isinstance(rec, Record):
+        rec = dataclasses.asdict(rec)
     return f"#{rec['seq']} {rec['kind']} of {rec['numel']} {rec['dtype']} ({rec['what'] or 'unlabelled'})"
 
 
 def timed_out(rec: Record) -> CollectiveTimeout:
     """The error for a wait on ``rec`` that ran out; opens an incident."""
-    head = (f"collective {describe(dataclasses.asdict(rec))} on process group '{rec.group}' did not complete "
+    head = (f"collective {describe(rec)} on process group '{rec.group}' did not complete "
             f"within {timeout():g} s (ZEROSHARD_TIMEOUT or zeroshard.set_timeout()).")
-    text, _ = incident(f"timed out in {describe(dataclasses.asdict(rec))}", rec.group, rec)
+    text, _ = incident(f"timed out in {describe(rec)}", rec.group, rec)
     return _broken(CollectiveTimeout(_on_rank(head) + "\n" + text))
 
 
@@ -138,7 +141,7 @@ def transport_failed(rec: Record, err: BaseException) -> CollectiveError:
             f"{rec.what or 'unlabelled'}) failed in the transport: {err}\nAnother rank of the group stopped "
             "answering (it crashed, was killed, ran out of memory, timed out, or took another branch and "
             "waits elsewhere). zeroshard.flight_record() lists this rank's collectives up to this one.")
-    text, peer_timed_out = incident(f"failed in {describe(dataclasses.asdict(rec))}: "
+    text, peer_timed_out = incident(f"failed in {describe(rec)}: "
                                     f"{(str(err).splitlines() or [''])[0][:200]}", rec.group, rec)
     # a peer whose wait ran out closed its connections: the root cause is the hang
     return _broken((CollectiveTimeout if peer_timed_out else CollectiveError)(_on_rank(head) + "\n" + text))
@@ -171,17 +174,24 @@ def incident(cause: str, group: str, rec: Optional[Record]) -> Tuple[str, bool]:
     return "\n".join(lines), others_timed_out
 
 
+def meet(prefix: str, ranks: List[int], value: str, seconds: float) -> List[int]:
+    """Post ``value`` under ``prefix`` + this rank in the default store and wait up
+    to ``seconds`` for every rank of ``ranks`` to post; returns those that did not."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{prefix}{dist.get_rank()}", value)
+    try:
+        store.wait([f"{prefix}{r}" for r in ranks], timedelta(seconds=seconds))
+        return []
+    except RuntimeError:
+        return [r for r in ranks if not store.check([f"{prefix}{r}"])]
+
+
 def _exchange(mine: dict) -> Tuple[Dict[int, dict], Optional[str]]:
     world = dist.get_world_size()
-    keys = [f"{PREFIX}{r}" for r in range(world)]
     try:
+        silent = meet(PREFIX, list(range(world)), json.dumps(mine), grace())   # named in the diagnosis
         store = dist.distributed_c10d._get_default_store()
-        store.set(keys[mine["rank"]], json.dumps(mine))
-        try:
-            store.wait(keys, timedelta(seconds=grace()))
-        except RuntimeError:
-            pass                    # some ranks did not answer: named in the diagnosis
-        got = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+        got = {r: json.loads(store.get(f"{PREFIX}{r}")) for r in range(world) if r not in silent}
         # a report older than this rank's last completed collective is an earlier
         # incident's, which the ranks got past (a caught check-in timeout, say)
         # (approximate across hosts: it compares wall clocks)
@@ -252,20 +262,14 @@ def agree(rec: Record, group: Optional[dist.ProcessGroup]) -> None:
     ``rec``'s (sequence, kind, size, dtype) (see [Note: debug mode])."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     key = f"zeroshard/debug/{rec.group}/"
-    sig = json.dumps([rec.kind, rec.numel, rec.dtype, rec.what])
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"{key}{rec.seq}/{dist.get_rank()}", sig)
-    keys = [f"{key}{rec.seq}/{r}" for r in ranks]
-    try:
-        store.wait(keys, timedelta(seconds=timeout()))
-    except RuntimeError:
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+    missing = meet(f"{key}{rec.seq}/", ranks, json.dumps([rec.kind, rec.numel, rec.dtype, rec.what]), timeout())
+    if missing:
         raise CollectiveTimeout(_on_rank(
             f"ZEROSHARD_DEBUG: rank(s) {missing} did not issue collective #{rec.seq} on process group "
-            f"'{rec.group}' within {timeout():g} s; this rank issued {describe(dataclasses.asdict(rec))}.\n")
-            + incident(f"timed out in the debug check of {describe(dataclasses.asdict(rec))}", rec.group, rec)[0]
-        ) from None
-    sides = dict(zip(ranks, (json.loads(v) for v in store.multi_get(keys))))
+            f"'{rec.group}' within {timeout():g} s; this rank issued {describe(rec)}.\n")
+            + incident(f"timed out in the debug check of {describe(rec)}", rec.group, rec)[0])
+    store = dist.distributed_c10d._get_default_store()
+    sides = dict(zip(ranks, (json.loads(v) for v in store.multi_get([f"{key}{rec.seq}/{r}" for r in ranks]))))
     if rec.seq > 1:       # every rank has read seq-1's keys before posting seq's
         store.delete_key(f"{key}{rec.seq - 1}/{dist.get_rank()}")
     if any(s[:3] != sides[ranks[0]][:3] for s in sides.values()):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import pickle
 import time
-from datetime import timedelta
 from typing import Any, List, Optional
 
 import torch
@@ -46,19 +45,14 @@ def check_in(what: str, who, group: Optional[dist.ProcessGroup] = None, hint: st
     _checkins[key] += 1
     rec = _flight.start("check_in", key[1], what, None)
     prefix = f"zeroshard/check_in/{key[1]}/{what}/{_checkins[key]}/"
-    store = dist.distributed_c10d._get_default_store()
-    ranks = dist.get_process_group_ranks(group)
-    store.set(prefix + str(dist.get_rank()), "1")
-    try:
-        store.wait([prefix + str(r) for r in ranks], timedelta(seconds=_incident.timeout()))
-    except RuntimeError:
-        missing = [r for r in ranks if not store.check([prefix + str(r)])]
-        store.delete_key(prefix + str(dist.get_rank()))
+    missing = _incident.meet(prefix, dist.get_process_group_ranks(group), "1", _incident.timeout())
+    if missing:
+        dist.distributed_c10d._get_default_store().delete_key(prefix + str(dist.get_rank()))
         _checkins[key] -= 1      # the ranks stay in step for the next call
         raise _incident.check_in_timed_out(on_rank(who,
             f"{what} is collective, but rank(s) {missing} did not call it within {_incident.timeout():g} s "
             f"(ZEROSHARD_TIMEOUT or zeroshard.set_timeout()). Call it on every rank. {hint}"),
-            key[1], rec) from None
+            key[1], rec)
     rec.end = time.time()
 
 
