@@ -300,6 +300,7 @@ def results_section(found: dict) -> str:
     for name, d in found["step"]:
         base = step_baseline(d)
         comm = any("comm_mb" in r for r in d["rows"])
+        across = bool(d.get("shard_size")) and any("comm_groups" in r for r in d["rows"])
         exact = _exact(d)
         paired = all("paired_ratio" in r for r in d["rows"])
         lines += ["", f"### One training step: `{name}` ({d.get('date', '?')})", "",
@@ -309,6 +310,8 @@ def results_section(found: dict) -> str:
                                                  "of the collectives counted in one step (see "
                                                  "`benchmarks/step.py`)."
                                                  if comm else " Communication bytes not recorded in this JSON.")
+                        + (" across replicas MB: what one rank sends to its replica group (the slow link "
+                           "between nodes), counted by process group (`benchmarks/comm_count.py`)." if across else "")
                         + (" tensor MB: the exact peak of live tensor bytes over the built model, from the "
                            "CPU allocator's own events (peak MB is resident memory, which also counts what "
                            "is not tensors)." if exact else "")
@@ -318,7 +321,7 @@ def results_section(found: dict) -> str:
                   ""]
         header = ["variant", "stage", "step ms", f"vs {base['variant']}"] + [f"paired vs {base['variant']}"] * paired
         header += ["peak MB/rank", f"vs {base['variant']}"]
-        header += ["comm MB/rank/step"] * comm + ["tensor MB", f"vs {base['variant']}"] * exact + ["loss"]
+        header += ["comm MB/rank/step"] * comm + ["across replicas MB"] * across + ["tensor MB", f"vs {base['variant']}"] * exact + ["loss"]
         rows = []
         for r in step_rows(d):
             row = [r["variant"], stage(r["variant"]), f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}x"]
@@ -326,11 +329,14 @@ def results_section(found: dict) -> str:
             row += [f"{r['peak_mb']:.1f}", f"{r['peak_mb'] / base['peak_mb']:.2f}x" if base["peak_mb"] else "-"]
             if comm:
                 row.append(f"{r['comm_mb']:.2f}" if r.get("comm_mb") is not None else "-")
+            if across:
+                rep = r.get("comm_groups", {}).get("replicate")
+                row.append(f"{rep['sent'] / 2**20:.2f}" if rep else "-")
             if exact:
                 row += [f"{r['tensor_mb']:.1f}", f"{r['tensor_mb'] / base['tensor_mb']:.2f}x"]
             row.append(f"{r['loss']:.3f}" if "loss" in r else "-")
             rows.append(row)
-        lines += _table(header, rows, "llrr" + "r" * paired + "rr" + "r" * comm + "rr" * exact + "r")
+        lines += _table(header, rows, "llrr" + "r" * paired + "rr" + "r" * (comm + across) + "rr" * exact + "r")
         by = {r["variant"]: r for r in d["rows"]}
         pairs = [(a, b) for a, b in PAIRS if a in by and b in by]
         if pairs:

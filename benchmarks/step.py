@@ -58,7 +58,11 @@ point-to-point send sends its S, a receive nothing. The JSON row also has each
 kind's calls and summed S. The kinds are the backend's: on gloo, FSDP2's
 reduce-scatter runs as an all-reduce, and zeroshard's reduce-scatter and
 all-gather as point-to-point sends and receives (see csrc/comm.h); they are
-counted as such. --no-comm skips it.
+counted as such; "comm MB" takes every collective as spanning the whole world.
+The same step is also counted by process group (world, shard, replicate) at
+the c10d operator level, with each group's own size in the ring model
+(benchmarks/comm_count.py): with --shard-size, "replicate" is the traffic over
+the slow link. --no-comm skips both.
 
     python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
     python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768 --heads 12 \
@@ -82,6 +86,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from comm_count import count_comm, format_groups  # noqa: E402
 from cpu_memory import TensorBytes  # noqa: E402
 from gpt import GPT, Block, GPTConfig  # noqa: E402
 from machine import machine_info  # noqa: E402
@@ -158,52 +163,6 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None):
     name, _, mb = variant.partition("@")   # "zeroshard-2@5": bucket_mb=5
     return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(name[-1]),
                                       bucket_mb=float(mb) if mb else 25, shard_size=shard_size)
-
-
-ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
-                 "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
-
-
-def comm_kind(name):
-    """The collective kind of a backend's profiler event ("gloo:all_reduce",
-    "nccl:_all_gather_base", ...), or None for events that are not collectives."""
-    backend, _, op = name.partition(":")
-    if backend not in ("gloo", "nccl", "xccl", "ucc", "mpi") or not op:
-        return None
-    for kind in ("all_reduce", "allreduce", "reduce_scatter", "all_gather", "allgather", "broadcast"):
-        if kind in op:
-            return kind.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
-    return op
-
-
-def count_comm(step, world):
-    """Runs ``step`` once under the profiler; returns ({kind: {calls, bytes}}, ring-model
-    bytes this rank sends), the latter None when an element size is unknown."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
-    kinds, sent = {}, 0.0
-    for e in prof.events():
-        kind = comm_kind(e.name)
-        if kind is None:
-            continue
-        size = 0
-        for shape, dtype in zip(e.input_shapes, e.input_dtypes):
-            if not shape:
-                continue
-            if dtype not in ELEMENT_BYTES:
-                sent = None
-                continue
-            size += ELEMENT_BYTES[dtype] * int(torch.Size(shape).numel())
-        if kind == "all_gather":
-            size *= world   # the backend event's input is this rank's chunk
-        k = kinds.setdefault(kind, {"calls": 0, "bytes": 0})
-        k["calls"] += 1
-        k["bytes"] += size
-        if sent is not None:   # a send is its own bytes; a receive sends nothing
-            sent += (size if kind == "send" else 0 if kind == "recv" else
-                     size * (2 if kind == "all_reduce" else 1) * (world - 1) / world)
-    return kinds, sent
 
 
 def tensor_peak_mb(variant, cfg, args, data):
@@ -291,8 +250,8 @@ def worker(rank, world, port, out, variant, cfg, args, measure=True):
     if args.comm and measure:   # one more step, untimed: every rank runs it, rank 0 counts its collectives
         dist.barrier()
         if rank == 0:
-            kinds, sent = count_comm(lambda: train_step(wrapped, opt, data, sync), world)
-            row.update(comm=kinds, comm_mb=None if sent is None else sent / 2**20)
+            kinds, sent, groups = count_comm(lambda: train_step(wrapped, opt, data, sync), world, args.shard_size)
+            row.update(comm=kinds, comm_mb=None if sent is None else sent / 2**20, comm_groups=groups)
         else:
             train_step(wrapped, opt, data, sync)
     if not cuda and measure:    # the exact tensor-byte peak, in a second build of the same variant
@@ -456,6 +415,10 @@ def main():
               f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
               + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else
                  f"{r['alloc_peak_mb']:>10.1f}" + plan_columns(r)))
+    if args.comm:
+        print("communication by process group (c10d operators on rank 0, one step; benchmarks/comm_count.py):")
+        for r in rows:
+            print(f"{r['variant']}:\n{format_groups(r.get('comm_groups', {}))}")
     f3 = next((r for r in rows if r["variant"] == "fsdp2-3"), None)
     for z3 in (r for r in rows if r["variant"].startswith("zeroshard-3")):
         if f3:

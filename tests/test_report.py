@@ -148,3 +148,33 @@ def test_paired_ratios_get_their_column(tmp_path):
     assert "median over 12 turns" in " ".join(sec.split())
     # a/b in the stage comparisons uses the paired ratios too: 0.97 / 1.13
     assert "zeroshard-1 / ddp+zero (ZeRO-1): 0.90x time (0.86x paired)" in sec
+
+
+def test_hybrid_runs_get_the_replica_traffic_column(tmp_path):
+    step = json.loads(json.dumps(STEP))
+    step["shard_size"] = 2
+    for r, sent in zip(step["rows"], (None, None, 3.25, 3.25, 3.25, 3.25, 3.25, 3.25)):
+        r["comm_groups"] = {"shard": {"size": 2, "sent": 1.0 * 2**20}}
+        if sent is not None:
+            r["comm_groups"]["replicate"] = {"size": 2, "sent": sent * 2**20}
+    out, results, readme = _setup(tmp_path, files=[("step_hybrid.json", step)])
+    report.report(str(out), str(results), str(readme))
+    sec = _section(results.read_text(), report.RESULTS_MARKERS)
+    assert "| comm MB/rank/step | across replicas MB |" in sec
+    assert "| 13.10 | - |" in sec and "| 26.20 | 3.25 |" in sec     # ddp: no replica group
+
+
+def test_comm_count_names_groups_by_their_ranks():
+    spec = importlib.util.spec_from_file_location(
+        "bench_comm_count", os.path.join(os.path.dirname(_PATH), "comm_count.py"))
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+    # world 6 = 3 replicas x 2 shards, rank 3: shard group {2, 3}, replica group {1, 3, 5}
+    assert cc.group_role([0, 1, 2, 3, 4, 5], 3, 6, 2) == "world"
+    assert cc.group_role([3, 2], 3, 6, 2) == "shard"
+    assert cc.group_role([1, 3, 5], 3, 6, 2) == "replicate"
+    assert cc.group_role([0, 3], 3, 6, 2) == "ranks 0,3"
+    assert cc.group_role([0, 1, 2, 3, 4, 5], 3, 6, None) == "world"
+    assert cc.comm_kind("gloo:all_reduce") == "all_reduce" and cc.comm_kind("aten::add") is None
+    text = cc.format_groups({"replicate": {"size": 3, "sent": 2**20, "all_reduce": {"calls": 2, "bytes": 3 * 2**19}}})
+    assert text == "  replicate (3 ranks): sends 1.00 MB | all_reduce 2x 1.50 MB"
