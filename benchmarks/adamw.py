@@ -6,6 +6,8 @@ For each shard size, on CPU and (when present) CUDA, times one optimizer step of
   torch fused        AdamW(fused=True), fp32 everything                 (28 B/param)
   torch fused+cast   the same plus the separate bf16 cast a ZeRO step needs (34 B/param)
   torch foreach+cast AdamW(foreach=True) plus the cast                 (34 B/param nominal)
+  deepspeed cpu-adam DeepSpeedCPUAdam, fp32 everything (CPU only, when deepspeed is installed:
+                     `make bench` installs it; DS_ACCELERATOR=cpu)     (28 B/param)
 and a device copy (read + write bytes) measured in the same run. GB/s are
 bytes-per-param x params / time under the model above; "of copy" is that
 bandwidth as a fraction of the copy's; "vs ours" is time / zeroshard bf16 time. Times are the best of
@@ -19,6 +21,7 @@ run alone).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -31,7 +34,7 @@ import zeroshard as zs
 from machine import machine_info
 
 BYTES = {"zeroshard bf16": 28, "zeroshard fp32": 28, "torch fused": 28,
-         "torch fused+cast": 34, "torch foreach+cast": 34}
+         "torch fused+cast": 34, "torch foreach+cast": 34, "deepspeed cpu-adam": 28}
 
 
 def time_once(device, fn):
@@ -69,7 +72,20 @@ def copy_bandwidth(device, n, repeat):
 # Bytes each variant holds while it runs, per parameter (its tensors plus
 # foreach's temporaries, which are one fp32 copy of the parameters).
 RESIDENT = {"zeroshard bf16": 16, "zeroshard fp32": 16, "torch fused": 16,
-            "torch fused+cast": 18, "torch foreach+cast": 22}
+            "torch fused+cast": 18, "torch foreach+cast": 22, "deepspeed cpu-adam": 16}
+
+
+@functools.lru_cache(None)
+def deepspeed_cpu_adam():
+    """DeepSpeedCPUAdam's class, or None (with the reason printed once) when deepspeed
+    or its compiled cpu_adam op is not available: a benchmark-only peer."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam
+    except Exception as e:  # noqa: BLE001 - any import or build failure means: skip the peer
+        print(f"(DeepSpeedCPUAdam skipped: {type(e).__name__}: {str(e)[:200]}; `make bench` installs deepspeed)")
+        return None
 
 
 def bench_size(device, n, repeat):
@@ -100,11 +116,19 @@ def bench_size(device, n, repeat):
         low = torch.empty(n, device=device, dtype=torch.bfloat16)
         return lambda: (opt.step(), low.copy_(p.detach()))
 
+    def deepspeed(cls):
+        p = torch.nn.Parameter(torch.randn(n, device=device, generator=g))
+        p.grad = torch.randn(n, device=device, generator=g)
+        return cls([p], lr=1e-3, weight_decay=0.01, adamw_mode=True).step
+
     makers = {"zeroshard bf16": lambda: ours(torch.bfloat16, True),
               "zeroshard fp32": lambda: ours(torch.float32, False),
               "torch fused": lambda: torch_adamw(False, fused=True),
               "torch fused+cast": lambda: torch_adamw(True, fused=True),
               "torch foreach+cast": lambda: torch_adamw(True, foreach=True)}
+    ds = deepspeed_cpu_adam() if device == "cpu" else None
+    if ds is not None:
+        makers["deepspeed cpu-adam"] = lambda: deepspeed(ds)
     if device != "cuda" or sum(RESIDENT.values()) * n < 0.9 * torch.cuda.mem_get_info()[0]:
         return best_times(device, {name: make() for name, make in makers.items()}, repeat)
     best = {}

@@ -41,7 +41,7 @@ def test_cli_prints_the_table_and_rejects_bad_input():
     assert bad.returncode == 2 and "--world-size must be >= 1" in bad.stderr
 
 
-def test_hybrid_sharding_formulas_and_the_slow_link():
+def test_hybrid_sharding_formulas_and_the_slow_link(capsys):
     from zeroshard.plan import slow_link_bytes
     # per rank, sharding over S of N ranks holds what sharding over S ranks does
     assert model_state_bytes(7e9, 32, "bf16", shard_size=8) == model_state_bytes(7e9, 8, "bf16")
@@ -54,12 +54,11 @@ def test_hybrid_sharding_formulas_and_the_slow_link():
     assert link["ZeRO-3"]["hybrid"] == link["ZeRO-1/2"]["hybrid"] == pytest.approx(2 * 3 / 4 * 14 / 8 * GB)
     with pytest.raises(ValueError, match="shard_size must be an int >= 1 dividing the world size"):
         model_state_bytes(7e9, 32, "bf16", shard_size=5)
-    out = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "32",
-                          "--shard-size", "8"], capture_output=True, text=True, check=True).stdout
+    out = _cli(capsys, "--params", "7e9", "--world-size", "32", "--shard-size", "8")
     assert "sharded over 8 (x4 replicas)" in out and "ZeRO-3    flat over 32:    40.69 GB   hybrid:     2.62 GB" in out
-    bad = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "32",
-                          "--shard-size", "5"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--shard-size must divide --world-size (32), got 5" in bad.stderr
+    with pytest.raises(SystemExit) as bad:
+        _cli(capsys, "--params", "7e9", "--world-size", "32", "--shard-size", "5")
+    assert bad.value.code == 2 and "--shard-size must divide --world-size (32), got 5" in capsys.readouterr().err
 
 
 def _reports(stage, dtype):
@@ -206,3 +205,32 @@ def test_model_plan_with_many_buckets(dist_pool):
         assert want["ranks"][r] == {k: rep[k] for k in want["ranks"][r]}
         print(f"ZeRO-2 many buckets rank {r}: predicted {want['peak']} measured {peak}")
         assert abs(want["peak"] - peak) <= 0.10 * peak, (r, want["peak"], peak)
+
+
+def test_offload_splits_each_stage_by_where_it_lives(capsys):
+    from zeroshard.plan import offloaded_bytes
+    rows = offloaded_bytes(model_state_bytes(7e9, 2, "bf16"), 7e9, 2, "bf16", offload="nvme", fraction=0.5)
+    # ZeRO-2, bf16, 2 ranks: 42 GB of master + Adam state per rank, half of it on disk
+    assert (rows["ZeRO-2"]["device"], rows["ZeRO-2"]["disk"], rows["ZeRO-2"]["host"]) == (42 * GB, 21 * GB, 0)
+    # ZeRO-3 moves exp_avg and exp_avg_sq only (8 bytes): the fp32 shard stays FullyShard's
+    assert rows["ZeRO-3"]["disk"] == 0.5 * 8 * 7e9 / 2 and rows["DDP"]["disk"] == 0
+    # fp32 parameters at ZeRO-1/2: the offloaded share gets a host master as well
+    fp32 = offloaded_bytes(model_state_bytes(7e9, 8, "fp32"), 7e9, 8, "fp32", offload="cpu")
+    assert fp32["ZeRO-2"]["host"] == (8 + 4) * 7e9 / 8 and fp32["ZeRO-2"]["total"] == 42 * GB
+    for r in list(rows.values()) + list(fp32.values()):
+        assert r["device"] + r["host"] + r["disk"] == pytest.approx(r["total"])
+    out = _cli(capsys, "--params", "7e9", "--world-size", "2", "--offload", "nvme", "--offload-fraction", "0.5")
+    lines = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert lines["ZeRO-2"][4:8] == ["63.00", "42.00", "0.00", "21.00"]     # total, device, host, disk
+    assert lines["ZeRO-2"][8:] == ["no", "no", "yes", "yes"]               # fits: the device's 42 GB
+    with pytest.raises(SystemExit) as bad:
+        _cli(capsys, "--params", "7e9", "--world-size", "2", "--offload", "cpu", "--offload-fraction", "1.5")
+    assert bad.value.code == 2 and "--offload-fraction must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def _cli(capsys, *argv):
+    """``python -m zeroshard.plan`` in this process (test_cli_prints_the_table_and_rejects_bad_input
+    runs the module itself)."""
+    from zeroshard.plan import main
+    main(list(argv))
+    return capsys.readouterr().out

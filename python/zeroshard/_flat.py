@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from ._offload import Placement, Storage
 from ._shards import SUPPORTED
 from .layout import compute_layout
 
@@ -60,6 +61,7 @@ class FlatBuffer:
     buckets: List[Bucket] = field(default_factory=list)
     shard_data_numel: int = 0            # elements of real parameters in this rank's shard
     shard_numel: int = 0                 # this rank's shard, padding included
+    placement: Placement = Placement.DEVICE   # where master / exp_avg / exp_avg_sq live ([Note: offload])
 
 
 def held_by_ddp(p: torch.Tensor) -> bool:
@@ -125,22 +127,36 @@ class FlatState:
     launch_order: List[int]        # bucket indices, until the first backward shows the real order
 
 
+def _has_master(dtype: torch.dtype, placement: Placement, device: torch.device) -> bool:
+    """An fp32 master shard for low-precision parameters, and for any whose state is
+    offloaded from CUDA (the host steps it; the device parameter takes the result)."""
+    return dtype != torch.float32 or (placement is not Placement.DEVICE and device.type == "cuda")
+
+
 @torch.no_grad()
 def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int, adam: bool,
-               bucket_bytes: int, device: torch.device, group, src: int, everyone=None) -> FlatState:
+               bucket_bytes: int, device: torch.device, group, src: int, everyone=None,
+               storage: Storage, offloaded=frozenset()) -> FlatState:
     """Lay the trainable parameters out in flat buffers (reverse registration order,
-    one buffer per (param group, dtype)) sharded over ``group``, copy global rank
-    ``src``'s values in on every rank of ``everyone`` (default: ``group``), and
-    make every parameter a view of its buffer; frozen parameters are broadcast."""
+    one buffer per (param group, dtype, offloaded or not)) sharded over ``group``,
+    copy global rank ``src``'s values in on every rank of ``everyone`` (default:
+    ``group``), and make every parameter a view of its buffer; frozen parameters
+    are broadcast. The state shards of buffers of ``offloaded`` parameters go
+    where ``storage`` puts offloaded state ([Note: offload] in _offload.py)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone = group if everyone is None else everyone
     copies = dist.get_world_size(everyone)
     order = list(reversed(trainable))        # backward order
-    keys = [group_of[i] * 8 + _DTYPE_CODE[params[i].dtype] for i in order]
+    keys = [group_of[i] * 8 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) for i in order]
     L = compute_layout([params[i].numel() for i in order], [params[i].dtype for i in order], bucket_bytes,
                        world, keys=keys)
     last = [max(L.fragments[f].tensor for f in lb.fragments) for lb in L.buckets]
     st = FlatState(L, [], [None] * len(L.buckets), {}, sorted(range(len(L.buckets)), key=lambda b: (last[b], b)))
+    off = storage.offload.placement
+    places = [off if order[lb.tensors[0]] in offloaded else Placement.DEVICE for lb in L.buffers]
+    storage.reserve_disk(sum(lb.numel // world * (2 * adam + _has_master(params[order[lb.tensors[0]]].dtype, pl,
+                                                                          device))
+                             for lb, pl in zip(L.buffers, places) if pl is Placement.DISK))
     for bi, lb in enumerate(L.buffers):
         flat = torch.zeros(lb.numel, dtype=params[order[lb.tensors[0]]].dtype, device=device)
         for t in lb.tensors:
@@ -148,9 +164,8 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
             flat[place.offset:place.offset + place.numel].copy_(params[order[t]].detach().reshape(-1))
         if copies > 1:
             dist.broadcast(flat, src=src, group=everyone)
-        buf = _make_buffer(L, bi, lb, flat, order, group_of[order[lb.tensors[0]]], stage, (world, rank), st)
-        if not adam:     # another optimizer keeps its own state (zeroshard/_rules.py)
-            buf.exp_avg = buf.exp_avg_sq = None
+        buf = _make_buffer(L, (bi, lb, flat), order, group_of[order[lb.tensors[0]]], stage, (world, rank), st,
+                           (storage, places[bi], adam))
         for t in lb.tensors:
             place, i = L.tensors[t], order[t]
             params[i].data = flat[place.offset:place.offset + place.numel].view_as(params[i])
@@ -163,13 +178,16 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
     return st
 
 
-def _make_buffer(L, bi: int, lb, flat: torch.Tensor, order: List[int], group: int, stage: int, where: tuple,
-                 st: FlatState) -> FlatBuffer:
-    """One flat buffer's record, its buckets and this rank's shards (``where``: (world size, rank))."""
-    world, rank = where
+def _make_buffer(L, built: tuple, order: List[int], group: int, stage: int, where: tuple, st: FlatState,
+                 state: tuple) -> FlatBuffer:
+    """One flat buffer's record, its buckets and this rank's shards (``built``: (index,
+    layout buffer, flat tensor); ``where``: (world size, rank); ``state``: (storage,
+    placement, fused AdamW or not: another optimizer keeps its own state, _rules.py))."""
+    (bi, lb, flat), (world, rank), (storage, placement, adam) = built, where, state
     shard_len, dev = lb.numel // world, flat.device
+    moments = [storage.zeros(placement, shard_len) if adam else None for _ in range(2)]
     buf = FlatBuffer(group=group, dtype=flat.dtype, params=flat, master=None,
-                     exp_avg=torch.zeros(shard_len, device=dev), exp_avg_sq=torch.zeros(shard_len, device=dev),
+                     exp_avg=moments[0], exp_avg_sq=moments[1], placement=placement,
                      grad_shard=None,    # stage 2: allocated by the first reduction of a backward
                      grads=torch.zeros(lb.numel, dtype=flat.dtype, device=dev) if stage == 1 else None)
     shard_off = 0
@@ -182,8 +200,10 @@ def _make_buffer(L, bi: int, lb, flat: torch.Tensor, order: List[int], group: in
         shard_off += lbk.shard_numel
         buf.buckets.append(bucket)
         st.buckets[b] = bucket
-    if flat.dtype != torch.float32:
-        buf.master = torch.cat([b.own(flat, rank) for b in buf.buckets]).float()
+    if _has_master(flat.dtype, placement, dev):
+        buf.master = storage.zeros(placement, shard_len)
+        for b in buf.buckets:
+            storage.copy_in(b.shard_of(buf.master), b.own(flat, rank))
     buf.shard_numel = shard_len
     buf.shard_data_numel = sum(pc.numel for pc in L.shard_pieces(rank) if L.tensors[pc.tensor].buffer == bi)
     st.buffers.append(buf)

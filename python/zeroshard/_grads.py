@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import comm
+from ._shards import weak_hook
 
 aten = torch.ops.aten
 
@@ -140,9 +141,9 @@ class ReducedGrads:
         self.used: List[bool] = [False] * len(params)       # got a gradient on some rank (this step)
         self.sumsq: Optional[torch.Tensor] = None   # per parameter: squared 2-norm of the averaged gradient
         self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
-        self.hooks = [params[i].register_hook(self._before_accumulate) for i in trainable
+        self.hooks = [params[i].register_hook(weak_hook(self._before_accumulate)) for i in trainable
                       if params[i].grad_fn is None]
-        source.listeners.append(self.backward_done)
+        source.listeners.append(weak_hook(self.backward_done))
 
     # ----------------------------------------------------------- statistics
     def _local(self, fn) -> torch.Tensor:

@@ -41,6 +41,32 @@ def model_state_bytes(params: float, world_size: int, dtype: str = "bf16",
     return {s: {"params": a, "grads": b, "optimizer": c, "total": a + b + c} for s, (a, b, c) in rows.items()}
 
 
+def offloaded_bytes(rows: Dict[str, Dict[str, float]], params: float, world_size: int, dtype: str = "bf16",
+                    shard_size: Optional[int] = None, offload: Optional[str] = None,
+                    fraction: float = 1.0) -> Dict[str, Dict[str, float]]:
+    """``rows`` (model_state_bytes's) with where each stage's bytes live: "device",
+    "host", "disk". ``offload`` "cpu"/"nvme" moves ``fraction`` of the optimizer state
+    (ShardedOptimizer's offload_fraction) to host memory or disk: at ZeRO-1/2 the fp32
+    master, exp_avg and exp_avg_sq, and with fp32 parameters a host fp32 master for
+    the offloaded share too (the device parameter takes the host's result), 4 more
+    bytes per offloaded element, counted in "total"; at ZeRO-3 exp_avg and
+    exp_avg_sq (the fp32 shard is FullyShard's and stays on the device). DDP has no
+    sharded state to offload."""
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"offload fraction must be in [0, 1], got {fraction}")
+    n = _shards(world_size, shard_size)
+    out = {}
+    for stage, r in rows.items():
+        moved = 0.0 if offload is None or stage == "DDP" else fraction * (
+            8 * params / n if stage == "ZeRO-3" else r["optimizer"])
+        extra = fraction * 4 * params / n if moved and dtype == "fp32" and stage != "ZeRO-3" else 0.0
+        out[stage] = dict(r, total=r["total"] + extra, device=r["total"] - moved, host=0.0, disk=0.0)
+        out[stage]["host" if offload == "cpu" else "disk"] = moved + extra
+    return out
+
+
 def slow_link_bytes(params: float, world_size: int, shard_size: int, dtype: str = "bf16") -> Dict[str, Dict[str, float]]:
     """Bytes each rank sends per step in collectives whose group spans shard groups
     (nodes, when shard_size is the GPUs per node), ring algorithms, gradients reduced
@@ -59,19 +85,24 @@ def slow_link_bytes(params: float, world_size: int, shard_size: int, dtype: str 
     return {"ZeRO-1/2": {"flat": 2 * ring, "hybrid": replica}, "ZeRO-3": {"flat": 3 * ring, "hybrid": replica}}
 
 
-def format_table(params: float, world_size: int, dtype: str = "bf16", shard_size: Optional[int] = None) -> str:
-    rows = model_state_bytes(params, world_size, dtype, shard_size)
+def format_table(params: float, world_size: int, dtype: str = "bf16", shard_size: Optional[int] = None,
+                 offload: Optional[str] = None, fraction: float = 1.0) -> str:
+    rows = offloaded_bytes(model_state_bytes(params, world_size, dtype, shard_size), params, world_size, dtype,
+                           shard_size, offload, fraction)
     gb = 1e9
     over = "" if shard_size is None else f", sharded over {shard_size} (x{world_size // shard_size} replicas)"
-    lines = [f"model state per rank: {params / 1e9:g}B parameters, {world_size} ranks{over}, {dtype} "
-             f"(GB = 10^9 bytes; activations and buffers not included)",
-             f"{'stage':<8}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9}  " +
+    off = "" if offload is None else f", {fraction:g} of the optimizer state offloaded ({offload})"
+    where = "" if offload is None else f"{'device':>9}{'host':>9}{'disk':>9}"
+    lines = [f"model state per rank: {params / 1e9:g}B parameters, {world_size} ranks{over}, {dtype}{off} "
+             f"(GB = 10^9 bytes; activations and buffers not included; fits: the device's bytes)",
+             f"{'stage':<8}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9}{where}  " +
              "".join(f"{c:>6}GB" for c in CARDS_GB)]
     for s in STAGES:
         r = rows[s]
-        fits = "".join(f"{'yes' if r['total'] <= c * gb else 'no':>8}" for c in CARDS_GB)
+        fits = "".join(f"{'yes' if r['device'] <= c * gb else 'no':>8}" for c in CARDS_GB)
+        places = "" if offload is None else "".join(f"{r[k] / gb:>9.2f}" for k in ("device", "host", "disk"))
         lines.append(f"{s:<8}{r['params'] / gb:>9.2f}{r['grads'] / gb:>9.2f}{r['optimizer'] / gb:>11.2f}"
-                     f"{r['total'] / gb:>9.2f}  {fits}")
+                     f"{r['total'] / gb:>9.2f}{places}  {fits}")
     if shard_size is not None and shard_size < world_size:
         link = slow_link_bytes(params, world_size, shard_size, dtype)
         lines.append(f"sent per rank per step across shard groups (the inter-node link when {shard_size} = "

@@ -49,8 +49,9 @@ import torch.distributed as dist
 from . import comm
 from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
 from ._mesh import Groups
+from ._offload import NO_OFFLOAD, Offload, Storage, offloaded_params
 from ._ordered import OrderedReductions
-from ._shards import GradState, Region, Segment, ShardSource, empty_report
+from ._shards import GradState, Region, Segment, ShardSource, add_locations, empty_report, weak_hook
 from .layout import fill_flat
 
 # At most this many buckets are being reduced at once: launching one more
@@ -64,7 +65,7 @@ class FlatReducer(ShardSource):
     """The ZeRO-1/2 source; see [Note: sharded optimizer policy] in this module."""
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, adam: bool, bucket_bytes: int,
-                 reduce_dtype: Optional[torch.dtype], groups: Groups):
+                 reduce_dtype: Optional[torch.dtype], groups: Groups, offload: Offload = NO_OFFLOAD):
         super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
@@ -83,9 +84,11 @@ class FlatReducer(ShardSource):
         self._free: Dict[tuple, List[torch.Tensor]] = {}   # recycled bucket buffers
         self.device = check_params(params, self.trainable, self.err)
         check_same_across_ranks(params, groups.every, self.err)
+        self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
+        offloaded = offloaded_params(params, self.trainable, offload)
         flat = build_flat(params, group_of, self.trainable, stage=stage, adam=adam, bucket_bytes=bucket_bytes,
                           device=self.device, group=process_group, src=dist.get_global_rank(groups.every, 0),
-                          everyone=groups.every)
+                          everyone=groups.every, storage=self.storage, offloaded=offloaded)
         self.layout, self.buffers, self.buckets, self.where = flat.layout, flat.buffers, flat.buckets, flat.where
         self.launch_order = flat.launch_order
         self._order_learned = False
@@ -94,10 +97,12 @@ class FlatReducer(ShardSource):
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
         self.full_shapes = {i: params[i].shape for i in self.trainable}
         self.regions, self.segments = _regions_and_segments(self, self.stage, self.rank)
-        self._hooks = [params[i].register_post_accumulate_grad_hook(self._make_hook(i)) for i in self.trainable]
+        on_grad = weak_hook(self._on_grad)
+        self._hooks = [params[i].register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i, p))
+                       for i in self.trainable]
         self._kept: Optional[Dict[int, torch.Tensor]] = None     # see _before_grad
         if stage == 1 and groups.replicate is not None:
-            self._hooks += [params[i].register_hook(self._before_grad) for i in self.trainable]
+            self._hooks += [params[i].register_hook(weak_hook(self._before_grad)) for i in self.trainable]
 
     # ------------------------------------------------------------------ setup
     def err(self, msg: str) -> str:
@@ -108,11 +113,6 @@ class FlatReducer(ShardSource):
         return self.reduce_dtype or dtype
 
     # --------------------------------------------------------------- backward
-    def _make_hook(self, i: int):
-        def hook(p: torch.Tensor):
-            self._on_grad(i, p)
-        return hook
-
     def _before_grad(self, grad):
         """Stage 1, hybrid: before a backward adds to chunks that still hold the last
         synced backward's reduced gradient, keep a copy of them: the replica
@@ -331,7 +331,8 @@ class FlatReducer(ShardSource):
     def params_loaded(self):
         for buf in self.buffers:
             if buf.master is not None:
-                buf.master.copy_(torch.cat([b.own(buf.params, self.rank) for b in buf.buckets]).float())
+                for b in buf.buckets:
+                    self.storage.copy_in(b.shard_of(buf.master), b.own(buf.params, self.rank))
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool):
@@ -382,7 +383,8 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
                                     *grad, _shard_of(b, buf.exp_avg), _shard_of(b, buf.exp_avg_sq),
                                     b.own(buf.params, rank) if low else None,
                                     [(i, sl.start, sl.stop, t_off)
-                                     for i, t_off, sl in region_of[b.index].owned(rank)]))
+                                     for i, t_off, sl in region_of[b.index].owned(rank)],
+                                    src.storage.streamed(buf.placement)))
     return regions, segments
 
 
@@ -411,6 +413,8 @@ def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
                 rep[name] += mine * 4
                 rep["padding"] += (shard_len - mine) * 4
     rep["total"] = sum(rep.values())
+    add_locations(rep, [t for buf in src.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq)
+                        if t is not None])
     rep["comm_buffers"] = src.bucket_bytes_now
     rep["comm_buffers_peak"] = src.bucket_bytes_peak
     if reset_peak:

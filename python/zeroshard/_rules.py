@@ -52,8 +52,12 @@ def require_fused(opt, what: str) -> None:
 
 
 class FusedAdamW:
-    """The fused kernel over the segments; see [Note: update rules]."""
+    """The fused kernel over the segments; see [Note: update rules]. Segments whose
+    state is offloaded go through ``storage``'s streamer ([Note: offload])."""
     fused = True
+
+    def __init__(self, storage=None):
+        self.storage = storage
 
     def update(self, segments, gi: int, group: dict, used: List[bool], steps: List[int], grad_scale: float,
                scale: Optional[torch.Tensor]):
@@ -64,7 +68,10 @@ class FusedAdamW:
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"], grad_scale=grad_scale, scale=scale)
         # usually one call per (group, low-precision output or not): one kernel launch per segment
-        for (step, with_out), parts in update_calls(segments, gi, used, steps).items():
+        for (step, with_out, streamed), parts in update_calls(segments, gi, used, steps).items():
+            if streamed:
+                self.storage.streamer_for_step().update(parts, hyper, step)
+                continue
             p, g, m, v, out = zip(*parts)
             fused_adamw_(p, g, m, v, outs=out if with_out else None, step=step, **hyper)
 

@@ -20,6 +20,7 @@ import abc
 import collections
 import contextlib
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -27,16 +28,46 @@ import torch
 import torch.distributed as dist
 
 from ._mesh import Groups
+from ._offload import Placement, Storage, placement_of
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
 
 # memory_report()'s persistent categories, bytes on this rank; "total" is their sum. Every
 # report (ZeRO-1/2, FullyShard) and the planner use this one schema.
 PERSISTENT = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding")
+# where the persistent bytes live: "device" (with the parameters), "host", "disk"
+# (offloaded state, see [Note: offload] in _offload.py); their sum is "total"
+LOCATIONS = ("device", "host", "disk")
 
 
 def empty_report() -> Dict[str, int]:
     return dict.fromkeys(PERSISTENT, 0)
+
+
+def add_locations(rep: Dict[str, int], state_tensors) -> Dict[str, int]:
+    """Sets ``rep``'s LOCATIONS from its ``total`` and the state tensors (all of them,
+    padding included) that were placed off the device."""
+    for loc in LOCATIONS:
+        rep[loc] = 0
+    for t in state_tensors:
+        where = placement_of(t)
+        if where is not Placement.DEVICE:
+            rep[where.value] += t.numel() * t.element_size()
+    rep["device"] = rep["total"] - rep["host"] - rep["disk"]
+    return rep
+
+
+def weak_hook(method):
+    """``method`` (bound) as a tensor hook that does not keep its object alive: hooks
+    are held by the parameters' autograd metadata, out of the garbage collector's
+    sight, so a strong reference would keep an optimizer (and its state) alive
+    for as long as the model lives, and its offload file on disk."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        fn = ref()
+        return None if fn is None else fn(*args)
+    return hook
 
 
 class GradState(enum.Enum):
@@ -60,6 +91,7 @@ class Segment:
     # (param index, start, stop, offset in the flattened parameter): each trainable
     # parameter's range within this segment
     pieces: List[tuple] = field(default_factory=list)
+    streamed: bool = False     # the state is offloaded: stepped window by window ([Note: offload])
 
     @property
     def grad(self) -> torch.Tensor:
@@ -70,7 +102,7 @@ class Segment:
 
 def update_calls(segments: List[Segment], group: int, used: List[bool], steps: List[int]) -> Dict[tuple, list]:
     """What one step updates in param group ``group``, by fused call: ``(step count
-    after this step, has a low-precision output) -> [(param, grad, exp_avg,
+    after this step, has a low-precision output, streamed) -> [(param, grad, exp_avg,
     exp_avg_sq, out)]``. As torch's AdamW: a parameter no rank gave a gradient
     (``used[i]`` false) is not updated, and each parameter's own step count sets
     its bias correction. A segment whose parameters all step with one count is
@@ -86,7 +118,7 @@ def update_calls(segments: List[Segment], group: int, used: List[bool], steps: L
             ranges = [(i, a, b) for i, a, b, _ in seg.pieces if used[i]]
         grad = seg.grad
         for i, a, b in ranges:
-            calls.setdefault((steps[i] + 1, seg.out is not None), []).append(
+            calls.setdefault((steps[i] + 1, seg.out is not None, seg.streamed), []).append(
                 (seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
                  None if seg.out is None else seg.out[a:b]))
     return calls
@@ -133,6 +165,7 @@ class ShardSource(abc.ABC):
     world_size: int
     rank: int
     groups: Groups
+    storage: Storage
 
     def __init__(self):
         # elements each kind of collective moved (the optimizer adds its all-reduces)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from ._shards import empty_report
+from ._shards import add_locations, empty_report
 from ._unit import Unit
 
 
@@ -29,6 +29,7 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
             rep[name] += 4 * own_t
             rep["padding"] += t.numel() * t.element_size() - 4 * own_t
     rep["total"] = sum(rep.values())
+    add_locations(rep, [t for st in states.values() for t in st.values()])
     item = param_dtype.itemsize
     rep.update(gathered=gatherer.gathered_bytes, gathered_peak=gatherer.gathered_peak,
                gathered_units_peak=gatherer.alive_peak, root_gathered=units[0].numel * item,

@@ -12,9 +12,11 @@ import itertools
 from typing import Dict, List
 
 import torch
+import torch.distributed as dist
 
 from . import comm
-from ._shards import Region, Segment, ShardSource
+from ._offload import NO_OFFLOAD, Offload, Placement, Storage, choose
+from ._shards import Region, Segment, ShardSource, weak_hook
 
 
 class UnitSource(ShardSource):
@@ -22,8 +24,9 @@ class UnitSource(ShardSource):
     (``owners[i]`` is the FullyShard of ``params[i]``; none is None)."""
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, groups: tuple,
-                 reduce_dtype, adam: bool = True):
-        """``groups``: the optimizer's (process_group, shard_size, device_mesh) arguments."""
+                 reduce_dtype, adam: bool = True, offload: Offload = NO_OFFLOAD):
+        """``groups``: the optimizer's (process_group, shard_size, device_mesh) arguments;
+        ``offload``: where the state shards of which units go ([Note: offload])."""
         super().__init__()
         self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
         for fs in owners:
@@ -40,14 +43,16 @@ class UnitSource(ShardSource):
         self.full_shapes, self.segments, self.regions = {}, [], []
         group = {id(params[i]): group_of[i] for i in self.trainable}
         index = self._index = {id(p): i for i, p in enumerate(params)}
+        self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
+        placed = self._placements(offload, group)
         for fs in self.owners:
             states = {}
             for u in fs.units:
-                st = self._add_unit(u, group, index)
+                st = self._add_unit(u, group, index, placed.get(id(u), Placement.DEVICE))
                 if st is not None:
                     states[u.index] = st
             fs.register_optimizer_states(self, states)
-            fs.add_grads_ready_listener(self._owner_ready)
+            fs.add_grads_ready_listener(weak_hook(self._owner_ready))
 
     def _owner_ready(self):
         if self.grads_ready():      # the last of the models whose backward this step needed
@@ -74,13 +79,23 @@ class UnitSource(ShardSource):
                 raise ValueError(self.err("the parameters come from FullyShard models on different "
                                           "process groups; use one optimizer per process group"))
 
-    def _add_unit(self, u, group: Dict[int, int], index: Dict[int, int]):
+    def _placements(self, offload: Offload, group: Dict[int, int]) -> Dict[int, Placement]:
+        """id(unit) -> where its state goes: whole units in the order backward reduces
+        them (the last first), and this rank's file sized for them."""
+        units = [u for fs in self.owners for u in reversed(fs.units)
+                 if any(id(q.sharded) in group for q in u.trainable)]
+        k = choose([u.shard_numel for u in units], offload.fraction) if offload.active and self.adam else 0
+        self.storage.reserve_disk(2 * sum(u.shard_numel for u in units[:k])
+                                  if offload.placement is Placement.DISK else 0)
+        return {id(u): offload.placement for u in units[:k]}
+
+    def _add_unit(self, u, group: Dict[int, int], index: Dict[int, int], placement: Placement):
         """The unit's state shards, region and segments (None if it has nothing to train here)."""
         mine = [q for q in u.trainable if id(q.sharded) in group]
         if not mine:
             return None
         # the fused AdamW's state shards (another optimizer keeps its own: zeroshard/_rules.py)
-        st = {n: torch.zeros(u.shard_numel, device=self.device) if self.adam else None
+        st = {n: self.storage.zeros(placement, u.shard_numel) if self.adam else None
               for n in ("exp_avg", "exp_avg_sq")}
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
@@ -98,7 +113,7 @@ class UnitSource(ShardSource):
                        q.tensor_offset) for q in run]
             self.segments.append(Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
                                          *(None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"])),
-                                         pieces=pieces))
+                                         pieces=pieces, streamed=self.storage.streamed(placement)))
         return {n: t for n, t in st.items() if t is not None}
 
     # ------------------------------------------------------- ShardSource API

@@ -46,15 +46,15 @@ from torch.utils._pytree import tree_flatten
 
 from ._ordered import OrderedReductions
 from ._plan_formula import (
-    _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, slow_link_bytes)
+    _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
 from ._reducer import MAX_INFLIGHT as _SO_INFLIGHT
 from ._shards import PERSISTENT
 from .fully_shard import MAX_INFLIGHT as _FS_INFLIGHT
 from .fully_shard import FullyShard, MixedPrecision
 from .sharded import ShardedOptimizer
 
-__all__ = ["model_state_bytes", "slow_link_bytes", "format_table", "plan_model", "format_model_plan",
-           "activation_bytes", "main"]
+__all__ = ["model_state_bytes", "offloaded_bytes", "slow_link_bytes", "format_table", "plan_model",
+           "format_model_plan", "activation_bytes", "main"]
 
 _PERSISTENT = PERSISTENT + ("total",)   # memory_report()'s persistent categories
 
@@ -422,7 +422,15 @@ def main(argv: List[str] = None) -> None:
                                                    "across the N/S groups (default: shard over all N)")
     ap.add_argument("--dtype", choices=sorted(_BYTES), default="bf16",
                     help="bf16/fp16: mixed precision with fp32 master (default); fp32: plain fp32")
+    ap.add_argument("--offload", choices=("cpu", "nvme"), help="ShardedOptimizer offload: the offloaded "
+                                                               "state's bytes go to host memory or disk")
+    ap.add_argument("--offload-fraction", type=float, default=1.0, help="share of the optimizer state "
+                                                                        "offloaded (default 1)")
     args = ap.parse_args(argv)
+    if not 0 <= args.offload_fraction <= 1:
+        ap.error(f"--offload-fraction must be in [0, 1], got {args.offload_fraction}")
+    if args.model is not None and args.offload is not None:
+        ap.error("--offload is planned with --params so far (the model-state table); --model plans without it")
     if args.world_size < 1:
         ap.error("--world-size must be >= 1")
     if (args.params is None) == (args.model is None):
@@ -432,7 +440,8 @@ def main(argv: List[str] = None) -> None:
     if args.model is None:
         if not args.params > 0:
             ap.error("--params must be > 0")
-        print(format_table(args.params, args.world_size, args.dtype, args.shard_size))
+        print(format_table(args.params, args.world_size, args.dtype, args.shard_size, args.offload,
+                           args.offload_fraction))
         return
     try:
         build = _load(args.model)

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _mesh, _optim_state, comm
+from . import _mesh, _offload, _optim_state, comm
 from ._grads import ReducedGrads
 from ._reducer import FlatReducer
 from ._rules import FusedAdamW, TorchElementwise, check_class, probe_defaults, require_fused
@@ -66,19 +66,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
     updates this rank's shard with the fused AdamW kernel and all-gathers the
     parameters. Given the parameters of a zeroshard.FullyShard model it updates
     that model's shards (ZeRO-3). See [Note: sharded optimizer policy] in
-    zeroshard/_reducer.py; ``shard_size`` / ``device_mesh``: [Note: hybrid sharding] in _mesh.py.
+    zeroshard/_reducer.py; ``shard_size`` / ``device_mesh``: [Note: hybrid sharding] in _mesh.py;
+    ``offload`` (None, "cpu", "nvme"), ``offload_dir``, ``offload_fraction``: [Note: offload] in _offload.py.
     """
 
     def __init__(self, params, lr: Optional[float] = None, betas=None, eps: Optional[float] = None,
                  weight_decay: Optional[float] = None, *, stage: int = 2, bucket_mb: float = 25,
                  process_group: Optional[dist.ProcessGroup] = None,
                  reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
-                 shard_size: Optional[int] = None, device_mesh=None, **optimizer_kwargs):
+                 shard_size: Optional[int] = None, device_mesh=None, offload: Optional[str] = None,
+                 offload_dir=None, offload_fraction: float = 1.0, **optimizer_kwargs):
         _check_arguments(stage, bucket_mb, reduce_dtype)
         given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items()
                  if v is not None}
         # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
         fused = optimizer_class is None or (optimizer_class is torch.optim.AdamW and not optimizer_kwargs)
+        placement = _offload.parse(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
         if fused:
             defaults = _adamw_defaults(given, optimizer_kwargs)
         else:
@@ -96,8 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
         self.last_step_skipped = False
         self._clip_coef: Optional[torch.Tensor] = None
-        # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(),
-        # until the state changes (a step or a load)
+        # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(), until a step or load
         self._consolidated = None
         # every parameter, in state_dict index order
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
@@ -106,28 +108,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
         if not self._trainable:
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        self._source = self._make_source(stage, process_group, (shard_size, device_mesh), adam=fused)
+        self._source = self._make_source(stage, process_group, (shard_size, device_mesh), fused, placement)
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
         self.events, self.comm_elements = self._source.events, self._source.comm_elements
         self._grads = ReducedGrads(self._params, self._trainable, self._source, self._err)
         # see [Note: update rules] in _rules.py
-        self._rule = FusedAdamW() if fused else TorchElementwise(
+        self._rule = FusedAdamW(self._source.storage) if fused else TorchElementwise(
             optimizer_class, self._optimizer_kwargs, self._source.segments, self.param_groups)
 
-    def _make_source(self, stage: int, process_group, hybrid: tuple, adam: bool) -> ShardSource:
+    def _make_source(self, stage: int, process_group, hybrid: tuple, adam: bool, offload) -> ShardSource:
         owners = [owner_of(p) for p in self._params]
         if all(o is None for o in owners):
             groups = _mesh.groups(process_group, *hybrid, who="ShardedOptimizer")
             return FlatReducer(self._params, self._group_of, stage=stage, adam=adam, bucket_bytes=self.bucket_bytes,
-                               reduce_dtype=self.reduce_dtype, groups=groups)
+                               reduce_dtype=self.reduce_dtype, groups=groups, offload=offload)
         for i, o in enumerate(owners):
             if o is None:
                 raise ValueError(self._err(
                     f"parameter {i} (shape {tuple(self._params[i].shape)}) is not a FullyShard parameter but "
                     "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
                     "outside the wrapped blocks) and pass model.parameters()"))
-        return UnitSource(self._params, self._group_of, owners, (process_group, *hybrid), self.reduce_dtype, adam)
+        return UnitSource(self._params, self._group_of, owners, (process_group, *hybrid), self.reduce_dtype, adam,
+                          offload)
 
     # ------------------------------------------------- what checkpoints read
     @property

@@ -1,0 +1,333 @@
+"""Offload: where the optimizer's state shards live, and how offloaded ranges step.
+
+[Note: offload] A policy the shard sources and the update rule consult, not a
+branch inside them:
+* Choosing. ``offload_fraction`` f of this rank's shard is offloaded in whole
+  parameters (ZeRO-1/2) or whole units (ZeRO-3), taken in the order backward
+  reduces them, as many as bring the offloaded elements closest to f of the
+  shard (f > 0 offloads at least one; f = 1 all). ``memory_report()`` says
+  exactly how many bytes went where. (Megatron's offload_fraction splits by
+  parameter too; DeepSpeed's ratio by sub-group.)
+* Storage. ``Storage.zeros(placement, n)``: DEVICE: the parameters' device;
+  HOST: host memory (pinned when the parameters are on CUDA); DISK: a view of
+  one file per rank under ``offload_dir``, allocated in full up front
+  (posix_fallocate: a full disk is an error at construction, never a crash
+  mid-step) and mapped shared, so state dicts and checkpoints read and write
+  it like any tensor, one region at a time, through the page cache. The file
+  is deleted when the optimizer is.
+* Stepping. A segment is *streamed* when its state is on disk, or in host
+  memory while its gradients are on CUDA; the update rule runs the others as
+  before. ``Streamer.update`` steps streamed ranges in windows of at most
+  ``window`` elements: while window k is updated by zeroshard's CPU AdamW
+  kernel (multi-threaded), two I/O threads read window k+1's state from the
+  file into the other buffer and write window k-1's back (double
+  buffering), so host memory holds two windows, not the shard. Gradients on
+  CUDA are copied to host per window; an fp32 parameter on CUDA (ZeRO-3's
+  unit shard) is copied in and back; a low-precision parameter on CUDA is
+  written from the updated fp32 master.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import os
+import shutil
+import weakref
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .kernels import fused_adamw_
+
+# elements per state tensor in one window of the streamed step (two windows of
+# four fp32 tensors: 64 MiB by default); ZEROSHARD_OFFLOAD_WINDOW_MB sets the total
+_WINDOW_ENV = "ZEROSHARD_OFFLOAD_WINDOW_MB"
+
+
+class Placement(enum.Enum):
+    """Where a state shard lives."""
+    DEVICE = "device"   # with the parameters (no offload)
+    HOST = "host"       # host memory: offload="cpu"
+    DISK = "disk"       # a file under offload_dir: offload="nvme"
+
+
+@dataclass(frozen=True)
+class Offload:
+    """The validated offload arguments of ShardedOptimizer."""
+    placement: Placement        # where the offloaded share goes
+    directory: Optional[str]    # DISK: where the files go
+    fraction: float             # share of this rank's shard offloaded
+
+    @property
+    def active(self) -> bool:
+        return self.placement is not Placement.DEVICE and self.fraction > 0
+
+
+NO_OFFLOAD = Offload(Placement.DEVICE, None, 0.0)
+
+
+def parse(offload, offload_dir, offload_fraction, optimizer_class=None) -> Offload:
+    """Checks ShardedOptimizer's offload arguments (see [Note: offload]); ``optimizer_class``:
+    the torch optimizer asked for instead of the fused AdamW, if any."""
+    kinds = {None: Placement.DEVICE, "cpu": Placement.HOST, "nvme": Placement.DISK}
+    if offload not in kinds:
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    try:
+        fraction = float(offload_fraction)
+    except (TypeError, ValueError):
+        raise ValueError(f"offload_fraction must be a number in [0, 1], got {offload_fraction!r}") from None
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1] (the share of this rank's shard whose state is "
+                         f"offloaded), got {offload_fraction!r}")
+    if offload == "nvme":
+        if offload_dir is None:
+            raise ValueError("offload='nvme' needs offload_dir=<a directory on a fast local disk> for the "
+                             "optimizer-state files (one per rank)")
+        check_directory(str(offload_dir))
+    elif offload_dir is not None:
+        raise ValueError(f"offload_dir={offload_dir!r} is only used with offload='nvme' (got offload={offload!r})")
+    if offload is not None and optimizer_class is not None:
+        raise ValueError(f"offload={offload!r} steps the offloaded state with zeroshard's fused AdamW; "
+                         f"optimizer_class={optimizer_class.__name__} keeps its own state on the parameters' "
+                         "device: drop offload or optimizer_class")
+    return Offload(kinds[offload], None if offload_dir is None else str(offload_dir), fraction)
+
+
+def check_directory(directory: str) -> None:
+    if not os.path.isdir(directory):
+        raise ValueError(f"offload_dir {directory!r} does not exist or is not a directory; create it on a "
+                         "fast local disk")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"offload_dir {directory!r} is not writable by this process; pick a directory it "
+                         "can write")
+
+
+def choose(sizes: Sequence[int], fraction: float) -> int:
+    """How many of ``sizes`` (in order) to offload: the prefix whose sum comes
+    closest to ``fraction`` of the total (ties: the larger); at least one when
+    ``fraction`` > 0, all when it is 1."""
+    total = sum(sizes)
+    if fraction <= 0 or not sizes:
+        return 0
+    if fraction >= 1:
+        return len(sizes)
+    target, best, best_err, acc = fraction * total, 1, None, 0
+    for k, n in enumerate(sizes, 1):
+        acc += n
+        err = abs(acc - target)
+        if best_err is None or err <= best_err:
+            best, best_err = k, err
+        if acc >= target:
+            break
+    return best
+
+
+def offloaded_params(params: List[torch.Tensor], trainable: List[int], offload: Offload) -> set:
+    """ZeRO-1/2: the trainable parameters whose state is offloaded, whole ones in the
+    order backward reduces them (the reverse of ``trainable``)."""
+    order = list(reversed(trainable))
+    return set(order[:choose([params[i].numel() for i in order], offload.fraction)] if offload.active else ())
+
+
+class DiskFile:
+    """One rank's state file: allocated in full, mapped shared, read and written by offset."""
+
+    def __init__(self, directory: str, rank: int, numel: int, err: Callable[[str], str]):
+        check_directory(directory)
+        self.path = os.path.join(directory, f"zeroshard-rank{rank}-pid{os.getpid()}-{id(self):x}.optstate")
+        nbytes = max(4, 4 * numel)
+        free = shutil.disk_usage(directory).free
+        if free < nbytes:
+            raise ValueError(err(f"offload_dir {directory!r} has {free / 2**30:.2f} GiB free but this rank's "
+                                 f"offloaded optimizer state needs {nbytes / 2**30:.2f} GiB; free space, use "
+                                 "another directory or a smaller offload_fraction"))
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._cleanup = weakref.finalize(self, _close, self.fd, self.path)
+        try:
+            os.posix_fallocate(self.fd, 0, nbytes)
+        except OSError as e:
+            self._cleanup()
+            raise ValueError(err(f"cannot allocate {nbytes / 2**30:.2f} GiB for the offloaded optimizer state in "
+                                 f"{directory!r}: {e.strerror}; free space or use another directory")) from None
+        self.mapped = torch.from_file(self.path, shared=True, size=max(1, numel), dtype=torch.float32)
+        self.used = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        """The next ``n`` elements of the file, as a mapped view (zeros)."""
+        t = self.mapped[self.used:self.used + n]
+        self.used += n
+        return t
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() == self.mapped.untyped_storage().data_ptr()
+
+    def read(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (contiguous fp32 host tensor) := ``src`` (a mapped view), by pread."""
+        _transfer(os.preadv, self.fd, dst, 4 * src.storage_offset())
+
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (a mapped view) := ``src`` (contiguous fp32 host tensor), by pwrite."""
+        _transfer(os.pwritev, self.fd, src, 4 * dst.storage_offset())
+
+    @property
+    def nbytes(self) -> int:
+        return os.fstat(self.fd).st_size
+
+
+def _transfer(op, fd: int, t: torch.Tensor, offset: int) -> None:
+    view = memoryview(t.numpy()).cast("B")
+    done = 0
+    while done < len(view):     # short reads and writes continue where they stopped
+        n = op(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"offload file I/O stopped at byte {offset + done} (end of file or disk error)")
+        done += n
+
+
+def _close(fd: int, path: str) -> None:
+    try:
+        os.close(fd)
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+# the state tensors Storage placed off the device (a weak map: a freed tensor leaves it)
+# (by identity: tensors compare elementwise)
+_PLACED = WeakIdKeyDictionary()
+
+
+def placement_of(t: torch.Tensor) -> Placement:
+    """Where Storage put ``t`` (DEVICE for a tensor it did not place)."""
+    return _PLACED.get(t, Placement.DEVICE)
+
+
+class Storage:
+    """Allocates state shards where ``offload`` puts them, for one source on one rank."""
+
+    def __init__(self, offload: Offload, device: torch.device, rank: int, err: Callable[[str], str]):
+        self.offload, self.device, self.rank, self.err = offload, device, rank, err
+        self.disk: Optional[DiskFile] = None
+        self.streamer: Optional[Streamer] = None
+
+    def reserve_disk(self, numel: int) -> None:
+        """Creates this rank's file for ``numel`` fp32 elements (called once, before zeros(DISK, ...))."""
+        if self.offload.placement is Placement.DISK and numel > 0:
+            self.disk = DiskFile(self.offload.directory, self.rank, numel, self.err)
+
+    def zeros(self, placement: Placement, n: int) -> torch.Tensor:
+        if placement is Placement.DEVICE:
+            return torch.zeros(n, device=self.device)
+        t = self.disk.take(n) if placement is Placement.DISK else torch.zeros(n, pin_memory=self.device.type == "cuda")
+        _PLACED[t] = placement
+        return t
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` := ``src`` without touching a mapped ``dst``'s pages (pwrite, window by window)."""
+        if self.disk is None or not self.disk.holds(dst):
+            dst.copy_(src)
+            return
+        w = window_elements()
+        for a in range(0, dst.numel(), w):
+            self.disk.write(dst[a:a + w], src[a:a + w].to("cpu", torch.float32).contiguous())
+
+    def streamed(self, placement: Placement) -> bool:
+        """Whether state in ``placement`` is stepped by the Streamer (see [Note: offload])."""
+        return placement is Placement.DISK or (placement is Placement.HOST and self.device.type != "cpu")
+
+    def streamer_for_step(self) -> "Streamer":
+        if self.streamer is None:
+            self.streamer = Streamer(self.disk)
+        return self.streamer
+
+
+def window_elements() -> int:
+    mb = float(os.environ.get(_WINDOW_ENV, "64"))
+    if not mb > 0:
+        raise ValueError(f"{_WINDOW_ENV} must be > 0, got {os.environ.get(_WINDOW_ENV)!r}")
+    return max(64, int(mb * 2**20) // (2 * 4 * 4))
+
+
+class Streamer:
+    """Steps streamed ranges window by window; see [Note: offload]."""
+
+    def __init__(self, disk: Optional[DiskFile]):
+        self.disk = disk
+        self.window = window_elements()
+        # two I/O threads: one reads the next window while the other writes the last one back
+        self.io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="zeroshard-offload")
+        self.slots: List[dict] = []
+
+    def _slot(self, s: int, pin: bool) -> dict:
+        while len(self.slots) <= s:
+            self.slots.append({k: torch.empty(self.window, pin_memory=pin) for k in ("p", "g", "m", "v")})
+        return self.slots[s]
+
+    def update(self, parts: list, hyper: dict, step: int) -> None:
+        """AdamW on each (param, grad, exp_avg, exp_avg_sq, out) range of ``parts``."""
+        w = self.window
+        chunks = [(part, a, min(a + w, part[0].numel())) for part in parts for a in range(0, part[0].numel(), w)]
+        if not chunks:
+            return
+        pin = any(t is not None and t.device.type == "cuda" for part in parts for t in part)
+        scale = hyper.get("scale")
+        hyper = dict(hyper, scale=None if scale is None else scale.to("cpu", torch.float32))
+        # the futures of window k's load, the next window's load and the last two write-backs
+        # (older ones are done: the load two windows on waited for them)
+        older = last = None
+        upcoming = self.io.submit(self._load, chunks[0], self._slot(0, pin))
+        for k, chunk in enumerate(chunks):
+            slot, loading = self._slot(k % 2, pin), upcoming
+            if k + 1 < len(chunks):   # the other buffer is free once window k-1 is written back
+                upcoming = self.io.submit(self._after, last, self._load, chunks[k + 1], self._slot((k + 1) % 2, pin))
+            loading.result()
+            self._compute(chunk, slot, hyper, step)
+            older, last = last, self.io.submit(self._store, chunk, slot)
+        for f in (older, last):
+            if f is not None:
+                f.result()
+
+    @staticmethod
+    def _after(first, fn, *args):
+        if first is not None:
+            first.result()
+        return fn(*args)
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        return self.disk is not None and self.disk.holds(t)
+
+    def _load(self, chunk, slot) -> None:
+        (p, _, m, v, _), a, b = chunk
+        for key, t in (("p", p), ("m", m), ("v", v)):
+            if self._staged(t):
+                self.disk.read(slot[key][:b - a], t[a:b])
+
+    def _store(self, chunk, slot) -> None:
+        (p, _, m, v, _), a, b = chunk
+        for key, t in (("p", p), ("m", m), ("v", v)):
+            if self._staged(t):
+                self.disk.write(t[a:b], slot[key][:b - a])
+
+    def _compute(self, chunk, slot, hyper: dict, step: int) -> None:
+        (p, g, m, v, out), a, b = chunk
+        n = b - a
+        host = {}
+        for key, t in (("p", p), ("m", m), ("v", v)):
+            if self._staged(t):
+                host[key] = slot[key][:n]
+            elif t.device.type != "cpu":        # ZeRO-3's fp32 unit shard on CUDA: in and back out
+                host[key] = slot[key][:n].copy_(t[a:b])
+            else:
+                host[key] = t[a:b]
+        grad = g[a:b] if g.device.type == "cpu" else slot["g"][:n].copy_(g[a:b])
+        host_out = out is not None and out.device.type == "cpu"
+        fused_adamw_([host["p"]], [grad], [host["m"]], [host["v"]], outs=[out[a:b]] if host_out else None,
+                     step=step, **hyper)
+        if p.device.type != "cpu":
+            p[a:b].copy_(host["p"], non_blocking=True)
+        if out is not None and not host_out:
+            out[a:b].copy_(host["p"], non_blocking=True)
