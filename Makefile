@@ -20,7 +20,7 @@ DEV_DEPS := "scikit-build-core>=0.10" "pytest>=7" pytest-timeout hypothesis ninj
 
 SOURCES := $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null) CMakeLists.txt pyproject.toml
 
-.PHONY: all demo test test-cpp test-py build bench clean
+.PHONY: all demo test test-cpp test-py build bench bench-deps clean
 
 all: build
 
@@ -64,7 +64,17 @@ demo: build
 	$(DEMO) --stage 3 --steps 300 --ckpt-dir examples/out/ckpt --ckpt-every 100
 	$(DEMO) --stage 2 --steps 340 --ckpt-dir examples/out/ckpt --resume
 
-bench: build
+# DeepSpeed, a benchmark-only peer (never a runtime dependency): installed without
+# its dependency resolution so torch stays the pinned one. It runs on CPU with
+# DS_ACCELERATOR=cpu; its CPU Adam op compiles on first use (about two minutes).
+BENCH_DEPS := "deepspeed>=0.19,<0.20"
+BENCH_DEPS_OF_DS := einops hjson msgpack psutil py-cpuinfo "pydantic>=2" tqdm
+
+bench-deps: $(VENV)/.deps
+	@$(PY) -c "import deepspeed" 2>/dev/null || { $(PIP) install -q --no-deps $(BENCH_DEPS) && \
+	  $(PIP) install -q $(BENCH_DEPS_OF_DS); }
+
+bench: build bench-deps
 	$(PY) benchmarks/adamw.py
 	$(PY) benchmarks/step.py
 	$(PY) benchmarks/checkpoint.py

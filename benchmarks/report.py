@@ -36,15 +36,18 @@ README_MARKERS = ("<!-- bench:plots:start -->", "<!-- bench:plots:end -->")
 
 # ZeRO stage of each step.py / checkpoint.py variant (what "by stage" means in the plots).
 STAGES = {"adamw": "no DDP", "ddp": "DDP", "ddp+zero": "ZeRO-1", "zeroshard-1": "ZeRO-1", "fsdp2": "ZeRO-2",
-          "zeroshard-2": "ZeRO-2", "fsdp2-3": "ZeRO-3", "zeroshard-3": "ZeRO-3", "fsdp2-3+dcp": "ZeRO-3"}
+          "zeroshard-2": "ZeRO-2", "fsdp2-3": "ZeRO-3", "zeroshard-3": "ZeRO-3", "fsdp2-3+dcp": "ZeRO-3",
+          "deepspeed-1": "ZeRO-1", "deepspeed-2": "ZeRO-2", "deepspeed-3": "ZeRO-3"}
 STAGE_ORDER = ["no DDP", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 # Ours against torch's alternative of the same stage (summary lines under the step tables).
 PAIRS = [("zeroshard-1", "ddp+zero"), ("zeroshard-2", "fsdp2"), ("zeroshard-3", "fsdp2-3"),
-         ("zeroshard-3@p0", "fsdp2-3")]
+         ("zeroshard-3@p0", "fsdp2-3"), ("zeroshard-1", "deepspeed-1"), ("zeroshard-2", "deepspeed-2"),
+         ("zeroshard-3", "deepspeed-3"), ("zeroshard-2+cpu", "deepspeed-2+cpu"), ("zeroshard-2+nvme", "deepspeed-2+cpu")]
 
 
 def stage(variant: str) -> str:
-    return STAGES.get(variant, STAGES.get(variant.split("@")[0], "?"))
+    """"zeroshard-2@5" and "deepspeed-2+cpu" are their stage's too (bucket size, offload)."""
+    return STAGES.get(variant, STAGES.get(variant.split("@")[0].split("+cpu")[0].split("+nvme")[0], "?"))
 
 
 def color(variant: str) -> str:
@@ -383,7 +386,7 @@ def results_section(found: dict) -> str:
 
 
 def readme_section(found: dict, plots: dict, rel: str) -> str:
-    """plots: {file name: (alt text, JSON data it was drawn from, JSON names)}."""
+    """plots: {file name: (alt text, JSON data it was drawn from, [(JSON name, its data)])}."""
     lines = [README_MARKERS[0], "### Latest plots", ""]
     if not plots:
         lines += ["No plots yet: `make bench` makes them.", README_MARKERS[1]]
@@ -400,7 +403,8 @@ def readme_section(found: dict, plots: dict, rel: str) -> str:
     for png, (alt, d, names) in plots.items():
         lines.append(f"![{alt}]({rel}/{png})")
         if not (where and when):
-            lines.append(f"*{', '.join(names)}: {d.get('date', '?')}, {machine(d)}, commit {commit(d)}*")
+            lines.append("*" + "; ".join(f"{n}: {nd.get('date', '?')}, {machine(nd)}, commit {commit(nd)}"
+                                         for n, nd in names) + "*")
         lines.append("")
     lines[-1] = README_MARKERS[1]
     return "\n".join(lines)
@@ -471,7 +475,7 @@ def report(out_dir: str, results: str, readme: str) -> dict:
     changed, plots = {}, {}
     steps = found["step"]
     if steps:
-        names = [n for n, _ in steps]
+        names = list(steps)
         ref = steps[0][1]
         path = os.path.join(out_dir, "memory_by_stage.png")
         changed[path] = plot_memory(steps, path)
@@ -482,12 +486,13 @@ def report(out_dir: str, results: str, readme: str) -> dict:
     if found["adamw"]:
         path = os.path.join(out_dir, "adamw.png")
         changed[path] = plot_adamw(found["adamw"], path)
-        plots["adamw.png"] = ("Fused AdamW throughput per variant against size", found["adamw"], ["adamw.json"])
+        plots["adamw.png"] = ("Fused AdamW throughput per variant against size", found["adamw"],
+                              [("adamw.json", found["adamw"])])
     if found["checkpoint"]:
         path = os.path.join(out_dir, "checkpoint.png")
         changed[path] = plot_checkpoint(found["checkpoint"], path)
         plots["checkpoint.png"] = ("Checkpoint save and load time per variant", found["checkpoint"],
-                                   ["checkpoint.json"])
+                                   [("checkpoint.json", found["checkpoint"])])
     changed[results] = update(results, RESULTS_MARKERS, results_section(found), after_intro)
     rel = os.path.relpath(os.path.abspath(out_dir), os.path.dirname(os.path.abspath(readme))).replace(os.sep, "/")
     changed[readme] = update(readme, README_MARKERS, readme_section(found, plots, rel), end_of_benchmarks)

@@ -86,6 +86,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
 from comm_count import count_comm, format_groups  # noqa: E402
 from cpu_memory import TensorBytes  # noqa: E402
 from gpt import GPT, Block, GPTConfig  # noqa: E402
@@ -154,15 +155,18 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None):
         if dist.get_backend() == "gloo":
             model.set_force_sum_reduction_for_comms(True)
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    if peers.is_deepspeed(variant):
+        return peers.build_deepspeed(variant, model, param_dtype, lr)
     import zeroshard as zs
     if variant.startswith("zeroshard-3"):
         prefetch = 0 if variant == "zeroshard-3@p0" else prefetch
         model = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
             param_dtype=param_dtype, reduce_dtype=torch.float32), shard_size=shard_size)
         return model, zs.ShardedOptimizer(model.parameters(), lr=lr)
-    name, _, mb = variant.partition("@")   # "zeroshard-2@5": bucket_mb=5
+    name, _, mb = variant.partition("+")[0].partition("@")   # "zeroshard-2@5": bucket_mb=5; "+cpu": offload
     return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(name[-1]),
-                                      bucket_mb=float(mb) if mb else 25, shard_size=shard_size)
+                                      bucket_mb=float(mb) if mb else 25, shard_size=shard_size,
+                                      **peers.zeroshard_offload(variant))
 
 
 def tensor_peak_mb(variant, cfg, args, data):
@@ -174,9 +178,7 @@ def tensor_peak_mb(variant, cfg, args, data):
         t.mark()
         wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch, shard_size=args.shard_size)
         for _ in range(2):   # (the loss is not kept: exactly the step's own tensors are counted)
-            wrapped(data[:, :-1], data[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(wrapped, opt, data, lambda: None)
     return max(0, t.peak - t.at_mark) / 2**20
 
 
@@ -210,7 +212,8 @@ def new_model(cfg, args, device):
 
 def train_step(wrapped, opt, data, sync):
     loss = wrapped(data[:, :-1], data[:, 1:])
-    loss.backward()
+    backward = getattr(opt, "backward", None)   # DeepSpeed's engine runs the backward itself
+    backward(loss) if backward is not None else loss.backward()
     opt.step()
     opt.zero_grad()
     sync()
@@ -374,6 +377,10 @@ def main():
         VARIANTS if args.world_size > 1 else ["adamw", "adamw-amp"] + [v for v in VARIANTS if v != "ddp+zero"])
     if args.device == "cuda" and not args.variants:   # FSDP2 prefetches on CUDA: compare like with like
         variants = [v for v in variants if v != "zeroshard-3@p0"]
+    missing = peers.available() if any(peers.is_deepspeed(v) for v in variants) else ""
+    if missing:
+        print(f"DeepSpeed variants skipped (deepspeed not importable: {missing}; `make bench-deps` installs it)")
+        variants = [v for v in variants if not peers.is_deepspeed(v)]
     for k in range(max(1, args.rounds)):
         for v in variants:
             row = spawn(ctx, worker, args.world_size, v, v, cfg, args, k == 0)
@@ -405,12 +412,12 @@ def main():
     print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size}{hybrid} | {where} | "
           f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}")
     exact = args.device == "cpu"
-    print(f"{'variant':<13} {'step ms':>9} {'ratio':>7} {'paired':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
+    print(f"{'variant':<17} {'step ms':>9} {'ratio':>7} {'paired':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
           f"{' comm MB' if args.comm else ''}{' tensor MB  ratio' if exact else '  alloc MB   plan MB  plan/alloc'}")
     for r in rows:
         comm = r.get("comm_mb")
         pr = f"{r['paired_ratio']:>6.2f}x" if "paired_ratio" in r else f"{'-':>7}"
-        print(f"{r['variant']:<13} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x {pr} "
+        print(f"{r['variant']:<17} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x {pr} "
               f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
               f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
               + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else

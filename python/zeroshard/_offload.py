@@ -17,11 +17,13 @@ branch inside them:
   is deleted when the optimizer is.
 * Stepping. A segment is *streamed* when its state is on disk, or in host
   memory while its gradients are on CUDA; the update rule runs the others as
-  before. ``Streamer.update`` steps streamed ranges in windows of at most
-  ``window`` elements: while window k is updated by zeroshard's CPU AdamW
-  kernel (multi-threaded), two I/O threads read window k+1's state from the
-  file into the other buffer and write window k-1's back (double
-  buffering), so host memory holds two windows, not the shard. Gradients on
+  before. ``Streamer.update`` steps streamed ranges in windows (at most
+  ZEROSHARD_OFFLOAD_WINDOW_MB for both windows' tensors together, and at
+  most a quarter of what one call steps): while window k is updated by
+  zeroshard's CPU AdamW kernel (multi-threaded), two I/O threads read window
+  k+1's state from the file into the other buffer and write window k-1's
+  back (double buffering), so host memory holds two windows, not the shard;
+  only the tensors that are staged (on disk or on the device) get a buffer. Gradients on
   CUDA are copied to host per window; an fp32 parameter on CUDA (ZeRO-3's
   unit shard) is copied in and back; a low-precision parameter on CUDA is
   written from the updated fp32 master.
@@ -262,28 +264,47 @@ class Streamer:
         self.io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="zeroshard-offload")
         self.slots: List[dict] = []
 
-    def _slot(self, s: int, pin: bool) -> dict:
+    def _slot(self, s: int, pin: bool, n: int, keys) -> dict:
+        """Window buffer ``s`` (0 or 1): ``n`` elements for each of ``keys`` (of p, g, m, v:
+        only the tensors that are staged), grown as needed and kept between steps."""
         while len(self.slots) <= s:
-            self.slots.append({k: torch.empty(self.window, pin_memory=pin) for k in ("p", "g", "m", "v")})
-        return self.slots[s]
+            self.slots.append({})
+        slot = self.slots[s]
+        for k in keys:
+            if k not in slot or slot[k].numel() < n:
+                slot[k] = torch.empty(n, pin_memory=pin)
+        return slot
+
+    def _keys(self, parts: list) -> set:
+        """Which of p, g, m, v go through a window buffer: what is on disk or on the device."""
+        keys = set()
+        for p, g, m, v, _ in parts:
+            keys |= {k for k, t in (("p", p), ("m", m), ("v", v)) if self._staged(t) or t.device.type != "cpu"}
+            keys |= {"g"} if g.device.type != "cpu" else set()
+        return keys
 
     def update(self, parts: list, hyper: dict, step: int) -> None:
         """AdamW on each (param, grad, exp_avg, exp_avg_sq, out) range of ``parts``."""
-        w = self.window
+        total = sum(part[0].numel() for part in parts)
+        # windows of at most a quarter of what this call steps: the two buffers together
+        # hold at most half of it, however small the shard is against the window
+        w = min(self.window, max(64, -(-total // 4)))
         chunks = [(part, a, min(a + w, part[0].numel())) for part in parts for a in range(0, part[0].numel(), w)]
         if not chunks:
             return
+        n, keys = max(b - a for _, a, b in chunks), self._keys(parts)
         pin = any(t is not None and t.device.type == "cuda" for part in parts for t in part)
         scale = hyper.get("scale")
         hyper = dict(hyper, scale=None if scale is None else scale.to("cpu", torch.float32))
         # the futures of window k's load, the next window's load and the last two write-backs
         # (older ones are done: the load two windows on waited for them)
         older = last = None
-        upcoming = self.io.submit(self._load, chunks[0], self._slot(0, pin))
+        upcoming = self.io.submit(self._load, chunks[0], self._slot(0, pin, n, keys))
         for k, chunk in enumerate(chunks):
-            slot, loading = self._slot(k % 2, pin), upcoming
+            slot, loading = self._slot(k % 2, pin, n, keys), upcoming
             if k + 1 < len(chunks):   # the other buffer is free once window k-1 is written back
-                upcoming = self.io.submit(self._after, last, self._load, chunks[k + 1], self._slot((k + 1) % 2, pin))
+                upcoming = self.io.submit(self._after, last, self._load, chunks[k + 1],
+                                          self._slot((k + 1) % 2, pin, n, keys))
             loading.result()
             self._compute(chunk, slot, hyper, step)
             older, last = last, self.io.submit(self._store, chunk, slot)
