@@ -5,7 +5,9 @@ Variants (world size 2, CPU + gloo by default), each in fresh processes:
                 torch.distributed.checkpoint (get_state_dict / dcp.save / dcp.load / set_state_dict)
   zeroshard-3   zeroshard.FullyShard + ShardedOptimizer, save_checkpoint / load_checkpoint
   zeroshard-2   zeroshard.ShardedOptimizer(stage=2), save_checkpoint / load_checkpoint
-Both write fsynced files. "save ms" / "load ms" are medians over --repeats
+  deepspeed-3, deepspeed-2   DeepSpeed's engine.save_checkpoint / load_checkpoint (where
+                deepspeed is installed: `make bench-deps`; skipped otherwise, saying so)
+FSDP2 + DCP and zeroshard write fsynced files; DeepSpeed's torch.save does not fsync. "save ms" / "load ms" are medians over --repeats
 on rank 0 (barrier-to-barrier); "MB/rank" is what each rank wrote (its data
 file; rank 0 also the metadata/manifest); "peak MB" is the rise of rank 0's
 peak resident memory over what it held before the call (save, load).
@@ -31,13 +33,17 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
+import peers  # noqa: E402
 from machine import machine_info  # noqa: E402
-from step import build, free_port, init_dist, reset_peak_rss, rss_mb  # noqa: E402
+from step import build, free_port, init_dist, reset_peak_rss, rss_mb, train_step  # noqa: E402
 
-VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2"]
+VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2", "deepspeed-3", "deepspeed-2"]
 
 
 def save_load(variant, model, opt):
+    if peers.is_deepspeed(variant):      # model is the engine
+        return (lambda path: model.save_checkpoint(path, tag="bench")), \
+            (lambda path: model.load_checkpoint(path, tag="bench"))
     if variant == "fsdp2-3+dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -77,22 +83,54 @@ def worker(rank, world, port, variant, cfg, args, root, out):
     n_params = sum(p.numel() for p in model.parameters())   # before wrapping (FullyShard leaves shards)
     wrapped, opt = build(variant.removesuffix("+dcp"), model, torch.float32)
     data = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
-    wrapped(data[:, :-1], data[:, 1:]).backward()   # one step, so every optimizer state exists
-    opt.step()
-    opt.zero_grad()
+    train_step(wrapped, opt, data, lambda: None)    # one step, so every optimizer state exists
     save, load = save_load(variant, wrapped, opt)
     path = os.path.join(root, variant)
     save_ms, save_peak = timed(lambda: save(path), args.repeats)
     load_ms, load_peak = timed(lambda: load(path), args.repeats)
     if rank == 0:   # what each rank wrote, read from the shared directory
-        everyone = [sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*")) if
-                        os.path.basename(f) in (f"rank{r}.safetensors", f"__{r}_0.distcp")
-                        or (r == 0 and os.path.basename(f) in ("manifest.json", ".metadata"))) / 2**20
+        everyone = [sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**"), recursive=True)
+                        if os.path.isfile(f) and _written_by(os.path.basename(f), r)) / 2**20
                     for r in range(world)]
         out.put(dict(variant=variant, params=n_params, save_ms=save_ms,
                      load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def resume_worker(rank, world, port, variant, cfg, args, root, out):
+    """Loads what ``worker`` saved at another world size (this one), timed end to end:
+    zeroshard loads it as it is; DeepSpeed first converts it offline (ds_to_universal,
+    on rank 0) and loads the universal checkpoint; FSDP2 + DCP loads it as it is."""
+    init_dist(rank, world, port)
+    torch.manual_seed(0)
+    deepspeed = peers.is_deepspeed(variant)
+    if deepspeed:
+        wrapped = opt = peers.build_deepspeed(variant, GPT(cfg), torch.float32, 3e-4, universal=True)[0]
+    else:
+        wrapped, opt = build(variant.removesuffix("+dcp"), GPT(cfg), torch.float32)
+    path = os.path.join(root, variant)
+    _, load = save_load(variant, wrapped, opt)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if deepspeed:
+        if rank == 0:
+            peers.to_universal(path, "bench")
+        dist.barrier()
+        wrapped.load_checkpoint(path, tag="bench_universal")
+    else:
+        load(path)
+    dist.barrier()
+    if rank == 0:
+        out.put(1e3 * (time.perf_counter() - t0))
+    dist.destroy_process_group()
+
+
+def _written_by(name: str, r: int) -> bool:
+    """Whether rank ``r`` wrote the checkpoint file ``name`` (zeroshard, DCP, DeepSpeed names)."""
+    if name in (f"rank{r}.safetensors", f"__{r}_0.distcp") or f"zero_pp_rank_{r}_" in name:
+        return True
+    return r == 0 and (name in ("manifest.json", ".metadata", "latest") or name.startswith("mp_rank_"))
 
 
 def main():
@@ -102,6 +140,9 @@ def main():
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--resume-world-size", type=int, default=3,
+                    help="also load each checkpoint at this world size, timed end to end with any offline "
+                         "conversion it needs (0: skip)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                    "checkpoint.json"))
     args = ap.parse_args()
@@ -109,28 +150,40 @@ def main():
     ctx = mp.get_context("spawn")
     rows = []
     root = tempfile.mkdtemp(prefix="zs-ckpt-bench-")
+    variants = args.variants.split(",")
+    missing = peers.available() if any(peers.is_deepspeed(v) for v in variants) else ""
+    if missing:
+        print(f"DeepSpeed variants skipped (deepspeed not importable: {missing}; `make bench-deps` installs it)")
+        variants = [v for v in variants if not peers.is_deepspeed(v)]
     try:
-        for variant in args.variants.split(","):
+        for variant in variants:
             q = ctx.SimpleQueue()
             mp.start_processes(worker, args=(args.world_size, free_port(), variant, cfg, args, root, q),
                                nprocs=args.world_size, start_method="spawn")
             rows.append(q.get())
+            if args.resume_world_size:      # load at another world size, end to end
+                mp.start_processes(resume_worker, args=(args.resume_world_size, free_port(), variant, cfg, args,
+                                                        root, q), nprocs=args.resume_world_size, start_method="spawn")
+                rows[-1]["resume_ms"] = q.get()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ref = next((r for r in rows if r["variant"] == "fsdp2-3+dcp"), None)
     print(f"checkpoint of a {rows[0]['params'] / 1e6:.1f}M-parameter GPT, world size {args.world_size}, "
           f"CPU + gloo, {date.today()}")
+    resume = f"load at {args.resume_world_size}" if args.resume_world_size else ""
     print(f"{'variant':<14}{'save ms':>9}{'vs dcp':>8}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
-          f"{'save peak MB':>14}{'load peak MB':>14}")
+          f"{'save peak MB':>14}{'load peak MB':>14}" + (f"{resume + ' ms':>18}" if resume else ""))
     for r in rows:
         vs = (lambda k: f"{r[k] / ref[k]:.2f}x") if ref else (lambda k: "-")
         mb = "/".join(f"{m:.1f}" for m in r["mb_per_rank"])
         print(f"{r['variant']:<14}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
-              f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}")
+              f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}"
+              + (f"{r['resume_ms']:>18.1f}" if "resume_ms" in r else ""))
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(date=str(date.today()), world_size=args.world_size, rows=rows, torch=torch.__version__,
-                       config=vars(cfg), repeats=args.repeats, backend="CPU gloo", machine=machine_info("cpu")),
+                       config=vars(cfg), repeats=args.repeats, backend="CPU gloo", machine=machine_info("cpu"),
+                       resume_world_size=args.resume_world_size),
                   f, indent=1)
 
 

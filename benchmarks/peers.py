@@ -33,9 +33,11 @@ def is_deepspeed(variant: str) -> bool:
     return variant.startswith("deepspeed-")
 
 
-def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dtype, lr: float):
+def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dtype, lr: float,
+                    universal: bool = False):
     """(engine, engine): the engine is both the model to call and the "optimizer". The
-    micro-batch size its config requires is bookkeeping (step.py feeds its own batch)."""
+    micro-batch size its config requires is bookkeeping (step.py feeds its own batch).
+    ``universal``: the engine loads universal checkpoints (made by ``to_universal``)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch.distributed as dist
@@ -51,6 +53,8 @@ def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dty
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
            "wall_clock_breakdown": False}
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     if param_dtype == torch.bfloat16:
         cfg["bf16"] = {"enabled": True}
     if offload == "cpu":
@@ -64,12 +68,28 @@ def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dty
     return engine, engine
 
 
-def zeroshard_offload(variant: str) -> dict:
-    """ShardedOptimizer's offload keywords for "zeroshard-2+cpu" / "zeroshard-2+nvme" (the
-    nvme file in a fresh temporary directory), {} for the others."""
+def zeroshard_options(variant: str) -> dict:
+    """ShardedOptimizer's keywords for a variant's "+" suffix: "+cpu" / "+nvme" offload (the
+    nvme file in a fresh temporary directory), "+overlap" overlap_param_gather; {} without one."""
     kind = variant.partition("+")[2]
     if kind == "cpu":
         return dict(offload="cpu")
     if kind == "nvme":
         return dict(offload="nvme", offload_dir=tempfile.mkdtemp(prefix="zeroshard-bench-"))
+    if kind == "overlap":
+        return dict(overlap_param_gather=True)
     return {}
+
+
+def to_universal(path: str, tag: str) -> str:
+    """DeepSpeed's offline conversion (ds_to_universal) of checkpoint ``path``/``tag`` into a
+    universal checkpoint, which loads at another world size; returns the tag it is under."""
+    import subprocess
+    import sys
+    out = tag + "_universal"
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(path, tag), "--output_folder", os.path.join(path, out)],
+                   check=True, capture_output=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    with open(os.path.join(path, "latest_universal"), "w") as f:
+        f.write(out)
+    return out

@@ -46,8 +46,11 @@ PAIRS = [("zeroshard-1", "ddp+zero"), ("zeroshard-2", "fsdp2"), ("zeroshard-3", 
 
 
 def stage(variant: str) -> str:
-    """"zeroshard-2@5" and "deepspeed-2+cpu" are their stage's too (bucket size, offload)."""
-    return STAGES.get(variant, STAGES.get(variant.split("@")[0].split("+cpu")[0].split("+nvme")[0], "?"))
+    """"zeroshard-2@5", "deepspeed-2+cpu", "zeroshard-1+overlap" are their stage's too."""
+    base = variant.split("@")[0]
+    for suffix in ("+cpu", "+nvme", "+overlap"):
+        base = base.removesuffix(suffix)
+    return STAGES.get(variant, STAGES.get(base, "?"))
 
 
 def color(variant: str) -> str:

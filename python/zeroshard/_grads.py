@@ -184,6 +184,17 @@ class ReducedGrads:
         """One-element bool tensor: some gradient element, on some rank, is inf or NaN."""
         return (~torch.isfinite(self.sumsq)).any().reshape(1)
 
+    def clip_(self, max_norm: float, norm_type: float):
+        """Scales every gradient by min(1, max_norm / total norm); returns (the total norm,
+        the 1-element fp32 coefficient the fused step folds in)."""
+        norm_type = float(norm_type)
+        if norm_type not in (2.0, math.inf):
+            raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
+        total = self.total_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(1)
+        self.scale_all_(coef.reshape(()))
+        return total.reshape(()), coef
+
     def total_norm(self, ord: float) -> torch.Tensor:
         """The norm over every parameter, from the statistics the backward took (the
         2-norm: no pass over the gradients, no collective)."""

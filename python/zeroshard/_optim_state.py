@@ -54,6 +54,7 @@ def _mismatch(opt, sd) -> Optional[str]:
 def load_sharded(opt, sd: dict) -> List[int]:
     """Writes a sharded state dict into the regions (collective: every rank checks
     every rank's match first); returns the saved per-parameter step counts."""
+    opt.wait_params()
     problems = comm.all_gather_object(_mismatch(opt, sd), group=opt.process_group,
                                       what="load_sharded_state_dict check")
     bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]

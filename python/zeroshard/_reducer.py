@@ -51,6 +51,7 @@ from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
 from ._mesh import Groups
 from ._offload import NO_OFFLOAD, Offload, Storage, offloaded_params
 from ._ordered import OrderedReductions
+from ._param_gather import ParamGather
 from ._shards import GradState, Region, Segment, ShardSource, add_locations, empty_report, weak_hook
 from .layout import fill_flat
 
@@ -65,7 +66,8 @@ class FlatReducer(ShardSource):
     """The ZeRO-1/2 source; see [Note: sharded optimizer policy] in this module."""
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, adam: bool, bucket_bytes: int,
-                 reduce_dtype: Optional[torch.dtype], groups: Groups, offload: Offload = NO_OFFLOAD):
+                 reduce_dtype: Optional[torch.dtype], groups: Groups, offload: Offload = NO_OFFLOAD,
+                 overlap_param_gather: bool = False):
         super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
@@ -91,6 +93,9 @@ class FlatReducer(ShardSource):
                           everyone=groups.every, storage=self.storage, offloaded=offloaded)
         self.layout, self.buffers, self.buckets, self.where = flat.layout, flat.buffers, flat.buckets, flat.where
         self.launch_order = flat.launch_order
+        self._gather = ParamGather(self.buffers, params, self.where, group=process_group, rank=self.rank,
+                                   overlap=overlap_param_gather, comm_elements=self.comm_elements,
+                                   hook_factory=weak_hook)
         self._order_learned = False
         self._arrival: List[int] = []
         self.grad_scale = 1.0 / (self.world_size * groups.replicas)
@@ -122,6 +127,7 @@ class FlatReducer(ShardSource):
             self._kept = {b.index: b.own(b.buffer.grads, self.rank).clone() for b in self.buckets}
 
     def _start_backward(self):
+        self.settle()     # parameters no forward waited for: done before the reductions start
         self._state = GradState.BACKWARD
         self._reductions.start([self.buckets[b] for b in self.launch_order])
         self.events.append(("backward_start", -1))
@@ -307,28 +313,27 @@ class FlatReducer(ShardSource):
         self._state = GradState.EMPTY
 
     def gather_params(self):
-        """All-gather every bucket's parameters in place from each rank's chunk;
-        all gathers in flight at once, then wait."""
-        handles = []
-        for buf in self.buffers:
-            for b in buf.buckets:
-                region = buf.params[b.offset:b.offset + b.numel]
-                handles.append(comm.all_gather(b.own(buf.params, self.rank), region, group=self.process_group,
-                                               what=f"step {self.steps_done}, bucket {b.index} all-gather"))
-                self.comm_elements["all_gather"] += b.numel
-        for h in handles:
-            h.wait()
+        """All-gather every bucket's parameters in place from each rank's chunk (in
+        flight after this returns with overlap_param_gather: [Note: overlapped parameter
+        gather] in _param_gather.py)."""
+        self._gather.launch(self.steps_done)
+
+    def settle(self):
+        self._gather.settle()
 
     @torch.no_grad()
     def shards_loaded(self):
+        self.settle()
         for buf in self.buffers:
             if buf.master is not None:
                 for b in buf.buckets:
                     b.own(buf.params, self.rank).copy_(b.shard_of(buf.master))
         self.gather_params()     # in place: no transient memory
+        self.settle()
 
     @torch.no_grad()
     def params_loaded(self):
+        self.settle()
         for buf in self.buffers:
             if buf.master is not None:
                 for b in buf.buckets:

@@ -217,6 +217,10 @@ class ShardSource(abc.ABC):
         """Region values and states were written (a checkpoint or sharded state dict
         loaded): rebuild everything derived from the shards."""
 
+    def settle(self) -> None:
+        """Finish what is still in flight after a step (ZeRO-1/2 with
+        overlap_param_gather: the parameter all-gathers); a no-op otherwise."""
+
     @abc.abstractmethod
     def params_loaded(self) -> None:
         """The model's parameters were loaded (load_state_dict): re-make master shards."""

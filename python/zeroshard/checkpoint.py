@@ -107,6 +107,7 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None) -
     existing directory that is not a zeroshard checkpoint is never touched.
     """
     path = os.path.abspath(os.fspath(path))
+    getattr(optimizer, "wait_params", lambda: None)()   # overlap_param_gather: complete parameters
     h = Holdings(model, optimizer, for_load=False)   # same outcome on every rank
     if h.replicas == 1:
         _save(h, path, extra)
@@ -260,6 +261,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     then holds a mix of old and loaded values: load another checkpoint.
     """
     path = _find(os.path.abspath(os.fspath(path)))
+    getattr(optimizer, "wait_params", lambda: None)()   # no all-gather may still write the parameters
     h = Holdings(model, optimizer, for_load=True)    # same outcome on every rank
     man = _collective(h, lambda: fmt.read_manifest(path))
     _collective(h, lambda: _check_match(h, man, path, optimizer is not None))

@@ -11,7 +11,6 @@ clipping and checkpoints are shared.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional
 
 import torch
@@ -58,6 +57,27 @@ def _adamw_defaults(given: dict, extra: dict) -> dict:
                 foreach=None, capturable=False, differentiable=False, fused=None)
 
 
+def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple, options: dict,
+                 err) -> ShardSource:
+    """FlatReducer over plain parameters (ZeRO-1/2), UnitSource over FullyShard ones;
+    ``groups``: (process_group, shard_size, device_mesh); ``options``: the reducer's."""
+    owners = [owner_of(p) for p in params]
+    if all(o is None for o in owners):
+        mesh = _mesh.groups(*groups, who="ShardedOptimizer")
+        return FlatReducer(params, group_of, groups=mesh, **options)
+    if options["overlap_param_gather"]:
+        raise ValueError(err("overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit just before "
+                             "use (its prefetch= sets how far ahead)"))
+    for i, o in enumerate(owners):
+        if o is None:
+            raise ValueError(err(
+                f"parameter {i} (shape {tuple(params[i].shape)}) is not a FullyShard parameter but "
+                "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
+                "outside the wrapped blocks) and pass model.parameters()"))
+    return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],
+                      options["offload"])
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """AdamW with ZeRO stage 1 (sharded optimizer states) or 2 (also sharded gradients).
 
@@ -67,7 +87,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     parameters. Given the parameters of a zeroshard.FullyShard model it updates
     that model's shards (ZeRO-3). See [Note: sharded optimizer policy] in
     zeroshard/_reducer.py; ``shard_size`` / ``device_mesh``: [Note: hybrid sharding] in _mesh.py;
-    ``offload`` (None, "cpu", "nvme"), ``offload_dir``, ``offload_fraction``: [Note: offload] in _offload.py.
+    ``offload`` (None, "cpu", "nvme"), ``offload_dir``, ``offload_fraction``: [Note: offload] in _offload.py;
+    ``overlap_param_gather``: [Note: overlapped parameter gather] in _param_gather.py.
     """
 
     def __init__(self, params, lr: Optional[float] = None, betas=None, eps: Optional[float] = None,
@@ -75,7 +96,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  process_group: Optional[dist.ProcessGroup] = None,
                  reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
                  shard_size: Optional[int] = None, device_mesh=None, offload: Optional[str] = None,
-                 offload_dir=None, offload_fraction: float = 1.0, **optimizer_kwargs):
+                 offload_dir=None, offload_fraction: float = 1.0, overlap_param_gather: bool = False,
+                 **optimizer_kwargs):
         _check_arguments(stage, bucket_mb, reduce_dtype)
         given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items()
                  if v is not None}
@@ -108,7 +130,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
         if not self._trainable:
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        self._source = self._make_source(stage, process_group, (shard_size, device_mesh), fused, placement)
+        self._source = _make_source(self._params, self._group_of, (process_group, shard_size, device_mesh),
+                                    dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes,
+                                         reduce_dtype=reduce_dtype, offload=placement,
+                                         overlap_param_gather=overlap_param_gather), self._err)
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
         self.events, self.comm_elements = self._source.events, self._source.comm_elements
@@ -116,21 +141,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # see [Note: update rules] in _rules.py
         self._rule = FusedAdamW(self._source.storage) if fused else TorchElementwise(
             optimizer_class, self._optimizer_kwargs, self._source.segments, self.param_groups)
-
-    def _make_source(self, stage: int, process_group, hybrid: tuple, adam: bool, offload) -> ShardSource:
-        owners = [owner_of(p) for p in self._params]
-        if all(o is None for o in owners):
-            groups = _mesh.groups(process_group, *hybrid, who="ShardedOptimizer")
-            return FlatReducer(self._params, self._group_of, stage=stage, adam=adam, bucket_bytes=self.bucket_bytes,
-                               reduce_dtype=self.reduce_dtype, groups=groups, offload=offload)
-        for i, o in enumerate(owners):
-            if o is None:
-                raise ValueError(self._err(
-                    f"parameter {i} (shape {tuple(self._params[i].shape)}) is not a FullyShard parameter but "
-                    "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
-                    "outside the wrapped blocks) and pass model.parameters()"))
-        return UnitSource(self._params, self._group_of, owners, (process_group, *hybrid), self.reduce_dtype, adam,
-                          offload)
 
     # ------------------------------------------------- what checkpoints read
     @property
@@ -173,6 +183,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _err(self, msg: str) -> str:
         return comm.on_rank(self, msg)
 
+    def wait_params(self):
+        """With ``overlap_param_gather=True``: wait for the parameter all-gathers of the last
+        step (needed before reading parameters outside their modules' forward, e.g.
+        ``model.state_dict()``); a no-op otherwise. See [Note: overlapped parameter gather]."""
+        self._source.settle()
+
     def no_sync(self):
         """Accumulate gradients locally, without communication; the next backward
         outside this context reduces everything accumulated since the last step."""
@@ -196,14 +212,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         every rank; returns that norm (the same on all ranks). The scale is
         applied inside the fused step."""
         self._check_ready("clip_grad_norm_")
-        norm_type = float(norm_type)
-        if norm_type not in (2.0, math.inf):
-            raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
-        total = self._grads.total_norm(norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(1)
-        self._grads.scale_all_(coef.reshape(()))
+        total, coef = self._grads.clip_(max_norm, norm_type)
         self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
-        return total.reshape(())
+        return total
 
     @torch.no_grad()
     def step(self, closure=None):
