@@ -42,7 +42,10 @@ VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2", "deepspeed-3", "deepspe
 
 def save_load(variant, model, opt):
     if peers.is_deepspeed(variant):      # model is the engine
-        return (lambda path: model.save_checkpoint(path, tag="bench")), \
+        # universal_checkpoint_info: what ds_to_universal requires of the client (Megatron-DeepSpeed
+        # fills it; a plain model has no tensor/pipeline parallel layout to describe)
+        return (lambda path: model.save_checkpoint(path, tag="bench",
+                                                   client_state={"universal_checkpoint_info": {}})), \
             (lambda path: model.load_checkpoint(path, tag="bench"))
     if variant == "fsdp2-3+dcp":
         import torch.distributed.checkpoint as dcp
@@ -113,17 +116,29 @@ def resume_worker(rank, world, port, variant, cfg, args, root, out):
     _, load = save_load(variant, wrapped, opt)
     dist.barrier()
     t0 = time.perf_counter()
+    failed = None
     if deepspeed:
         if rank == 0:
-            peers.to_universal(path, "bench")
-        dist.barrier()
-        wrapped.load_checkpoint(path, tag="bench_universal")
+            try:
+                peers.to_universal(path, "bench")
+            except RuntimeError as e:     # reported in the table, not hidden
+                failed = str(e)
+        failed = comm_object(failed)
+        if failed is None:
+            wrapped.load_checkpoint(path, tag="bench_universal")
     else:
         load(path)
     dist.barrier()
     if rank == 0:
-        out.put(1e3 * (time.perf_counter() - t0))
+        out.put(failed if failed is not None else 1e3 * (time.perf_counter() - t0))
     dist.destroy_process_group()
+
+
+def comm_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _written_by(name: str, r: int) -> bool:
@@ -178,7 +193,8 @@ def main():
         mb = "/".join(f"{m:.1f}" for m in r["mb_per_rank"])
         print(f"{r['variant']:<14}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
               f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}"
-              + (f"{r['resume_ms']:>18.1f}" if "resume_ms" in r else ""))
+              + (f"{r['resume_ms']:>18.1f}" if isinstance(r.get("resume_ms"), float) else
+                 f"  failed: {r['resume_ms']}" if "resume_ms" in r else ""))
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(date=str(date.today()), world_size=args.world_size, rows=rows, torch=torch.__version__,

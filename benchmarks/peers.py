@@ -87,9 +87,12 @@ def to_universal(path: str, tag: str) -> str:
     import subprocess
     import sys
     out = tag + "_universal"
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                    os.path.join(path, tag), "--output_folder", os.path.join(path, out)],
-                   check=True, capture_output=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           os.path.join(path, tag), "--output_folder", os.path.join(path, out)],
+                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    if done.returncode:
+        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]
+        raise RuntimeError(f"ds_to_universal failed: {last[0][:300]}")
     with open(os.path.join(path, "latest_universal"), "w") as f:
         f.write(out)
     return out
