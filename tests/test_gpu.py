@@ -247,3 +247,33 @@ def test_cuda_drop_in_idioms_equal_plain_torch(nccl_world1, stage, cls):
     for k, v in ref.items():
         err = ((ours[k] - v).norm() / v.norm()).item()
         assert err < 1e-5, (k, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_cuda_offload_steps_as_on_the_device(nccl_world1, offload, tmp_path):
+    """CUDA parameters with the optimizer state offloaded: host state pinned ("cpu"),
+    gradients copied to host window by window, the result copied into the device
+    parameters; equal to the run without offload up to the CPU and CUDA kernels' rounding."""
+    from test_sharded import rel_err
+    models, opts = [], []
+    for off in (None, offload):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(97, 131), torch.nn.GELU(), torch.nn.Linear(131, 7)).cuda()
+        model = model.to(torch.bfloat16)
+        opt = zs.ShardedOptimizer(model.parameters(), stage=2, offload=off,
+                                  offload_dir=str(tmp_path) if off == "nvme" else None)
+        for i in range(3):
+            x = torch.randn(8, 97, generator=torch.Generator().manual_seed(i)).cuda().to(torch.bfloat16)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(model)
+        opts.append(opt)
+    errs = [rel_err(p, q) for p, q in zip(models[0].parameters(), models[1].parameters())]
+    assert max(errs) < 1e-2, errs          # bf16 parameters: one rounding step apart at most
+    rep = opts[1].memory_report()
+    assert rep["host" if offload == "cpu" else "disk"] > 0 and rep["device"] < opts[0].memory_report()["device"]
+    if offload == "cpu":
+        assert all(seg.exp_avg.is_pinned() for seg in opts[1].source.segments if seg.streamed)
+
