@@ -166,10 +166,7 @@ def main():
     rows = []
     root = tempfile.mkdtemp(prefix="zs-ckpt-bench-")
     variants = args.variants.split(",")
-    missing = peers.available() if any(peers.is_deepspeed(v) for v in variants) else ""
-    if missing:
-        print(f"DeepSpeed variants skipped (deepspeed not importable: {missing}; `make bench-deps` installs it)")
-        variants = [v for v in variants if not peers.is_deepspeed(v)]
+    variants = peers.runnable(variants)
     try:
         for variant in variants:
             q = ctx.SimpleQueue()

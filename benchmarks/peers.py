@@ -33,6 +33,15 @@ def is_deepspeed(variant: str) -> bool:
     return variant.startswith("deepspeed-")
 
 
+def runnable(variants: list) -> list:
+    """``variants`` without the DeepSpeed ones when deepspeed does not import (saying why)."""
+    missing = available() if any(is_deepspeed(v) for v in variants) else ""
+    if not missing:
+        return variants
+    print(f"DeepSpeed variants skipped (deepspeed not importable: {missing}; `make bench-deps` installs it)")
+    return [v for v in variants if not is_deepspeed(v)]
+
+
 def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dtype, lr: float,
                     universal: bool = False):
     """(engine, engine): the engine is both the model to call and the "optimizer". The

@@ -386,10 +386,7 @@ def main():
         VARIANTS if args.world_size > 1 else ["adamw", "adamw-amp"] + [v for v in VARIANTS if v != "ddp+zero"])
     if args.device == "cuda" and not args.variants:   # FSDP2 prefetches on CUDA: compare like with like
         variants = [v for v in variants if v != "zeroshard-3@p0"]
-    missing = peers.available() if any(peers.is_deepspeed(v) for v in variants) else ""
-    if missing:
-        print(f"DeepSpeed variants skipped (deepspeed not importable: {missing}; `make bench-deps` installs it)")
-        variants = [v for v in variants if not peers.is_deepspeed(v)]
+    variants = peers.runnable(variants)
     for k in range(max(1, args.rounds)):
         for v in variants:
             row = spawn(ctx, worker, args.world_size, v, v, cfg, args, k == 0)

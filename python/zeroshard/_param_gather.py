@@ -38,7 +38,7 @@ _LIVE: "weakref.WeakSet[ParamGather]" = weakref.WeakSet()
 @atexit.register
 def _settle_all() -> None:
     for gather in list(_LIVE):
-        gather.__del__()
+        gather.settle_quietly()
 
 
 class ParamGather:
@@ -83,8 +83,12 @@ class ParamGather:
         self._drop_hook()
 
     def __del__(self):
-        # dropped with gathers in flight (the optimizer deleted, or the process ending right
-        # after a step): wait for them while their buffers are certainly alive
+        # dropped with gathers in flight (the optimizer deleted): wait for them while their
+        # buffers are certainly alive
+        self.settle_quietly()
+
+    def settle_quietly(self):
+        """settle(), for finalizers: a failed collective was reported where it failed."""
         try:
             self.settle()
         except Exception:  # noqa: BLE001 - a failed collective was reported where it failed
