@@ -277,3 +277,32 @@ def test_cuda_offload_steps_as_on_the_device(nccl_world1, offload, tmp_path):
     if offload == "cpu":
         assert all(seg.exp_avg.is_pinned() for seg in opts[1].source.segments if seg.streamed)
 
+
+
+@pytest.mark.gpu
+def test_cuda_offload_params_keeps_the_shards_in_pinned_host_memory(nccl_world1):
+    """FullyShard(offload_params=True) on CUDA: shards and gradient shards pinned in host
+    memory, copied to the device before each gather and back as each unit is reduced;
+    the step runs on the CPU. Equal to the run on the device up to the kernels' rounding."""
+    from test_sharded import rel_err
+    models, opts = [], []
+    for offload_params in (False, True):
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(torch.nn.Linear(97, 131), torch.nn.GELU(), torch.nn.Linear(131, 7)).cuda()
+        model = zs.FullyShard(inner, wrap={torch.nn.Linear}, offload_params=offload_params)
+        opt = zs.ShardedOptimizer(model.parameters())
+        for i in range(3):
+            x = torch.randn(8, 97, generator=torch.Generator().manual_seed(i)).cuda()
+            model(x).square().mean().backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        models.append(model)
+        opts.append(opt)
+    full = [m.state_dict() for m in models]
+    errs = [rel_err(full[1][k], v) for k, v in full[0].items()]
+    assert max(errs) < 1e-5, errs
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in models[1].parameters() if p.numel())
+    assert all(p.grad is None or p.grad.device.type == "cpu" for p in models[1].parameters())
+    rep = opts[1].memory_report()
+    assert rep["device"] == 0 and rep["host"] == rep["total"] == opts[0].memory_report()["total"], rep

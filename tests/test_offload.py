@@ -137,6 +137,55 @@ def test_offloaded_state_checkpoints_and_resumes_at_another_world_size_stage_and
         assert err < 1e-5, err
 
 
+def _offload_params(directory, path):
+    """ZeRO-3 with offload_params=True (and the state kept, in host memory or on disk)
+    against the same run without it, single-process AdamW, and a checkpoint resumed
+    without it; with gradient accumulation (the gradient shards are added to) and clipping."""
+    os.environ["ZEROSHARD_OFFLOAD_WINDOW_MB"] = WINDOW_MB
+    ref = reference(STEPS, micro=2, clip=0.5)[0].state_dict()
+    out = {}
+    for offload_params, offload in [(False, None), (True, None), (True, "cpu"), (True, "nvme")]:
+        model = zs.FullyShard(make_model(), wrap={nn.Linear}, offload_params=offload_params)
+        opt = zs.ShardedOptimizer(param_groups(model), offload=offload, offload_fraction=0.3,
+                                  offload_dir=directory if offload == "nvme" else None)
+        train_ours(STEPS, 3, micro=2, clip=0.5, model=model, opt=opt)
+        out[offload_params, offload] = dict(params=model.state_dict(), rep=opt.memory_report(),
+                                            fs_rep=model.memory_report(), devices={p.device.type for p in model.parameters()})
+        if offload == "cpu":
+            zs.save_checkpoint(path, model, opt)
+    # resumed without offload at stage 3: one more step equals the reference's next
+    model = zs.FullyShard(make_model(), wrap={nn.Linear})
+    opt = zs.ShardedOptimizer(param_groups(model))
+    zs.load_checkpoint(path, model, opt)
+    train_ours(1, 3, micro=2, clip=0.5, model=model, opt=opt, first_step=STEPS)
+    ref4 = reference(STEPS + 1, micro=2, clip=0.5)[0].state_dict()
+    resumed = model.state_dict()
+    return ({k: (max(rel_err(o["params"][n], v) for n, v in ref.items()), o["rep"], o["fs_rep"], o["devices"])
+             for k, o in out.items()},
+            max(rel_err(out[True, None]["params"][n], v) for n, v in out[False, None]["params"].items()),
+            max(rel_err(resumed[n], v) for n, v in ref4.items()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fully_shard_offload_params_trains_as_without_and_counts_host_bytes(world, tmp_path):
+    path = str(tmp_path / "ck")
+    for runs, vs_plain, resumed in get_pool(world).run(_offload_params, str(tmp_path), path):
+        assert vs_plain < 1e-6, vs_plain
+        assert resumed < 1e-5, resumed
+        for (offload_params, offload), (err, rep, fs_rep, devices) in runs.items():
+            assert err < 1e-5, (offload_params, offload, err)
+            assert devices == {"cpu"}
+            assert rep == fs_rep      # the optimizer's report is the FullyShard's
+            assert rep["device"] + rep["host"] + rep["disk"] == rep["total"] > 0
+            if not offload_params:
+                assert rep["host"] == rep["disk"] == 0, rep
+                continue
+            # every shard, gradient shard and state is off the device; nvme: its share on disk
+            assert rep["device"] == 0, rep
+            assert (rep["disk"] > 0) == (offload == "nvme"), rep
+            assert rep["disk"] < rep["exp_avg"] + rep["exp_avg_sq"] + rep["padding"], rep
+
+
 def _resident(directory, offload):
     """Resident-memory rises (bytes) of building the optimizer (VmRSS), of building it
     and two steps (VmHWM, reset first), and of the last step() call alone (VmHWM);

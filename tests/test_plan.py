@@ -117,7 +117,7 @@ def _batch():
     return _example().example_batch("tiny", batch=BATCH, **MODEL_KW)
 
 
-def _measured(stage, dtype, bucket_mb=25):
+def _measured(stage, dtype, bucket_mb=25, offload=None):
     """memory_report() of a real run and its exact peak of live CPU tensor bytes over two training steps
     (the CPU allocator's own accounting: benchmarks/cpu_memory.py)."""
     spec = importlib.util.spec_from_file_location("cpu_memory", os.path.join(BENCHMARKS, "cpu_memory.py"))
@@ -132,10 +132,11 @@ def _measured(stage, dtype, bucket_mb=25):
         if stage == 3:
             mp = zs.MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if dtype == "bf16" else None
             model = zs.FullyShard(model, wrap={tg.Block}, mixed_precision=mp)
-            opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3)
+            opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, **(offload or {}))
         else:
             model.to(pdt)
-            opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb)
+            opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb,
+                                      **(offload or {}))
         t.mark()
         for _ in range(2):
             model(x[:, :-1], x[:, 1:]).backward()
@@ -226,6 +227,29 @@ def test_offload_splits_each_stage_by_where_it_lives(capsys):
     with pytest.raises(SystemExit) as bad:
         _cli(capsys, "--params", "7e9", "--world-size", "2", "--offload", "cpu", "--offload-fraction", "1.5")
     assert bad.value.code == 2 and "--offload-fraction must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_model_plan_with_offload_matches_real_runs(dist_pool, offload, capsys, tmp_path):
+    """--model with --offload: every rank's device / host / disk bytes as its memory_report() says."""
+    from zeroshard.plan import plan_model
+    world = dist_pool.world_size
+    plan = plan_model(_build, world, "bf16", offload=offload, offload_fraction=0.4)
+    kw = dict(offload=offload, offload_fraction=0.4, offload_dir=str(tmp_path) if offload == "nvme" else None)
+    for stage in (1, 2, 3):
+        want = plan["stages"][f"ZeRO-{stage}"]
+        for r, (rep, _) in enumerate(dist_pool.run(_measured, stage, "bf16", 25, kw)):
+            assert want["ranks"][r] == {k: rep[k] for k in want["ranks"][r]}, (stage, r)
+            assert 0 < rep["host" if offload == "cpu" else "disk"] < rep["master"] + rep["exp_avg"] + rep["exp_avg_sq"]
+        assert want["device_state"] == max(v["device"] for v in want["ranks"].values()) < want["model_state"]
+    out = _cli(capsys, "--model", os.path.join(EXAMPLES, "train_gpt.py") + ":build_model", "--world-size", "8",
+               "--offload", offload, "--offload-fraction", "0.4")
+    header = out.splitlines()[1].split()
+    assert header[-3:] == ["device", "host", "disk"] and f"offload={offload}, fraction 0.4" in out
+    zero2 = next(line.split() for line in out.splitlines() if line.startswith("ZeRO-2"))
+    device, host, disk = map(float, zero2[-3:])
+    assert (host > 0) == (offload == "cpu") and (disk > 0) == (offload == "nvme")
+    assert device + host + disk == pytest.approx(float(zero2[5]), abs=2e-3)     # the state column
 
 
 def _cli(capsys, *argv):

@@ -129,8 +129,9 @@ class FlatState:
 
 def _has_master(dtype: torch.dtype, placement: Placement, device: torch.device) -> bool:
     """An fp32 master shard for low-precision parameters, and for any whose state is
-    offloaded from CUDA (the host steps it; the device parameter takes the result)."""
-    return dtype != torch.float32 or (placement is not Placement.DEVICE and device.type == "cuda")
+    offloaded from CUDA (the host steps it; the device parameter takes the result). On
+    meta (the planner, which plans for GPUs) as on CUDA."""
+    return dtype != torch.float32 or (placement is not Placement.DEVICE and device.type in ("cuda", "meta"))
 
 
 @torch.no_grad()

@@ -31,7 +31,8 @@ class Gatherer:
                                             "it can report memory but not run"))
             u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
             own = u.own(u.full, self.rank)
-            own.copy_(u.shard)
+            # (offload_params: from pinned host memory, ordered before the all-gather on the stream)
+            own.copy_(u.shard, non_blocking=True)
             u.gather = comm.all_gather(own, u.full, group=self.group, what=f"unit '{u.name}' all-gather")
             self.comm_elements["all_gather"] += u.numel
             self.events.append(("all_gather", u.name))

@@ -150,7 +150,8 @@ class ReducedGrads:
         """``fn`` of each of this rank's pieces, one value per parameter (0 where none)."""
         out = torch.zeros(len(self.params), dtype=torch.float32, device=self.source.device)
         if self.flat:
-            out.index_add_(0, self.flat_index, torch.stack([fn(seg.grad[a:b]) for seg, a, b in self.flat]))
+            out.index_add_(0, self.flat_index,   # (offloaded shards: the values come from host)
+                           torch.stack([fn(seg.grad[a:b]) for seg, a, b in self.flat]).to(out.device))
         return out
 
     @torch.no_grad()

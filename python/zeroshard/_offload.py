@@ -27,6 +27,21 @@ branch inside them:
   CUDA are copied to host per window; an fp32 parameter on CUDA (ZeRO-3's
   unit shard) is copied in and back; a low-precision parameter on CUDA is
   written from the updated fp32 master.
+
+[Note: offload params] ``FullyShard(offload_params=True)`` (ZeRO-3) keeps each
+unit's fp32 shard and gradient shard in host memory (pinned on CUDA), as
+FSDP's CPUOffload does; the optimizer state of those units goes to host
+memory too (or to disk, for the units ``offload="nvme"`` chooses), so the
+whole update runs on the CPU and the device holds only gathered units and
+activations. Before a unit's all-gather its shard is copied host-to-device
+into its chunk of the gathered buffer, on the stream the gather is ordered
+after (so a prefetched unit's copy is prefetched with it). Each unit's
+reduced gradient is divided on the device and copied to its pinned gradient
+shard without blocking, as the unit is reduced, so the copies queue behind
+backward's remaining work instead of stalling it; the end of backward waits
+for them once, before the CPU step reads them. On a CPU-only machine the
+"device" is host memory already: the option only changes where
+``memory_report()`` counts the bytes (``host``).
 """
 from __future__ import annotations
 
@@ -217,13 +232,17 @@ class Storage:
         self.streamer: Optional[Streamer] = None
 
     def reserve_disk(self, numel: int) -> None:
-        """Creates this rank's file for ``numel`` fp32 elements (called once, before zeros(DISK, ...))."""
-        if self.offload.placement is Placement.DISK and numel > 0:
+        """Creates this rank's file for ``numel`` fp32 elements (called once, before zeros(DISK, ...));
+        on meta (the planner) none: the state is only counted."""
+        if self.offload.placement is Placement.DISK and numel > 0 and self.device.type != "meta":
             self.disk = DiskFile(self.offload.directory, self.rank, numel, self.err)
 
     def zeros(self, placement: Placement, n: int) -> torch.Tensor:
-        if placement is Placement.DEVICE:
-            return torch.zeros(n, device=self.device)
+        if placement is Placement.DEVICE or self.device.type == "meta":
+            t = torch.zeros(n, device=self.device)
+            if placement is not Placement.DEVICE:
+                _PLACED[t] = placement
+            return t
         t = self.disk.take(n) if placement is Placement.DISK else torch.zeros(n, pin_memory=self.device.type == "cuda")
         _PLACED[t] = placement
         return t

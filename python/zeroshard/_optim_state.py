@@ -85,7 +85,7 @@ def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
     for reg in opt.regions:
         for name in ("exp_avg", "exp_avg_sq"):
             gathered = torch.empty(reg.shard_numel * opt.world_size, dtype=torch.float32, device=opt.device)
-            comm.all_gather(getattr(reg, name), gathered, group=opt.process_group,
+            comm.all_gather(getattr(reg, name).to(opt.device), gathered, group=opt.process_group,
                             what=f"state_dict gather: {name}").wait()
             if not keep:
                 continue

@@ -17,6 +17,7 @@ from ._gather import Gatherer
 from ._ordered import OrderedReductions
 from ._shards import GradState
 from ._unit import Param, Unit
+from ._unit_setup import host_or_device_zeros
 from .layout import fill_flat
 
 MAX_INFLIGHT = 1        # reduce-scatters in flight at once (each holds one unit's gradients)
@@ -27,8 +28,10 @@ class UnitBackward:
 
     def __init__(self, units: List[Unit], gatherer: Gatherer, *, device: torch.device, group, rank: int,
                  world: int, replicate, reduce_dtype: torch.dtype, events, comm_elements: dict,
-                 fwd_order: Callable[[], List[int]]):
+                 fwd_order: Callable[[], List[int]], shard_device: Optional[torch.device] = None):
         self.units, self.gatherer, self.device, self.group = units, gatherer, device, group
+        # where the gradient shards live: with the fp32 shards (host memory with offload_params)
+        self.shard_device = shard_device or device
         self.rank, self.world, self.reduce_dtype = rank, world, reduce_dtype
         # hybrid sharding: each reduced shard is all-reduced across these replicas
         # ([Note: hybrid sharding] in _mesh.py); the gradient is divided by every rank
@@ -149,9 +152,15 @@ class UnitBackward:
             u.reduce = None
         chunk = u.own(u.grad_flat, self.rank)
         if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
-            u.grad_shard = torch.empty(u.shard_numel, dtype=torch.float32, device=self.device)
+            u.grad_shard = host_or_device_zeros(u.shard_numel, self.shard_device, self.device)
             u.fresh = True
-        if u.fresh and chunk.dtype == torch.float32:
+        if u.grad_shard.device != chunk.device:      # offload_params: divide here, then to host
+            avg = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)
+            if u.fresh:     # asynchronous from pinned memory; _finish waits before the step reads it
+                u.grad_shard.copy_(avg, non_blocking=True)
+            else:
+                u.grad_shard.add_(avg.cpu())
+        elif u.fresh and chunk.dtype == torch.float32:
             torch.div(chunk, self.divisor, out=u.grad_shard)     # one pass
         elif u.fresh:
             u.grad_shard.copy_(chunk).div_(self.divisor)          # divide in fp32
@@ -169,6 +178,9 @@ class UnitBackward:
             self._reductions.drain()
             while self._replicating:
                 self._fold(self._replicating.pop(0))
+            if self.shard_device != self.device and self.device.type == "cuda":
+                # offload_params: the gradient shards' copies to host have landed (the CPU step reads them)
+                torch.cuda.current_stream(self.device).synchronize()
         self.gatherer.reshard_all()
         self.state = GradState.READY if self.sync else GradState.EMPTY
         if self.sync:

@@ -31,6 +31,7 @@ class Setup:
     param_dtype: torch.dtype
     err: Callable[[str], str]      # rank-prefixed error message
     everyone: object               # every rank holding a copy: ``group`` x the replicas (hybrid sharding)
+    shard_device: torch.device     # where the fp32 shards live: ``device``, or host memory (offload_params)
 
 
 def build(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
@@ -178,7 +179,7 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
         u.numel, u.shard_numel = L.buckets[0].numel, L.buckets[0].shard_numel
         for q, place in zip(u.params, L.tensors):
             q.offset = place.offset
-        u.shard = torch.zeros(u.shard_numel, dtype=torch.float32, device=dev)
+        u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
         if not meta_init and dev.type != "meta":
             # rank 0's values everywhere (like DDP), one unit at a time
             flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
@@ -204,6 +205,19 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
                 mod._parameters[attr] = q.sharded
         if dev.type != "meta":
             u.full.untyped_storage().resize_(0)
+
+
+def shard_device(device: torch.device, offload_params: bool) -> torch.device:
+    """Where the fp32 shards live: host memory with ``offload_params`` (a model on meta
+    keeps them on meta: it only plans), else with the parameters."""
+    return torch.device("cpu") if offload_params and device.type != "meta" else device
+
+
+def host_or_device_zeros(n: int, where: torch.device, device: torch.device) -> torch.Tensor:
+    """fp32 zeros on ``where``; pinned when that is host memory standing in for a CUDA
+    ``device`` (offload_params), so copies to and from the device run asynchronously."""
+    return torch.zeros(n, dtype=torch.float32, device=where,
+                       pin_memory=where.type == "cpu" and device.type == "cuda")
 
 
 @torch.no_grad()

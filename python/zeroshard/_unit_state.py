@@ -14,8 +14,24 @@ from ._unit import Unit
 
 
 def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]], param_dtype: torch.dtype,
-                  gatherer, backward, reset_peak: bool) -> Dict[str, int]:
-    """See FullyShard.memory_report. ``states``: an optimizer's state shards by unit index."""
+                  gatherer, backward, reset_peak: bool, shards_on_host: bool = False) -> Dict[str, int]:
+    """FullyShard.memory_report. ``states``: an optimizer's state shards by unit index;
+    ``shards_on_host``: offload_params (the shards and gradient shards are host bytes).
+
+    Persistent: ``params`` (fp32 shards), ``grads`` (fp32 gradient shards, held
+    from backward's reductions to ``zero_grad(set_to_none=True)`` and counted
+    whether held at the moment or not), ``master`` (always 0: the fp32 shard is
+    the master), ``exp_avg`` and ``exp_avg_sq`` (fp32, from the ShardedOptimizer
+    over these parameters; 0 without one): each counts only elements of real
+    parameters (grads and states: trainable ones); ``padding`` is every other
+    byte of those tensors; ``total`` their sum: 16 bytes per owned element with
+    an optimizer; ``device`` / ``host`` / ``disk`` split ``total`` by where it
+    lives. Transient: ``gathered`` / ``gathered_peak`` (full parameters of
+    non-root units), ``gathered_units_peak`` (most non-root units gathered at
+    once), ``root_gathered`` (the root unit's full size), ``max_unit`` (largest
+    non-root unit's full bytes), ``grad_buffers`` / ``grad_buffers_peak`` (flat
+    gradient buffers of backward). Peaks count since construction or the last
+    call with ``reset_peak=True``."""
     rep = empty_report()
     for u in units:
         if not u.params:
@@ -30,6 +46,8 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
             rep["padding"] += t.numel() * t.element_size() - 4 * own_t
     rep["total"] = sum(rep.values())
     add_locations(rep, [t for st in states.values() for t in st.values()])
+    if shards_on_host:   # the states of offloaded shards are never on the device ([Note: offload params])
+        rep["host"], rep["device"] = rep["host"] + rep["device"], 0
     item = param_dtype.itemsize
     rep.update(gathered=gatherer.gathered_bytes, gathered_peak=gatherer.gathered_peak,
                gathered_units_peak=gatherer.alive_peak, root_gathered=units[0].numel * item,
@@ -54,7 +72,8 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination) -> Optio
         if not u.params:
             continue
         flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
-        comm.all_gather(u.shard, flat, group=fs.process_group, what=f"state_dict gather: unit '{u.name}'").wait()
+        comm.all_gather(u.shard.to(fs.device), flat, group=fs.process_group,
+                        what=f"state_dict gather: unit '{u.name}'").wait()
         if not keep:
             continue
         flat = flat.cpu()

@@ -81,13 +81,16 @@ class UnitSource(ShardSource):
 
     def _placements(self, offload: Offload, group: Dict[int, int]) -> Dict[int, Placement]:
         """id(unit) -> where its state goes: whole units in the order backward reduces
-        them (the last first), and this rank's file sized for them."""
+        them (the last first), and this rank's file sized for them; [Note: offload params]."""
         units = [u for fs in self.owners for u in reversed(fs.units)
                  if any(id(q.sharded) in group for q in u.trainable)]
         k = choose([u.shard_numel for u in units], offload.fraction) if offload.active and self.adam else 0
         self.storage.reserve_disk(2 * sum(u.shard_numel for u in units[:k])
                                   if offload.placement is Placement.DISK else 0)
-        return {id(u): offload.placement for u in units[:k]}
+        placed = {id(u): offload.placement for u in units[:k]}
+        for fs in self.owners:      # offload_params: the state joins the shard in host memory at least
+            placed.update({id(u): Placement.HOST for u in fs.units if fs.offload_params and id(u) not in placed})
+        return placed
 
     def _add_unit(self, u, group: Dict[int, int], index: Dict[int, int], placement: Placement):
         """The unit's state shards, region and segments (None if it has nothing to train here)."""

@@ -116,13 +116,15 @@ class FullyShard(nn.Module):
     current CUDA device / CPU for a model on ``meta``) holds the shards;
     ``device="meta"`` keeps them on meta, for planning and memory reports.
     ``shard_size`` / ``device_mesh``: see [Note: hybrid sharding] in zeroshard/_mesh.py.
+    ``offload_params=True``: the fp32 shards and gradient shards live in host memory
+    (pinned on CUDA); see [Note: offload params].
     """
 
     def __init__(self, module: nn.Module, wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
                  mixed_precision: Optional[MixedPrecision] = None, reshard_after_forward: bool = True,
                  prefetch: int = 1, process_group: Optional[dist.ProcessGroup] = None, *,
                  device: Union[torch.device, str, None] = None, shard_size: Optional[int] = None,
-                 device_mesh=None):
+                 device_mesh=None, offload_params: bool = False):
         super().__init__()
         mp = _check_arguments(module, mixed_precision, prefetch)
         self.module = module
@@ -148,9 +150,11 @@ class FullyShard(nn.Module):
         self._optimizer_states: List[tuple] = []
 
         self._device = setup.pick_device(module, device, self.process_group, self._err)
+        self.offload_params = bool(offload_params)
+        host = setup.shard_device(self._device, self.offload_params)
         self._units, self._named = setup.build(setup.Setup(
             module, self._device, self.process_group, self.world_size, self.rank, self._src, self.param_dtype,
-            self._err, self.groups.every), wrap, FullyShard)
+            self._err, self.groups.every, host), wrap, FullyShard)
         self._gatherer = Gatherer(self._units, device=self._device, group=self.process_group, rank=self.rank,
                                   prefetch=prefetch, events=self.events, comm_elements=self.comm_elements,
                                   err=self._err)
@@ -158,7 +162,7 @@ class FullyShard(nn.Module):
                                       rank=self.rank, world=self.world_size, replicate=self.groups.replicate,
                                       reduce_dtype=self.reduce_dtype,
                                       events=self.events, comm_elements=self.comm_elements,
-                                      fwd_order=lambda: self._fwd_order)
+                                      fwd_order=lambda: self._fwd_order, shard_device=host)
         register_owner(self, self._units)
         self._install_hooks()
 
@@ -326,25 +330,10 @@ class FullyShard(nn.Module):
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
-        """Bytes held on this rank.
-
-        Persistent: ``params`` (fp32 shards), ``grads`` (fp32 gradient shards,
-        held from backward's reductions to ``zero_grad(set_to_none=True)`` and
-        counted whether held at the moment or not),
-        ``master`` (always 0: the fp32 shard is the master), ``exp_avg`` and
-        ``exp_avg_sq`` (fp32, from the ShardedOptimizer over these parameters;
-        0 without one): each counts only elements of real parameters (grads
-        and states: trainable ones); ``padding`` is every other byte of those
-        tensors; ``total`` their sum: 16 bytes per owned element with an
-        optimizer. Transient: ``gathered`` / ``gathered_peak`` (full parameters
-        of non-root units), ``gathered_units_peak`` (most non-root units
-        gathered at once), ``root_gathered`` (the root unit's full size),
-        ``max_unit`` (largest non-root unit's full bytes), ``grad_buffers`` /
-        ``grad_buffers_peak`` (flat gradient buffers of backward). Peaks count
-        since construction or the last call with ``reset_peak=True``.
-        """
+        """Bytes held on this rank, by category and by location (device, host,
+        disk); see zeroshard/_unit_state.py's memory_report for each key."""
         return unit_state.memory_report(self._units, self._states_by_unit(), self.param_dtype, self._gatherer,
-                                        self._backward, reset_peak)
+                                        self._backward, reset_peak, self.offload_params)
 
     def _states_by_unit(self) -> Dict[int, Dict[str, torch.Tensor]]:
         out: Dict[int, Dict[str, torch.Tensor]] = {}

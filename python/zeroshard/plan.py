@@ -33,6 +33,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import tempfile
 import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -48,7 +49,7 @@ from ._ordered import OrderedReductions
 from ._plan_formula import (
     _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
 from ._reducer import MAX_INFLIGHT as _SO_INFLIGHT
-from ._shards import PERSISTENT
+from ._shards import LOCATIONS, PERSISTENT
 from .fully_shard import MAX_INFLIGHT as _FS_INFLIGHT
 from .fully_shard import FullyShard, MixedPrecision
 from .sharded import ShardedOptimizer
@@ -162,7 +163,9 @@ def _resolve_wrap(model, wrap) -> tuple:
 
 
 def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: str, wrap: tuple,
-              bucket_mb: float, prefetch: int) -> Dict[str, object]:
+              bucket_mb: float, prefetch: int, offload: dict) -> Dict[str, object]:
+    """``offload``: ShardedOptimizer's offload keywords (on meta, offloaded state is
+    counted where it would live, and nothing is allocated or written)."""
     pdt = _torch_dtype(dtype)
     with _fake_world(rank, world_size):
         with torch.device("meta"):
@@ -172,7 +175,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
         if stage == 3:
             mp = MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if pdt != torch.float32 else None
             fs = FullyShard(model, wrap=set(wrap) or None, mixed_precision=mp, prefetch=prefetch, device="meta")
-            rep = ShardedOptimizer(fs.parameters(), lr=1e-3).memory_report()
+            rep = ShardedOptimizer(fs.parameters(), lr=1e-3, **offload).memory_report()
             units = [u for u in fs.units if u.trainable]
             ri = fs.reduce_dtype.itemsize
             biggest = max(fs.units[1:], key=lambda u: u.numel, default=None)
@@ -186,7 +189,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
         else:
             model.to(pdt)
             names = [n for n, _ in model.named_parameters()]   # opt's parameter order
-            opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb)
+            opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb, **offload)
             rep = opt.memory_report()
             out = dict(report=rep, transient=0, fixed=0, policy=None)   # stage 1 reduces in place
             if stage == 2:
@@ -329,7 +332,8 @@ def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32", po
 
 
 def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=None, bucket_mb: float = 25,
-               prefetch: int = 1, example: Optional[Callable] = None, ranks: Optional[List[int]] = None) -> dict:
+               prefetch: int = 1, example: Optional[Callable] = None, ranks: Optional[List[int]] = None,
+               offload: Optional[str] = None, offload_fraction: float = 1.0) -> dict:
     """Per-rank memory of ``build()`` (a function returning the model) at each stage.
 
     Returns ``{"params", "wrap", "max_unit", "activations", "stages": {name: {"ranks": {r: report},
@@ -337,9 +341,13 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     categories for rank r, ``model_state`` the largest total over the ranks, ``transient`` the
     buffers of [Note: model plan], and ``peak`` the most alive at once in a training step with
     one micro-batch (None without ``example``, a function returning that micro-batch's inputs).
-    See [Note: model plan].
+    ``offload`` / ``offload_fraction``: ShardedOptimizer's; each report then splits its total
+    into "device", "host" and "disk", ``device_state`` is the most device bytes of any rank,
+    and ``peak`` counts the device only. See [Note: model plan].
     """
     _check(dtype, world_size)
+    off = dict(offload=offload, offload_fraction=offload_fraction,
+               offload_dir=tempfile.gettempdir() if offload == "nvme" else None)   # (no file is made on meta)
     with torch.device("meta"):
         model = build()
     n = sum(p.numel() for p in model.parameters())   # parameters() lists a tied weight once
@@ -353,24 +361,28 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     ddp_state = pb * n + (gb + ob) * trainable
     stages = {"DDP": dict(ranks={r: dict(params=pb * n, grads=gb * trainable, master=(4 if pb < 4 else 0) * trainable,
                                           exp_avg=4 * trainable, exp_avg_sq=4 * trainable, padding=0,
-                                          total=ddp_state) for r in ranks},
-                          model_state=ddp_state, transient=gb * trainable)}
+                                          total=ddp_state, device=ddp_state, host=0, disk=0) for r in ranks},
+                          model_state=ddp_state, device_state=ddp_state, transient=gb * trainable)}
     max_unit = ("", 0)
     stages["DDP"]["peak"] = None if acts is None else ddp_state + gb * trainable + acts
     for stage in (1, 2, 3):
-        runs = {r: _meta_run(build, world_size, r, stage, dtype, wrap_classes, bucket_mb, prefetch) for r in ranks}
+        runs = {r: _meta_run(build, world_size, r, stage, dtype, wrap_classes, bucket_mb, prefetch, off)
+                for r in ranks}
         state = max(v["report"]["total"] for v in runs.values())
+        dev = max(v["report"]["device"] for v in runs.values())
         run = runs[ranks[0]]      # the policy: every rank's shards have one length
         peak = None
         if acts is not None:
             traced = acts if run["policy"] is None else activation_bytes(build, example, dtype, run["policy"])
-            peak = max(state, state - run["grad_shards"] + run["fixed"] + traced)
-        stages[f"ZeRO-{stage}"] = dict(ranks={r: {k: v["report"][k] for k in _PERSISTENT} for r, v in runs.items()},
-                                       model_state=state, transient=max(v["transient"] for v in runs.values()),
-                                       peak=peak)
+            peak = max(dev, dev - run["grad_shards"] + run["fixed"] + traced)
+        stages[f"ZeRO-{stage}"] = dict(ranks={r: {k: v["report"][k] for k in _PERSISTENT + LOCATIONS}
+                                              for r, v in runs.items()},
+                                       model_state=state, device_state=dev,
+                                       transient=max(v["transient"] for v in runs.values()), peak=peak)
         if stage == 3:
             max_unit = run["max_unit"]
-    return dict(params=n, trainable=trainable, world_size=world_size, dtype=dtype,
+    return dict(params=n, trainable=trainable, world_size=world_size, dtype=dtype, offload=offload,
+                offload_fraction=offload_fraction if offload else 0.0,
                 wrap=[c.__name__ for c in wrap_classes], max_unit=max_unit, activations=acts, stages=stages)
 
 
@@ -390,16 +402,22 @@ def format_model_plan(plan: dict) -> str:
         r = max(st["ranks"].values(), key=lambda rep: rep["total"])
         opt = r["master"] + r["exp_avg"] + r["exp_avg_sq"]
         acts = plan["activations"]
-        need = st["peak"] if st["peak"] is not None else st["model_state"] + st["transient"]
+        need = st["peak"] if st["peak"] is not None else st["device_state"] + st["transient"]
         fits = "".join(f"{'yes' if need <= c * gb else 'no':>7}" for c in CARDS_GB)
         lines.append(f"{s:<8}{r['params'] / unit:>10.3f}{r['grads'] / unit:>10.3f}{opt / unit:>11.3f}"
                      f"{r['padding'] / unit:>10.3f}{st['model_state'] / unit:>10.3f}{st['transient'] / unit:>10.3f}"
                      f"{'-' if acts is None else format(acts / unit, '.3f'):>10}"
-                     f"{'-' if st['peak'] is None else format(st['peak'] / unit, '.3f'):>10}  {fits}")
+                     f"{'-' if st['peak'] is None else format(st['peak'] / unit, '.3f'):>10}  {fits}"
+                     + (f"{r['device'] / unit:>10.3f}{r['host'] / unit:>10.3f}{r['disk'] / unit:>10.3f}"
+                        if plan["offload"] else ""))
     lines.append(f"({uname} per rank, the rank with the most; state = params + grads + optimizer + padding, "
                  "exactly what memory_report() will say; buffers = buckets / gathered units and gradient "
                  "buffers; activ. = one forward + backward's tensors; peak = the most alive at once, with "
                  "each stage's gradients, buffers and gradient shards alive when that stage holds them)")
+    if plan["offload"]:
+        lines[1] += f"{'device':>10}{'host':>10}{'disk':>10}"
+        lines.append(f"(offload={plan['offload']}, fraction {plan['offload_fraction']:g}: state splits into device, "
+                     "host and disk bytes as memory_report() will say; peak and 'fits' count the device only)")
     if plan["activations"] is None:
         lines.append("activations not counted: pass --input module:function (one micro-batch) to include them; "
                      "'fits' then compares state + buffers only")
@@ -429,8 +447,6 @@ def main(argv: List[str] = None) -> None:
     args = ap.parse_args(argv)
     if not 0 <= args.offload_fraction <= 1:
         ap.error(f"--offload-fraction must be in [0, 1], got {args.offload_fraction}")
-    if args.model is not None and args.offload is not None:
-        ap.error("--offload is planned with --params so far (the model-state table); --model plans without it")
     if args.world_size < 1:
         ap.error("--world-size must be >= 1")
     if (args.params is None) == (args.model is None):
@@ -451,7 +467,8 @@ def main(argv: List[str] = None) -> None:
             example = (lambda: fn(batch=args.batch)) if args.batch else fn
         # hybrid sharding holds per rank exactly what sharding over S ranks does
         plan = plan_model(build, args.shard_size or args.world_size, args.dtype, wrap=args.wrap,
-                          bucket_mb=args.bucket_mb, prefetch=args.prefetch, example=example)
+                          bucket_mb=args.bucket_mb, prefetch=args.prefetch, example=example,
+                          offload=args.offload, offload_fraction=args.offload_fraction)
     except (ValueError, TypeError) as e:
         ap.error(str(e))
     if args.shard_size is not None:
