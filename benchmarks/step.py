@@ -65,6 +65,7 @@ the c10d operator level, with each group's own size in the ring model
 the slow link. --no-comm skips both.
 
     python benchmarks/step.py [--world-size 2] [--steps 6] [--layers 4 --dim 256]
+    python benchmarks/step.py --sweep [--variants zeroshard-2,fsdp2-3]        # benchmarks/sweep.py
     python benchmarks/step.py --device cuda --world-size 1 --layers 12 --dim 768 --heads 12 \
         --seq 1024 --vocab 50257 --dtype bfloat16                                  # GPT-2 124M
     python benchmarks/step.py --device cuda --world-size 1 --layers 24 --dim 1024 \
@@ -376,7 +377,16 @@ def main():
     ap.add_argument("--no-comm", dest="comm", action="store_false",
                     help="skip counting each variant's collectives (one extra, profiled step)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "step.json"))
+    ap.add_argument("--sweep", action="store_true",
+                    help="model sizes 3M/25M/100M x world sizes 2/3/4, every variant paired with DDP "
+                         "(benchmarks/sweep.py; defaults there: --batch 2 --warmup 1 --paired 4)")
+    if "--sweep" in sys.argv:
+        ap.set_defaults(batch=2, warmup=1, paired=4)
     args = ap.parse_args()
+    if args.sweep:
+        import sweep
+        sweep.run(args, spawn, paired_worker, mp.get_context("spawn"))
+        return
     if args.shard_size is not None and (args.shard_size < 1 or args.world_size % args.shard_size):
         ap.error(f"--shard-size must divide --world-size ({args.world_size})")
     cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, vocab=args.vocab)

@@ -163,9 +163,14 @@ def _resolve_wrap(model, wrap) -> tuple:
 
 
 def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: str, wrap: tuple,
-              bucket_mb: float, prefetch: int, offload: dict) -> Dict[str, object]:
+              bucket_mb: float, prefetch: int, offload: dict, gloo: bool = False) -> Dict[str, object]:
     """``offload``: ShardedOptimizer's offload keywords (on meta, offloaded state is
-    counted where it would live, and nothing is allocated or written)."""
+    counted where it would live, and nothing is allocated or written); ``gloo``: count
+    the scratch chunks zeroshard's point-to-point reduce-scatter takes on gloo (one per
+    peer whose chunk cannot land in the output; csrc/comm.cpp), which NCCL does not need."""
+    def scratch(nbytes: int, in_place: bool) -> int:
+        return nbytes // world_size * max(0, world_size - (1 if in_place else 2)) if gloo and world_size > 1 else 0
+
     pdt = _torch_dtype(dtype)
     with _fake_world(rank, world_size):
         with torch.device("meta"):
@@ -184,8 +189,9 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             out = dict(report=rep, max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
                        transient=gathered + ri * (fs.units[0].numel + (biggest.numel if biggest else 0)),
                        fixed=gathered, policy=_Policy(
-                           [_Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel)
-                            for u in order], inflight=_FS_INFLIGHT, first=0))
+                           [_Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel,
+                                       scratch(ri * u.numel, True)) for u in order],
+                           inflight=_FS_INFLIGHT, first=0))
         else:
             model.to(pdt)
             names = [n for n, _ in model.named_parameters()]   # opt's parameter order
@@ -197,7 +203,8 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                 item = {id(b): red.reduce_dtype_of(b.buffer.dtype).itemsize for b in red.buckets}
                 out["transient"] = max(b.numel * item[id(b)] for b in red.buckets)
                 out["policy"] = _Policy(
-                    [_Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0)
+                    [_Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0,
+                                scratch(b.numel * item[id(b)], False))
                      for b in (red.buckets[k] for k in red.launch_order)],
                     inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for b in red.buckets))
         out["grad_shards"] = (0 if out["policy"] is None else
@@ -210,6 +217,7 @@ class _Reduction:
     names: List[str]    # parameters whose gradients it takes
     buffer: int         # bytes of its flat gradient buffer
     shard: int          # gradient-shard bytes allocated when it retires (ZeRO-3's units)
+    scratch: int = 0    # transport scratch while in flight (gloo's point-to-point reduce-scatter)
 
 
 @dataclass
@@ -249,7 +257,7 @@ class _Replay:
     def _launch(self, it):
         if self.policy.first and not self.held:
             self.held.append(torch.empty(self.policy.first, dtype=torch.uint8))
-        it.buf = torch.empty(it.r.buffer, dtype=torch.uint8)
+        it.buf = torch.empty(it.r.buffer + it.r.scratch, dtype=torch.uint8)
         for n in it.r.names:
             self.left[n] -= 1
             if self.left[n] == 0:
@@ -333,7 +341,7 @@ def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32", po
 
 def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=None, bucket_mb: float = 25,
                prefetch: int = 1, example: Optional[Callable] = None, ranks: Optional[List[int]] = None,
-               offload: Optional[str] = None, offload_fraction: float = 1.0) -> dict:
+               offload: Optional[str] = None, offload_fraction: float = 1.0, transport: str = "nccl") -> dict:
     """Per-rank memory of ``build()`` (a function returning the model) at each stage.
 
     Returns ``{"params", "wrap", "max_unit", "activations", "stages": {name: {"ranks": {r: report},
@@ -343,9 +351,12 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     one micro-batch (None without ``example``, a function returning that micro-batch's inputs).
     ``offload`` / ``offload_fraction``: ShardedOptimizer's; each report then splits its total
     into "device", "host" and "disk", ``device_state`` is the most device bytes of any rank,
-    and ``peak`` counts the device only. See [Note: model plan].
+    and ``peak`` counts the device only. ``transport``: "nccl" (GPUs) or "gloo" (CPU
+    processes: zeroshard's reduce-scatter then takes scratch chunks). See [Note: model plan].
     """
     _check(dtype, world_size)
+    if transport not in ("nccl", "gloo"):
+        raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
     off = dict(offload=offload, offload_fraction=offload_fraction,
                offload_dir=tempfile.gettempdir() if offload == "nvme" else None)   # (no file is made on meta)
     with torch.device("meta"):
@@ -366,7 +377,8 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     max_unit = ("", 0)
     stages["DDP"]["peak"] = None if acts is None else ddp_state + gb * trainable + acts
     for stage in (1, 2, 3):
-        runs = {r: _meta_run(build, world_size, r, stage, dtype, wrap_classes, bucket_mb, prefetch, off)
+        runs = {r: _meta_run(build, world_size, r, stage, dtype, wrap_classes, bucket_mb, prefetch, off,
+                             transport == "gloo")
                 for r in ranks}
         state = max(v["report"]["total"] for v in runs.values())
         dev = max(v["report"]["device"] for v in runs.values())
@@ -444,6 +456,9 @@ def main(argv: List[str] = None) -> None:
                                                                "state's bytes go to host memory or disk")
     ap.add_argument("--offload-fraction", type=float, default=1.0, help="share of the optimizer state "
                                                                         "offloaded (default 1)")
+    ap.add_argument("--transport", choices=("nccl", "gloo"), default="nccl",
+                    help="with --model: nccl (GPUs, default) or gloo (CPU processes, whose reduce-scatter "
+                         "takes scratch chunks)")
     args = ap.parse_args(argv)
     if not 0 <= args.offload_fraction <= 1:
         ap.error(f"--offload-fraction must be in [0, 1], got {args.offload_fraction}")
@@ -468,7 +483,8 @@ def main(argv: List[str] = None) -> None:
         # hybrid sharding holds per rank exactly what sharding over S ranks does
         plan = plan_model(build, args.shard_size or args.world_size, args.dtype, wrap=args.wrap,
                           bucket_mb=args.bucket_mb, prefetch=args.prefetch, example=example,
-                          offload=args.offload, offload_fraction=args.offload_fraction)
+                          offload=args.offload, offload_fraction=args.offload_fraction,
+                          transport=args.transport)
     except (ValueError, TypeError) as e:
         ap.error(str(e))
     if args.shard_size is not None:

@@ -1,0 +1,134 @@
+"""How step time grows with model size and world size: `python benchmarks/step.py --sweep`.
+
+For each model size (GPT, about 3M, 25M and 100M parameters) and world size
+(2, 3 and 4 CPU processes with gloo), every variant is timed *paired* with
+DDP + fused AdamW: one process group builds the two (each on its own copy
+of the model), takes their steps in turn (--paired steps each after
+--warmup, the order alternating), and the ratio is the median over turns of
+the variant's step time over DDP's in the same turn. One pair at a time
+keeps the 100M runs within memory (two copies per rank, not nine).
+
+On a machine with fewer cores than ranks the ranks share them (each rank
+gets max(1, cores // world) threads): the sweep prints by how much, and
+ratios there measure contention as much as the library.
+
+Writes benchmarks/out/sweep.json and two plots: sweep_size.png (ratio
+against model size, one panel per world size) and sweep_world.png (ratio
+against world size, one panel per model size). ``--plot-only`` redraws them
+from the JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from datetime import date
+
+import torch
+
+import peers
+from gpt import GPTConfig
+from machine import machine_info
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# (layers, dim) of the swept GPTs (4 heads, seq 64, vocab 1021): 3.0M, 25.8M, 100.7M parameters
+SIZES = {"3M": (4, 240), "25M": (8, 512), "100M": (12, 832)}
+WORLDS = (2, 3, 4)
+VARIANTS = ["zeroshard-1", "zeroshard-2", "zeroshard-2+overlap", "zeroshard-3", "fsdp2-3",
+            "deepspeed-1", "deepspeed-2", "deepspeed-3"]
+
+
+def run(args, spawn, paired_worker, ctx) -> None:
+    """The sweep; ``spawn``, ``paired_worker``: step.py's (one process group per pair)."""
+    variants = peers.runnable(args.variants.split(",") if args.variants else VARIANTS)
+    cores = os.cpu_count() or 1
+    points, t0 = [], time.time()
+    for label, (layers, dim) in SIZES.items():
+        cfg = GPTConfig(layers=layers, dim=dim, heads=4, seq=args.seq, vocab=args.vocab)
+        for world in WORLDS:
+            for v in variants:
+                times = spawn(ctx, paired_worker, world, f"{label} world {world} {v}", ["ddp", v], cfg, args)
+                if times is None:
+                    continue
+                ratio = statistics.median(a / b for a, b in zip(times[v], times["ddp"]))
+                points.append(dict(size=label, layers=layers, dim=dim, world=world, variant=v, ratio=ratio,
+                                   ms=1e3 * statistics.median(times[v]), ddp_ms=1e3 * statistics.median(times["ddp"])))
+                print(f"{label:>5} world {world}: {v:<20} {ratio:5.2f}x DDP  ({points[-1]['ms']:.0f} ms vs "
+                      f"{points[-1]['ddp_ms']:.0f} ms)  [{time.time() - t0:.0f} s]", flush=True)
+    params = {label: _params(*SIZES[label], args) for label in SIZES}
+    out = dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"), batch=args.batch,
+               seq=args.seq, warmup=args.warmup, paired=args.paired, cores=cores, params=params, points=points)
+    path = os.path.join(HERE, "out", "sweep.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(table(out))
+    plot(out)
+
+
+def _params(layers: int, dim: int, args) -> int:
+    from gpt import GPT
+    with torch.device("meta"):
+        model = GPT(GPTConfig(layers=layers, dim=dim, heads=4, seq=args.seq, vocab=args.vocab))
+    return sum(p.numel() for p in model.parameters())
+
+
+def table(d: dict) -> str:
+    """A markdown table: one row per variant, one column per (size, world size)."""
+    cols = [(s, w) for s in SIZES for w in WORLDS]
+    ratio = {(p["variant"], p["size"], p["world"]): p["ratio"] for p in d["points"]}
+    variants = list(dict.fromkeys(p["variant"] for p in d["points"]))
+    over = ", ".join(f"world {w}: {w / max(1, d['cores']) if w > d['cores'] else 1:.1f}x" for w in WORLDS)
+    lines = [f"step time / DDP's, paired (batch {d['batch']} x seq {d['seq']} per rank; {d['cores']} cores, "
+             f"ranks per core {over})", "",
+             "| variant | " + " | ".join(f"{s} w{w}" for s, w in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for v in variants:
+        cells = [f"{ratio[v, s, w]:.2f}x" if (v, s, w) in ratio else "—" for s, w in cols]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(d: dict) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return
+    ratio = {(p["variant"], p["size"], p["world"]): p["ratio"] for p in d["points"]}
+    variants = list(dict.fromkeys(p["variant"] for p in d["points"]))
+    sizes = [s for s in SIZES if any(k[1] == s for k in ratio)]
+    for name, panels, xs, key, xlabel in (
+            ("sweep_size.png", WORLDS, sizes, lambda v, panel, x: (v, x, panel), "model size"),
+            ("sweep_world.png", sizes, WORLDS, lambda v, panel, x: (v, panel, x), "world size")):
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+        for ax, panel in zip(axes[0], panels):
+            for v in variants:
+                pts = [(i, ratio[key(v, panel, x)]) for i, x in enumerate(xs) if key(v, panel, x) in ratio]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=v,
+                            linestyle="-" if v.startswith("zeroshard") else "--")
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+            ax.set_xlabel(xlabel)
+            ax.set_title(f"world size {panel}" if xlabel == "model size" else f"GPT {panel}")
+        axes[0][0].set_ylabel("step time / DDP's (paired)")
+        axes[0][-1].legend(fontsize=7)
+        fig.suptitle(f"CPU gloo, {d['cores']} cores, {d['date']}", fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(HERE, "out", name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    import sys
+    if "--plot-only" in sys.argv:
+        with open(os.path.join(HERE, "out", "sweep.json")) as f:
+            data = json.load(f)
+        print(table(data))
+        plot(data)
