@@ -243,7 +243,7 @@ class Storage:
             if placement is not Placement.DEVICE:
                 _PLACED[t] = placement
             return t
-        t = self.disk.take(n) if placement is Placement.DISK else torch.zeros(n, pin_memory=self.device.type == "cuda")
+        t = self.disk.take(n) if placement is Placement.DISK else host_zeros(n, self.device)
         _PLACED[t] = placement
         return t
 
@@ -264,6 +264,12 @@ class Storage:
         if self.streamer is None:
             self.streamer = Streamer(self.disk)
         return self.streamer
+
+
+def host_zeros(n: int, device: torch.device) -> torch.Tensor:
+    """fp32 zeros in host memory for state or shards of ``device``'s parameters: pinned
+    when that is CUDA, so copies to and from it run asynchronously."""
+    return torch.zeros(n, dtype=torch.float32, pin_memory=device.type == "cuda")
 
 
 def window_elements() -> int:

@@ -28,10 +28,8 @@ class UnitBackward:
 
     def __init__(self, units: List[Unit], gatherer: Gatherer, *, device: torch.device, group, rank: int,
                  world: int, replicate, reduce_dtype: torch.dtype, events, comm_elements: dict,
-                 fwd_order: Callable[[], List[int]], shard_device: Optional[torch.device] = None):
+                 fwd_order: Callable[[], List[int]]):
         self.units, self.gatherer, self.device, self.group = units, gatherer, device, group
-        # where the gradient shards live: with the fp32 shards (host memory with offload_params)
-        self.shard_device = shard_device or device
         self.rank, self.world, self.reduce_dtype = rank, world, reduce_dtype
         # hybrid sharding: each reduced shard is all-reduced across these replicas
         # ([Note: hybrid sharding] in _mesh.py); the gradient is divided by every rank
@@ -152,7 +150,8 @@ class UnitBackward:
             u.reduce = None
         chunk = u.own(u.grad_flat, self.rank)
         if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
-            u.grad_shard = host_or_device_zeros(u.shard_numel, self.shard_device, self.device)
+            # with the fp32 shard (host memory with offload_params)
+            u.grad_shard = host_or_device_zeros(u.shard_numel, u.shard.device, self.device)
             u.fresh = True
         if u.grad_shard.device != chunk.device:      # offload_params: divide here, then to host
             avg = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)
@@ -178,7 +177,7 @@ class UnitBackward:
             self._reductions.drain()
             while self._replicating:
                 self._fold(self._replicating.pop(0))
-            if self.shard_device != self.device and self.device.type == "cuda":
+            if self.device.type == "cuda" and any(u.shard is not None and u.shard.is_cpu for u in self.units):
                 # offload_params: the gradient shards' copies to host have landed (the CPU step reads them)
                 torch.cuda.current_stream(self.device).synchronize()
         self.gatherer.reshard_all()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from ._offload import host_zeros
 from ._shards import SUPPORTED
 from ._unit import Param, Unit, owner_of
 from .layout import compute_layout
@@ -214,10 +215,9 @@ def shard_device(device: torch.device, offload_params: bool) -> torch.device:
 
 
 def host_or_device_zeros(n: int, where: torch.device, device: torch.device) -> torch.Tensor:
-    """fp32 zeros on ``where``; pinned when that is host memory standing in for a CUDA
-    ``device`` (offload_params), so copies to and from the device run asynchronously."""
-    return torch.zeros(n, dtype=torch.float32, device=where,
-                       pin_memory=where.type == "cpu" and device.type == "cuda")
+    """fp32 zeros on ``where``: ``device`` itself, or host memory standing in for it
+    (offload_params; pinned for CUDA)."""
+    return host_zeros(n, device) if where.type == "cpu" else torch.zeros(n, dtype=torch.float32, device=where)
 
 
 @torch.no_grad()

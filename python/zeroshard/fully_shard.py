@@ -162,7 +162,7 @@ class FullyShard(nn.Module):
                                       rank=self.rank, world=self.world_size, replicate=self.groups.replicate,
                                       reduce_dtype=self.reduce_dtype,
                                       events=self.events, comm_elements=self.comm_elements,
-                                      fwd_order=lambda: self._fwd_order, shard_device=host)
+                                      fwd_order=lambda: self._fwd_order)
         register_owner(self, self._units)
         self._install_hooks()
 
