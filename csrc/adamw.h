@@ -1,5 +1,6 @@
 // Fused AdamW over one flat shard: the shared math, the argument structs and
-// the two launchers. Torch-free: kernels see plain pointers only.
+// the CPU kernel (the CUDA one, over many shards at once, is in adamw_multi.h).
+// Torch-free: kernels see plain pointers only.
 #pragma once
 
 #include <cstdint>
@@ -142,13 +143,5 @@ ZS_HD void adamw_update(float& p, float g, float& m, float& v, const AdamWHyper&
 // in the range is non-finite (the update is still applied; callers skip a
 // step through `noop` in the launcher). Thread-safe over disjoint ranges.
 bool adamw_cpu(const AdamWShard& s, const AdamWHyper& h, int64_t begin, int64_t end);
-
-// CUDA kernel over the whole shard, one launch on `stream` (a cudaStream_t).
-// `scale` (device float, optional) multiplies h.grad_scale; `noop` (device
-// int32, optional) makes the launch a no-op when non-zero; `found_inf`
-// (device int32, optional) is set to 1 if any scaled gradient is non-finite.
-// Returns an error string, or nullptr on success. Defined only in CUDA builds.
-const char* adamw_cuda(const AdamWShard& s, const AdamWHyper& h, const float* scale,
-                       const int32_t* noop, int32_t* found_inf, void* stream);
 
 }  // namespace zeroshard

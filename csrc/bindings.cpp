@@ -72,19 +72,16 @@ PYBIND11_MODULE(_C, m) {
      py::arg("world_size"), py::arg("align_bytes") = 16, "Pure layout math (csrc/layout.h).");
 
   // ---- fused AdamW ----
-  m.def("fused_adamw_", [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                           const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                           const std::optional<std::vector<at::Tensor>>& outs, double lr, double beta1,
-                           double beta2, double eps, double weight_decay, int64_t step, double grad_scale,
-                           const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& noop,
-                           const std::optional<at::Tensor>& found_inf) {
-    py::gil_scoped_release no_gil;
-    fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, outs,
-                 AdamWOptions{lr, beta1, beta2, eps, weight_decay, step, grad_scale}, scale, noop, found_inf);
-  }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("outs"),
-     py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-     py::arg("step"), py::arg("grad_scale"), py::arg("scale"), py::arg("noop"), py::arg("found_inf"),
-     "Fused AdamW over flat shards (csrc/ops.h).");
+  py::class_<AdamWOptions>(m, "AdamWOptions", "One set of AdamW hyperparameters (csrc/ops.h).")
+      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                       double grad_scale) {
+             return AdamWOptions{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
+           }), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+           py::arg("step"), py::arg("grad_scale"));
+  m.def("fused_adamw_", &fused_adamw_, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("outs"), py::arg("hypers"), py::arg("hyper_of"), py::arg("scale"),
+        py::arg("noop"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>(),
+        "Fused AdamW over flat shards, one launch (csrc/ops.h).");
 
   // ---- collectives ----
   py::class_<CommHandle, Handle>(m, "CommHandle", "Guards the result of one collective.")

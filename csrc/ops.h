@@ -15,16 +15,20 @@ struct AdamWOptions {
 };
 
 // Updates every shard i: params[i] (fp32), exp_avgs[i], exp_avg_sqs[i] in
-// place from grads[i] (fp32/bf16/fp16), optionally writing the new params
-// into outs[i] (bf16/fp16/fp32). One launch (CUDA) or one parallel loop (CPU)
-// per shard. `scale` (fp32, 1 element) multiplies grad_scale; `noop` (int32,
-// 1 element) turns the call into a no-op when non-zero; `found_inf` (int32,
-// 1 element) is set to 1 if any scaled gradient is non-finite. On CUDA none
-// of these syncs with the host.
+// place from grads[i] (fp32/bf16/fp16), with the hyperparameters
+// hypers[hyper_of[i]], optionally writing the new params into outs[i]
+// (bf16/fp16/fp32; `outs` is empty or has one entry per shard, None for
+// none). One launch over every shard (CUDA, [Note: one launch]) or one
+// parallel loop (CPU). `scale` (fp32, 1 element) multiplies grad_scale;
+// `noop` (int32, 1 element) turns the call into a no-op when non-zero;
+// `found_inf` (int32, 1 element) is set to 1 if any scaled gradient is
+// non-finite. On CUDA none of these syncs with the host. Every argument is
+// checked before anything is written.
 void fused_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                   const std::vector<at::Tensor>& exp_avgs,
                   const std::vector<at::Tensor>& exp_avg_sqs,
-                  const std::optional<std::vector<at::Tensor>>& outs, const AdamWOptions& opt,
+                  const std::vector<std::optional<at::Tensor>>& outs,
+                  const std::vector<AdamWOptions>& hypers, const std::vector<int64_t>& hyper_of,
                   const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& noop,
                   const std::optional<at::Tensor>& found_inf);
 

@@ -164,3 +164,64 @@ def test_one_call_over_many_shards_equals_one_call_per_shard(grad_dtype):
     one[3][1][1_000_000] = float("inf")               # a non-finite gradient in the part that spans shards
     zs.fused_adamw_(*[[s[k] for s in one] for k in range(4)], found_inf=flag, **hyper)
     assert flag.item() == 1
+
+
+def _mixed_shards(device, seed):
+    """Awkward shards for one multi-set call: empty, shorter than a vector, one past
+    a CUDA chunk (4096), misaligned views, fp32/bf16/fp16 gradients, outputs of
+    every kind or none."""
+    g = torch.Generator().manual_seed(seed)
+    specs = [(0, torch.float32, None, 0), (1, torch.bfloat16, torch.bfloat16, 0), (7, torch.float16, torch.float16, 0),
+             (4097, torch.bfloat16, None, 0), (4096, torch.float32, torch.bfloat16, 1),
+             (10_007, torch.float16, torch.float32, 0), (8_200, torch.bfloat16, torch.float16, 3)]
+    shards = []
+    for n, gd, od, skew in specs:
+        ts = [torch.randn(n + skew, generator=g), torch.randn(n + skew, generator=g).to(gd),
+              torch.randn(n + skew, generator=g), torch.rand(n + skew, generator=g)]
+        ts = [t.to(device)[skew:] for t in ts]
+        out = None if od is None else torch.zeros(n + skew, dtype=od, device=device)[skew:]
+        shards.append(ts + [out])
+    return shards
+
+
+SETS = [dict(lr=1e-3, step=1, weight_decay=0.01), dict(lr=3e-4, beta1=0.8, beta2=0.99, eps=1e-6, step=7, grad_scale=0.5),
+        dict(lr=1e-2, beta1=0.95, beta2=0.995, step=1000, weight_decay=0.1, grad_scale=2.0)]
+WHICH = [0, 1, 0, 2, 1, 2, 0]
+
+
+def multi_equals_separate(device):
+    """One fused_adamw_multi_ call over shards with three hyperparameter sets equals
+    one fused_adamw_ call per shard, bit for bit, outputs and the non-finite flag included."""
+    one, each = _mixed_shards(device, 3), _mixed_shards(device, 3)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    scale = torch.tensor([0.25], device=device)
+    zs.fused_adamw_multi_(*[[s[k] for s in one] for k in range(4)], SETS, WHICH, outs=[s[4] for s in one],
+                          scale=scale, found_inf=flag)
+    for s, k in zip(each, WHICH):
+        h = dict(SETS[k])
+        zs.fused_adamw_(s[:1], s[1:2], s[2:3], s[3:4], outs=None if s[4] is None else [s[4]], scale=scale,
+                        beta1=h.pop("beta1", 0.9), beta2=h.pop("beta2", 0.999), **h)
+    for a, b in zip(one, each):
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.equal(x, y)
+    assert flag.item() == 0
+    one[3][1][4096] = float("nan")            # the one element past the first chunk
+    zs.fused_adamw_multi_(*[[s[k] for s in one] for k in range(4)], SETS, WHICH, found_inf=flag)
+    assert flag.item() == 1
+
+
+def test_one_call_with_several_hyperparameter_sets_equals_separate_calls():
+    multi_equals_separate("cpu")
+
+
+def test_multi_call_checks_every_set_and_index_before_writing():
+    a = _state(10)
+    before = [t.clone() for t in a]
+    with pytest.raises(ValueError, match=r"hyper_of\[1\] is 2 but there are 2 hyperparameter sets"):
+        zs.fused_adamw_multi_([a[0], a[0]], [a[1], a[1]], [a[2], a[2]], [a[3], a[3]],
+                              [dict(lr=1e-3, step=1), dict(lr=1e-3, step=2)], [0, 2])
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        zs.fused_adamw_multi_([a[0]], [a[1]], [a[2]], [a[3]], [dict(lr=1e-3, step=1), dict(lr=1e-3, step=0)], [0])
+    with pytest.raises(ValueError, match="hyper_of has 2 entries but params has 1"):
+        zs.fused_adamw_multi_([a[0]], [a[1]], [a[2]], [a[3]], [dict(lr=1e-3, step=1)], [0, 0])
+    assert all(torch.equal(x, y) for x, y in zip(a, before))

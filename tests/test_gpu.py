@@ -306,3 +306,17 @@ def test_cuda_offload_params_keeps_the_shards_in_pinned_host_memory(nccl_world1)
     assert all(p.grad is None or p.grad.device.type == "cpu" for p in models[1].parameters())
     rep = opts[1].memory_report()
     assert rep["device"] == 0 and rep["host"] == rep["total"] == opts[0].memory_report()["total"], rep
+
+
+def test_cuda_one_launch_over_shards_with_several_hyperparameter_sets():
+    """[Note: one launch]: equal to one call per shard, and one kernel launch in all."""
+    from test_adamw import multi_equals_separate
+    multi_equals_separate("cuda")
+    shards = [[torch.randn(n, device="cuda") for _ in range(3)] + [torch.rand(n, device="cuda")]
+              for n in (5, 70_001, 4096, 0, 12_345)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        zs.fused_adamw_multi_(*[[s[k] for s in shards] for k in range(4)],
+                              [dict(lr=1e-3, step=1), dict(lr=1e-2, step=9)], [0, 1, 1, 0, 1])
+        torch.cuda.synchronize()
+    launches = [e for e in prof.events() if "adamw_multi_kernel" in e.name]
+    assert len(launches) == 1, [e.name for e in prof.events()]

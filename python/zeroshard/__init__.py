@@ -18,7 +18,7 @@ from ._incident import CollectiveMismatch, CollectiveTimeout, set_timeout
 from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, save_checkpoint
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .fully_shard import FullyShard, MixedPrecision
-from .kernels import fused_adamw_
+from .kernels import fused_adamw_, fused_adamw_multi_
 from .layout import Layout, compute_layout
 from .sharded import ShardedOptimizer
 
@@ -45,6 +45,6 @@ def build_info() -> dict:
 __all__ = [
     "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout",
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
-    "FullyShard", "MixedPrecision", "fused_adamw_", "reduce_scatter", "ShardedOptimizer", "flight_record",
+    "FullyShard", "MixedPrecision", "fused_adamw_", "fused_adamw_multi_", "reduce_scatter", "ShardedOptimizer", "flight_record",
     "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout",
 ]

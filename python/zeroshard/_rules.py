@@ -20,8 +20,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import comm
-from ._shards import update_calls
-from .kernels import fused_adamw_
+from ._shards import update_parts
+from .kernels import fused_adamw_multi_
 
 # torch optimizers whose update of each element depends only on that element's
 # gradient, state and parameter (and per-parameter scalars such as the step)
@@ -59,21 +59,38 @@ class FusedAdamW:
     def __init__(self, storage=None):
         self.storage = storage
 
-    def update(self, segments, gi: int, group: dict, used: List[bool], steps: List[int], grad_scale: float,
+    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
                scale: Optional[torch.Tensor]):
-        if group.get("amsgrad") or group.get("maximize"):
-            raise NotImplementedError("amsgrad and maximize are not supported by the fused AdamW; pass "
-                                      "optimizer_class=torch.optim.AdamW with them to run torch's")
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                     weight_decay=group["weight_decay"], grad_scale=grad_scale, scale=scale)
-        # usually one call per (group, low-precision output or not): one kernel launch per segment
-        for (step, with_out, streamed), parts in update_calls(segments, gi, used, steps).items():
-            if streamed:
-                self.storage.streamer_for_step().update(parts, hyper, step)
+        """Every range of the step in one kernel call (one launch on CUDA, one
+        parallel loop on CPU), one hyperparameter set per (param group, step
+        count); offloaded ranges then go window by window through the streamer."""
+        hypers = [_adamw_hyper(group, grad_scale) for group in groups]
+        sets: List[dict] = []
+        index: Dict[tuple, int] = {}
+        which, parts, streamed = [], [], {}
+        for gi, step, is_streamed, part in update_parts(segments, used, steps):
+            if is_streamed:
+                streamed.setdefault((gi, step), []).append(part)
                 continue
+            if (gi, step) not in index:
+                index[(gi, step)] = len(sets)
+                sets.append(dict(hypers[gi], step=step))
+            which.append(index[(gi, step)])
+            parts.append(part)
+        if parts:     # first: on CUDA it runs while the CPU steps the offloaded windows
             p, g, m, v, out = zip(*parts)
-            fused_adamw_(p, g, m, v, outs=out if with_out else None, step=step, **hyper)
+            fused_adamw_multi_(p, g, m, v, sets, which, outs=out, scale=scale)
+        for (gi, step), ps in streamed.items():
+            self.storage.streamer_for_step().update(ps, dict(hypers[gi], scale=scale), step)
+
+
+def _adamw_hyper(group: dict, grad_scale: float) -> dict:
+    if group.get("amsgrad") or group.get("maximize"):
+        raise NotImplementedError("amsgrad and maximize are not supported by the fused AdamW; pass "
+                                  "optimizer_class=torch.optim.AdamW with them to run torch's")
+    beta1, beta2 = group["betas"]
+    return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                grad_scale=grad_scale)
 
 
 class TorchElementwise:
@@ -95,10 +112,14 @@ class TorchElementwise:
         self.inner = cls(groups, **kwargs) if groups else None
         self.elementwise_keys = _elementwise_keys(cls, kwargs)
 
-    def update(self, segments, gi: int, group: dict, used: List[bool], steps: List[int], grad_scale: float,
+    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
                scale: Optional[torch.Tensor]):
-        if self.inner is None or gi not in self.group_index:
-            return
+        for gi, group in enumerate(groups):
+            if self.inner is not None and gi in self.group_index:
+                self._update_group(gi, group, used, grad_scale, scale)
+
+    def _update_group(self, gi: int, group: dict, used: List[bool], grad_scale: float,
+                      scale: Optional[torch.Tensor]):
         inner_group = self.inner.param_groups[self.group_index.index(gi)]
         inner_group.update(_hyper(group))        # an LR scheduler changes ours; the instance follows
         mine = [(i, piece) for (i, _), piece in self.pieces.items() if piece[0].group == gi]

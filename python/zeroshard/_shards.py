@@ -100,16 +100,16 @@ class Segment:
         return getattr(self.holder, self.grad_attr)[self.grad_range[0]:self.grad_range[1]]
 
 
-def update_calls(segments: List[Segment], group: int, used: List[bool], steps: List[int]) -> Dict[tuple, list]:
-    """What one step updates in param group ``group``, by fused call: ``(step count
-    after this step, has a low-precision output, streamed) -> [(param, grad, exp_avg,
-    exp_avg_sq, out)]``. As torch's AdamW: a parameter no rank gave a gradient
-    (``used[i]`` false) is not updated, and each parameter's own step count sets
-    its bias correction. A segment whose parameters all step with one count is
-    updated whole (padding included: zeros stay zero); otherwise piece by piece."""
-    calls: Dict[tuple, list] = {}
+def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) -> List[tuple]:
+    """What one step updates: ``(param group, step count after this step, streamed,
+    (param, grad, exp_avg, exp_avg_sq, out))`` per flat range. As torch's AdamW: a
+    parameter no rank gave a gradient (``used[i]`` false) is not updated, and each
+    parameter's own step count sets its bias correction. A segment whose
+    parameters all step with one count is updated whole (padding included: zeros
+    stay zero); otherwise piece by piece."""
+    parts: List[tuple] = []
     for seg in segments:
-        if seg.group != group or not seg.pieces:
+        if not seg.pieces:
             continue
         ids = [i for i, *_ in seg.pieces]
         if all(used[i] and steps[i] == steps[ids[0]] for i in ids):
@@ -118,10 +118,10 @@ def update_calls(segments: List[Segment], group: int, used: List[bool], steps: L
             ranges = [(i, a, b) for i, a, b, _ in seg.pieces if used[i]]
         grad = seg.grad
         for i, a, b in ranges:
-            calls.setdefault((steps[i] + 1, seg.out is not None, seg.streamed), []).append(
-                (seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
-                 None if seg.out is None else seg.out[a:b]))
-    return calls
+            parts.append((seg.group, steps[i] + 1, seg.streamed,
+                          (seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
+                           None if seg.out is None else seg.out[a:b])))
+    return parts
 
 
 @dataclass

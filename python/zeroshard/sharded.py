@@ -227,8 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._source.check_finite:    # every rank agrees: the statistics are summed over the ranks
             self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
         if not self.last_step_skipped:
-            for gi, group in enumerate(self.param_groups):
-                self._update_group(gi, group)
+            self._update()
         self._source.step_done(updated=not self.last_step_skipped)
         if not self.last_step_skipped:
             self._consolidated = None
@@ -246,12 +245,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._source.shards_loaded()
         self._consolidated = None
 
-    def _update_group(self, gi: int, group: dict):
+    def _update(self):
         used = self._grads.used
-        self._rule.update(self._source.segments, gi, group, used, self._param_steps, self._source.grad_scale,
-                          self._clip_coef)
+        self._rule.update(self._source.segments, self.param_groups, used, self._param_steps,
+                          self._source.grad_scale, self._clip_coef)
         for i in self._trainable:
-            if self._group_of[i] == gi and used[i]:
+            if used[i]:
                 self._param_steps[i] += 1
 
     def zero_grad(self, set_to_none: bool = True):
