@@ -320,3 +320,38 @@ def test_cuda_one_launch_over_shards_with_several_hyperparameter_sets():
         torch.cuda.synchronize()
     launches = [e for e in prof.events() if "adamw_multi_kernel" in e.name]
     assert len(launches) == 1, [e.name for e in prof.events()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cuda_offloaded_gradients_reach_host_memory_during_backward(nccl_world1, stage):
+    """[Note: offloaded gradients] on CUDA: by the end of backward the host copies
+    (ZeRO-1/2: pinned mirrors; ZeRO-3: the units' pinned gradient shards) hold the
+    reduced gradients, so the step copies no gradient (its window buffers have none);
+    torch's clip reaches them; equal to the run without offload up to rounding."""
+    from test_sharded import rel_err
+    results = []
+    for off in (None, "cpu"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(97, 131), torch.nn.GELU(), torch.nn.Linear(131, 7)).cuda()
+        if stage == 3:
+            model = zs.FullyShard(model, wrap={torch.nn.Linear})
+        opt = zs.ShardedOptimizer(model.parameters(), stage=min(stage, 2), offload=off, offload_fraction=0.6)
+        for i in range(3):
+            x = torch.randn(8, 97, generator=torch.Generator().manual_seed(i)).cuda()
+            model(x).square().mean().backward()
+            if off is not None and stage < 3:
+                mirrored = [seg for seg in opt.source.segments if seg.mirror is not None]
+                assert mirrored and all(seg.mirror.is_pinned() for seg in mirrored)
+                assert all(torch.equal(seg.mirror, seg.grad.cpu()) for seg in mirrored)
+            if off is not None and stage == 3:
+                hosted = [u for u in model.units if u.grad_to_host]
+                assert hosted and all(u.grad_shard.is_pinned() for u in hosted)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        if off is not None:
+            assert all("g" not in slot for slot in opt.source.storage.streamer.slots)
+        full = model.state_dict()
+        results.append({k: v.float().cpu() for k, v in full.items()})
+    errs = [rel_err(results[1][k], v) for k, v in results[0].items()]
+    assert max(errs) < 1e-5, errs

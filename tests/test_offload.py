@@ -8,15 +8,17 @@ import os
 import signal
 import socket
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 import zeroshard as zs
 from conftest import get_pool
-from test_sharded import make_model, param_groups, reference, rel_err, train_ours
+from test_sharded import batches, local, make_model, param_groups, reference, rel_err, train_ours
 from zeroshard import _offload
 
 STEPS = 3
@@ -184,6 +186,51 @@ def test_fully_shard_offload_params_trains_as_without_and_counts_host_bytes(worl
             assert rep["device"] == 0, rep
             assert (rep["disk"] > 0) == (offload == "nvme"), rep
             assert rep["disk"] < rep["exp_avg"] + rep["exp_avg_sq"] + rep["padding"], rep
+
+
+def _host_gradient_copies(stage, fraction, directory):
+    """[Note: offloaded gradients] on CPU: the gradients are host memory already, so the
+    host copies are not made; forced on (as on a GPU), the step reads them. Trained with
+    two synced backwards per step (the second adds to the shard) and torch's
+    clip_grad_norm_ between backward and step (it must reach the copies): the same
+    numbers, bit for bit, as without the copies, and the copies counted as host bytes."""
+    os.environ["ZEROSHARD_OFFLOAD_WINDOW_MB"] = WINDOW_MB
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for forced in (False, True):
+        to_host = (lambda self, placement: self.streamed(placement)) if forced else _offload.Storage.grads_to_host
+        with mock.patch.object(_offload.Storage, "grads_to_host", to_host):
+            model = make_model()
+            if stage == 3:
+                model = zs.FullyShard(model, wrap={nn.Linear})
+            opt = zs.ShardedOptimizer(param_groups(model), stage=min(stage, 2), offload="nvme",
+                                      offload_fraction=fraction, offload_dir=directory)
+            for mbs in batches(STEPS, micro=2):
+                opt.zero_grad()
+                for x, y in mbs:
+                    (F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)) / 2).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                opt.step()
+            params = model.state_dict() if stage == 3 else {k: v.clone() for k, v in model.state_dict().items()}
+            out[forced] = dict(params=params, rep=opt.memory_report())
+            opt.zero_grad()
+            del opt
+    same = all(torch.equal(out[True]["params"][k], v) for k, v in out[False]["params"].items())
+    return same, out[False]["rep"], out[True]["rep"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_gradient_copies_step_exactly_as_the_device_gradients(stage, tmp_path):
+    for fraction in (0.3, 1.0):
+        for same, plain, copied in get_pool(2).run(_host_gradient_copies, stage, fraction, str(tmp_path)):
+            assert same, (stage, fraction)
+            assert plain["host"] == 0 < copied["host"] and plain["disk"] == copied["disk"] > 0, (plain, copied)
+            if stage == 3:     # the offloaded units' gradient shards moved from the device to host memory
+                assert copied["total"] == plain["total"] and copied["device"] == plain["device"] - copied["host"]
+            else:              # a host copy of the offloaded buffers' gradient shards, beside the device's
+                assert copied["device"] == plain["device"] and copied["total"] == plain["total"] + copied["host"]
+            if fraction == 1.0 and stage == 2:    # the whole gradient shard, once more, in host memory
+                assert copied["host"] == plain["grads"] + (copied["padding"] - plain["padding"]), (plain, copied)
 
 
 def _resident(directory, offload):

@@ -234,13 +234,20 @@ def test_model_plan_with_offload_matches_real_runs(dist_pool, offload, capsys, t
     """--model with --offload: every rank's device / host / disk bytes as its memory_report() says."""
     from zeroshard.plan import plan_model
     world = dist_pool.world_size
-    plan = plan_model(_build, world, "bf16", offload=offload, offload_fraction=0.4)
+    plan = plan_model(_build, world, "bf16", offload=offload, offload_fraction=0.4, transport="gloo")
+    gpus = plan_model(_build, world, "bf16", offload=offload, offload_fraction=0.4)
     kw = dict(offload=offload, offload_fraction=0.4, offload_dir=str(tmp_path) if offload == "nvme" else None)
     for stage in (1, 2, 3):
         want = plan["stages"][f"ZeRO-{stage}"]
         for r, (rep, _) in enumerate(dist_pool.run(_measured, stage, "bf16", 25, kw)):
             assert want["ranks"][r] == {k: rep[k] for k in want["ranks"][r]}, (stage, r)
             assert 0 < rep["host" if offload == "cpu" else "disk"] < rep["master"] + rep["exp_avg"] + rep["exp_avg_sq"]
+            # on GPUs the offloaded share's gradients are also in host memory ([Note: offloaded
+            # gradients]): ZeRO-1/2 a copy of them (bf16), ZeRO-3 the fp32 gradient shards themselves
+            cpu, gpu = want["ranks"][r], gpus["stages"][f"ZeRO-{stage}"]["ranks"][r]
+            moved = gpu["host"] - cpu["host"]
+            assert moved > 0 and gpu["disk"] == cpu["disk"], (stage, cpu, gpu)
+            assert gpu["device"] == (cpu["device"] if stage < 3 else cpu["device"] - moved), (stage, cpu, gpu)
         assert want["device_state"] == max(v["device"] for v in want["ranks"].values()) < want["model_state"]
     out = _cli(capsys, "--model", os.path.join(EXAMPLES, "train_gpt.py") + ":build_model", "--world-size", "8",
                "--offload", offload, "--offload-fraction", "0.4")
@@ -248,7 +255,8 @@ def test_model_plan_with_offload_matches_real_runs(dist_pool, offload, capsys, t
     assert header[-3:] == ["device", "host", "disk"] and f"offload={offload}, fraction 0.4" in out
     zero2 = next(line.split() for line in out.splitlines() if line.startswith("ZeRO-2"))
     device, host, disk = map(float, zero2[-3:])
-    assert (host > 0) == (offload == "cpu") and (disk > 0) == (offload == "nvme")
+    # host: the offloaded state (cpu) and the offloaded share's gradients (both, on GPUs)
+    assert host > 0 and (disk > 0) == (offload == "nvme")
     assert device + host + disk == pytest.approx(float(zero2[5]), abs=2e-3)     # the state column
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from ._offload import Placement, Storage
+from ._offload import Placement, Storage, on_accelerator
 from ._shards import SUPPORTED
 from .layout import compute_layout
 
@@ -62,6 +62,9 @@ class FlatBuffer:
     shard_data_numel: int = 0            # elements of real parameters in this rank's shard
     shard_numel: int = 0                 # this rank's shard, padding included
     placement: Placement = Placement.DEVICE   # where master / exp_avg / exp_avg_sq live ([Note: offload])
+    # host copy of this rank's reduced gradient shard, for state the CPU steps while the
+    # gradients are on a device ([Note: offloaded gradients]); else None
+    grad_mirror: Optional[torch.Tensor] = None
 
 
 def held_by_ddp(p: torch.Tensor) -> bool:
@@ -129,9 +132,9 @@ class FlatState:
 
 def _has_master(dtype: torch.dtype, placement: Placement, device: torch.device) -> bool:
     """An fp32 master shard for low-precision parameters, and for any whose state is
-    offloaded from CUDA (the host steps it; the device parameter takes the result). On
-    meta (the planner, which plans for GPUs) as on CUDA."""
-    return dtype != torch.float32 or (placement is not Placement.DEVICE and device.type in ("cuda", "meta"))
+    offloaded from an accelerator (the host steps it; the device parameter takes the
+    result). On meta as on CUDA, unless the planner plans CPU processes."""
+    return dtype != torch.float32 or (placement is not Placement.DEVICE and on_accelerator(device))
 
 
 @torch.no_grad()

@@ -150,8 +150,8 @@ class ReducedGrads:
         """``fn`` of each of this rank's pieces, one value per parameter (0 where none)."""
         out = torch.zeros(len(self.params), dtype=torch.float32, device=self.source.device)
         if self.flat:
-            out.index_add_(0, self.flat_index,   # (offloaded shards: the values come from host)
-                           torch.stack([fn(seg.grad[a:b]) for seg, a, b in self.flat]).to(out.device))
+            out.index_add_(0, self.flat_index,   # (offloaded shards: some values come from host)
+                           torch.stack([fn(seg.grad[a:b]).to(out.device) for seg, a, b in self.flat]))
         return out
 
     @torch.no_grad()
@@ -227,8 +227,7 @@ class ReducedGrads:
     def scale_(self, indices: List[int], factor):
         """Multiply the gradients of ``indices`` by ``factor`` (a number or a one-element tensor)."""
         for i in indices:
-            for seg, a, b in self.pieces[i]:
-                g = seg.grad[a:b]
+            for g in (g for seg, a, b in self.pieces[i] for g in seg.grad_views(a, b)):
                 if isinstance(factor, torch.Tensor):
                     g.mul_(factor.to(g.device))
                 elif factor == 0:

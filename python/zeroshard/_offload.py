@@ -23,8 +23,9 @@ branch inside them:
   zeroshard's CPU AdamW kernel (multi-threaded), two I/O threads read window
   k+1's state from the file into the other buffer and write window k-1's
   back (double buffering), so host memory holds two windows, not the shard;
-  only the tensors that are staged (on disk or on the device) get a buffer. Gradients on
-  CUDA are copied to host per window; an fp32 parameter on CUDA (ZeRO-3's
+  only the tensors that are staged (on disk or on the device) get a buffer. Gradients
+  come from host copies made during backward ([Note: offloaded gradients]); a
+  gradient still on the device is copied per window; an fp32 parameter on CUDA (ZeRO-3's
   unit shard) is copied in and back; a low-precision parameter on CUDA is
   written from the updated fp32 master.
 
@@ -42,10 +43,26 @@ backward's remaining work instead of stalling it; the end of backward waits
 for them once, before the CPU step reads them. On a CPU-only machine the
 "device" is host memory already: the option only changes where
 ``memory_report()`` counts the bytes (``host``).
+
+[Note: offloaded gradients] The CPU steps offloaded state from host copies of
+the gradients, made as backward reduces them rather than in step():
+* ZeRO-1/2: a buffer whose state the CPU steps keeps a pinned *mirror* of
+  this rank's reduced gradient shard. As each bucket is folded into the shard
+  its range is copied to the mirror (``HostCopies``, on a side stream); the
+  end of backward waits for the copies. The device shard stays the gradient
+  (backward accumulates into it); the step reads the mirror, and what torch's
+  utilities do to ``p.grad`` afterwards (clip, GradScaler's unscale) is done
+  to both (``Segment.grad_views``).
+* ZeRO-3: a unit the CPU steps keeps its gradient shard itself in pinned host
+  memory (``Unit.grad_to_host``), as offload_params does: each reduced chunk
+  is divided on the device and copied there as the unit is reduced.
+``memory_report()`` counts both as host bytes.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import contextvars
 import enum
 import os
 import shutil
@@ -258,12 +275,79 @@ class Storage:
 
     def streamed(self, placement: Placement) -> bool:
         """Whether state in ``placement`` is stepped by the Streamer (see [Note: offload])."""
-        return placement is Placement.DISK or (placement is Placement.HOST and self.device.type != "cpu")
+        return placement is Placement.DISK or (placement is Placement.HOST and on_accelerator(self.device))
+
+    def grads_to_host(self, placement: Placement) -> bool:
+        """Whether the reduced gradients of state in ``placement`` are copied to host memory
+        as backward reduces them ([Note: offloaded gradients]): the CPU steps that state
+        while the gradients are on an accelerator."""
+        return self.streamed(placement) and on_accelerator(self.device)
+
+    def grad_mirror(self, placement: Placement, n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """ZeRO-1/2: the host copy of a buffer's reduced gradient shard, or None."""
+        if not self.grads_to_host(placement):
+            return None
+        t = (torch.zeros(n, dtype=dtype, device="meta") if self.device.type == "meta"
+             else torch.zeros(n, dtype=dtype, pin_memory=self.device.type == "cuda"))
+        _PLACED[t] = Placement.HOST
+        return t
 
     def streamer_for_step(self) -> "Streamer":
         if self.streamer is None:
             self.streamer = Streamer(self.disk)
         return self.streamer
+
+
+class HostCopies:
+    """Device-to-host copies of reduced gradients ([Note: offloaded gradients]), on one
+    stream per source. The stream buys the overlap: the copy engine moves each
+    gradient while backward's kernels keep the compute stream busy, instead of
+    the copies queuing between them. Each copy waits (on the device) for the
+    compute stream's work so far, which produced the gradient; ``wait()`` at the
+    end of backward blocks the host until every copy has landed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending = False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (host) := ``src``, asynchronously on CUDA; ``src`` must not be written
+        before ``wait()`` (a freed ``src`` is kept until the copy is done)."""
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)
+        self.pending = True
+
+    def wait(self) -> None:
+        if self.pending:
+            self.stream.synchronize()
+            self.pending = False
+
+
+# set while the planner plans a run of CPU processes (gloo) on meta tensors
+_PLANNING_FOR_HOST = contextvars.ContextVar("zeroshard_planning_for_host", default=False)
+
+
+@contextlib.contextmanager
+def planning_for_host():
+    """Within it, meta tensors stand for host memory, not for an accelerator's
+    (``zeroshard.plan`` with transport="gloo", which plans CPU processes)."""
+    token = _PLANNING_FOR_HOST.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING_FOR_HOST.reset(token)
+
+
+def on_accelerator(device: torch.device) -> bool:
+    """Whether ``device``'s tensors live off the host: CUDA, or meta standing for it
+    (the planner plans GPU runs, unless within planning_for_host())."""
+    return device.type == "cuda" or (device.type == "meta" and not _PLANNING_FOR_HOST.get())
 
 
 def host_zeros(n: int, device: torch.device) -> torch.Tensor:

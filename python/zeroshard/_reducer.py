@@ -49,7 +49,7 @@ import torch.distributed as dist
 from . import comm
 from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
 from ._mesh import Groups
-from ._offload import NO_OFFLOAD, Offload, Storage, offloaded_params
+from ._offload import NO_OFFLOAD, HostCopies, Offload, Storage, offloaded_params
 from ._ordered import OrderedReductions
 from ._param_gather import ParamGather
 from ._shards import GradState, Region, Segment, ShardSource, add_locations, empty_report, weak_hook
@@ -102,6 +102,7 @@ class FlatReducer(ShardSource):
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
         self.full_shapes = {i: params[i].shape for i in self.trainable}
         self.regions, self.segments = _regions_and_segments(self, self.stage, self.rank)
+        self.host_copies = HostCopies(self.device)    # to the mirrors ([Note: offloaded gradients])
         on_grad = weak_hook(self._on_grad)
         self._hooks = [params[i].register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i, p))
                        for i in self.trainable]
@@ -244,9 +245,12 @@ class FlatReducer(ShardSource):
             whole = buf.grads[b.offset:b.offset + b.numel]
             whole[:self.rank * b.shard_numel].zero_()
             whole[(self.rank + 1) * b.shard_numel:].zero_()
-        else:
-            if b.reduce_out.data_ptr() != b.shard_of(buf.grad_shard).data_ptr():
-                b.shard_of(buf.grad_shard).add_(b.reduce_out)
+        elif b.reduce_out.data_ptr() != b.shard_of(buf.grad_shard).data_ptr():
+            b.shard_of(buf.grad_shard).add_(b.reduce_out)
+        if buf.grad_mirror is not None:
+            self.host_copies.copy(b.shard_of(buf.grad_mirror), b.own(buf.grads, self.rank) if self.stage == 1
+                                  else b.shard_of(buf.grad_shard))
+        if self.stage == 2:
             if sum(len(v) for v in self._free.values()) < MAX_INFLIGHT + 1:
                 self._free.setdefault((b.numel, b.grad.dtype), []).append(b.grad)
             else:   # enough kept for reuse: release it
@@ -267,6 +271,7 @@ class FlatReducer(ShardSource):
         self._free.clear()
         if self._sync and not self._order_learned:
             self._learn_launch_order()
+        self.host_copies.wait()       # the CPU step reads the mirrors
         self._state = GradState.READY if self._sync else GradState.EMPTY
         self.events.append(("backward_end", -1))
         if self._sync:
@@ -275,16 +280,7 @@ class FlatReducer(ShardSource):
             self.notify_grads_ready()
 
     def _learn_launch_order(self):
-        """Reduce buckets from now on in the order their last gradient arrived in
-        this backward; rank 0's order is used everywhere (every replica too: their
-        all-reduces pair up bucket by bucket), so all ranks agree."""
-        pos = {p: k for k, p in enumerate(self._arrival)}
-        never = len(self._arrival)
-        key = [max(pos.get(p, never) for p in b.params) for b in self.buckets]
-        order = sorted(range(len(self.buckets)), key=lambda b: (key[b], b))
-        if dist.get_world_size(self.groups.every) > 1:
-            order = comm.all_gather_object(order, group=self.groups.every, what="bucket order")[0]
-        self.launch_order = order
+        self.launch_order = _arrival_order(self.buckets, self._arrival, self.groups.every)
         self._order_learned = True
         self._arrival = []
 
@@ -364,6 +360,19 @@ class FlatReducer(ShardSource):
         return _memory_report(self, reset_peak)
 
 
+def _arrival_order(buckets: List[Bucket], arrival: List[int], everyone) -> List[int]:
+    """The bucket order to reduce in from now on: the order their last gradient arrived
+    in this backward (``arrival``); rank 0's order is used everywhere (every replica
+    too: their all-reduces pair up bucket by bucket), so all ranks agree."""
+    pos = {p: k for k, p in enumerate(arrival)}
+    never = len(arrival)
+    key = [max(pos.get(p, never) for p in b.params) for b in buckets]
+    order = sorted(range(len(buckets)), key=lambda b: (key[b], b))
+    if dist.get_world_size(everyone) > 1:
+        order = comm.all_gather_object(order, group=everyone, what="bucket order")[0]
+    return order
+
+
 def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
     """One region per bucket (what state dicts read) and one segment per bucket
     shard (what a fused call updates), with each parameter's piece of it."""
@@ -376,7 +385,9 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
         for bk in src.buckets]
     region_of = {bk.index: reg for bk, reg in zip(src.buckets, regions)}
     segments = []
-    for buf in src.buffers:
+    for buf in src.buffers:     # the host copy the CPU step reads ([Note: offloaded gradients])
+        buf.grad_mirror = src.storage.grad_mirror(buf.placement, buf.shard_numel,
+                                                  buf.dtype if stage == 1 else src.reduce_dtype_of(buf.dtype))
         for b in buf.buckets:
             if stage == 1:     # this rank's reduced chunk of the full gradient buffer
                 start = b.offset + rank * b.shard_numel
@@ -389,7 +400,7 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
                                     b.own(buf.params, rank) if low else None,
                                     [(i, sl.start, sl.stop, t_off)
                                      for i, t_off, sl in region_of[b.index].owned(rank)],
-                                    src.storage.streamed(buf.placement)))
+                                    src.storage.streamed(buf.placement), _shard_of(b, buf.grad_mirror)))
     return regions, segments
 
 
@@ -413,12 +424,15 @@ def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
             gi = src.reduce_dtype_of(buf.dtype).itemsize
             rep["grads"] += mine * gi
             rep["padding"] += (shard_len - mine) * gi
+        if buf.grad_mirror is not None:     # its host copy ([Note: offloaded gradients])
+            rep["grads"] += mine * buf.grad_mirror.element_size()
+            rep["padding"] += (shard_len - mine) * buf.grad_mirror.element_size()
         for name in ("master", "exp_avg", "exp_avg_sq"):
             if getattr(buf, name) is not None:
                 rep[name] += mine * 4
                 rep["padding"] += (shard_len - mine) * 4
     rep["total"] = sum(rep.values())
-    add_locations(rep, [t for buf in src.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq)
+    add_locations(rep, [t for buf in src.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_mirror)
                         if t is not None])
     rep["comm_buffers"] = src.bucket_bytes_now
     rep["comm_buffers_peak"] = src.bucket_bytes_peak

@@ -92,12 +92,19 @@ class Segment:
     # parameter's range within this segment
     pieces: List[tuple] = field(default_factory=list)
     streamed: bool = False     # the state is offloaded: stepped window by window ([Note: offload])
+    # ZeRO-1/2, state the CPU steps: the host copy of the gradient, refreshed as backward
+    # reduces it, that the step reads ([Note: offloaded gradients] in _offload.py)
+    mirror: Optional[torch.Tensor] = None
 
     @property
     def grad(self) -> torch.Tensor:
         """Looked up at each use: gradient shards are allocated by backward's
         reductions and freed by zero_grad(set_to_none=True)."""
         return getattr(self.holder, self.grad_attr)[self.grad_range[0]:self.grad_range[1]]
+
+    def grad_views(self, a: int, b: int) -> List[torch.Tensor]:
+        """Every copy of the gradient's range [a, b) an in-place change must reach."""
+        return [self.grad[a:b]] + ([] if self.mirror is None else [self.mirror[a:b]])
 
 
 def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) -> List[tuple]:
@@ -116,7 +123,7 @@ def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) ->
             ranges = [(ids[0], 0, seg.param.numel())]
         else:
             ranges = [(i, a, b) for i, a, b, _ in seg.pieces if used[i]]
-        grad = seg.grad
+        grad = seg.grad if seg.mirror is None else seg.mirror
         for i, a, b in ranges:
             parts.append((seg.group, steps[i] + 1, seg.streamed,
                           (seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],

@@ -75,6 +75,9 @@ class Unit:
     shard_numel: int = 0
     shard: Optional[torch.Tensor] = None        # fp32, this rank's shard
     grad_shard: Optional[torch.Tensor] = None   # fp32, averaged gradient shard (None until reduced)
+    # the gradient shard lives in (pinned) host memory: an optimizer steps this unit on the
+    # CPU while it trains on a device ([Note: offloaded gradients] in _offload.py)
+    grad_to_host: bool = False
     full: Optional[torch.Tensor] = None         # param_dtype flat buffer; storage freed when sharded
     state: UnitState = UnitState.SHARDED
     gather: Optional[comm.CommHandle] = None

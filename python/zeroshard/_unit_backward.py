@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import comm
 from ._gather import Gatherer
+from ._offload import HostCopies
 from ._ordered import OrderedReductions
 from ._shards import GradState
 from ._unit import Param, Unit
@@ -44,6 +45,8 @@ class UnitBackward:
         self.grad_bytes_peak = 0
         self.listeners: List[Callable[[], None]] = []   # told when a synced backward has finished
         self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
+        # to gradient shards in host memory ([Note: offloaded gradients] in _offload.py)
+        self.host_copies = HostCopies(device)
 
     def start(self):
         """A backward begins (first hook of it): fix the reduction order, reset the counts."""
@@ -150,13 +153,14 @@ class UnitBackward:
             u.reduce = None
         chunk = u.own(u.grad_flat, self.rank)
         if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
-            # with the fp32 shard (host memory with offload_params)
-            u.grad_shard = host_or_device_zeros(u.shard_numel, u.shard.device, self.device)
+            # with the fp32 shard, or in host memory ([Note: offloaded gradients])
+            where = torch.device("cpu") if u.grad_to_host else u.shard.device
+            u.grad_shard = host_or_device_zeros(u.shard_numel, where, self.device)
             u.fresh = True
-        if u.grad_shard.device != chunk.device:      # offload_params: divide here, then to host
+        if u.grad_shard.device != chunk.device:      # in host memory: divide here, then to host
             avg = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)
-            if u.fresh:     # asynchronous from pinned memory; _finish waits before the step reads it
-                u.grad_shard.copy_(avg, non_blocking=True)
+            if u.fresh:     # asynchronous into pinned memory; _finish waits before the step reads it
+                self.host_copies.copy(u.grad_shard, avg)
             else:
                 u.grad_shard.add_(avg.cpu())
         elif u.fresh and chunk.dtype == torch.float32:
@@ -165,8 +169,7 @@ class UnitBackward:
             u.grad_shard.copy_(chunk).div_(self.divisor)          # divide in fp32
         else:
             u.grad_shard.add_(chunk.float().div_(self.divisor))
-        for q in u.trainable:
-            q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()]
+        _expose_grads(u)
         self.grad_bytes -= u.grad_flat.numel() * u.grad_flat.element_size()
         u.grad_flat = None
 
@@ -177,9 +180,7 @@ class UnitBackward:
             self._reductions.drain()
             while self._replicating:
                 self._fold(self._replicating.pop(0))
-            if self.device.type == "cuda" and any(u.shard is not None and u.shard.is_cpu for u in self.units):
-                # offload_params: the gradient shards' copies to host have landed (the CPU step reads them)
-                torch.cuda.current_stream(self.device).synchronize()
+            self.host_copies.wait()     # the gradient shards in host memory are complete: the CPU steps them
         self.gatherer.reshard_all()
         self.state = GradState.READY if self.sync else GradState.EMPTY
         if self.sync:
@@ -213,8 +214,7 @@ class UnitBackward:
                     q.sharded.grad, q.got_grad = None, False
                 continue
             u.grad_shard.zero_()
-            for q in u.trainable:
-                q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()]
+            _expose_grads(u)
         self.state = GradState.EMPTY
 
     @property
@@ -231,3 +231,12 @@ class UnitBackward:
             yield
         finally:
             self.sync = old
+
+
+def _expose_grads(u: Unit):
+    """Each sharded parameter's ``.grad``: its view of the unit's gradient shard. None
+    when the shard is in host memory and the parameter is not (``grad_to_host``:
+    torch keeps ``.grad`` on the parameter's device; the optimizer reads the shard)."""
+    same = u.grad_shard.device == u.shard.device
+    for q in u.trainable:
+        q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()] if same else None

@@ -16,7 +16,8 @@ from ._unit import Unit
 def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]], param_dtype: torch.dtype,
                   gatherer, backward, reset_peak: bool, shards_on_host: bool = False) -> Dict[str, int]:
     """FullyShard.memory_report. ``states``: an optimizer's state shards by unit index;
-    ``shards_on_host``: offload_params (the shards and gradient shards are host bytes).
+    ``shards_on_host``: offload_params (the shards and gradient shards are host bytes);
+    a unit's gradient shard kept in host memory (``grad_to_host``) is host bytes too.
 
     Persistent: ``params`` (fp32 shards), ``grads`` (fp32 gradient shards, held
     from backward's reductions to ``zero_grad(set_to_none=True)`` and counted
@@ -33,9 +34,11 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
     gradient buffers of backward). Peaks count since construction or the last
     call with ``reset_peak=True``."""
     rep = empty_report()
+    grads_on_host = 0    # gradient shards kept in host memory ([Note: offloaded gradients])
     for u in units:
         if not u.params:
             continue
+        grads_on_host += 4 * u.shard_numel if u.grad_to_host and u.trainable else 0
         own = sum(q.sharded.numel() for q in u.params)
         own_t = sum(q.sharded.numel() for q in u.trainable)
         rep["params"] += 4 * own
@@ -48,6 +51,8 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
     add_locations(rep, [t for st in states.values() for t in st.values()])
     if shards_on_host:   # the states of offloaded shards are never on the device ([Note: offload params])
         rep["host"], rep["device"] = rep["host"] + rep["device"], 0
+    else:
+        rep["host"], rep["device"] = rep["host"] + grads_on_host, rep["device"] - grads_on_host
     item = param_dtype.itemsize
     rep.update(gathered=gatherer.gathered_bytes, gathered_peak=gatherer.gathered_peak,
                gathered_units_peak=gatherer.alive_peak, root_gathered=units[0].numel * item,

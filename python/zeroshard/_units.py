@@ -102,6 +102,7 @@ class UnitSource(ShardSource):
               for n in ("exp_avg", "exp_avg_sq")}
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
+        u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
         self.regions.append(Region(u.shard_numel, st["exp_avg"], st["exp_avg_sq"],
                                    [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine]))
         # runs of consecutive pieces with one param group (padding between them is harmless:

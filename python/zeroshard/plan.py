@@ -45,6 +45,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ._offload import planning_for_host
 from ._ordered import OrderedReductions
 from ._plan_formula import (
     _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
@@ -167,12 +168,13 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
     """``offload``: ShardedOptimizer's offload keywords (on meta, offloaded state is
     counted where it would live, and nothing is allocated or written); ``gloo``: count
     the scratch chunks zeroshard's point-to-point reduce-scatter takes on gloo (one per
-    peer whose chunk cannot land in the output; csrc/comm.cpp), which NCCL does not need."""
+    peer whose chunk cannot land in the output; csrc/comm.cpp), which NCCL does not
+    need, and plan CPU processes (meta stands for host memory: planning_for_host)."""
     def scratch(nbytes: int, in_place: bool) -> int:
         return nbytes // world_size * max(0, world_size - (1 if in_place else 2)) if gloo and world_size > 1 else 0
 
     pdt = _torch_dtype(dtype)
-    with _fake_world(rank, world_size):
+    with _fake_world(rank, world_size), (planning_for_host() if gloo else contextlib.nullcontext()):
         with torch.device("meta"):
             model = build()
         if not isinstance(model, nn.Module):

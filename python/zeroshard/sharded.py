@@ -268,9 +268,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Persistent: ``params`` (full, stages 1 and 2), ``grads`` (stage 1: full;
         stage 2: this rank's shard, held from backward's first reduction to
         ``zero_grad(set_to_none=True)`` and counted whether held at the moment
-        or not), ``master`` (fp32 shard, only for bf16/fp16 parameters),
-        ``exp_avg`` and ``exp_avg_sq`` (fp32 shards): each counts only elements
-        of real parameters. ``padding`` is every byte the layout adds to them.
+        or not; with state the CPU steps while the gradients are on a device,
+        also their host copy), ``master`` (fp32 shard, only for bf16/fp16
+        parameters), ``exp_avg`` and ``exp_avg_sq`` (fp32 shards): each counts
+        only elements of real parameters. ``padding`` is every byte the layout
+        adds to them. ``device`` / ``host`` / ``disk`` split ``total`` by where
+        it lives ([Note: offload] in _offload.py).
         ``comm_buffers`` is the bucket memory held for reductions (stage 2:
         buckets being filled or in flight, recycled within a backward and
         released at its end) and ``comm_buffers_peak`` its peak since
