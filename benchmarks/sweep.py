@@ -15,13 +15,16 @@ ratios there measure contention as much as the library.
 Writes benchmarks/out/sweep.json and two plots: sweep_size.png (ratio
 against model size, one panel per world size) and sweep_world.png (ratio
 against world size, one panel per model size). ``--plot-only`` redraws them
-from the JSON.
+from the JSON. With ``--variants`` the new points replace those variants'
+points in an existing sweep.json and the others are kept (each point names
+its run, and the file lists the runs).
 """
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import subprocess
 import time
 from datetime import date
 
@@ -57,14 +60,41 @@ def run(args, spawn, paired_worker, ctx) -> None:
                 print(f"{label:>5} world {world}: {v:<20} {ratio:5.2f}x DDP  ({points[-1]['ms']:.0f} ms vs "
                       f"{points[-1]['ddp_ms']:.0f} ms)  [{time.time() - t0:.0f} s]", flush=True)
     params = {label: _params(*SIZES[label], args) for label in SIZES}
+    run_info = dict(date=str(date.today()), commit=_commit(), variants=variants, paired=args.paired)
+    for p in points:
+        p["run"] = f"{run_info['date']} {run_info['commit']}"
     out = dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"), batch=args.batch,
-               seq=args.seq, warmup=args.warmup, paired=args.paired, cores=cores, params=params, points=points)
+               seq=args.seq, warmup=args.warmup, paired=args.paired, cores=cores, params=params, points=points,
+               runs=[run_info])
     path = os.path.join(HERE, "out", "sweep.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if args.variants and os.path.exists(path):
+        out = _merged(path, out, variants)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(table(out))
     plot(out)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _merged(path: str, new: dict, variants: list) -> dict:
+    """A sweep of some variants (--variants) replaces their points in the last
+    sweep's file and keeps the others' (each point says which run it came from)."""
+    with open(path) as f:
+        old = json.load(f)
+    kept = [p for p in old["points"] if p["variant"] not in variants]
+    for p in kept:
+        p.setdefault("run", old["date"])
+    runs = old.get("runs", [dict(date=old["date"], variants=sorted({p["variant"] for p in kept}),
+                                 paired=old["paired"])])
+    return dict(new, points=kept + new["points"], runs=runs + new["runs"])
 
 
 def _params(layers: int, dim: int, args) -> int:
@@ -78,7 +108,8 @@ def table(d: dict) -> str:
     """A markdown table: one row per variant, one column per (size, world size)."""
     cols = [(s, w) for s in SIZES for w in WORLDS]
     ratio = {(p["variant"], p["size"], p["world"]): p["ratio"] for p in d["points"]}
-    variants = list(dict.fromkeys(p["variant"] for p in d["points"]))
+    variants = sorted(dict.fromkeys(p["variant"] for p in d["points"]),
+                      key=lambda v: VARIANTS.index(v) if v in VARIANTS else len(VARIANTS))
     over = ", ".join(f"world {w}: {w / max(1, d['cores']) if w > d['cores'] else 1:.1f}x" for w in WORLDS)
     lines = [f"step time / DDP's, paired (batch {d['batch']} x seq {d['seq']} per rank; {d['cores']} cores, "
              f"ranks per core {over})", "",

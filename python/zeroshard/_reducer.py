@@ -50,7 +50,7 @@ from . import comm
 from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
 from ._mesh import Groups
 from ._offload import NO_OFFLOAD, HostCopies, Offload, Storage, offloaded_params
-from ._ordered import OrderedReductions
+from ._ordered import BufferPool, OrderedReductions
 from ._param_gather import ParamGather
 from ._shards import GradState, Region, Segment, ShardSource, add_locations, empty_report, weak_hook
 from .layout import fill_flat
@@ -60,6 +60,17 @@ from .layout import fill_flat
 # its buffer). Two keep the communication busy while backward continues and
 # bound the transient gradient memory of stage 2 to two buckets.
 MAX_INFLIGHT = 2
+
+# [Note: bucket buffers between steps] Stage 2 copies each bucket's gradients
+# into a pooled buffer (at most MAX_INFLIGHT + 1 kept free). On CUDA the pool
+# is emptied at the end of every backward, so no bucket buffer is alive at
+# the next forward, when the activations peak; the caching allocator keeps
+# the blocks, and the next backward gets them back at no cost. On CPU the
+# pool is kept between steps, as DDP keeps its buckets: glibc hands blocks
+# this large back to the OS, and touching fresh pages again cost more than
+# the reduction (45 ms of a 500 ms step at 25.8M parameters, 25 MB buckets,
+# world size 2, measured). memory_report()'s comm_buffers counts the pool,
+# and the planner's CPU plans (transport="gloo") replay it.
 
 
 class FlatReducer(ShardSource):
@@ -80,10 +91,10 @@ class FlatReducer(ShardSource):
         self.steps_done = 0         # steps that updated the shards (names the collectives)
         self._arrived = set()       # parameters with a gradient since zero_grad(set_to_none=True)
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
-        self.bucket_bytes_peak = self.bucket_bytes_now = 0    # stage-2 bucket buffers: peak, alive now
         self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
         self._replicating: List[Bucket] = []   # hybrid: buckets whose replica all-reduce is in flight
-        self._free: Dict[tuple, List[torch.Tensor]] = {}   # recycled bucket buffers
+        # stage 2's bucket buffers, recycled ([Note: bucket buffers between steps])
+        self.pool = BufferPool(MAX_INFLIGHT + 1, lambda n, dt: torch.empty(n, dtype=dt, device=self.device))
         self.device = check_params(params, self.trainable, self.err)
         check_same_across_ranks(params, groups.every, self.err)
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
@@ -174,7 +185,7 @@ class FlatReducer(ShardSource):
         if self.stage == 1:
             src = buf.grads[b.offset:b.offset + b.numel]
             return src.to(rdt) if src.dtype != rdt else src   # reduce in rdt, store back in the grad dtype
-        src = b.grad = self._acquire(b.numel, rdt)
+        src = b.grad = self.pool.acquire(b.numel, rdt)   # (uninitialised: every element is written)
         # gradients that never arrived on this rank count as zero, as does padding
         fill_flat(src, [(f.bucket_offset, self.params[i].grad.detach().reshape(-1)[
             f.tensor_offset:f.tensor_offset + f.numel]) for i, f in b.frags if self.params[i].grad is not None])
@@ -204,17 +215,6 @@ class FlatReducer(ShardSource):
         b.launched = True
         self.comm_elements["reduce_scatter"] += b.numel
         self.events.append(("reduce_scatter", b.index))
-
-    def _acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A bucket buffer (uninitialised: _launch writes every element), recycled
-        when one of this size is free."""
-        free = self._free.get((numel, dtype))
-        if free:
-            return free.pop()
-        t = torch.empty(numel, dtype=dtype, device=self.device)
-        self.bucket_bytes_now += t.numel() * t.element_size()
-        self.bucket_bytes_peak = max(self.bucket_bytes_peak, self.bucket_bytes_now)
-        return t
 
     def _retire(self, b: Bucket):
         """Wait for a bucket's reduce-scatter; fold its result into the shard, after
@@ -251,10 +251,7 @@ class FlatReducer(ShardSource):
             self.host_copies.copy(b.shard_of(buf.grad_mirror), b.own(buf.grads, self.rank) if self.stage == 1
                                   else b.shard_of(buf.grad_shard))
         if self.stage == 2:
-            if sum(len(v) for v in self._free.values()) < MAX_INFLIGHT + 1:
-                self._free.setdefault((b.numel, b.grad.dtype), []).append(b.grad)
-            else:   # enough kept for reuse: release it
-                self.bucket_bytes_now -= b.grad.numel() * b.grad.element_size()
+            self.pool.release(b.grad)
             b.grad = None
         b.handle, b.reduce_out = None, None
 
@@ -263,12 +260,8 @@ class FlatReducer(ShardSource):
         self._reductions.drain()
         while self._replicating:
             self._fold(self._replicating.pop(0))
-        # Bucket buffers are recycled within a backward only: none is held
-        # between steps, so none is alive at the start of the next backward,
-        # when the activations peak.
-        for bufs in self._free.values():
-            self.bucket_bytes_now -= sum(t.numel() * t.element_size() for t in bufs)
-        self._free.clear()
+        if self.device.type != "cpu":    # [Note: bucket buffers between steps]
+            self.pool.clear()
         if self._sync and not self._order_learned:
             self._learn_launch_order()
         self.host_copies.wait()       # the CPU step reads the mirrors
@@ -434,8 +427,8 @@ def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
     rep["total"] = sum(rep.values())
     add_locations(rep, [t for buf in src.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_mirror)
                         if t is not None])
-    rep["comm_buffers"] = src.bucket_bytes_now
-    rep["comm_buffers_peak"] = src.bucket_bytes_peak
+    rep["comm_buffers"] = src.pool.live
+    rep["comm_buffers_peak"] = src.pool.peak
     if reset_peak:
-        src.bucket_bytes_peak = src.bucket_bytes_now
+        src.pool.reset_peak()
     return rep

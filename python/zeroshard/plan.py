@@ -34,19 +34,14 @@ import importlib.util
 import os
 import sys
 import tempfile
-import weakref
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ._offload import planning_for_host
-from ._ordered import OrderedReductions
+from ._plan_trace import Policy, Reduction, activation_bytes, torch_dtype
 from ._plan_formula import (
     _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
 from ._reducer import MAX_INFLIGHT as _SO_INFLIGHT
@@ -59,10 +54,6 @@ __all__ = ["model_state_bytes", "offloaded_bytes", "slow_link_bytes", "format_ta
            "format_model_plan", "activation_bytes", "main"]
 
 _PERSISTENT = PERSISTENT + ("total",)   # memory_report()'s persistent categories
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
 
 
 # ------------------------------------------------------------ --model mode
@@ -90,8 +81,10 @@ def _torch_dtype(dtype: str) -> torch.dtype:
 # and the peak is state + buffers + that activation peak. ZeRO-2 and ZeRO-3
 # hold gradients longer and allocate their buffers and gradient shards during
 # backward, so for them the trace replays the stage's policy, read from the
-# library's own objects (_Policy: the buckets or units in launch order, their
-# buffer and shard bytes, how many are in flight): a gradient stays on its
+# library's own objects (_plan_trace.Policy: the buckets or units in launch
+# order, their buffer and shard bytes, how many are in flight; ZeRO-2's buffer
+# pool, the reducer's own BufferPool, which a CPU plan starts as one backward
+# leaves it: [Note: bucket buffers between steps]): a gradient stays on its
 # parameter until its bucket / unit is complete; then the flat buffer is
 # allocated and the gradients freed; retiring a reduction frees the buffer
 # and (ZeRO-3) allocates the unit's gradient shard; ZeRO-2's whole gradient
@@ -173,7 +166,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
     def scratch(nbytes: int, in_place: bool) -> int:
         return nbytes // world_size * max(0, world_size - (1 if in_place else 2)) if gloo and world_size > 1 else 0
 
-    pdt = _torch_dtype(dtype)
+    pdt = torch_dtype(dtype)
     with _fake_world(rank, world_size), (planning_for_host() if gloo else contextlib.nullcontext()):
         with torch.device("meta"):
             model = build()
@@ -190,8 +183,8 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             order = [u for u in units[::-1] if not u.is_root] + [u for u in units if u.is_root]  # backward's
             out = dict(report=rep, max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
                        transient=gathered + ri * (fs.units[0].numel + (biggest.numel if biggest else 0)),
-                       fixed=gathered, policy=_Policy(
-                           [_Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel,
+                       fixed=gathered, policy=Policy(
+                           [Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel,
                                        scratch(ri * u.numel, True)) for u in order],
                            inflight=_FS_INFLIGHT, first=0))
         else:
@@ -204,141 +197,15 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                 red = opt.source
                 item = {id(b): red.reduce_dtype_of(b.buffer.dtype).itemsize for b in red.buckets}
                 out["transient"] = max(b.numel * item[id(b)] for b in red.buckets)
-                out["policy"] = _Policy(
-                    [_Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0,
+                out["policy"] = Policy(
+                    [Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0,
                                 scratch(b.numel * item[id(b)], False))
                      for b in (red.buckets[k] for k in red.launch_order)],
-                    inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for b in red.buckets))
+                    inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for b in red.buckets),
+                    keep=_SO_INFLIGHT + 1, pooled=gloo)
         out["grad_shards"] = (0 if out["policy"] is None else
                               out["policy"].first + sum(r.shard for r in out["policy"].reductions))
     return out
-
-
-@dataclass
-class _Reduction:
-    names: List[str]    # parameters whose gradients it takes
-    buffer: int         # bytes of its flat gradient buffer
-    shard: int          # gradient-shard bytes allocated when it retires (ZeRO-3's units)
-    scratch: int = 0    # transport scratch while in flight (gloo's point-to-point reduce-scatter)
-
-
-@dataclass
-class _Policy:
-    """A stage's gradient lifetimes, replayed in the fake backward; see [Note: model plan]."""
-    reductions: List[_Reduction]   # in launch order
-    inflight: int                  # reductions in flight at once
-    first: int                     # bytes allocated by the first launch (ZeRO-2's gradient shard)
-
-
-class _Replay:
-    """Installs a _Policy on a (fake) model: each gradient stays on its parameter
-    until every gradient of its reduction has arrived; then the reduction's
-    buffer is allocated and the gradients freed; retiring a reduction frees its
-    buffer and allocates its gradient shard."""
-
-    def __init__(self, model: nn.Module, policy: _Policy):
-        self.policy, self.held = policy, []
-        self.params = dict(model.named_parameters())
-        self.items = [SimpleNamespace(r=r, pending=len(r.names), buf=None) for r in policy.reductions]
-        self.left = {n: 0 for n in self.params}
-        for it in self.items:
-            for n in it.r.names:
-                self.left[n] += 1
-        self.ordered = OrderedReductions(self._launch, self._retire, policy.inflight)
-        self.ordered.start(self.items)
-        by_name = {n: [it for it in self.items if n in it.r.names] for n in self.params}
-        for n, p in self.params.items():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda p, n=n: self._arrived(by_name[n]))
-
-    def _arrived(self, items):
-        for it in items:
-            it.pending -= 1
-        self.ordered.advance()
-
-    def _launch(self, it):
-        if self.policy.first and not self.held:
-            self.held.append(torch.empty(self.policy.first, dtype=torch.uint8))
-        it.buf = torch.empty(it.r.buffer + it.r.scratch, dtype=torch.uint8)
-        for n in it.r.names:
-            self.left[n] -= 1
-            if self.left[n] == 0:
-                self.params[n].grad = None
-
-    def _retire(self, it):
-        it.buf = None
-        if it.r.shard:
-            self.held.append(torch.empty(it.r.shard, dtype=torch.uint8))
-
-    def finish(self):
-        self.ordered.advance(flush=True)
-        self.ordered.drain()
-
-
-class _LiveBytes(TorchDispatchMode):
-    """A dispatch mode that counts the bytes of live tensor storages created under it, and their peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self._seen = 0, 0, {}
-
-    def ignore(self, tensors):
-        """Storages that exist already (parameters, inputs): views of them are not new bytes."""
-        for t in tensors:
-            self._seen[id(t.untyped_storage())] = None
-
-    def _free(self, key, n):
-        self.live -= n
-        self._seen.pop(key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if id(st) not in self._seen:
-                    n = st.nbytes()
-                    self._seen[id(st)] = weakref.finalize(st, self._free, id(st), n)
-                    self.live += n
-                    self.peak = max(self.peak, self.live)
-        return out
-
-
-def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32", policy: Optional[_Policy] = None) -> int:
-    """Peak bytes of the tensors one forward + backward of the unwrapped model creates (fake tensors).
-
-    Without ``policy`` each gradient is dropped as soon as autograd has
-    accumulated it (ZeRO-1 and DDP copy it into memory counted elsewhere);
-    with one, gradients, reduction buffers and gradient shards live as that
-    stage's policy keeps them (see [Note: model plan])."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    pdt = _torch_dtype(dtype)
-    fake = FakeTensorMode()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(pdt)   # (module.to() cannot convert fake parameters in place)
-    try:
-        with fake:
-            model = build()
-            inputs = example()
-    finally:
-        torch.set_default_dtype(default)
-    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    replay = None
-    if policy is None:
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    live = _LiveBytes()
-    live.ignore([*model.parameters(), *model.buffers(), *(t for t in inputs if torch.is_tensor(t))])
-    with fake, live:
-        if policy is not None:
-            replay = _Replay(model, policy)
-        out = model(*inputs)
-        loss = out if out.dim() == 0 else out.float().sum()
-        loss.backward()
-        if replay is not None:
-            replay.finish()
-    return live.peak
 
 
 def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=None, bucket_mb: float = 25,

@@ -1,0 +1,174 @@
+"""The planner's trace of one training step on fake tensors: the live bytes of
+every tensor a forward and backward create, with a stage's gradient policy
+replayed (see [Note: model plan] in plan.py)."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ._ordered import BufferPool, OrderedReductions
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+
+
+@dataclass
+class Reduction:
+    names: List[str]    # parameters whose gradients it takes
+    buffer: int         # bytes of its flat gradient buffer
+    shard: int          # gradient-shard bytes allocated when it retires (ZeRO-3's units)
+    scratch: int = 0    # transport scratch while in flight (gloo's point-to-point reduce-scatter)
+
+
+@dataclass
+class Policy:
+    """A stage's gradient lifetimes, replayed in the fake backward; see [Note: model plan]."""
+    reductions: List[Reduction]   # in launch order
+    inflight: int                  # reductions in flight at once
+    first: int                     # bytes allocated by the first launch (ZeRO-2's gradient shard)
+    keep: int = 0                  # buffers kept free for reuse (ZeRO-2's pool; ZeRO-3 keeps none)
+    pooled: bool = False           # the pool is kept between steps (CPU: [Note: bucket buffers
+                                   # between steps] in _reducer.py): it starts as a backward left it
+
+
+class _Replay:
+    """Installs a Policy on a (fake) model: each gradient stays on its parameter
+    until every gradient of its reduction has arrived; then the reduction's
+    buffer is allocated and the gradients freed; retiring a reduction frees its
+    buffer (to the reducer's pool, the same BufferPool) and allocates its
+    gradient shard."""
+
+    def __init__(self, model: nn.Module, policy: Policy):
+        self.policy, self.held = policy, []
+        self.pool = BufferPool(policy.keep, lambda n, dt: torch.empty(n, dtype=dt))
+        if policy.pooled:
+            for (n, dt), bufs in _pool_after_backward(policy).free.items():
+                for _ in bufs:
+                    self.pool.release(self.pool.acquire(n, dt))
+        self.params = dict(model.named_parameters())
+        self.items = [SimpleNamespace(r=r, pending=len(r.names), buf=None) for r in policy.reductions]
+        self.left = {n: 0 for n in self.params}
+        for it in self.items:
+            for n in it.r.names:
+                self.left[n] += 1
+        self.ordered = OrderedReductions(self._launch, self._retire, policy.inflight)
+        self.ordered.start(self.items)
+        by_name = {n: [it for it in self.items if n in it.r.names] for n in self.params}
+        for n, p in self.params.items():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p, n=n: self._arrived(by_name[n]))
+
+    def _arrived(self, items):
+        for it in items:
+            it.pending -= 1
+        self.ordered.advance()
+
+    def _launch(self, it):
+        if self.policy.first and not self.held:
+            self.held.append(torch.empty(self.policy.first, dtype=torch.uint8))
+        it.buf = self.pool.acquire(it.r.buffer, torch.uint8)
+        it.scratch = torch.empty(it.r.scratch, dtype=torch.uint8)
+        for n in it.r.names:
+            self.left[n] -= 1
+            if self.left[n] == 0:
+                self.params[n].grad = None
+
+    def _retire(self, it):
+        self.pool.release(it.buf)
+        it.buf = it.scratch = None
+        if it.r.shard:
+            self.held.append(torch.empty(it.r.shard, dtype=torch.uint8))
+
+    def finish(self):
+        self.ordered.advance(flush=True)
+        self.ordered.drain()
+
+
+def _pool_after_backward(policy: Policy) -> BufferPool:
+    """The pool one backward leaves (sizes only: meta tensors), launching and retiring
+    in the reducer's order."""
+    pool = BufferPool(policy.keep, lambda n, dt: torch.empty(n, dtype=dt, device="meta"))
+    items = [SimpleNamespace(r=r, pending=0, buf=None) for r in policy.reductions]
+
+    def launch(it):
+        it.buf = pool.acquire(it.r.buffer, torch.uint8)
+
+    ordered = OrderedReductions(launch, lambda it: pool.release(it.buf), policy.inflight)
+    ordered.start(items)
+    ordered.advance(flush=True)
+    ordered.drain()
+    return pool
+
+
+class _LiveBytes(TorchDispatchMode):
+    """A dispatch mode that counts the bytes of live tensor storages created under it, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self._seen = 0, 0, {}
+
+    def ignore(self, tensors):
+        """Storages that exist already (parameters, inputs): views of them are not new bytes."""
+        for t in tensors:
+            self._seen[id(t.untyped_storage())] = None
+
+    def _free(self, key, n):
+        self.live -= n
+        self._seen.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if id(st) not in self._seen:
+                    n = st.nbytes()
+                    self._seen[id(st)] = weakref.finalize(st, self._free, id(st), n)
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+        return out
+
+
+def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32", policy: Optional[Policy] = None) -> int:
+    """Peak bytes of the tensors one forward + backward of the unwrapped model creates (fake tensors).
+
+    Without ``policy`` each gradient is dropped as soon as autograd has
+    accumulated it (ZeRO-1 and DDP copy it into memory counted elsewhere);
+    with one, gradients, reduction buffers and gradient shards live as that
+    stage's policy keeps them (see [Note: model plan])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    pdt = torch_dtype(dtype)
+    fake = FakeTensorMode()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(pdt)   # (module.to() cannot convert fake parameters in place)
+    try:
+        with fake:
+            model = build()
+            inputs = example()
+    finally:
+        torch.set_default_dtype(default)
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    replay = None
+    if policy is None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    live = _LiveBytes()
+    live.ignore([*model.parameters(), *model.buffers(), *(t for t in inputs if torch.is_tensor(t))])
+    with fake, live:
+        if policy is not None:
+            replay = _Replay(model, policy)
+        out = model(*inputs)
+        loss = out if out.dim() == 0 else out.float().sum()
+        loss.backward()
+        if replay is not None:
+            replay.finish()
+    return live.peak
