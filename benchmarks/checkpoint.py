@@ -7,7 +7,8 @@ Variants (world size 2, CPU + gloo by default), each in fresh processes:
   zeroshard-2   zeroshard.ShardedOptimizer(stage=2), save_checkpoint / load_checkpoint
   deepspeed-3, deepspeed-2   DeepSpeed's engine.save_checkpoint / load_checkpoint (where
                 deepspeed is installed: `make bench-deps`; skipped otherwise, saying so)
-FSDP2 + DCP and zeroshard write fsynced files; DeepSpeed's torch.save does not fsync. "save ms" / "load ms" are medians over --repeats
+FSDP2 + DCP and zeroshard write fsynced files; DeepSpeed's torch.save does not fsync
+("fsync ms": rank 0's time inside os.fsync per save, the durability's share). "save ms" / "load ms" are medians over --repeats
 on rank 0 (barrier-to-barrier); "MB/rank" is what each rank wrote (its data
 file; rank 0 also the metadata/manifest); "peak MB" is the rise of rank 0's
 peak resident memory over what it held before the call (save, load).
@@ -65,6 +66,27 @@ def save_load(variant, model, opt):
     return (lambda path: zs.save_checkpoint(path, model, opt)), (lambda path: zs.load_checkpoint(path, model, opt))
 
 
+class FsyncClock:
+    """Times every os.fsync in this process while active (what a save spends waiting for
+    the disk to make its files durable: zeroshard's and DCP's writers fsync each file and
+    directory; DeepSpeed's torch.save does not)."""
+
+    def __enter__(self):
+        self.seconds, self._real = 0.0, os.fsync
+
+        def fsync(fd):
+            t0 = time.perf_counter()
+            try:
+                self._real(fd)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        os.fsync = fsync
+        return self
+
+    def __exit__(self, *exc):
+        os.fsync = self._real
+
+
 def timed(fn, repeats):
     times, peaks = [], []
     for _ in range(repeats):
@@ -89,13 +111,14 @@ def worker(rank, world, port, variant, cfg, args, root, out):
     train_step(wrapped, opt, data, lambda: None)    # one step, so every optimizer state exists
     save, load = save_load(variant, wrapped, opt)
     path = os.path.join(root, variant)
-    save_ms, save_peak = timed(lambda: save(path), args.repeats)
+    with FsyncClock() as fsync:
+        save_ms, save_peak = timed(lambda: save(path), args.repeats)
     load_ms, load_peak = timed(lambda: load(path), args.repeats)
     if rank == 0:   # what each rank wrote, read from the shared directory
         everyone = [sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**"), recursive=True)
                         if os.path.isfile(f) and _written_by(os.path.basename(f), r)) / 2**20
                     for r in range(world)]
-        out.put(dict(variant=variant, params=n_params, save_ms=save_ms,
+        out.put(dict(variant=variant, params=n_params, save_ms=save_ms, fsync_ms=1e3 * fsync.seconds / args.repeats,
                      load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak))
     dist.barrier()
     dist.destroy_process_group()
@@ -183,12 +206,13 @@ def main():
     print(f"checkpoint of a {rows[0]['params'] / 1e6:.1f}M-parameter GPT, world size {args.world_size}, "
           f"CPU + gloo, {date.today()}")
     resume = f"load at {args.resume_world_size}" if args.resume_world_size else ""
-    print(f"{'variant':<14}{'save ms':>9}{'vs dcp':>8}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
+    print(f"{'variant':<14}{'save ms':>9}{'vs dcp':>8}{'fsync ms':>10}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
           f"{'save peak MB':>14}{'load peak MB':>14}" + (f"{resume + ' ms':>18}" if resume else ""))
     for r in rows:
         vs = (lambda k: f"{r[k] / ref[k]:.2f}x") if ref else (lambda k: "-")
         mb = "/".join(f"{m:.1f}" for m in r["mb_per_rank"])
-        print(f"{r['variant']:<14}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
+        print(f"{r['variant']:<14}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['fsync_ms']:>10.1f}"
+              f"{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
               f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}"
               + (f"{r['resume_ms']:>18.1f}" if isinstance(r.get("resume_ms"), float) else
                  f"  failed: {r['resume_ms']}" if "resume_ms" in r else ""))

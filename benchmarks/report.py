@@ -379,11 +379,12 @@ def results_section(found: dict) -> str:
                         f"{d.get('backend', 'CPU gloo')}. Median times on rank 0; MB each rank wrote; peak = rise "
                         f"of rank 0's peak RSS; ratios against {ref['variant']}."), ""]
         lines += _table(["variant", "save ms", f"vs {ref['variant']}", "load ms", f"vs {ref['variant']}",
-                         "MB/rank", "save peak MB", "load peak MB"],
+                         "MB/rank", "save peak MB", "load peak MB", "save: in fsync ms"],
                         [(r["variant"], f"{r['save_ms']:.1f}", f"{r['save_ms'] / ref['save_ms']:.2f}x",
                           f"{r['load_ms']:.1f}", f"{r['load_ms'] / ref['load_ms']:.2f}x",
                           " / ".join(f"{m:.1f}" for m in r.get("mb_per_rank", [])),
-                          f"{r['save_peak_mb']:.1f}", f"{r['load_peak_mb']:.1f}") for r in d["rows"]], "lrrrrrrr")
+                          f"{r['save_peak_mb']:.1f}", f"{r['load_peak_mb']:.1f}",
+                          f"{r['fsync_ms']:.1f}" if "fsync_ms" in r else "-") for r in d["rows"]], "lrrrrrrrr")
     lines.append(RESULTS_MARKERS[1])
     return "\n".join(lines)
 
