@@ -551,3 +551,23 @@ def test_sharded_state_dict_round_trip_is_exact(dist_pool, stage, dtype):
     for same, refused in dist_pool.run(_sharded_roundtrip, stage, dtype):
         assert same
         assert "cannot load the sharded state dict" in refused and "rank 0:" in refused
+
+
+def test_buffer_pool_recycles_by_size_and_keeps_at_most_keep():
+    """_ordered.BufferPool, the one recycling policy of the stage-2 reducer and the planner's replay."""
+    from zeroshard._ordered import BufferPool
+    made = []
+    pool = BufferPool(2, lambda n, dt: made.append((n, dt)) or torch.empty(n, dtype=dt))
+    a, b = pool.acquire(10, torch.float32), pool.acquire(7, torch.bfloat16)
+    assert pool.live == pool.peak == 40 + 14
+    pool.release(a)
+    assert pool.acquire(10, torch.float32) is a and len(made) == 2     # same size: recycled
+    c = pool.acquire(10, torch.float32)                                # none free: a new one
+    assert len(made) == 3 and pool.peak == 94
+    for t in (a, b, c):       # the third release finds two free already: dropped
+        pool.release(t)
+    assert pool.live == 54 and sum(len(v) for v in pool.free.values()) == 2
+    pool.reset_peak()
+    assert pool.peak == 54
+    pool.clear()
+    assert pool.live == 0 and not pool.free
