@@ -571,3 +571,32 @@ def test_buffer_pool_recycles_by_size_and_keeps_at_most_keep():
     assert pool.peak == 54
     pool.clear()
     assert pool.live == 0 and not pool.free
+
+
+def _discarded_backwards(stage, set_to_none):
+    """Gradients zero_grad() discards: a no_sync() backward (every rank's chunks of the
+    stage-1 buffer dirty) and a synced one (only this rank's), each followed by
+    zero_grad() and a real step; the result equals single-process AdamW's on the
+    real steps alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=TINY_BUCKET_MB)
+    junk = batches(2, seed=7)
+    for k, mbs in enumerate(batches(2)):
+        x, y = junk[k][0]
+        ctx = opt.no_sync() if k == 0 else contextlib.nullcontext()
+        with ctx:
+            (F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)) * 3).backward()
+        opt.zero_grad(set_to_none=set_to_none)
+        x, y = mbs[0]
+        F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return max_param_err(model, reference(2)[0])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_discards_synced_and_no_sync_gradients(dist_pool, stage, set_to_none):
+    for err in dist_pool.run(_discarded_backwards, stage, set_to_none):
+        assert err < 1e-5, err

@@ -91,6 +91,7 @@ class FlatReducer(ShardSource):
         self.steps_done = 0         # steps that updated the shards (names the collectives)
         self._arrived = set()       # parameters with a gradient since zero_grad(set_to_none=True)
         self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
+        self._others_zero = True    # stage 1: only this rank's chunks of the gradient buffers are non-zero
         self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
         self._replicating: List[Bucket] = []   # hybrid: buckets whose replica all-reduce is in flight
         # stage 2's bucket buffers, recycled ([Note: bucket buffers between steps])
@@ -141,6 +142,7 @@ class FlatReducer(ShardSource):
     def _start_backward(self):
         self.settle()     # parameters no forward waited for: done before the reductions start
         self._state = GradState.BACKWARD
+        self._others_zero = False
         self._reductions.start([self.buckets[b] for b in self.launch_order])
         self.events.append(("backward_start", -1))
         for b in self.buckets:
@@ -269,6 +271,7 @@ class FlatReducer(ShardSource):
         self.events.append(("backward_end", -1))
         if self._sync:
             self._shard_fresh = False
+            self._others_zero = True     # stage 1: every bucket's fold zeroed the other ranks' chunks
             self._kept = None
             self.notify_grads_ready()
 
@@ -331,7 +334,10 @@ class FlatReducer(ShardSource):
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool):
         for buf in self.buffers:
-            if buf.grads is not None:
+            if buf.grads is not None and self._others_zero:    # after a synced backward: 1/N of it
+                for b in buf.buckets:
+                    b.own(buf.grads, self.rank).zero_()
+            elif buf.grads is not None:
                 buf.grads.zero_()
             if set_to_none:     # stage 2: the next backward allocates it again
                 buf.grad_shard = None
