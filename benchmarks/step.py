@@ -380,6 +380,7 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="model sizes 3M/25M/100M x world sizes 2/3/4, every variant paired with DDP "
                          "(benchmarks/sweep.py; defaults there: --batch 2 --warmup 1 --paired 4)")
+    ap.add_argument("--sizes", default=None, help="with --sweep: comma-separated model sizes (3M,25M,100M; default all)")
     if "--sweep" in sys.argv:
         ap.set_defaults(batch=2, warmup=1, paired=4)
     args = ap.parse_args()

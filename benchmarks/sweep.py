@@ -15,8 +15,8 @@ ratios there measure contention as much as the library.
 Writes benchmarks/out/sweep.json and two plots: sweep_size.png (ratio
 against model size, one panel per world size) and sweep_world.png (ratio
 against world size, one panel per model size). ``--plot-only`` redraws them
-from the JSON. With ``--variants`` the new points replace those variants'
-points in an existing sweep.json and the others are kept (each point names
+from the JSON. With ``--variants`` or ``--sizes`` the new points replace
+theirs in an existing sweep.json and the others are kept (each point names
 its run, and the file lists the runs).
 """
 from __future__ import annotations
@@ -47,7 +47,8 @@ def run(args, spawn, paired_worker, ctx) -> None:
     variants = peers.runnable(args.variants.split(",") if args.variants else VARIANTS)
     cores = os.cpu_count() or 1
     points, t0 = [], time.time()
-    for label, (layers, dim) in SIZES.items():
+    sizes = args.sizes.split(",") if getattr(args, "sizes", None) else list(SIZES)
+    for label, (layers, dim) in ((s, SIZES[s]) for s in sizes):
         cfg = GPTConfig(layers=layers, dim=dim, heads=4, seq=args.seq, vocab=args.vocab)
         for world in WORLDS:
             for v in variants:
@@ -60,7 +61,7 @@ def run(args, spawn, paired_worker, ctx) -> None:
                 print(f"{label:>5} world {world}: {v:<20} {ratio:5.2f}x DDP  ({points[-1]['ms']:.0f} ms vs "
                       f"{points[-1]['ddp_ms']:.0f} ms)  [{time.time() - t0:.0f} s]", flush=True)
     params = {label: _params(*SIZES[label], args) for label in SIZES}
-    run_info = dict(date=str(date.today()), commit=_commit(), variants=variants, paired=args.paired)
+    run_info = dict(date=str(date.today()), commit=_commit(), variants=variants, sizes=sizes, paired=args.paired)
     for p in points:
         p["run"] = f"{run_info['date']} {run_info['commit']}"
     out = dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"), batch=args.batch,
@@ -68,8 +69,8 @@ def run(args, spawn, paired_worker, ctx) -> None:
                runs=[run_info])
     path = os.path.join(HERE, "out", "sweep.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.variants and os.path.exists(path):
-        out = _merged(path, out, variants)
+    if (args.variants or getattr(args, "sizes", None)) and os.path.exists(path):
+        out = _merged(path, out)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(table(out))
@@ -84,12 +85,13 @@ def _commit() -> str:
         return "unknown"
 
 
-def _merged(path: str, new: dict, variants: list) -> dict:
-    """A sweep of some variants (--variants) replaces their points in the last
-    sweep's file and keeps the others' (each point says which run it came from)."""
+def _merged(path: str, new: dict) -> dict:
+    """A sweep of some variants or sizes (--variants, --sizes) replaces those points in
+    the last sweep's file and keeps the others (each point says which run it came from)."""
     with open(path) as f:
         old = json.load(f)
-    kept = [p for p in old["points"] if p["variant"] not in variants]
+    redone = {(p["variant"], p["size"], p["world"]) for p in new["points"]}
+    kept = [p for p in old["points"] if (p["variant"], p["size"], p["world"]) not in redone]
     for p in kept:
         p.setdefault("run", old["date"])
     runs = old.get("runs", [dict(date=old["date"], variants=sorted({p["variant"] for p in kept}),
