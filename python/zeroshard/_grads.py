@@ -149,9 +149,16 @@ class ReducedGrads:
     def _local(self, fn) -> torch.Tensor:
         """``fn`` of each of this rank's pieces, one value per parameter (0 where none)."""
         out = torch.zeros(len(self.params), dtype=torch.float32, device=self.source.device)
-        if self.flat:
-            out.index_add_(0, self.flat_index,   # (offloaded shards: some values come from host)
-                           torch.stack([fn(seg.grad[a:b]).to(out.device) for seg, a, b in self.flat]))
+        if not self.flat:
+            return out
+        vals = [fn(seg.grad[a:b]) for seg, a, b in self.flat]
+        if all(v.device == out.device for v in vals):
+            out.index_add_(0, self.flat_index, torch.stack(vals))
+            return out
+        for here in (True, False):   # gradient shards in host memory: their values in one copy
+            ks = [k for k, v in enumerate(vals) if (v.device == out.device) == here]
+            if ks:
+                out.index_add_(0, self.flat_index[ks], torch.stack([vals[k] for k in ks]).to(out.device))
         return out
 
     @torch.no_grad()

@@ -288,7 +288,7 @@ class Storage:
         if not self.grads_to_host(placement):
             return None
         t = (torch.zeros(n, dtype=dtype, device="meta") if self.device.type == "meta"
-             else torch.zeros(n, dtype=dtype, pin_memory=self.device.type == "cuda"))
+             else host_zeros(n, self.device, dtype))
         _PLACED[t] = Placement.HOST
         return t
 
@@ -350,10 +350,10 @@ def on_accelerator(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "meta" and not _PLANNING_FOR_HOST.get())
 
 
-def host_zeros(n: int, device: torch.device) -> torch.Tensor:
-    """fp32 zeros in host memory for state or shards of ``device``'s parameters: pinned
-    when that is CUDA, so copies to and from it run asynchronously."""
-    return torch.zeros(n, dtype=torch.float32, pin_memory=device.type == "cuda")
+def host_zeros(n: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeros in host memory for state, shards or gradients of ``device``'s parameters:
+    pinned when that is CUDA, so copies to and from it run asynchronously."""
+    return torch.zeros(n, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 def window_elements() -> int:
