@@ -4,7 +4,7 @@ replayed (see [Note: model plan] in plan.py)."""
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, List, Optional
 
@@ -29,6 +29,13 @@ class Reduction:
 
 
 @dataclass
+class Gather:
+    module: str         # a non-root ZeRO-3 unit's module path
+    nbytes: int         # its gathered (full, padded) parameters
+    names: List[str]    # its trainable parameters: resharded in backward once all their gradients arrived
+
+
+@dataclass
 class Policy:
     """A stage's gradient lifetimes, replayed in the fake backward; see [Note: model plan]."""
     reductions: List[Reduction]   # in launch order
@@ -37,6 +44,8 @@ class Policy:
     keep: int = 0                  # buffers kept free for reuse (ZeRO-2's pool; ZeRO-3 keeps none)
     pooled: bool = False           # the pool is kept between steps (CPU: [Note: bucket buffers
                                    # between steps] in _reducer.py): it starts as a backward left it
+    gathers: List[Gather] = field(default_factory=list)   # ZeRO-3's non-root units, in forward order
+    prefetch: int = 0              # units gathered ahead of the one running (FullyShard's prefetch)
 
 
 class _Replay:
@@ -62,13 +71,15 @@ class _Replay:
         self.ordered = OrderedReductions(self._launch, self._retire, policy.inflight)
         self.ordered.start(self.items)
         by_name = {n: [it for it in self.items if n in it.r.names] for n in self.params}
+        self.gathers = _GatherReplay(model, policy)
         for n, p in self.params.items():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda p, n=n: self._arrived(by_name[n]))
+                p.register_post_accumulate_grad_hook(lambda p, n=n: self._arrived(n, by_name[n]))
 
-    def _arrived(self, items):
+    def _arrived(self, name, items):
         for it in items:
             it.pending -= 1
+        self.gathers.arrived(name)     # (the unit is resharded before its gradients are flattened)
         self.ordered.advance()
 
     def _launch(self, it):
@@ -90,6 +101,64 @@ class _Replay:
     def finish(self):
         self.ordered.advance(flush=True)
         self.ordered.drain()
+        self.gathers.reshard_all()
+
+
+class _GatherReplay:
+    """ZeRO-3's gathered units over a fake step, as fully_shard.py and _gather.py
+    keep them: a unit is gathered before its forward, the next ``prefetch`` units
+    in forward order ahead of it (at most prefetch + 1 alive), and resharded after
+    its forward; in backward the same in reverse order, each resharded once all its
+    gradients have arrived. The root unit is gathered for the whole step: the
+    caller counts it."""
+
+    def __init__(self, model: nn.Module, policy: Policy):
+        self.policy, self.full = policy, {}
+        self.backward = False
+        self.left = {g.module: set(g.names) for g in policy.gathers}
+        fwd = [g.module for g in policy.gathers]
+        for k, g in enumerate(policy.gathers):
+            mod = model.get_submodule(g.module)
+            mod.register_forward_pre_hook(lambda m, a, k=k: self._run(fwd, k))
+            mod.register_forward_hook(lambda m, a, o, g=g: None if self.backward else self._reshard(g.module))
+            mod.register_full_backward_pre_hook(lambda m, go, k=k: self._run(fwd[::-1], len(fwd) - 1 - k))
+        if fwd:
+            model.register_forward_pre_hook(lambda m, a: self._prefetch(fwd, -1))
+
+    def start_backward(self):
+        """The root's outputs got their gradient: the first units in backward order are prefetched."""
+        self.backward = True
+        self._prefetch([g.module for g in self.policy.gathers][::-1], -1)
+
+    def _gather(self, name: str):
+        if name not in self.full:
+            nbytes = next(g.nbytes for g in self.policy.gathers if g.module == name)
+            self.full[name] = torch.empty(nbytes, dtype=torch.uint8)
+
+    def _reshard(self, name: str):
+        self.full.pop(name, None)
+
+    def _run(self, order: List[str], pos: int):
+        self._gather(order[pos])
+        self._prefetch(order, pos)
+
+    def _prefetch(self, order: List[str], pos: int):
+        for name in order[pos + 1:pos + 1 + self.policy.prefetch]:
+            if name in self.full:
+                continue
+            if len(self.full) >= self.policy.prefetch + 1:
+                break
+            self._gather(name)
+
+    def arrived(self, param: str):
+        for name, left in self.left.items():
+            if param in left:
+                left.discard(param)
+                if not left:
+                    self._reshard(name)
+
+    def reshard_all(self):
+        self.full.clear()
 
 
 def _pool_after_backward(policy: Policy) -> BufferPool:
@@ -168,6 +237,8 @@ def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32", po
             replay = _Replay(model, policy)
         out = model(*inputs)
         loss = out if out.dim() == 0 else out.float().sum()
+        if replay is not None:
+            replay.gathers.start_backward()
         loss.backward()
         if replay is not None:
             replay.finish()

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._offload import planning_for_host
-from ._plan_trace import Policy, Reduction, activation_bytes, torch_dtype
+from ._plan_trace import Gather, Policy, Reduction, activation_bytes, torch_dtype
 from ._plan_formula import (
     _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
 from ._reducer import MAX_INFLIGHT as _SO_INFLIGHT
@@ -88,8 +88,13 @@ _PERSISTENT = PERSISTENT + ("total",)   # memory_report()'s persistent categorie
 # parameter until its bucket / unit is complete; then the flat buffer is
 # allocated and the gradients freed; retiring a reduction frees the buffer
 # and (ZeRO-3) allocates the unit's gradient shard; ZeRO-2's whole gradient
-# shard is allocated at the first launch. The peak is then the state without
-# the gradient shards, plus ZeRO-3's gathered units, plus the replay's peak.
+# shard is allocated at the first launch. ZeRO-3's non-root units are gathered
+# and resharded in the trace as FullyShard does it (_plan_trace._GatherReplay:
+# before each unit's forward and backward, prefetch ahead, resharded after its
+# forward and once its gradients have all arrived), so the root's gradient
+# buffer at the end of backward is not counted on top of gathered blocks that
+# are long gone. The peak is then the state without the gradient shards, plus
+# ZeRO-3's root unit (gathered for the whole step), plus the replay's peak.
 # What it leaves out: a reduction that finishes late on one rank holds its
 # buffer a little longer (measured up to 3% over the prediction).
 
@@ -183,10 +188,12 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             order = [u for u in units[::-1] if not u.is_root] + [u for u in units if u.is_root]  # backward's
             out = dict(report=rep, max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
                        transient=gathered + ri * (fs.units[0].numel + (biggest.numel if biggest else 0)),
-                       fixed=gathered, policy=Policy(
+                       fixed=rep["root_gathered"], policy=Policy(
                            [Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel,
                                        scratch(ri * u.numel, True)) for u in order],
-                           inflight=_FS_INFLIGHT, first=0))
+                           inflight=_FS_INFLIGHT, first=0, prefetch=prefetch,
+                           gathers=[Gather(u.name, u.numel * pdt.itemsize, [q.names[0] for q in u.trainable])
+                                    for u in fs.units[1:]]))
         else:
             model.to(pdt)
             names = [n for n, _ in model.named_parameters()]   # opt's parameter order
