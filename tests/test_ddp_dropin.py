@@ -402,3 +402,39 @@ def test_per_parameter_step_counts_survive_a_checkpoint_at_another_world_size_an
         steps, state = get_pool(3).run(_unused_ckpt_load, stage, str(tmp_path / "ck"))[0]
         assert steps == saved, (stage, steps, saved)
         assert sorted(set(state.values())) == [1.0, 4.0] and 0 not in state.values()
+
+
+def _statistics_in_flight(stage):
+    """(ended after backward, ended after step) of each step's statistics all-reduce."""
+    torch.manual_seed(0)
+    model = Branchy()
+    model.never.requires_grad_(False)      # (frozen: not a parameter that lacks a gradient)
+    if stage == 3:
+        net = zs.FullyShard(model, wrap={Block})
+        opt = zs.ShardedOptimizer(net.parameters(), lr=1e-2)
+    else:
+        net, opt = model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=TINY_BUCKET_MB)
+    rank, seen = dist.get_rank(), []
+
+    def last():
+        return [r for r in zs.flight_record() if r["what"] == "gradient statistics"][-1]
+
+    for k, (x, y) in enumerate(data(3)):
+        opt.zero_grad()
+        use = k != 1 or rank == 0      # step 1: the extra layer gets a gradient on rank 0 only
+        F.cross_entropy(net(local(x), use_extra=use), local(y)).backward()
+        after_backward = last()["end"] is not None
+        opt.step()
+        seen.append((after_backward, last()["end"] is not None))
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_statistics_all_reduce_stays_in_flight_until_the_step_needs_it(dist_pool, stage):
+    """Every parameter got a gradient on this rank: the statistics' all-reduce is not
+    waited for at the end of backward (the update runs while it is in flight) but by
+    the end of step(). A parameter without a gradient here: p.grad must say whether
+    another rank gave it one, so backward waits for it."""
+    for rank, seen in enumerate(dist_pool.run(_statistics_in_flight, stage)):
+        want = [(False, True), (rank != 0, True), (False, True)]
+        assert seen == want, (rank, seen)

@@ -228,6 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
         if not self.last_step_skipped:
             self._update()
+        self._grads.settle()     # (its all-reduce ran during the update: see ReducedGrads.backward_done)
         self._source.step_done(updated=not self.last_step_skipped)
         if not self.last_step_skipped:
             self._consolidated = None
