@@ -33,27 +33,31 @@ PYBIND11_MODULE(_C, m) {
     return d;
   }, "How this extension was built: CUDA or not, CUDA archs, the torch it was built against.");
 
+  // Every class is module-local (py::module_local()): two builds of zeroshard can then be
+  // imported into one process side by side (benchmarks/before_after.py).
   // ---- layout ----
-  py::class_<Fragment>(m, "Fragment", "A contiguous piece of one tensor inside one bucket.")
+  py::class_<Fragment>(m, "Fragment", py::module_local(), "A contiguous piece of one tensor inside one bucket.")
       .def_readonly("tensor", &Fragment::tensor).def_readonly("bucket", &Fragment::bucket)
       .def_readonly("tensor_offset", &Fragment::tensor_offset)
       .def_readonly("bucket_offset", &Fragment::bucket_offset).def_readonly("numel", &Fragment::numel);
-  py::class_<Bucket>(m, "Bucket", "A contiguous range of a buffer reduced/gathered as one collective.")
+  py::class_<Bucket>(m, "Bucket", py::module_local(),
+                     "A contiguous range of a buffer reduced/gathered as one collective.")
       .def_readonly("buffer", &Bucket::buffer).def_readonly("offset", &Bucket::offset)
       .def_readonly("numel", &Bucket::numel).def_readonly("shard_numel", &Bucket::shard_numel)
       .def_readonly("data_numel", &Bucket::data_numel).def_readonly("fragments", &Bucket::fragments);
-  py::class_<Buffer>(m, "Buffer", "One flat buffer: the tensors sharing a key, one itemsize.")
+  py::class_<Buffer>(m, "Buffer", py::module_local(), "One flat buffer: the tensors sharing a key, one itemsize.")
       .def_readonly("key", &Buffer::key).def_readonly("itemsize", &Buffer::itemsize)
       .def_readonly("numel", &Buffer::numel).def_readonly("buckets", &Buffer::buckets)
       .def_readonly("tensors", &Buffer::tensors);
-  py::class_<TensorPlace>(m, "TensorPlace", "Where one input tensor lives in its buffer.")
+  py::class_<TensorPlace>(m, "TensorPlace", py::module_local(), "Where one input tensor lives in its buffer.")
       .def_readonly("buffer", &TensorPlace::buffer).def_readonly("offset", &TensorPlace::offset)
       .def_readonly("numel", &TensorPlace::numel).def_readonly("fragments", &TensorPlace::fragments);
-  py::class_<ShardPiece>(m, "ShardPiece", "The part of one tensor one rank owns in one bucket.")
+  py::class_<ShardPiece>(m, "ShardPiece", py::module_local(), "The part of one tensor one rank owns in one bucket.")
       .def_readonly("tensor", &ShardPiece::tensor).def_readonly("bucket", &ShardPiece::bucket)
       .def_readonly("tensor_offset", &ShardPiece::tensor_offset)
       .def_readonly("shard_offset", &ShardPiece::shard_offset).def_readonly("numel", &ShardPiece::numel);
-  py::class_<Layout>(m, "Layout", "Result of compute_layout; see csrc/layout.h [Note: layout rules].")
+  py::class_<Layout>(m, "Layout", py::module_local(),
+                     "Result of compute_layout; see csrc/layout.h [Note: layout rules].")
       .def_readonly("world_size", &Layout::world_size).def_readonly("align_bytes", &Layout::align_bytes)
       .def_readonly("bucket_cap_bytes", &Layout::bucket_cap_bytes)
       .def_readonly("buffers", &Layout::buffers).def_readonly("buckets", &Layout::buckets)
@@ -72,7 +76,7 @@ PYBIND11_MODULE(_C, m) {
      py::arg("world_size"), py::arg("align_bytes") = 16, "Pure layout math (csrc/layout.h).");
 
   // ---- fused AdamW ----
-  py::class_<AdamWOptions>(m, "AdamWOptions", "One set of AdamW hyperparameters (csrc/ops.h).")
+  py::class_<AdamWOptions>(m, "AdamWOptions", py::module_local(), "One set of AdamW hyperparameters (csrc/ops.h).")
       .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
                        double grad_scale) {
              return AdamWOptions{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
@@ -84,7 +88,7 @@ PYBIND11_MODULE(_C, m) {
         "Fused AdamW over flat shards, one launch (csrc/ops.h).");
 
   // ---- collectives ----
-  py::class_<CommHandle, Handle>(m, "CommHandle", "Guards the result of one collective.")
+  py::class_<CommHandle, Handle>(m, "CommHandle", py::module_local(), "Guards the result of one collective.")
       .def("wait", &CommHandle::wait, py::call_guard<py::gil_scoped_release>(),
            "Block (CPU) or order the current stream (CUDA) until the result is ready. Idempotent.")
       .def("wait_for", &CommHandle::wait_for, py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),

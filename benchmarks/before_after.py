@@ -1,0 +1,149 @@
+"""Step time of two (or more) builds of zeroshard in one process group, turn by turn.
+
+    python benchmarks/before_after.py --build 33842ae --build 7bd72aa    # commits, built here
+    python benchmarks/before_after.py --package old=/path/to/site --stages 1,3 --paired 100
+
+Separate runs of `step.py` on a shared machine spread by several percent, more
+than most changes one wants to judge. Here every build is imported into the
+same worker processes under its own name (`zs_<name>`; the installed package
+is "head"), every stage of every build is set up on its own copy of step.py's
+default GPT (3.4M parameters, world size 2, gloo) next to DDP + fused AdamW,
+and their steps are taken in turn (order rotated each turn). The result is
+the median over turns of each build's step time over the first build's *in
+the same turn*: two copies of one build read 1.000 +- 0.002 at 80 turns on
+the 2-core VM (see RESULTS, "Before/after in one process group").
+
+``--build COMMIT`` checks the commit out into a temporary worktree and
+installs it with ``pip install --target`` (a few minutes: the C++ core is
+compiled); for two builds to load side by side their pybind11 classes must be
+module-local, which the current bindings are, and older ones are made so in
+the worktree's copy. The first build listed is the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import types
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import step as S  # noqa: E402
+
+ROOT = os.path.dirname(HERE)
+
+
+def build_commit(commit: str, cache: str) -> str:
+    """Install ``commit``'s package into ``cache``/``commit``; returns that directory."""
+    target = os.path.join(cache, commit)
+    if os.path.isdir(os.path.join(target, "zeroshard")):
+        return target
+    src = tempfile.mkdtemp(prefix=f"zeroshard-{commit}-")
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-f", src, commit], check=True,
+                   capture_output=True)
+    try:
+        bindings = os.path.join(src, "csrc", "bindings.cpp")
+        with open(bindings) as f:
+            text = f.read()
+        if "py::module_local()" not in text:
+            text = re.sub(r'(py::(?:class_|enum_)<[^>]*>\(m, "\w+")', r"\1, py::module_local()", text)
+            with open(bindings, "w") as f:
+                f.write(text)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                        "--target", target, src], check=True)
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", src], capture_output=True)
+    return target
+
+
+def load(packages: dict) -> None:
+    for name, path in packages.items():
+        if path is None or f"zs_{name}" in sys.modules:
+            continue
+        pkg = os.path.join(path, "zeroshard")
+        spec = importlib.util.spec_from_file_location(f"zs_{name}", os.path.join(pkg, "__init__.py"),
+                                                      submodule_search_locations=[pkg])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"zs_{name}"] = module
+        spec.loader.exec_module(module)
+
+
+def build(variant: str, model, packages: dict):
+    if variant == "ddp":
+        return S.build(variant, model, torch.float32)
+    name, stage = variant.rsplit(":", 1)
+    zs = sys.modules[f"zs_{name}"] if packages[name] else __import__("zeroshard")
+    if stage == "3":
+        model = zs.FullyShard(model, wrap={S.Block}, prefetch=1, mixed_precision=zs.MixedPrecision(
+            param_dtype=torch.float32, reduce_dtype=torch.float32))      # as step.py's zeroshard-3
+        return model, zs.ShardedOptimizer(model.parameters(), lr=3e-4)
+    return model, zs.ShardedOptimizer(model.parameters(), lr=3e-4, stage=int(stage))
+
+
+def worker(rank, world, port, out, variants, packages, cfg, args):
+    load(packages)
+    device, data, sync = S.setup(rank, world, port, cfg, args)
+    built = {v: build(v, S.new_model(cfg, args, device), packages) for v in variants}
+    times = {v: [] for v in variants}
+    for i in range(args.warmup + args.paired):
+        k = i % len(variants)
+        for v in variants[k:] + variants[:k]:
+            _, seconds = S.timed_step(*built[v], data, sync)
+            if i >= args.warmup:
+                times[v].append(seconds)
+    if rank == 0:
+        out.put(times)
+    S.dist.barrier()
+    S.dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", action="append", default=[], help="a commit to build and compare (repeatable)")
+    ap.add_argument("--package", action="append", default=[],
+                    help="name=DIR: a build installed in DIR (DIR/zeroshard); repeatable")
+    ap.add_argument("--no-head", action="store_true", help="leave out the installed package")
+    ap.add_argument("--stages", default="1,2,3")
+    ap.add_argument("--paired", type=int, default=80, help="turns measured")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "zeroshard-builds"))
+    args = ap.parse_args()
+    packages = {c: build_commit(c, args.cache) for c in args.build}
+    packages.update(dict(p.split("=", 1) for p in args.package))
+    if not args.no_head:
+        packages["head"] = None
+    if len(packages) < 2:
+        ap.error("give at least two builds (--build / --package, and the installed one unless --no-head)")
+    stages = args.stages.split(",")
+    names = list(packages)
+    variants = ["ddp"] + [f"{n}:{s}" for s in stages for n in names]
+    cfg = S.GPTConfig(layers=4, dim=256, heads=4, seq=64, vocab=1021)   # step.py's defaults
+    run = types.SimpleNamespace(batch=8, warmup=args.warmup, paired=args.paired, device="cpu", dtype="float32",
+                                param_dtype="float32")
+    times = S.spawn(mp.get_context("spawn"), worker, 2, "before/after", variants, packages, cfg, run)
+    if times is None:
+        sys.exit(1)
+    n, base = len(times["ddp"]), names[0]
+    print(f"{n} turns; median per-turn ratio (and mean) of each build's step time over {base}'s, and over DDP's")
+    print(f"| stage | build | step ms | vs DDP | vs {base} (median) | (mean) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for s in stages:
+        b = times[f"{base}:{s}"]
+        for name in names:
+            a = times[f"{name}:{s}"]
+            per = [a[i] / b[i] for i in range(n)]
+            ddp = statistics.median(a[i] / times["ddp"][i] for i in range(n))
+            print(f"| {s} | {name} | {1e3 * statistics.median(a):.2f} | {ddp:.3f}x | "
+                  f"{statistics.median(per):.3f} | {statistics.mean(per):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
