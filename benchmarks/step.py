@@ -381,12 +381,17 @@ def main():
                     help="model sizes 3M/25M/100M x world sizes 2/3/4, every variant paired with DDP "
                          "(benchmarks/sweep.py; defaults there: --batch 2 --warmup 1 --paired 4)")
     ap.add_argument("--sizes", default=None, help="with --sweep: comma-separated model sizes (3M,25M,100M; default all)")
+    ap.add_argument("--memory", action="store_true",
+                    help="with --sweep: the exact tensor peak of the ZeRO-3 variants at every point instead of time")
     if "--sweep" in sys.argv:
         ap.set_defaults(batch=2, warmup=1, paired=4)
     args = ap.parse_args()
     if args.sweep:
         import sweep
-        sweep.run(args, spawn, paired_worker, mp.get_context("spawn"))
+        if args.memory:
+            sweep.memory(args, spawn, worker, mp.get_context("spawn"))
+        else:
+            sweep.run(args, spawn, paired_worker, mp.get_context("spawn"))
         return
     if args.shard_size is not None and (args.shard_size < 1 or args.world_size % args.shard_size):
         ap.error(f"--shard-size must divide --world-size ({args.world_size})")

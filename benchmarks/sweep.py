@@ -17,7 +17,9 @@ against model size, one panel per world size) and sweep_world.png (ratio
 against world size, one panel per model size). ``--plot-only`` redraws them
 from the JSON. With ``--variants`` or ``--sizes`` the new points replace
 theirs in an existing sweep.json and the others are kept (each point names
-its run, and the file lists the runs).
+its run, and the file lists the runs). ``--memory`` measures instead the
+exact tensor peak of the ZeRO-3 variants at every point
+(benchmarks/out/sweep_memory.json).
 """
 from __future__ import annotations
 
@@ -75,6 +77,56 @@ def run(args, spawn, paired_worker, ctx) -> None:
         json.dump(out, f, indent=1)
     print(table(out))
     plot(out)
+
+
+MEMORY_VARIANTS = ["zeroshard-3", "fsdp2-3", "deepspeed-3"]
+
+
+def memory(args, spawn, worker, ctx) -> None:
+    """``--sweep --memory``: the exact tensor peak (step.py's "tensor MB": live tensor bytes
+    from the CPU allocator's events, over what the built model holds, two steps) of each
+    ZeRO-3 variant at every size and world size of the sweep; ``worker``: step.py's."""
+    variants = peers.runnable(args.variants.split(",") if args.variants else MEMORY_VARIANTS)
+    sizes = args.sizes.split(",") if getattr(args, "sizes", None) else list(SIZES)
+    args.steps, args.warmup, args.comm = 1, 0, False    # (the peak is measured in a build of its own)
+    rows, t0 = [], time.time()
+    for label in sizes:
+        layers, dim = SIZES[label]
+        cfg = GPTConfig(layers=layers, dim=dim, heads=4, seq=args.seq, vocab=args.vocab)
+        for world in WORLDS:
+            for v in variants:
+                row = spawn(ctx, worker, world, f"{label} world {world} {v}", v, cfg, args, True)
+                if row is None:
+                    continue
+                rows.append(dict(size=label, world=world, variant=v, tensor_mb=row["tensor_mb"]))
+                print(f"{label:>5} world {world}: {v:<14} {row['tensor_mb']:8.1f} MB  [{time.time() - t0:.0f} s]",
+                      flush=True)
+    out = dict(date=str(date.today()), commit=_commit(), torch=torch.__version__, machine=machine_info("cpu"),
+               batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, rows=rows)
+    path = os.path.join(HERE, "out", "sweep_memory.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if (args.variants or getattr(args, "sizes", None)) and os.path.exists(path):   # keep the other rows
+        with open(path) as f:
+            redone = {(r["variant"], r["size"], r["world"]) for r in rows}
+            out["rows"] = [r for r in json.load(f)["rows"] if (r["variant"], r["size"], r["world"]) not in redone] + rows
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(memory_table(out))
+
+
+def memory_table(d: dict) -> str:
+    cols = [(s, w) for s in SIZES for w in WORLDS]
+    mb = {(r["variant"], r["size"], r["world"]): r["tensor_mb"] for r in d["rows"]}
+    lines = [f"exact tensor peak, MB on rank 0 over the built model (batch {d['batch']} x seq {d['seq']}, "
+             f"gathered parameters {d['param_dtype']}); in brackets: over the least of the row's column", "",
+             "| variant | " + " | ".join(f"{s} w{w}" for s, w in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for v in dict.fromkeys(r["variant"] for r in d["rows"]):
+        cells = []
+        for s, w in cols:
+            least = min((x for (_, s2, w2), x in mb.items() if (s2, w2) == (s, w)), default=None)
+            cells.append(f"{mb[v, s, w]:.1f} ({mb[v, s, w] / least:.2f})" if (v, s, w) in mb and least else "—")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _commit() -> str:
