@@ -119,7 +119,9 @@ class _GatherReplay:
         fwd = [g.module for g in policy.gathers]
         for k, g in enumerate(policy.gathers):
             mod = model.get_submodule(g.module)
-            mod.register_forward_pre_hook(lambda m, a, k=k: self._run(fwd, k))
+            # (a forward in backward is recomputation: gathered, no prefetch, kept until its gradients)
+            mod.register_forward_pre_hook(lambda m, a, k=k: self._gather(fwd[k]) if self.backward
+                                          else self._run(fwd, k))
             mod.register_forward_hook(lambda m, a, o, g=g: None if self.backward else self._reshard(g.module))
             mod.register_full_backward_pre_hook(lambda m, go, k=k: self._run(fwd[::-1], len(fwd) - 1 - k))
         if fwd:
