@@ -76,33 +76,20 @@ def load(packages: dict) -> None:
         spec.loader.exec_module(module)
 
 
-def build(variant: str, model, packages: dict):
-    if variant == "ddp":
-        return S.build(variant, model, torch.float32)
-    name, stage = variant.rsplit(":", 1)
-    zs = sys.modules[f"zs_{name}"] if packages[name] else __import__("zeroshard")
-    if stage == "3":
-        model = zs.FullyShard(model, wrap={S.Block}, prefetch=1, mixed_precision=zs.MixedPrecision(
-            param_dtype=torch.float32, reduce_dtype=torch.float32))      # as step.py's zeroshard-3
-        return model, zs.ShardedOptimizer(model.parameters(), lr=3e-4)
-    return model, zs.ShardedOptimizer(model.parameters(), lr=3e-4, stage=int(stage))
+class Builder:
+    """step.build() with the named build's module: variants "ddp" and "<build>:<stage>"
+    (picklable: it travels to the spawned workers, which import the builds first)."""
 
+    def __init__(self, packages: dict):
+        self.packages = packages
 
-def worker(rank, world, port, out, variants, packages, cfg, args):
-    load(packages)
-    device, data, sync = S.setup(rank, world, port, cfg, args)
-    built = {v: build(v, S.new_model(cfg, args, device), packages) for v in variants}
-    times = {v: [] for v in variants}
-    for i in range(args.warmup + args.paired):
-        k = i % len(variants)
-        for v in variants[k:] + variants[:k]:
-            _, seconds = S.timed_step(*built[v], data, sync)
-            if i >= args.warmup:
-                times[v].append(seconds)
-    if rank == 0:
-        out.put(times)
-    S.dist.barrier()
-    S.dist.destroy_process_group()
+    def __call__(self, variant: str, model):
+        load(self.packages)
+        if variant == "ddp":
+            return S.build(variant, model, torch.float32)
+        name, stage = variant.rsplit(":", 1)
+        zs = sys.modules[f"zs_{name}"] if self.packages[name] else None   # None: the installed one
+        return S.build(f"zeroshard-{stage}", model, torch.float32, zs=zs)
 
 
 def main():
@@ -126,9 +113,9 @@ def main():
     names = list(packages)
     variants = ["ddp"] + [f"{n}:{s}" for s in stages for n in names]
     cfg = S.GPTConfig(layers=4, dim=256, heads=4, seq=64, vocab=1021)   # step.py's defaults
-    run = types.SimpleNamespace(batch=8, warmup=args.warmup, paired=args.paired, device="cpu", dtype="float32",
-                                param_dtype="float32")
-    times = S.spawn(mp.get_context("spawn"), worker, 2, "before/after", variants, packages, cfg, run)
+    run = types.SimpleNamespace(batch=8, warmup=args.warmup, paired=args.paired, device="cpu", dtype="float32")
+    times = S.spawn(mp.get_context("spawn"), S.paired_worker, 2, "before/after", variants, cfg, run,
+                    Builder(packages))
     if times is None:
         sys.exit(1)
     n, base = len(times["ddp"]), names[0]

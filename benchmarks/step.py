@@ -127,9 +127,11 @@ class Autocast(torch.nn.Module):
             return self.model(*args)
 
 
-def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None):
+def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None, zs=None):
     """The variant's (model to call, optimizer); ``shard_size``: hybrid sharding
-    (zeroshard's shard_size=, FSDP2's 2-D mesh: HSDP); DDP variants ignore it."""
+    (zeroshard's shard_size=, FSDP2's 2-D mesh: HSDP); DDP variants ignore it.
+    ``zs``: the zeroshard module the zeroshard variants use (default: the installed
+    one; benchmarks/before_after.py passes other builds)."""
     if variant == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "adamw-amp":
@@ -159,15 +161,17 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None):
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     if peers.is_deepspeed(variant):
         return peers.build_deepspeed(variant, model, param_dtype, lr)
-    import zeroshard as zs
+    if zs is None:
+        import zeroshard as zs
+    hybrid = {} if shard_size is None else dict(shard_size=shard_size)   # (builds before hybrid lack it)
     if variant.startswith("zeroshard-3"):
         prefetch = 0 if variant == "zeroshard-3@p0" else prefetch
         model = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
-            param_dtype=param_dtype, reduce_dtype=torch.float32), shard_size=shard_size)
+            param_dtype=param_dtype, reduce_dtype=torch.float32), **hybrid)
         return model, zs.ShardedOptimizer(model.parameters(), lr=lr)
     name, _, mb = variant.partition("+")[0].partition("@")   # "zeroshard-2@5": bucket_mb=5; "+...": options
     return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(name[-1]),
-                                      bucket_mb=float(mb) if mb else 25, shard_size=shard_size,
+                                      bucket_mb=float(mb) if mb else 25, **hybrid,
                                       **peers.zeroshard_options(variant))
 
 
@@ -277,15 +281,16 @@ def worker(rank, world, port, out, variant, cfg, args, measure=True):
     dist.destroy_process_group()
 
 
-def paired_worker(rank, world, port, out, variants, cfg, args):
+def paired_worker(rank, world, port, out, variants, cfg, args, builder=None):
     """Every variant built in one process group, each on its own copy of the
     model, their steps taken in turn (the order rotated each round): every
     variant sees the same machine load, so their time ratios are steadier
-    than those of separate runs. Rank 0 puts {variant: [seconds per step]}."""
+    than those of separate runs. Rank 0 puts {variant: [seconds per step]}.
+    ``builder(variant, model)``: in place of build() (benchmarks/before_after.py)."""
     device, data, sync = setup(rank, world, port, cfg, args)
-    built = {v: build(v, new_model(cfg, args, device), getattr(torch, args.param_dtype), args.prefetch,
-                     shard_size=args.shard_size)
-             for v in variants}
+    builder = builder or (lambda v, model: build(v, model, getattr(torch, args.param_dtype), args.prefetch,
+                                                 shard_size=args.shard_size))
+    built = {v: builder(v, new_model(cfg, args, device)) for v in variants}
     times = {v: [] for v in variants}
     for i in range(args.warmup + args.paired):
         k = i % len(variants)

@@ -113,29 +113,30 @@ class _GatherReplay:
     caller counts it."""
 
     def __init__(self, model: nn.Module, policy: Policy):
-        self.policy, self.full = policy, {}
-        self.backward = False
+        self.prefetch, self.full, self.backward = policy.prefetch, {}, False
+        self.nbytes = {g.module: g.nbytes for g in policy.gathers}
         self.left = {g.module: set(g.names) for g in policy.gathers}
-        fwd = [g.module for g in policy.gathers]
-        for k, g in enumerate(policy.gathers):
-            mod = model.get_submodule(g.module)
+        self.fwd = [g.module for g in policy.gathers]
+        self.bwd = self.fwd[::-1]
+        last = len(self.fwd) - 1
+        for k, name in enumerate(self.fwd):
+            mod = model.get_submodule(name)
             # (a forward in backward is recomputation: gathered, no prefetch, kept until its gradients)
-            mod.register_forward_pre_hook(lambda m, a, k=k: self._gather(fwd[k]) if self.backward
-                                          else self._run(fwd, k))
-            mod.register_forward_hook(lambda m, a, o, g=g: None if self.backward else self._reshard(g.module))
-            mod.register_full_backward_pre_hook(lambda m, go, k=k: self._run(fwd[::-1], len(fwd) - 1 - k))
-        if fwd:
-            model.register_forward_pre_hook(lambda m, a: self._prefetch(fwd, -1))
+            mod.register_forward_pre_hook(lambda m, a, k=k: self._gather(self.fwd[k]) if self.backward
+                                          else self._run(self.fwd, k))
+            mod.register_forward_hook(lambda m, a, o, name=name: None if self.backward else self._reshard(name))
+            mod.register_full_backward_pre_hook(lambda m, go, k=k: self._run(self.bwd, last - k))
+        if self.fwd:
+            model.register_forward_pre_hook(lambda m, a: self._prefetch(self.fwd, -1))
 
     def start_backward(self):
         """The root's outputs got their gradient: the first units in backward order are prefetched."""
         self.backward = True
-        self._prefetch([g.module for g in self.policy.gathers][::-1], -1)
+        self._prefetch(self.bwd, -1)
 
     def _gather(self, name: str):
         if name not in self.full:
-            nbytes = next(g.nbytes for g in self.policy.gathers if g.module == name)
-            self.full[name] = torch.empty(nbytes, dtype=torch.uint8)
+            self.full[name] = torch.empty(self.nbytes[name], dtype=torch.uint8)
 
     def _reshard(self, name: str):
         self.full.pop(name, None)
@@ -145,10 +146,10 @@ class _GatherReplay:
         self._prefetch(order, pos)
 
     def _prefetch(self, order: List[str], pos: int):
-        for name in order[pos + 1:pos + 1 + self.policy.prefetch]:
+        for name in order[pos + 1:pos + 1 + self.prefetch]:
             if name in self.full:
                 continue
-            if len(self.full) >= self.policy.prefetch + 1:
+            if len(self.full) >= self.prefetch + 1:
                 break
             self._gather(name)
 
