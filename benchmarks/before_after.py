@@ -101,6 +101,9 @@ def main():
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--paired", type=int, default=80, help="turns measured")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4, help="GPT blocks (step.py's default; 8 with --dim 512: 25.8M)")
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank (the sweep's: 2)")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "zeroshard-builds"))
     args = ap.parse_args()
     packages = {c: build_commit(c, args.cache) for c in args.build}
@@ -112,8 +115,8 @@ def main():
     stages = args.stages.split(",")
     names = list(packages)
     variants = ["ddp"] + [f"{n}:{s}" for s in stages for n in names]
-    cfg = S.GPTConfig(layers=4, dim=256, heads=4, seq=64, vocab=1021)   # step.py's defaults
-    run = types.SimpleNamespace(batch=8, warmup=args.warmup, paired=args.paired, device="cpu", dtype="float32")
+    cfg = S.GPTConfig(layers=args.layers, dim=args.dim, heads=4, seq=64, vocab=1021)
+    run = types.SimpleNamespace(batch=args.batch, warmup=args.warmup, paired=args.paired, device="cpu", dtype="float32")
     times = S.spawn(mp.get_context("spawn"), S.paired_worker, 2, "before/after", variants, cfg, run,
                     Builder(packages))
     if times is None:

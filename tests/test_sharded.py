@@ -4,8 +4,10 @@ import copy
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -473,8 +475,10 @@ def test_stage2_bucket_memory_is_bounded(dist_pool):
 
 def _grad_shard_lifetime():
     """Stage 2's gradient shard: absent during forward, allocated by backward,
-    freed by zero_grad(); zero_grad(set_to_none=False) keeps it (zeroed), and
-    steps after either equal the reference."""
+    dropped by zero_grad(); zero_grad(set_to_none=False) keeps it (zeroed), and
+    steps after either equal the reference. On CPU the storage zero_grad(set_to_none=True)
+    drops is the next backward's shard ([Note: bucket buffers between steps]): its old
+    values never reach a step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     opt = zs.ShardedOptimizer(param_groups(model), stage=2, bucket_mb=TINY_BUCKET_MB)
@@ -482,20 +486,24 @@ def _grad_shard_lifetime():
     held_in_forward = []
     model.register_forward_pre_hook(
         lambda m, a: held_in_forward.append([b.grad_shard is not None for b in opt.source.buffers]))
-    after = []
+    after, reused = [], []
     for k, mbs in enumerate(batches(4)):
+        before = [weakref.ref(b.grad_shard) for b in opt.source.buffers if b.grad_shard is not None]
         opt.zero_grad(set_to_none=k % 2 == 0)
         after.append(("zero_grad", [b.grad_shard is not None for b in opt.source.buffers]))
         x, y = mbs[0]
         F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
         after.append(("backward", [b.grad_shard is not None for b in opt.source.buffers]))
+        if before:      # the very tensor of the last backward
+            reused.append([ref() is b.grad_shard for ref, b in zip(before, opt.source.buffers)])
         opt.step()
-    return held_in_forward, after, max_param_err(model, ref)
+    return held_in_forward, after, max_param_err(model, ref), reused
 
 
-def test_stage2_gradient_shard_is_freed_by_zero_grad_and_not_held_in_forward(dist_pool):
-    for held, after, err in dist_pool.run(_grad_shard_lifetime):
+def test_stage2_gradient_shard_is_dropped_by_zero_grad_and_not_a_gradient_in_forward(dist_pool):
+    for held, after, err, reused in dist_pool.run(_grad_shard_lifetime):
         assert err <= 1e-5
+        assert len(reused) == 3 and all(all(r) for r in reused), reused   # CPU: kept by set_to_none too
         assert not any(any(h) for h in held[0::2])        # steps after zero_grad(set_to_none=True)
         assert all(all(h) for h in held[1::2])            # steps after set_to_none=False: kept, zeroed
         assert after[0] == ("zero_grad", [False] * len(after[0][1]))

@@ -42,8 +42,9 @@ class Policy:
     inflight: int                  # reductions in flight at once
     first: int                     # bytes allocated by the first launch (ZeRO-2's gradient shard)
     keep: int = 0                  # buffers kept free for reuse (ZeRO-2's pool; ZeRO-3 keeps none)
-    pooled: bool = False           # the pool is kept between steps (CPU: [Note: bucket buffers
-                                   # between steps] in _reducer.py): it starts as a backward left it
+    pooled: bool = False           # the pool and the gradient shard are kept between steps (CPU:
+                                   # [Note: bucket buffers between steps] in _reducer.py): the step
+                                   # starts with them as the last one left them
     gathers: List[Gather] = field(default_factory=list)   # ZeRO-3's non-root units, in forward order
     prefetch: int = 0              # units gathered ahead of the one running (FullyShard's prefetch)
 
@@ -62,6 +63,8 @@ class _Replay:
             for (n, dt), bufs in _pool_after_backward(policy).free.items():
                 for _ in bufs:
                     self.pool.release(self.pool.acquire(n, dt))
+            if policy.first:
+                self.held.append(torch.empty(policy.first, dtype=torch.uint8))
         self.params = dict(model.named_parameters())
         self.items = [SimpleNamespace(r=r, pending=len(r.names), buf=None) for r in policy.reductions]
         self.left = {n: 0 for n in self.params}
