@@ -5,10 +5,14 @@ Variants (world size 2, CPU + gloo by default), each in fresh processes:
                 torch.distributed.checkpoint (get_state_dict / dcp.save / dcp.load / set_state_dict)
   zeroshard-3   zeroshard.FullyShard + ShardedOptimizer, save_checkpoint / load_checkpoint
   zeroshard-2   zeroshard.ShardedOptimizer(stage=2), save_checkpoint / load_checkpoint
+  zeroshard-3+nosync, zeroshard-2+nosync   the same with save_checkpoint(..., sync_files=False):
+                no fsync, as DeepSpeed's torch.save (the like-for-like comparison with it)
   deepspeed-3, deepspeed-2   DeepSpeed's engine.save_checkpoint / load_checkpoint (where
                 deepspeed is installed: `make bench-deps`; skipped otherwise, saying so)
 FSDP2 + DCP and zeroshard write fsynced files; DeepSpeed's torch.save does not fsync
-("fsync ms": rank 0's time inside os.fsync per save, the durability's share). "save ms" / "load ms" are medians over --repeats
+("fsync ms": rank 0's time inside os.fsync per save, the durability's share). Each
+save follows a training step, as in training (zeroshard deletes the checkpoint a save
+replaced in a thread, which the steps after it overlap; the next save waits for it). "save ms" / "load ms" are medians over --repeats
 on rank 0 (barrier-to-barrier); "MB/rank" is what each rank wrote (its data
 file; rank 0 also the metadata/manifest); "peak MB" is the rise of rank 0's
 peak resident memory over what it held before the call (save, load).
@@ -38,7 +42,8 @@ import peers  # noqa: E402
 from machine import machine_info  # noqa: E402
 from step import build, free_port, init_dist, reset_peak_rss, rss_mb, train_step  # noqa: E402
 
-VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2", "deepspeed-3", "deepspeed-2"]
+VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2", "zeroshard-3+nosync", "zeroshard-2+nosync",
+            "deepspeed-3", "deepspeed-2"]
 
 
 def save_load(variant, model, opt):
@@ -63,7 +68,9 @@ def save_load(variant, model, opt):
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return save, load
     import zeroshard as zs
-    return (lambda path: zs.save_checkpoint(path, model, opt)), (lambda path: zs.load_checkpoint(path, model, opt))
+    sync = not variant.endswith("+nosync")
+    return (lambda path: zs.save_checkpoint(path, model, opt, sync_files=sync)), \
+        (lambda path: zs.load_checkpoint(path, model, opt))
 
 
 class FsyncClock:
@@ -87,9 +94,10 @@ class FsyncClock:
         os.fsync = self._real
 
 
-def timed(fn, repeats):
+def timed(fn, repeats, between=lambda: None):
     times, peaks = [], []
     for _ in range(repeats):
+        between()
         dist.barrier()
         reset_peak_rss()
         base = rss_mb()
@@ -106,13 +114,14 @@ def worker(rank, world, port, variant, cfg, args, root, out):
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())   # before wrapping (FullyShard leaves shards)
-    wrapped, opt = build(variant.removesuffix("+dcp"), model, torch.float32)
+    wrapped, opt = build(variant.removesuffix("+dcp").removesuffix("+nosync"), model, torch.float32)
     data = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
     train_step(wrapped, opt, data, lambda: None)    # one step, so every optimizer state exists
     save, load = save_load(variant, wrapped, opt)
     path = os.path.join(root, variant)
     with FsyncClock() as fsync:
-        save_ms, save_peak = timed(lambda: save(path), args.repeats)
+        save_ms, save_peak = timed(lambda: save(path), args.repeats,
+                                   between=lambda: train_step(wrapped, opt, data, lambda: None))
     load_ms, load_peak = timed(lambda: load(path), args.repeats)
     if rank == 0:   # what each rank wrote, read from the shared directory
         everyone = [sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**"), recursive=True)
@@ -134,7 +143,7 @@ def resume_worker(rank, world, port, variant, cfg, args, root, out):
     if deepspeed:
         wrapped = opt = peers.build_deepspeed(variant, GPT(cfg), torch.float32, 3e-4, universal=True)[0]
     else:
-        wrapped, opt = build(variant.removesuffix("+dcp"), GPT(cfg), torch.float32)
+        wrapped, opt = build(variant.removesuffix("+dcp").removesuffix("+nosync"), GPT(cfg), torch.float32)
     path = os.path.join(root, variant)
     _, load = save_load(variant, wrapped, opt)
     dist.barrier()
@@ -206,12 +215,12 @@ def main():
     print(f"checkpoint of a {rows[0]['params'] / 1e6:.1f}M-parameter GPT, world size {args.world_size}, "
           f"CPU + gloo, {date.today()}")
     resume = f"load at {args.resume_world_size}" if args.resume_world_size else ""
-    print(f"{'variant':<14}{'save ms':>9}{'vs dcp':>8}{'fsync ms':>10}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
+    print(f"{'variant':<20}{'save ms':>9}{'vs dcp':>8}{'fsync ms':>10}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
           f"{'save peak MB':>14}{'load peak MB':>14}" + (f"{resume + ' ms':>18}" if resume else ""))
     for r in rows:
         vs = (lambda k: f"{r[k] / ref[k]:.2f}x") if ref else (lambda k: "-")
         mb = "/".join(f"{m:.1f}" for m in r["mb_per_rank"])
-        print(f"{r['variant']:<14}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['fsync_ms']:>10.1f}"
+        print(f"{r['variant']:<20}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['fsync_ms']:>10.1f}"
               f"{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
               f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}"
               + (f"{r['resume_ms']:>18.1f}" if isinstance(r.get("resume_ms"), float) else

@@ -180,7 +180,7 @@ def _save_and_die(rank, port, path, ref_file, dying):
     if rank in dying:
         from zeroshard import _ckpt_format as fmt
 
-        def write_half_then_die(fpath, items):
+        def write_half_then_die(fpath, items, *_):
             with open(fpath, "wb") as f:
                 f.write(b"\0" * 4096)
                 f.flush()
@@ -258,6 +258,75 @@ def test_replacing_without_atomic_exchange_and_a_cut_between_the_renames(tmp_pat
     with pytest.warns(UserWarning, match="interrupted"):
         assert zs.load_checkpoint(path, again, again_opt) == {"step": 2}
     assert max_err(again.state_dict(), model.state_dict()) == 0.0
+
+
+def test_sync_files_false_skips_every_fsync_and_loads_the_same(tmp_path, monkeypatch):
+    """sync_files (default True) fsyncs the files and directories; False none of them,
+    and the checkpoint is the same."""
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    model, opt = build("plain")
+    train_plain(model, opt, 2)
+    zs.save_checkpoint(str(tmp_path / "synced"), model, opt, extra={"step": 2})
+    synced = len(calls)
+    calls.clear()
+    zs.save_checkpoint(str(tmp_path / "unsynced"), model, opt, extra={"step": 2}, sync_files=False)
+    # the rank file, extra0.pt and the manifest, the partial directory and the parent
+    assert synced >= 5 and calls == [], (synced, calls)
+    for name in ("synced", "unsynced"):
+        again, again_opt = build("plain", seed=7)
+        assert zs.load_checkpoint(str(tmp_path / name), again, again_opt) == {"step": 2}
+        assert max_err(again.state_dict(), model.state_dict()) == 0.0
+
+
+def test_writeback_is_started_as_the_file_is_written(tmp_path, monkeypatch):
+    """Every WRITEBACK_BYTES written, the writer asks the kernel to start writing the range
+    back (sync_file_range), contiguous from the start; not at all with sync=False."""
+    from zeroshard import _ckpt_format as fmt
+    ranges = []
+    monkeypatch.setattr(fmt, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: ranges.append((off, n, flags)) or 0)
+    monkeypatch.setattr(fmt, "WRITEBACK_BYTES", 4096)
+    ts = [torch.randn(n) for n in (1021, 3001, 17, 4099)]
+    items = [(f"t{k}", t.dtype, t.shape, lambda t=t: t) for k, t in enumerate(ts)]
+    _, size, _ = fmt.write_safetensors(str(tmp_path / "a.safetensors"), items)
+    assert ranges and ranges[0][0] == 0 and all(f == 2 for *_, f in ranges)
+    assert all(a + n == b for (a, n, _), (b, _, _) in zip(ranges, ranges[1:]))      # contiguous
+    assert all(n >= 4096 for _, n, _ in ranges) and ranges[-1][0] + ranges[-1][1] <= size
+    got = load_file(str(tmp_path / "a.safetensors"))
+    assert all(torch.equal(got[f"t{k}"], t) for k, t in enumerate(ts))
+    ranges.clear()
+    fmt.write_safetensors(str(tmp_path / "b.safetensors"), items, sync=False)
+    assert ranges == []
+
+
+def test_the_replaced_checkpoint_is_deleted_in_the_background(tmp_path, monkeypatch):
+    """save_checkpoint returns once the new checkpoint is committed; the previous one is
+    deleted by a thread (held up here), and the next save waits for it."""
+    release = __import__("threading").Event()
+    real = shutil.rmtree
+
+    def held_rmtree(path, *a, **k):
+        if ".partial-" in os.path.basename(path):
+            release.wait(30)
+        return real(path, *a, **k)
+    monkeypatch.setattr(shutil, "rmtree", held_rmtree)
+    path = str(tmp_path / "ck")
+    model, opt = build("plain")
+    zs.save_checkpoint(path, model, opt, extra={"step": 0})
+    train_plain(model, opt, 2)
+    zs.save_checkpoint(path, model, opt, extra={"step": 2})       # returns while the deletion waits
+    left = sorted(os.listdir(tmp_path))
+    assert len(left) == 2 and left[0].startswith(".ck.partial-") and left[1] == "ck", left
+    again, again_opt = build("plain", seed=7)
+    assert zs.load_checkpoint(path, again, again_opt) == {"step": 2}
+    release.set()
+    zs.save_checkpoint(path, model, opt, extra={"step": 3})       # waits for the deletion first
+    deadline = time.time() + 30
+    while len(os.listdir(tmp_path)) > 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert os.listdir(tmp_path) == ["ck"]
+    assert zs.load_checkpoint(path, again, again_opt) == {"step": 3}
 
 
 def test_a_script_whose_last_call_is_a_save_exits_cleanly(tmp_path):

@@ -32,14 +32,19 @@ once, which would double a rank's memory. Any safetensors reader opens the
 files.
 
 Save: rank 0 makes ``.{name}.partial-{id}`` beside the target. Every rank
-writes and fsyncs its files there, then the ranks exchange what they wrote.
-Rank 0 writes and fsyncs the manifest, then makes the directory the
+writes and fsyncs its files there (starting the kernel's writeback every
+8 MB as it writes, so the disk works while later pieces are checksummed and
+the fsync waits only for the tail; ``sync_files=False``: neither), then the
+ranks exchange what they wrote. Rank 0 writes and fsyncs the manifest, then makes the directory the
 checkpoint with one atomic rename (a new path), or by atomically exchanging it
 with the previous checkpoint (``renameat2(RENAME_EXCHANGE)``; filesystems
 without it: two renames, and a load that finds the path missing uses the
-``.{name}.old-*`` left between them). Only then is the old one deleted. A
-crash before the rename leaves only a ``.partial`` directory, which has no
-manifest and is never loaded.
+``.{name}.old-*`` left between them). Only then is the old one deleted: after
+an exchange, by a thread of rank 0 while training goes on (freeing the blocks
+of fsynced files took 67 ms of a 260 ms save of a 13M-parameter GPT); the
+next save, and the process's exit, wait for it. A crash before the rename
+leaves only a ``.partial`` directory, which has no manifest, is never loaded,
+and is removed by the next save beside it.
 
 Load: each rank reads only the blocks of the entries that overlap the element
 ranges it owns under the new layout (any world size, any stage, or plain
@@ -54,10 +59,11 @@ import glob
 import io
 import os
 import shutil
+import threading
 import uuid
 import warnings
 import zlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -90,7 +96,7 @@ def _collective(h: Holdings, fn: Callable[[], Any], gather: bool = False):
 
 
 # ------------------------------------------------------------------------ API
-def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None) -> None:
+def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *, sync_files: bool = True) -> None:
     """Save ``model`` (and ``optimizer``) to the directory ``path``: every rank
     writes what it owns, concurrently, and the directory appears complete or not
     at all (see [Note: checkpoint format] in zeroshard/checkpoint.py).
@@ -105,12 +111,20 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None) -
     the replicas wait for it. An existing
     checkpoint at ``path`` is replaced only once the new one is complete; an
     existing directory that is not a zeroshard checkpoint is never touched.
+
+    ``sync_files`` (as torch.distributed.checkpoint's FileSystemWriter): fsync
+    every file and directory before returning, so the checkpoint survives a
+    crash of the machine, not only of the process. ``False`` leaves the
+    writing back to the OS, as ``torch.save`` and DeepSpeed do: the commit is
+    still atomic for the processes, but a power loss or kernel crash soon
+    after may leave a checkpoint whose blocks fail their CRC when loaded (the
+    load then names the file), with the previous one already deleted.
     """
     path = os.path.abspath(os.fspath(path))
     getattr(optimizer, "wait_params", lambda: None)()   # overlap_param_gather: complete parameters
     h = Holdings(model, optimizer, for_load=False)   # same outcome on every rank
     if h.replicas == 1:
-        _save(h, path, extra)
+        _save(h, path, extra, sync_files)
         return
     # hybrid sharding: the first shard group writes (its replicas hold the same
     # shards); the others wait for its outcome, so the checkpoint is complete
@@ -118,7 +132,7 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None) -
     err = None
     if h.replica_rank == 0:
         try:
-            _save(h, path, extra)
+            _save(h, path, extra, sync_files)
         except Exception as e:  # noqa: BLE001 - every failure must reach every rank
             err = e
     told = comm.all_gather_object(None if err is None else f"{type(err).__name__}: {err}", group=h.every,
@@ -130,11 +144,11 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None) -
         raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
 
 
-def _save(h: Holdings, path: str, extra: Any) -> None:
+def _save(h: Holdings, path: str, extra: Any, sync: bool) -> None:
     tmp = _collective(h, lambda: _prepare(h, path), gather=True)[0]
     try:
-        written = _collective(h, lambda: _write(h, tmp, extra), gather=True)
-        _collective(h, lambda: _commit(h, tmp, path, written, extra))
+        written = _collective(h, lambda: _write(h, tmp, extra, sync), gather=True)
+        _collective(h, lambda: _commit(h, tmp, path, written, extra, sync))
     except BaseException:
         if h.rank == 0 and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -147,6 +161,7 @@ def _prepare(h: Holdings, path: str) -> Optional[str]:
     parent, name = os.path.split(path)
     if h.rank != 0:
         return None
+    _wait_discards()
     os.makedirs(parent, exist_ok=True)
     if os.path.lexists(path) and not (os.path.isdir(path) and (
             os.path.exists(os.path.join(path, fmt.MANIFEST)) or not os.listdir(path))):
@@ -159,26 +174,26 @@ def _prepare(h: Holdings, path: str) -> Optional[str]:
     return tmp
 
 
-def _write(h: Holdings, tmp: str, extra: Any):
+def _write(h: Holdings, tmp: str, extra: Any, sync: bool):
     """This rank's files in ``tmp``; returns (manifest entries, files) for rank 0."""
     mine = [p for p in h.pieces if (not p.replicated or h.rank == 0) and p.data.numel()]
     fname, entries, files = f"rank{h.rank}.safetensors", [], {}
     if mine:          # (a rank of a replicated model owns nothing and writes no file)
         crc, size, placed = fmt.write_safetensors(
             os.path.join(tmp, fname),
-            [(f"{p.key}@{p.start}", p.data.dtype, (p.data.numel(),), lambda p=p: p.data) for p in mine])
+            [(f"{p.key}@{p.start}", p.data.dtype, (p.data.numel(),), lambda p=p: p.data) for p in mine], sync)
         entries = [(p.key, [fname, off, p.start, p.data.numel(), crcs]) for p, (off, crcs) in zip(mine, placed)]
         files[fname] = {"size": size, "crc32": crc}
     if extra is not None:
         buf = io.BytesIO()
         torch.save(extra, buf)
         data = buf.getvalue()
-        fmt.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), data)
+        fmt.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), data, sync)
         files[f"extra{h.rank}.pt"] = {"size": len(data), "crc32": zlib.crc32(data)}
     return entries, files
 
 
-def _commit(h: Holdings, tmp: str, path: str, written: list, extra: Any):
+def _commit(h: Holdings, tmp: str, path: str, written: list, extra: Any, sync: bool):
     """Rank 0: write the manifest, then make ``tmp`` the checkpoint at ``path`` atomically."""
     parent, name = os.path.split(path)
     if h.rank != 0:
@@ -196,20 +211,37 @@ def _commit(h: Holdings, tmp: str, path: str, written: list, extra: Any):
     body = {"world_size": h.world, "stage": h.stage, "block_bytes": fmt.BLOCK, "tensors": tensors,
             "aliases": h.aliases, "param_groups": h.groups, "files": files, "extra": extra is not None,
             "torch_version": torch.__version__}
-    fmt.write_bytes(os.path.join(tmp, fmt.MANIFEST), fmt.manifest_bytes(body))
-    fmt.fsync_dir(tmp)
+    fmt.write_bytes(os.path.join(tmp, fmt.MANIFEST), fmt.manifest_bytes(body), sync)
+    fmt.fsync_dir(tmp, sync)
     if not os.path.lexists(path):
         os.rename(tmp, path)
     elif fmt.exchange(tmp, path):
-        shutil.rmtree(tmp)                  # tmp now holds the previous checkpoint
+        _discard(tmp)                       # tmp now holds the previous checkpoint
     else:
         old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
         os.rename(path, old)                # a crash here: load_checkpoint finds `old`
         os.rename(tmp, path)
-        fmt.fsync_dir(parent)
+        fmt.fsync_dir(parent, sync)
         shutil.rmtree(old)
-    fmt.fsync_dir(parent)
+    fmt.fsync_dir(parent, sync)
     return None
+
+
+_discards: List[threading.Thread] = []   # deleting replaced checkpoints (see the Note above)
+
+
+def _discard(path: str):
+    """Delete the replaced checkpoint ``path`` in a thread (not a daemon: the process's
+    exit waits for it)."""
+    t = threading.Thread(target=shutil.rmtree, args=(path,), kwargs=dict(ignore_errors=True),
+                         name="zeroshard-checkpoint-discard")
+    t.start()
+    _discards.append(t)
+
+
+def _wait_discards():
+    while _discards:
+        _discards.pop().join()
 
 
 def _find(path: str) -> str:
