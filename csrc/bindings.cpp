@@ -101,6 +101,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("reduce_scatter", &reduce_scatter, py::arg("group_name"), py::arg("input"), py::arg("output"),
         py::arg("average"), py::arg("input_is_scratch") = false, py::call_guard<py::gil_scoped_release>(),
         "Flat reduce-scatter (csrc/comm.h).");
+  m.def("reduce_scatter_scratch_bytes", &reduce_scatter_scratch_bytes, py::arg("chunk_numel"),
+        py::arg("element_size"), py::arg("world"), py::arg("in_place"),
+        "Scratch bytes of a reduce-scatter on gloo (csrc/comm.h).");
+  m.def("set_reduce_scatter_piece_bytes", &set_reduce_scatter_piece_bytes, py::arg("bytes"),
+        "The smallest piece of a reduce-scatter in pieces; returns the previous (csrc/comm.h).");
   m.def("all_gather", &all_gather, py::arg("group_name"), py::arg("input"), py::arg("output"),
         py::call_guard<py::gil_scoped_release>(), "Flat all-gather (csrc/comm.h).");
   m.def("all_reduce", &all_reduce, py::arg("group_name"), py::arg("tensor"), py::arg("average"),

@@ -1,14 +1,19 @@
 #include "comm.h"
 
+#include <ATen/Dispatch.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <tuple>
 
 #include "checks.h"
@@ -116,6 +121,40 @@ using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
 // the wrong size, which gloo answers by terminating the process.
 constexpr int kKindReduceScatter = 1;
 constexpr int kKindAllGather = 2;
+constexpr int kKindReduceScatterPiece = 3;   // tag: the group's count of such collectives, the piece
+
+// [Note: reduce-scatter in pieces]
+static std::atomic<int64_t> g_rs_piece_bytes{4 << 20};   // no piece is smaller (see the Note)
+constexpr int64_t kRsPieces = 16;             // at most this many pieces per chunk
+constexpr int64_t kRsSlots = 2;               // pieces whose receives are posted at once
+
+// Scratch chunks of a reduce-scatter run whole: one per peer whose chunk cannot
+// land in the output.
+static int64_t whole_scratch_chunks(int64_t world, bool in_place) {
+  return std::max<int64_t>(0, in_place ? world - 1 : world - 2);
+}
+
+// Elements per piece of a reduce-scatter whose chunk has n elements: n when it
+// runs whole (too small to cut into more pieces than there are slots, or whole
+// takes no more scratch).
+static int64_t piece_numel(int64_t n, int64_t element_size, int64_t world, bool in_place) {
+  const int64_t m = std::max((n + kRsPieces - 1) / kRsPieces, (g_rs_piece_bytes + element_size - 1) / element_size);
+  const bool fewer = kRsSlots * (world - 1) * m < whole_scratch_chunks(world, in_place) * n;
+  return (n + m - 1) / m > kRsSlots && fewer ? m : n;
+}
+
+static int piece_tag(uint32_t seq, int64_t piece) {
+  return 0x40000000 | (kKindReduceScatterPiece << 24) | static_cast<int>((seq & 0xFFF) << 12) |
+         static_cast<int>(piece & 0xFFF);
+}
+
+// Every rank of a group issues its collectives in one order, so this count agrees.
+static uint32_t next_piece_seq(const std::string& group_name) {
+  static std::mutex mu;
+  static std::map<std::string, uint32_t> seq;
+  const std::lock_guard<std::mutex> lock(mu);
+  return seq[group_name]++;
+}
 
 static int message_tag(int kind, const at::Tensor& chunk) {
   const uint64_t h = static_cast<uint64_t>(chunk.nbytes()) * 0x9E3779B97F4A7C15ull;
@@ -171,7 +210,42 @@ static bool work_completed(const c10::intrusive_ptr<c10d::Work>& w) {
   }
 }
 
+// The thread of a reduce-scatter in pieces ([Note: reduce-scatter in pieces]).
+struct PieceDriver {
+  std::thread thread;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+
+  bool finished() {
+    const std::lock_guard<std::mutex> lock(mu);
+    return done;
+  }
+  template <typename Deadline>
+  bool wait_until(Deadline deadline) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_until(lock, deadline, [this] { return done; });
+  }
+  // Joins the thread; rethrows what it raised.
+  void join() {
+    if (thread.joinable()) thread.join();
+    if (error) std::rethrow_exception(error);
+  }
+};
+
 struct CommLauncher {
+  // A CPU handle whose work is the driver's thread ([Note: reduce-scatter in pieces]).
+  static Handle driven(const at::Tensor& result, double divisor, std::vector<at::Tensor> keep_alive,
+                       std::shared_ptr<PieceDriver> driver) {
+    auto h = std::make_shared<CommHandle>();
+    h->result_ = result;
+    h->divisor_ = divisor;
+    h->keep_alive_ = std::move(keep_alive);
+    h->driver_ = std::move(driver);
+    return h;
+  }
+
   // Issues `issue()` ordered after the caller's current stream (CUDA) and
   // returns the handle that guards its result.
   // CPU: `issue` may instead return several works (all waited on).
@@ -223,6 +297,7 @@ struct CommLauncher {
 
 bool CommHandle::completed() const {
   if (waited_) return true;
+  if (driver_) return driver_->finished();
 #ifdef ZEROSHARD_WITH_CUDA
   if (done_) return done_->query();
 #endif
@@ -240,9 +315,15 @@ CommHandle::~CommHandle() {
   // [Note: backend views]): never free them under a running collective.
   // Once a collective of this process hung or failed, its peers may never
   // complete the others: park them instead of waiting.
-  if (g_abandon_unwaited && !works_.empty()) {
+  if (g_abandon_unwaited && (!works_.empty() || driver_)) {
     abandon();
     return;
+  }
+  if (driver_) {
+    try {
+      driver_->join();
+    } catch (...) {  // a failed collective: nothing left to protect
+    }
   }
   for (auto& w : works_) {
     try {
@@ -264,6 +345,7 @@ void CommHandle::wait() {
     return;
   }
 #endif
+  if (driver_) driver_->join();
   for (auto& w : works_) w->wait();
   finish();
 }
@@ -280,6 +362,13 @@ bool CommHandle::wait_for(double seconds) {
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(seconds));
+  if (driver_) {
+    if (!driver_->wait_until(deadline)) {
+      abandon();
+      return false;
+    }
+    driver_->join();   // a transport failure raises
+  }
   for (auto& w : works_) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     try {
@@ -306,6 +395,7 @@ void CommHandle::finish() {
   copy_from_ = at::Tensor();
   addends_.clear();
   works_.clear();
+  driver_.reset();
 }
 
 void CommHandle::abandon() {
@@ -313,13 +403,92 @@ void CommHandle::abandon() {
   // the works again (as the destructor would) could block forever.
   static std::mutex mu;
   static auto* parked = new std::vector<std::shared_ptr<void>>();
+  // (a driver's thread is never joined: parked with its buffers, it ends, or the process does)
   auto held = std::make_shared<std::tuple<Works, std::vector<at::Tensor>, at::Tensor, at::Tensor,
-                                          std::vector<at::Tensor>>>(
-      std::move(works_), std::move(keep_alive_), result_, copy_from_, std::move(addends_));
+                                          std::vector<at::Tensor>, std::shared_ptr<PieceDriver>>>(
+      std::move(works_), std::move(keep_alive_), result_, copy_from_, std::move(addends_), std::move(driver_));
   const std::lock_guard<std::mutex> lock(mu);
   parked->push_back(std::move(held));
   works_.clear();
   abandoned_ = true;
+}
+
+int64_t set_reduce_scatter_piece_bytes(int64_t bytes) {
+  if (bytes < 1) value_error("the smallest piece of a reduce-scatter must be at least 1 byte, got ", bytes);
+  return g_rs_piece_bytes.exchange(bytes);
+}
+
+int64_t reduce_scatter_scratch_bytes(int64_t n, int64_t element_size, int64_t world, bool in_place) {
+  if (world < 2 || n == 0) return 0;
+  const int64_t m = piece_numel(n, element_size, world, in_place);
+  return (m < n ? kRsSlots * (world - 1) * m : whole_scratch_chunks(world, in_place) * n) * element_size;
+}
+
+// dst += src on the calling thread alone: at:: kernels would start an OpenMP team
+// for the driver's thread, competing with the compute threads for the cores.
+static void add_into(const at::Tensor& dst, const at::Tensor& src) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "add_into", [&] {
+    scalar_t* d = dst.data_ptr<scalar_t>();
+    const scalar_t* x = src.data_ptr<scalar_t>();
+    for (int64_t i = 0, n = dst.numel(); i < n; ++i) d[i] += x[i];
+  });
+}
+
+// [Note: reduce-scatter in pieces]: sends now, receives and sums in the driver's thread.
+static Handle reduce_scatter_in_pieces(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                       const std::string& group_name, const at::Tensor& input,
+                                       const at::Tensor& output, double divisor, bool in_place, int64_t m) {
+  const int64_t n = output.numel(), world = pg->getSize(), rank = pg->getRank();
+  const int64_t pieces = (n + m - 1) / m;
+  const uint32_t seq = next_piece_seq(group_name);
+  const at::Tensor scratch = at::empty({kRsSlots * (world - 1) * m}, output.options());
+  const at::Tensor in = backend_view(input), out = backend_view(output), slots = backend_view(scratch);
+  auto length = [=](int64_t p) { return std::min(m, n - p * m); };
+  Works sends;
+  for (int64_t p = 0; p < pieces; ++p) {
+    for (int64_t k = 1; k < world; ++k) {
+      const int64_t to = (rank + k) % world;
+      std::vector<at::Tensor> t{in.narrow(0, to * n + p * m, length(p))};
+      sends.push_back(pg->send(t, static_cast<int>(to), piece_tag(seq, p)));
+    }
+  }
+  auto driver = std::make_shared<PieceDriver>();
+  PieceDriver* d = driver.get();   // outlives the thread: joined, or parked with it
+  d->thread = std::thread([=, sends = std::move(sends)]() mutable {
+    try {
+      if (!in_place)   // this rank's own contribution
+        std::memcpy(out.data_ptr(), in.narrow(0, rank * n, n).data_ptr(), out.nbytes());
+      auto landing = [&](int64_t p, int64_t k) {   // peer rank - k's piece p
+        return slots.narrow(0, ((p % kRsSlots) * (world - 1) + (k - 1)) * m, length(p));
+      };
+      auto post = [&](int64_t p) {
+        Works recvs;
+        for (int64_t k = 1; k < world; ++k) {
+          std::vector<at::Tensor> t{landing(p, k)};
+          recvs.push_back(pg->recv(t, static_cast<int>((rank - k + world) % world), piece_tag(seq, p)));
+        }
+        return recvs;
+      };
+      std::deque<Works> posted;
+      for (int64_t p = 0; p < std::min(kRsSlots, pieces); ++p) posted.push_back(post(p));
+      for (int64_t p = 0; p < pieces; ++p) {
+        for (auto& w : posted.front()) w->wait();
+        posted.pop_front();
+        at::Tensor o = out.narrow(0, p * m, length(p));
+        for (int64_t k = 1; k < world; ++k) add_into(o, landing(p, k));
+        if (p + kRsSlots < pieces) posted.push_back(post(p + kRsSlots));
+      }
+      for (auto& w : sends) w->wait();
+    } catch (...) {
+      d->error = std::current_exception();
+    }
+    {
+      const std::lock_guard<std::mutex> lock(d->mu);
+      d->done = true;
+    }
+    d->cv.notify_all();
+  });
+  return CommLauncher::driven(output, divisor, {input, output, scratch}, std::move(driver));
 }
 
 Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
@@ -333,7 +502,9 @@ Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
     // when output is not inside input (it is then summed with our own
     // chunk), else in a scratch chunk; both are summed into output in wait().
     const bool in_place = overlaps(output, input);
-    const int64_t scratch_chunks = in_place ? world - 1 : world - 2;
+    const int64_t piece = piece_numel(n, output.element_size(), world, in_place);
+    if (piece < n) return reduce_scatter_in_pieces(pg, group_name, input, output, divisor, in_place, piece);
+    const int64_t scratch_chunks = whole_scratch_chunks(world, in_place);
     std::vector<at::Tensor> keep_alive{input, output}, landing, addends;
     if (!in_place) {
       landing.push_back(output);

@@ -32,6 +32,24 @@
 // (a separate output, N-2 chunks). Point-to-point works report completion
 // only in wait(). CUDA tensors always use NCCL's own reduce-scatter and
 // all-gather; other CPU backends their own collectives.
+//
+// [Note: reduce-scatter in pieces] That scratch is the largest transient a
+// ZeRO-3 step on gloo takes (7/8 of the root unit's gradient buffer at 8
+// ranks). So a reduce-scatter whose chunk is large enough runs in pieces:
+// each rank's chunk is cut into at most 16 pieces of at least 4 MiB, every
+// send of every piece is posted at launch, and a thread of the handle posts
+// the receives of 2 pieces at a time into as many slots of scratch, sums
+// each piece into the output as it lands (on that thread alone) and reposts
+// the slot; wait() joins it. The scratch is then 2 pieces from each peer,
+// (N-1) x 2 x max(chunk/16, 4 MiB), against (N-1) chunks in place; pieces
+// are used only where that is less. Each piece costs the receiver's thread a
+// turn on the cores before its slot is reposted, which on oversubscribed
+// CPUs delays the peer: 256 KiB pieces made a ZeRO-3 step of a 3.4M GPT 9%
+// slower (2 ranks, 2 cores), so pieces are large and only large chunks are
+// cut. A piece's messages carry a tag of their own (the group's count of
+// such collectives and the piece's index), so receives posted late never
+// meet another collective's messages. The thread touches only non-owning
+// views ([Note: backend views]); completed() reports its end.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -48,6 +66,8 @@
 namespace zeroshard {
 
 enum class StreamRole : int { kReduceScatter = 0, kAllGather = 1, kAllReduce = 2 };
+
+struct PieceDriver;
 
 class CommHandle {
  public:
@@ -69,8 +89,9 @@ class CommHandle {
   // buffers early, wait() stays required. CPU: the backend's works are done
   // (gloo's all-reduce and broadcast report it; its point-to-point messages,
   // which zeroshard's reduce-scatter and in-place all-gather use on gloo, and
-  // its native reduce-scatter only in wait()). CUDA: the completion event has
-  // passed on the device.
+  // its native reduce-scatter only in wait(); a reduce-scatter in pieces when
+  // its thread has finished). CUDA: the completion event has passed on the
+  // device.
   bool completed() const;
 
  private:
@@ -81,6 +102,7 @@ class CommHandle {
   std::vector<at::Tensor> addends_;      // CPU: then added into result_
   double divisor_ = 1.0;
   std::vector<at::Tensor> keep_alive_;   // inputs/outputs held until wait()
+  std::shared_ptr<PieceDriver> driver_;  // CPU, in pieces: the thread that receives and sums them
 #ifdef ZEROSHARD_WITH_CUDA
   std::shared_ptr<at::cuda::CUDAEvent> done_;
 #endif
@@ -103,6 +125,13 @@ void abandon_unwaited();
 // contents may be overwritten (see [Note: gloo algorithms]).
 Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
                       const at::Tensor& output, bool average, bool input_is_scratch = false);
+// Bytes of scratch a reduce-scatter of `chunk_numel` elements of `element_size`
+// bytes per rank takes on gloo ([Note: gloo algorithms], [Note: reduce-scatter
+// in pieces]); `in_place`: the output lies inside the input. 0 for world < 2.
+int64_t reduce_scatter_scratch_bytes(int64_t chunk_numel, int64_t element_size, int64_t world, bool in_place);
+// The smallest piece of a reduce-scatter in pieces (4 MiB; tests make it smaller
+// to cut small buffers); returns the previous value.
+int64_t set_reduce_scatter_piece_bytes(int64_t bytes);
 // output = concat over ranks of input. output.numel() == world * input.numel().
 Handle all_gather(const std::string& group_name, const at::Tensor& input,
                   const at::Tensor& output);

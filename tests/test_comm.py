@@ -213,6 +213,64 @@ def test_scratch_reduce_scatter_and_in_place_all_gather(dist_pool):
         assert all(ok), ok
 
 
+def _in_pieces():
+    """Reduce-scatters whose chunk is large enough run in pieces through a few scratch
+    slots ([Note: reduce-scatter in pieces] in csrc/comm.h): in place and into a separate
+    output, averaged, in bf16, with chunks that are not a multiple of the piece; two of
+    one size in flight at once, waited in opposite orders on different ranks; their
+    scratch is a fraction of the unpieced one."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ok = []
+    for shard, dtype in ((196625, torch.float32), (1048583, torch.float32), (393241, torch.bfloat16)):
+        x = _exact_sum_inputs(world * shard, dtype, salt=5)
+        theirs = torch.empty(shard, dtype=dtype)
+        dist.reduce_scatter_tensor(theirs, x.clone())
+        for alias in (False, True):
+            for average in (False, True):
+                src = x.clone()
+                out = src[rank * shard:(rank + 1) * shard] if alias else torch.empty(shard, dtype=dtype)
+                h = zs.reduce_scatter(src, out, average=average, input_is_scratch=True)
+                whole = max(0, world - (1 if alias else 2)) * shard * dtype.itemsize
+                if zs.comm.reduce_scatter_scratch_bytes(shard, dtype.itemsize, world, alias) < whole:
+                    for _ in range(20000):    # in pieces: the thread's end shows in completed()
+                        if h.completed():
+                            break
+                        time.sleep(0.001)
+                    ok.append(h.completed())
+                h.wait()
+                ok.append(torch.equal(out, theirs / world if average else theirs))
+        pieced = zs.comm.reduce_scatter_scratch_bytes(shard, dtype.itemsize, world, True)
+        whole = (world - 1) * shard * dtype.itemsize       # in place, unpieced: a chunk per peer
+        ok.append(0 < pieced <= whole * (0.7 if shard < 10 ** 6 else 0.13))
+    shard = 196625
+    xs = [_exact_sum_inputs(world * shard, torch.float32, salt=6 + k) for k in range(2)]
+    outs = [torch.empty(shard) for _ in xs]
+    hs = [zs.reduce_scatter(x.clone(), o, average=False) for x, o in zip(xs, outs)]
+    for h in (hs if rank % 2 else hs[::-1]):
+        h.wait()
+    for x, o in zip(xs, outs):
+        theirs = torch.empty(shard)
+        dist.reduce_scatter_tensor(theirs, x.clone())
+        ok.append(torch.equal(o, theirs))
+    return ok
+
+
+def _in_pieces_of(piece_bytes):
+    old = zs._C.set_reduce_scatter_piece_bytes(piece_bytes)   # cut test-sized buffers
+    try:
+        return _in_pieces()
+    finally:
+        zs._C.set_reduce_scatter_piece_bytes(old)
+
+
+def test_reduce_scatter_in_pieces(dist_pool):
+    # by default only chunks of more than two 4 MiB pieces are cut
+    assert zs.comm.reduce_scatter_scratch_bytes(2 ** 21, 4, 8, True) == 7 * 2 ** 23
+    assert zs.comm.reduce_scatter_scratch_bytes(2 ** 23, 4, 8, True) == 7 * 2 * 2 ** 22
+    for ok in dist_pool.run(_in_pieces_of, 256 << 10):
+        assert all(ok), [k for k, v in enumerate(ok) if not v]
+
+
 def _flight(stage):
     import torch.nn as nn
     import torch.nn.functional as F

@@ -85,6 +85,15 @@ def _scenario(name, stage, tmp):
         if rank == 0:
             zs.save_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
         _train(model, opt, 1)
+    elif name == "pieces_on_rank_0":
+        # a reduce-scatter in pieces (csrc/comm.h) that the other rank never joins
+        zs._C.set_reduce_scatter_piece_bytes(64 << 10)
+        world = dist.get_world_size()
+        if rank == 0:
+            x = torch.ones(world * 100_003)
+            zs.reduce_scatter(x, x[:100_003], average=False, what="pieced").wait()
+        else:
+            zs.all_reduce(torch.ones(3), what="elsewhere").wait()
     elif name == "normal":
         model, opt = _model_and_opt(stage)
         _train(model, opt, 2)
@@ -194,6 +203,13 @@ def test_a_checkpoint_save_entered_by_one_rank(tmp_path):
     got = _run("checkpoint_on_rank_0", 2, tmp_path)
     _both_name_the_other(got, "checkpoint outcome exchange", "step 2, bucket 0 reduce-scatter")
     assert not os.path.exists(tmp_path / "ckpt")          # nothing half-written in its place
+
+
+def test_a_reduce_scatter_in_pieces_entered_by_one_rank(tmp_path):
+    """Its thread waits for pieces that never come: the watchdog reports it, the
+    handle parks the thread, and both processes end."""
+    got = _run("pieces_on_rank_0", 2, tmp_path)
+    _both_name_the_other(got, "(pieced)", "(elsewhere)")
 
 
 def test_debug_mode_names_both_sides_of_a_mismatch_before_data_moves(tmp_path):

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import comm
 from ._offload import planning_for_host
 from ._plan_trace import Gather, Policy, Reduction, activation_bytes, torch_dtype
 from ._plan_formula import (
@@ -165,11 +166,11 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
               bucket_mb: float, prefetch: int, offload: dict, gloo: bool = False) -> Dict[str, object]:
     """``offload``: ShardedOptimizer's offload keywords (on meta, offloaded state is
     counted where it would live, and nothing is allocated or written); ``gloo``: count
-    the scratch chunks zeroshard's point-to-point reduce-scatter takes on gloo (one per
-    peer whose chunk cannot land in the output; csrc/comm.cpp), which NCCL does not
-    need, and plan CPU processes (meta stands for host memory: planning_for_host)."""
-    def scratch(nbytes: int, in_place: bool) -> int:
-        return nbytes // world_size * max(0, world_size - (1 if in_place else 2)) if gloo and world_size > 1 else 0
+    the scratch zeroshard's point-to-point reduce-scatter takes on gloo
+    (comm.reduce_scatter_scratch_bytes), which NCCL does not need, and plan CPU
+    processes (meta stands for host memory: planning_for_host)."""
+    def scratch(numel: int, itemsize: int, in_place: bool) -> int:
+        return comm.reduce_scatter_scratch_bytes(numel // world_size, itemsize, world_size, in_place) if gloo else 0
 
     pdt = torch_dtype(dtype)
     with _fake_world(rank, world_size), (planning_for_host() if gloo else contextlib.nullcontext()):
@@ -190,7 +191,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                        transient=gathered + ri * (fs.units[0].numel + (biggest.numel if biggest else 0)),
                        fixed=rep["root_gathered"], policy=Policy(
                            [Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel,
-                                       scratch(ri * u.numel, True)) for u in order],
+                                       scratch(u.numel, ri, True)) for u in order],
                            inflight=_FS_INFLIGHT, first=0, prefetch=prefetch,
                            gathers=[Gather(u.name, u.numel * pdt.itemsize, [q.names[0] for q in u.trainable])
                                     for u in fs.units[1:]]))
@@ -206,7 +207,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                 out["transient"] = max(b.numel * item[id(b)] for b in red.buckets)
                 out["policy"] = Policy(
                     [Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0,
-                                scratch(b.numel * item[id(b)], False))
+                                scratch(b.numel, item[id(b)], False))
                      for b in (red.buckets[k] for k in red.launch_order)],
                     inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for b in red.buckets),
                     keep=_SO_INFLIGHT + 1, pooled=gloo)
