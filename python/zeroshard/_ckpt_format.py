@@ -243,12 +243,15 @@ class Reader:
         """Fill dest (1-D) with elements lo .. lo+len(dest) of tensor ``key``."""
         dtype, hi, done = parse_dtype(self.man["tensors"][key]["dtype"]), lo + dest.numel(), 0
         item = dtype.itemsize
+        # whole blocks straight into dest when they are exactly its elements (no staging copy)
+        direct = dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous()
         for (fname, byte0, start, numel, crcs), a, b, x0, x1, r0, r1 in self._spans(key, lo, hi):
             f = self._file(fname, key)
-            if self._staging.numel() < r1 - r0:
+            into = direct and (x0, x1) == (r0, r1)
+            if not into and self._staging.numel() < r1 - r0:
                 self._staging = torch.empty(0, dtype=torch.uint8)
                 self._staging = torch.empty(r1 - r0, dtype=torch.uint8)
-            buf = self._staging[:r1 - r0]
+            buf = dest[a - lo:b - lo] if into else self._staging[:r1 - r0]
             mv = memory(buf)
             f.seek(byte0 + r0)
             if f.readinto(mv) != r1 - r0:
@@ -261,7 +264,8 @@ class Reader:
                         f"{os.path.join(self.path, fname)}: tensor '{key}' fails its checksum in elements "
                         f"{start + (s_ + r0) // item}..{start + (e_ + r0) // item} (the file is corrupt); "
                         "load another checkpoint")
-            dest[a - lo:b - lo].copy_(buf[x0 - r0:x1 - r0].view(dtype))
+            if not into:
+                dest[a - lo:b - lo].copy_(buf[x0 - r0:x1 - r0].view(dtype))
             done += b - a
         if done != hi - lo:
             raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: tensor '{key}' elements {lo}..{hi} are "
