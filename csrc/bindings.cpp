@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "comm.h"
+#include "crc32.h"
 #include "layout.h"
 #include "ops.h"
 
@@ -86,6 +87,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("exp_avg_sqs"), py::arg("outs"), py::arg("hypers"), py::arg("hyper_of"), py::arg("scale"),
         py::arg("noop"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>(),
         "Fused AdamW over flat shards, one launch (csrc/ops.h).");
+
+  // ---- checkpoint checksums ----
+  m.def("crc32", [](py::buffer data, uint32_t crc) {
+          const py::buffer_info b = data.request();
+          const py::gil_scoped_release unlocked;
+          return crc32(b.ptr, static_cast<size_t>(b.size * b.itemsize), crc);
+        }, py::arg("data"), py::arg("crc") = 0, "zlib.crc32, faster where the CPU allows (csrc/crc32.h).");
+  m.def("crc32_is_fast", &crc32_is_fast, "Whether crc32 folds with PCLMULQDQ here (csrc/crc32.h).");
 
   // ---- collectives ----
   py::class_<CommHandle, Handle>(m, "CommHandle", py::module_local(), "Guards the result of one collective.")

@@ -300,6 +300,27 @@ def test_writeback_is_started_as_the_file_is_written(tmp_path, monkeypatch):
     assert ranges == []
 
 
+def test_block_checksums_are_zlibs_crc32(tmp_path):
+    """The C++ CRC-32 (csrc/crc32.h) is zlib's: on random buffers of awkward lengths and
+    offsets, and on the blocks of a written file, so checkpoints written before it and
+    any zlib reader agree."""
+    import zlib
+    from zeroshard import _ckpt_format as fmt
+    g = torch.Generator().manual_seed(int(time.time()))
+    data = memoryview(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).numpy().tobytes())
+    for n in (0, 1, 15, 16, 63, 64, 65, 1021, 65537, 1 << 20, (3 << 20) - 7):
+        for off in (0, 3):
+            chunk = data[off:off + n]
+            assert zs._C.crc32(chunk) == zlib.crc32(chunk), (n, off)
+            assert fmt.crc32(chunk, 12345) == zlib.crc32(chunk, 12345), (n, off)
+    t = torch.randn(300_007)
+    _, _, placed = fmt.write_safetensors(str(tmp_path / "a.safetensors"), [("t", t.dtype, t.shape, lambda: t)])
+    raw = open(tmp_path / "a.safetensors", "rb").read()
+    off, crcs = placed[0]
+    body = raw[off:off + t.numel() * 4]
+    assert crcs == [zlib.crc32(body[k:k + fmt.BLOCK]) for k in range(0, len(body), fmt.BLOCK)]
+
+
 def test_the_replaced_checkpoint_is_deleted_in_the_background(tmp_path, monkeypatch):
     """save_checkpoint returns once the new checkpoint is committed; the previous one is
     deleted by a thread (held up here), and the next save waits for it."""
