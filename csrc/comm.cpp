@@ -7,9 +7,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -210,27 +210,18 @@ static bool work_completed(const c10::intrusive_ptr<c10d::Work>& w) {
   }
 }
 
-// The thread of a reduce-scatter in pieces ([Note: reduce-scatter in pieces]).
+// The thread of a reduce-scatter in pieces ([Note: reduce-scatter in pieces]);
+// `ended` is set (or holds what it raised) when it is done.
 struct PieceDriver {
   std::thread thread;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  std::exception_ptr error;
+  std::promise<void> end;
+  std::shared_future<void> ended = end.get_future().share();
 
-  bool finished() {
-    const std::lock_guard<std::mutex> lock(mu);
-    return done;
-  }
-  template <typename Deadline>
-  bool wait_until(Deadline deadline) {
-    std::unique_lock<std::mutex> lock(mu);
-    return cv.wait_until(lock, deadline, [this] { return done; });
-  }
+  bool finished() const { return ended.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
   // Joins the thread; rethrows what it raised.
   void join() {
     if (thread.joinable()) thread.join();
-    if (error) std::rethrow_exception(error);
+    ended.get();
   }
 };
 
@@ -363,7 +354,7 @@ bool CommHandle::wait_for(double seconds) {
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(seconds));
   if (driver_) {
-    if (!driver_->wait_until(deadline)) {
+    if (driver_->ended.wait_until(deadline) != std::future_status::ready) {
       abandon();
       return false;
     }
@@ -479,14 +470,10 @@ static Handle reduce_scatter_in_pieces(const c10::intrusive_ptr<c10d::ProcessGro
         if (p + kRsSlots < pieces) posted.push_back(post(p + kRsSlots));
       }
       for (auto& w : sends) w->wait();
+      d->end.set_value();
     } catch (...) {
-      d->error = std::current_exception();
+      d->end.set_exception(std::current_exception());
     }
-    {
-      const std::lock_guard<std::mutex> lock(d->mu);
-      d->done = true;
-    }
-    d->cv.notify_all();
   });
   return CommLauncher::driven(output, divisor, {input, output, scratch}, std::move(driver));
 }

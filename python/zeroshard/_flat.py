@@ -65,6 +65,9 @@ class FlatBuffer:
     # host copy of this rank's reduced gradient shard, for state the CPU steps while the
     # gradients are on a device ([Note: offloaded gradients]); else None
     grad_mirror: Optional[torch.Tensor] = None
+    # stage 2 on CPU: the storage of the shard zero_grad(set_to_none=True) dropped, which the
+    # next backward's first reduction takes ([Note: bucket buffers between steps] in _reducer.py)
+    spare_shard: Optional[torch.Tensor] = None
 
 
 def held_by_ddp(p: torch.Tensor) -> bool:

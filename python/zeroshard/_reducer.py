@@ -126,7 +126,6 @@ class FlatReducer(ShardSource):
         self._hooks = [params[i].register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i, p))
                        for i in self.trainable]
         self._kept: Optional[Dict[int, torch.Tensor]] = None     # see _before_grad
-        self._spare_shards: Dict[int, torch.Tensor] = {}   # CPU: stage 2's shards kept between steps
         if stage == 1 and groups.replicate is not None:
             self._hooks += [params[i].register_hook(weak_hook(self._before_grad)) for i in self.trainable]
 
@@ -214,7 +213,7 @@ class FlatReducer(ShardSource):
         # holding nothing yet receives the result directly; _retire folds it in.
         if self.stage == 2 and buf.grad_shard is None:   # freed by zero_grad(set_to_none=True)
             # every bucket writes its whole piece of the shard: no zeroing needed
-            buf.grad_shard = self._spare_shards.pop(id(buf), None)
+            buf.grad_shard, buf.spare_shard = buf.spare_shard, None
             if buf.grad_shard is None:
                 buf.grad_shard = torch.empty(buf.shard_numel, dtype=rdt, device=self.device)
         out = (b.shard_of(buf.grad_shard) if self.stage == 2 and self._shard_fresh
@@ -351,7 +350,7 @@ class FlatReducer(ShardSource):
                 buf.grads.zero_()
             if set_to_none:     # stage 2: the next backward allocates it again
                 if self.device.type == "cpu" and buf.grad_shard is not None:
-                    self._spare_shards[id(buf)] = buf.grad_shard   # [Note: bucket buffers between steps]
+                    buf.spare_shard = buf.grad_shard     # [Note: bucket buffers between steps]
                 buf.grad_shard = None
                 self._arrived.clear()
             elif buf.grad_shard is not None:

@@ -35,8 +35,9 @@ Save: rank 0 makes ``.{name}.partial-{id}`` beside the target. Every rank
 writes and fsyncs its files there (starting the kernel's writeback every
 8 MB as it writes, so the disk works while later pieces are checksummed and
 the fsync waits only for the tail; ``sync_files=False``: neither), then the
-ranks exchange what they wrote. Rank 0 writes and fsyncs the manifest, then makes the directory the
-checkpoint with one atomic rename (a new path), or by atomically exchanging it
+ranks exchange what they wrote. Rank 0 writes and fsyncs the manifest, then
+makes the directory the checkpoint with one atomic rename (a new path), or
+by atomically exchanging it
 with the previous checkpoint (``renameat2(RENAME_EXCHANGE)``; filesystems
 without it: two renames, and a load that finds the path missing uses the
 ``.{name}.old-*`` left between them). Only then is the old one deleted: after
