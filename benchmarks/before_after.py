@@ -7,7 +7,7 @@ Separate runs of `step.py` on a shared machine spread by several percent, more
 than most changes one wants to judge. Here every build is imported into the
 same worker processes under its own name (`zs_<name>`; the installed package
 is "head"), every stage of every build is set up on its own copy of step.py's
-default GPT (3.4M parameters, world size 2, gloo) next to DDP + fused AdamW,
+default GPT (3.4M parameters, world size 2 unless --world-size, gloo) next to DDP + fused AdamW,
 and their steps are taken in turn (order rotated each turn). The result is
 the median over turns of each build's step time over the first build's *in
 the same turn*: two copies of one build read 1.000 +- 0.002 at 80 turns on
@@ -104,6 +104,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4, help="GPT blocks (step.py's default; 8 with --dim 512: 25.8M)")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank (the sweep's: 2)")
+    ap.add_argument("--world-size", type=int, default=2, help="ranks (on this machine's cores: oversubscribed past 2)")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "zeroshard-builds"))
     args = ap.parse_args()
     packages = {c: build_commit(c, args.cache) for c in args.build}
@@ -117,7 +118,7 @@ def main():
     variants = ["ddp"] + [f"{n}:{s}" for s in stages for n in names]
     cfg = S.GPTConfig(layers=args.layers, dim=args.dim, heads=4, seq=64, vocab=1021)
     run = types.SimpleNamespace(batch=args.batch, warmup=args.warmup, paired=args.paired, device="cpu", dtype="float32")
-    times = S.spawn(mp.get_context("spawn"), S.paired_worker, 2, "before/after", variants, cfg, run,
+    times = S.spawn(mp.get_context("spawn"), S.paired_worker, args.world_size, "before/after", variants, cfg, run,
                     Builder(packages))
     if times is None:
         sys.exit(1)

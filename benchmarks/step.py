@@ -36,8 +36,8 @@ DDP's step time in the same turn. On a shared machine the load changes by
 tens of percent between separate runs; within a turn it does not.
 
 On CPU, "tensor MB" is exact: the peak of live tensor bytes over what the
-built model holds, counted from the CPU allocator's own allocation and free
-events (the profiler's memory events) in a second build of the variant
+built model holds, the CPU allocator's own count of live bytes in the process
+(read at the profiler's memory events; benchmarks/cpu_memory.py) in a second build of the variant
 running two more steps; RSS also counts what is not tensors (gloo's and
 Python's memory, the allocator's fragmentation).
 

@@ -84,7 +84,7 @@ MEMORY_VARIANTS = ["zeroshard-3", "fsdp2-3", "deepspeed-3"]
 
 def memory(args, spawn, worker, ctx) -> None:
     """``--sweep --memory``: the exact tensor peak (step.py's "tensor MB": live tensor bytes
-    from the CPU allocator's events, over what the built model holds, two steps) of each
+    from the CPU allocator's process-wide count, over what the built model holds, two steps) of each
     ZeRO-3 variant at every size and world size of the sweep; ``worker``: step.py's."""
     variants = peers.runnable(args.variants.split(",") if args.variants else MEMORY_VARIANTS)
     sizes = args.sizes.split(",") if getattr(args, "sizes", None) else list(SIZES)

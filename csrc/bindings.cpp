@@ -111,7 +111,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("average"), py::arg("input_is_scratch") = false, py::call_guard<py::gil_scoped_release>(),
         "Flat reduce-scatter (csrc/comm.h).");
   m.def("reduce_scatter_scratch_bytes", &reduce_scatter_scratch_bytes, py::arg("chunk_numel"),
-        py::arg("element_size"), py::arg("world"), py::arg("in_place"),
+        py::arg("element_size"), py::arg("world"), py::arg("in_place"), py::arg("input_is_scratch") = false,
         "Scratch bytes of a reduce-scatter on gloo (csrc/comm.h).");
   m.def("set_reduce_scatter_piece_bytes", &set_reduce_scatter_piece_bytes, py::arg("bytes"),
         "The smallest piece of a reduce-scatter in pieces; returns the previous (csrc/comm.h).");

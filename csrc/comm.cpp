@@ -129,17 +129,20 @@ constexpr int64_t kRsPieces = 16;             // at most this many pieces per ch
 constexpr int64_t kRsSlots = 2;               // pieces whose receives are posted at once
 
 // Scratch chunks of a reduce-scatter run whole: one per peer whose chunk cannot
-// land in the output.
-static int64_t whole_scratch_chunks(int64_t world, bool in_place) {
-  return std::max<int64_t>(0, in_place ? world - 1 : world - 2);
+// land in the output; with `input_is_scratch` at most one ([Note: landing in
+// sent chunks]).
+static int64_t whole_scratch_chunks(int64_t world, bool in_place, bool input_is_scratch) {
+  if (world < 2) return 0;
+  if (input_is_scratch) return in_place ? 1 : 0;
+  return in_place ? world - 1 : world - 2;
 }
 
 // Elements per piece of a reduce-scatter whose chunk has n elements: n when it
 // runs whole (too small to cut into more pieces than there are slots, or whole
 // takes no more scratch).
-static int64_t piece_numel(int64_t n, int64_t element_size, int64_t world, bool in_place) {
+static int64_t piece_numel(int64_t n, int64_t element_size, int64_t world, bool in_place, bool input_is_scratch) {
   const int64_t m = std::max((n + kRsPieces - 1) / kRsPieces, (g_rs_piece_bytes + element_size - 1) / element_size);
-  const bool fewer = kRsSlots * (world - 1) * m < whole_scratch_chunks(world, in_place) * n;
+  const bool fewer = kRsSlots * (world - 1) * m < whole_scratch_chunks(world, in_place, input_is_scratch) * n;
   return (n + m - 1) / m > kRsSlots && fewer ? m : n;
 }
 
@@ -210,8 +213,9 @@ static bool work_completed(const c10::intrusive_ptr<c10d::Work>& w) {
   }
 }
 
-// The thread of a reduce-scatter in pieces ([Note: reduce-scatter in pieces]);
-// `ended` is set (or holds what it raised) when it is done.
+// The thread of a reduce-scatter in pieces or landing in sent chunks ([Note:
+// reduce-scatter in pieces], [Note: landing in sent chunks]); `ended` is set
+// (or holds what it raised) when it is done.
 struct PieceDriver {
   std::thread thread;
   std::promise<void> end;
@@ -226,12 +230,14 @@ struct PieceDriver {
 };
 
 struct CommLauncher {
-  // A CPU handle whose work is the driver's thread ([Note: reduce-scatter in pieces]).
+  // A CPU handle whose work is the driver's thread; `addends` are summed into
+  // the result in wait().
   static Handle driven(const at::Tensor& result, double divisor, std::vector<at::Tensor> keep_alive,
-                       std::shared_ptr<PieceDriver> driver) {
+                       std::shared_ptr<PieceDriver> driver, std::vector<at::Tensor> addends = {}) {
     auto h = std::make_shared<CommHandle>();
     h->result_ = result;
     h->divisor_ = divisor;
+    h->addends_ = std::move(addends);
     h->keep_alive_ = std::move(keep_alive);
     h->driver_ = std::move(driver);
     return h;
@@ -409,10 +415,12 @@ int64_t set_reduce_scatter_piece_bytes(int64_t bytes) {
   return g_rs_piece_bytes.exchange(bytes);
 }
 
-int64_t reduce_scatter_scratch_bytes(int64_t n, int64_t element_size, int64_t world, bool in_place) {
+int64_t reduce_scatter_scratch_bytes(int64_t n, int64_t element_size, int64_t world, bool in_place,
+                                     bool input_is_scratch) {
   if (world < 2 || n == 0) return 0;
-  const int64_t m = piece_numel(n, element_size, world, in_place);
-  return (m < n ? kRsSlots * (world - 1) * m : whole_scratch_chunks(world, in_place) * n) * element_size;
+  const int64_t m = piece_numel(n, element_size, world, in_place, input_is_scratch);
+  return (m < n ? kRsSlots * (world - 1) * m : whole_scratch_chunks(world, in_place, input_is_scratch) * n) *
+         element_size;
 }
 
 // dst += src on the calling thread alone: at:: kernels would start an OpenMP team
@@ -478,6 +486,57 @@ static Handle reduce_scatter_in_pieces(const c10::intrusive_ptr<c10d::ProcessGro
   return CommLauncher::driven(output, divisor, {input, output, scratch}, std::move(driver));
 }
 
+// [Note: landing in sent chunks]: sends and the first receive now, the other
+// receives from the driver's thread as this rank's own sends complete.
+static Handle reduce_scatter_into_sent_chunks(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                              const std::string& group_name, const at::Tensor& input,
+                                              const at::Tensor& output, double divisor, bool in_place) {
+  const int64_t n = output.numel(), world = pg->getSize(), rank = pg->getRank();
+  const int tag = piece_tag(next_piece_seq(group_name), 0);
+  const at::Tensor in = backend_view(input);
+  // (by value: the thread uses them after this function returned)
+  auto peer = [=](int64_t k) { return static_cast<int>((rank + k + world) % world); };   // -world < k < world
+  auto chunk = [=](const at::Tensor& t, int64_t k) { return t.narrow(0, peer(k) * n, n); };
+  // step k's chunk: the peer rank - k's; it lands in the output (outside the
+  // input) or in one chunk of scratch at step 1, then in the chunk this rank
+  // sent to rank + k - 1 at step k - 1
+  std::vector<at::Tensor> keep_alive{input, output}, addends;
+  at::Tensor first = output;
+  if (in_place) {
+    keep_alive.push_back(at::empty({n}, output.options()));
+    first = keep_alive.back();
+    addends.push_back(first);
+  } else {
+    addends.push_back(chunk(input, 0));   // this rank's own contribution
+  }
+  for (int64_t k = 2; k < world; ++k) addends.push_back(chunk(input, k - 1));
+  Works sends;
+  for (int64_t k = 1; k < world; ++k) {
+    std::vector<at::Tensor> t{chunk(in, k)};
+    sends.push_back(pg->send(t, peer(k), tag));
+  }
+  std::vector<at::Tensor> t{backend_view(first)};
+  auto first_recv = pg->recv(t, peer(-1), tag);
+  auto driver = std::make_shared<PieceDriver>();
+  PieceDriver* d = driver.get();   // outlives the thread: joined, or parked with it
+  d->thread = std::thread([=, sends = std::move(sends)]() mutable {
+    try {
+      Works recvs{first_recv};
+      for (int64_t k = 2; k < world; ++k) {
+        sends[k - 2]->wait();   // chunk(in, k - 1) has left: free to land in
+        std::vector<at::Tensor> into{chunk(in, k - 1)};
+        recvs.push_back(pg->recv(into, peer(-k), tag));
+      }
+      sends.back()->wait();   // (a work is waited once: gloo counts completions)
+      for (auto& w : recvs) w->wait();
+      d->end.set_value();
+    } catch (...) {
+      d->end.set_exception(std::current_exception());
+    }
+  });
+  return CommLauncher::driven(output, divisor, std::move(keep_alive), std::move(driver), std::move(addends));
+}
+
 Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
                       const at::Tensor& output, bool average, bool input_is_scratch) {
   auto pg = resolve(group_name);
@@ -489,9 +548,11 @@ Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
     // when output is not inside input (it is then summed with our own
     // chunk), else in a scratch chunk; both are summed into output in wait().
     const bool in_place = overlaps(output, input);
-    const int64_t piece = piece_numel(n, output.element_size(), world, in_place);
+    const int64_t piece = piece_numel(n, output.element_size(), world, in_place, input_is_scratch);
     if (piece < n) return reduce_scatter_in_pieces(pg, group_name, input, output, divisor, in_place, piece);
-    const int64_t scratch_chunks = whole_scratch_chunks(world, in_place);
+    if (input_is_scratch && world > 2)
+      return reduce_scatter_into_sent_chunks(pg, group_name, input, output, divisor, in_place);
+    const int64_t scratch_chunks = whole_scratch_chunks(world, in_place, false);
     std::vector<at::Tensor> keep_alive{input, output}, landing, addends;
     if (!in_place) {
       landing.push_back(output);

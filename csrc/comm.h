@@ -29,7 +29,8 @@
 // A peer's chunk is received into the output itself when the output lies
 // outside the input, else into a scratch chunk held until wait(), so a
 // reduce-scatter in place takes (N-1)/N of the buffer more while in flight
-// (a separate output, N-2 chunks). Point-to-point works report completion
+// (a separate output, N-2 chunks), unless the input is scratch ([Note:
+// landing in sent chunks]). Point-to-point works report completion
 // only in wait(). CUDA tensors always use NCCL's own reduce-scatter and
 // all-gather; other CPU backends their own collectives.
 //
@@ -50,6 +51,24 @@
 // such collectives and the piece's index), so receives posted late never
 // meet another collective's messages. The thread touches only non-owning
 // views ([Note: backend views]); completed() reports its end.
+//
+// [Note: landing in sent chunks] When the caller marks the input as scratch
+// (every reduce-scatter of zeroshard's own: a bucket or a unit's gradient
+// buffer, dropped after the reduction) and there are more than two ranks, a
+// peer's chunk needs no scratch of its own: once this rank's send of chunk
+// j has left (gloo completes a send when the data is written, and writes it
+// only after the receiver posted its receive), the input's chunk j is free.
+// So at step k = 1 the chunk of rank - 1 lands in the output (outside the
+// input) or in one scratch chunk (in place), and a thread of the handle
+// waits for the send of step k - 1 before posting step k's receive into the
+// chunk that send freed. Every rank's first receive is posted at launch, so
+// every rank's first send completes, so every second receive gets posted,
+// and so on: no cycle of waits. The scratch is one chunk in place and none
+// into a separate output, at any world size, against N-1 (N-2) chunks; the
+// receives of steps 2.. wait one send each, a turn of the thread that on
+// oversubscribed cores comes late, which the step's benchmarks measured as
+// within their noise (benchmarks/RESULTS.md). Its messages carry a tag of
+// their own, as a piece's do. Summing stays in wait(), as for whole chunks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -89,8 +108,8 @@ class CommHandle {
   // buffers early, wait() stays required. CPU: the backend's works are done
   // (gloo's all-reduce and broadcast report it; its point-to-point messages,
   // which zeroshard's reduce-scatter and in-place all-gather use on gloo, and
-  // its native reduce-scatter only in wait(); a reduce-scatter in pieces when
-  // its thread has finished). CUDA: the completion event has passed on the
+  // its native reduce-scatter only in wait(); a reduce-scatter in pieces or
+  // landing in sent chunks when its thread has finished). CUDA: the completion event has passed on the
   // device.
   bool completed() const;
 
@@ -127,8 +146,10 @@ Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
                       const at::Tensor& output, bool average, bool input_is_scratch = false);
 // Bytes of scratch a reduce-scatter of `chunk_numel` elements of `element_size`
 // bytes per rank takes on gloo ([Note: gloo algorithms], [Note: reduce-scatter
-// in pieces]); `in_place`: the output lies inside the input. 0 for world < 2.
-int64_t reduce_scatter_scratch_bytes(int64_t chunk_numel, int64_t element_size, int64_t world, bool in_place);
+// in pieces], [Note: landing in sent chunks]); `in_place`: the output lies
+// inside the input; `input_is_scratch` as passed to reduce_scatter. 0 for world < 2.
+int64_t reduce_scatter_scratch_bytes(int64_t chunk_numel, int64_t element_size, int64_t world, bool in_place,
+                                     bool input_is_scratch = false);
 // The smallest piece of a reduce-scatter in pieces (4 MiB; tests make it smaller
 // to cut small buffers); returns the previous value.
 int64_t set_reduce_scatter_piece_bytes(int64_t bytes);

@@ -213,6 +213,46 @@ def test_scratch_reduce_scatter_and_in_place_all_gather(dist_pool):
         assert all(ok), ok
 
 
+def _into_sent_chunks():
+    """reduce_scatter(input_is_scratch=True) on gloo lands the peers' chunks in the
+    input's chunks this rank has already sent ([Note: landing in sent chunks] in
+    csrc/comm.h): equal to torch's in place and into a separate output, averaged and
+    not, three of one size in flight at once beside one whose input is kept, waited
+    in an order that differs by rank; the scratch is one chunk in place, none into a
+    separate output."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ok = []
+    for shard in (1, 37, 4099):
+        xs = [_exact_sum_inputs(world * shard, torch.float32, salt=20 + k) for k in range(4)]
+        theirs = []
+        for x in xs:
+            theirs.append(torch.empty(shard))
+            dist.reduce_scatter_tensor(theirs[-1], x.clone())
+        srcs = [x.clone() for x in xs]
+        outs = [s[rank * shard:(rank + 1) * shard] if k % 2 == 0 else torch.empty(shard) for k, s in enumerate(srcs)]
+        hs = [zs.reduce_scatter(srcs[k], outs[k], average=k == 2, input_is_scratch=k != 1) for k in range(4)]
+        for k in (range(4) if rank % 2 else range(3, -1, -1)):
+            hs[k].wait()
+        ok += [torch.equal(outs[k], theirs[k] / world if k == 2 else theirs[k]) for k in range(4)]
+        ok.append(torch.equal(srcs[1], xs[1]))          # not scratch: left as it was
+    n = 1000
+    ok.append(zs.comm.reduce_scatter_scratch_bytes(n, 4, world, True, input_is_scratch=True) == 4 * n)
+    ok.append(zs.comm.reduce_scatter_scratch_bytes(n, 4, world, False, input_is_scratch=True) == 0)
+    ok.append(zs.comm.reduce_scatter_scratch_bytes(n, 4, world, True) == (world - 1) * 4 * n)
+    return ok
+
+
+def test_reduce_scatter_into_sent_chunks(dist_pool):
+    for ok in dist_pool.run(_into_sent_chunks):
+        assert all(ok), [k for k, v in enumerate(ok) if not v]
+
+
+def test_reduce_scatter_into_sent_chunks_at_four_ranks():
+    from conftest import get_pool
+    for ok in get_pool(4).run(_into_sent_chunks):
+        assert all(ok), [k for k, v in enumerate(ok) if not v]
+
+
 def _in_pieces():
     """Reduce-scatters whose chunk is large enough run in pieces through a few scratch
     slots ([Note: reduce-scatter in pieces] in csrc/comm.h): in place and into a separate

@@ -94,6 +94,14 @@ def _scenario(name, stage, tmp):
             zs.reduce_scatter(x, x[:100_003], average=False, what="pieced").wait()
         else:
             zs.all_reduce(torch.ones(3), what="elsewhere").wait()
+    elif name == "landing_on_rank_0":
+        # a reduce-scatter landing in its input's sent chunks (csrc/comm.h) that no peer joins
+        world = dist.get_world_size()
+        if rank == 0:
+            x = torch.ones(world * 1009)
+            zs.reduce_scatter(x, x[:1009], average=False, input_is_scratch=True, what="landing").wait()
+        else:
+            zs.all_reduce(torch.ones(3), what="elsewhere").wait()
     elif name == "normal":
         model, opt = _model_and_opt(stage)
         _train(model, opt, 2)
@@ -210,6 +218,13 @@ def test_a_reduce_scatter_in_pieces_entered_by_one_rank(tmp_path):
     handle parks the thread, and both processes end."""
     got = _run("pieces_on_rank_0", 2, tmp_path)
     _both_name_the_other(got, "(pieced)", "(elsewhere)")
+
+
+def test_a_reduce_scatter_landing_in_sent_chunks_entered_by_one_rank(tmp_path):
+    """At three ranks its thread waits for a send no peer receives: the watchdog
+    reports it, the handle parks the thread, and every process ends."""
+    got = _run("landing_on_rank_0", 2, tmp_path, world=3)
+    _both_name_the_other(got, "(landing)", "(elsewhere)")
 
 
 def test_debug_mode_names_both_sides_of_a_mismatch_before_data_moves(tmp_path):

@@ -122,19 +122,22 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
 
     ``input_is_scratch=True`` lets the collective overwrite ``input`` (a CPU
     group whose backend is not gloo then runs an in-place all-reduce). On gloo
-    it runs as point-to-point messages that leave ``input`` as it is: the
-    peers' chunks are received into scratch memory until ``wait()``
-    (``reduce_scatter_scratch_bytes``; large chunks in pieces through a few
-    slots); see csrc/comm.h."""
+    it runs as point-to-point messages: the peers' chunks are received into
+    scratch memory until ``wait()`` (``reduce_scatter_scratch_bytes``; large
+    chunks in pieces through a few slots), or, with ``input_is_scratch``, into
+    the chunks of ``input`` this rank has already sent, with at most one chunk
+    of scratch; see csrc/comm.h."""
     return _issue("reduce_scatter", group, what, input,
                   lambda name: _C.reduce_scatter(name, input, output, bool(average), bool(input_is_scratch)))
 
 
-def reduce_scatter_scratch_bytes(chunk_numel: int, itemsize: int, world_size: int, in_place: bool) -> int:
+def reduce_scatter_scratch_bytes(chunk_numel: int, itemsize: int, world_size: int, in_place: bool,
+                                 input_is_scratch: bool = False) -> int:
     """Bytes of scratch ``reduce_scatter`` holds while in flight on gloo, for a chunk of
     ``chunk_numel`` elements of ``itemsize`` bytes per rank (``in_place``: the output lies
-    inside the input). The planner counts it; NCCL takes none."""
-    return _C.reduce_scatter_scratch_bytes(chunk_numel, itemsize, world_size, in_place)
+    inside the input; ``input_is_scratch`` as passed to it). The planner counts it; NCCL
+    takes none."""
+    return _C.reduce_scatter_scratch_bytes(chunk_numel, itemsize, world_size, in_place, input_is_scratch)
 
 
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,

@@ -170,7 +170,8 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
     (comm.reduce_scatter_scratch_bytes), which NCCL does not need, and plan CPU
     processes (meta stands for host memory: planning_for_host)."""
     def scratch(numel: int, itemsize: int, in_place: bool) -> int:
-        return comm.reduce_scatter_scratch_bytes(numel // world_size, itemsize, world_size, in_place) if gloo else 0
+        return (comm.reduce_scatter_scratch_bytes(numel // world_size, itemsize, world_size, in_place,
+                                                  input_is_scratch=True) if gloo else 0)
 
     pdt = torch_dtype(dtype)
     with _fake_world(rank, world_size), (planning_for_host() if gloo else contextlib.nullcontext()):
