@@ -12,9 +12,11 @@ precision, at --world-size ranks (CPU, gloo):
 * zeroshard's plan (``zeroshard.plan.plan_model`` with the same micro-batch,
   ``transport="gloo"``, as measured here): model state (exactly what
   memory_report() says) and the predicted peak,
-against the measured peak of live tensor bytes on rank 0 over two training
-steps of each library at ZeRO-2 and ZeRO-3 (the CPU allocator's own
-accounting, benchmarks/cpu_memory.py). DeepSpeed's estimators count model
+against the measured peak of live tensor bytes on rank 0 while each library
+wraps the built model and takes two training steps at ZeRO-2 and ZeRO-3
+(the CPU allocator's own accounting, benchmarks/cpu_memory.py; the built
+model's bytes count, the transient of building it does not: that peaks on
+its own, the same for both). DeepSpeed's estimators count model
 states only: the "est./peak" column shows how far that is from a real
 step. DeepSpeed is a benchmark-only extra (`make bench-deps`); without it
 its columns read "-".
@@ -65,6 +67,7 @@ def measure(rank, world, port, out, lib, stage, name, seq, batch, steps):
     import zeroshard as zs
     with TensorBytes() as t:
         model = _build(name, seq)()
+        t.mark()       # (building the model peaks on its own, the same for both libraries)
         if lib == "deepspeed":
             model, opt = peers.build_deepspeed(f"deepspeed-{stage}", model, torch.bfloat16, 1e-3)
         elif stage == 3:

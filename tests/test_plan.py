@@ -188,6 +188,30 @@ def test_zero3_plan_follows_gathered_units_through_the_step():
     assert abs(plan["peak"] - peak) <= 0.02 * peak, (plan["peak"], peak)
 
 
+def _wrap_rise():
+    """The most live tensor bytes FullyShard adds while wrapping a built model (a GPT
+    whose root unit, embedding and tied head, is 0.4 of it), and the root's bytes."""
+    spec = importlib.util.spec_from_file_location("cpu_memory", os.path.join(BENCHMARKS, "cpu_memory.py"))
+    cpu_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_memory)
+    tg = _example()
+    with cpu_memory.TensorBytes() as t:
+        model = tg.build_model("tiny", **dict(BIG_ROOT_KW, layers=4))
+        blocks = sum(p.numel() for m in model.modules() if isinstance(m, tg.Block) for p in m.parameters())
+        root = 4 * (sum(p.numel() for p in model.parameters()) - blocks)
+        t.mark()
+        zs.FullyShard(model, wrap={tg.Block})
+    return t.peak - t.at_mark, root
+
+
+def test_wrapping_copies_no_unit_beside_the_whole_model(dist_pool):
+    """Each parameter is broadcast in place and the root unit set up last, so wrapping
+    a built model adds less than the root unit's bytes at any moment (a flat copy of
+    the root for the broadcast, beside the whole model, added twice that)."""
+    for rise, root in dist_pool.run(_wrap_rise):
+        assert 0 < rise < root, (rise, root)
+
+
 def test_model_cli(tmp_path):
     out = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--model",
                           os.path.join(EXAMPLES, "train_gpt.py") + ":build_model", "--world-size", "4",

@@ -171,7 +171,9 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
     """Each unit's layout, fp32 shard (rank 0's values everywhere) and full buffer;
     the modules then hold the sharded parameters."""
     dev, r, W = cfg.device, cfg.rank, cfg.world
-    for u in units:
+    # the root last: by then the other units' full parameters are freed, so its full
+    # buffer (allocated below, then released) never sits beside the whole model
+    for u in units[1:] + units[:1]:
         if not u.params:
             continue
         L = compute_layout([q.numel for q in u.params], [_layout_dtype(cfg.param_dtype)] * len(u.params),
@@ -181,17 +183,9 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
         for q, place in zip(u.params, L.tensors):
             q.offset = place.offset
         u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
-        if not meta_init and dev.type != "meta":
-            # rank 0's values everywhere (like DDP), one unit at a time
-            flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
-            for q in u.params:
-                src = q.slots[0][0]._parameters[q.slots[0][1]]
-                flat[q.offset:q.offset + q.numel].copy_(src.detach().reshape(-1))
-            if dist.get_world_size(cfg.everyone) > 1:
-                dist.broadcast(flat, src=cfg.src, group=cfg.everyone)
-            u.shard.copy_(u.own(flat, r))
-            del flat
         lo, hi = r * u.shard_numel, (r + 1) * u.shard_numel
+        if not meta_init and dev.type != "meta":
+            _fill_shard(cfg, u, lo, hi)
         u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
         for q in u.params:
             a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
@@ -206,6 +200,23 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
                 mod._parameters[attr] = q.sharded
         if dev.type != "meta":
             u.full.untyped_storage().resize_(0)
+
+
+def _fill_shard(cfg: "Setup", u: Unit, lo: int, hi: int):
+    """Rank 0's values everywhere (like DDP): each parameter is broadcast in place, as
+    DDP syncs module states, and this rank's part of it copied into the fp32 shard
+    (padding stays zero). No flat copy of the unit is made: while the model is being
+    wrapped its full parameters are all still alive, and a copy of the largest unit
+    beside them would be the peak of the whole run (GPT-2's embedding: 154 MB)."""
+    for q in u.params:
+        src = q.slots[0][0]._parameters[q.slots[0][1]].detach()
+        if dist.get_world_size(cfg.everyone) > 1:
+            if not src.is_contiguous():
+                src = src.contiguous()
+            dist.broadcast(src, src=cfg.src, group=cfg.everyone)
+        a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
+        if a < b:
+            u.shard[a - lo:b - lo].copy_(src.reshape(-1)[a - q.offset:b - q.offset])
 
 
 def shard_device(device: torch.device, offload_params: bool) -> torch.device:
