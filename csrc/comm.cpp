@@ -221,6 +221,22 @@ struct PieceDriver {
   std::promise<void> end;
   std::shared_future<void> ended = end.get_future().share();
 
+  // Runs `body` on a thread of its own; its end (or what it raised) sets `ended`.
+  template <typename Body>
+  static std::shared_ptr<PieceDriver> start(Body body) {
+    auto driver = std::make_shared<PieceDriver>();
+    PieceDriver* d = driver.get();   // outlives the thread: joined, or parked with it
+    d->thread = std::thread([d, body = std::move(body)]() mutable {
+      try {
+        body();
+        d->end.set_value();
+      } catch (...) {
+        d->end.set_exception(std::current_exception());
+      }
+    });
+    return driver;
+  }
+
   bool finished() const { return ended.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
   // Joins the thread; rethrows what it raised.
   void join() {
@@ -451,37 +467,30 @@ static Handle reduce_scatter_in_pieces(const c10::intrusive_ptr<c10d::ProcessGro
       sends.push_back(pg->send(t, static_cast<int>(to), piece_tag(seq, p)));
     }
   }
-  auto driver = std::make_shared<PieceDriver>();
-  PieceDriver* d = driver.get();   // outlives the thread: joined, or parked with it
-  d->thread = std::thread([=, sends = std::move(sends)]() mutable {
-    try {
-      if (!in_place)   // this rank's own contribution
-        std::memcpy(out.data_ptr(), in.narrow(0, rank * n, n).data_ptr(), out.nbytes());
-      auto landing = [&](int64_t p, int64_t k) {   // peer rank - k's piece p
-        return slots.narrow(0, ((p % kRsSlots) * (world - 1) + (k - 1)) * m, length(p));
-      };
-      auto post = [&](int64_t p) {
-        Works recvs;
-        for (int64_t k = 1; k < world; ++k) {
-          std::vector<at::Tensor> t{landing(p, k)};
-          recvs.push_back(pg->recv(t, static_cast<int>((rank - k + world) % world), piece_tag(seq, p)));
-        }
-        return recvs;
-      };
-      std::deque<Works> posted;
-      for (int64_t p = 0; p < std::min(kRsSlots, pieces); ++p) posted.push_back(post(p));
-      for (int64_t p = 0; p < pieces; ++p) {
-        for (auto& w : posted.front()) w->wait();
-        posted.pop_front();
-        at::Tensor o = out.narrow(0, p * m, length(p));
-        for (int64_t k = 1; k < world; ++k) add_into(o, landing(p, k));
-        if (p + kRsSlots < pieces) posted.push_back(post(p + kRsSlots));
+  auto driver = PieceDriver::start([=, sends = std::move(sends)]() mutable {
+    if (!in_place)   // this rank's own contribution
+      std::memcpy(out.data_ptr(), in.narrow(0, rank * n, n).data_ptr(), out.nbytes());
+    auto landing = [&](int64_t p, int64_t k) {   // peer rank - k's piece p
+      return slots.narrow(0, ((p % kRsSlots) * (world - 1) + (k - 1)) * m, length(p));
+    };
+    auto post = [&](int64_t p) {
+      Works recvs;
+      for (int64_t k = 1; k < world; ++k) {
+        std::vector<at::Tensor> t{landing(p, k)};
+        recvs.push_back(pg->recv(t, static_cast<int>((rank - k + world) % world), piece_tag(seq, p)));
       }
-      for (auto& w : sends) w->wait();
-      d->end.set_value();
-    } catch (...) {
-      d->end.set_exception(std::current_exception());
+      return recvs;
+    };
+    std::deque<Works> posted;
+    for (int64_t p = 0; p < std::min(kRsSlots, pieces); ++p) posted.push_back(post(p));
+    for (int64_t p = 0; p < pieces; ++p) {
+      for (auto& w : posted.front()) w->wait();
+      posted.pop_front();
+      at::Tensor o = out.narrow(0, p * m, length(p));
+      for (int64_t k = 1; k < world; ++k) add_into(o, landing(p, k));
+      if (p + kRsSlots < pieces) posted.push_back(post(p + kRsSlots));
     }
+    for (auto& w : sends) w->wait();
   });
   return CommLauncher::driven(output, divisor, {input, output, scratch}, std::move(driver));
 }
@@ -517,22 +526,15 @@ static Handle reduce_scatter_into_sent_chunks(const c10::intrusive_ptr<c10d::Pro
   }
   std::vector<at::Tensor> t{backend_view(first)};
   auto first_recv = pg->recv(t, peer(-1), tag);
-  auto driver = std::make_shared<PieceDriver>();
-  PieceDriver* d = driver.get();   // outlives the thread: joined, or parked with it
-  d->thread = std::thread([=, sends = std::move(sends)]() mutable {
-    try {
-      Works recvs{first_recv};
-      for (int64_t k = 2; k < world; ++k) {
-        sends[k - 2]->wait();   // chunk(in, k - 1) has left: free to land in
-        std::vector<at::Tensor> into{chunk(in, k - 1)};
-        recvs.push_back(pg->recv(into, peer(-k), tag));
-      }
-      sends.back()->wait();   // (a work is waited once: gloo counts completions)
-      for (auto& w : recvs) w->wait();
-      d->end.set_value();
-    } catch (...) {
-      d->end.set_exception(std::current_exception());
+  auto driver = PieceDriver::start([=, sends = std::move(sends)]() mutable {
+    Works recvs{first_recv};
+    for (int64_t k = 2; k < world; ++k) {
+      sends[k - 2]->wait();   // chunk(in, k - 1) has left: free to land in
+      std::vector<at::Tensor> into{chunk(in, k - 1)};
+      recvs.push_back(pg->recv(into, peer(-k), tag));
     }
+    sends.back()->wait();   // (a work is waited once: gloo counts completions)
+    for (auto& w : recvs) w->wait();
   });
   return CommLauncher::driven(output, divisor, std::move(keep_alive), std::move(driver), std::move(addends));
 }
@@ -544,9 +546,11 @@ Handle reduce_scatter(const std::string& group_name, const at::Tensor& input,
   const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
   const int64_t n = output.numel(), world = pg->getSize(), rank = pg->getRank();
   if (point_to_point(*pg, output)) {  // [Note: gloo algorithms]
-    // Each peer's contribution to this rank's chunk lands in `output` itself
-    // when output is not inside input (it is then summed with our own
-    // chunk), else in a scratch chunk; both are summed into output in wait().
+    // In pieces where that takes the least scratch, else landing in sent
+    // chunks when the input is scratch; else whole: each peer's contribution
+    // to this rank's chunk lands in `output` itself when output is not inside
+    // input (it is then summed with our own chunk), else in a scratch chunk;
+    // both are summed into output in wait().
     const bool in_place = overlaps(output, input);
     const int64_t piece = piece_numel(n, output.element_size(), world, in_place, input_is_scratch);
     if (piece < n) return reduce_scatter_in_pieces(pg, group_name, input, output, divisor, in_place, piece);
