@@ -111,3 +111,24 @@ def test_fill_flat_copies_sources_and_zeroes_the_rest():
     for a, src in pieces:
         want[a:a + src.numel()] = src.float()
     assert torch.equal(flat, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 61), st.lists(st.tuples(st.integers(0, 61), st.integers(0, 9)), max_size=8))
+def test_gaps_are_exactly_what_no_range_covers(numel, ranges):
+    """gaps() against a boolean mask: ranges in any order, empty ones, ranges that
+    touch, end at or run past ``numel``; the gaps come out in order, non-empty
+    and separated (two gaps never touch)."""
+    from zeroshard.layout import gaps
+    covered, taken = [], [False] * (numel + 80)
+    for offset, length in ranges:            # keep them non-overlapping, as gaps() requires
+        if not any(taken[offset:offset + length]):
+            covered.append((offset, length))
+            taken[offset:offset + length] = [True] * length
+    out = gaps(numel, covered)
+    mask = [False] * numel
+    for start, end in out:
+        assert 0 <= start < end <= numel
+        mask[start:end] = [True] * (end - start)
+    assert mask == [not t for t in taken[:numel]]
+    assert all(a[1] < b[0] for a, b in zip(out, out[1:]))

@@ -5,7 +5,7 @@ module turns torch dtypes into the itemsizes and keys it takes.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,17 +49,26 @@ def compute_layout(
                              int(align_bytes))
 
 
+def gaps(numel: int, covered: Sequence) -> List[Tuple[int, int]]:
+    """The ``[start, end)`` ranges of ``[0, numel)`` that none of ``covered`` --
+    ``(offset, length)`` pairs, none overlapping -- reaches, in order."""
+    out, end = [], 0
+    for offset, length in sorted(c for c in covered if c[1] > 0):
+        if min(offset, numel) > end:
+            out.append((end, min(offset, numel)))
+        end = max(end, offset + length)
+    if end < numel:
+        out.append((end, numel))
+    return out
+
+
 def fill_flat(flat: torch.Tensor, pieces: Sequence) -> None:
     """Write ``pieces`` -- ``(offset, source)`` pairs, each source 1-D and none
     overlapping -- into ``flat`` in one pass: each source copied (cast to
     ``flat``'s dtype) at its offset, and every element no source covers
     (layout padding, tensors without a source) zeroed. Cheaper than zeroing
     the whole buffer and then adding."""
-    end = 0
-    for offset, src in sorted(pieces, key=lambda piece: piece[0]):
-        if offset > end:
-            flat[end:offset].zero_()
+    for start, end in gaps(flat.numel(), [(offset, src.numel()) for offset, src in pieces]):
+        flat[start:end].zero_()
+    for offset, src in pieces:
         flat[offset:offset + src.numel()].copy_(src)
-        end = offset + src.numel()
-    if end < flat.numel():
-        flat[end:].zero_()
