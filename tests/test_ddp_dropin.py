@@ -232,18 +232,22 @@ class Branchy(Model):
         return self.head(self.blocks(h))
 
 
-def _unused(kind, steps=7, **zs_kw):
-    torch.manual_seed(0)
+def _branchy(kind, seed=0, **zs_kw):
+    """(model to call, optimizer) over a Branchy: DDP with find_unused_parameters, or a stage."""
+    torch.manual_seed(seed)
     model = Branchy()
     if kind == "ddp":
-        net, opt = DDP(model, find_unused_parameters=True), torch.optim.AdamW(
+        return DDP(model, find_unused_parameters=True), torch.optim.AdamW(
             model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    elif kind == 3:
+    if kind == 3:
         net = zs.FullyShard(model, wrap={Block}, **zs_kw)
-        opt = zs.ShardedOptimizer(net.parameters(), lr=1e-2, weight_decay=0.1)
-    else:
-        net, opt = model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
-                                              bucket_mb=TINY_BUCKET_MB, **zs_kw)
+        return net, zs.ShardedOptimizer(net.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
+                                      bucket_mb=TINY_BUCKET_MB, **zs_kw)
+
+
+def _unused(kind, steps=7, **zs_kw):
+    net, opt = _branchy(kind, **zs_kw)
     rank = dist.get_rank()
     grads_none = []
     for k, (x, y) in enumerate(data(steps)):
@@ -275,6 +279,32 @@ def test_parameters_without_gradient_are_left_alone_as_by_ddp_and_adamw(dist_poo
         assert ours == ddp, (ours, ddp)       # per-parameter step counts
         assert sorted(set(ddp.values())) == [5.0, 7.0], ddp   # the extra layer stepped 5 times of 7
         assert same_none                      # p.grad is None exactly where DDP leaves it None
+
+
+def _accumulated_branch(kind, steps=4):
+    """Two synced backwards a step, no zero_grad in between; the extra layer is used
+    on rank 0 alone in the first and on every rank in the second, so the second adds
+    this rank's gradient to a reduced one that other ranks' gradients made."""
+    net, opt = _branchy(kind)
+    rank = dist.get_rank()
+    for x, y in data(steps):
+        opt.zero_grad()
+        for j in range(2):
+            use = j == 1 or rank == 0
+            (F.cross_entropy(net(local(x) * (j + 1), use_extra=use), local(y)) / 2).backward()
+        opt.step()
+    return full_params(kind, net)
+
+
+def _compare_accumulated_branch(stage):
+    ours, ddp = _accumulated_branch(stage), _accumulated_branch("ddp")
+    return max(rel(ours[k], ddp[k]) for k in ddp if ddp[k].norm() > 0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulating_onto_a_gradient_other_ranks_reduced_as_ddp(dist_pool, stage):
+    for err in dist_pool.run(_compare_accumulated_branch, stage):
+        assert err < 1e-5, err
 
 
 OPTIMIZERS = {
@@ -364,17 +394,6 @@ def test_non_elementwise_optimizers_are_refused_unless_vouched_for(dist_pool):
         assert "LBFGS" in msgs[0] and "elementwise=True" in msgs[0] and "Adafactor" in msgs[1]
         assert "optimizer_class" in msgs[2]
         assert all("Adafactor" in m and "consolidate_state_dict" in m for m in msgs[3:]), msgs[3:]
-
-
-def _branchy(stage, seed):
-    torch.manual_seed(seed)
-    model = Branchy()
-    if stage == 3:
-        model = zs.FullyShard(model, wrap={Block})
-        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
-    else:
-        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=TINY_BUCKET_MB)
-    return model, opt
 
 
 def _unused_ckpt_save(stage, path):

@@ -211,7 +211,7 @@ class ReducedGrads:
         for i in self.trainable:
             p = self.params[i]
             if i not in self.placed or p.grad is not self.placed[i]:   # (ZeRO-3: backward re-set it)
-                self.kept[i] = p.grad
+                self.kept[i] = self.source.resting_grad(i, p.grad)
             self.placed[i] = self.placeholders[i] if self.used[i] else None
             p.grad = self.placed[i]
         if not self.hooks:

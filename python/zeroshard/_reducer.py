@@ -168,11 +168,7 @@ class FlatReducer(ShardSource):
         replica, and _fold takes the extra copies off again (costs this rank's chunks
         while it lasts)."""
         if self._fill is GradFill.REDUCED:
-            with torch.no_grad():
-                for b in self.buckets:
-                    whole = b.buffer.grads[b.offset:b.offset + b.numel]
-                    whole[:self.rank * b.shard_numel].zero_()
-                    whole[(self.rank + 1) * b.shard_numel:].zero_()
+            _zero_other_chunks(self.buckets, self.rank)
             self._fill = GradFill.ACCUMULATE
         if self.groups.replicate is not None and self._kept is None and not self._shard_fresh:
             self._kept = {b.index: b.own(b.buffer.grads, self.rank).clone() for b in self.buckets}
@@ -337,6 +333,14 @@ class FlatReducer(ShardSource):
         finally:
             self._sync = old
 
+    def resting_grad(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Stage 1: the reduced gradient lives in the parameter's view of the buffer even
+        where this rank gave it none, so a backward accumulating onto it adds there."""
+        if self.stage == 1 and grad is None:
+            buf, offset, _ = self.where[i]
+            return buf.grads[offset:offset + self.params[i].numel()].view_as(self.params[i])
+        return grad
+
     def step_done(self, updated: bool):
         if updated:
             self.steps_done += 1
@@ -396,6 +400,15 @@ class FlatReducer(ShardSource):
 
     def memory_report(self, reset_peak: bool) -> Dict[str, int]:
         return _memory_report(self, reset_peak)
+
+
+@torch.no_grad()
+def _zero_other_chunks(buckets: List[Bucket], rank: int) -> None:
+    """Stage 1: zero every bucket's chunks of the gradient buffer but ``rank``'s."""
+    for b in buckets:
+        whole = b.buffer.grads[b.offset:b.offset + b.numel]
+        whole[:rank * b.shard_numel].zero_()
+        whole[(rank + 1) * b.shard_numel:].zero_()
 
 
 def _arrival_order(buckets: List[Bucket], arrival: List[int], everyone) -> List[int]:

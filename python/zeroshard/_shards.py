@@ -224,6 +224,12 @@ class ShardSource(abc.ABC):
         """Region values and states were written (a checkpoint or sharded state dict
         loaded): rebuild everything derived from the shards."""
 
+    def resting_grad(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """What ``p.grad`` of parameter ``i`` goes back to when the placeholders of
+        [Note: sharded gradients] are cleared (the next backward accumulates there);
+        ``grad``: what it held at the end of the backward."""
+        return grad
+
     def settle(self) -> None:
         """Finish what is still in flight after a step (ZeRO-1/2 with
         overlap_param_gather: the parameter all-gathers); a no-op otherwise."""
