@@ -192,9 +192,9 @@ class FlatReducer(ShardSource):
         self._arrived.add(i)
         if not self._order_learned and self._sync:
             self._arrival.append(i)
-        buf, offset, frags = self.where[i]
+        frags = self.where[i][2]
         if self.stage == 1:
-            view = buf.grads[offset:offset + p.numel()].view_as(p)
+            view = self._grad_view(i)
             if p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)   # p.grad was replaced or re-created: it holds the total
                 p.grad = view
@@ -336,10 +336,12 @@ class FlatReducer(ShardSource):
     def resting_grad(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Stage 1: the reduced gradient lives in the parameter's view of the buffer even
         where this rank gave it none, so a backward accumulating onto it adds there."""
-        if self.stage == 1 and grad is None:
-            buf, offset, _ = self.where[i]
-            return buf.grads[offset:offset + self.params[i].numel()].view_as(self.params[i])
-        return grad
+        return self._grad_view(i) if self.stage == 1 and grad is None else grad
+
+    def _grad_view(self, i: int) -> torch.Tensor:
+        """Stage 1: parameter ``i``'s view of its flat buffer's full gradient."""
+        buf, offset, _ = self.where[i]
+        return buf.grads[offset:offset + self.params[i].numel()].view_as(self.params[i])
 
     def step_done(self, updated: bool):
         if updated:
@@ -389,8 +391,7 @@ class FlatReducer(ShardSource):
         for i in self.trainable:
             p = self.params[i]
             if self.stage == 1 and not set_to_none:
-                buf, offset, _ = self.where[i]
-                p.grad = buf.grads[offset:offset + p.numel()].view_as(p)
+                p.grad = self._grad_view(i)
             else:
                 p.grad = None
         self._shard_fresh = True
