@@ -7,6 +7,11 @@ Variants (world size 2, CPU + gloo by default), each in fresh processes:
   zeroshard-2   zeroshard.ShardedOptimizer(stage=2), save_checkpoint / load_checkpoint
   zeroshard-3+nosync, zeroshard-2+nosync   the same with save_checkpoint(..., sync_files=False):
                 no fsync, as DeepSpeed's torch.save (the like-for-like comparison with it)
+  zeroshard-3+background, zeroshard-2+background   save_checkpoint(..., background=True): "save ms"
+                is the time the call blocks training (copying this rank's pieces); "durable ms"
+                is from the call to the Future's result() (written, fsynced, committed), and
+                "step ms" a training step taken while the write runs against one without
+                (what training loses to the save: the call plus that step's slowdown)
   deepspeed-3, deepspeed-2   DeepSpeed's engine.save_checkpoint / load_checkpoint (where
                 deepspeed is installed: `make bench-deps`; skipped otherwise, saying so)
 FSDP2 + DCP and zeroshard write fsynced files; DeepSpeed's torch.save does not fsync
@@ -30,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from datetime import date
 
 import torch
@@ -43,7 +49,15 @@ from machine import machine_info  # noqa: E402
 from step import build, free_port, init_dist, reset_peak_rss, rss_mb, train_step  # noqa: E402
 
 VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2", "zeroshard-3+nosync", "zeroshard-2+nosync",
-            "deepspeed-3", "deepspeed-2"]
+            "zeroshard-3+background", "zeroshard-2+background", "deepspeed-3", "deepspeed-2"]
+SUFFIXES = ("+dcp", "+nosync", "+background")
+
+
+def base(variant: str) -> str:
+    """The variant's model and optimizer (step.py's name)."""
+    for s in SUFFIXES:
+        variant = variant.removesuffix(s)
+    return variant
 
 
 def save_load(variant, model, opt):
@@ -68,8 +82,8 @@ def save_load(variant, model, opt):
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return save, load
     import zeroshard as zs
-    sync = not variant.endswith("+nosync")
-    return (lambda path: zs.save_checkpoint(path, model, opt, sync_files=sync)), \
+    sync, background = not variant.endswith("+nosync"), variant.endswith("+background")
+    return (lambda path: zs.save_checkpoint(path, model, opt, sync_files=sync, background=background)), \
         (lambda path: zs.load_checkpoint(path, model, opt))
 
 
@@ -109,26 +123,69 @@ def timed(fn, repeats, between=lambda: None):
     return 1e3 * statistics.median(times), max(peaks)
 
 
+def background_costs(save, path, step, repeats):
+    """A background save's time to durable (call to result(), barrier to barrier) and
+    a training step's time while its write runs, against the step alone (medians)."""
+    durable, during, alone = [], [], []
+    for i in range(repeats):    # each save to a new path: no deletion of a replaced one runs beside a step
+        step()
+        dist.barrier()
+        t0 = time.perf_counter()
+        save(f"{path}-durable{i}").result()
+        dist.barrier()
+        durable.append(time.perf_counter() - t0)
+        for times, saving in ((alone, False), (during, True)):
+            dist.barrier()
+            pending = save(f"{path}-during{i}") if saving else None
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+            if pending is not None:
+                pending.result()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for d in glob.glob(f"{glob.escape(path)}-d*"):
+            shutil.rmtree(d)
+    return dict(durable_ms=1e3 * statistics.median(durable), step_ms=1e3 * statistics.median(alone),
+                step_during_ms=1e3 * statistics.median(during))
+
+
+def lost_ms(row: dict) -> float:
+    """The training time a background save costs: the call, and the step its write slows."""
+    return row["save_ms"] + row["step_during_ms"] - row["step_ms"]
+
+
 def worker(rank, world, port, variant, cfg, args, root, out):
     init_dist(rank, world, port)
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())   # before wrapping (FullyShard leaves shards)
-    wrapped, opt = build(variant.removesuffix("+dcp").removesuffix("+nosync"), model, torch.float32)
+    wrapped, opt = build(base(variant), model, torch.float32)
     data = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
     train_step(wrapped, opt, data, lambda: None)    # one step, so every optimizer state exists
     save, load = save_load(variant, wrapped, opt)
     path = os.path.join(root, variant)
+    step = lambda: train_step(wrapped, opt, data, lambda: None)    # noqa: E731
+    extra = background_costs(save, path, step, args.repeats) if variant.endswith("+background") else {}
+    pending = []
+
+    def finish_then_step():      # a background save's write ends before the next call
+        while pending:
+            done = pending.pop()
+            if isinstance(done, Future):   # (DeepSpeed's save returns True, the others None)
+                done.result()
+        step()
     with FsyncClock() as fsync:
-        save_ms, save_peak = timed(lambda: save(path), args.repeats,
-                                   between=lambda: train_step(wrapped, opt, data, lambda: None))
+        save_ms, save_peak = timed(lambda: pending.append(save(path)), args.repeats, between=finish_then_step)
+        finish_then_step()
     load_ms, load_peak = timed(lambda: load(path), args.repeats)
     if rank == 0:   # what each rank wrote, read from the shared directory
         everyone = [sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**"), recursive=True)
                         if os.path.isfile(f) and _written_by(os.path.basename(f), r)) / 2**20
                     for r in range(world)]
         out.put(dict(variant=variant, params=n_params, save_ms=save_ms, fsync_ms=1e3 * fsync.seconds / args.repeats,
-                     load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak))
+                     load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak,
+                     **extra))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -143,7 +200,7 @@ def resume_worker(rank, world, port, variant, cfg, args, root, out):
     if deepspeed:
         wrapped = opt = peers.build_deepspeed(variant, GPT(cfg), torch.float32, 3e-4, universal=True)[0]
     else:
-        wrapped, opt = build(variant.removesuffix("+dcp").removesuffix("+nosync"), GPT(cfg), torch.float32)
+        wrapped, opt = build(base(variant), GPT(cfg), torch.float32)
     path = os.path.join(root, variant)
     _, load = save_load(variant, wrapped, opt)
     dist.barrier()
@@ -225,6 +282,11 @@ def main():
               f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}"
               + (f"{r['resume_ms']:>18.1f}" if isinstance(r.get("resume_ms"), float) else
                  f"  failed: {r['resume_ms']}" if "resume_ms" in r else ""))
+    for r in rows:
+        if "durable_ms" in r:
+            print(f"{r['variant']}: the call blocks {r['save_ms']:.1f} ms; durable (result()) after "
+                  f"{r['durable_ms']:.1f} ms; a training step while it writes {r['step_during_ms']:.1f} ms, "
+                  f"{r['step_ms']:.1f} ms alone: training loses {lost_ms(r):.1f} ms to the save")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(date=str(date.today()), world_size=args.world_size, rows=rows, torch=torch.__version__,

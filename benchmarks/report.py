@@ -48,7 +48,7 @@ PAIRS = [("zeroshard-1", "ddp+zero"), ("zeroshard-2", "fsdp2"), ("zeroshard-3", 
 def stage(variant: str) -> str:
     """"zeroshard-2@5", "deepspeed-2+cpu", "zeroshard-1+overlap" are their stage's too."""
     base = variant.split("@")[0]
-    for suffix in ("+cpu", "+nvme", "+overlap"):
+    for suffix in ("+cpu", "+nvme", "+overlap", "+nosync", "+background"):
         base = base.removesuffix(suffix)
     return STAGES.get(variant, STAGES.get(base, "?"))
 
@@ -385,6 +385,18 @@ def results_section(found: dict) -> str:
                           " / ".join(f"{m:.1f}" for m in r.get("mb_per_rank", [])),
                           f"{r['save_peak_mb']:.1f}", f"{r['load_peak_mb']:.1f}",
                           f"{r['fsync_ms']:.1f}" if "fsync_ms" in r else "-") for r in d["rows"]], "lrrrrrrrr")
+        background = [r for r in d["rows"] if "durable_ms" in r]
+        if background:
+            lines += ["", _para("Background saves (`save_checkpoint(..., background=True)`): \"save ms\" above is "
+                                "the time the call blocks training; \"durable\" runs from the call to the Future's "
+                                "`result()` (written, fsynced, committed); a training step taken while the write "
+                                "runs, against one alone (medians); training loses the call and that step's "
+                                "slowdown."), ""]
+            lines += _table(["variant", "call blocks ms", "durable ms", "step ms alone", "step ms while writing",
+                             "training loses ms"],
+                            [(r["variant"], f"{r['save_ms']:.1f}", f"{r['durable_ms']:.1f}", f"{r['step_ms']:.1f}",
+                              f"{r['step_during_ms']:.1f}", f"{r['save_ms'] + r['step_during_ms'] - r['step_ms']:.1f}")
+                             for r in background], "lrrrrr")
     lines.append(RESULTS_MARKERS[1])
     return "\n".join(lines)
 

@@ -355,7 +355,7 @@ def main(argv=None):
               f"({dist.get_backend()}, {device.type}) | {tokens_per_step} tokens/step | steps {start}..{args.steps}",
               flush=True)
     bar = Progress(args.steps, start, rank == 0)
-    losses = []
+    losses, saving = [], None   # saving: the Future of a background checkpoint save
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -386,9 +386,14 @@ def main(argv=None):
         dt = time.perf_counter() - t0
         bar.update(step, loss_now, tokens_per_step / dt, 1e3 * dt)
         if args.ckpt_dir and args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.steps):
-            zs.save_checkpoint(args.ckpt_dir, inner, opt, extra=dict(step=step + 1, rng=torch.get_rng_state()))
+            # copies the state and returns; a thread writes it while training goes on (the
+            # next save waits for it)
+            saving = zs.save_checkpoint(args.ckpt_dir, inner, opt, extra=dict(step=step + 1, rng=torch.get_rng_state()),
+                                        background=True)
             if rank == 0 and not sys.stdout.isatty():
-                print(f"checkpoint: step {step + 1} -> {args.ckpt_dir}", flush=True)
+                print(f"checkpoint: step {step + 1} -> {args.ckpt_dir} (writing in the background)", flush=True)
+    if saving is not None:
+        saving.result()      # complete and durable (or raise) before the process group goes
 
     mine = measured_bytes(args.stage, inner, opt)
     reports = zs.all_gather_object(mine)   # (torch's can abort the process at exit on gloo)

@@ -350,6 +350,15 @@ def test_the_replaced_checkpoint_is_deleted_in_the_background(tmp_path, monkeypa
     assert zs.load_checkpoint(path, again, again_opt) == {"step": 3}
 
 
+TINY_SCRIPT = (      # a torchrun script's start: a tiny ZeRO-3 model, its optimizer, a batch
+    "import sys, torch, torch.distributed as dist, torch.nn as nn, zeroshard as zs\n"
+    "dist.init_process_group('gloo')\n"
+    "torch.manual_seed(0)\n"
+    "model = zs.FullyShard(nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 1)), wrap={nn.Linear})\n"
+    "opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)\n"
+    "x = torch.randn(8, 7)\n")
+
+
 def test_a_script_whose_last_call_is_a_save_exits_cleanly(tmp_path):
     """The last collective of such a script is the save's exchange of outcomes; a backend
     thread that drops a Python-owned tensor during interpreter shutdown aborts the process
@@ -359,12 +368,7 @@ def test_a_script_whose_last_call_is_a_save_exits_cleanly(tmp_path):
     import sys
     script = tmp_path / "train.py"
     script.write_text(
-        "import sys, torch, torch.distributed as dist, torch.nn as nn, zeroshard as zs\n"
-        "dist.init_process_group('gloo')\n"
-        "torch.manual_seed(0)\n"
-        "model = zs.FullyShard(nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 1)), wrap={nn.Linear})\n"
-        "opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)\n"
-        "x = torch.randn(8, 7)\n"
+        TINY_SCRIPT +
         "for _ in range(2):\n"
         "    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()\n"
         "zs.save_checkpoint(sys.argv[1], model, opt)\n"

@@ -175,6 +175,35 @@ def test_cuda_checkpoint_round_trip_and_peak_memory(nccl_world1, tmp_path):
     assert all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())
 
 
+def test_cuda_background_save_copies_into_pinned_memory_and_writes_what_a_blocking_save_does(nccl_world1,
+                                                                                              tmp_path):
+    """A background save of CUDA shards: no CUDA memory beyond what is held, the state
+    changed on the GPU right after the call does not reach the files, which are byte for
+    byte the blocking save's."""
+    import os
+    import torch.nn as nn
+    torch.manual_seed(0)
+    model = zs.FullyShard(nn.Sequential(*[Block(256, 1024) for _ in range(4)]).cuda(), wrap={Block})
+    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 256, device="cuda")
+    model(x).sum().backward()
+    opt.step()
+    zs.save_checkpoint(str(tmp_path / "blocking"), model, opt)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    done = zs.save_checkpoint(str(tmp_path / "background"), model, opt, background=True)
+    assert torch.cuda.max_memory_allocated() == base
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()                          # changes every shard while the thread writes
+    done.result(timeout=120)
+
+    def files(d):
+        return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+    assert files(tmp_path / "blocking") == files(tmp_path / "background")
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_cuda_training_example(stage, tmp_path):
     """examples/train_gpt.py under torchrun on one GPU (NCCL): it trains, and the memory table matches the formula."""

@@ -195,13 +195,19 @@ def _full_state(kind, model, opt):
     return full_params(kind, model), {i: {k: v.clone() for k, v in s.items()} for i, s in st.items()}
 
 
-def _save_hybrid(path, stage):
+def trained_hybrid(stage, steps):
+    """Stage ``stage`` with shard_size=2, after ``steps`` steps."""
     import torch.nn.functional as F
     model, opt = build(stage, shard_size=2)
-    for x, y in data(3):
+    for x, y in data(steps):
         opt.zero_grad()
         F.cross_entropy(model(local(x)), local(y)).backward()
         opt.step()
+    return model, opt
+
+
+def _save_hybrid(path, stage):
+    model, opt = trained_hybrid(stage, steps=3)
     zs.save_checkpoint(path, model, opt, extra={"rank": dist.get_rank()})
     return _full_state(stage, model, opt)
 

@@ -45,7 +45,9 @@ an exchange, by a thread of rank 0 while training goes on (freeing the blocks
 of fsynced files took 67 ms of a 260 ms save of a 13M-parameter GPT); the
 next save, and the process's exit, wait for it. A crash before the rename
 leaves only a ``.partial`` directory, which has no manifest, is never loaded,
-and is removed by the next save beside it.
+and is removed by the next save beside it. The steps are in _ckpt_save.py;
+``background=True`` runs them in a thread on a copy (see [Note: background
+save] there).
 
 Load: each rank reads only the blocks of the entries that overlap the element
 ranges it owns under the new layout (any world size, any stage, or plain
@@ -56,48 +58,27 @@ other ranks waiting in a collective.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import io
 import os
-import shutil
-import threading
 import uuid
 import warnings
 import zlib
-from typing import Any, Callable, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
 from . import _ckpt_format as fmt
-from . import comm
+from . import _ckpt_save
 from ._ckpt_format import CheckpointError
 from ._ckpt_holdings import Holdings
-
-# ------------------------------------------------------------------ collectives
-def _collective(h: Holdings, fn: Callable[[], Any], gather: bool = False):
-    """Run fn on every rank and exchange the outcomes; if any rank failed, raise on
-    every rank (the failing rank's own exception there, its message elsewhere).
-    Returns fn's result, or with ``gather`` every rank's results in rank order."""
-    try:
-        value, exc = fn(), None
-        out = (None, value if gather else None)
-    except Exception as e:  # noqa: BLE001 - every failure must reach every rank
-        value, exc = None, e
-        out = (f"{type(e).__name__}: {e}", None)
-    everyone = [out]
-    if h.world > 1:
-        everyone = comm.all_gather_object(out, group=h.group, what="checkpoint outcome exchange")
-    if exc is not None:
-        raise exc
-    for r, (err, _) in enumerate(everyone):
-        if err is not None:
-            raise CheckpointError(f"rank {r} failed: {err}")
-    return [v for _, v in everyone] if gather else value
-
+from ._ckpt_save import Peers
 
 # ------------------------------------------------------------------------ API
-def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *, sync_files: bool = True) -> None:
+def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *, sync_files: bool = True,
+                    background: bool = False) -> Optional[concurrent.futures.Future]:
     """Save ``model`` (and ``optimizer``) to the directory ``path``: every rank
     writes what it owns, concurrently, and the directory appears complete or not
     at all (see [Note: checkpoint format] in zeroshard/checkpoint.py).
@@ -120,129 +101,23 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *
     still atomic for the processes, but a power loss or kernel crash soon
     after may leave a checkpoint whose blocks fail their CRC when loaded (the
     load then names the file), with the previous one already deleted.
+
+    ``background`` (as torch.distributed.checkpoint's ``async_save``): copy
+    what this rank writes into host memory and return a
+    ``concurrent.futures.Future`` at once; a thread writes, fsyncs (with
+    ``sync_files``) and commits, and ``result()`` returns when the checkpoint
+    is complete, or raises what failed. Training may go on meanwhile: the
+    checkpoint holds the state at the call. The next save or load waits for
+    it, and so does the process's exit; call ``result()`` before
+    ``torch.distributed.destroy_process_group()``. It costs host memory for a
+    copy of what this rank writes until the write ends (see [Note: background
+    save] in zeroshard/_ckpt_save.py). Returns None without ``background``.
     """
     path = os.path.abspath(os.fspath(path))
+    _ckpt_save.wait()                                   # one save in flight per process
     getattr(optimizer, "wait_params", lambda: None)()   # overlap_param_gather: complete parameters
     h = Holdings(model, optimizer, for_load=False)   # same outcome on every rank
-    if h.replicas == 1:
-        _save(h, path, extra, sync_files)
-        return
-    # hybrid sharding: the first shard group writes (its replicas hold the same
-    # shards); the others wait for its outcome, so the checkpoint is complete
-    # wherever this returns
-    err = None
-    if h.replica_rank == 0:
-        try:
-            _save(h, path, extra, sync_files)
-        except Exception as e:  # noqa: BLE001 - every failure must reach every rank
-            err = e
-    told = comm.all_gather_object(None if err is None else f"{type(err).__name__}: {err}", group=h.every,
-                                  what="checkpoint outcome exchange (replicas)")
-    if err is not None:
-        raise err
-    failed = [(r, m) for r, m in enumerate(told) if m is not None]
-    if failed:
-        raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
-
-
-def _save(h: Holdings, path: str, extra: Any, sync: bool) -> None:
-    tmp = _collective(h, lambda: _prepare(h, path), gather=True)[0]
-    try:
-        written = _collective(h, lambda: _write(h, tmp, extra, sync), gather=True)
-        _collective(h, lambda: _commit(h, tmp, path, written, extra, sync))
-    except BaseException:
-        if h.rank == 0 and tmp and os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _prepare(h: Holdings, path: str) -> Optional[str]:
-    """Rank 0: refuse a path that is not a checkpoint, drop stale partial saves, make the
-    partial directory; returns its path (None elsewhere)."""
-    parent, name = os.path.split(path)
-    if h.rank != 0:
-        return None
-    _wait_discards()
-    os.makedirs(parent, exist_ok=True)
-    if os.path.lexists(path) and not (os.path.isdir(path) and (
-            os.path.exists(os.path.join(path, fmt.MANIFEST)) or not os.listdir(path))):
-        raise CheckpointError(f"{path} exists and is not a zeroshard checkpoint; refusing to replace it "
-                              "(choose another path or remove it yourself)")
-    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.partial-*")):
-        shutil.rmtree(stale, ignore_errors=True)     # an earlier save that never finished
-    tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:12]}")
-    os.mkdir(tmp)
-    return tmp
-
-
-def _write(h: Holdings, tmp: str, extra: Any, sync: bool):
-    """This rank's files in ``tmp``; returns (manifest entries, files) for rank 0."""
-    mine = [p for p in h.pieces if (not p.replicated or h.rank == 0) and p.data.numel()]
-    fname, entries, files = f"rank{h.rank}.safetensors", [], {}
-    if mine:          # (a rank of a replicated model owns nothing and writes no file)
-        crc, size, placed = fmt.write_safetensors(
-            os.path.join(tmp, fname),
-            [(f"{p.key}@{p.start}", p.data.dtype, (p.data.numel(),), lambda p=p: p.data) for p in mine], sync)
-        entries = [(p.key, [fname, off, p.start, p.data.numel(), crcs]) for p, (off, crcs) in zip(mine, placed)]
-        files[fname] = {"size": size, "crc32": crc}
-    if extra is not None:
-        buf = io.BytesIO()
-        torch.save(extra, buf)
-        data = buf.getvalue()
-        fmt.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), data, sync)
-        files[f"extra{h.rank}.pt"] = {"size": len(data), "crc32": zlib.crc32(data)}
-    return entries, files
-
-
-def _commit(h: Holdings, tmp: str, path: str, written: list, extra: Any, sync: bool):
-    """Rank 0: write the manifest, then make ``tmp`` the checkpoint at ``path`` atomically."""
-    parent, name = os.path.split(path)
-    if h.rank != 0:
-        return None
-    tensors = {k: {"shape": list(s.shape), "dtype": fmt.dtype_name(s.dtype),
-                   "model_dtype": fmt.dtype_name(s.model_dtype), "step": s.step, "entries": []}
-               for k, s in h.specs.items()}
-    files = {}
-    for entries, fl in written:
-        files.update(fl)
-        for key, e in entries:
-            tensors[key]["entries"].append(e)
-    for t in tensors.values():
-        t["entries"].sort(key=lambda e: e[2])
-    body = {"world_size": h.world, "stage": h.stage, "block_bytes": fmt.BLOCK, "tensors": tensors,
-            "aliases": h.aliases, "param_groups": h.groups, "files": files, "extra": extra is not None,
-            "torch_version": torch.__version__}
-    fmt.write_bytes(os.path.join(tmp, fmt.MANIFEST), fmt.manifest_bytes(body), sync)
-    fmt.fsync_dir(tmp, sync)
-    if not os.path.lexists(path):
-        os.rename(tmp, path)
-    elif fmt.exchange(tmp, path):
-        _discard(tmp)                       # tmp now holds the previous checkpoint
-    else:
-        old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
-        os.rename(path, old)                # a crash here: load_checkpoint finds `old`
-        os.rename(tmp, path)
-        fmt.fsync_dir(parent, sync)
-        shutil.rmtree(old)
-    fmt.fsync_dir(parent, sync)
-    return None
-
-
-_discards: List[threading.Thread] = []   # deleting replaced checkpoints (see the Note above)
-
-
-def _discard(path: str):
-    """Delete the replaced checkpoint ``path`` in a thread (not a daemon: the process's
-    exit waits for it)."""
-    t = threading.Thread(target=shutil.rmtree, args=(path,), kwargs=dict(ignore_errors=True),
-                         name="zeroshard-checkpoint-discard")
-    t.start()
-    _discards.append(t)
-
-
-def _wait_discards():
-    while _discards:
-        _discards.pop().join()
+    return _ckpt_save.save(h, path, extra, sync_files, background)
 
 
 def _find(path: str) -> str:
@@ -293,11 +168,13 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     anything is modified; a corrupt block is found while reading, so the model
     then holds a mix of old and loaded values: load another checkpoint.
     """
+    _ckpt_save.wait()                                   # a background save, maybe of this path
     path = _find(os.path.abspath(os.fspath(path)))
     getattr(optimizer, "wait_params", lambda: None)()   # no all-gather may still write the parameters
     h = Holdings(model, optimizer, for_load=True)    # same outcome on every rank
-    man = _collective(h, lambda: fmt.read_manifest(path))
-    _collective(h, lambda: _check_match(h, man, path, optimizer is not None))
+    peers = Peers(h.group)
+    man = peers.run(lambda: fmt.read_manifest(path))
+    peers.run(lambda: _check_match(h, man, path, optimizer is not None))
     reader = fmt.Reader(path, man)
     fmt.stats["bytes_read"] = 0
 
@@ -324,7 +201,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
         finally:
             reader.close()
 
-    extra = _collective(h, read)
+    extra = peers.run(read)
     with torch.no_grad():
         h.finish_load(man)
     return extra
@@ -339,6 +216,7 @@ def export_full_state_dict(path, out_file, dtype: Optional[torch.dtype] = None) 
     Parameters are written in the model's dtype, or ``dtype`` (floating ones);
     one tensor is in memory at a time. The file appears complete or not at all.
     """
+    _ckpt_save.wait()
     path = _find(os.path.abspath(os.fspath(path)))
     out_file = os.fspath(out_file)
     if not out_file.endswith(".safetensors"):
