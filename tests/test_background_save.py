@@ -14,14 +14,10 @@ import torch.distributed as dist
 
 import zeroshard as zs
 from conftest import get_pool
-from test_checkpoint import TINY_SCRIPT, build, train
+from test_checkpoint import TINY_SCRIPT, build, dir_bytes, train
 from test_fully_shard import max_err
 
 from zeroshard import _ckpt_format as fmt
-
-
-def _files(path):
-    return {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
 
 
 class HeldWrite:
@@ -63,7 +59,7 @@ def _background_equals_blocking(kind, root):
         held.release()
         assert done.result(timeout=120) is None
     dist.barrier()
-    same = _files(os.path.join(root, "blocking")) == _files(os.path.join(root, "background"))
+    same = dir_bytes(os.path.join(root, "blocking")) == dir_bytes(os.path.join(root, "background"))
     again, again_opt = build(kind, seed=7)
     got = zs.load_checkpoint(os.path.join(root, "background"), again, again_opt)
     train(again, again_opt, 2, first_step=3)
@@ -161,7 +157,7 @@ def _hybrid_background(root, stage):
     zs.save_checkpoint(os.path.join(root, "background"), model, opt, extra={"rank": dist.get_rank()},
                        background=True).result(timeout=120)
     dist.barrier()
-    return _files(os.path.join(root, "blocking")) == _files(os.path.join(root, "background"))
+    return dir_bytes(os.path.join(root, "blocking")) == dir_bytes(os.path.join(root, "background"))
 
 
 def test_a_hybrid_background_save_is_the_blocking_one(tmp_path):

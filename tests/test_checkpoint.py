@@ -76,6 +76,11 @@ def data_bytes(path):
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "rank*.safetensors")))
 
 
+def dir_bytes(path):
+    """{file name: its bytes} of a checkpoint directory."""
+    return {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+
+
 def check_resumed(results, path):
     """Parity with the uninterrupted run, and each rank read only its share."""
     total = data_bytes(path)

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import zeroshard as zs
 from conftest import get_pool
+from test_background_save import HeldWrite
+from test_checkpoint import dir_bytes
 from test_sharded import batches, local, make_model, param_groups, reference, rel_err, train_ours
 from zeroshard import _offload
 
@@ -123,7 +125,14 @@ def _checkpoint(path, save):
     if save:
         model, opt, _ = train_ours(2, 2, **kw)
         zs.save_checkpoint(path, model, opt)
-        return None
+        # in the background: the state on disk changes under the write, the files must not
+        with HeldWrite() as held:
+            done = zs.save_checkpoint(path + "-background", model, opt, background=True)
+            assert held.started.wait(60)
+            train_ours(1, 2, model=model, opt=opt, first_step=2)
+            held.release()
+            done.result(timeout=120)
+        return dir_bytes(path) == dir_bytes(path + "-background")
     model = make_model()
     opt = zs.ShardedOptimizer(param_groups(model), stage=1, **kw)
     zs.load_checkpoint(path, model, opt)
@@ -134,7 +143,7 @@ def _checkpoint(path, save):
 
 def test_offloaded_state_checkpoints_and_resumes_at_another_world_size_stage_and_offload(tmp_path):
     path = str(tmp_path / "ck")
-    get_pool(2).run(_checkpoint, path, True)          # stage 2, every state on disk, world size 2
+    assert get_pool(2).run(_checkpoint, path, True) == [True, True]   # stage 2, every state on disk, world size 2
     for err in get_pool(3).run(_checkpoint, path, False):   # stage 1, 30% in host memory, world size 3
         assert err < 1e-5, err
 
