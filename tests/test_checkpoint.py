@@ -169,7 +169,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _save_and_die(rank, port, path, ref_file, dying):
+def _save_and_die(rank, port, path, ref_file, dying, background=False):
     """Save a checkpoint at step 2, train a step, and save again over it; the
     ranks in ``dying`` SIGKILL themselves in the middle of writing their file."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
@@ -193,17 +193,20 @@ def _save_and_die(rank, port, path, ref_file, dying):
             os.kill(os.getpid(), signal.SIGKILL)
         fmt.write_safetensors = write_half_then_die
     try:
-        zs.save_checkpoint(path, model, opt, extra={"step": 3})
+        done = zs.save_checkpoint(path, model, opt, extra={"step": 3}, background=background)
+        if background:
+            done.result()
     except Exception:  # noqa: BLE001 - a surviving rank must fail, not hang
         os._exit(3)
     os._exit(0)
 
 
-def _run_killed_save(tmp_path, dying):
+def _run_killed_save(tmp_path, dying, background=False):
     path, ref_file = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_save_and_die, args=(r, port, path, ref_file, dying)) for r in range(2)]
+    procs = [ctx.Process(target=_save_and_die, args=(r, port, path, ref_file, dying, background))
+             for r in range(2)]
     for p in procs:
         p.start()
     deadline = time.time() + 150
@@ -240,8 +243,9 @@ def test_a_job_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
         zs.load_checkpoint(partial[0], *build("plain"))
 
 
-def test_a_rank_killed_during_a_save_makes_the_others_fail_not_hang(tmp_path):
-    path, ref_file, codes = _run_killed_save(tmp_path, dying=(1,))
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
+def test_a_rank_killed_during_a_save_makes_the_others_fail_not_hang(tmp_path, background):
+    path, ref_file, codes = _run_killed_save(tmp_path, dying=(1,), background=background)
     assert codes == [3, -signal.SIGKILL], codes      # rank 0 raised (exit 3) instead of hanging
     _check_previous_checkpoint(path, ref_file)
 
