@@ -20,7 +20,10 @@ save follows a training step, as in training (zeroshard deletes the checkpoint a
 replaced in a thread, which the steps after it overlap; the next save waits for it). "save ms" / "load ms" are medians over --repeats
 on rank 0 (barrier-to-barrier); "MB/rank" is what each rank wrote (its data
 file; rank 0 also the metadata/manifest); "peak MB" is the rise of rank 0's
-peak resident memory over what it held before the call (save, load).
+peak resident memory over what it held before the call (save, load), and
+"save tensor MB" the most tensor bytes a save holds live on rank 0 beyond what
+was live before it, a background save's write included (the CPU allocator's
+exact count, benchmarks/cpu_memory.py, in one more untimed save).
 
     python benchmarks/checkpoint.py [--world-size 2] [--layers 4 --dim 512] [--repeats 3]
 """
@@ -45,6 +48,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 import peers  # noqa: E402
+from cpu_memory import TensorBytes  # noqa: E402
 from machine import machine_info  # noqa: E402
 from step import build, free_port, init_dist, reset_peak_rss, rss_mb, train_step  # noqa: E402
 
@@ -150,6 +154,18 @@ def background_costs(save, path, step, repeats):
                 step_during_ms=1e3 * statistics.median(during))
 
 
+def save_tensor_peak(save, path, finish):
+    """The most tensor bytes live during one save (and a background save's write) beyond
+    what was live before it: the CPU allocator's exact count (cpu_memory.TensorBytes)."""
+    finish()
+    dist.barrier()
+    with TensorBytes() as t:
+        done = save(path)
+        if isinstance(done, Future):
+            done.result()
+    return t.peak / 2**20
+
+
 def lost_ms(row: dict) -> float:
     """The training time a background save costs: the call, and the step its write slows."""
     return row["save_ms"] + row["step_during_ms"] - row["step_ms"]
@@ -179,12 +195,14 @@ def worker(rank, world, port, variant, cfg, args, root, out):
         save_ms, save_peak = timed(lambda: pending.append(save(path)), args.repeats, between=finish_then_step)
         finish_then_step()
     load_ms, load_peak = timed(lambda: load(path), args.repeats)
+    save_tensor_mb = save_tensor_peak(save, path, finish_then_step)
     if rank == 0:   # what each rank wrote, read from the shared directory
         everyone = [sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**"), recursive=True)
                         if os.path.isfile(f) and _written_by(os.path.basename(f), r)) / 2**20
                     for r in range(world)]
         out.put(dict(variant=variant, params=n_params, save_ms=save_ms, fsync_ms=1e3 * fsync.seconds / args.repeats,
                      load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak,
+                     save_tensor_mb=save_tensor_mb,
                      **extra))
     dist.barrier()
     dist.destroy_process_group()
@@ -273,13 +291,13 @@ def main():
           f"CPU + gloo, {date.today()}")
     resume = f"load at {args.resume_world_size}" if args.resume_world_size else ""
     print(f"{'variant':<20}{'save ms':>9}{'vs dcp':>8}{'fsync ms':>10}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
-          f"{'save peak MB':>14}{'load peak MB':>14}" + (f"{resume + ' ms':>18}" if resume else ""))
+          f"{'save peak MB':>14}{'load peak MB':>14}{'save tensor MB':>16}" + (f"{resume + ' ms':>18}" if resume else ""))
     for r in rows:
         vs = (lambda k: f"{r[k] / ref[k]:.2f}x") if ref else (lambda k: "-")
         mb = "/".join(f"{m:.1f}" for m in r["mb_per_rank"])
         print(f"{r['variant']:<20}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['fsync_ms']:>10.1f}"
               f"{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
-              f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}"
+              f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}{r['save_tensor_mb']:>16.1f}"
               + (f"{r['resume_ms']:>18.1f}" if isinstance(r.get("resume_ms"), float) else
                  f"  failed: {r['resume_ms']}" if "resume_ms" in r else ""))
     for r in rows:

@@ -377,14 +377,17 @@ def results_section(found: dict) -> str:
         lines += ["", f"### Checkpoint save and load: `checkpoint.json` ({d.get('date', '?')})", "",
                   _para(f"GPT {params(d) / 1e6:.2f}M params, world size {d.get('world_size', '?')}, "
                         f"{d.get('backend', 'CPU gloo')}. Median times on rank 0; MB each rank wrote; peak = rise "
-                        f"of rank 0's peak RSS; ratios against {ref['variant']}."), ""]
+                        f"of rank 0's peak RSS; save tensor MB = the most tensor bytes a save holds live on "
+                        f"rank 0 (the CPU allocator's exact count); ratios against {ref['variant']}."), ""]
         lines += _table(["variant", "save ms", f"vs {ref['variant']}", "load ms", f"vs {ref['variant']}",
-                         "MB/rank", "save peak MB", "load peak MB", "save: in fsync ms"],
+                         "MB/rank", "save peak MB", "load peak MB", "save: in fsync ms", "save tensor MB"],
                         [(r["variant"], f"{r['save_ms']:.1f}", f"{r['save_ms'] / ref['save_ms']:.2f}x",
                           f"{r['load_ms']:.1f}", f"{r['load_ms'] / ref['load_ms']:.2f}x",
                           " / ".join(f"{m:.1f}" for m in r.get("mb_per_rank", [])),
                           f"{r['save_peak_mb']:.1f}", f"{r['load_peak_mb']:.1f}",
-                          f"{r['fsync_ms']:.1f}" if "fsync_ms" in r else "-") for r in d["rows"]], "lrrrrrrrr")
+                          f"{r['fsync_ms']:.1f}" if "fsync_ms" in r else "-",
+                          f"{r['save_tensor_mb']:.1f}" if "save_tensor_mb" in r else "-") for r in d["rows"]],
+                        "lrrrrrrrrr")
         background = [r for r in d["rows"] if "durable_ms" in r]
         if background:
             lines += ["", _para("Background saves (`save_checkpoint(..., background=True)`): \"save ms\" above is "
