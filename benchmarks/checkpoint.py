@@ -50,6 +50,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 import peers  # noqa: E402
 from cpu_memory import TensorBytes  # noqa: E402
 from machine import machine_info  # noqa: E402
+from report import lost_ms  # noqa: E402
 from step import build, free_port, init_dist, reset_peak_rss, rss_mb, train_step  # noqa: E402
 
 VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2", "zeroshard-3+nosync", "zeroshard-2+nosync",
@@ -160,15 +161,15 @@ def save_tensor_peak(save, path, finish):
     finish()
     dist.barrier()
     with TensorBytes() as t:
-        done = save(path)
-        if isinstance(done, Future):
-            done.result()
+        settle(save(path))
     return t.peak / 2**20
 
 
-def lost_ms(row: dict) -> float:
-    """The training time a background save costs: the call, and the step its write slows."""
-    return row["save_ms"] + row["step_during_ms"] - row["step_ms"]
+def settle(done) -> None:
+    """Wait for what a save returned: a background save's Future (DeepSpeed's save
+    returns True, the others None)."""
+    if isinstance(done, Future):
+        done.result()
 
 
 def worker(rank, world, port, variant, cfg, args, root, out):
@@ -187,9 +188,7 @@ def worker(rank, world, port, variant, cfg, args, root, out):
 
     def finish_then_step():      # a background save's write ends before the next call
         while pending:
-            done = pending.pop()
-            if isinstance(done, Future):   # (DeepSpeed's save returns True, the others None)
-                done.result()
+            settle(pending.pop())
         step()
     with FsyncClock() as fsync:
         save_ms, save_peak = timed(lambda: pending.append(save(path)), args.repeats, between=finish_then_step)

@@ -74,11 +74,10 @@ class Peers:
 
 @dataclass
 class Taken:
-    """What this rank writes, taken at the call: the file's items (name, dtype,
-    shape, produce) and the pickled ``extra``, or why taking them failed (raised
-    in the first exchange, so every rank hears of it)."""
-    items: List[Tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor]]] = field(default_factory=list)
-    starts: List[Tuple[str, int, int]] = field(default_factory=list)   # (key, start, numel) per item
+    """What this rank writes, taken at the call: its pieces and the pickled
+    ``extra``, or why taking them failed (raised in the first exchange, so every
+    rank hears of it)."""
+    pieces: List[Tuple[str, int, torch.Tensor]] = field(default_factory=list)   # (key, start, 1-D values)
     extra: Optional[bytes] = None
     error: Optional[Exception] = None
 
@@ -95,8 +94,7 @@ class Taken:
                 t = p.data
                 if copy:
                     t = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
-                taken.items.append((f"{p.key}@{p.start}", t.dtype, (t.numel(),), lambda t=t: t))
-                taken.starts.append((p.key, p.start, t.numel()))
+                taken.pieces.append((p.key, p.start, t))
             if copy and any(p.data.is_cuda for p in mine):
                 torch.cuda.synchronize()     # the copies landed before the originals may change
             if extra is not None:
@@ -213,10 +211,11 @@ def _prepare(path: str) -> str:
 def _write(h: Holdings, tmp: str, taken: Taken, sync: bool):
     """This rank's files in ``tmp``; returns (manifest entries, files) for the committer."""
     fname, entries, files = f"rank{h.rank}.safetensors", [], {}
-    if taken.items:          # (a rank of a replicated model owns nothing and writes no file)
-        crc, size, placed = fmt.write_safetensors(os.path.join(tmp, fname), taken.items, sync)
-        entries = [(key, [fname, off, start, numel, crcs])
-                   for (key, start, numel), (off, crcs) in zip(taken.starts, placed)]
+    if taken.pieces:          # (a rank of a replicated model owns nothing and writes no file)
+        items = [(f"{key}@{start}", t.dtype, (t.numel(),), lambda t=t: t) for key, start, t in taken.pieces]
+        crc, size, placed = fmt.write_safetensors(os.path.join(tmp, fname), items, sync)
+        entries = [(key, [fname, off, start, t.numel(), crcs])
+                   for (key, start, t), (off, crcs) in zip(taken.pieces, placed)]
         files[fname] = {"size": size, "crc32": crc}
     if taken.extra is not None:
         fmt.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), taken.extra, sync)
