@@ -307,6 +307,109 @@ def test_accumulating_onto_a_gradient_other_ranks_reduced_as_ddp(dist_pool, stag
         assert err < 1e-5, err
 
 
+def _frozen_midway(kind, steps=7, **zs_kw):
+    """Fine-tuning's habit: parameters frozen after the optimizer was built (steps 2
+    and 3), then trained again (from step 4): one of a ZeRO-3 block's, one of the
+    root unit's, and every one of a block's (its unit takes no gradient at all)."""
+    net, opt = _branchy(kind, **zs_kw)
+    params = dict(net.named_parameters())
+    names = [n for n in params if n.endswith(("blocks.0.fc.weight", "inp.bias", "blocks.1.fc.weight",
+                                              "blocks.1.fc.bias"))]
+    assert len(names) == 4, list(params)
+    grads_none = []
+    for k, (x, y) in enumerate(data(steps)):
+        for n in names:
+            params[n].requires_grad_(k not in (2, 3))
+        opt.zero_grad()
+        F.cross_entropy(net(local(x), use_extra=True), local(y)).backward()
+        grads_none.append([p.grad is None for p in net.parameters()])
+        opt.step()
+    if kind != "ddp":
+        opt.consolidate_state_dict(to=None)
+    steps_of = {i: float(st["step"]) for i, st in opt.state_dict()["state"].items()}
+    return full_params(kind, net), steps_of, grads_none
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_frozen_after_construction_are_left_alone_and_train_again_as_under_ddp(dist_pool, stage):
+    for ours, ddp in zip(dist_pool.run(_frozen_midway, stage), dist_pool.run(_frozen_midway, "ddp")):
+        assert max(rel(ours[0][k], ddp[0][k]) for k in ddp[0]) < 1e-5
+        assert ours[1] == ddp[1] and sorted(set(ddp[1].values())) == [5.0, 7.0], (ours[1], ddp[1])
+        assert ours[2] == ddp[2]              # p.grad is None exactly where DDP leaves it None
+
+
+def _partly_frozen_unit_events():
+    net, opt = _branchy(3)
+    net.module.blocks[0].fc.weight.requires_grad_(False)     # after wrapping; its bias still trains
+    x, y = data(1)[0]
+    F.cross_entropy(net(local(x), use_extra=True), local(y)).backward()
+    opt.step()
+    return list(net.events)
+
+
+def test_a_unit_with_a_parameter_frozen_after_wrapping_is_reduced_when_the_rest_arrived(dist_pool):
+    """Not held to the end of backward waiting for the frozen one's gradient (it would stay
+    gathered all through backward, and its reduction would overlap nothing)."""
+    for ev in dist_pool.run(_partly_frozen_unit_events):
+        ev = ev[ev.index(("grad", "blocks.1")):]          # the backward
+        last_root_grad = len(ev) - 1 - ev[::-1].index(("grad", ""))
+        assert ev.index(("reshard", "blocks.0")) < last_root_grad, ev
+        assert ev.index(("reduce_scatter", "blocks.0")) < last_root_grad, ev
+
+
+def _launched_before_last_grad(stage):
+    """Reduce-scatters a backward launched before its last gradient arrived: with all
+    parameters trainable, then with one frozen after construction."""
+    net, opt = _branchy(stage)
+    x, y = data(1)[0]
+    counts = []
+    for frozen in (False, False, True):     # (the first backward learns the launch order)
+        net.blocks[1].fc.weight.requires_grad_(not frozen)
+        opt.zero_grad()
+        start = len(opt.events)
+        F.cross_entropy(net(local(x), use_extra=True), local(y)).backward()
+        ev = list(opt.events)[start:]
+        last_grad = max(k for k, e in enumerate(ev) if e[0] == "grad")
+        counts.append(sum(e[0] == "reduce_scatter" for e in ev[:last_grad]))
+        opt.step()
+    return counts[1:]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_buckets_with_a_parameter_frozen_after_construction_are_reduced_during_backward(dist_pool, stage):
+    for trainable, frozen in dist_pool.run(_launched_before_last_grad, stage):
+        assert trainable > 0 and frozen >= trainable, (trainable, frozen)
+
+
+def _unfrozen_after_construction(stage):
+    torch.manual_seed(0)
+    model = Model()
+    model.inp.weight.requires_grad_(False)
+    net = zs.FullyShard(model, wrap={Block}) if stage == 3 else model
+    opt = zs.ShardedOptimizer(net.parameters(), lr=1e-2, **({} if stage == 3 else dict(stage=stage)))
+    x, y = data(1)[0]
+    for p in net.parameters():
+        p.requires_grad_(True)
+    F.cross_entropy(net(local(x)), local(y)).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(NotImplementedError) as e:
+        opt.step()
+    groups = len(opt.param_groups)
+    with pytest.raises(NotImplementedError) as added:   # transfer learning's other habit
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 1e-3})
+    return (str(e.value), all(torch.equal(a, p) for a, p in zip(before, net.parameters())), str(added.value),
+            len(opt.param_groups) == groups)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unfreezing_a_parameter_frozen_at_construction_or_adding_a_group_is_a_clear_error(dist_pool, stage):
+    for rank, (msg, unchanged, added, same_groups) in enumerate(dist_pool.run(_unfrozen_after_construction, stage)):
+        assert f"[rank {rank}/" in msg and "parameter 0 " in msg and "after unfreezing" in msg, msg
+        assert unchanged          # refused before anything was updated
+        assert f"[rank {rank}/" in added and "add_param_group()" in added and "constructor" in added, added
+        assert same_groups
+
+
 OPTIMIZERS = {
     "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
     "adam": (torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=1e-2)),

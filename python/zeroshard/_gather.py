@@ -84,7 +84,13 @@ class Gatherer:
 
 
 def _swap(u: Unit, gathered: bool):
-    """Point every module slot of ``u``'s parameters at the full (gathered) or sharded parameter."""
+    """Point every module slot of ``u``'s parameters at the full (gathered) or sharded parameter.
+    A full parameter requires grad as its sharded piece does now: one frozen after wrapping
+    (``requires_grad_(False)`` on what ``model.parameters()`` yields) takes no gradient, as
+    a parameter no forward used, and one unfrozen again trains. (Only those trainable when
+    wrapped: the others have no gradient path; the optimizer refuses their unfreezing.)"""
     for q in u.params:
+        if gathered and q.requires_grad and q.full.requires_grad != q.sharded.requires_grad:
+            q.full.requires_grad_(q.sharded.requires_grad)
         for mod, attr in q.slots:
             mod._parameters[attr] = q.full if gathered else q.sharded

@@ -156,6 +156,7 @@ class ReducedGrads:
         # a loop that zeroes its gradients after each step runs no hook in backward
         self.hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._leaves = [i for i in trainable if params[i].grad_fn is None]
+        self._hooked: List[int] = []    # the leaves self.hooks are on
         source.listeners.append(weak_hook(self.backward_done))
 
     # ----------------------------------------------------------- statistics
@@ -214,9 +215,13 @@ class ReducedGrads:
                 self.kept[i] = self.source.resting_grad(i, p.grad)
             self.placed[i] = self.placeholders[i] if self.used[i] else None
             p.grad = self.placed[i]
-        if not self.hooks:
+        # on the leaves that require grad now: one frozen since construction takes no gradient
+        # (and torch refuses a hook on it); one unfrozen again needs its hook back
+        want = [i for i in self._leaves if self.params[i].requires_grad]
+        if want != self._hooked:
+            self._remove_hooks()
             hook = weak_hook(self._before_accumulate)
-            self.hooks = [self.params[i].register_hook(hook) for i in self._leaves]
+            self.hooks, self._hooked = [self.params[i].register_hook(hook) for i in want], want
 
     def settle(self):
         """Wait for the statistics' all-reduce, if one is in flight. ``used`` is then
@@ -332,9 +337,7 @@ class ReducedGrads:
                 self.params[i].grad = g
         placed, self.kept, self.placed = self.placed, {}, {}
         if not from_backward:    # (not from inside one of the hooks: autograd is running them)
-            for h in self.hooks:
-                h.remove()
-            self.hooks = []
+            self._remove_hooks()
         if gone and from_backward:
             if len(gone) < sum(g is not None for g in placed.values()):
                 raise RuntimeError(self.err(
@@ -342,6 +345,11 @@ class ReducedGrads:
                     "but not of the others: their sharded gradients cannot be cleared one by one; call "
                     "opt.zero_grad() (or model.zero_grad()) to clear every gradient"))
             self.source.zero_grad(set_to_none=True)   # model.zero_grad() cleared every gradient
+
+    def _remove_hooks(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks, self._hooked = [], []
 
     def unsupported(self, i: int, what: str) -> str:
         shape = tuple(self.params[i].shape)

@@ -178,8 +178,8 @@ class FlatReducer(ShardSource):
         self._state = GradState.BACKWARD
         self._reductions.start([self.buckets[b] for b in self.launch_order])
         self.events.append(("backward_start", -1))
-        for b in self.buckets:
-            b.pending, b.launched = len(b.params), False
+        for b in self.buckets:   # (a parameter frozen since construction takes no gradient)
+            b.pending, b.launched = sum(self.params[i].requires_grad for i in b.params), False
         # stage 2: buckets still to copy each parameter's gradient (then it is freed)
         self._copies_left = {i: len(self.where[i][2]) for i in self.trainable}
         # runs once, when the whole backward pass has finished

@@ -58,8 +58,8 @@ class UnitBackward:
         seen = set(fwd)
         rest = [u.index for u in self.units[1:] if u.index not in seen]
         self._reductions.start([self.units[ui] for ui in self.order + rest + [0] if self.units[ui].trainable])
-        for u in self.units:
-            u.pending = len(u.trainable)
+        for u in self.units:     # (a parameter frozen since wrapping takes no gradient: see _swap)
+            u.pending = sum(q.full.requires_grad for q in u.trainable)
             for q in u.params:
                 q.arrived = False
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)

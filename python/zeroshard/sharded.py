@@ -78,6 +78,27 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
                       options["offload"])
 
 
+_NEW_GROUP = ("add_param_group() after the ShardedOptimizer was built: its parameters would have no place in the "
+              "flat layout, so they would never be averaged over the ranks nor updated. Pass every param group "
+              "to the constructor; to train some of them later, freeze them with requires_grad_(False) right "
+              "after the optimizer is built and unfreeze them when they should train")
+
+
+def _check_not_unfrozen(params: List[torch.Tensor], frozen: List[int], err):
+    """Freezing a parameter after construction is supported (it is left alone, as one
+    without a gradient); unfreezing one that was frozen then is not: it has no place
+    in the layout, so its gradient would be neither averaged nor applied."""
+    for i in frozen:
+        if params[i].requires_grad:
+            raise NotImplementedError(err(
+                f"parameter {i} (shape {tuple(params[i].shape)}) requires grad now but did not when this "
+                "ShardedOptimizer was built: zeroshard lays out, shards and steps only the parameters "
+                "trainable at construction, so its gradient would be neither averaged over the ranks "
+                "nor applied. Build the ShardedOptimizer (and FullyShard) after unfreezing it, or build "
+                "them with it trainable and freeze it with requires_grad_(False) until it should train: "
+                "a parameter frozen after construction is left alone, as one without a gradient"))
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """AdamW with ZeRO stage 1 (sharded optimizer states) or 2 (also sharded gradients).
 
@@ -115,8 +136,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (torchrun sets it up)")
-        self.reduce_dtype = reduce_dtype
-        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.reduce_dtype, self.bucket_bytes = reduce_dtype, max(1, int(bucket_mb * 2**20))
         pg = process_group if process_group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
         self.last_step_skipped = False
@@ -127,6 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
         self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
         if not self._trainable:
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
@@ -223,6 +244,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_ready("step()")
+        _check_not_unfrozen(self._params, self._frozen, self._err)
         self.last_step_skipped = False
         if self._source.check_finite:    # every rank agrees: the statistics are summed over the ranks
             self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
@@ -319,6 +341,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Whether the step is zeroshard's fused AdamW (else ``optimizer_class``'s own)."""
         return self._rule.fused
 
+    def add_param_group(self, param_group: dict):
+        if hasattr(self, "_source"):     # after construction (torch's __init__ adds the groups)
+            raise NotImplementedError(self._err(_NEW_GROUP))
+        super().add_param_group(param_group)
 
     def consolidate_state_dict(self, to: Optional[int] = 0):
         """Gather the full state onto global rank ``to`` (every rank with ``to=None``),
