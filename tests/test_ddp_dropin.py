@@ -410,6 +410,26 @@ def test_unfreezing_a_parameter_frozen_at_construction_or_adding_a_group_is_a_cl
         assert same_groups
 
 
+def _converted_after_construction(stage, dtype):
+    model, opt = build(stage)
+    if dtype is None:        # the same dtype and device (as model.cuda() on a GPU run): was silent
+        model.head.bias.data = model.head.bias.data.clone()
+    else:
+        model.to(dtype)      # replaces every p.data: the model would train a copy no step writes
+    x, y = data(1)[0]
+    with pytest.raises(RuntimeError) as e:
+        F.cross_entropy(model(local(x).to(dtype or torch.float32)), local(y)).backward()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", [None, torch.float64], ids=["p.data=", "model.to"])
+def test_converting_the_model_after_building_the_optimizer_is_a_clear_error(dist_pool, stage, dtype):
+    for rank, msg in enumerate(dist_pool.run(_converted_after_construction, stage, dtype)):
+        assert f"[rank {rank}/" in msg and "before building" in msg, msg
+        assert f"now {dtype or torch.float32} on cpu" in msg and "parameter " in msg, msg
+
+
 OPTIMIZERS = {
     "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
     "adam": (torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=1e-2)),

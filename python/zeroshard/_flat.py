@@ -70,6 +70,23 @@ class FlatBuffer:
     spare_shard: Optional[torch.Tensor] = None
 
 
+def check_views(params: List[torch.Tensor], trainable: List[int], where: dict, err: Callable[[str], str]):
+    """Every trainable parameter is still the view of its flat buffer that build_flat made it:
+    code that replaced ``p.data`` since (``model.to(dtype or device)``, ``model.half()``,
+    ``model.cuda()``, ``p.data = ...``) would leave the model computing on a copy that no
+    step writes, and its gradients reduced into a buffer of another dtype or device."""
+    for i in trainable:
+        p, (buf, offset, _) = params[i], where[i]
+        flat = buf.params
+        if p.data_ptr() != flat.data_ptr() + offset * flat.element_size():   # (a new dtype or device: new memory)
+            raise RuntimeError(err(
+                f"parameter {i} (shape {tuple(p.shape)}, now {p.dtype} on {p.device}) is no longer the view of "
+                f"the flat {flat.dtype} buffer on {flat.device} that ShardedOptimizer made it: its data was "
+                "replaced after the optimizer was built (model.to(...), model.half()/.bfloat16()/.cuda(), or "
+                "p.data = ...), so the model would compute on a copy that step() never updates. Convert and "
+                "move the model before building the ShardedOptimizer"))
+
+
 def held_by_ddp(p: torch.Tensor) -> bool:
     """Whether a DistributedDataParallel module holds p (checked once, at construction).
 

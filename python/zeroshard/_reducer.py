@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from ._flat import Bucket, build_flat, check_params, check_same_across_ranks
+from ._flat import Bucket, build_flat, check_params, check_same_across_ranks, check_views
 from ._mesh import Groups
 from ._offload import NO_OFFLOAD, HostCopies, Offload, Storage, offloaded_params
 from ._ordered import BufferPool, OrderedReductions
@@ -174,6 +174,7 @@ class FlatReducer(ShardSource):
             self._kept = {b.index: b.own(b.buffer.grads, self.rank).clone() for b in self.buckets}
 
     def _start_backward(self):
+        check_views(self.params, self.trainable, self.where, self.err)
         self.settle()     # parameters no forward waited for: done before the reductions start
         self._state = GradState.BACKWARD
         self._reductions.start([self.buckets[b] for b in self.launch_order])
