@@ -4,6 +4,9 @@
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
 # arguments: build gpu suite adamw step124 step124z3 example (default: all).
 #   bash benchmarks/gpu_run.sh build gpu adamw
+# Where one command may run at most 10 minutes, split it over calls to the same
+# warm machine (the build stays installed between them), e.g.
+#   1) build gpu    2) suite    3) adamw step124 step124z3 example
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out/gpu}"
