@@ -80,5 +80,16 @@ bench: build bench-deps
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/report.py
 
+# The documentation site (mkdocs.yml, docs/) into site/: DOCS_DEPS are installed
+# into .venv when missing (or at other versions); --strict fails on any warning.
+DOCS_DEPS := mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 \
+             mkdocstrings-python==2.0.11 pymdown-extensions==13.1.2 ruff==0.17.6
+
+.PHONY: docs
+docs: $(PY)
+	@$(PY) -c "import sys, importlib.metadata as m; sys.exit(any(m.version(n) != v for n, v in (a.split('==') for a in sys.argv[1:])))" \
+	  $(DOCS_DEPS) 2>/dev/null || $(PIP) install -q $(DOCS_DEPS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
 	rm -rf build $(VENV)/.built

@@ -17,7 +17,7 @@ from conftest import get_pool
 from test_checkpoint import TINY_SCRIPT, build, dir_bytes, train
 from test_fully_shard import max_err
 
-from zeroshard import _ckpt_format as fmt
+from zeroshard.checkpoint import format as fmt
 
 
 class HeldWrite:
@@ -194,7 +194,7 @@ def test_a_script_that_exits_right_after_a_background_save_completes_it(tmp_path
 def test_destroying_the_process_group_under_a_background_save_says_what_to_do(tmp_path):
     """No crash and no hang: the save fails, saying to call result() first, and leaves
     no checkpoint."""
-    slow_write = ("import time, zeroshard._ckpt_format as fmt\n"     # the destroy comes mid-save
+    slow_write = ("import time; import zeroshard.checkpoint.format as fmt\n"     # the destroy comes mid-save
                   "w = fmt.write_safetensors\n"
                   "fmt.write_safetensors = lambda *a, **k: (time.sleep(1), w(*a, **k))[1]\n")
     head, save = _SCRIPT.rsplit("zs.save_checkpoint", 1)

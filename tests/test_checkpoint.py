@@ -54,7 +54,7 @@ def train_plain(model, opt, steps, first_step=0):
 def _save_after(kind, steps, path):
     model, opt = build(kind)
     train(model, opt, steps)
-    from zeroshard import _ckpt_format as fmt
+    from zeroshard.checkpoint import format as fmt
     block, fmt.BLOCK = fmt.BLOCK, 256   # checksum blocks as fine as the tiny model
     try:
         zs.save_checkpoint(path, model, opt, extra={"step": steps})
@@ -66,7 +66,7 @@ def _save_after(kind, steps, path):
 def _resume(kind, path, steps):
     model, opt = build(kind, seed=7)         # other initial values: the load must replace them all
     extra = zs.load_checkpoint(path, model, opt)
-    from zeroshard import _ckpt_format as fmt
+    from zeroshard.checkpoint import format as fmt
     read = fmt.stats["bytes_read"]
     train(model, opt, steps, first_step=extra["step"])
     return max_err(model.state_dict(), reference(extra["step"] + steps)[0].state_dict()), read
@@ -183,7 +183,7 @@ def _save_and_die(rank, port, path, ref_file, dying, background=False):
         torch.save((sd, osd), ref_file)
     train(model, opt, 1, first_step=2)
     if rank in dying:
-        from zeroshard import _ckpt_format as fmt
+        from zeroshard.checkpoint import format as fmt
 
         def write_half_then_die(fpath, items, *_):
             with open(fpath, "wb") as f:
@@ -254,7 +254,7 @@ def test_replacing_without_atomic_exchange_and_a_cut_between_the_renames(tmp_pat
     """Filesystems without renameat2(RENAME_EXCHANGE) replace a checkpoint with two
     renames; a crash between them leaves the previous one beside the path, and
     load_checkpoint finds it."""
-    from zeroshard import _ckpt_format as fmt
+    from zeroshard.checkpoint import format as fmt
     monkeypatch.setattr(fmt, "exchange", lambda a, b: False)
     path = str(tmp_path / "ck")
     model, opt = build("plain")
@@ -292,7 +292,7 @@ def test_sync_files_false_skips_every_fsync_and_loads_the_same(tmp_path, monkeyp
 def test_writeback_is_started_as_the_file_is_written(tmp_path, monkeypatch):
     """Every WRITEBACK_BYTES written, the writer asks the kernel to start writing the range
     back (sync_file_range), contiguous from the start; not at all with sync=False."""
-    from zeroshard import _ckpt_format as fmt
+    from zeroshard.checkpoint import format as fmt
     ranges = []
     monkeypatch.setattr(fmt, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: ranges.append((off, n, flags)) or 0)
     monkeypatch.setattr(fmt, "WRITEBACK_BYTES", 4096)
@@ -314,7 +314,7 @@ def test_block_checksums_are_zlibs_crc32(tmp_path):
     offsets, and on the blocks of a written file, so checkpoints written before it and
     any zlib reader agree."""
     import zlib
-    from zeroshard import _ckpt_format as fmt
+    from zeroshard.checkpoint import format as fmt
     g = torch.Generator().manual_seed(int(time.time()))
     data = memoryview(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).numpy().tobytes())
     for n in (0, 1, 15, 16, 63, 64, 65, 1021, 65537, 1 << 20, (3 << 20) - 7):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import zeroshard as zs
+from zeroshard.zero3.records import UnitState
 
 BATCH, SEQ, VOCAB, DIM, HEADS, LAYERS = 12, 11, 61, 20, 4, 3
 
@@ -278,6 +279,7 @@ _FAKE_SCRIPT = r"""
 import sys, torch, torch.distributed as dist, torch.nn as nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import zeroshard as zs
+from zeroshard.zero3.records import UnitState
 n = int(sys.argv[1])
 dist.init_process_group("fake", store=FakeStore(), rank=n - 1, world_size=n)
 
@@ -470,7 +472,7 @@ def _features():
         logits = model(local(x, rank, world))
     out["inference_err"] = rel_err(logits, make_gpt().eval()(local(x, rank, world)))
     out["gathered_after_inference"] = model.memory_report()["gathered"] + sum(
-        u.state is not zs.fully_shard.UnitState.SHARDED for u in model.units)
+        u.state is not UnitState.SHARDED for u in model.units)
     model.train()
     # frozen parameters (one in the root unit, one in a block) stay put; the rest trains like torch
     frozen = ("pos.weight", "blocks.1.fc.weight", "blocks.1.fc.bias")

@@ -1,6 +1,6 @@
 """No hang, ever: ranks that take different branches, die or stall end within
 the watchdog's timeout + 30 s with an error that names the other rank and what
-diverged, and leave no process behind (see [Note: watchdog] in _incident.py).
+diverged, and leave no process behind (see [Note: watchdog] in comm/watchdog.py).
 
 Real processes on gloo. As under torchrun, the store lives outside the ranks
 (here in the test process, as torchrun's agent holds it), so a rank that has
@@ -246,7 +246,7 @@ def test_debug_mode_passes_a_correct_script_and_records_every_collective(tmp_pat
 
 
 def test_set_timeout_validates_and_overrides_the_environment(monkeypatch):
-    from zeroshard import _incident
+    from zeroshard.comm import watchdog as _incident
     monkeypatch.setenv("ZEROSHARD_TIMEOUT", "7")
     assert _incident.timeout() == 7.0
     zs.set_timeout(2.5)
@@ -263,7 +263,7 @@ def test_set_timeout_validates_and_overrides_the_environment(monkeypatch):
 
 
 def test_the_diagnosis_names_the_first_difference_and_the_silent_ranks():
-    from zeroshard import _incident
+    from zeroshard.comm import watchdog as _incident
 
     def rec(seq, kind, what, end=1.0, numel=10):
         return {"seq": seq, "group": "0", "kind": kind, "what": what, "numel": numel, "dtype": "float32",

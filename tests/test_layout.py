@@ -102,7 +102,7 @@ def test_bad_layout_input(kwargs, match):
 def test_fill_flat_copies_sources_and_zeroes_the_rest():
     """Random non-overlapping pieces (bf16 sources into an fp32 buffer full of NaN):
     every covered element equals its source, every other element is zero."""
-    from zeroshard.layout import fill_flat
+    from zeroshard.native.layout import fill_flat
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     n = 97
     cuts = sorted(torch.randperm(n, generator=g)[:12].tolist())
@@ -121,7 +121,7 @@ def test_gaps_are_exactly_what_no_range_covers(numel, ranges):
     """gaps() against a boolean mask: ranges in any order, empty ones, ranges that
     touch, end at or run past ``numel``; the gaps come out in order, non-empty
     and separated (two gaps never touch)."""
-    from zeroshard.layout import gaps
+    from zeroshard.native.layout import gaps
     covered, taken = [], [False] * (numel + 80)
     for offset, length in ranges:            # keep them non-overlapping, as gaps() requires
         if not any(taken[offset:offset + length]):

@@ -5,6 +5,7 @@ under nvme, checkpoints across offload settings, a kill mid-step, bad input."""
 import gc
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -21,7 +22,7 @@ from conftest import get_pool
 from test_background_save import HeldWrite
 from test_checkpoint import dir_bytes
 from test_sharded import batches, local, make_model, param_groups, reference, rel_err, train_ours
-from zeroshard import _offload
+from zeroshard import offload as _offload
 
 STEPS = 3
 CASES = [(None, 1.0), ("cpu", 0.3), ("cpu", 1.0), ("nvme", 0.3), ("nvme", 1.0)]
@@ -364,12 +365,12 @@ def _bad(kind, directory):
     model = make_model()
     kw = dict(offload="nvme", offload_dir=directory)
     if kind == "no disk space":
-        real = _offload.shutil.disk_usage
-        _offload.shutil.disk_usage = lambda d: real(d)._replace(free=100)
+        real = shutil.disk_usage
+        shutil.disk_usage = lambda d: real(d)._replace(free=100)
         try:
             zs.ShardedOptimizer(model.parameters(), **kw)
         finally:
-            _offload.shutil.disk_usage = real
+            shutil.disk_usage = real
     elif kind == "optimizer_class":
         zs.ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, offload="cpu")
 

@@ -176,7 +176,8 @@ def test_zero3_plan_follows_gathered_units_through_the_step():
     is not counted on top of blocks resharded long before (counting prefetch + 1 gathered
     blocks for the whole step reads 5-6% over here). Rank 0 of a fake 4-rank group runs
     the real step on CPU tensors (no data moves; every allocation is the real one)."""
-    from zeroshard.plan import _fake_world, plan_model
+    from zeroshard.plan import plan_model
+    from zeroshard.plan.planner import _fake_world
     tg = _example()
     plan = plan_model(lambda: tg.build_model("tiny", **BIG_ROOT_KW), 4, "bf16",
                       example=lambda: tg.example_batch("tiny", batch=4, **BIG_ROOT_KW))["stages"]["ZeRO-3"]
@@ -233,7 +234,7 @@ def test_model_cli(tmp_path):
 def test_meta_optimizer_plans_but_does_not_step():
     """What plan_model builds is for reports only: stepping it is a clear error, and it leaves no process group."""
     import torch.distributed as dist
-    from zeroshard.plan import _fake_world
+    from zeroshard.plan.planner import _fake_world
     with _fake_world(1, 3):
         with torch.device("meta"):
             model = _build()
@@ -249,7 +250,7 @@ def test_model_plan_with_many_buckets(dist_pool):
     from zeroshard.plan import plan_model
     plan = plan_model(_build, dist_pool.world_size, "fp32", example=_batch, bucket_mb=0.15, transport="gloo")
     want = plan["stages"]["ZeRO-2"]
-    from zeroshard._reducer import MAX_INFLIGHT
+    from zeroshard.zero12.reducer import MAX_INFLIGHT
     for r, (rep, peak) in enumerate(dist_pool.run(_measured, 2, "fp32", 0.15)):
         # on CPU the bucket pool is kept between steps ([Note: bucket buffers between steps]):
         # at most MAX_INFLIGHT + 1 buffers of at most the bucket size

@@ -461,7 +461,7 @@ def _inflight_bound():
 
 
 def test_stage2_bucket_memory_is_bounded(dist_pool):
-    from zeroshard._reducer import MAX_INFLIGHT as _MAX_INFLIGHT
+    from zeroshard.zero12.reducer import MAX_INFLIGHT as _MAX_INFLIGHT
     for peak, biggest, nb, full, nbuf, kept in dist_pool.run(_inflight_bound):
         assert nb > _MAX_INFLIGHT + 2
         # on CPU the pool stays between steps ([Note: bucket buffers between steps]): at most
@@ -563,7 +563,7 @@ def test_sharded_state_dict_round_trip_is_exact(dist_pool, stage, dtype):
 
 def test_buffer_pool_recycles_by_size_and_keeps_at_most_keep():
     """_ordered.BufferPool, the one recycling policy of the stage-2 reducer and the planner's replay."""
-    from zeroshard._ordered import BufferPool
+    from zeroshard.common.pool import BufferPool
     made = []
     pool = BufferPool(2, lambda n, dt: made.append((n, dt)) or torch.empty(n, dtype=dt))
     a, b = pool.acquire(10, torch.float32), pool.acquire(7, torch.bfloat16)

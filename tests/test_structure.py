@@ -1,11 +1,31 @@
-"""The package's shape, checked on its source: no file over 500 lines, no class
-over 300, no function over 60, and no module reading or writing another
-object's underscore attributes (see the README's architecture section)."""
+"""The package's shape, checked on its source: its parts import only the parts
+below them (the layering of docs/architecture.md) and no module imports itself
+through others; no file over 500 lines, no class over 300, no function over 60,
+and no module reading or writing another object's underscore attributes."""
 import ast
 import os
+import re
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "zeroshard")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "python", "zeroshard")
 MAX_FILE, MAX_CLASS, MAX_FUNCTION = 500, 300, 60
+
+# The parts, each a folder of the package, and the parts each may import
+# (docs/architecture.md draws it; each folder's __init__ docstring repeats its row).
+# The package's own __init__.py (the public API) may import every part;
+# integrations (adapters for other tools) only the public API.
+BELOW_OPTIM = {"native", "comm", "offload", "common", "zero12", "zero3"}
+LAYERS = {
+    "native": set(),                                   # the C++ core's bindings
+    "comm": {"native"},                                # collectives, flight record, watchdog, groups
+    "offload": {"native"},                             # where state lives, the streamed CPU step
+    "common": {"native", "comm", "offload"},           # the shard-source interface, order, buffer pool
+    "zero12": {"native", "comm", "offload", "common"},  # the ZeRO-1/2 gradient source
+    "zero3": {"native", "comm", "offload", "common"},   # FullyShard and its units
+    "optim": BELOW_OPTIM,                              # the update engine
+    "checkpoint": {"native", "comm", "common", "zero3", "optim"},
+    "plan": BELOW_OPTIM | {"optim"},                   # the memory planner
+}
 
 # torch internals with no public equivalent, allowed where they are needed:
 # autograd's end-of-backward callback, the nn.Module slots a parameter is
@@ -23,13 +43,21 @@ TORCH_INTERNALS = {"_execution_engine", "_parameters", "_buffers", "_modules", "
 PENDING: set = set()
 
 
+def _sources(package=PACKAGE):
+    """{path relative to the package: source} of every module, in subfolders too."""
+    found = {}
+    for folder, _, files in os.walk(package):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    found[os.path.relpath(path, package)] = f.read()
+    return found
+
+
 def _violations(package=PACKAGE):
     found = {}
-    for name in sorted(os.listdir(package)):
-        if not name.endswith(".py"):
-            continue
-        with open(os.path.join(package, name)) as f:
-            src = f.read()
+    for name, src in sorted(_sources(package).items()):
         lines = len(src.splitlines())
         if lines > MAX_FILE:
             found[("file", name)] = lines
@@ -62,4 +90,169 @@ def test_the_checker_finds_planted_violations(tmp_path):
     assert found[("file", "big.py")] == 502 and found[("function", "big.py:f")] == 62
     privates = [k for k in found if k[0] == "private"]
     assert len(privates) == 61 and all(k[1].endswith("o._x") for k in privates)   # not self._y, not dunders
-    assert {"sharded.py", "_reducer.py", "_units.py", "_shards.py"} <= set(os.listdir(PACKAGE))
+    assert set(LAYERS) <= set(os.listdir(PACKAGE))
+
+
+COMPILED = "zeroshard._C"   # the extension built from csrc/: the native part's, loaded by native/ext.py
+
+
+def _module_name(rel: str) -> str:
+    """"zero3/gather.py" -> "zeroshard.zero3.gather"; "comm/__init__.py" -> "zeroshard.comm"."""
+    parts = ["zeroshard"] + rel[:-3].split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(sources):
+    """{module: {zeroshard module it imports}}, relative and absolute imports alike, at
+    any depth in the file (an import inside a function is an import too). ``from . import x``
+    is an import of the module x where x is one, else of the package."""
+    modules = {_module_name(rel): rel for rel in sources}
+    graph = {}
+    for rel, src in sources.items():
+        me = _module_name(rel)
+        package = me if rel.endswith("__init__.py") else me.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                base = (base + "." + node.module if node.module else base) if node.level else node.module
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in modules or sub == COMPILED else base)
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[me] = {t for t in targets if (t in modules or t == COMPILED) and t != me}
+    return graph
+
+
+def _part(module: str):
+    """The part (folder) a module belongs to; None for the package's own __init__."""
+    if module == COMPILED:
+        return "native"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _layer_violations(graph, layers=LAYERS):
+    bad = []
+    for mod, targets in sorted(graph.items()):
+        mine = _part(mod)
+        if mine is None:
+            continue
+        for t in sorted(targets):
+            theirs = _part(t)
+            if theirs == mine:
+                continue
+            if mine == "integrations":
+                ok = theirs is None                     # adapters use the public API only
+            else:
+                ok = mine in layers and theirs in layers[mine]
+            if not ok:
+                bad.append(f"{mod} imports {t} ({mine} may import {sorted(layers.get(mine, ())) or 'zeroshard only'})")
+    return bad
+
+
+def _cycles(graph):
+    """One cycle per strongly connected component of more than one module."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_part_imports_only_the_parts_below_it_and_nothing_imports_itself_back():
+    sources = _sources()
+    folders = {rel.split(os.sep)[0] for rel in sources if os.sep in rel}
+    assert folders - {"integrations"} == set(LAYERS), f"a folder without a row in LAYERS, or the reverse: {folders}"
+    graph = _imports(sources)
+    assert sum(len(t) for t in graph.values()) > 80          # the parser sees the package's imports
+    assert not _layer_violations(graph), "imports against the layering:\n" + "\n".join(_layer_violations(graph))
+    assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
+    for folder in folders:                                   # each part says what it does and may import
+        doc = ast.get_docstring(ast.parse(sources[os.path.join(folder, "__init__.py")])) or ""
+        assert "May import" in doc, f"{folder}/__init__.py's docstring must say what the part may import"
+
+
+def test_the_layering_check_finds_planted_violations(tmp_path):
+    pkg = tmp_path / "pkg"
+    for folder, body in {"native": "from ..optim import x\n", "optim": "from ..native import kernels\n",
+                         "comm": "from . import a\n", "integrations": "from ..optim import x\nimport zeroshard\n"}.items():
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text(body)
+    (pkg / "native" / "kernels.py").write_text("")
+    (pkg / "optim" / "x.py").write_text("")
+    (pkg / "comm" / "a.py").write_text("from . import b\n")
+    (pkg / "comm" / "b.py").write_text("def f():\n    from .a import g\n")    # a cycle through a function-level import
+    (pkg / "__init__.py").write_text("from .optim import x\n")
+    graph = _imports(_sources(str(pkg)))
+    bad = _layer_violations(graph)
+    assert any(b.startswith("zeroshard.native imports zeroshard.optim.x") for b in bad)
+    assert any(b.startswith("zeroshard.integrations imports zeroshard.optim.x") for b in bad)
+    assert not any(b.startswith(("zeroshard.optim ", "zeroshard imports")) for b in bad), bad
+    assert _cycles(graph) == [["zeroshard.comm.a", "zeroshard.comm.b"]]
+
+
+NOTE = re.compile(r"\[Note: ([^\]\n]+)\]")
+# a Note is written where its tag starts a line (after a comment marker), not followed by
+# "in <file>", ")" or ":" (those are citations that wrapped onto a new line)
+NOTE_WRITTEN = re.compile(r'^\s*(?:#|//|\*|"""|/\*)?\s*\[Note: ([^\]]+)\](?!\s+in\b|\)|:|,)', re.M)
+
+
+def _notes_written():
+    """{note: [files where it is written]} over the package, csrc/ and CMakeLists.txt."""
+    paths = [os.path.join(PACKAGE, rel) for rel in _sources()] + [os.path.join(ROOT, "CMakeLists.txt")]
+    for folder, _, files in os.walk(os.path.join(ROOT, "csrc")):
+        paths += [os.path.join(folder, f) for f in files if f.endswith((".h", ".cpp", ".cu"))]
+    written = {}
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for name in NOTE_WRITTEN.findall(f.read()):
+                written.setdefault(name, []).append(os.path.relpath(path, ROOT))
+    return written
+
+
+def test_the_note_index_lists_every_note_where_it_is_written():
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        rows = re.findall(r"^\| \[Note: ([^\]]+)\] \| `([^`]+)` \|", f.read(), re.M)
+    index = dict(rows)
+    assert len(index) == len(rows), "a Note is listed twice in docs/architecture.md"
+    written = _notes_written()
+    assert len(written) > 20
+    assert sorted(set(written) - set(index)) == [], "Notes missing from docs/architecture.md's index"
+    assert sorted(set(index) - set(written)) == [], "the index lists Notes no source writes"
+    for name, path in index.items():
+        assert path in written[name], f"[Note: {name}] is written in {written[name]}, not {path}"
+    cited = set()
+    for folder in (PACKAGE, os.path.join(ROOT, "csrc"), os.path.join(ROOT, "tests")):
+        for dirpath, _, files in os.walk(folder):
+            for f in files:
+                if f.endswith((".py", ".h", ".cpp", ".cu")) and f != "test_structure.py":
+                    with open(os.path.join(dirpath, f), errors="replace") as fh:
+                        cited |= set(NOTE.findall(fh.read()))
+    assert sorted(cited - set(written)) == [], "Notes cited but written nowhere"

@@ -12,15 +12,15 @@ When collectives hang or fail: :func:`flight_record`, :func:`set_timeout`,
 """
 from __future__ import annotations
 
-from ._ext import _C
-from ._flight import CollectiveError, flight_record
-from ._incident import CollectiveMismatch, CollectiveTimeout, set_timeout
+from .native.ext import _C
+from .comm.flight import CollectiveError, flight_record
+from .comm.watchdog import CollectiveMismatch, CollectiveTimeout, set_timeout
 from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, save_checkpoint
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
-from .fully_shard import FullyShard, MixedPrecision
-from .kernels import fused_adamw_, fused_adamw_multi_
-from .layout import Layout, compute_layout
-from .sharded import ShardedOptimizer
+from .zero3.fully_shard import FullyShard, MixedPrecision
+from .native.kernels import fused_adamw_, fused_adamw_multi_
+from .native.layout import Layout, compute_layout
+from .optim.sharded import ShardedOptimizer
 
 __version__ = "0.1.0"
 

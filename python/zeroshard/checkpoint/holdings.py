@@ -1,0 +1,217 @@
+"""What a rank holds of a (model, optimizer) pair, by checkpoint key: the
+tensors (Spec) and this rank's element ranges of them (Piece), gathered
+through FullyShard's and ShardedOptimizer's public API, or from a plain
+model and torch AdamW."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .format import CheckpointError
+from ..zero3.fully_shard import FullyShard
+
+_SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
+
+
+@dataclass
+class Spec:
+    """One tensor of the checkpoint."""
+    shape: tuple
+    dtype: torch.dtype           # as stored
+    model_dtype: torch.dtype     # the model's parameter dtype (export writes this by default)
+    step: Optional[int] = None   # optimizer states: the parameter's step count
+
+
+@dataclass
+class Piece:
+    """Elements start .. start+numel of a checkpoint tensor, held by this rank."""
+    key: str
+    start: int
+    data: torch.Tensor           # 1-D; saved from, or loaded into
+    replicated: bool             # every rank holds it: rank 0 writes it, every rank reads it
+    writeback: Optional[torch.Tensor] = None   # load: copy data here afterwards (non-contiguous target)
+
+
+class Holdings:
+    """What this rank holds of a (model, optimizer) pair, by checkpoint key."""
+
+    def __init__(self, model: nn.Module, optimizer, for_load: bool):
+        from ..optim.sharded import ShardedOptimizer
+        fs = model if isinstance(model, FullyShard) else None
+        inner = model.module if fs is not None or isinstance(model, nn.parallel.DistributedDataParallel) else model
+        sharded_opt = optimizer if isinstance(optimizer, ShardedOptimizer) else None
+        groups = fs.groups if fs is not None else sharded_opt.source.groups if sharded_opt else None
+        # hybrid sharding: each shard group holds everything; its first copy writes
+        self.replicas = groups.replicas if groups is not None else 1
+        self.replica_rank = groups.replica_rank if groups is not None else 0
+        self.every = groups.every if groups is not None else None
+        if fs is not None:
+            self.group = fs.process_group
+        elif sharded_opt is not None:
+            self.group = sharded_opt.process_group
+        else:
+            self.group = dist.group.WORLD if dist.is_initialized() else None
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.stage = 3 if fs is not None else (sharded_opt.stage if sharded_opt is not None else 0)
+        self.specs: Dict[str, Spec] = {}
+        self.pieces: List[Piece] = []
+        self.groups: Optional[list] = None
+        self.aliases: Dict[str, str] = {}
+        self._finish: List[Callable[[dict], None]] = []
+        if fs is not None and fs.device.type == "meta":
+            raise CheckpointError("this FullyShard keeps its shards on meta (device='meta'); it has no values "
+                                  "to save or load")
+
+        self.names: Dict[int, str] = {}    # id(parameter) -> canonical name
+        for name, p in (fs if fs is not None else inner).named_parameters(remove_duplicate=False):
+            if id(p) in self.names:
+                self.aliases[name] = self.names[id(p)]
+            else:
+                self.names[id(p)] = name
+        covered = set()
+        if fs is not None:
+            for u in fs.units:
+                for q in u.params:
+                    key = "param:" + q.names[0]
+                    self.specs[key] = Spec(tuple(q.shape), torch.float32, q.dtype)
+                    if q.sharded.numel():
+                        self.pieces.append(Piece(key, q.tensor_offset, q.sharded.detach(), False))
+                    covered.add(id(q.sharded))
+            self._finish.append(lambda man: fs.invalidate())
+        if sharded_opt is not None:
+            self._sharded_optimizer(sharded_opt, covered)
+        elif optimizer is not None:
+            if fs is not None:
+                raise CheckpointError("FullyShard parameters are updated by zeroshard.ShardedOptimizer; "
+                                      f"got {type(optimizer).__name__}")
+            self._torch_adamw(optimizer, for_load)
+        for p in (inner.parameters() if fs is None else ()):
+            if id(p) not in covered:
+                name = self.names[id(p)]
+                self.specs["param:" + name] = Spec(tuple(p.shape), p.dtype, p.dtype)
+                self._whole("param:" + name, p)
+        for name, b in _persistent_buffers(inner):
+            self.specs["buffer:" + name] = Spec(tuple(b.shape), b.dtype, b.dtype)
+            self._whole("buffer:" + name, b)
+
+    def _name_of(self, p: torch.Tensor, i: int) -> str:
+        name = self.names.get(id(p))
+        if name is None:
+            raise CheckpointError(f"optimizer parameter {i} (shape {tuple(p.shape)}) is not a parameter of the "
+                                  "model; pass the model whose parameters the optimizer updates")
+        return name
+
+    def _whole(self, key: str, t: torch.Tensor):
+        t = t.detach()
+        if t.is_contiguous():
+            self.pieces.append(Piece(key, 0, t.view(-1), True))
+        else:
+            self.pieces.append(Piece(key, 0, t.reshape(-1).clone(), True, writeback=t))
+
+    def _groups(self, opt, group_names: List[List[str]]):
+        """Record opt's param groups (hyperparameters and parameter names) for a
+        save, and have a load restore the hyperparameters: each group takes those
+        of the saved group holding its first parameter."""
+        self.groups = []
+        for g, names in zip(opt.param_groups, group_names):
+            hyper = {}
+            for k, v in g.items():
+                if k in _SKIP_HYPER:
+                    continue
+                try:
+                    json.dumps(v)
+                except TypeError:
+                    continue
+                hyper[k] = v
+            self.groups.append({"params": list(names), "hyper": hyper})
+
+        def finish(man):
+            where = {n: g["hyper"] for g in man["param_groups"] for n in g["params"]}
+            for g, names in zip(opt.param_groups, group_names):
+                saved = next((where[n] for n in names if n in where), None)
+                for k, v in (saved or {}).items():
+                    g[k] = tuple(v) if k == "betas" else v
+        self._finish.append(finish)
+
+    def _sharded_optimizer(self, opt, covered: set):
+        if not opt.fused:
+            raise CheckpointError(f"zeroshard checkpoints hold the fused AdamW's state only so far; this "
+                                  f"ShardedOptimizer runs {opt.optimizer_class.__name__}: save "
+                                  "opt.consolidate_state_dict(to=0) + opt.state_dict() instead")
+        names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
+        for i in opt.trainable:
+            step = opt.param_steps[i]
+            for kind in ("exp_avg", "exp_avg_sq"):
+                self.specs[f"{kind}:{names[i]}"] = Spec(tuple(opt.full_shape(i)), torch.float32, torch.float32,
+                                                          step)
+        for reg in opt.regions:
+            if reg.values is not None:
+                for i, *_ in reg.frags:
+                    p = opt.params[i]
+                    self.specs["param:" + names[i]] = Spec(tuple(p.shape), reg.values.dtype, p.dtype)
+                    covered.add(id(p))
+            for i, start, sl in reg.owned(self.rank):
+                if reg.values is not None:
+                    self.pieces.append(Piece("param:" + names[i], start, reg.values[sl], False))
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    self.pieces.append(Piece(f"{kind}:{names[i]}", start, getattr(reg, kind)[sl], False))
+        group_names = [[n for i, n in enumerate(names) if opt.group_of(i) == gi]
+                       for gi in range(len(opt.param_groups))]
+        self._groups(opt, group_names)
+        self._finish.append(lambda man: opt.shards_loaded([group_step(man, [n]) for n in names]))
+
+    def _torch_adamw(self, opt, for_load: bool):
+        if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
+            raise CheckpointError(f"optimizer {type(opt).__name__} is not supported: checkpoints hold "
+                                  "zeroshard.ShardedOptimizer or torch.optim.AdamW/Adam state")
+        group_names = []
+        for g in opt.param_groups:
+            nm = []
+            for p in g["params"]:
+                name = self._name_of(p, len(nm))
+                nm.append(name)
+                state = opt.state.get(p)
+                if for_load and not state:
+                    state = opt.state[p] = {
+                        "step": torch.tensor(0.0, device=p.device if g.get("capturable") or g.get("fused") else None),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                if state:
+                    step = int(float(state["step"]))   # once: a fused/capturable step is on the GPU
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        self.specs[f"{kind}:{name}"] = Spec(tuple(p.shape), state[kind].dtype, p.dtype, step)
+                        self._whole(f"{kind}:{name}", state[kind])
+            group_names.append(nm)
+        self._groups(opt, group_names)
+
+        def finish(man):
+            for g, nm in zip(opt.param_groups, group_names):
+                for p, name in zip(g["params"], nm):
+                    opt.state[p]["step"].fill_(group_step(man, [name]))
+        self._finish.append(finish)
+
+    def finish_load(self, man: dict):
+        for p in self.pieces:
+            if p.writeback is not None:
+                p.writeback.copy_(p.data.view(p.writeback.shape))
+        for f in self._finish:
+            f(man)
+
+
+def _persistent_buffers(module: nn.Module):
+    """(name, buffer) of every buffer the module's state dict holds (registered persistent)."""
+    saved = module.state_dict(keep_vars=True)
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if name in saved:
+            yield name, b
+
+
+def group_step(man: dict, names: List[str]) -> int:
+    steps = [man["tensors"].get(f"exp_avg:{n}", {}).get("step") for n in names]
+    return max([s for s in steps if s is not None], default=0)

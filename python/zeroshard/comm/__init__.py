@@ -1,0 +1,14 @@
+"""Collectives and process groups: the flat-buffer reduce-scatter, all-gather and
+all-reduce of the C++ core over a torch.distributed group (``collectives``), the
+flight record of every collective issued (``flight``), the watchdog's bounded
+waits and cross-rank diagnosis (``watchdog``), and hybrid sharding's groups
+(``mesh``).
+
+May import: ``native``. Every other part issues its collectives through the
+names below.
+"""
+from .collectives import (CommHandle, Tracked, all_gather, all_gather_object, all_reduce, check_in, group_name,
+                          on_rank, reduce_scatter, reduce_scatter_scratch_bytes)
+
+__all__ = ["CommHandle", "Tracked", "all_gather", "all_gather_object", "all_reduce", "check_in", "group_name",
+           "on_rank", "reduce_scatter", "reduce_scatter_scratch_bytes"]

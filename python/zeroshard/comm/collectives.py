@@ -1,0 +1,189 @@
+"""Collectives on flat buffers over a torch.distributed process group.
+
+Thin wrappers over csrc/comm.cpp (see [Note: collective ordering] in
+csrc/comm.h): each returns a handle; call ``.wait()`` before using the result.
+Each is recorded in the flight record, labelled with ``what`` it serves (see
+[Note: flight record] in comm/flight.py).
+"""
+from __future__ import annotations
+
+import collections
+import pickle
+import time
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import flight as _flight
+from . import watchdog as _incident
+from ..native.ext import _C
+
+CommHandle = _C.CommHandle
+
+
+def on_rank(who, msg: str) -> str:
+    """``msg`` prefixed with ``[rank r/N]`` of ``who`` (anything with ``rank`` and ``world_size``):
+    every error message of the library that depends on the rank says which one."""
+    return f"[rank {who.rank}/{who.world_size}] {msg}"
+
+
+_checkins: collections.Counter = collections.Counter()
+
+
+def check_in(what: str, who, group: Optional[dist.ProcessGroup] = None, hint: str = "") -> None:
+    """Wait until every rank of ``group`` has called ``check_in(what)`` as many
+    times as this one, or raise ``CollectiveTimeout`` after the watchdog's
+    timeout naming the ranks that did not; ``who`` (with ``rank`` and
+    ``world_size``) prefixes the error and ``hint`` ends it (how to do the same
+    from one rank).
+
+    Guards a collective that code under ``if rank == 0:`` would otherwise enter
+    alone. It goes through the default store, not the communicator, costs one
+    store round trip, and is a flight record of kind ``check_in``."""
+    group = group if group is not None else dist.group.WORLD
+    key = (what, group_name(group))
+    _checkins[key] += 1
+    rec = _flight.start("check_in", key[1], what, None)
+    prefix = f"zeroshard/check_in/{key[1]}/{what}/{_checkins[key]}/"
+    missing = _incident.meet(prefix, dist.get_process_group_ranks(group), "1", _incident.timeout())
+    if missing:
+        dist.distributed_c10d._get_default_store().delete_key(prefix + str(dist.get_rank()))
+        _checkins[key] -= 1      # the ranks stay in step for the next call
+        raise _incident.check_in_timed_out(on_rank(who,
+            f"{what} is collective, but rank(s) {missing} did not call it within {_incident.timeout():g} s "
+            f"(ZEROSHARD_TIMEOUT or zeroshard.set_timeout()). Call it on every rank. {hint}"),
+            key[1], rec)
+    rec.end = time.time()
+
+
+def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
+    """The registered name of ``group`` (default: the world group)."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group() first (torchrun sets it up)")
+    if group is None:
+        group = dist.group.WORLD
+    return group.group_name
+
+
+class Tracked:
+    """A collective's handle: its wait is bounded by the watchdog's timeout
+    (see [Note: watchdog] in comm/watchdog.py) and marks its record's end."""
+    __slots__ = ("handle", "record")
+
+    def __init__(self, handle, record: _flight.Record):
+        self.handle, self.record = handle, record
+
+    def wait(self):
+        broken = _incident.raised()     # then only a collective already done may pass
+        try:
+            done = self.handle.wait_for(0.0 if broken else _incident.timeout())
+        except RuntimeError as e:
+            raise (broken or _incident.transport_failed(self.record, e)) from e
+        if not done:
+            raise broken or _incident.timed_out(self.record)
+        if self.record.end is None:
+            self.record.end = time.time()
+
+    @property
+    def waited(self) -> bool:
+        return self.handle.waited
+
+    def completed(self) -> bool:
+        try:
+            done = self.handle.completed()
+        except RuntimeError as e:
+            raise (_incident.raised() or _incident.transport_failed(self.record, e)) from e
+        if done and self.record.end is None:
+            self.record.end = time.time()
+        return done
+
+
+def _issue(kind: str, group, what: str, t: torch.Tensor, launch) -> Tracked:
+    """Record the collective (checked across ranks first under ZEROSHARD_DEBUG),
+    launch it; a transport failure raises CollectiveError naming it (bad input
+    stays the C++ core's ValueError)."""
+    name = group_name(group)
+    rec = _flight.start(kind, name, what, t)
+    if _incident.debug():
+        _incident.agree(rec, group)
+    try:
+        return Tracked(launch(name), rec)
+    except ValueError:
+        raise
+    except RuntimeError as e:
+        raise (_incident.raised() or _incident.transport_failed(rec, e)) from e
+
+
+def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
+                   group: Optional[dist.ProcessGroup] = None, average: bool = True,
+                   input_is_scratch: bool = False, what: str = "") -> Tracked:
+    """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks.
+
+    ``input_is_scratch=True`` lets the collective overwrite ``input`` (a CPU
+    group whose backend is not gloo then runs an in-place all-reduce). On gloo
+    it runs as point-to-point messages: the peers' chunks are received into
+    scratch memory until ``wait()`` (``reduce_scatter_scratch_bytes``; large
+    chunks in pieces through a few slots), or, with ``input_is_scratch``, into
+    the chunks of ``input`` this rank has already sent, with at most one chunk
+    of scratch; see csrc/comm.h."""
+    return _issue("reduce_scatter", group, what, input,
+                  lambda name: _C.reduce_scatter(name, input, output, bool(average), bool(input_is_scratch)))
+
+
+def reduce_scatter_scratch_bytes(chunk_numel: int, itemsize: int, world_size: int, in_place: bool,
+                                 input_is_scratch: bool = False) -> int:
+    """Bytes of scratch ``reduce_scatter`` holds while in flight on gloo, for a chunk of
+    ``chunk_numel`` elements of ``itemsize`` bytes per rank (``in_place``: the output lies
+    inside the input; ``input_is_scratch`` as passed to it). The planner counts it; NCCL
+    takes none."""
+    return _C.reduce_scatter_scratch_bytes(chunk_numel, itemsize, world_size, in_place, input_is_scratch)
+
+
+def all_gather(input: torch.Tensor, output: torch.Tensor, *,
+               group: Optional[dist.ProcessGroup] = None, what: str = "") -> Tracked:
+    """``output`` = concatenation over ranks of ``input``. In place when ``input``
+    is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
+    messages, faster than gloo's all-gather; see csrc/comm.h)."""
+    return _issue("all_gather", group, what, input, lambda name: _C.all_gather(name, input, output))
+
+
+def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
+               average: bool = False, what: str = "") -> Tracked:
+    """``tensor`` = sum (mean if ``average``) of ``tensor`` over ranks, in place."""
+    return _issue("all_reduce", group, what, tensor, lambda name: _C.all_reduce(name, tensor, bool(average)))
+
+
+def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None, what: str = "") -> List[Any]:
+    """Every rank's ``obj`` (picklable), in group-rank order; collective.
+
+    ``torch.distributed.all_gather_object`` hands gloo tensors that Python
+    owns, and gloo's worker thread may drop the last reference to one after
+    the call returned: at interpreter exit (a script whose last collective it
+    was: a checkpoint save, say) that needs the GIL and aborts the process.
+    On gloo this runs over this module's all-gather instead, which never
+    hands the backend such a tensor (see [Note: backend views] in
+    csrc/comm.cpp); other backends use torch's."""
+    if group is None:
+        group = dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) != "gloo":
+        out = [None] * world
+        rec = _flight.start("all_gather_object", group_name(group), what, None)
+        if _incident.debug():
+            _incident.agree(rec, group)
+        dist.all_gather_object(out, obj, group=group)
+        rec.end = time.time()
+        return out
+    data = pickle.dumps(obj)
+    lens = torch.zeros(world, dtype=torch.float64)   # exact for lengths < 2**53
+    lens[rank] = len(data)
+    all_gather(lens[rank:rank + 1], lens, group=group, what=f"{what} (object sizes)").wait()
+    words = max(1, -(-int(lens.max().item()) // 8))   # the bytes travel as float64 bit patterns
+    buf = torch.zeros(world * words, dtype=torch.float64)
+    mine = buf[rank * words:(rank + 1) * words]
+    mine.view(torch.uint8)[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    all_gather(mine, buf, group=group, what=f"{what} (object bytes)").wait()
+    raw = buf.view(torch.uint8).numpy().tobytes()
+    return [pickle.loads(raw[r * words * 8:r * words * 8 + int(lens[r])]) for r in range(world)]

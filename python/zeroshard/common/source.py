@@ -1,0 +1,239 @@
+"""The shard-source interface: what the update engine (ShardedOptimizer) needs
+from a gradient source, and the two records it is made of.
+
+[Note: shard sources] The optimizer has no stage branches. A *source* owns
+the sharded tensors of one way of producing gradients and says what to
+update:
+* ``zero12.reducer.FlatReducer`` (ZeRO-1/2): flat buffers cut into buckets,
+  reduced by backward hooks; the optimizer's own master and state shards.
+* ``zero3.source.UnitSource`` (ZeRO-3): the units of one or more FullyShard
+  models; their fp32 shards are the master weights.
+Both yield *segments* (flat ranges updated by one fused AdamW call: master
+or fp32 parameter shard, gradient shard, state shards, param group,
+optional low-precision output) and *regions* (ranges sharded over the ranks
+in rank order, which state dicts and checkpoints read), say when gradients
+are ready, and are told when a step is done.
+"""
+from __future__ import annotations
+
+import abc
+import collections
+import contextlib
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm.mesh import Groups
+from ..offload import Placement, Storage, placement_of
+
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
+
+# memory_report()'s persistent categories, bytes on this rank; "total" is their sum. Every
+# report (ZeRO-1/2, FullyShard) and the planner use this one schema.
+PERSISTENT = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding")
+# where the persistent bytes live: "device" (with the parameters), "host", "disk"
+# (offloaded state, see [Note: offload] in offload/policy.py); their sum is "total"
+LOCATIONS = ("device", "host", "disk")
+
+
+def empty_report() -> Dict[str, int]:
+    return dict.fromkeys(PERSISTENT, 0)
+
+
+def add_locations(rep: Dict[str, int], state_tensors) -> Dict[str, int]:
+    """Sets ``rep``'s LOCATIONS from its ``total`` and the state tensors (all of them,
+    padding included) that were placed off the device."""
+    for loc in LOCATIONS:
+        rep[loc] = 0
+    for t in state_tensors:
+        where = placement_of(t)
+        if where is not Placement.DEVICE:
+            rep[where.value] += t.numel() * t.element_size()
+    rep["device"] = rep["total"] - rep["host"] - rep["disk"]
+    return rep
+
+
+def weak_hook(method):
+    """``method`` (bound) as a tensor hook that does not keep its object alive: hooks
+    are held by the parameters' autograd metadata, out of the garbage collector's
+    sight, so a strong reference would keep an optimizer (and its state) alive
+    for as long as the model lives, and its offload file on disk."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        fn = ref()
+        return None if fn is None else fn(*args)
+    return hook
+
+
+class GradState(enum.Enum):
+    """Where a gradient source stands between two steps (both sources use it)."""
+    EMPTY = "empty"        # no reduced gradients to step on: after a step, zero_grad, or a no_sync() backward
+    BACKWARD = "backward"  # a backward is running
+    READY = "ready"        # a backward outside no_sync() finished: the shards hold the reduced gradients
+
+
+@dataclass
+class Segment:
+    """A flat range updated by one fused AdamW call."""
+    group: int                 # param group index
+    param: torch.Tensor        # fp32 master (or fp32 parameter) shard range
+    holder: object             # the record whose attribute ``grad_attr`` holds the gradient tensor
+    grad_attr: str             # "grads" / "grad_shard": allocated and freed as backward and zero_grad go
+    grad_range: tuple          # (start, stop) in that tensor
+    exp_avg: Optional[torch.Tensor]      # the fused AdamW's state (None for another optimizer_class)
+    exp_avg_sq: Optional[torch.Tensor]
+    out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
+    # (param index, start, stop, offset in the flattened parameter): each trainable
+    # parameter's range within this segment
+    pieces: List[tuple] = field(default_factory=list)
+    streamed: bool = False     # the state is offloaded: stepped window by window ([Note: offload])
+    # ZeRO-1/2, state the CPU steps: the host copy of the gradient, refreshed as backward
+    # reduces it, that the step reads ([Note: offloaded gradients] in offload/copies.py)
+    mirror: Optional[torch.Tensor] = None
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """Looked up at each use: gradient shards are allocated by backward's
+        reductions and freed by zero_grad(set_to_none=True)."""
+        return getattr(self.holder, self.grad_attr)[self.grad_range[0]:self.grad_range[1]]
+
+    def grad_views(self, a: int, b: int) -> List[torch.Tensor]:
+        """Every copy of the gradient's range [a, b) an in-place change must reach."""
+        return [self.grad[a:b]] + ([] if self.mirror is None else [self.mirror[a:b]])
+
+
+def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) -> List[tuple]:
+    """What one step updates: ``(param group, step count after this step, streamed,
+    (param, grad, exp_avg, exp_avg_sq, out))`` per flat range. As torch's AdamW: a
+    parameter no rank gave a gradient (``used[i]`` false) is not updated, and each
+    parameter's own step count sets its bias correction. A segment whose
+    parameters all step with one count is updated whole (padding included: zeros
+    stay zero); otherwise piece by piece."""
+    parts: List[tuple] = []
+    for seg in segments:
+        if not seg.pieces:
+            continue
+        ids = [i for i, *_ in seg.pieces]
+        if all(used[i] and steps[i] == steps[ids[0]] for i in ids):
+            ranges = [(ids[0], 0, seg.param.numel())]
+        else:
+            ranges = [(i, a, b) for i, a, b, _ in seg.pieces if used[i]]
+        grad = seg.grad if seg.mirror is None else seg.mirror
+        for i, a, b in ranges:
+            parts.append((seg.group, steps[i] + 1, seg.streamed,
+                          (seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
+                           None if seg.out is None else seg.out[a:b])))
+    return parts
+
+
+@dataclass
+class Region:
+    """A range sharded over the ranks in rank order (a bucket or a unit), for state dicts."""
+    shard_numel: int
+    exp_avg: Optional[torch.Tensor]      # this rank's shard (None for another optimizer_class)
+    exp_avg_sq: Optional[torch.Tensor]
+    frags: List[tuple]         # (param index, offset in param, offset in region, numel)
+    values: Optional[torch.Tensor] = None  # ZeRO-1/2: this rank's master (or fp32 parameter)
+                                           # shard; ZeRO-3: None (the FullyShard units hold it)
+
+    def owned(self, rank: int) -> Iterator[tuple]:
+        """(param index, offset in the param, slice of the rank's shard) for each piece ``rank`` owns."""
+        lo = rank * self.shard_numel
+        for i, t_off, r_off, n in self.frags:
+            a, b = max(lo, r_off), min(lo + self.shard_numel, r_off + n)
+            if a < b:
+                yield i, t_off + a - r_off, slice(a - lo, b - lo)
+
+
+class ShardSource(abc.ABC):
+    """A gradient source the update engine steps over; see [Note: shard sources].
+
+    Set by the constructor: ``segments``, ``regions``, ``full_shapes`` (param
+    index -> full shape, trainable parameters only), ``grad_scale`` (the
+    kernel multiplies gradients by it: 1/N for summed reductions),
+    ``check_finite`` (fp16 anywhere: the step checks for inf/NaN first),
+    ``stage``, ``device``, ``process_group`` (the group the state is sharded
+    over), ``world_size``, ``rank`` (in it), ``groups`` (with the replica
+    and statistics groups of hybrid sharding; see [Note: hybrid sharding] in
+    comm/mesh.py)."""
+    segments: List[Segment]
+    regions: List[Region]
+    full_shapes: Dict[int, torch.Size]
+    grad_scale: float
+    check_finite: bool
+    stage: int
+    device: torch.device
+    process_group: dist.ProcessGroup
+    world_size: int
+    rank: int
+    groups: Groups
+    storage: Storage
+
+    def __init__(self):
+        # elements each kind of collective moved (the optimizer adds its all-reduces)
+        self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0, "replica_all_reduce": 0}
+        # (what, index) of recent hooks, launches and steps, in order; bounded so
+        # a long run does not grow it (tests/test_sharded.py reads it)
+        self.events: collections.deque = collections.deque(maxlen=4096)
+        # called with no argument when a backward outside no_sync() has finished and
+        # every gradient shard holds its reduced value (the engine takes its statistics)
+        self.listeners: List[Callable[[], None]] = []
+
+    def notify_grads_ready(self):
+        for fn in self.listeners:
+            fn()
+
+    @abc.abstractmethod
+    def grads_ready(self) -> bool:
+        """Whether a backward outside no_sync() finished since the last step or zero_grad."""
+
+    @abc.abstractmethod
+    def in_backward(self) -> bool:
+        """Whether a backward is running now."""
+
+    @abc.abstractmethod
+    def arrived(self) -> List[int]:
+        """Parameter indices that received a gradient on this rank since the last
+        ``zero_grad(set_to_none=True)``: what torch's AdamW would see a ``p.grad`` for."""
+
+    @abc.abstractmethod
+    def step_done(self, updated: bool) -> None:
+        """The shards were updated (``updated``) or the step was skipped: rebuild what
+        derives from them (ZeRO-1/2: all-gather the parameters; ZeRO-3: drop gathered
+        copies) and mark the gradients consumed."""
+
+    @abc.abstractmethod
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Zero or free the gradients and gradient shards."""
+
+    @abc.abstractmethod
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients without communication inside the context."""
+
+    @abc.abstractmethod
+    def memory_report(self, reset_peak: bool) -> Dict[str, int]:
+        """Bytes held on this rank by category (see ShardedOptimizer.memory_report)."""
+
+    @abc.abstractmethod
+    def shards_loaded(self) -> None:
+        """Region values and states were written (a checkpoint or sharded state dict
+        loaded): rebuild everything derived from the shards."""
+
+    def resting_grad(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """What ``p.grad`` of parameter ``i`` goes back to when the placeholders of
+        [Note: sharded gradients] are cleared (the next backward accumulates there);
+        ``grad``: what it held at the end of the backward."""
+        return grad
+
+    def settle(self) -> None:
+        """Finish what is still in flight after a step (ZeRO-1/2 with
+        overlap_param_gather: the parameter all-gathers); a no-op otherwise."""
+
+    @abc.abstractmethod
+    def params_loaded(self) -> None:
+        """The model's parameters were loaded (load_state_dict): re-make master shards."""

@@ -1,0 +1,126 @@
+"""Which share of a rank's optimizer state is offloaded, and where to: the checked
+offload arguments (``Offload``) and the choice of whole parameters or units.
+
+[Note: offload] A policy the shard sources and the update rule consult, not a
+branch inside them:
+* Choosing. ``offload_fraction`` f of this rank's shard is offloaded in whole
+  parameters (ZeRO-1/2) or whole units (ZeRO-3), taken in the order backward
+  reduces them, as many as bring the offloaded elements closest to f of the
+  shard (f > 0 offloads at least one; f = 1 all). ``memory_report()`` says
+  exactly how many bytes went where. (Megatron's offload_fraction splits by
+  parameter too; DeepSpeed's ratio by sub-group.)
+* Storage. ``Storage.zeros(placement, n)``: DEVICE: the parameters' device;
+  HOST: host memory (pinned when the parameters are on CUDA); DISK: a view of
+  one file per rank under ``offload_dir``, allocated in full up front
+  (posix_fallocate: a full disk is an error at construction, never a crash
+  mid-step) and mapped shared, so state dicts and checkpoints read and write
+  it like any tensor, one region at a time, through the page cache. The file
+  is deleted when the optimizer is.
+* Stepping. A segment is *streamed* when its state is on disk, or in host
+  memory while its gradients are on CUDA; the update rule runs the others as
+  before. ``Streamer.update`` steps streamed ranges in windows (at most
+  ZEROSHARD_OFFLOAD_WINDOW_MB for both windows' tensors together, and at
+  most a quarter of what one call steps): while window k is updated by
+  zeroshard's CPU AdamW kernel (multi-threaded), two I/O threads read window
+  k+1's state from the file into the other buffer and write window k-1's
+  back (double buffering), so host memory holds two windows, not the shard;
+  only the tensors that are staged (on disk or on the device) get a buffer. Gradients
+  come from host copies made during backward ([Note: offloaded gradients]); a
+  gradient still on the device is copied per window; an fp32 parameter on CUDA (ZeRO-3's
+  unit shard) is copied in and back; a low-precision parameter on CUDA is
+  written from the updated fp32 master.
+"""
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class Placement(enum.Enum):
+    """Where a state shard lives."""
+    DEVICE = "device"   # with the parameters (no offload)
+    HOST = "host"       # host memory: offload="cpu"
+    DISK = "disk"       # a file under offload_dir: offload="nvme"
+
+
+@dataclass(frozen=True)
+class Offload:
+    """The validated offload arguments of ShardedOptimizer."""
+    placement: Placement        # where the offloaded share goes
+    directory: Optional[str]    # DISK: where the files go
+    fraction: float             # share of this rank's shard offloaded
+
+    @property
+    def active(self) -> bool:
+        return self.placement is not Placement.DEVICE and self.fraction > 0
+
+
+NO_OFFLOAD = Offload(Placement.DEVICE, None, 0.0)
+
+
+def parse(offload, offload_dir, offload_fraction, optimizer_class=None) -> Offload:
+    """Checks ShardedOptimizer's offload arguments (see [Note: offload]); ``optimizer_class``:
+    the torch optimizer asked for instead of the fused AdamW, if any."""
+    kinds = {None: Placement.DEVICE, "cpu": Placement.HOST, "nvme": Placement.DISK}
+    if offload not in kinds:
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    try:
+        fraction = float(offload_fraction)
+    except (TypeError, ValueError):
+        raise ValueError(f"offload_fraction must be a number in [0, 1], got {offload_fraction!r}") from None
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1] (the share of this rank's shard whose state is "
+                         f"offloaded), got {offload_fraction!r}")
+    if offload == "nvme":
+        if offload_dir is None:
+            raise ValueError("offload='nvme' needs offload_dir=<a directory on a fast local disk> for the "
+                             "optimizer-state files (one per rank)")
+        check_directory(str(offload_dir))
+    elif offload_dir is not None:
+        raise ValueError(f"offload_dir={offload_dir!r} is only used with offload='nvme' (got offload={offload!r})")
+    if offload is not None and optimizer_class is not None:
+        raise ValueError(f"offload={offload!r} steps the offloaded state with zeroshard's fused AdamW; "
+                         f"optimizer_class={optimizer_class.__name__} keeps its own state on the parameters' "
+                         "device: drop offload or optimizer_class")
+    return Offload(kinds[offload], None if offload_dir is None else str(offload_dir), fraction)
+
+
+def check_directory(directory: str) -> None:
+    if not os.path.isdir(directory):
+        raise ValueError(f"offload_dir {directory!r} does not exist or is not a directory; create it on a "
+                         "fast local disk")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"offload_dir {directory!r} is not writable by this process; pick a directory it "
+                         "can write")
+
+
+def choose(sizes: Sequence[int], fraction: float) -> int:
+    """How many of ``sizes`` (in order) to offload: the prefix whose sum comes
+    closest to ``fraction`` of the total (ties: the larger); at least one when
+    ``fraction`` > 0, all when it is 1."""
+    total = sum(sizes)
+    if fraction <= 0 or not sizes:
+        return 0
+    if fraction >= 1:
+        return len(sizes)
+    target, best, best_err, acc = fraction * total, 1, None, 0
+    for k, n in enumerate(sizes, 1):
+        acc += n
+        err = abs(acc - target)
+        if best_err is None or err <= best_err:
+            best, best_err = k, err
+        if acc >= target:
+            break
+    return best
+
+
+def offloaded_params(params: List[torch.Tensor], trainable: List[int], offload: Offload) -> set:
+    """ZeRO-1/2: the trainable parameters whose state is offloaded, whole ones in the
+    order backward reduces them (the reverse of ``trainable``)."""
+    order = list(reversed(trainable))
+    return set(order[:choose([params[i].numel() for i in order], offload.fraction)] if offload.active else ())
+

@@ -1,0 +1,361 @@
+"""What ``p.grad`` holds after a backward, and the per-step gradient statistics.
+
+[Note: sharded gradients] After a backward outside ``no_sync()``, the
+averaged gradient of every parameter lives sharded over the ranks, in the
+shard source's buffers (see [Note: shard sources] in common/source.py): no rank
+holds a parameter's whole averaged gradient. So that code written for DDP
+cannot read a wrong one, ``p.grad`` of every trainable parameter is then a
+``ShardedGrad``: a tensor with the gradient's shape and dtype but no storage
+of its own, whose operations run on the shards:
+
+* ``torch.linalg.vector_norm`` / ``p.grad.norm()`` (2 and inf): the global
+  norm of the averaged gradient, so ``torch.nn.utils.clip_grad_norm_``
+  returns and clips by exactly what it would under DDP;
+* ``mul_`` / ``div_`` by a number or a one-element tensor, ``zero_``:
+  applied to this rank's pieces (clip_grad_norm_'s scaling is one);
+* ``torch.amp.GradScaler.unscale_`` (its ``_amp_foreach_non_finite_check_
+  and_unscale_``): unscales the pieces and reports a non-finite value found
+  on *any* rank, so every rank skips the same steps and keeps the same scale;
+* anything else raises an error naming the parameter and what does work.
+
+The statistics behind this (each parameter's squared 2-norm, summed over
+the ranks) are taken once per step, at the end of the backward, with one
+small all-reduce; the engine reads the non-finite check and its own
+``clip_grad_norm_`` from them too, so neither needs a pass of its own. The
+all-reduce is waited for only by what reads them (or by the end of the
+step): a script that does not clip steps while it is in flight.
+
+Before the next backward accumulates, each placeholder is swapped back for
+what the source keeps in ``p.grad`` (ZeRO-1: a view of its gradient buffer;
+ZeRO-2: None), by a hook that runs before autograd accumulates the first
+gradient. ``opt.zero_grad()`` and ``model.zero_grad()`` both clear them. The
+hooks exist only while placeholders are placed: a loop that zeroes its
+gradients after each step runs none of them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .. import comm
+from ..common.source import weak_hook
+
+aten = torch.ops.aten
+
+
+class ShardedGrad(torch.Tensor):
+    """``p.grad`` after a backward; see [Note: sharded gradients]."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, index: int, grads: "ReducedGrads", dtype=None, device=None):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype,
+                                                device=device or like.device)
+        t.index, t.grads = index, grads
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        handler = _HANDLERS.get(func)
+        if handler is None or not isinstance(first, ShardedGrad):
+            owner = first if isinstance(first, ShardedGrad) else next(
+                a for a in args if isinstance(a, ShardedGrad))
+            raise RuntimeError(owner.grads.unsupported(owner.index, str(func)))
+        return handler(first.grads, *args, **(kwargs or {}))
+
+    def __repr__(self):
+        return (f"ShardedGrad(parameter {self.index}, shape {tuple(self.shape)}, {self.dtype}: "
+                "sharded over the ranks, see zeroshard's README, 'Converting a DDP script')")
+
+
+def _norm(grads, g, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if dim is not None:
+        raise RuntimeError(grads.unsupported(g.index, "a norm over some dimensions"))
+    return grads.norm(g.index, float(ord)).to(dtype or g.dtype)
+
+
+def _scale(grads, g, factor):
+    grads.scale_([g.index], factor)
+    return g
+
+
+def _divide(grads, g, factor):
+    grads.scale_([g.index], 1.0 / factor)
+    return g
+
+
+def _foreach_scale(grads, gs, factor):
+    grads.scale_([g.index for g in gs], factor)
+
+
+def _zero(grads, g):
+    grads.scale_([g.index], 0.0)
+    return g
+
+
+def _unscale(grads, gs, found_inf, inv_scale):
+    grads.unscale_([g.index for g in gs], found_inf, inv_scale)
+
+
+def _detach(grads, g):
+    return ShardedGrad(g, g.index, grads)
+
+
+def _convert(grads, g, *, dtype=None, device=None, **kwargs):
+    """``.to()``/``.float()`` (as ``model.float()`` applies to gradients): the same
+    sharded gradient, seen with the new dtype and device."""
+    return ShardedGrad(g, g.index, grads, dtype=dtype, device=device)
+
+
+def _squared_norms(views: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Each view's squared 2-norm, in fp32."""
+    return [torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views]
+
+
+_HANDLERS: Dict[object, Callable] = {
+    aten.linalg_vector_norm.default: _norm,
+    aten.mul_.Tensor: _scale, aten.mul_.Scalar: _scale,
+    aten.div_.Tensor: _divide, aten.div_.Scalar: _divide,
+    aten._foreach_mul_.Tensor: _foreach_scale, aten._foreach_mul_.Scalar: _foreach_scale,
+    aten.zero_.default: _zero,
+    aten._foreach_zero_.default: lambda grads, gs: grads.scale_([g.index for g in gs], 0.0),
+    aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale,
+    aten.detach.default: _detach, aten.alias.default: _detach, aten._to_copy.default: _convert,
+}
+
+
+class ReducedGrads:
+    """The engine's view of the reduced gradient shards: per-parameter pieces,
+    the per-step statistics and the ``p.grad`` placeholders; see [Note: sharded
+    gradients]."""
+
+    def __init__(self, params: List[torch.Tensor], trainable: List[int], source, err: Callable[[str], str]):
+        self.params, self.trainable, self.source, self.err = params, trainable, source, err
+        # param index -> [(segment, start, stop)]: this rank's pieces of its reduced gradient
+        self.pieces: Dict[int, list] = {i: [] for i in trainable}
+        for seg in source.segments:
+            for i, a, b, _ in seg.pieces:
+                self.pieces[i].append((seg, a, b))
+        # the same pieces in one list, and their parameter indices (fixed: built once)
+        self.flat = [(seg, a, b) for pieces in self.pieces.values() for seg, a, b in pieces]
+        self.flat_index = torch.tensor([i for i, pieces in self.pieces.items() for _ in pieces],
+                                       dtype=torch.long, device=source.device)
+        self.placeholders = {i: ShardedGrad(params[i], i, self) for i in trainable}
+        self.kept: Dict[int, Optional[torch.Tensor]] = {}   # p.grad the source had before the placeholder
+        self.placed: Dict[int, Optional[torch.Tensor]] = {}  # what backward_done put in p.grad
+        self.used: List[bool] = [False] * len(params)       # got a gradient on some rank (this step)
+        self._sumsq: Optional[torch.Tensor] = None  # per parameter: squared 2-norm of the averaged gradient
+        self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
+        self._inflight = None     # the statistics' all-reduce, until settle() (see backward_done)
+        self._trainable = set(trainable)
+        # on the placeholders' parameters while they are placed (backward_done to clear):
+        # a loop that zeroes its gradients after each step runs no hook in backward
+        self.hooks: List[torch.utils.hooks.RemovableHandle] = []
+        self._leaves = [i for i in trainable if params[i].grad_fn is None]
+        self._hooked: List[int] = []    # the leaves self.hooks are on
+        source.listeners.append(weak_hook(self.backward_done))
+
+    # ----------------------------------------------------------- statistics
+    def _local(self, fn) -> torch.Tensor:
+        """``fn`` of this rank's pieces (a list of them on one device -> one fp32 value
+        each), one value per parameter (0 where none)."""
+        out = torch.zeros(len(self.params), dtype=torch.float32, device=self.source.device)
+        if not self.flat:
+            return out
+        views = [seg.grad[a:b] for seg, a, b in self.flat]
+        if all(v.device == out.device for v in views):
+            out.index_add_(0, self.flat_index, torch.stack(fn(views)))
+            return out
+        for here in (True, False):   # gradient shards in host memory: their values in one copy
+            ks = [k for k, v in enumerate(views) if (v.device == out.device) == here]
+            if ks:
+                vals = torch.stack(fn([views[k] for k in ks])).to(out.device)
+                out.index_add_(0, self.flat_index[ks], vals)
+        return out
+
+    @torch.no_grad()
+    def backward_done(self):
+        """A backward outside no_sync() finished: take the statistics (one
+        all-reduce of two floats per parameter: its squared norm, and whether it
+        got a gradient) and put the placeholders into ``p.grad`` (None for a
+        parameter no rank gave a gradient, as under DDP).
+
+        When every trainable parameter got a gradient on this rank, each of them
+        got one "on some rank" whatever the others say, so nothing here needs the
+        all-reduce's result: it stays in flight, and whatever reads the norms
+        (clipping, GradScaler, the non-finite check) or ends the step waits for it
+        (settle()). The engine's update runs meanwhile: the latency of a small
+        collective (~0.4 ms on gloo) off every step's critical path."""
+        self.settle()
+        n = len(self.params)
+        stats = torch.zeros(2 * n, dtype=torch.float32, device=self.source.device)
+        stats[:n] = self._local(_squared_norms)
+        stats[:n] *= self.source.grad_scale ** 2
+        groups = self.source.groups
+        if groups.replica_rank != 0:     # hybrid: the replicas' shards are equal; count each once
+            stats[:n] = 0
+        arrived = self.source.arrived()
+        if arrived:
+            stats[n:].index_fill_(0, torch.tensor(arrived, device=stats.device), 1.0)
+        known = self._trainable.issubset(arrived)
+        self._inflight = (comm.all_reduce(stats, group=groups.every, what="gradient statistics"), stats, known)
+        self.source.comm_elements["all_reduce"] += stats.numel()
+        self.maxabs = None
+        if known:
+            self.used = [i in self._trainable for i in range(n)]
+        else:
+            self.settle()
+        for i in self.trainable:
+            p = self.params[i]
+            if i not in self.placed or p.grad is not self.placed[i]:   # (ZeRO-3: backward re-set it)
+                self.kept[i] = self.source.resting_grad(i, p.grad)
+            self.placed[i] = self.placeholders[i] if self.used[i] else None
+            p.grad = self.placed[i]
+        # on the leaves that require grad now: one frozen since construction takes no gradient
+        # (and torch refuses a hook on it); one unfrozen again needs its hook back
+        want = [i for i in self._leaves if self.params[i].requires_grad]
+        if want != self._hooked:
+            self._remove_hooks()
+            hook = weak_hook(self._before_accumulate)
+            self.hooks, self._hooked = [self.params[i].register_hook(hook) for i in want], want
+
+    def settle(self):
+        """Wait for the statistics' all-reduce, if one is in flight. ``used`` is then
+        read from what every rank said, unless backward_done knew it already (every
+        trainable parameter got a gradient here): no host sync on CUDA then."""
+        if self._inflight is not None:
+            handle, stats, known = self._inflight
+            self._inflight = None
+            handle.wait()
+            n = len(self.params)
+            self._sumsq = stats[:n]
+            if not known:
+                self.used = (stats[n:] > 0).tolist()     # read on the host: which parameters step
+
+    @property
+    def sumsq(self) -> torch.Tensor:
+        self.settle()
+        return self._sumsq
+
+    def nonfinite(self) -> torch.Tensor:
+        """One-element bool tensor: some gradient element, on some rank, is inf or NaN."""
+        return (~torch.isfinite(self.sumsq)).any().reshape(1)
+
+    def clip_(self, max_norm: float, norm_type: float):
+        """Scales every gradient by min(1, max_norm / total norm); returns (the total norm,
+        the 1-element fp32 coefficient the fused step folds in)."""
+        norm_type = float(norm_type)
+        if norm_type not in (2.0, math.inf):
+            raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
+        total = self.total_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(1)
+        self.scale_all_(coef.reshape(()))
+        return total.reshape(()), coef
+
+    def total_norm(self, ord: float) -> torch.Tensor:
+        """The norm over every parameter, from the statistics the backward took (the
+        2-norm: no pass over the gradients, no collective)."""
+        return self.sumsq.sum().sqrt() if ord == 2.0 else self.inf_norms().max()
+
+    def norm(self, i: int, ord: float) -> torch.Tensor:
+        if ord == 2.0:
+            return self.sumsq[i].sqrt()
+        if ord == math.inf:
+            return self.inf_norms()[i]
+        raise RuntimeError(self.err(f"the norm of order {ord} of parameter {i}'s gradient: only orders 2 "
+                                    "and inf are computed over sharded gradients"))
+
+    def inf_norms(self) -> torch.Tensor:
+        """Per parameter: the largest absolute gradient element (collective on first use per step)."""
+        if self.maxabs is None:
+            local = self._local(lambda vs: [g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
+                                            for g in vs])
+            local *= abs(self.source.grad_scale)
+            world, rank = self.source.world_size, self.source.rank
+            every = local.new_zeros(world, local.numel())
+            every[rank].copy_(local)
+            comm.all_gather(every[rank].view(-1), every.view(-1), group=self.source.process_group,
+                            what="gradient inf-norms").wait()
+            self.maxabs = every.amax(0)
+        return self.maxabs
+
+    # ------------------------------------------------------ in-place updates
+    @torch.no_grad()
+    def scale_(self, indices: List[int], factor):
+        """Multiply the gradients of ``indices`` by ``factor`` (a number or a one-element tensor)."""
+        for i in indices:
+            for g in (g for seg, a, b in self.pieces[i] for g in seg.grad_views(a, b)):
+                if isinstance(factor, torch.Tensor):
+                    g.mul_(factor.to(g.device))
+                elif factor == 0:
+                    g.zero_()
+                else:
+                    g.mul_(factor)
+        idx = torch.tensor(indices, device=self.sumsq.device)
+        if not isinstance(factor, torch.Tensor) and factor == 0:
+            self.sumsq[idx] = 0.0           # exact, even where the gradient was inf or NaN
+            if self.maxabs is not None:
+                self.maxabs[idx] = 0.0
+            return
+        f = factor.to(self.sumsq.device, torch.float32).reshape(()) if isinstance(factor, torch.Tensor) \
+            else torch.tensor(float(factor), device=self.sumsq.device)
+        self.sumsq[idx] = self.sumsq[idx] * (f * f)
+        if self.maxabs is not None:
+            self.maxabs[idx] = self.maxabs[idx] * f.abs()
+
+    def unscale_(self, indices: List[int], found_inf: torch.Tensor, inv_scale: torch.Tensor):
+        """GradScaler's unscale: multiply by ``inv_scale``; ``found_inf`` becomes 1 if
+        any of these gradients holds an inf or NaN on any rank."""
+        self.scale_(indices, inv_scale)
+        bad = (~torch.isfinite(self.sumsq[torch.tensor(indices, device=self.sumsq.device)])).any()
+        found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape)))
+
+    def scale_all_(self, factor: torch.Tensor):
+        """The engine's clip_grad_norm_ folds ``factor`` into its step: keep the statistics in step."""
+        self.sumsq.mul_(factor * factor)
+        if self.maxabs is not None:
+            self.maxabs.mul_(factor)
+
+    # ------------------------------------------------------------ placeholders
+    def _before_accumulate(self, grad):
+        """Runs before autograd accumulates into ``p.grad``: a new backward begins."""
+        if self.placed:
+            self.clear(from_backward=True)
+        return None
+
+    def clear(self, from_backward: bool = False):
+        """Give ``p.grad`` back to the source: what it held before the placeholders
+        (the next backward accumulates there, or zero_grad frees it)."""
+        self.settle()
+        gone = [i for i, g in self.placed.items() if g is not None and self.params[i].grad is not g]
+        for i, g in self.kept.items():
+            if self.params[i].grad is self.placed[i]:
+                self.params[i].grad = g
+        placed, self.kept, self.placed = self.placed, {}, {}
+        if not from_backward:    # (not from inside one of the hooks: autograd is running them)
+            self._remove_hooks()
+        if gone and from_backward:
+            if len(gone) < sum(g is not None for g in placed.values()):
+                raise RuntimeError(self.err(
+                    f"p.grad of parameters {gone[:8]} was replaced or set to None outside opt.zero_grad(), "
+                    "but not of the others: their sharded gradients cannot be cleared one by one; call "
+                    "opt.zero_grad() (or model.zero_grad()) to clear every gradient"))
+            self.source.zero_grad(set_to_none=True)   # model.zero_grad() cleared every gradient
+
+    def _remove_hooks(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks, self._hooked = [], []
+
+    def unsupported(self, i: int, what: str) -> str:
+        shape = tuple(self.params[i].shape)
+        return self.err(
+            f"{what} on p.grad of parameter {i} (shape {shape}): after backward its averaged gradient is "
+            "sharded over the ranks (p.grad is a zeroshard ShardedGrad with no data of its own). What works "
+            "on it: torch.nn.utils.clip_grad_norm_ (or opt.clip_grad_norm_), torch.amp.GradScaler, "
+            "p.grad.norm() (orders 2 and inf), mul_/div_ by a number, zero_(). Read gradients inside "
+            "opt.no_sync() (local, unreduced) if you need the values")

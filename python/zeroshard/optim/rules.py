@@ -1,0 +1,230 @@
+"""Update rules: what ShardedOptimizer's step does with each segment.
+
+[Note: update rules] The engine (ShardedOptimizer) decides *which* ranges
+step (used parameters, their step counts, clipping, the non-finite skip); a
+rule decides *how*:
+* ``FusedAdamW``: zeroshard's fused AdamW kernel over the segments, with
+  exp_avg / exp_avg_sq in the sources' flat state shards (the default).
+* ``TorchElementwise``: any elementwise torch optimizer (SGD, Adam, Adagrad,
+  ...), run by an instance of its own class over this rank's pieces of each
+  parameter: one fp32 tensor per (parameter, segment) piece, a view of the
+  master or fp32 shard, so the class updates the shard in place and keeps its
+  state per piece. An update that needs a parameter's whole shape (LBFGS,
+  Adafactor) cannot run on such pieces: only the classes in ``ELEMENTWISE``
+  are taken unless the user vouches for another (``elementwise=True``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import comm
+from ..common.source import update_parts
+from ..native.kernels import fused_adamw_multi_
+
+# torch optimizers whose update of each element depends only on that element's
+# gradient, state and parameter (and per-parameter scalars such as the step)
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")
+    if hasattr(torch.optim, n))
+
+
+def check_class(cls, elementwise: bool) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {cls!r}")
+    if cls not in ELEMENTWISE and not elementwise:
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise ValueError(
+            f"optimizer_class {cls.__name__} is not a known elementwise optimizer ({names}). ShardedOptimizer "
+            "runs it on each rank's flat pieces of every parameter, so an update that needs a parameter's "
+            "whole shape (LBFGS's line search, Adafactor's row/column factors, Muon's orthogonalisation) "
+            "would be silently wrong. If every element's update depends only on that element's gradient, "
+            "state and value (and per-parameter scalars), pass elementwise=True to vouch for it")
+
+
+def require_fused(opt, what: str) -> None:
+    if not opt.fused:
+        raise NotImplementedError(comm.on_rank(opt,
+            f"{what} with optimizer_class={opt.optimizer_class.__name__}: sharded state dicts and "
+            "zeroshard checkpoints hold the fused AdamW's state only so far; use "
+            "opt.consolidate_state_dict(to=0) and opt.state_dict() (the class's own format)"))
+
+
+class FusedAdamW:
+    """The fused kernel over the segments; see [Note: update rules]. Segments whose
+    state is offloaded go through ``storage``'s streamer ([Note: offload])."""
+    fused = True
+
+    def __init__(self, storage=None):
+        self.storage = storage
+
+    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
+               scale: Optional[torch.Tensor]):
+        """Every range of the step in one kernel call (one launch on CUDA, one
+        parallel loop on CPU), one hyperparameter set per (param group, step
+        count); offloaded ranges then go window by window through the streamer."""
+        hypers = [_adamw_hyper(group, grad_scale) for group in groups]
+        sets: List[dict] = []
+        index: Dict[tuple, int] = {}
+        which, parts, streamed = [], [], {}
+        for gi, step, is_streamed, part in update_parts(segments, used, steps):
+            if is_streamed:
+                streamed.setdefault((gi, step), []).append(part)
+                continue
+            if (gi, step) not in index:
+                index[(gi, step)] = len(sets)
+                sets.append(dict(hypers[gi], step=step))
+            which.append(index[(gi, step)])
+            parts.append(part)
+        if parts:     # first: on CUDA it runs while the CPU steps the offloaded windows
+            p, g, m, v, out = zip(*parts)
+            fused_adamw_multi_(p, g, m, v, sets, which, outs=out, scale=scale)
+        for (gi, step), ps in streamed.items():
+            self.storage.streamer_for_step().update(ps, dict(hypers[gi], scale=scale), step)
+
+
+def _adamw_hyper(group: dict, grad_scale: float) -> dict:
+    if group.get("amsgrad") or group.get("maximize"):
+        raise NotImplementedError("amsgrad and maximize are not supported by the fused AdamW; pass "
+                                  "optimizer_class=torch.optim.AdamW with them to run torch's")
+    beta1, beta2 = group["betas"]
+    return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                grad_scale=grad_scale)
+
+
+class TorchElementwise:
+    """An instance of ``cls`` over this rank's pieces; see [Note: update rules]."""
+    fused = False
+
+    def __init__(self, cls, kwargs: dict, segments, param_groups: List[dict]):
+        self.cls = cls
+        # (param index, offset in the flattened parameter) -> (segment, start, stop, fp32 leaf)
+        self.pieces: Dict[Tuple[int, int], tuple] = {}
+        by_group: List[list] = [[] for _ in param_groups]
+        for seg in segments:
+            for i, a, b, t_off in seg.pieces:
+                leaf = seg.param[a:b]
+                self.pieces[(i, t_off)] = (seg, a, b, leaf)
+                by_group[seg.group].append(leaf)
+        groups = [dict(_hyper(g), params=ps) for g, ps in zip(param_groups, by_group) if ps]
+        self.group_index = [gi for gi, ps in enumerate(by_group) if ps]
+        self.inner = cls(groups, **kwargs) if groups else None
+        self.elementwise_keys = _elementwise_keys(cls, kwargs)
+
+    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
+               scale: Optional[torch.Tensor]):
+        for gi, group in enumerate(groups):
+            if self.inner is not None and gi in self.group_index:
+                self._update_group(gi, group, used, grad_scale, scale)
+
+    def _update_group(self, gi: int, group: dict, used: List[bool], grad_scale: float,
+                      scale: Optional[torch.Tensor]):
+        inner_group = self.inner.param_groups[self.group_index.index(gi)]
+        inner_group.update(_hyper(group))        # an LR scheduler changes ours; the instance follows
+        mine = [(i, piece) for (i, _), piece in self.pieces.items() if piece[0].group == gi]
+        for i, (seg, a, b, leaf) in mine:
+            if used[i]:     # None: the class skips it, as torch's optimizers skip a None gradient
+                src = seg.grad[a:b]    # one transient fp32 copy of the averaged gradient, one pass
+                g = src * grad_scale if src.dtype == torch.float32 else src.float().mul_(grad_scale)
+                leaf.grad = g.mul_(scale) if scale is not None else g
+        self.inner.step()
+        for i, (seg, a, b, leaf) in mine:
+            leaf.grad = None
+            if used[i] and seg.out is not None:
+                seg.out[a:b].copy_(leaf)           # round to the low-precision parameter
+
+    # ------------------------------------------------------------ state dicts
+    def piece_state(self, i: int, t_off: int) -> Optional[dict]:
+        piece = self.pieces.get((i, t_off))
+        return None if piece is None or self.inner is None else self.inner.state.get(piece[3])
+
+    def load_piece_state(self, i: int, t_off: int, st: dict):
+        """This rank's piece (if any) of parameter ``i`` at ``t_off`` takes its part of
+        the full per-parameter state ``st`` (the class's own format)."""
+        piece = self.pieces.get((i, t_off))
+        if piece is None:
+            return
+        leaf = piece[3]
+        self.inner.state[leaf] = {
+            k: (v.reshape(-1)[t_off:t_off + leaf.numel()].to(leaf.device, torch.float32).clone()
+                if k in self.elementwise_keys else (v.clone() if isinstance(v, torch.Tensor) else v))
+            for k, v in st.items()}
+
+    def state_bytes(self) -> int:
+        if self.inner is None:
+            return 0
+        return sum(v.numel() * v.element_size() for st in self.inner.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _elementwise_keys(cls, kwargs: dict) -> set:
+    """The state keys ``cls`` keeps one value per element for (the others are
+    per-parameter scalars), from one step on a two-element dummy parameter."""
+    p = torch.zeros(2, requires_grad=True)
+    o = cls([p], **kwargs)
+    p.grad = torch.ones(2)
+    o.step()
+    return {k for k, v in o.state[p].items() if isinstance(v, torch.Tensor) and v.numel() == 2}
+
+
+def probe_defaults(cls, kwargs: dict) -> dict:
+    """``cls``'s defaults with ``kwargs`` (an instance over a dummy parameter: the
+    class validates its own arguments)."""
+    return dict(cls([torch.zeros(2, requires_grad=True)], **kwargs).defaults)
+
+
+def gather_scalars(opt, rule: TorchElementwise) -> Dict[int, dict]:
+    """Per parameter: its non-elementwise state values (e.g. "step"), from whichever
+    rank holds a piece of it (collective)."""
+    mine = {}
+    for (i, t_off) in rule.pieces:
+        st = rule.piece_state(i, t_off)
+        if st is not None:      # the class made state for it (possibly none but the entry)
+            mine.setdefault(i, {}).update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                                           for k, v in st.items() if k not in rule.elementwise_keys})
+    out: Dict[int, dict] = {}
+    for theirs in comm.all_gather_object({i: {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                              for k, v in d.items()} for i, d in mine.items()},
+                                         group=opt.process_group, what="state_dict scalars"):
+        for i, d in theirs.items():
+            out.setdefault(i, {}).update(d)
+    return out
+
+
+@torch.no_grad()
+def gather_full(opt, rule: TorchElementwise, keep: bool) -> Optional[Dict[int, dict]]:
+    """The full state in ``rule.cls``'s own per-parameter format, on CPU, gathered
+    one region and one state key at a time (collective); None where ``keep`` is false."""
+    scalars = gather_scalars(opt, rule)
+    full = {i: dict(d) for i, d in scalars.items()} if keep else {}
+    for i in full:
+        for k in rule.elementwise_keys:
+            full[i][k] = torch.zeros(opt.full_shape(i), dtype=torch.float32)
+    for reg in opt.regions:
+        for k in sorted(rule.elementwise_keys):
+            local = torch.zeros(reg.shard_numel, dtype=torch.float32, device=opt.device)
+            for i, t_off, sl in reg.owned(opt.rank):
+                st = rule.piece_state(i, t_off)
+                if st is not None and k in st:
+                    local[sl].copy_(st[k].reshape(-1))
+            gathered = torch.empty(reg.shard_numel * opt.world_size, dtype=torch.float32, device=opt.device)
+            comm.all_gather(local, gathered, group=opt.process_group, what=f"state_dict gather: {k}").wait()
+            gathered = gathered.cpu() if keep else None
+            for i, t_off, r_off, n in reg.frags if keep else ():
+                if i in full:
+                    full[i][k].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
+    return full if keep else None
+
+
+@torch.no_grad()
+def load_full(opt, rule: TorchElementwise, state: dict, saved_ids: list) -> None:
+    """Every piece on this rank takes its part of a full state dict in the class's format."""
+    for i, t_off in list(rule.pieces):
+        st = state.get(saved_ids[i])
+        if st is not None:
+            rule.load_piece_state(i, t_off, st)

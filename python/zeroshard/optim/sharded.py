@@ -1,0 +1,410 @@
+"""ShardedOptimizer: AdamW over sharded state, a drop-in for DDP + AdamW.
+
+The update engine of every stage: hyperparameters, step, clipping, state
+dicts. It has no stage branches: the shards it updates come from a shard
+source (see [Note: shard sources] in common/source.py): ``zero12.reducer.FlatReducer``
+for ZeRO-1/2 (its own flat buffers, reduced by backward hooks; see [Note:
+sharded optimizer policy] in zero12/reducer.py) or ``zero3.source.UnitSource`` for the
+parameters of zeroshard.FullyShard models (ZeRO-3). Whatever the source, the
+update runs over *segments* and the state dict over *regions*, so step,
+clipping and checkpoints are shared.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm import mesh as _mesh
+from .. import offload as _offload
+from . import state_dict as _optim_state
+from .. import comm
+from .grads import ReducedGrads
+from ..zero12.reducer import FlatReducer
+from .rules import FusedAdamW, TorchElementwise, check_class, probe_defaults, require_fused
+from .rules import gather_full as gather_full_state
+from ..common.source import SUPPORTED, Region, ShardSource
+from ..zero3.source import UnitSource
+from ..zero3.records import owner_of
+
+
+_ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _check_arguments(stage, bucket_mb, reduce_dtype):
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r} (ZeRO-3 is zeroshard.FullyShard)")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    if reduce_dtype is not None and reduce_dtype not in SUPPORTED:
+        raise ValueError(f"reduce_dtype must be one of {SUPPORTED}, got {reduce_dtype}")
+
+
+def _adamw_defaults(given: dict, extra: dict) -> dict:
+    """The fused AdamW's param-group defaults from the arguments given (checked)."""
+    if extra:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(extra)} for the fused AdamW; to use another "
+                        "optimizer pass optimizer_class=... (its keyword arguments go to it)")
+    h = dict(_ADAMW_DEFAULTS, **given)
+    lr, betas, eps, weight_decay = h["lr"], tuple(h["betas"]), h["eps"], h["weight_decay"]
+    if not lr >= 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        raise ValueError(f"betas must be in [0, 1), got {betas}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
+                foreach=None, capturable=False, differentiable=False, fused=None)
+
+
+def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple, options: dict,
+                 err) -> ShardSource:
+    """FlatReducer over plain parameters (ZeRO-1/2), UnitSource over FullyShard ones;
+    ``groups``: (process_group, shard_size, device_mesh); ``options``: the reducer's."""
+    owners = [owner_of(p) for p in params]
+    if all(o is None for o in owners):
+        mesh = _mesh.groups(*groups, who="ShardedOptimizer")
+        return FlatReducer(params, group_of, groups=mesh, **options)
+    if options["overlap_param_gather"]:
+        raise ValueError(err("overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit just before "
+                             "use (its prefetch= sets how far ahead)"))
+    for i, o in enumerate(owners):
+        if o is None:
+            raise ValueError(err(
+                f"parameter {i} (shape {tuple(params[i].shape)}) is not a FullyShard parameter but "
+                "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
+                "outside the wrapped blocks) and pass model.parameters()"))
+    return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],
+                      options["offload"])
+
+
+_NEW_GROUP = ("add_param_group() after the ShardedOptimizer was built: its parameters would have no place in the "
+              "flat layout, so they would never be averaged over the ranks nor updated. Pass every param group "
+              "to the constructor; to train some of them later, freeze them with requires_grad_(False) right "
+              "after the optimizer is built and unfreeze them when they should train")
+
+
+def _check_not_unfrozen(params: List[torch.Tensor], frozen: List[int], err):
+    """Freezing a parameter after construction is supported (it is left alone, as one
+    without a gradient); unfreezing one that was frozen then is not: it has no place
+    in the layout, so its gradient would be neither averaged nor applied."""
+    for i in frozen:
+        if params[i].requires_grad:
+            raise NotImplementedError(err(
+                f"parameter {i} (shape {tuple(params[i].shape)}) requires grad now but did not when this "
+                "ShardedOptimizer was built: zeroshard lays out, shards and steps only the parameters "
+                "trainable at construction, so its gradient would be neither averaged over the ranks "
+                "nor applied. Build the ShardedOptimizer (and FullyShard) after unfreezing it, or build "
+                "them with it trainable and freeze it with requires_grad_(False) until it should train: "
+                "a parameter frozen after construction is left alone, as one without a gradient"))
+
+
+def _check_ready(device: torch.device, source: ShardSource, what: str, err) -> None:
+    if device.type == "meta":
+        raise RuntimeError(err(
+            f"{what} on parameters on the meta device: they have no data (an optimizer over meta "
+            "parameters is for planning, as zeroshard.plan does); build or materialize the model "
+            "on CPU or CUDA to train"))
+    if not source.grads_ready():
+        raise RuntimeError(err(
+            f"{what} called before any backward() since the last step (or only under no_sync()); "
+            "run loss.backward() outside no_sync() first"))
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """AdamW with ZeRO stage 1 (sharded optimizer states) or 2 (also sharded
+    gradients); over a FullyShard model's parameters, the ZeRO-3 optimizer.
+    Replaces ``DistributedDataParallel`` + ``torch.optim.AdamW`` (do not wrap the
+    model in DDP): backward reduce-scatters bucket by bucket, ``step()`` updates
+    this rank's shard and all-gathers the parameters ([Note: sharded optimizer policy]).
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.AdamW``.
+        lr: learning rate (AdamW's default 1e-3).
+        betas: AdamW's (0.9, 0.999) by default.
+        eps: AdamW's 1e-8 by default.
+        weight_decay: decoupled, as AdamW's (0.01 by default).
+        stage: 1 (optimizer states sharded) or 2 (also gradients; the default).
+        bucket_mb: the reduce-scatter bucket size, in MiB.
+        process_group: the data-parallel ranks (default: the world).
+        reduce_dtype: dtype of the gradient reduction (default: the gradients').
+        optimizer_class: another elementwise torch optimizer to run over this
+            rank's pieces ([Note: update rules]); its arguments go in kwargs.
+        elementwise: vouch that ``optimizer_class`` is elementwise.
+        shard_size: hybrid sharding: shard over groups of this many ranks and
+            replicate across them ([Note: hybrid sharding]).
+        device_mesh: hybrid sharding from a 2-D DeviceMesh (replicas, shards).
+        offload: None, ``"cpu"`` (host memory) or ``"nvme"`` (a file per rank)
+            for the optimizer state ([Note: offload]).
+        offload_dir: the directory of the ``"nvme"`` files.
+        offload_fraction: the share of this rank's state offloaded (0 to 1).
+        overlap_param_gather: overlap the parameter all-gather with the next
+            forward ([Note: overlapped parameter gather]).
+        **optimizer_kwargs: ``optimizer_class``'s other arguments.
+    """
+
+    def __init__(self, params, lr: Optional[float] = None, betas=None, eps: Optional[float] = None,
+                 weight_decay: Optional[float] = None, *, stage: int = 2, bucket_mb: float = 25,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
+                 shard_size: Optional[int] = None, device_mesh=None, offload: Optional[str] = None,
+                 offload_dir=None, offload_fraction: float = 1.0, overlap_param_gather: bool = False,
+                 **optimizer_kwargs):
+        _check_arguments(stage, bucket_mb, reduce_dtype)
+        given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items()
+                 if v is not None}
+        # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
+        fused = optimizer_class is None or (optimizer_class is torch.optim.AdamW and not optimizer_kwargs)
+        placement = _offload.parse(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
+        if fused:
+            defaults = _adamw_defaults(given, optimizer_kwargs)
+        else:
+            check_class(optimizer_class, elementwise)
+            self._optimizer_kwargs = dict(given, **optimizer_kwargs)
+            defaults = probe_defaults(optimizer_class, self._optimizer_kwargs)
+        self.optimizer_class = optimizer_class or torch.optim.AdamW
+        super().__init__(params, defaults)
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
+                               "torch.distributed.init_process_group() first (torchrun sets it up)")
+        self.reduce_dtype, self.bucket_bytes = reduce_dtype, max(1, int(bucket_mb * 2**20))
+        pg = process_group if process_group is not None else dist.group.WORLD
+        self.world_size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
+        self.last_step_skipped = False
+        self._clip_coef: Optional[torch.Tensor] = None
+        # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(), until a step or load
+        self._consolidated = None
+        # every parameter, in state_dict index order
+        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
+        self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
+        if not self._trainable:
+            raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
+        self._source = _make_source(self._params, self._group_of, (process_group, shard_size, device_mesh),
+                                    dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes,
+                                         reduce_dtype=reduce_dtype, offload=placement,
+                                         overlap_param_gather=overlap_param_gather), self._err)
+        self.process_group, self.device = self._source.process_group, self._source.device
+        self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
+        self.events, self.comm_elements = self._source.events, self._source.comm_elements
+        self._grads = ReducedGrads(self._params, self._trainable, self._source, self._err)
+        # see [Note: update rules] in optim/rules.py
+        self._rule = FusedAdamW(self._source.storage) if fused else TorchElementwise(
+            optimizer_class, self._optimizer_kwargs, self._source.segments, self.param_groups)
+
+    # ------------------------------------------------- what checkpoints read
+    @property
+    def source(self) -> ShardSource:
+        """The shard source this optimizer steps over (see [Note: shard sources])."""
+        return self._source
+
+    @property
+    def layout(self):
+        """ZeRO-1/2: the flat layout (zeroshard.compute_layout's) of the trainable
+        parameters; None for FullyShard parameters."""
+        return getattr(self._source, "layout", None)
+
+    @property
+    def regions(self) -> List[Region]:
+        return self._source.regions
+
+    @property
+    def params(self) -> List[torch.Tensor]:
+        """Every parameter, in state-dict index order."""
+        return self._params
+
+    @property
+    def trainable(self) -> List[int]:
+        """Indices (into ``params``) of the parameters that require grad."""
+        return self._trainable
+
+    def group_of(self, i: int) -> int:
+        return self._group_of[i]
+
+    def full_shape(self, i: int) -> torch.Size:
+        return self._source.full_shapes[i]
+
+    @property
+    def param_steps(self) -> List[int]:
+        """Each parameter's step count (state-dict index order; 0 for frozen ones): the
+        steps in which some rank gave it a gradient, as torch's AdamW counts them."""
+        return list(self._param_steps)
+
+    def _err(self, msg: str) -> str:
+        return comm.on_rank(self, msg)
+
+    def wait_params(self):
+        """With ``overlap_param_gather=True``: wait for the parameter all-gathers of the last
+        step (needed before reading parameters outside their modules' forward, e.g.
+        ``model.state_dict()``); a no-op otherwise. See [Note: overlapped parameter gather]."""
+        self._source.settle()
+
+    def no_sync(self):
+        """Accumulate gradients locally, without communication; the next backward
+        outside this context reduces everything accumulated since the last step."""
+        return self._source.no_sync()
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm of the averaged gradient, over every shard of
+        every rank; returns that norm (the same on all ranks). The scale is
+        applied inside the fused step."""
+        _check_ready(self.device, self._source, "clip_grad_norm_", self._err)
+        total, coef = self._grads.clip_(max_norm, norm_type)
+        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        _check_ready(self.device, self._source, "step()", self._err)
+        _check_not_unfrozen(self._params, self._frozen, self._err)
+        self.last_step_skipped = False
+        if self._source.check_finite:    # every rank agrees: the statistics are summed over the ranks
+            self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
+        if not self.last_step_skipped:
+            self._update()
+        self._grads.settle()     # (its all-reduce ran during the update: see ReducedGrads.backward_done)
+        self._source.step_done(updated=not self.last_step_skipped)
+        if not self.last_step_skipped:
+            self._consolidated = None
+        self._clip_coef = None
+        self.events.append(("step", -1))
+        return loss
+
+    @torch.no_grad()
+    def shards_loaded(self, steps: List[int]):
+        """After a checkpoint wrote this rank's region values and states: set the
+        step counts (one per parameter, as ``param_steps``) and rebuild
+        everything derived from the shards (ZeRO-1/2: the low-precision chunks
+        and the full parameters; ZeRO-3: drop the units' gathered copies)."""
+        self._param_steps = list(steps)
+        self._source.shards_loaded()
+        self._consolidated = None
+
+    def _update(self):
+        used = self._grads.used
+        self._rule.update(self._source.segments, self.param_groups, used, self._param_steps,
+                          self._source.grad_scale, self._clip_coef)
+        for i in self._trainable:
+            if used[i]:
+                self._param_steps[i] += 1
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Zero the gradients (and this rank's reduced shards)."""
+        if self._source.in_backward():
+            raise RuntimeError(self._err("zero_grad() called during backward"))
+        self._grads.clear()
+        self._source.zero_grad(set_to_none)
+        self._clip_coef = None
+
+    # ---------------------------------------------------------------- memory
+    def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
+        """Bytes held on this rank, by category: ``params``, ``grads``, ``master``,
+        ``exp_avg``, ``exp_avg_sq`` (only elements of real parameters), ``padding``
+        (what the layout adds), ``total`` (their sum), split by where it lives into
+        ``device`` / ``host`` / ``disk`` ([Note: offload]); ``comm_buffers`` and
+        ``comm_buffers_peak`` (reduction buckets now and at most since construction or
+        ``reset_peak=True``); with ``optimizer_class``, ``optimizer_state``. Over
+        FullyShard parameters: the models' reports. The docs' planner page says
+        exactly when each is held."""
+        rep = self._source.memory_report(reset_peak)
+        if not self._rule.fused:
+            rep["optimizer_state"] = self._rule.state_bytes()
+            rep["total"] += rep["optimizer_state"]
+        return rep
+
+    # ------------------------------------------------------------ state dict
+    def sharded_state_dict(self) -> dict:
+        """This rank's shard of the optimizer state, without communication: fast
+        to save (e.g. ``torch.save`` per rank) and exact (stages 1/2 include the
+        fp32 master of bf16/fp16 parameters). It loads back only with
+        ``load_sharded_state_dict`` into the same layout (same model, world size,
+        rank, stage and bucket_mb); to change any of those use ``state_dict()``
+        or ``zeroshard.save_checkpoint``. The tensors are views of the live
+        state (stages 1/2: ``values`` is this rank's chunk of the fp32 master or
+        of the fp32 parameters) on its device: copy them (or save) before the
+        next step."""
+        require_fused(self, "sharded_state_dict()")
+        return _optim_state.sharded(self, super().state_dict()["param_groups"])
+
+    def load_sharded_state_dict(self, sharded: dict):
+        """Load what ``sharded_state_dict()`` returned on this rank, into the same
+        layout. Collective: every rank calls it with its own dict; if any rank's
+        does not match its layout, every rank raises, naming the rank and what
+        differs. Stages 1/2 restore the parameters too (each rank's chunk, then
+        an all-gather); stage 3's are the model's: load the model's state first."""
+        require_fused(self, "load_sharded_state_dict()")
+        self.shards_loaded(_optim_state.load_sharded(self, sharded))
+
+    @property
+    def fused(self) -> bool:
+        """Whether the step is zeroshard's fused AdamW (else ``optimizer_class``'s own)."""
+        return self._rule.fused
+
+    def add_param_group(self, param_group: dict):
+        if hasattr(self, "_source"):     # after construction (torch's __init__ adds the groups)
+            raise NotImplementedError(self._err(_NEW_GROUP))
+        super().add_param_group(param_group)
+
+    def consolidate_state_dict(self, to: Optional[int] = 0):
+        """Gather the full state onto global rank ``to`` (every rank with ``to=None``),
+        where ``state_dict()`` then returns it without communication, as with
+        torch's ZeroRedundancyOptimizer. Collective: every rank must call it. The
+        copy is on CPU and is dropped by the next step."""
+        self._consolidated = (to, self._gather_state(to, "consolidate_state_dict()"))
+
+    def state_dict(self, to: Optional[int] = None):
+        """The full state in torch.optim.AdamW's format (with ``optimizer_class``:
+        that class's), loadable by that torch optimizer over the unwrapped
+        model's parameters, in the same order.
+
+        After ``consolidate_state_dict(to=r)`` on every rank, rank ``r`` gets it
+        here without communication (a checkpoint under ``if rank == 0:``).
+        Otherwise it is collective: every rank must call it; a rank that waits
+        for the others longer than the watchdog's timeout raises
+        ``CollectiveTimeout``, naming them. Gathers one region (bucket, or unit for FullyShard parameters) at a
+        time, so the transient extra memory is one region; the result is on CPU.
+        With ``to=r`` only global rank ``r`` builds and returns the dict; the
+        others return None.
+        """
+        held = self._consolidated
+        if held is not None and to is None:
+            if held[1] is None:
+                raise RuntimeError(self._err(
+                    f"the state was consolidated onto rank {held[0]} by consolidate_state_dict(to="
+                    f"{held[0]}): call opt.state_dict() there (this rank holds none; a collective "
+                    "state_dict() here would wait for a rank that already has its copy)"))
+            return held[1]
+        return self._gather_state(to, "ShardedOptimizer.state_dict()")
+
+    def _gather_state(self, to: Optional[int], what: str):
+        """The full state dict on rank ``to`` (every rank if None), None elsewhere; collective."""
+        comm.check_in(what, self, self.process_group,
+                      "For a checkpoint written by rank 0 alone, call opt.consolidate_state_dict(to=0) on "
+                      "every rank first, then opt.state_dict() on rank 0 needs no communication")
+        keep = to is None or dist.get_rank() == to
+        packed = super().state_dict()   # param_groups with indices; our torch state is empty
+        full = _optim_state.gather_full(self, keep) if self._rule.fused else gather_full_state(self, self._rule, keep)
+        if not keep:
+            return None
+        packed["state"] = full
+        return packed
+
+    def load_state_dict(self, state_dict: dict):
+        """Load a full AdamW state dict (ours or torch.optim.AdamW's, from any world
+        size), keeping only this rank's shard. Parameters come from the model:
+        load the model's state dict first; bf16/fp16 master weights are re-made
+        from the parameters."""
+        self._param_steps = _optim_state.load_full(self, state_dict, None if self._rule.fused else self._rule)
+        self._source.params_loaded()
+        self._consolidated = None

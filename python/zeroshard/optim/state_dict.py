@@ -1,0 +1,148 @@
+"""ShardedOptimizer's state dicts, full and sharded, read and written one
+region at a time through the optimizer's public accessors (``regions``,
+``trainable``, ``group_of``, ``full_shape``, ``param_steps``)."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from . import rules as _rules
+from .. import comm
+
+_FORMAT = "zeroshard-sharded-optimizer"
+
+
+def layout_signature(opt) -> list:
+    """What a sharded state dict is only valid for: world size, rank, stage and every region's cut."""
+    return [opt.world_size, opt.rank, opt.stage,
+            [[reg.shard_numel, [list(f) for f in reg.frags]] for reg in opt.regions]]
+
+
+def take_hyperparameters(opt, groups: list):
+    """Each param group takes the saved group's hyperparameters (everything but its params)."""
+    for g, sg in zip(opt.param_groups, groups):
+        g.update((k, v) for k, v in sg.items() if k != "params")
+        if g.get("amsgrad") or g.get("maximize"):
+            raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
+
+
+@torch.no_grad()
+def sharded(opt, param_groups: list) -> dict:
+    """This rank's shard (views of the live state); see ShardedOptimizer.sharded_state_dict."""
+    state = {}
+    for k, reg in enumerate(opt.regions):
+        state[f"{k}.exp_avg"], state[f"{k}.exp_avg_sq"] = reg.exp_avg, reg.exp_avg_sq
+        if reg.values is not None:
+            state[f"{k}.values"] = reg.values
+    return {"format": _FORMAT, "layout": layout_signature(opt), "param_steps": opt.param_steps,
+            "param_groups": param_groups, "state": state}
+
+
+def _mismatch(opt, sd) -> Optional[str]:
+    if not isinstance(sd, dict) or sd.get("format") != _FORMAT:
+        return "it is not a sharded state dict of ShardedOptimizer (load_state_dict takes full ones)"
+    mine, theirs = layout_signature(opt), sd["layout"]
+    for name, a, b in zip(("world size", "rank", "stage"), mine[:3], theirs[:3]):
+        if a != b:
+            return f"it was saved with {name} {b}, this optimizer has {a}"
+    if mine[3] != theirs[3]:
+        return "it was saved with another flat layout (other parameters, param groups or bucket_mb)"
+    return None
+
+
+@torch.no_grad()
+def load_sharded(opt, sd: dict) -> List[int]:
+    """Writes a sharded state dict into the regions (collective: every rank checks
+    every rank's match first); returns the saved per-parameter step counts."""
+    opt.wait_params()
+    problems = comm.all_gather_object(_mismatch(opt, sd), group=opt.process_group,
+                                      what="load_sharded_state_dict check")
+    bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
+    if bad:
+        raise ValueError(comm.on_rank(opt,
+            "cannot load the sharded state dict (" + "; ".join(bad) + "); a sharded state dict loads "
+            "only into the layout it was saved from: use state_dict()/load_state_dict() or "
+            "zeroshard.save_checkpoint/load_checkpoint to change world size, stage or layout"))
+    take_hyperparameters(opt, sd["param_groups"])
+    for k, reg in enumerate(opt.regions):
+        reg.exp_avg.copy_(sd["state"][f"{k}.exp_avg"])
+        reg.exp_avg_sq.copy_(sd["state"][f"{k}.exp_avg_sq"])
+        if reg.values is not None:
+            reg.values.copy_(sd["state"][f"{k}.values"])
+    return list(sd["param_steps"])
+
+
+@torch.no_grad()
+def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
+    """The full AdamW state on CPU of every trainable parameter that has stepped,
+    gathered one region at a time (collective); None where ``keep`` is false."""
+    full, steps = {}, opt.param_steps
+    if keep:
+        for i in opt.trainable:
+            full[i] = {"step": torch.tensor(float(steps[i])),
+                       "exp_avg": torch.zeros(opt.full_shape(i), dtype=torch.float32),
+                       "exp_avg_sq": torch.zeros(opt.full_shape(i), dtype=torch.float32)}
+    for reg in opt.regions:
+        for name in ("exp_avg", "exp_avg_sq"):
+            gathered = torch.empty(reg.shard_numel * opt.world_size, dtype=torch.float32, device=opt.device)
+            comm.all_gather(getattr(reg, name).to(opt.device), gathered, group=opt.process_group,
+                            what=f"state_dict gather: {name}").wait()
+            if not keep:
+                continue
+            gathered = gathered.cpu()
+            for i, t_off, r_off, n in reg.frags:
+                full[i][name].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
+    if not keep:
+        return None
+    # as torch's AdamW: no state for a parameter that never stepped
+    return {i: st for i, st in full.items() if steps[i] > 0}
+
+
+def _check_full(opt, state_dict: dict):
+    groups = state_dict["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(comm.on_rank(opt, f"the state dict has {len(groups)} param groups but this optimizer "
+                                           f"has {len(opt.param_groups)}"))
+    for gi, (g, sg) in enumerate(zip(opt.param_groups, groups)):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(comm.on_rank(opt, f"param group {gi} has {len(sg['params'])} parameters in the "
+                                               f"state dict but {len(g['params'])} here"))
+
+
+@torch.no_grad()
+def load_full(opt, state_dict: dict, rule=None) -> List[int]:
+    """Writes this rank's pieces of a full AdamW state dict (ours or torch's, any
+    world size) into the regions (or, with a ``rule`` of another optimizer class,
+    that class's state dict into its pieces); returns each parameter's step count."""
+    _check_full(opt, state_dict)
+    groups = state_dict["param_groups"]
+    take_hyperparameters(opt, groups)
+    saved_ids = [pid for sg in groups for pid in sg["params"]]
+    state = state_dict["state"]
+    steps = [0] * len(opt.params)
+    for i in opt.trainable:
+        st = state.get(saved_ids[i])
+        if st is None:
+            continue
+        numel = opt.full_shape(i).numel()
+        for name in (("exp_avg", "exp_avg_sq") if rule is None else sorted(rule.elementwise_keys & set(st))):
+            if st[name].numel() != numel:
+                raise ValueError(comm.on_rank(opt,
+                    f"state of parameter {i}: {name} has {st[name].numel()} elements but the "
+                    f"parameter has {numel} (shape {tuple(opt.full_shape(i))}); the state dict "
+                    "is of another model"))
+        steps[i] = int(float(st.get("step", 0)))
+    if rule is not None:
+        _rules.load_full(opt, rule, state, saved_ids)
+        return steps
+    for reg in opt.regions:
+        reg.exp_avg.zero_()
+        reg.exp_avg_sq.zero_()
+        for i, start, sl in reg.owned(opt.rank):
+            st = state.get(saved_ids[i])
+            if st is None:
+                continue
+            for name in ("exp_avg", "exp_avg_sq"):
+                getattr(reg, name)[sl].copy_(st[name].reshape(-1)[start:start + sl.stop - sl.start])
+    return steps

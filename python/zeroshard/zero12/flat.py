@@ -1,0 +1,234 @@
+"""ZeRO-1/2 flat buffers: their records, the checks on the parameters, and
+how the buffers are built (the parameters become views of them).
+
+See [Note: sharded optimizer policy] in zero12/reducer.py for how they are used.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..offload import Placement, Storage, on_accelerator
+from ..common.source import SUPPORTED
+from ..native.layout import compute_layout
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass
+class Bucket:
+    """A contiguous range of a flat buffer, reduced by one reduce-scatter."""
+    index: int
+    buffer: "FlatBuffer"
+    offset: int            # in the buffer
+    numel: int             # padded
+    shard_numel: int
+    shard_offset: int      # where this bucket's shard starts in the buffer's shard tensors
+    params: List[int] = field(default_factory=list)  # trainable-parameter indices with data here
+    frags: List[tuple] = field(default_factory=list)   # (param index, layout fragment) in this bucket
+    pending: int = 0       # parameters whose gradient has not arrived this backward
+    grad: Optional[torch.Tensor] = None   # stage 2: transient bucket gradient (reduce dtype)
+    handle: Optional[comm.CommHandle] = None
+    reduce_out: Optional[torch.Tensor] = None  # where the reduce-scatter wrote
+    launched: bool = False
+
+    def own(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's chunk of a bucket-sized range of a buffer-sized tensor."""
+        start = self.offset + rank * self.shard_numel
+        return t[start:start + self.shard_numel]
+
+    def shard_of(self, t: torch.Tensor) -> torch.Tensor:
+        """This bucket's piece of a shard-sized tensor."""
+        return t[self.shard_offset:self.shard_offset + self.shard_numel]
+
+
+@dataclass
+class FlatBuffer:
+    """One (param group, dtype)'s parameters, laid out flat, and this rank's shards of them."""
+    group: int
+    dtype: torch.dtype
+    params: torch.Tensor                 # full flat parameters (every param is a view)
+    master: Optional[torch.Tensor]       # fp32 shard, None when params are fp32
+    exp_avg: Optional[torch.Tensor]      # fp32 shard (None: the optimizer is not the fused AdamW)
+    exp_avg_sq: Optional[torch.Tensor]   # fp32 shard
+    grad_shard: Optional[torch.Tensor]   # stage 2: reduced gradient shard (reduce dtype)
+    grads: Optional[torch.Tensor]        # stage 1: full flat gradients (param dtype)
+    buckets: List[Bucket] = field(default_factory=list)
+    shard_data_numel: int = 0            # elements of real parameters in this rank's shard
+    shard_numel: int = 0                 # this rank's shard, padding included
+    placement: Placement = Placement.DEVICE   # where master / exp_avg / exp_avg_sq live ([Note: offload])
+    # host copy of this rank's reduced gradient shard, for state the CPU steps while the
+    # gradients are on a device ([Note: offloaded gradients]); else None
+    grad_mirror: Optional[torch.Tensor] = None
+    # stage 2 on CPU: the storage of the shard zero_grad(set_to_none=True) dropped, which the
+    # next backward's first reduction takes ([Note: bucket buffers between steps] in zero12/reducer.py)
+    spare_shard: Optional[torch.Tensor] = None
+
+
+def check_views(params: List[torch.Tensor], trainable: List[int], where: dict, err: Callable[[str], str]):
+    """Every trainable parameter is still the view of its flat buffer that build_flat made it:
+    code that replaced ``p.data`` since (``model.to(dtype or device)``, ``model.half()``,
+    ``model.cuda()``, ``p.data = ...``) would leave the model computing on a copy that no
+    step writes, and its gradients reduced into a buffer of another dtype or device."""
+    for i in trainable:
+        p, (buf, offset, _) = params[i], where[i]
+        flat = buf.params
+        if p.data_ptr() != flat.data_ptr() + offset * flat.element_size():   # (a new dtype or device: new memory)
+            raise RuntimeError(err(
+                f"parameter {i} (shape {tuple(p.shape)}, now {p.dtype} on {p.device}) is no longer the view of "
+                f"the flat {flat.dtype} buffer on {flat.device} that ShardedOptimizer made it: its data was "
+                "replaced after the optimizer was built (model.to(...), model.half()/.bfloat16()/.cuda(), or "
+                "p.data = ...), so the model would compute on a copy that step() never updates. Convert and "
+                "move the model before building the ShardedOptimizer"))
+
+
+def held_by_ddp(p: torch.Tensor) -> bool:
+    """Whether a DistributedDataParallel module holds p (checked once, at construction).
+
+    DDP keeps its parameters in the list attribute ``_module_parameters``,
+    next to its ``reducer``; the list is referred to by the DDP instance's
+    attribute dict."""
+    for lst in gc.get_referrers(p):
+        if isinstance(lst, list):
+            for attrs in gc.get_referrers(lst):
+                if isinstance(attrs, dict) and attrs.get("_module_parameters") is lst and "reducer" in attrs:
+                    return True
+    return False
+
+
+def check_params(params: List[torch.Tensor], trainable: List[int], err: Callable[[str], str]) -> torch.device:
+    """The one device every parameter is on; raises on mixed devices, unsupported
+    dtypes or devices, and parameters of a DistributedDataParallel model."""
+    first = trainable[0]
+    device = params[first].device
+    for i, p in enumerate(params):
+        if p.device != device:
+            raise ValueError(err(f"parameter {i} is on {p.device} but parameter {first} is on {device}; "
+                                 "move the whole model to one device before creating the optimizer"))
+        if p.requires_grad and p.dtype not in SUPPORTED:
+            raise ValueError(err(f"parameter {i} has dtype {p.dtype}; supported dtypes are float32, "
+                                 "bfloat16, float16"))
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(err(f"parameters are on {device}; ShardedOptimizer supports CPU and CUDA "
+                             "(and meta, for planning: zeroshard.plan)"))
+    if held_by_ddp(params[first]):
+        raise ValueError(err(
+            "the parameters belong to a model wrapped in DistributedDataParallel; DDP would "
+            "all-reduce the gradients and ShardedOptimizer would reduce them again. Pass the "
+            "unwrapped model's parameters (model.module.parameters()) and drop the DDP wrapper"))
+    return device
+
+
+def check_same_across_ranks(params: List[torch.Tensor], group, err: Callable[[str], str]):
+    """Every rank has the same parameters (shape, dtype, requires_grad); collective."""
+    mine = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params]
+    everyone = comm.all_gather_object(mine, group=group, what="setup: same parameters on every rank")
+    ref = everyone[0]
+    for r, theirs in enumerate(everyone):
+        if len(theirs) != len(ref):
+            raise ValueError(err(f"rank {r} has {len(theirs)} parameters but rank 0 has {len(ref)}; every "
+                                 "rank must build the same model"))
+        for i, (a, b) in enumerate(zip(theirs, ref)):
+            if a != b:
+                raise ValueError(err(
+                    f"parameter {i} differs across ranks: rank {r} has (shape, dtype, requires_grad) "
+                    f"= {a} but rank 0 has {b}; every rank must build the same model"))
+
+
+@dataclass
+class FlatState:
+    """What build_flat made: the layout, its buffers and buckets, where each parameter lives."""
+    layout: object                 # zeroshard.compute_layout's result
+    buffers: List[FlatBuffer]
+    buckets: List[Bucket]          # by layout bucket index
+    where: Dict[int, tuple]        # param index -> (buffer, offset, layout fragments)
+    launch_order: List[int]        # bucket indices, until the first backward shows the real order
+
+
+def _has_master(dtype: torch.dtype, placement: Placement, device: torch.device) -> bool:
+    """An fp32 master shard for low-precision parameters, and for any whose state is
+    offloaded from an accelerator (the host steps it; the device parameter takes the
+    result). On meta as on CUDA, unless the planner plans CPU processes."""
+    return dtype != torch.float32 or (placement is not Placement.DEVICE and on_accelerator(device))
+
+
+@torch.no_grad()
+def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int, adam: bool,
+               bucket_bytes: int, device: torch.device, group, src: int, everyone=None,
+               storage: Storage, offloaded=frozenset()) -> FlatState:
+    """Lay the trainable parameters out in flat buffers (reverse registration order,
+    one buffer per (param group, dtype, offloaded or not)) sharded over ``group``,
+    copy global rank ``src``'s values in on every rank of ``everyone`` (default:
+    ``group``), and make every parameter a view of its buffer; frozen parameters
+    are broadcast. The state shards of buffers of ``offloaded`` parameters go
+    where ``storage`` puts offloaded state ([Note: offload] in offload/policy.py)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    everyone = group if everyone is None else everyone
+    copies = dist.get_world_size(everyone)
+    order = list(reversed(trainable))        # backward order
+    keys = [group_of[i] * 8 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) for i in order]
+    L = compute_layout([params[i].numel() for i in order], [params[i].dtype for i in order], bucket_bytes,
+                       world, keys=keys)
+    last = [max(L.fragments[f].tensor for f in lb.fragments) for lb in L.buckets]
+    st = FlatState(L, [], [None] * len(L.buckets), {}, sorted(range(len(L.buckets)), key=lambda b: (last[b], b)))
+    off = storage.offload.placement
+    places = [off if order[lb.tensors[0]] in offloaded else Placement.DEVICE for lb in L.buffers]
+    storage.reserve_disk(sum(lb.numel // world * (2 * adam + _has_master(params[order[lb.tensors[0]]].dtype, pl,
+                                                                          device))
+                             for lb, pl in zip(L.buffers, places) if pl is Placement.DISK))
+    for bi, lb in enumerate(L.buffers):
+        flat = torch.zeros(lb.numel, dtype=params[order[lb.tensors[0]]].dtype, device=device)
+        for t in lb.tensors:
+            place = L.tensors[t]
+            flat[place.offset:place.offset + place.numel].copy_(params[order[t]].detach().reshape(-1))
+        if copies > 1:
+            dist.broadcast(flat, src=src, group=everyone)
+        buf = _make_buffer(L, (bi, lb, flat), order, group_of[order[lb.tensors[0]]], stage, (world, rank), st,
+                           (storage, places[bi], adam))
+        for t in lb.tensors:
+            place, i = L.tensors[t], order[t]
+            params[i].data = flat[place.offset:place.offset + place.numel].view_as(params[i])
+            st.where[i] = (buf, place.offset, [L.fragments[f] for f in place.fragments])
+            if stage == 1:
+                params[i].grad = None
+    for p in params:   # frozen parameters are not sharded, but all ranks start identical
+        if not p.requires_grad and copies > 1:
+            dist.broadcast(p.data, src=src, group=everyone)
+    return st
+
+
+def _make_buffer(L, built: tuple, order: List[int], group: int, stage: int, where: tuple, st: FlatState,
+                 state: tuple) -> FlatBuffer:
+    """One flat buffer's record, its buckets and this rank's shards (``built``: (index,
+    layout buffer, flat tensor); ``where``: (world size, rank); ``state``: (storage,
+    placement, fused AdamW or not: another optimizer keeps its own state, optim/rules.py))."""
+    (bi, lb, flat), (world, rank), (storage, placement, adam) = built, where, state
+    shard_len, dev = lb.numel // world, flat.device
+    moments = [storage.zeros(placement, shard_len) if adam else None for _ in range(2)]
+    buf = FlatBuffer(group=group, dtype=flat.dtype, params=flat, master=None,
+                     exp_avg=moments[0], exp_avg_sq=moments[1], placement=placement,
+                     grad_shard=None,    # stage 2: allocated by the first reduction of a backward
+                     grads=torch.zeros(lb.numel, dtype=flat.dtype, device=dev) if stage == 1 else None)
+    shard_off = 0
+    for b in lb.buckets:
+        lbk = L.buckets[b]
+        bucket = Bucket(index=b, buffer=buf, offset=lbk.offset, numel=lbk.numel,
+                        shard_numel=lbk.shard_numel, shard_offset=shard_off)
+        bucket.frags = [(order[L.fragments[f].tensor], L.fragments[f]) for f in lbk.fragments]
+        bucket.params = sorted({i for i, _ in bucket.frags})
+        shard_off += lbk.shard_numel
+        buf.buckets.append(bucket)
+        st.buckets[b] = bucket
+    if _has_master(flat.dtype, placement, dev):
+        buf.master = storage.zeros(placement, shard_len)
+        for b in buf.buckets:
+            storage.copy_in(b.shard_of(buf.master), b.own(flat, rank))
+    buf.shard_numel = shard_len
+    buf.shard_data_numel = sum(pc.numel for pc in L.shard_pieces(rank) if L.tensors[pc.tensor].buffer == bi)
+    st.buffers.append(buf)
+    return buf

@@ -1,0 +1,114 @@
+"""FullyShard's records: MixedPrecision, a parameter (Param) and a sharding
+unit (Unit) with its state, and the registry mapping a sharded parameter to
+the FullyShard that made it (what ShardedOptimizer looks up)."""
+from __future__ import annotations
+
+import enum
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+
+# sharded parameter id -> (weakref to it, weakref to its FullyShard)
+_OWNERS: Dict[int, tuple] = {}
+
+
+def owner_of(p: torch.Tensor):
+    """The FullyShard that made parameter ``p``, else None."""
+    e = _OWNERS.get(id(p))
+    return e[1]() if e is not None and e[0]() is p else None
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of FullyShard's gathered parameters and gradient reduction.
+
+    ``param_dtype``: dtype the parameters are all-gathered in and the forward
+    and backward compute with (None: float32). ``reduce_dtype``: dtype of the
+    gradient reduce-scatter (None: ``param_dtype``). Shards, gradient shards
+    and optimizer states stay float32 either way.
+    """
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+
+
+@dataclass
+class Param:
+    names: List[str]                    # every name it is registered under, first is canonical
+    slots: List[Tuple[nn.Module, str]]  # (module, attribute) registrations
+    shape: torch.Size
+    dtype: torch.dtype                  # original dtype (state_dict returns it)
+    requires_grad: bool
+    offset: int = 0                     # in the unit's flat buffer
+    full: Optional[nn.Parameter] = None     # compute parameter (view of the gathered buffer)
+    sharded: Optional[nn.Parameter] = None  # this rank's piece (view of the shard)
+    shard_offset: int = 0               # where the piece starts in the shard
+    tensor_offset: int = 0              # where the piece starts in the flattened parameter
+    arrived: bool = False               # gradient arrived in this backward
+    got_grad: bool = False              # a gradient arrived since zero_grad(set_to_none=True)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class UnitState(enum.Enum):
+    """Where a unit's full parameters are."""
+    SHARDED = "sharded"       # only this rank's shard exists; the full buffer's storage is freed
+    GATHERING = "gathering"   # an all-gather into the full buffer is in flight (prefetch)
+    GATHERED = "gathered"     # the full buffer holds every rank's shard; the module computes on it
+
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str                     # module path, '' for the root
+    module: nn.Module
+    params: List[Param]
+    numel: int = 0                # padded flat size (world_size * shard_numel)
+    shard_numel: int = 0
+    shard: Optional[torch.Tensor] = None        # fp32, this rank's shard
+    grad_shard: Optional[torch.Tensor] = None   # fp32, averaged gradient shard (None until reduced)
+    # the gradient shard lives in (pinned) host memory: an optimizer steps this unit on the
+    # CPU while it trains on a device ([Note: offloaded gradients] in offload/copies.py)
+    grad_to_host: bool = False
+    full: Optional[torch.Tensor] = None         # param_dtype flat buffer; storage freed when sharded
+    state: UnitState = UnitState.SHARDED
+    gather: Optional[comm.CommHandle] = None
+    grad_flat: Optional[torch.Tensor] = None    # reduce_dtype flat gradients during backward
+    reduce: Optional[comm.CommHandle] = None
+    fresh: bool = True            # the reduction overwrites the gradient shard (no accumulation)
+    pending: int = 0              # trainable params whose gradient has not arrived this backward
+    hooks: list = field(default_factory=list)
+
+    @property
+    def is_root(self) -> bool:
+        return self.index == 0
+
+    @functools.cached_property
+    def trainable(self) -> List[Param]:   # read once the units are built (every backward)
+        return [p for p in self.params if p.requires_grad]
+
+    def own(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+
+
+
+def register_owner(fs, units: List[Unit]):
+    """Record ``fs`` as the owner of its units' sharded parameters (weakly), until fs is collected."""
+    fs_ref = weakref.ref(fs)
+    for u in units:
+        for q in u.params:
+            _OWNERS[id(q.sharded)] = (weakref.ref(q.sharded), fs_ref)
+    weakref.finalize(fs, _forget, [id(q.sharded) for u in units for q in u.params])
+
+
+def _forget(ids):
+    for i in ids:
+        _OWNERS.pop(i, None)

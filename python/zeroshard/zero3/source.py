@@ -1,0 +1,159 @@
+"""ZeRO-3 gradient source: the units of FullyShard models, seen by the optimizer.
+
+The units' fp32 shards are the master weights and their averaged gradient
+shards the gradients; this source adds exp_avg/exp_avg_sq shards per unit,
+and after a step drops the units' gathered copies (the next forward gathers
+the new ones). See [Note: shard sources] in common/source.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
+from ..common.source import Region, Segment, ShardSource, weak_hook
+
+
+class UnitSource(ShardSource):
+    """The ZeRO-3 source over the FullyShard models that own ``params``
+    (``owners[i]`` is the FullyShard of ``params[i]``; none is None)."""
+
+    def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, groups: tuple,
+                 reduce_dtype, adam: bool = True, offload: Offload = NO_OFFLOAD):
+        """``groups``: the optimizer's (process_group, shard_size, device_mesh) arguments;
+        ``offload``: where the state shards of which units go ([Note: offload])."""
+        super().__init__()
+        self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
+        for fs in owners:
+            if all(fs is not o for o in self.owners):
+                self.owners.append(fs)
+        first, self.adam = self.owners[0], adam
+        self.world_size, self.rank = first.world_size, first.rank
+        self._check(groups, reduce_dtype)
+        self.process_group, self.device, self.stage = first.process_group, first.device, 3
+        self.groups = first.groups
+        self.grad_scale = 1.0    # FullyShard divides by N as it folds the reduction into the shard
+        self.check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in self.owners)
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.full_shapes, self.segments, self.regions = {}, [], []
+        group = {id(params[i]): group_of[i] for i in self.trainable}
+        index = self._index = {id(p): i for i, p in enumerate(params)}
+        self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
+        placed = self._placements(offload, group)
+        for fs in self.owners:
+            states = {}
+            for u in fs.units:
+                st = self._add_unit(u, group, index, placed.get(id(u), Placement.DEVICE))
+                if st is not None:
+                    states[u.index] = st
+            fs.register_optimizer_states(self, states)
+            fs.add_grads_ready_listener(weak_hook(self._owner_ready))
+
+    def _owner_ready(self):
+        if self.grads_ready():      # the last of the models whose backward this step needed
+            self.notify_grads_ready()
+
+    def err(self, msg: str) -> str:
+        return comm.on_rank(self, msg)
+
+    def _check(self, groups: tuple, reduce_dtype):
+        process_group = groups[0]
+        if groups[1:] != (None, None):
+            raise ValueError(self.err(
+                "these are FullyShard parameters: their sharding is FullyShard's, so pass shard_size / "
+                "device_mesh to zeroshard.FullyShard, not to ShardedOptimizer"))
+        if reduce_dtype is not None:
+            raise ValueError(self.err("reduce_dtype is set by FullyShard's mixed_precision for FullyShard "
+                                      "parameters; do not pass it to ShardedOptimizer"))
+        for fs in self.owners:
+            if process_group is not None and fs.process_group is not process_group:
+                raise ValueError(self.err(
+                    "the FullyShard parameters are sharded over another process group than the one "
+                    "given to ShardedOptimizer; pass the FullyShard's process_group (or none)"))
+            if fs.process_group is not self.owners[0].process_group:
+                raise ValueError(self.err("the parameters come from FullyShard models on different "
+                                          "process groups; use one optimizer per process group"))
+
+    def _placements(self, offload: Offload, group: Dict[int, int]) -> Dict[int, Placement]:
+        """id(unit) -> where its state goes: whole units in the order backward reduces
+        them (the last first), and this rank's file sized for them; [Note: offload params]."""
+        units = [u for fs in self.owners for u in reversed(fs.units)
+                 if any(id(q.sharded) in group for q in u.trainable)]
+        k = choose([u.shard_numel for u in units], offload.fraction) if offload.active and self.adam else 0
+        self.storage.reserve_disk(2 * sum(u.shard_numel for u in units[:k])
+                                  if offload.placement is Placement.DISK else 0)
+        placed = {id(u): offload.placement for u in units[:k]}
+        for fs in self.owners:      # offload_params: the state joins the shard in host memory at least
+            placed.update({id(u): Placement.HOST for u in fs.units if fs.offload_params and id(u) not in placed})
+        return placed
+
+    def _add_unit(self, u, group: Dict[int, int], index: Dict[int, int], placement: Placement):
+        """The unit's state shards, region and segments (None if it has nothing to train here)."""
+        mine = [q for q in u.trainable if id(q.sharded) in group]
+        if not mine:
+            return None
+        # the fused AdamW's state shards (another optimizer keeps its own: optim/rules.py)
+        st = {n: self.storage.zeros(placement, u.shard_numel) if self.adam else None
+              for n in ("exp_avg", "exp_avg_sq")}
+        for q in mine:
+            self.full_shapes[index[id(q.sharded)]] = q.shape
+        u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
+        self.regions.append(Region(u.shard_numel, st["exp_avg"], st["exp_avg_sq"],
+                                   [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine]))
+        # runs of consecutive pieces with one param group (padding between them is harmless:
+        # zero parameters with zero gradients stay zero)
+        pieces = sorted((q for q in u.params if q.sharded.numel() > 0), key=lambda q: q.shard_offset)
+        for g, run in itertools.groupby(pieces, key=lambda q: group.get(id(q.sharded))):
+            if g is None:        # frozen, or not given to this optimizer
+                continue
+            run = list(run)
+            a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].sharded.numel()
+            pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.sharded.numel(),
+                       q.tensor_offset) for q in run]
+            self.segments.append(Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
+                                         *(None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"])),
+                                         pieces=pieces, streamed=self.storage.streamed(placement)))
+        return {n: t for n, t in st.items() if t is not None}
+
+    # ------------------------------------------------------- ShardSource API
+    def grads_ready(self) -> bool:
+        return all(fs.grads_ready() for fs in self.owners)
+
+    def in_backward(self) -> bool:
+        return any(fs.in_backward() for fs in self.owners)
+
+    def arrived(self) -> List[int]:
+        return sorted(self._index[id(q.sharded)] for fs in self.owners for u in fs.units for q in u.trainable
+                      if q.got_grad and id(q.sharded) in self._index)
+
+    def step_done(self, updated: bool):
+        for fs in self.owners:      # gathered copies are stale; the next forward gathers
+            fs.step_done()
+
+    def zero_grad(self, set_to_none: bool):
+        for fs in self.owners:
+            fs.zero_grad(set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for fs in self.owners:
+                stack.enter_context(fs.no_sync())
+            yield
+
+    def memory_report(self, reset_peak: bool) -> Dict[str, int]:
+        """The FullyShard models' reports (they include this source's states)."""
+        reports = [fs.memory_report(reset_peak=reset_peak) for fs in self.owners]
+        return {k: sum(r[k] for r in reports) for k in reports[0]}
+
+    def shards_loaded(self):
+        for fs in self.owners:
+            fs.invalidate()
+
+    def params_loaded(self):
+        """The units' shards are the master weights: nothing derives from them here."""

@@ -1,0 +1,122 @@
+"""FullyShard's memory accounting and full state dicts, through its public API
+(``units``, ``module``, ``device``, ``process_group``, ``invalidate``)."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from ..common.source import add_locations, empty_report
+from .records import Unit
+
+
+def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]], param_dtype: torch.dtype,
+                  gatherer, backward, reset_peak: bool, shards_on_host: bool = False) -> Dict[str, int]:
+    """FullyShard.memory_report. ``states``: an optimizer's state shards by unit index;
+    ``shards_on_host``: offload_params (the shards and gradient shards are host bytes);
+    a unit's gradient shard kept in host memory (``grad_to_host``) is host bytes too.
+
+    Persistent: ``params`` (fp32 shards), ``grads`` (fp32 gradient shards, held
+    from backward's reductions to ``zero_grad(set_to_none=True)`` and counted
+    whether held at the moment or not), ``master`` (always 0: the fp32 shard is
+    the master), ``exp_avg`` and ``exp_avg_sq`` (fp32, from the ShardedOptimizer
+    over these parameters; 0 without one): each counts only elements of real
+    parameters (grads and states: trainable ones); ``padding`` is every other
+    byte of those tensors; ``total`` their sum: 16 bytes per owned element with
+    an optimizer; ``device`` / ``host`` / ``disk`` split ``total`` by where it
+    lives. Transient: ``gathered`` / ``gathered_peak`` (full parameters of
+    non-root units), ``gathered_units_peak`` (most non-root units gathered at
+    once), ``root_gathered`` (the root unit's full size), ``max_unit`` (largest
+    non-root unit's full bytes), ``grad_buffers`` / ``grad_buffers_peak`` (flat
+    gradient buffers of backward). Peaks count since construction or the last
+    call with ``reset_peak=True``."""
+    rep = empty_report()
+    grads_on_host = 0    # gradient shards kept in host memory ([Note: offloaded gradients])
+    for u in units:
+        if not u.params:
+            continue
+        grads_on_host += 4 * u.shard_numel if u.grad_to_host and u.trainable else 0
+        own = sum(q.sharded.numel() for q in u.params)
+        own_t = sum(q.sharded.numel() for q in u.trainable)
+        rep["params"] += 4 * own
+        rep["grads"] += 4 * own_t
+        rep["padding"] += 4 * (u.shard_numel - own) + (4 * (u.shard_numel - own_t) if u.trainable else 0)
+        for name, t in states.get(u.index, {}).items():
+            rep[name] += 4 * own_t
+            rep["padding"] += t.numel() * t.element_size() - 4 * own_t
+    rep["total"] = sum(rep.values())
+    add_locations(rep, [t for st in states.values() for t in st.values()])
+    if shards_on_host:   # the states of offloaded shards are never on the device ([Note: offload params])
+        rep["host"], rep["device"] = rep["host"] + rep["device"], 0
+    else:
+        rep["host"], rep["device"] = rep["host"] + grads_on_host, rep["device"] - grads_on_host
+    item = param_dtype.itemsize
+    rep.update(gathered=gatherer.gathered_bytes, gathered_peak=gatherer.gathered_peak,
+               gathered_units_peak=gatherer.alive_peak, root_gathered=units[0].numel * item,
+               max_unit=max([u.numel * item for u in units[1:]], default=0),
+               grad_buffers=backward.grad_bytes, grad_buffers_peak=backward.grad_bytes_peak)
+    if reset_peak:
+        gatherer.reset_peaks()
+        backward.grad_bytes_peak = backward.grad_bytes
+    return rep
+
+
+@torch.no_grad()
+def full_state_dict(fs, *, to: Optional[int], prefix: str, destination) -> Optional[dict]:
+    """See FullyShard.state_dict: units gathered one at a time and copied to CPU."""
+    comm.check_in("FullyShard.state_dict()", fs, fs.process_group,
+                  "For a checkpoint written by rank 0 alone, call model.state_dict(to=0) on every rank "
+                  "(it returns None elsewhere), or use zeroshard.save_checkpoint")
+    keep = to is None or dist.get_rank() == to
+    template = fs.module.state_dict(keep_vars=True)
+    values: Dict[str, torch.Tensor] = {}
+    for u in fs.units:
+        if not u.params:
+            continue
+        flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
+        comm.all_gather(u.shard.to(fs.device), flat, group=fs.process_group,
+                        what=f"state_dict gather: unit '{u.name}'").wait()
+        if not keep:
+            continue
+        flat = flat.cpu()
+        for q in u.params:
+            t = flat[q.offset:q.offset + q.numel].view(q.shape).to(q.dtype).clone()
+            for n in q.names:
+                values[n] = t
+    if not keep:
+        return None
+    out = destination if destination is not None else {}
+    for k, v in template.items():
+        out[prefix + k] = values[k] if k in values else v.detach().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(fs, state_dict: dict, strict: bool):
+    """See FullyShard.load_state_dict: each rank copies its own pieces; no communication."""
+    template = fs.module.state_dict(keep_vars=True)
+    missing = [k for k in template if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in template]
+    if strict and (missing or unexpected):
+        raise RuntimeError(comm.on_rank(fs, f"state dict mismatch: missing keys {missing}, unexpected keys "
+                               f"{unexpected}; it must be the unwrapped model's state dict"))
+    fs.invalidate()
+    param_names = set()
+    for u in fs.units:
+        for q in u.params:
+            param_names.update(q.names)
+            src = next((state_dict[n] for n in q.names if n in state_dict), None)
+            if src is None:
+                continue
+            if src.numel() != q.numel:
+                raise ValueError(comm.on_rank(fs, f"state dict entry '{q.names[0]}' has shape {tuple(src.shape)} "
+                                     f"but the parameter has shape {tuple(q.shape)}"))
+            n = q.sharded.numel()
+            u.shard[q.shard_offset:q.shard_offset + n].copy_(src.reshape(-1)[q.tensor_offset:q.tensor_offset + n])
+    for k, v in template.items():
+        if k not in param_names and k in state_dict and isinstance(v, torch.Tensor):
+            v.copy_(state_dict[k])
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -1,0 +1,313 @@
+"""FullyShard's setup: where the shards live, the sharding units, their flat
+layout and shards, buffers, and initialising a model built on meta unit by
+unit. Functions of a ``Setup`` (what FullyShard decided before building)."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from ..offload import host_zeros
+from ..common.source import SUPPORTED
+from .records import Param, Unit, owner_of
+from ..native.layout import compute_layout
+
+_NO_CAP = 1 << 62        # bucket cap for unit layouts: one bucket per unit
+
+
+@dataclass
+class Setup:
+    """What the setup functions need from the FullyShard being built."""
+    module: nn.Module
+    device: torch.device
+    group: object                  # the process group
+    world: int
+    rank: int
+    src: int                       # global rank whose values everyone takes (rank 0 of ``everyone``)
+    param_dtype: torch.dtype
+    err: Callable[[str], str]      # rank-prefixed error message
+    everyone: object               # every rank holding a copy: ``group`` x the replicas (hybrid sharding)
+    shard_device: torch.device     # where the fp32 shards live: ``device``, or host memory (offload_params)
+
+
+def build(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
+    """Every setup step in order: units from the module tree, the same model on
+    every rank, their layout and shards, buffers, meta initialisation."""
+    units, named = make_units(cfg, wrap, nested)
+    check_same_model(cfg, units)
+    meta_init = any(p.is_meta for p in cfg.module.parameters())
+    build_units(cfg, units, meta_init)
+    buffers_to_device(cfg)
+    if meta_init and cfg.device.type != "meta":
+        materialize(cfg, units)
+    return units, named
+
+
+def pick_device(module: nn.Module, device, group, err: Callable[[str], str]) -> torch.device:
+    """Where the shards live: ``device`` if given, else the parameters' device, else the
+    current CUDA device (NCCL) or CPU, for a model built on meta."""
+    devs = {p.device for p in module.parameters()}
+    real = {d for d in devs if d.type != "meta"}
+    if len(real) > 1:
+        raise ValueError(err(f"the model's parameters are on several devices {sorted(map(str, real))}; "
+                                   "move the model to one device (or build it on meta) before FullyShard"))
+    if device is not None:
+        device = torch.device(device)
+        if real and device not in real and not (device.type == "cuda" and device.index is None):
+            raise ValueError(err(f"device={device} but the parameters are on {next(iter(real))}; "
+                                       "move the model there first or build it on meta"))
+    elif real:
+        device = next(iter(real))
+    elif torch.cuda.is_available() and dist.get_backend(group) not in ("gloo", "fake"):
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(err(f"device {device}: FullyShard supports cpu, cuda and meta"))
+    return device
+
+
+def _wrap_predicate(module: nn.Module, wrap) -> Callable[[nn.Module], bool]:
+    """Which modules become units: none (None), a predicate, or instances of the given classes."""
+    if wrap is None:
+        return lambda m: False
+    if callable(wrap) and not isinstance(wrap, type):
+        return wrap
+    classes = tuple(wrap) if not isinstance(wrap, type) else (wrap,)
+    for c in classes:
+        if not (isinstance(c, type) and issubclass(c, nn.Module)):
+            raise ValueError(f"wrap must hold nn.Module classes (or be a predicate), got {c!r}")
+    present = {type(m) for m in module.modules()}
+    for c in classes:
+        if not any(issubclass(t, c) for t in present):
+            names = ", ".join(sorted({t.__name__ for t in present}))
+            raise ValueError(f"wrap names {c.__name__}, but no module of that class is in the model "
+                             f"(classes present: {names}); list the classes of the blocks to shard")
+    return lambda m: isinstance(m, classes)
+
+
+def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
+    """The sharding units (root first) and every parameter registration in
+    named_parameters() order; ``nested`` is the FullyShard class (refused inside)."""
+    pred = _wrap_predicate(cfg.module, wrap)
+    units = [Unit(index=0, name="", module=cfg.module, params=[])]
+    owner: Dict[int, Tuple[int, Param]] = {}
+    named: List[Tuple[str, Param]] = []   # every registration, in named_parameters() order
+
+    def visit(mod: nn.Module, path: str, unit: Unit):
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            name = f"{path}.{attr}" if path else attr
+            seen = owner.get(id(p))
+            if seen is None or seen[0] == unit.index:
+                named.append((name, seen[1] if seen else None))
+            if seen is None:
+                q = Param(names=[name], slots=[(mod, attr)], shape=p.shape, dtype=p.dtype,
+                           requires_grad=p.requires_grad)
+                owner[id(p)] = (unit.index, q)
+                unit.params.append(q)
+                named[-1] = (name, q)
+                if p.dtype not in SUPPORTED:
+                    raise ValueError(cfg.err(f"parameter '{name}' has dtype {p.dtype}; FullyShard "
+                                               "supports float32, bfloat16 and float16 parameters"))
+            elif seen[0] != unit.index:
+                other = units[seen[0]].name or "<root>"
+                here = unit.name or "<root>"
+                raise ValueError(cfg.err(
+                    f"parameter '{seen[1].names[0]}' is shared with '{name}', but they are in different "
+                    f"sharding units ('{other}' and '{here}'); a shared parameter must live in one unit: "
+                    "wrap a module that contains both users, or leave both to the root unit"))
+            else:
+                seen[1].names.append(name)
+                seen[1].slots.append((mod, attr))
+        for cname, child in mod._modules.items():
+            if child is None:
+                continue
+            cpath = f"{path}.{cname}" if path else cname
+            if pred(child):
+                if isinstance(child, nested):
+                    raise ValueError(f"'{cpath}' is already a FullyShard; wrap the inner model once")
+                u = Unit(index=len(units), name=cpath, module=child, params=[])
+                units.append(u)
+                visit(child, cpath, u)
+            else:
+                visit(child, cpath, unit)
+
+    visit(cfg.module, "", units[0])
+    for u in units:
+        for q in u.params:
+            p = q.slots[0][0]._parameters[q.slots[0][1]]
+            if owner_of(p) is not None:
+                raise ValueError(f"parameter '{q.names[0]}' already belongs to a FullyShard")
+    return units, named
+
+
+def check_same_model(cfg: "Setup", units: List[Unit]):
+    mine = [(u.name, [(q.names[0], tuple(q.shape), str(q.dtype), q.requires_grad) for q in u.params])
+            for u in units]
+    everyone = comm.all_gather_object(mine, group=cfg.everyone, what="setup: same model on every rank")
+    for r, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            raise ValueError(cfg.err(f"rank {r} and rank 0 built different models "
+                                       f"({_first_difference(theirs, everyone[0])}); every rank "
+                                       "must build the same model"))
+
+
+def _layout_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    # elements aligned for both the fp32 shard and the param_dtype buffer
+    return param_dtype if param_dtype.itemsize < 4 else torch.float32
+
+
+@torch.no_grad()
+def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
+    """Each unit's layout, fp32 shard (rank 0's values everywhere) and full buffer;
+    the modules then hold the sharded parameters."""
+    dev, r, W = cfg.device, cfg.rank, cfg.world
+    # the root last: by then the other units' full parameters are freed, so its full
+    # buffer (allocated below, then released) never sits beside the whole model
+    for u in units[1:] + units[:1]:
+        if not u.params:
+            continue
+        L = compute_layout([q.numel for q in u.params], [_layout_dtype(cfg.param_dtype)] * len(u.params),
+                           _NO_CAP, W)
+        assert len(L.buckets) == 1
+        u.numel, u.shard_numel = L.buckets[0].numel, L.buckets[0].shard_numel
+        for q, place in zip(u.params, L.tensors):
+            q.offset = place.offset
+        u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
+        lo, hi = r * u.shard_numel, (r + 1) * u.shard_numel
+        if not meta_init and dev.type != "meta":
+            _fill_shard(cfg, u, lo, hi)
+        u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
+        for q in u.params:
+            a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
+            if a >= b:                   # this rank owns none of it: an empty piece
+                a = b = lo
+            q.shard_offset, q.tensor_offset = a - lo, max(0, a - q.offset)
+            q.sharded = nn.Parameter(u.shard[a - lo:b - lo], requires_grad=q.requires_grad)
+            q.full = nn.Parameter(torch.empty(0, dtype=cfg.param_dtype, device=dev),
+                                  requires_grad=q.requires_grad)
+            q.full.data = u.full[q.offset:q.offset + q.numel].view(q.shape)
+            for mod, attr in q.slots:
+                mod._parameters[attr] = q.sharded
+        if dev.type != "meta":
+            u.full.untyped_storage().resize_(0)
+
+
+def _fill_shard(cfg: "Setup", u: Unit, lo: int, hi: int):
+    """Rank 0's values everywhere (like DDP): each parameter is broadcast in place, as
+    DDP syncs module states, and this rank's part of it copied into the fp32 shard
+    (padding stays zero). No flat copy of the unit is made: while the model is being
+    wrapped its full parameters are all still alive, and a copy of the largest unit
+    beside them would be the peak of the whole run (GPT-2's embedding: 154 MB)."""
+    for q in u.params:
+        src = q.slots[0][0]._parameters[q.slots[0][1]].detach()
+        if dist.get_world_size(cfg.everyone) > 1:
+            if not src.is_contiguous():
+                src = src.contiguous()
+            dist.broadcast(src, src=cfg.src, group=cfg.everyone)
+        a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
+        if a < b:
+            u.shard[a - lo:b - lo].copy_(src.reshape(-1)[a - q.offset:b - q.offset])
+
+
+def shard_device(device: torch.device, offload_params: bool) -> torch.device:
+    """Where the fp32 shards live: host memory with ``offload_params`` (a model on meta
+    keeps them on meta: it only plans), else with the parameters."""
+    return torch.device("cpu") if offload_params and device.type != "meta" else device
+
+
+def host_or_device_zeros(n: int, where: torch.device, device: torch.device) -> torch.Tensor:
+    """fp32 zeros on ``where``: ``device`` itself, or host memory standing in for it
+    (offload_params; pinned for CUDA)."""
+    return host_zeros(n, device) if where.type == "cpu" else torch.zeros(n, dtype=torch.float32, device=where)
+
+
+@torch.no_grad()
+def buffers_to_device(cfg: "Setup"):
+    for mod in cfg.module.modules():
+        for name, b in mod._buffers.items():
+            if b is None:
+                continue
+            if b.is_meta and cfg.device.type != "meta":
+                b = torch.zeros(b.shape, dtype=b.dtype, device=cfg.device)
+            elif b.device != cfg.device and cfg.device.type != "meta":
+                b = b.to(cfg.device)
+            if dist.get_world_size(cfg.everyone) > 1 and not b.is_meta:
+                dist.broadcast(b, src=cfg.src, group=cfg.everyone)
+            mod._buffers[name] = b
+
+
+@torch.no_grad()
+def materialize(cfg: "Setup", units: List[Unit]):
+    """Initialise a model built on meta unit by unit: run the reset_parameters()
+    of every module that registers parameters or buffers, in module order (the
+    order construction would initialise them, so a seeded run reproduces a
+    model built normally), on fp32 full-size copies of its unit; then keep
+    this rank's shard. At most the root unit and one other are full at once."""
+    unit_of: Dict[tuple, Tuple[Unit, Param]] = {}
+    for u in units:
+        for q in u.params:
+            for mod, attr in q.slots:
+                unit_of[id(mod), attr] = (u, q)
+    mods = list(cfg.module.modules())
+    last_use: Dict[int, int] = {}
+    for k, mod in enumerate(mods):
+        for attr in mod._parameters:
+            if (id(mod), attr) in unit_of:
+                last_use[unit_of[id(mod), attr][0].index] = k
+    temp: Dict[int, torch.Tensor] = {}
+    initialised, uninitialised_buffers = set(), []
+    for k, mod in enumerate(mods):
+        owned = [unit_of[id(mod), attr] for attr in mod._parameters if (id(mod), attr) in unit_of]
+        has_buffers = any(b is not None for b in mod._buffers.values())
+        if callable(getattr(mod, "reset_parameters", None)) and (owned or has_buffers):
+            for u, q in owned:
+                if u.index not in temp:
+                    temp[u.index] = _full_fp32_views(u, cfg.device)
+                initialised.add(id(q))
+            mod.reset_parameters()
+        elif has_buffers:
+            uninitialised_buffers += [n for n, b in mod._buffers.items() if b is not None]
+        for ui in [ui for ui, last in last_use.items() if last == k and ui in temp]:
+            u = units[ui]
+            u.shard.copy_(u.own(temp.pop(ui), cfg.rank))
+            for q in u.params:
+                for m2, a2 in q.slots:
+                    m2._parameters[a2] = q.sharded
+    missing = [q.names[0] for u in units for q in u.params if id(q) not in initialised]
+    if missing or uninitialised_buffers:
+        warnings.warn(
+            "FullyShard: the model was built on meta; these parameters/buffers have no module "
+            f"reset_parameters() to initialise them, so they start at zero: {missing + uninitialised_buffers}. "
+            "Load a state dict (model.load_state_dict) or give their modules reset_parameters().")
+
+
+def _full_fp32_views(u: Unit, device: torch.device) -> torch.Tensor:
+    """An fp32 full-size buffer for unit u, its parameters' modules pointing at views of it."""
+    flat = torch.zeros(u.numel, dtype=torch.float32, device=device)
+    for q in u.params:
+        view = nn.Parameter(flat[q.offset:q.offset + q.numel].view(q.shape), requires_grad=q.requires_grad)
+        for mod, attr in q.slots:
+            mod._parameters[attr] = view
+    return flat
+
+
+def _first_difference(a: list, b: list) -> str:
+    for (ua, pa), (ub, pb) in zip(a, b):
+        if ua != ub:
+            return f"unit '{ua}' vs '{ub}'"
+        for x, y in zip(pa, pb):
+            if x != y:
+                return f"parameter (name, shape, dtype, requires_grad) {x} vs {y}"
+        if len(pa) != len(pb):
+            return f"unit '{ua}' has {len(pa)} vs {len(pb)} parameters"
+    return f"{len(a)} vs {len(b)} sharding units"

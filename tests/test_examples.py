@@ -1,0 +1,52 @@
+"""The documentation's examples (examples/*.py, one per page), each launched with torchrun on CPU
+processes: each must exit 0 (each ends with its own check, an assert that fails if its feature
+breaks) and print its summary line."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (script, ranks, extra environment)
+EXAMPLES = [
+    ("quickstart.py", 2, {}),
+    ("fully_shard.py", 2, {}),
+    ("optimizers.py", 2, {}),
+    ("mixed_precision.py", 2, {}),
+    ("offload.py", 2, {}),
+    ("hybrid.py", 4, {}),
+    ("checkpoints.py", 2, {}),
+    ("plan_memory.py", 2, {}),
+    ("hangs.py", 2, {}),
+    ("hangs.py", 2, {"ZEROSHARD_DEBUG": "1"}),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script,ranks,env", EXAMPLES,
+                         ids=[s[:-3] + ("-debug" if e else "") for s, _, e in EXAMPLES])
+def test_example(script, ranks, env, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path), **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           os.path.join(ROOT, "examples", script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    name = script[:-3]
+    assert re.search(rf"^{name}: ", res.stdout, re.MULTILINE), res.stdout[-3000:]
+    if name == "hangs":
+        kind = "CollectiveMismatch" if env.get("ZEROSHARD_DEBUG") == "1" else "CollectiveTimeout"
+        assert f"rank 0 caught zeroshard.{kind}" in res.stdout, res.stdout[-3000:]
+
+
+def test_plan_memory_runs_without_torchrun(tmp_path):
+    """plan_memory.py's second launch command: plain python, a process group of one."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "plan_memory.py")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "plan_memory: the planner's state bytes equal memory_report() at stages 1-3 on 1 ranks" in res.stdout
