@@ -12,8 +12,8 @@ raises ``zeroshard.CollectiveTimeout`` within seconds, naming the first
 collective where the ranks differ and what each rank did last; with
 ``ZEROSHARD_DEBUG=1`` each collective's kind and size are checked across
 ranks before any data moves, and the first collective where they differ (here
-the checkpoint's, since the drifted reductions match in kind and size) raises
-``zeroshard.CollectiveMismatch``.
+the checkpoint's check-in, since the drifted reductions match in kind and size)
+raises ``zeroshard.CollectiveMismatch``.
 ``zeroshard.flight_record()`` is this rank's record of its collectives.
 This script raises the error on purpose, prints it, checks it and exits 0.
 """

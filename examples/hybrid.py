@@ -83,7 +83,7 @@ def main():
     model = zeroshard.FullyShard(Net(), wrap={Block}, shard_size=SHARD)              # zeroshard: hybrid
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)
     train(model, opt, rank, world)
-    owned = sum(p.numel() for p in model.parameters())
+    owned = sum(p.to_local().numel() for p in model.parameters())   # this rank's pieces
     full = model.state_dict()         # collective: every rank builds the full state dict
     err3 = max(((v - expected[k]).norm() / expected[k].norm()).item() for k, v in full.items())
 

@@ -252,7 +252,7 @@ def _memory(prefetch):
     # the tensors that really exist on this rank, by bytes
     real = sum(t.numel() * t.element_size() for u in model.units if u.params for t in (u.shard, u.grad_shard))
     real += sum(t.numel() * t.element_size() for reg in opt.regions for t in (reg.exp_avg, reg.exp_avg_sq))
-    owned = sum(p.numel() for p in model.parameters())
+    owned = sum(p.to_local().numel() for p in model.parameters())   # this rank's pieces
     return {"rep": rep, "opt_rep": opt.memory_report(), "real": real, "owned": owned,
             "shard_numel": sum(u.shard_numel for u in model.units),
             "psi": sum(p.numel() for p in make_gpt().parameters())}
@@ -304,7 +304,7 @@ psi = sum(p.numel() for p in model.parameters())
 model = zs.FullyShard(model, wrap={Block}, mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16),
                       device="meta")
 opt = zs.ShardedOptimizer(model.parameters(), lr=1e-4)
-print(repr((psi, sum(p.numel() for p in model.parameters()), model.memory_report())))
+print(repr((psi, sum(p.to_local().numel() for p in model.parameters()), model.memory_report())))
 """
 
 
@@ -335,7 +335,7 @@ def _grad_shard_lifetime():
     model.module.blocks[0].register_forward_pre_hook(lambda m, a: in_forward.append(held()))
     for k, mbs in enumerate(batches(4)):
         opt.zero_grad(set_to_none=k % 2 == 0)
-        zeroed.append(all(float(p.grad.abs().sum()) == 0 for p in model.parameters() if p.grad is not None))
+        zeroed.append(all(float(p.grad.to_local().abs().sum()) == 0 for p in model.parameters() if p.grad is not None))
         x, y = mbs[0]
         loss_fn(model(local(x, rank, world)), local(y, rank, world)).backward()
         after_backward.append(held())

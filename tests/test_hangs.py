@@ -190,11 +190,11 @@ def _both_name_the_other(got, *words):
 def test_a_skipped_backward(tmp_path):
     got = _run("skipped_backward", 2, tmp_path)
     _both_name_the_other(got, "rank 0 issued #", "(step 3, bucket 0 reduce-scatter); rank 1 issued #",
-                         "(checkpoint outcome exchange (object sizes))")
+                         "check_in of 0 bytes (save_checkpoint())")
 
 
 def test_one_extra_step(tmp_path):
-    _both_name_the_other(_run("extra_step", 3, tmp_path), "checkpoint outcome exchange", "unit '")
+    _both_name_the_other(_run("extra_step", 3, tmp_path), "check_in of 0 bytes (save_checkpoint())", "unit '")
 
 
 def test_a_rank_sleeping_past_the_timeout_in_forward(tmp_path):
@@ -209,7 +209,7 @@ def test_a_rank_sleeping_past_the_timeout_in_forward(tmp_path):
 
 def test_a_checkpoint_save_entered_by_one_rank(tmp_path):
     got = _run("checkpoint_on_rank_0", 2, tmp_path)
-    _both_name_the_other(got, "checkpoint outcome exchange", "step 2, bucket 0 reduce-scatter")
+    _both_name_the_other(got, "check_in of 0 bytes (save_checkpoint())", "step 2, bucket 0 reduce-scatter")
     assert not os.path.exists(tmp_path / "ckpt")          # nothing half-written in its place
 
 
@@ -232,7 +232,7 @@ def test_debug_mode_names_both_sides_of_a_mismatch_before_data_moves(tmp_path):
     for r in (0, 1):
         kind, msg, _ = got[r]
         assert kind == "CollectiveMismatch", msg
-        assert "rank 0: all_gather of 1 float64 (checkpoint outcome exchange (object sizes))" in msg, msg
+        assert "rank 0: check_in of 0 bytes (save_checkpoint())" in msg, msg
         assert "rank 1: reduce_scatter of" in msg and "(step 3, bucket 0 reduce-scatter)" in msg, msg
 
 

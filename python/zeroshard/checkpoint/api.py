@@ -62,6 +62,7 @@ import concurrent.futures
 import glob
 import io
 import os
+import types
 import uuid
 import warnings
 import zlib
@@ -71,6 +72,7 @@ import torch
 import torch.nn as nn
 
 from . import format as fmt
+from .. import comm
 from . import save
 from .format import CheckpointError
 from .holdings import Holdings
@@ -117,7 +119,16 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *
     save.wait()                                   # one save in flight per process
     getattr(optimizer, "wait_params", lambda: None)()   # overlap_param_gather: complete parameters
     h = Holdings(model, optimizer, for_load=False)   # same outcome on every rank
+    _check_in(h, "save_checkpoint()")
     return save.save(h, path, extra, sync_files, background)
+
+
+def _check_in(h: Holdings, what: str) -> None:
+    """Every rank of the checkpoint's group calls it ([Note: rank-0 code] in comm/collectives.py)."""
+    if h.group is not None and h.world > 1:
+        comm.check_in(what, types.SimpleNamespace(rank=h.rank, world_size=h.world), h.group,
+                      "A checkpoint is written by every rank together (each writes its shards); call it "
+                      "on every rank, not under `if rank == 0:`")
 
 
 def _find(path: str) -> str:
@@ -172,6 +183,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     path = _find(os.path.abspath(os.fspath(path)))
     getattr(optimizer, "wait_params", lambda: None)()   # no all-gather may still write the parameters
     h = Holdings(model, optimizer, for_load=True)    # same outcome on every rank
+    _check_in(h, "load_checkpoint()")
     peers = Peers(h.group)
     man = peers.run(lambda: fmt.read_manifest(path))
     peers.run(lambda: _check_match(h, man, path, optimizer is not None))

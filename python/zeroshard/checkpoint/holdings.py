@@ -80,8 +80,8 @@ class Holdings:
                 for q in u.params:
                     key = "param:" + q.names[0]
                     self.specs[key] = Spec(tuple(q.shape), torch.float32, q.dtype)
-                    if q.sharded.numel():
-                        self.pieces.append(Piece(key, q.tensor_offset, q.sharded.detach(), False))
+                    if q.local.numel():
+                        self.pieces.append(Piece(key, q.tensor_offset, q.local.detach(), False))
                     covered.add(id(q.sharded))
             self._finish.append(lambda man: fs.invalidate())
         if sharded_opt is not None:

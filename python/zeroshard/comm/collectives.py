@@ -40,19 +40,34 @@ def check_in(what: str, who, group: Optional[dist.ProcessGroup] = None, hint: st
 
     Guards a collective that code under ``if rank == 0:`` would otherwise enter
     alone. It goes through the default store, not the communicator, costs one
-    store round trip, and is a flight record of kind ``check_in``."""
+    store round trip, and is a flight record of kind ``check_in``.
+
+    [Note: rank-0 code] Training scripts run code on the master rank alone:
+    checkpoints, evaluation, logging. Each zeroshard call that is collective and
+    that such code reaches checks in first, through the store, before any data
+    moves: ``ShardedOptimizer.state_dict()`` / ``consolidate_state_dict()``,
+    ``FullyShard.state_dict()``, a FullyShard forward without gradients
+    (evaluation), ``save_checkpoint`` and ``load_checkpoint``. Entered by some
+    ranks only, it raises on them within ``checkin_timeout()`` (60 s unless the
+    user set a timeout) naming the call, the missing ranks and the fix, instead
+    of exchanging data with whatever collective the other ranks are in; those
+    ranks then fail as the first ones exit (their peer is gone) or at the
+    watchdog's timeout."""
     group = group if group is not None else dist.group.WORLD
     key = (what, group_name(group))
     _checkins[key] += 1
     rec = _flight.start("check_in", key[1], what, None)
+    if _incident.debug():       # a check-in is a collective of its own: kind and size agree first
+        _incident.agree(rec, group)
     prefix = f"zeroshard/check_in/{key[1]}/{what}/{_checkins[key]}/"
-    missing = _incident.meet(prefix, dist.get_process_group_ranks(group), "1", _incident.timeout())
+    seconds = _incident.checkin_timeout()
+    missing = _incident.meet(prefix, dist.get_process_group_ranks(group), "1", seconds)
     if missing:
         dist.distributed_c10d._get_default_store().delete_key(prefix + str(dist.get_rank()))
         _checkins[key] -= 1      # the ranks stay in step for the next call
         raise _incident.check_in_timed_out(on_rank(who,
-            f"{what} is collective, but rank(s) {missing} did not call it within {_incident.timeout():g} s "
-            f"(ZEROSHARD_TIMEOUT or zeroshard.set_timeout()). Call it on every rank. {hint}"),
+            f"{what} is collective, but rank(s) {missing} did not call it within {seconds:g} s "
+            f"(zeroshard.set_timeout() or ZEROSHARD_TIMEOUT sets it). Call it on every rank. {hint}"),
             key[1], rec)
     rec.end = time.time()
 

@@ -109,6 +109,19 @@ def timeout() -> float:
     return _group_default
 
 
+CHECK_IN_DEFAULT = 60.0   # seconds: see checkin_timeout
+
+
+def checkin_timeout() -> float:
+    """Seconds a check-in (comm.check_in) waits for the other ranks: the watchdog's
+    timeout where the user set one (``set_timeout``, ``ZEROSHARD_TIMEOUT``), else 60 s,
+    so that a call only some ranks enter (code under ``if rank == 0:``) fails within a
+    minute rather than the process group's 30 ([Note: rank-0 code] in comm/collectives.py)."""
+    if _override is not None or os.environ.get("ZEROSHARD_TIMEOUT"):
+        return timeout()
+    return min(CHECK_IN_DEFAULT, timeout())
+
+
 def grace() -> float:
     """Seconds a rank that opened an incident waits for the others' reports."""
     return min(10.0, max(2.0, timeout() / 10))

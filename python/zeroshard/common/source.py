@@ -230,6 +230,10 @@ class ShardSource(abc.ABC):
         ``grad``: what it held at the end of the backward."""
         return grad
 
+    def release(self) -> None:
+        """Stop following the parameters (hooks removed): the optimizer is rebound to
+        others ([Note: construction order] in common/claims.py)."""
+
     def settle(self) -> None:
         """Finish what is still in flight after a step (ZeRO-1/2 with
         overlap_param_gather: the parameter all-gathers); a no-op otherwise."""

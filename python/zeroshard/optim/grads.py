@@ -111,6 +111,11 @@ def _convert(grads, g, *, dtype=None, device=None, **kwargs):
     return ShardedGrad(g, g.index, grads, dtype=dtype, device=device)
 
 
+def _clamp(grads, g, min=None, max=None):
+    grads.clamp_([g.index], min, max)
+    return g
+
+
 def _squared_norms(views: List[torch.Tensor]) -> List[torch.Tensor]:
     """Each view's squared 2-norm, in fp32."""
     return [torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views]
@@ -125,6 +130,12 @@ _HANDLERS: Dict[object, Callable] = {
     aten._foreach_zero_.default: lambda grads, gs: grads.scale_([g.index for g in gs], 0.0),
     aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale,
     aten.detach.default: _detach, aten.alias.default: _detach, aten._to_copy.default: _convert,
+    # torch.nn.utils.clip_grad_value_ (per gradient, or foreach=True)
+    aten.clamp_.default: _clamp, aten.clamp_.Tensor: _clamp,
+    aten.clamp_min_.default: lambda grads, g, v: _clamp(grads, g, v, None),
+    aten.clamp_max_.default: lambda grads, g, v: _clamp(grads, g, None, v),
+    aten._foreach_clamp_min_.Scalar: lambda grads, gs, v: grads.clamp_([g.index for g in gs], v, None),
+    aten._foreach_clamp_max_.Scalar: lambda grads, gs, v: grads.clamp_([g.index for g in gs], None, v),
 }
 
 
@@ -149,6 +160,8 @@ class ReducedGrads:
         self.placed: Dict[int, Optional[torch.Tensor]] = {}  # what backward_done put in p.grad
         self.used: List[bool] = [False] * len(params)       # got a gradient on some rank (this step)
         self._sumsq: Optional[torch.Tensor] = None  # per parameter: squared 2-norm of the averaged gradient
+        self.stale: set = set()   # parameters clamped since: their squared norms are taken again when read
+        self.coef: Optional[torch.Tensor] = None    # the engine's clip coefficient, folded into the step
         self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
         self._inflight = None     # the statistics' all-reduce, until settle() (see backward_done)
         self._trainable = set(trainable)
@@ -191,6 +204,7 @@ class ReducedGrads:
         (settle()). The engine's update runs meanwhile: the latency of a small
         collective (~0.4 ms on gloo) off every step's critical path."""
         self.settle()
+        self.stale, self.coef = set(), None
         n = len(self.params)
         stats = torch.zeros(2 * n, dtype=torch.float32, device=self.source.device)
         stats[:n] = self._local(_squared_norms)
@@ -239,7 +253,20 @@ class ReducedGrads:
     @property
     def sumsq(self) -> torch.Tensor:
         self.settle()
+        if self.stale:
+            self._retake()
         return self._sumsq
+
+    def _retake(self):
+        """The squared norms again, after clamping (one all-reduce: every rank clamped alike)."""
+        local = self._local(_squared_norms) * self.source.grad_scale ** 2
+        if self.coef is not None:
+            local *= self.coef.to(local.device).square()
+        if self.source.groups.replica_rank != 0:     # hybrid: count the replicas' equal shards once
+            local.zero_()
+        comm.all_reduce(local, group=self.source.groups.every, what="gradient statistics after a clamp").wait()
+        self.source.comm_elements["all_reduce"] += local.numel()
+        self._sumsq, self.stale = local, set()
 
     def nonfinite(self) -> torch.Tensor:
         """One-element bool tensor: some gradient element, on some rank, is inf or NaN."""
@@ -275,6 +302,8 @@ class ReducedGrads:
             local = self._local(lambda vs: [g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
                                             for g in vs])
             local *= abs(self.source.grad_scale)
+            if self.coef is not None:       # the engine's pending clip (clamped after it: _retake too)
+                local *= self.coef.to(local.device)
             world, rank = self.source.world_size, self.source.rank
             every = local.new_zeros(world, local.numel())
             every[rank].copy_(local)
@@ -307,6 +336,20 @@ class ReducedGrads:
         if self.maxabs is not None:
             self.maxabs[idx] = self.maxabs[idx] * f.abs()
 
+    @torch.no_grad()
+    def clamp_(self, indices: List[int], lo, hi):
+        """``torch.nn.utils.clip_grad_value_``: clamp the averaged gradients of ``indices``
+        elementwise to [lo, hi]. The pieces hold them divided by the source's
+        grad_scale and the engine's pending clip coefficient, so the bounds are too;
+        the norms are taken again, in one all-reduce, when next read."""
+        scale = self.source.grad_scale if self.coef is None else self.coef * self.source.grad_scale
+        for i in indices:
+            for g in (g for seg, a, b in self.pieces[i] for g in seg.grad_views(a, b)):
+                s = scale.to(g.device) if isinstance(scale, torch.Tensor) else scale
+                g.clamp_(min=None if lo is None else lo / s, max=None if hi is None else hi / s)
+        self.stale.update(indices)
+        self.maxabs = None
+
     def unscale_(self, indices: List[int], found_inf: torch.Tensor, inv_scale: torch.Tensor):
         """GradScaler's unscale: multiply by ``inv_scale``; ``found_inf`` becomes 1 if
         any of these gradients holds an inf or NaN on any rank."""
@@ -316,6 +359,7 @@ class ReducedGrads:
 
     def scale_all_(self, factor: torch.Tensor):
         """The engine's clip_grad_norm_ folds ``factor`` into its step: keep the statistics in step."""
+        self.coef = factor if self.coef is None else self.coef * factor
         self.sumsq.mul_(factor * factor)
         if self.maxabs is not None:
             self.maxabs.mul_(factor)
@@ -357,5 +401,6 @@ class ReducedGrads:
             f"{what} on p.grad of parameter {i} (shape {shape}): after backward its averaged gradient is "
             "sharded over the ranks (p.grad is a zeroshard ShardedGrad with no data of its own). What works "
             "on it: torch.nn.utils.clip_grad_norm_ (or opt.clip_grad_norm_), torch.amp.GradScaler, "
-            "p.grad.norm() (orders 2 and inf), mul_/div_ by a number, zero_(). Read gradients inside "
+            "torch.nn.utils.clip_grad_value_ (clamp_), p.grad.norm() (orders 2 and inf), mul_/div_ by a "
+            "number, zero_(). Read gradients inside "
             "opt.no_sync() (local, unreduced) if you need the values")

@@ -18,9 +18,11 @@ import torch.distributed as dist
 
 from ..comm import mesh as _mesh
 from .. import offload as _offload
-from . import state_dict as _optim_state
+from .state_dict import StateDicts
 from .. import comm
+from ..common.claims import claim
 from .grads import ReducedGrads
+from ..zero12.buffers import BufferSync
 from ..zero12.reducer import FlatReducer
 from .rules import FusedAdamW, TorchElementwise, check_class, probe_defaults, require_fused
 from .rules import gather_full as gather_full_state
@@ -39,6 +41,32 @@ def _check_arguments(stage, bucket_mb, reduce_dtype):
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
     if reduce_dtype is not None and reduce_dtype not in SUPPORTED:
         raise ValueError(f"reduce_dtype must be one of {SUPPORTED}, got {reduce_dtype}")
+
+
+# torch.optim.AdamW's implementation switches: zeroshard's AdamW is always one fused
+# kernel over every shard, so they select nothing here (differentiable=True excepted)
+_IMPLEMENTATION_ONLY = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _resolve_class(optimizer_class, kwargs: dict):
+    """(optimizer_class, its kwargs, fused) for what the user asked: torch AdamW's
+    implementation switches are accepted by the fused AdamW; ``amsgrad=True`` or
+    ``maximize=True`` (which the kernel lacks) select torch's AdamW over this rank's
+    pieces, as ``optimizer_class=torch.optim.AdamW`` would."""
+    kwargs = dict(kwargs)
+    if optimizer_class in (None, torch.optim.AdamW):
+        if kwargs.get("differentiable"):
+            raise NotImplementedError("ShardedOptimizer(differentiable=True): the sharded step is not "
+                                      "differentiable through autograd; drop differentiable=True")
+        for k in _IMPLEMENTATION_ONLY:
+            kwargs.pop(k, None)
+        for k in ("amsgrad", "maximize"):
+            if k in kwargs and not kwargs[k]:
+                del kwargs[k]                 # AdamW's default: the fused kernel does the same
+        if kwargs.keys() & {"amsgrad", "maximize"}:
+            optimizer_class = torch.optim.AdamW
+    fused = optimizer_class is None or (optimizer_class is torch.optim.AdamW and not kwargs)
+    return optimizer_class, kwargs, fused
 
 
 def _adamw_defaults(given: dict, extra: dict) -> dict:
@@ -114,12 +142,13 @@ def _check_ready(device: torch.device, source: ShardSource, what: str, err) -> N
             "run loss.backward() outside no_sync() first"))
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
     """AdamW with ZeRO stage 1 (sharded optimizer states) or 2 (also sharded
     gradients); over a FullyShard model's parameters, the ZeRO-3 optimizer.
     Replaces ``DistributedDataParallel`` + ``torch.optim.AdamW`` (do not wrap the
     model in DDP): backward reduce-scatters bucket by bucket, ``step()`` updates
     this rank's shard and all-gathers the parameters ([Note: sharded optimizer policy]).
+    Every rank starts from rank 0's parameters: the constructor broadcasts them, as DDP's does.
 
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``.
@@ -143,6 +172,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         offload_fraction: the share of this rank's state offloaded (0 to 1).
         overlap_param_gather: overlap the parameter all-gather with the next
             forward ([Note: overlapped parameter gather]).
+        broadcast_buffers: stages 1/2: broadcast the model's buffers from rank 0
+            before each training forward, as DDP's argument ([Note: module buffers]).
         **optimizer_kwargs: ``optimizer_class``'s other arguments.
     """
 
@@ -152,12 +183,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
                  shard_size: Optional[int] = None, device_mesh=None, offload: Optional[str] = None,
                  offload_dir=None, offload_fraction: float = 1.0, overlap_param_gather: bool = False,
-                 **optimizer_kwargs):
+                 broadcast_buffers: bool = True, **optimizer_kwargs):
         _check_arguments(stage, bucket_mb, reduce_dtype)
         given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items()
                  if v is not None}
         # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
-        fused = optimizer_class is None or (optimizer_class is torch.optim.AdamW and not optimizer_kwargs)
+        optimizer_class, optimizer_kwargs, fused = _resolve_class(optimizer_class, optimizer_kwargs)
         placement = _offload.parse(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
         if fused:
             defaults = _adamw_defaults(given, optimizer_kwargs)
@@ -165,7 +196,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             check_class(optimizer_class, elementwise)
             self._optimizer_kwargs = dict(given, **optimizer_kwargs)
             defaults = probe_defaults(optimizer_class, self._optimizer_kwargs)
-        self.optimizer_class = optimizer_class or torch.optim.AdamW
+        self.optimizer_class, self.fused_requested = optimizer_class or torch.optim.AdamW, fused
         super().__init__(params, defaults)
         if not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
@@ -177,6 +208,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clip_coef: Optional[torch.Tensor] = None
         # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(), until a step or load
         self._consolidated = None
+        self.broadcast_buffers, self._buffers = bool(broadcast_buffers), None
+        self._binding = ((process_group, shard_size, device_mesh),
+                         dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes, reduce_dtype=reduce_dtype,
+                              offload=placement, overlap_param_gather=overlap_param_gather))
+        self._bind()
+        claim(self, self._params)       # FullyShard, wrapping these later, hands over its own
+
+    def _bind(self):
+        """Lay out and hook the parameters of the param groups: the shard source, the
+        gradient statistics and the update rule over it."""
         # every parameter, in state_dict index order
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -185,17 +226,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
         if not self._trainable:
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        self._source = _make_source(self._params, self._group_of, (process_group, shard_size, device_mesh),
-                                    dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes,
-                                         reduce_dtype=reduce_dtype, offload=placement,
-                                         overlap_param_gather=overlap_param_gather), self._err)
+        self._source = _make_source(self._params, self._group_of, *self._binding, self._err)
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
         self.events, self.comm_elements = self._source.events, self._source.comm_elements
         self._grads = ReducedGrads(self._params, self._trainable, self._source, self._err)
+        if self.broadcast_buffers and self.stage in (1, 2):     # [Note: module buffers]
+            every = self._source.groups.every
+            self._buffers = BufferSync(self._params, every, dist.get_global_rank(every, 0))
         # see [Note: update rules] in optim/rules.py
-        self._rule = FusedAdamW(self._source.storage) if fused else TorchElementwise(
-            optimizer_class, self._optimizer_kwargs, self._source.segments, self.param_groups)
+        self._rule = FusedAdamW(self._source.storage) if self.fused_requested else TorchElementwise(
+            self.optimizer_class, self._optimizer_kwargs, self._source.segments, self.param_groups)
+
+    def params_wrapped(self, replaced: Dict[int, torch.Tensor]) -> None:
+        """FullyShard wrapped the model whose parameters this optimizer was built over
+        (DDP's order: the optimizer, then the wrap): ``replaced`` maps each plain
+        parameter's id to its sharded one, which this optimizer then steps as
+        ZeRO-3, in the same param groups. See [Note: construction order]."""
+        if any(self._param_steps) or self._source.in_backward() or self._source.grads_ready():
+            raise RuntimeError(self._err(
+                "FullyShard wrapped parameters of a ShardedOptimizer that has already run a backward or a "
+                "step: wrap the model before training (the optimizer may be built before or after)"))
+        for g in self.param_groups:
+            g["params"] = [replaced.get(id(p), p) for p in g["params"]]
+        self._source.release()
+        if self._buffers is not None:
+            self._buffers.release()
+            self._buffers = None
+        self._bind()
+        claim(self, self._params)
 
     # ------------------------------------------------- what checkpoints read
     @property
@@ -323,29 +382,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             rep["total"] += rep["optimizer_state"]
         return rep
 
-    # ------------------------------------------------------------ state dict
-    def sharded_state_dict(self) -> dict:
-        """This rank's shard of the optimizer state, without communication: fast
-        to save (e.g. ``torch.save`` per rank) and exact (stages 1/2 include the
-        fp32 master of bf16/fp16 parameters). It loads back only with
-        ``load_sharded_state_dict`` into the same layout (same model, world size,
-        rank, stage and bucket_mb); to change any of those use ``state_dict()``
-        or ``zeroshard.save_checkpoint``. The tensors are views of the live
-        state (stages 1/2: ``values`` is this rank's chunk of the fp32 master or
-        of the fp32 parameters) on its device: copy them (or save) before the
-        next step."""
-        require_fused(self, "sharded_state_dict()")
-        return _optim_state.sharded(self, super().state_dict()["param_groups"])
-
-    def load_sharded_state_dict(self, sharded: dict):
-        """Load what ``sharded_state_dict()`` returned on this rank, into the same
-        layout. Collective: every rank calls it with its own dict; if any rank's
-        does not match its layout, every rank raises, naming the rank and what
-        differs. Stages 1/2 restore the parameters too (each rank's chunk, then
-        an all-gather); stage 3's are the model's: load the model's state first."""
-        require_fused(self, "load_sharded_state_dict()")
-        self.shards_loaded(_optim_state.load_sharded(self, sharded))
-
     @property
     def fused(self) -> bool:
         """Whether the step is zeroshard's fused AdamW (else ``optimizer_class``'s own)."""
@@ -355,56 +391,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if hasattr(self, "_source"):     # after construction (torch's __init__ adds the groups)
             raise NotImplementedError(self._err(_NEW_GROUP))
         super().add_param_group(param_group)
-
-    def consolidate_state_dict(self, to: Optional[int] = 0):
-        """Gather the full state onto global rank ``to`` (every rank with ``to=None``),
-        where ``state_dict()`` then returns it without communication, as with
-        torch's ZeroRedundancyOptimizer. Collective: every rank must call it. The
-        copy is on CPU and is dropped by the next step."""
-        self._consolidated = (to, self._gather_state(to, "consolidate_state_dict()"))
-
-    def state_dict(self, to: Optional[int] = None):
-        """The full state in torch.optim.AdamW's format (with ``optimizer_class``:
-        that class's), loadable by that torch optimizer over the unwrapped
-        model's parameters, in the same order.
-
-        After ``consolidate_state_dict(to=r)`` on every rank, rank ``r`` gets it
-        here without communication (a checkpoint under ``if rank == 0:``).
-        Otherwise it is collective: every rank must call it; a rank that waits
-        for the others longer than the watchdog's timeout raises
-        ``CollectiveTimeout``, naming them. Gathers one region (bucket, or unit for FullyShard parameters) at a
-        time, so the transient extra memory is one region; the result is on CPU.
-        With ``to=r`` only global rank ``r`` builds and returns the dict; the
-        others return None.
-        """
-        held = self._consolidated
-        if held is not None and to is None:
-            if held[1] is None:
-                raise RuntimeError(self._err(
-                    f"the state was consolidated onto rank {held[0]} by consolidate_state_dict(to="
-                    f"{held[0]}): call opt.state_dict() there (this rank holds none; a collective "
-                    "state_dict() here would wait for a rank that already has its copy)"))
-            return held[1]
-        return self._gather_state(to, "ShardedOptimizer.state_dict()")
-
-    def _gather_state(self, to: Optional[int], what: str):
-        """The full state dict on rank ``to`` (every rank if None), None elsewhere; collective."""
-        comm.check_in(what, self, self.process_group,
-                      "For a checkpoint written by rank 0 alone, call opt.consolidate_state_dict(to=0) on "
-                      "every rank first, then opt.state_dict() on rank 0 needs no communication")
-        keep = to is None or dist.get_rank() == to
-        packed = super().state_dict()   # param_groups with indices; our torch state is empty
-        full = _optim_state.gather_full(self, keep) if self._rule.fused else gather_full_state(self, self._rule, keep)
-        if not keep:
-            return None
-        packed["state"] = full
-        return packed
-
-    def load_state_dict(self, state_dict: dict):
-        """Load a full AdamW state dict (ours or torch.optim.AdamW's, from any world
-        size), keeping only this rank's shard. Parameters come from the model:
-        load the model's state dict first; bf16/fp16 master weights are re-made
-        from the parameters."""
-        self._param_steps = _optim_state.load_full(self, state_dict, None if self._rule.fused else self._rule)
-        self._source.params_loaded()
-        self._consolidated = None

@@ -162,12 +162,10 @@ class FlatReducer(ShardSource):
 
     # --------------------------------------------------------------- backward
     def _before_grad(self, grad):
-        """Stage 1, before autograd adds a gradient to the buffer: a backward that adds
-        to the last synced backward's reduced gradient first zeroes the other ranks'
-        chunks ([Note: stage-1 gradient buffer]). Hybrid: it also keeps a copy of this
-        rank's chunks, as the replica all-reduce will count that gradient once per
-        replica, and _fold takes the extra copies off again (costs this rank's chunks
-        while it lasts)."""
+        """Stage 1, before autograd adds a gradient to the buffer: a backward adding to
+        the last synced backward's reduced gradient first zeroes the other ranks' chunks
+        ([Note: stage-1 gradient buffer]). Hybrid: keeps this rank's chunks, counted once per
+        replica by the replica all-reduce; _fold takes the extra copies off."""
         if self._fill is GradFill.REDUCED:
             _zero_other_chunks(self.buckets, self.rank)
             self._fill = GradFill.ACCUMULATE
@@ -260,10 +258,8 @@ class FlatReducer(ShardSource):
         self.events.append(("reduce_scatter", b.index))
 
     def _retire(self, b: Bucket):
-        """Wait for a bucket's reduce-scatter; fold its result into the shard, after
-        all-reducing it across the replicas under hybrid sharding (see [Note:
-        hybrid sharding] in comm/mesh.py: that all-reduce stays in flight until the
-        next bucket retires, so it overlaps the backward too)."""
+        """Wait for a bucket's reduce-scatter; fold it into the shard, after the replicas'
+        all-reduce under hybrid sharding ([Note: hybrid sharding]: in flight till the next retires)."""
         b.handle.wait()
         if self.groups.replicate is None:
             self._fold(b)
@@ -318,6 +314,10 @@ class FlatReducer(ShardSource):
         self._arrival = []
 
     # ------------------------------------------------------- ShardSource API
+    def release(self):
+        while self._hooks:
+            self._hooks.pop().remove()
+
     def grads_ready(self) -> bool:
         return self._state == GradState.READY
 

@@ -1,5 +1,6 @@
 """ZeRO-3: ``FullyShard`` (``fully_shard``), the module wrapper whose units
-(``records``: Param, Unit, UnitState, MixedPrecision) are built from the module
+(``records``: Param, Unit, UnitState, MixedPrecision; ``param``: the
+ShardedParameter the modules hold between uses) are built from the module
 tree at wrapping (``wrap``), all-gathered before use and resharded after
 (``gather``), and reduce-scattered in backward (``backward``); their memory
 report and full state dicts (``state_dict``); and ``UnitSource`` (``source``),

@@ -17,6 +17,7 @@ from .gather import Gatherer
 from ..offload import HostCopies
 from ..common.order import OrderedReductions
 from ..common.source import GradState
+from .param import ShardedTensor
 from .records import Param, Unit
 from .wrap import host_or_device_zeros
 from ..native.layout import fill_flat
@@ -239,4 +240,5 @@ def _expose_grads(u: Unit):
     torch keeps ``.grad`` on the parameter's device; the optimizer reads the shard)."""
     same = u.grad_shard.device == u.shard.device
     for q in u.trainable:
-        q.sharded.grad = u.grad_shard[q.shard_offset:q.shard_offset + q.sharded.numel()] if same else None
+        piece = u.grad_shard[q.shard_offset:q.shard_offset + q.local.numel()]
+        q.sharded.grad = ShardedTensor(piece, q.shape, q.names[0]) if same else None

@@ -105,6 +105,14 @@ def _check_dtype(dt, what):
         raise ValueError(f"{what} must be one of {SUPPORTED} or None, got {dt!r}")
 
 
+def _check_in_evaluation(fs):
+    """A forward without gradients is where evaluation under ``if rank == 0:`` reaches
+    the units' all-gathers: check in first ([Note: rank-0 code] in comm/collectives.py)."""
+    comm.check_in("a FullyShard forward without gradients (evaluation)", fs, fs.process_group,
+                  "Run evaluation on every rank (each on its own batches), or evaluate on one rank a plain "
+                  "copy of the model loaded from model.state_dict(to=0), called on every rank")
+
+
 class FullyShard(nn.Module):
     """ZeRO-3: shard ``module``'s parameters over ``process_group`` unit by unit
     ([Note: fully shard policy]); train with ``ShardedOptimizer(model.parameters())``,
@@ -151,8 +159,7 @@ class FullyShard(nn.Module):
         self.rank = dist.get_rank(self.process_group)
         self._src = dist.get_global_rank(self.groups.every, 0)
         self.comm_elements = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
-        # (what, unit name) of recent gathers, forwards, reshards and reductions, in
-        # order; bounded so a long run does not grow it (the tests read it)
+        # (what, unit name) of recent gathers, forwards, reshards, reductions (bounded; tests read it)
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._in_forward = False
         self._fwd_order: List[int] = []      # recorded forward order of non-root units
@@ -163,7 +170,7 @@ class FullyShard(nn.Module):
 
         self._device = setup.pick_device(module, device, self.process_group, self._err)
         self.offload_params = bool(offload_params)
-        host = setup.shard_device(self._device, self.offload_params)
+        host, claimed = setup.shard_device(self._device, self.offload_params), setup.claimed(module)
         self._units, self._named = setup.build(setup.Setup(
             module, self._device, self.process_group, self.world_size, self.rank, self._src, self.param_dtype,
             self._err, self.groups.every, host), wrap, FullyShard)
@@ -177,6 +184,7 @@ class FullyShard(nn.Module):
                                       fwd_order=lambda: self._fwd_order)
         register_owner(self, self._units)
         self._install_hooks()
+        setup.hand_over(claimed, self._named, self._err)     # [Note: construction order]
 
     # ------------------------------------------------------------------ setup
     def _err(self, msg: str) -> str:
@@ -267,6 +275,8 @@ class FullyShard(nn.Module):
             if torch._C._current_graph_task_id() != -1:
                 raise RuntimeError(self._err("the FullyShard model was called during its own backward"))
             self._backward.abandon()     # the last backward raised before it finished
+        if not torch.is_grad_enabled():       # evaluation: every rank must run it too
+            _check_in_evaluation(self)
         root = self._units[0]
         self._in_forward = True
         self._fwd_seen = []
@@ -333,9 +343,8 @@ class FullyShard(nn.Module):
 
     # -------------------------------------------------------------- backward
     def zero_grad(self, set_to_none: bool = True):
-        """``set_to_none=True`` (the default) frees the gradient shards; the next
-        backward allocates them as its reductions finish. ``False`` zeroes them
-        in place (gradients that were None stay None, as in torch)."""
+        """``set_to_none=True`` (the default) frees the gradient shards (the next backward
+        allocates them); ``False`` zeroes them in place (None stays None, as in torch)."""
         if self._backward.active:
             raise RuntimeError(self._err("zero_grad() called during backward"))
         self._backward.zero_grad(set_to_none)
@@ -373,8 +382,7 @@ class FullyShard(nn.Module):
         return self._backward.active
 
     def step_done(self):
-        """The shards were stepped (or the step skipped): drop the gathered copies
-        and mark the gradients consumed."""
+        """The shards were stepped (or skipped): drop gathered copies, consume the gradients."""
         self.invalidate()
         self._backward.state = GradState.EMPTY
 

@@ -46,7 +46,9 @@ class Param:
     requires_grad: bool
     offset: int = 0                     # in the unit's flat buffer
     full: Optional[nn.Parameter] = None     # compute parameter (view of the gathered buffer)
-    sharded: Optional[nn.Parameter] = None  # this rank's piece (view of the shard)
+    local: Optional[torch.Tensor] = None    # this rank's piece (1-D view of the shard)
+    sharded: Optional[nn.Parameter] = None  # what the modules hold between uses: a ShardedParameter
+                                            # over ``local`` ([Note: sharded parameters] in zero3/param.py)
     shard_offset: int = 0               # where the piece starts in the shard
     tensor_offset: int = 0              # where the piece starts in the flattened parameter
     arrived: bool = False               # gradient arrived in this backward

@@ -107,13 +107,13 @@ class UnitSource(ShardSource):
                                    [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine]))
         # runs of consecutive pieces with one param group (padding between them is harmless:
         # zero parameters with zero gradients stay zero)
-        pieces = sorted((q for q in u.params if q.sharded.numel() > 0), key=lambda q: q.shard_offset)
+        pieces = sorted((q for q in u.params if q.local.numel() > 0), key=lambda q: q.shard_offset)
         for g, run in itertools.groupby(pieces, key=lambda q: group.get(id(q.sharded))):
             if g is None:        # frozen, or not given to this optimizer
                 continue
             run = list(run)
-            a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].sharded.numel()
-            pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.sharded.numel(),
+            a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].local.numel()
+            pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.local.numel(),
                        q.tensor_offset) for q in run]
             self.segments.append(Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
                                          *(None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"])),

@@ -39,8 +39,8 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
         if not u.params:
             continue
         grads_on_host += 4 * u.shard_numel if u.grad_to_host and u.trainable else 0
-        own = sum(q.sharded.numel() for q in u.params)
-        own_t = sum(q.sharded.numel() for q in u.trainable)
+        own = sum(q.local.numel() for q in u.params)
+        own_t = sum(q.local.numel() for q in u.trainable)
         rep["params"] += 4 * own
         rep["grads"] += 4 * own_t
         rep["padding"] += 4 * (u.shard_numel - own) + (4 * (u.shard_numel - own_t) if u.trainable else 0)
@@ -114,7 +114,7 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
             if src.numel() != q.numel:
                 raise ValueError(comm.on_rank(fs, f"state dict entry '{q.names[0]}' has shape {tuple(src.shape)} "
                                      f"but the parameter has shape {tuple(q.shape)}"))
-            n = q.sharded.numel()
+            n = q.local.numel()
             u.shard[q.shard_offset:q.shard_offset + n].copy_(src.reshape(-1)[q.tensor_offset:q.tensor_offset + n])
     for k, v in template.items():
         if k not in param_names and k in state_dict and isinstance(v, torch.Tensor):

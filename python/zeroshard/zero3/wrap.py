@@ -13,7 +13,9 @@ import torch.nn as nn
 
 from .. import comm
 from ..offload import host_zeros
+from ..common.claims import claimant
 from ..common.source import SUPPORTED
+from .param import ShardedParameter
 from .records import Param, Unit, owner_of
 from ..native.layout import compute_layout
 
@@ -192,7 +194,8 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
             if a >= b:                   # this rank owns none of it: an empty piece
                 a = b = lo
             q.shard_offset, q.tensor_offset = a - lo, max(0, a - q.offset)
-            q.sharded = nn.Parameter(u.shard[a - lo:b - lo], requires_grad=q.requires_grad)
+            q.local = u.shard[a - lo:b - lo]
+            q.sharded = ShardedParameter(q.local, q.shape, q.names[0], requires_grad=q.requires_grad)
             q.full = nn.Parameter(torch.empty(0, dtype=cfg.param_dtype, device=dev),
                                   requires_grad=q.requires_grad)
             q.full.data = u.full[q.offset:q.offset + q.numel].view(q.shape)
@@ -311,3 +314,26 @@ def _first_difference(a: list, b: list) -> str:
         if len(pa) != len(pb):
             return f"unit '{ua}' has {len(pa)} vs {len(pb)} parameters"
     return f"{len(a)} vs {len(b)} sharding units"
+
+
+def claimed(module: nn.Module) -> List[tuple]:
+    """(name, parameter, optimizer) for each parameter of ``module`` a ShardedOptimizer
+    was built over before the wrap ([Note: construction order] in common/claims.py)."""
+    found = [(n, p, claimant(p)) for n, p in module.named_parameters(remove_duplicate=False)]
+    return [c for c in found if c[2] is not None]
+
+
+def hand_over(found: List[tuple], named: List[Tuple[str, Param]], err: Callable[[str], str]) -> None:
+    """Give each optimizer in ``found`` the sharded parameters in place of the plain ones."""
+    sharded = {n: q.sharded for n, q in named}
+    by_opt: Dict[int, tuple] = {}
+    for name, p, opt in found:
+        by_opt.setdefault(id(opt), (opt, {}))[1][id(p)] = sharded[name]
+    for opt, replaced in by_opt.values():
+        try:
+            opt.params_wrapped(replaced)
+        except (ValueError, RuntimeError) as e:
+            raise type(e)(err(
+                "a ShardedOptimizer was built over this model's parameters before FullyShard wrapped it "
+                f"(DDP's order), and it cannot step the sharded ones: {e} -- build it over "
+                "model.parameters() after the wrap, or over parameters all inside the wrapped model")) from None

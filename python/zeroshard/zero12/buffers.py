@@ -1,0 +1,66 @@
+"""Module buffers kept equal to rank 0's, as DDP keeps them.
+
+[Note: module buffers] DDP (``broadcast_buffers=True``, its default)
+broadcasts the wrapped module's buffers from rank 0 at the start of each
+forward, so every rank normalizes with rank 0's BatchNorm statistics and a
+checkpoint written by rank 0 holds what every rank used. ShardedOptimizer
+stands in for DDP at stages 1 and 2 but is given parameters, not the module:
+``BufferSync`` finds the module at its first forward (the outermost module
+called that holds some of the optimizer's parameters: the model, in
+``model(x)``) and from then on broadcasts that module's buffers from rank 0
+before each of its *training* forwards (train mode, gradients enabled): one
+broadcast per dtype, none at all for a model without buffers. A forward in
+eval mode or without gradients broadcasts nothing, so evaluation on the
+master rank alone stays local (each rank then evaluates with its own
+statistics; rank 0's are DDP's). ``ShardedOptimizer(broadcast_buffers=False)``
+turns it off, as DDP's argument does. FullyShard broadcasts buffers once, at
+wrapping, as FSDP2 does.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..common.source import weak_hook
+
+
+class BufferSync:
+    """Broadcasts the buffers of the module holding ``params`` from ``src`` over ``group``
+    before each training forward; see [Note: module buffers]."""
+
+    def __init__(self, params: List[torch.Tensor], group: dist.ProcessGroup, src: int):
+        self.ids, self.group, self.src = {id(p) for p in params}, group, src
+        self.module = None
+        self.hooks = [nn.modules.module.register_module_forward_pre_hook(weak_hook(self._find))]
+
+    def _find(self, module: nn.Module, args):
+        if self.module is not None or not any(id(p) in self.ids for p in module.parameters()):
+            return
+        self.release()
+        self.module = module
+        if any(True for _ in module.buffers()):
+            self.hooks = [module.register_forward_pre_hook(weak_hook(self._broadcast))]
+            self._broadcast(module, args)      # (this call's own hooks were collected already)
+
+    def _broadcast(self, module: nn.Module, args):
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        by_kind = {}
+        for b in module.buffers():
+            by_kind.setdefault((b.dtype, b.device), []).append(b)
+        with torch.no_grad():
+            for bufs in by_kind.values():
+                flat = torch.cat([b.reshape(-1) for b in bufs])
+                dist.broadcast(flat, self.src, group=self.group)
+                offset = 0
+                for b in bufs:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+
+    def release(self):
+        """Remove the hooks (the optimizer is rebound, or the search is over)."""
+        while self.hooks:
+            self.hooks.pop().remove()
