@@ -52,6 +52,16 @@ test-py: build
 
 test: build test-cpp test-py
 
+# DeepSpeed, the test-only peer of tests/test_deepspeed_*.py (zeroshard.initialize side by
+# side with deepspeed.initialize; never a runtime dependency): pinned, installed without its
+# dependency resolution so torch stays the pinned one, then its own dependencies.
+TEST_DS := deepspeed==0.19.8
+.PHONY: test-deps
+test-py: test-deps
+test-deps: $(VENV)/.deps
+	@$(PY) -c "import deepspeed" 2>/dev/null || { $(PIP) install -q --no-deps "$(TEST_DS)" && \
+	  $(PIP) install -q $(BENCH_DEPS_OF_DS); }
+
 # Two ranks on this machine (gloo on CPU; NCCL, one GPU each, where there are GPUs).
 # Stages 0-2 run briefly for their memory tables, then ZeRO-3 trains with
 # checkpoints and the run resumes from the last one as ZeRO-2. The memory

@@ -19,6 +19,7 @@ EXAMPLES = [
     ("offload.py", 2, {}),
     ("hybrid.py", 4, {}),
     ("checkpoints.py", 2, {}),
+    ("deepspeed_config.py", 2, {}),
     ("plan_memory.py", 2, {}),
     ("hangs.py", 2, {}),
     ("hangs.py", 2, {"ZEROSHARD_DEBUG": "1"}),

@@ -27,6 +27,11 @@ LAYERS = {
     "plan": BELOW_OPTIM | {"optim"},                   # the memory planner
 }
 
+# What adapters for other tools (integrations/) and the thin modules at the package's top
+# (e.g. zero_to_fp32.py, which delegates to an integration) may import: the public API, i.e.
+# the root package and its public modules (thin modules also the integrations they front).
+PUBLIC = {"zeroshard", "zeroshard.comm", "zeroshard.checkpoint", "zeroshard.plan"}
+
 # torch internals with no public equivalent, allowed where they are needed:
 # autograd's end-of-backward callback, the nn.Module slots a parameter is
 # swapped into and out of, autograd's current graph task, the return type
@@ -102,17 +107,32 @@ def _module_name(rel: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _lazy_exports(tree, rel: str) -> set:
+    """The import nodes of a package's PEP 562 ``__getattr__`` (a lazy re-export, e.g. the
+    root's ``zeroshard.initialize``): they run on first use of the name, never while the
+    package imports, so they make no import cycle."""
+    if not rel.endswith("__init__.py"):
+        return set()
+    return {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
+            for n in ast.walk(f)}
+
+
 def _imports(sources):
     """{module: {zeroshard module it imports}}, relative and absolute imports alike, at
-    any depth in the file (an import inside a function is an import too). ``from . import x``
-    is an import of the module x where x is one, else of the package."""
+    any depth in the file (an import inside a function is an import too, except in a
+    package's lazy ``__getattr__``). ``from . import x`` is an import of the module x where
+    x is one, else of the package."""
     modules = {_module_name(rel): rel for rel in sources}
     graph = {}
     for rel, src in sources.items():
         me = _module_name(rel)
         package = me if rel.endswith("__init__.py") else me.rpartition(".")[0]
         targets = set()
-        for node in ast.walk(ast.parse(src)):
+        tree = ast.parse(src)
+        lazy = _lazy_exports(tree, rel)
+        for node in ast.walk(tree):
+            if id(node) in lazy:
+                continue
             if isinstance(node, ast.ImportFrom):
                 base = package
                 for _ in range(node.level - 1):
@@ -135,7 +155,12 @@ def _part(module: str):
     return parts[1] if len(parts) > 1 else None
 
 
-def _layer_violations(graph, layers=LAYERS):
+def _thin_modules(sources) -> set:
+    """The modules at the package's top that are not parts (files, not folders)."""
+    return {_module_name(rel) for rel in sources if os.sep not in rel and rel != "__init__.py"}
+
+
+def _layer_violations(graph, layers=LAYERS, thin=frozenset()):
     bad = []
     for mod, targets in sorted(graph.items()):
         mine = _part(mod)
@@ -146,11 +171,13 @@ def _layer_violations(graph, layers=LAYERS):
             if theirs == mine:
                 continue
             if mine == "integrations":
-                ok = theirs is None                     # adapters use the public API only
+                ok, rule = t in PUBLIC, f"the public API only: {sorted(PUBLIC)}"   # adapters at the edge
+            elif mod in thin:
+                ok, rule = t in PUBLIC or theirs == "integrations", "the public API and integrations only"
             else:
-                ok = mine in layers and theirs in layers[mine]
+                ok, rule = mine in layers and theirs in layers[mine], sorted(layers.get(mine, ()))
             if not ok:
-                bad.append(f"{mod} imports {t} ({mine} may import {sorted(layers.get(mine, ())) or 'zeroshard only'})")
+                bad.append(f"{mod} imports {t} ({mine} may import {rule})")
     return bad
 
 
@@ -192,7 +219,8 @@ def test_every_part_imports_only_the_parts_below_it_and_nothing_imports_itself_b
     assert folders - {"integrations"} == set(LAYERS), f"a folder without a row in LAYERS, or the reverse: {folders}"
     graph = _imports(sources)
     assert sum(len(t) for t in graph.values()) > 80          # the parser sees the package's imports
-    assert not _layer_violations(graph), "imports against the layering:\n" + "\n".join(_layer_violations(graph))
+    bad = _layer_violations(graph, thin=_thin_modules(sources))
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
     assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
     for folder in folders:                                   # each part says what it does and may import
         doc = ast.get_docstring(ast.parse(sources[os.path.join(folder, "__init__.py")])) or ""
@@ -256,3 +284,27 @@ def test_the_note_index_lists_every_note_where_it_is_written():
                     with open(os.path.join(dirpath, f), errors="replace") as fh:
                         cited |= set(NOTE.findall(fh.read()))
     assert sorted(cited - set(written)) == [], "Notes cited but written nowhere"
+
+
+def test_the_public_api_rule_finds_planted_violations(tmp_path):
+    """integrations/ and thin top-level modules may import the public API (the root and its
+    public modules) only; a root's lazy __getattr__ re-export of an integration is no cycle."""
+    pkg = tmp_path / "pkg"
+    for folder in ("checkpoint", "optim", "integrations"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "checkpoint" / "api.py").write_text("")
+    (pkg / "optim" / "x.py").write_text("")
+    (pkg / "integrations" / "tool.py").write_text(
+        "import zeroshard\nfrom zeroshard import checkpoint\nfrom zeroshard.checkpoint import api\n")
+    (pkg / "front.py").write_text("from .integrations import tool\nfrom .optim import x\n")
+    (pkg / "__init__.py").write_text(
+        "from .optim import x\ndef __getattr__(name):\n    from .integrations import tool\n    return tool\n")
+    sources = _sources(str(pkg))
+    graph = _imports(sources)
+    bad = _layer_violations(graph, thin=_thin_modules(sources))
+    assert [b.split(" (")[0] for b in bad] == ["zeroshard.front imports zeroshard.optim.x",
+                                               "zeroshard.integrations.tool imports zeroshard.checkpoint.api"], bad
+    assert _cycles(graph) == []                              # the lazy re-export is not an import
+    (pkg / "__init__.py").write_text("from .optim import x\nfrom .integrations import tool\n")
+    assert _cycles(_imports(_sources(str(pkg)))) == [["zeroshard", "zeroshard.integrations.tool"]]

@@ -1,0 +1,367 @@
+"""zeroshard.initialize side by side with deepspeed.initialize (DeepSpeed is a test-only
+dependency, run on CPU with DS_ACCELERATOR=cpu, in the same gloo process groups).
+
+One launch per world size runs the same script and config under both, config after
+config, and the parent compares: losses and final parameters within 1e-5 (fp32) at
+stages 1-3 with accumulation, clipping and WarmupDecayLR, with CPU offload; with fp16
+dynamic loss scaling, the same skipped steps and loss scales. Seed and public configs
+run unchanged (DeepSpeed too where it can on CPU, else DDP + torch's AdamW). Checkpoints
+resume exactly and reshard 2 -> 3 ranks, stage 3 -> 2; zero_to_fp32 loads into the plain model.
+
+Two DeepSpeed-side settings keep DeepSpeed on CPU without building C++ ops: its shared-memory
+collectives op is marked unavailable (gloo is used), and its accelerator is told fp16 works
+(the CPU accelerator refuses fp16 on CPUs without AVX512-FP16, though torch runs it).
+"""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zeroshard
+
+STEPS = 6
+SCHEDULE = {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 3,
+                                                "warmup_max_lr": 1e-2, "warmup_type": "linear"}}
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.1, "torch_adam": True}}
+
+
+def base(stage, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+           "optimizer": copy.deepcopy(ADAMW), "scheduler": copy.deepcopy(SCHEDULE),
+           "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+    cfg.update(extra)
+    return cfg
+
+
+class Net(nn.Module):
+    """Awkward sizes (7, 13) so shards are padded; blocks in a ModuleList become stage-3 units."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 13)
+        self.blocks = nn.ModuleList([nn.Linear(13, 13) for _ in range(2)])
+        self.out = nn.Linear(13, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.out(h)
+
+
+def batch(step, micro, rank, world, n, inject=()):
+    """This rank's micro-batch: a slice of one global batch per step (the same global batch
+    at any world size). ``inject``: steps whose rank-0 input holds an inf."""
+    g = torch.Generator().manual_seed(step)
+    total = n * world * 64
+    x, y = torch.randn(total, 7, generator=g), torch.randn(total, 1, generator=g)
+    i = (micro * world + rank) * n
+    x, y = x[i:i + n].clone(), y[i:i + n]
+    if step in inject and rank == 0 and micro == 0:
+        x[0, 0] = math.inf
+    return x, y
+
+
+def ds_setup():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+    return deepspeed
+
+
+def train(init, cfg, steps=STEPS, inject=(), optimizer=None, start=None):
+    """Build with ``init`` (or continue ``start``), train ``steps`` optimizer steps; returns
+    (engine, losses, applied, scales)."""
+    if start is None:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters()) if optimizer == "client" else None
+        engine = init(model=model, model_parameters=model.parameters(), optimizer=opt, config=copy.deepcopy(cfg))[0]
+    else:
+        engine = start
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float16 if engine.fp16_enabled() else torch.float32
+    losses, applied, scales = [], [], []
+    first = engine.global_steps
+    for s in range(first, first + steps):
+        for m in range(engine.gradient_accumulation_steps()):
+            x, y = batch(s, m, rank, world, engine.train_micro_batch_size_per_gpu(), inject)
+            loss = ((engine(x.to(dtype)).float() - y) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        applied.append(engine.was_step_applied())
+        scale = getattr(engine, "loss_scaler", None)
+        scales.append(scale.scale if scale is not None else float(getattr(engine.optimizer, "cur_scale", 1.0)))
+    return engine, losses, applied, scales
+
+
+def params_of(engine, deepspeed=False):
+    """{name: fp32 full parameter} (collective at stage 3)."""
+    if deepspeed and engine.zero_optimization_stage() == 3:
+        from deepspeed.utils import safe_get_full_fp32_param
+        return {n: safe_get_full_fp32_param(p).float().clone() for n, p in engine.module.named_parameters()}
+    if not deepspeed and engine.zero_optimization_stage() == 3:
+        return {k: v.float() for k, v in engine.module_state_dict().items()}
+    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def reference(cfg, steps=STEPS):
+    """DDP + torch.optim.AdamW in one process: every rank's micro-batches, averaged."""
+    from zeroshard.integrations.deepspeed import lr_schedules
+    torch.manual_seed(0)
+    model = Net()
+    p = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=p["betas"], weight_decay=p["weight_decay"])
+    sched = lr_schedules.from_config(cfg["scheduler"]["type"], dict(cfg["scheduler"]["params"]), opt)
+    world, gas, n = dist.get_world_size(), cfg["gradient_accumulation_steps"], cfg["train_micro_batch_size_per_gpu"]
+    for s in range(steps):
+        for m in range(gas):
+            for r in range(world):
+                x, y = batch(s, m, r, world, n)
+                (((model(x) - y) ** 2).mean() / (gas * world)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["gradient_clipping"])
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _float(x):
+    return None if x is None else float(x)
+
+
+def _side_by_side(configs, with_reference=True):
+    """On every rank: each config under DeepSpeed and zeroshard (and DDP); rank 0's results."""
+    deepspeed = ds_setup()
+    out = {}
+    for name, cfg, kw in configs:
+        ds_cfg = kw.pop("ds_config", cfg)
+        e1, l1, a1, s1 = train(deepspeed.initialize, ds_cfg, **kw)
+        e2, l2, a2, s2 = train(zeroshard.initialize, cfg, **kw)
+        p1, p2 = params_of(e1, deepspeed=True), params_of(e2)
+        ref = reference(cfg) if with_reference and not kw.get("inject") else None
+        out[name] = dict(losses=(l1, l2), applied=(a1, a2), scales=(s1, s2), params=(p1, p2), ref=ref,
+                         norms=(_float(e1.get_global_grad_norm()), e2.get_global_grad_norm()),
+                         lr=(e1.get_lr(), e2.get_lr()))
+    return out if dist.get_rank() == 0 else None
+
+
+def _close(a: dict, b: dict, tol: float) -> float:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= tol, f"parameters differ by {worst} (> {tol})"
+    return worst
+
+
+FP32 = [("stage1", base(1), {}), ("stage2", base(2), {}), ("stage3", base(3), {}),
+        ("stage2+offload", base(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                zero_force_ds_cpu_optimizer=False), {}),
+        ("stage3+offload", base(3, zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                      "offload_param": {"device": "cpu"}},
+                                zero_force_ds_cpu_optimizer=False), {})]
+
+
+@pytest.mark.timeout(300)
+def test_same_losses_and_parameters_as_deepspeed_and_ddp(dist_pool):
+    res = dist_pool.run(_side_by_side, copy.deepcopy(FP32), timeout=240)[0]
+    for name, r in res.items():
+        (l1, l2), (p1, p2) = r["losses"], r["params"]
+        assert max(abs(a - b) for a, b in zip(l1, l2)) <= 1e-5, name
+        _close(p1, p2, 1e-5)
+        _close(r["ref"], p2, 1e-5)
+        assert r["applied"][0] == r["applied"][1] == [True] * STEPS, name
+        assert abs(r["norms"][0] - r["norms"][1]) <= 1e-5 and r["lr"][0] == r["lr"][1], name
+
+
+def fp16_config(stage):
+    return base(stage, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3, "hysteresis": 2},
+                gradient_clipping=0.05)
+
+
+@pytest.mark.timeout(300)
+def test_fp16_skips_the_same_steps_with_the_same_scales_as_deepspeed(dist_pool):
+    """Overflows injected at steps 1, 2 and 5 (an inf input on rank 0): the first only uses up
+    the hysteresis, the second halves the scale; three clean steps double it. Clipping is
+    always active here, so DeepSpeed's unscale by the already-doubled scale (see
+    loss_scaler.py) does not change its result."""
+    configs = [(f"fp16-stage{s}", fp16_config(s), {"steps": 8, "inject": (1, 2, 5)}) for s in (1, 2, 3)]
+    res = dist_pool.run(_side_by_side, configs, timeout=240)[0]
+    for name, r in res.items():
+        assert r["applied"][0] == r["applied"][1] == [True, False, False, True, True, False, True, True], name
+        assert r["scales"][0] == r["scales"][1], (name, r["scales"])
+        _close(r["params"][0], r["params"][1], 2e-3)       # fp16 parameters: a few ulps
+
+
+# -------------------------------------------------- seed and public configs, unchanged
+SEED_000 = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                  "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                                  "contiguous_gradients": True, "reduce_bucket_size": 5e8,
+                                  "stage3_prefetch_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e6}}
+SEED_003 = {"train_batch_size": 32, "gradient_accumulation_steps": 4,
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+            "fp16": {"enabled": True}}
+SEED_003_NVME = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+                                       "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}}
+# microsoft/DeepSpeedExamples: cifar/ds_config.json, Megatron-LM/scripts/ds_zero3_config.json,
+# QANet-Pytorch/ds_bsz512_1cycle.json (verbatim)
+CIFAR = {"train_batch_size": 4, "steps_per_print": 2000,
+         "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000}},
+         "gradient_clipping": 1.0, "prescale_gradients": False,
+         "fp16": {"enabled": True, "fp16_master_weights_and_grads": True, "loss_scale": 0, "loss_scale_window": 500,
+                  "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
+         "wall_clock_breakdown": False,
+         "zero_optimization": {"stage": 2, "allgather_partitions": True, "reduce_scatter": True,
+                               "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000, "overlap_comm": True,
+                               "contiguous_gradients": True, "cpu_offload": True}}
+MEGATRON_Z3 = {"train_batch_size": 16, "gradient_accumulation_steps": 1, "steps_per_print": 1,
+               "zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+               "gradient_clipping": 1.0,
+               "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+               "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": False},
+               "wall_clock_breakdown": False}
+QANET = {"train_batch_size": 512, "train_micro_batch_size_per_gpu": 32, "steps_per_print": 10,
+         "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+         "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.004, "cycle_max_lr": 0.015,
+                                                      "cycle_first_step_size": 1000, "cycle_second_step_size": 100,
+                                                      "cycle_first_stair_count": 100, "cycle_second_stair_count": 100,
+                                                      "decay_step_size": 1000, "decay_lr_rate": 0.01}}}
+
+
+def for_deepspeed_on_cpu(cfg):
+    """What DeepSpeed alone needs to run a config on CPU without building C++ ops: torch's
+    Adam (its CPU and fused Adams are compiled; its own kernels' weight_decay default is 0),
+    the offloaded step left to a torch optimizer, and no fp16 master weights (DeepSpeed runs
+    those only with its compiled DeepSpeedCPUAdam; zeroshard keeps an fp32 master anyway)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.get("fp16", {}).pop("fp16_master_weights_and_grads", None)
+    params = cfg.get("optimizer", {}).get("params")
+    if params is not None:
+        params.setdefault("weight_decay", 0.0)
+        params["torch_adam"] = True
+    cfg["zero_force_ds_cpu_optimizer"] = False
+    return cfg
+
+
+def seed_configs(tmp):
+    """Seed configs with only what DeepSpeed itself demands added: a micro-batch size where
+    they have none (deepspeed.initialize refuses a config without one), and nvme_path where
+    this machine has a disk."""
+    s000 = dict(copy.deepcopy(SEED_000), train_micro_batch_size_per_gpu=2)
+    nvme = dict(copy.deepcopy(SEED_003_NVME), train_micro_batch_size_per_gpu=2)
+    for k in ("offload_optimizer", "offload_param"):
+        nvme["zero_optimization"][k]["nvme_path"] = tmp
+    return s000, nvme
+
+
+def _unchanged(tmp):
+    s000, nvme = seed_configs(tmp)
+    configs = [("seed000", s000, {"optimizer": "client", "steps": 2}),
+               ("seed003", copy.deepcopy(SEED_003), {"optimizer": "client", "steps": 2}),
+               ("cifar", CIFAR, {"steps": 2}), ("megatron-zero3", MEGATRON_Z3, {"steps": 2}),
+               ("qanet-onecycle", QANET, {"steps": 2})]
+    for _, cfg, kw in configs:
+        kw["ds_config"] = for_deepspeed_on_cpu(cfg)
+    out = _side_by_side(configs, with_reference=False)
+    engine = train(zeroshard.initialize, nvme, steps=2, optimizer="client")[0]   # DeepSpeed's nvme needs its aio op
+    ddp = _client_reference(nvme, engine)
+    mine = params_of(engine)
+    if out is not None:
+        out["seed003-nvme"] = dict(params=(ddp, mine))
+    return out
+
+
+def _client_reference(cfg, engine, steps=2):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+    world, gas, n = dist.get_world_size(), engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    for s in range(steps):
+        for m in range(gas):
+            for r in range(world):
+                x, y = batch(s, m, r, world, n)
+                (((model(x) - y) ** 2).mean() / (gas * world)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)       # DeepSpeed 0.19's default clipping
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore")
+def test_seed_and_public_configs_run_unchanged(tmp_path):
+    from conftest import get_pool
+    res = get_pool(2).run(_unchanged, str(tmp_path), timeout=240)[0]
+    for name, r in res.items():
+        p1, p2 = r["params"]
+        fp16 = name in ("seed003", "cifar", "megatron-zero3")
+        _close(p1, p2, 2e-3 if fp16 else 1e-5)
+        if "applied" in r:
+            assert r["applied"][0] == r["applied"][1] and r["scales"][0] == r["scales"][1], name
+
+
+# ------------------------------------------------------------------ checkpoints
+def ckpt_config(stage):
+    cfg = base(stage, train_batch_size=12)
+    del cfg["train_micro_batch_size_per_gpu"]      # 3 per rank at world size 2, 2 at world size 3
+    return cfg
+
+
+def _save_and_resume(root):
+    """World 2, stage 3: 6 steps uninterrupted; 3 steps, save, 3 more; a fresh engine loads
+    the checkpoint and takes the same 3 steps."""
+    whole = params_of(train(zeroshard.initialize, ckpt_config(3))[0])
+    engine = train(zeroshard.initialize, ckpt_config(3), steps=3)[0]
+    engine.save_checkpoint(root, client_state={"epoch": 7})
+    at_save = params_of(engine)
+    continued = params_of(train(None, None, steps=3, start=engine)[0])
+    torch.manual_seed(1)
+    fresh = zeroshard.initialize(model=Net(), config=ckpt_config(3))[0]
+    path, client = fresh.load_checkpoint(root)
+    assert client == {"epoch": 7} and path.endswith("global_step3") and fresh.global_steps == 3
+    resumed = train(None, None, steps=3, start=fresh)[0]
+    return dict(whole=whole, at_save=at_save, continued=continued, resumed=params_of(resumed), lr=resumed.get_lr())
+
+
+def _reshard(root):
+    """World 3, stage 2: load the world-2 stage-3 checkpoint and take the last 3 steps."""
+    torch.manual_seed(1)
+    engine = zeroshard.initialize(model=Net(), config=ckpt_config(2))[0]
+    engine.load_checkpoint(root)
+    assert engine.global_steps == 3 and engine.lr_scheduler.last_batch_iteration == 2
+    engine = train(None, None, steps=3, start=engine)[0]
+    return dict(params=params_of(engine), lr=engine.get_lr(), steps=engine.global_steps)
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_resume_exactly_reshard_and_export(tmp_path):
+    from conftest import get_pool
+    from zeroshard.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    root = str(tmp_path / "ckpt")
+    saved = get_pool(2).run(_save_and_resume, root)[0]
+    _close(saved["continued"], saved["resumed"], 0.0)                       # same world size: exact
+    moved = get_pool(3).run(_reshard, root)[0]
+    _close(saved["whole"], moved["params"], 1e-5)                            # 2 -> 3 ranks, stage 3 -> 2
+    assert moved["lr"] == saved["lr"] and moved["steps"] == 6
+    assert open(os.path.join(root, "latest")).read() == "global_step3"
+    sd = get_fp32_state_dict_from_zero_checkpoint(root)
+    plain = Net()
+    plain.load_state_dict(sd)                                                # the plain model's own names
+    _close({k: v.detach() for k, v in plain.named_parameters()}, saved["at_save"], 0.0)
+    out = tmp_path / "export"
+    res = subprocess.run([sys.executable, "-m", "zeroshard.zero_to_fp32", root, str(out)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    exported = torch.load(out / "pytorch_model.bin", weights_only=True)
+    _close(exported, sd, 0.0)
