@@ -278,15 +278,16 @@ def setup():
     if "RANK" not in os.environ:   # plain `python train_gpt.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    import zeroshard as zs
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
+        zs.init_distributed("nccl", device_id=device)    # comes up again under torchrun --max-restarts
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-        dist.init_process_group("gloo")
+        zs.init_distributed("gloo")
     return device
 
 
@@ -343,8 +344,9 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     engine, inner, opt = wrap(args, model, device)
     start = 0
-    if args.resume:
-        extra = zs.load_checkpoint(args.ckpt_dir, inner, opt)
+    # the newest complete checkpoint, at this world size and stage (None: start fresh)
+    extra = zs.resume(args.ckpt_dir, inner, opt) if args.resume else None
+    if extra is not None:
         start = extra["step"]
         torch.set_rng_state(extra["rng"])
     seq = model.config.seq

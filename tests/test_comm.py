@@ -349,9 +349,12 @@ def test_flight_record_of_a_step(dist_pool, stage):
         assert n >= 2 and kinds == ["reduce_scatter"] * n + ["all_gather"] * n, kinds
     else:   # forward gathers, backward gathers again in reverse, reduces, then the statistics
         step = [(r["kind"], r["what"]) for r in mine[-7:]]
-        assert step == [("all_gather", "unit '0' all-gather"), ("all_gather", "unit '2' all-gather"),
-                        ("all_gather", "unit '2' all-gather"), ("all_gather", "unit '0' all-gather"),
-                        ("reduce_scatter", "unit '2' reduce-scatter"), ("reduce_scatter", "unit '0' reduce-scatter"),
+        assert step == [("all_gather", "step 2 forward, unit '0' all-gather"),
+                        ("all_gather", "step 2 forward, unit '2' all-gather"),
+                        ("all_gather", "step 2 backward, unit '2' all-gather"),
+                        ("all_gather", "step 2 backward, unit '0' all-gather"),
+                        ("reduce_scatter", "step 2, unit '2' reduce-scatter"),
+                        ("reduce_scatter", "step 2, unit '0' reduce-scatter"),
                         ("all_reduce", "gradient statistics")], step
     # every rank issued the same collectives, in the same order, with the same sizes (sequence
     # numbers counted from this run's first: an earlier test's rank-0-only check-in advanced rank 0's)

@@ -193,6 +193,14 @@ def test_a_skipped_backward(tmp_path):
                          "check_in of 0 bytes (save_checkpoint())")
 
 
+def test_a_skipped_backward_at_zero3_names_each_ranks_step_and_phase(tmp_path):
+    """Rank 1 skips step 2's backward and step: rank 0 waits in step 2's backward
+    all-gathers while rank 1 (whose step 2 never happened) gathers for step 2's forward again."""
+    got = _run("skipped_backward", 3, tmp_path)
+    _both_name_the_other(got, "rank 0 issued #", "(step 2 backward, unit '", "rank 1 issued #",
+                         "(step 2 forward, unit '")
+
+
 def test_one_extra_step(tmp_path):
     _both_name_the_other(_run("extra_step", 3, tmp_path), "check_in of 0 bytes (save_checkpoint())", "unit '")
 

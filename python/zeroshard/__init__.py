@@ -6,16 +6,20 @@ module wrapper, with :class:`MixedPrecision`). Underneath: the flat-buffer
 layout (:func:`compute_layout`), the fused AdamW kernel (:func:`fused_adamw_`)
 and flat-buffer collectives (:func:`reduce_scatter`, :func:`all_gather`,
 :func:`all_reduce`). Checkpoints that resume at any world size and stage:
-:func:`save_checkpoint`, :func:`load_checkpoint`, :func:`export_full_state_dict`.
+:func:`save_checkpoint`, :func:`load_checkpoint`, :func:`export_full_state_dict`, and
+:func:`resume` at the start of a script; :func:`init_distributed` creates the
+process group so that torchrun's restarts come up.
 When collectives hang or fail: :func:`flight_record`, :func:`set_timeout`,
 :class:`CollectiveTimeout`, :class:`CollectiveError`, :class:`CollectiveMismatch`.
+DeepSpeed scripts and configs: :func:`initialize` (imported on first use).
 """
 from __future__ import annotations
 
 from .native.ext import _C
 from .comm.flight import CollectiveError, flight_record
 from .comm.watchdog import CollectiveMismatch, CollectiveTimeout, set_timeout
-from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, resume, save_checkpoint
+from .comm.launch import init_distributed
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .zero3.fully_shard import FullyShard, MixedPrecision
 from .native.kernels import fused_adamw_, fused_adamw_multi_
@@ -23,6 +27,15 @@ from .native.layout import Layout, compute_layout
 from .optim.sharded import ShardedOptimizer
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``zeroshard.initialize`` (DeepSpeed's front door, docs/deepspeed.md) is imported on
+    first use, so ``import zeroshard`` does not load the integration."""
+    if name == "initialize":
+        from .integrations.deepspeed import initialize
+        return initialize
+    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
 
 
 def build_info() -> dict:
@@ -46,5 +59,6 @@ __all__ = [
     "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout",
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "fused_adamw_multi_", "reduce_scatter", "ShardedOptimizer", "flight_record",
-    "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout",
+    "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout", "initialize",
+    "init_distributed", "resume",
 ]

@@ -66,7 +66,7 @@ import types
 import uuid
 import warnings
 import zlib
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -259,3 +259,35 @@ def export_full_state_dict(path, out_file, dtype: Optional[torch.dtype] = None) 
         reader.close()
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def read_full_state_dict(path, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield a checkpoint's full model state dict as ``(name, tensor)`` pairs, one tensor
+    read (and checksummed) at a time, under the unwrapped model's names (tied
+    parameters under every name), on CPU.
+
+    Needs no process group. Parameters come in the model's dtype, or ``dtype``
+    (floating ones; ``torch.float32`` gives the fp32 master values); buffers in
+    their own dtype. Memory: the tensors the caller keeps, plus the one being read.
+    """
+    save.wait()
+    path = _find(os.path.abspath(os.fspath(path)))
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    man = fmt.read_manifest(path)
+    reader = fmt.Reader(path, man)
+
+    def read(key):
+        dt = fmt.parse_dtype(man["tensors"][key]["model_dtype"])
+        if key.startswith("param:") and dtype is not None and dt.is_floating_point:
+            dt = dtype
+        return reader.full(key).to(dt)
+
+    try:
+        for key in man["tensors"]:
+            if key.startswith(("param:", "buffer:")):
+                yield key.split(":", 1)[1], read(key)
+        for alias, canonical in man["aliases"].items():
+            yield alias, read("param:" + canonical)
+    finally:
+        reader.close()

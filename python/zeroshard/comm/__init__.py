@@ -1,8 +1,9 @@
 """Collectives and process groups: the flat-buffer reduce-scatter, all-gather and
 all-reduce of the C++ core over a torch.distributed group (``collectives``), the
 flight record of every collective issued (``flight``), the watchdog's bounded
-waits and cross-rank diagnosis (``watchdog``), and hybrid sharding's groups
-(``mesh``).
+waits and cross-rank diagnosis (``watchdog``), hybrid sharding's groups
+(``mesh``), and the default process group that torchrun's restarts bring up
+(``launch``: ``init_distributed``).
 
 May import: ``native``. Every other part issues its collectives through the
 names below.

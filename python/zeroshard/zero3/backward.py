@@ -54,6 +54,7 @@ class UnitBackward:
         if self.state == GradState.BACKWARD:
             return
         self.state = GradState.BACKWARD
+        self.gatherer.phase = "backward"
         fwd = self._fwd_order()
         self.order = list(reversed(fwd))
         seen = set(fwd)
@@ -126,7 +127,7 @@ class UnitBackward:
         u.fresh = u.grad_shard is None
         u.reduce = comm.reduce_scatter(u.grad_flat, u.own(u.grad_flat, self.rank), group=self.group,
                                        average=False, input_is_scratch=True,
-                                       what=f"unit '{u.name}' reduce-scatter")
+                                       what=self.gatherer.label(f"unit '{u.name}' reduce-scatter", phase=False))
         self.comm_elements["reduce_scatter"] += u.numel
         self.events.append(("reduce_scatter", u.name))
 
@@ -141,7 +142,7 @@ class UnitBackward:
             return
         # stays in flight until the next unit retires: it overlaps the backward too
         u.reduce = comm.all_reduce(u.own(u.grad_flat, self.rank), group=self.replicate,
-                                   what=f"unit '{u.name}' replica all-reduce")
+                                   what=self.gatherer.label(f"unit '{u.name}' replica all-reduce", phase=False))
         self.comm_elements["replica_all_reduce"] += u.shard_numel
         self._replicating.append(u)
         while len(self._replicating) > 1:
@@ -183,6 +184,7 @@ class UnitBackward:
                 self._fold(self._replicating.pop(0))
             self.host_copies.wait()     # the gradient shards in host memory are complete: the CPU steps them
         self.gatherer.reshard_all()
+        self.gatherer.phase = "forward"
         self.state = GradState.READY if self.sync else GradState.EMPTY
         if self.sync:
             for fn in self.listeners:
@@ -202,9 +204,15 @@ class UnitBackward:
                 q.full.grad = None
         self.grad_bytes = 0
         self.gatherer.reshard_all()
+        self.gatherer.phase = "forward"
         self.state = GradState.EMPTY
         warnings.warn("FullyShard: the previous backward did not finish (it raised); its partial "
                       "gradients were dropped")
+
+    def step_done(self, updated: bool):
+        """The optimizer stepped the shards (``updated``) or skipped the step: the gradients are consumed."""
+        self.state = GradState.EMPTY
+        self.gatherer.steps_done += bool(updated)
 
     def zero_grad(self, set_to_none: bool):
         """Free (``set_to_none``) or zero the gradient shards; see FullyShard.zero_grad."""

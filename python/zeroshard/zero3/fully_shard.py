@@ -381,10 +381,10 @@ class FullyShard(nn.Module):
     def in_backward(self) -> bool:
         return self._backward.active
 
-    def step_done(self):
-        """The shards were stepped (or skipped): drop gathered copies, consume the gradients."""
+    def step_done(self, updated: bool = True):
+        """The shards were stepped (``updated``) or skipped: drop gathered copies, consume the gradients."""
         self.invalidate()
-        self._backward.state = GradState.EMPTY
+        self._backward.step_done(updated)
 
     def add_grads_ready_listener(self, fn):
         """Call ``fn()`` whenever a backward outside no_sync() has finished and the

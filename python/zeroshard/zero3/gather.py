@@ -21,6 +21,15 @@ class Gatherer:
         self.gathered_bytes = 0      # full parameters of non-root units alive now
         self.gathered_peak = 0
         self.alive_peak = 0          # most non-root units gathered (or gathering) at once
+        # what the collectives' labels say (the flight record, the hang diagnosis): the step
+        # they belong to (as stages 1/2 count it: steps that updated the shards, plus one)
+        # and the phase, set by UnitBackward when a backward starts and ends
+        self.steps_done = 0
+        self.phase = "forward"
+
+    def label(self, what: str, phase: bool = True) -> str:
+        """``what`` prefixed with the step (and the phase), e.g. "step 4 backward, unit 'blocks.2' all-gather"."""
+        return f"step {self.steps_done + 1}{' ' + self.phase if phase else ''}, {what}"
 
     def gather(self, u: Unit, wait: bool = True):
         """Start gathering ``u`` if it is sharded; with ``wait``, finish and swap its full
@@ -33,7 +42,7 @@ class Gatherer:
             own = u.own(u.full, self.rank)
             # (offload_params: from pinned host memory, ordered before the all-gather on the stream)
             own.copy_(u.shard, non_blocking=True)
-            u.gather = comm.all_gather(own, u.full, group=self.group, what=f"unit '{u.name}' all-gather")
+            u.gather = comm.all_gather(own, u.full, group=self.group, what=self.label(f"unit '{u.name}' all-gather"))
             self.comm_elements["all_gather"] += u.numel
             self.events.append(("all_gather", u.name))
             u.state = UnitState.GATHERING
