@@ -1,8 +1,12 @@
-"""torchrun's restarts come up with zeroshard.init_distributed and not with a plain
-init_process_group (see [Note: restarts] in comm/launch.py): real
-`torch.distributed.run --max-restarts` launches of tests/_restart_job.py, where rank 1
-SIGKILLs itself in the first attempts and arrives 2 s late at the process group in
-every later one."""
+"""torchrun's restarts come up with zeroshard.init_distributed (see [Note: restarts] in
+comm/launch.py): real `torch.distributed.run --max-restarts` launches of
+tests/_restart_job.py, where rank 1 SIGKILLs itself in the first attempts and arrives 2 s
+late at the process group in every later one.
+
+The same job with a plain init_process_group (`_restart_job.py plain 1`, torch's bug) is
+not a test here: whether it fails depends on which rank's restarted process gets to the
+store first, so it fails in most runs on this machine (gloo's connectFullMesh: connection
+refused or timed out, to the dead attempt's address) and comes up in some."""
 import os
 import socket
 import subprocess
@@ -20,15 +24,6 @@ def _torchrun(mode, kills, restarts):
            "--max-restarts", str(restarts), JOB, mode, str(kills)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     return res.returncode, res.stdout + res.stderr
-
-
-@pytest.mark.timeout(150)
-def test_plain_torch_does_not_come_up_after_a_restart():
-    """torch's own bug, reproduced: the restarted rank 0 connects to rank 1's address of the dead attempt."""
-    rc, out = _torchrun("plain", 1, 1)
-    assert rc != 0, out
-    assert "UP attempt 0 rank 0" in out and "UP attempt 1" not in out, out
-    assert "connectFullMesh failed" in out and "Connection refused" in out, out
 
 
 @pytest.mark.timeout(150)
