@@ -134,3 +134,9 @@ class DistPool:
                 p.kill()
                 p.join()
         self._procs = []
+
+
+def piece_of(p):
+    """What this rank holds of parameter ``p``: its piece under FullyShard (``p.to_local()``),
+    else ``p`` itself (detached)."""
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()

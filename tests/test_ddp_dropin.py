@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard as zs
+from _dist import piece_of
 
 BATCH = 12
 TINY_BUCKET_MB = 700 / 2**20     # buckets split tensors
@@ -381,11 +382,6 @@ def test_buckets_with_a_parameter_frozen_after_construction_are_reduced_during_b
         assert trainable > 0 and frozen >= trainable, (trainable, frozen)
 
 
-def _values(p):
-    """What a rank holds of parameter p: its piece under FullyShard (p.to_local()), else p."""
-    return (p.to_local() if hasattr(p, "to_local") else p).detach()
-
-
 def _unfrozen_after_construction(stage):
     torch.manual_seed(0)
     model = Model()
@@ -396,13 +392,13 @@ def _unfrozen_after_construction(stage):
     for p in net.parameters():
         p.requires_grad_(True)
     F.cross_entropy(net(local(x)), local(y)).backward()
-    before = [_values(p).clone() for p in net.parameters()]
+    before = [piece_of(p).clone() for p in net.parameters()]
     with pytest.raises(NotImplementedError) as e:
         opt.step()
     groups = len(opt.param_groups)
     with pytest.raises(NotImplementedError) as added:   # transfer learning's other habit
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 1e-3})
-    return (str(e.value), all(torch.equal(a, _values(p)) for a, p in zip(before, net.parameters())), str(added.value),
+    return (str(e.value), all(torch.equal(a, piece_of(p)) for a, p in zip(before, net.parameters())), str(added.value),
             len(opt.param_groups) == groups)
 
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
+from _dist import piece_of
 
 BATCH = 12          # divisible by 2 and 3: every rank gets an equal slice
 TINY_BUCKET_MB = 1000 / 2**20   # ~1000 bytes: buckets split tensors, big.weight spans several
@@ -510,11 +511,6 @@ def test_stage2_gradient_shard_is_dropped_by_zero_grad_and_not_a_gradient_in_for
         assert all(all(flags) for what, flags in after if what == "backward")
 
 
-def _values(p):
-    """What a rank holds of parameter p: its piece under FullyShard (p.to_local()), else p."""
-    return (p.to_local() if hasattr(p, "to_local") else p).detach()
-
-
 def _sharded_roundtrip(stage, dtype):
     """sharded_state_dict() saved mid-run (torch.save per rank) and loaded into a fresh
     model and optimizer continues bit for bit; another layout is refused on every rank."""
@@ -541,14 +537,14 @@ def _sharded_roundtrip(stage, dtype):
     torch.save({"opt": opt.sharded_state_dict(), "model": model.state_dict() if stage == 3 else
                 model.frozen.state_dict()}, buf)
     steps(model, opt, 3)
-    want = [_values(p).clone() for p in model.parameters()]
+    want = [piece_of(p).clone() for p in model.parameters()]
     buf.seek(0)
     saved = torch.load(buf)
     model2, opt2 = fresh(7)                    # other initial values
     (model2 if stage == 3 else model2.frozen).load_state_dict(saved["model"])
     opt2.load_sharded_state_dict(saved["opt"])
     steps(model2, opt2, 3)
-    same = all(torch.equal(a, _values(b)) for a, b in zip(want, model2.parameters()))
+    same = all(torch.equal(a, piece_of(b)) for a, b in zip(want, model2.parameters()))
     other = zs.ShardedOptimizer(param_groups(make_model(dtype=dtype)), stage=stage if stage < 3 else 2,
                                 bucket_mb=1.0)
     try:

@@ -66,7 +66,7 @@ import types
 import uuid
 import warnings
 import zlib
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -131,15 +131,20 @@ def _check_in(h: Holdings, what: str) -> None:
                       "on every rank, not under `if rank == 0:`")
 
 
+def previous_of(path: str) -> List[str]:
+    """The previous checkpoints a save replacing ``path`` left beside it when it was cut
+    between its two renames ([Note: checkpoint format])."""
+    parent, name = os.path.split(path)
+    return glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old-*"))
+
+
 def _find(path: str) -> str:
     """The checkpoint directory for ``path``: itself, or the previous checkpoint a
     save on a filesystem without atomic exchange left beside it when it was cut
     between its two renames."""
     if os.path.exists(path):
         return path
-    parent, name = os.path.split(path)
-    old = [d for d in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old-*"))
-           if os.path.exists(os.path.join(d, fmt.MANIFEST))]
+    old = [d for d in previous_of(path) if os.path.exists(os.path.join(d, fmt.MANIFEST))]
     if len(old) == 1:
         warnings.warn(f"{path} is missing but a save replacing it was interrupted; loading the previous "
                       f"checkpoint from {old[0]} (rename it to {path} to keep it)")
@@ -228,29 +233,12 @@ def export_full_state_dict(path, out_file, dtype: Optional[torch.dtype] = None) 
     Parameters are written in the model's dtype, or ``dtype`` (floating ones);
     one tensor is in memory at a time. The file appears complete or not at all.
     """
-    save.wait()
-    path = _find(os.path.abspath(os.fspath(path)))
     out_file = os.fspath(out_file)
     if not out_file.endswith(".safetensors"):
         raise ValueError(f"out_file {out_file!r}: export writes safetensors; give a name ending in .safetensors")
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-    man = fmt.read_manifest(path)
-    reader = fmt.Reader(path, man)
-    items = []
-
-    def add(name, key):
-        t = man["tensors"][key]
-        dt = fmt.parse_dtype(t["model_dtype"])
-        if key.startswith("param:") and dtype is not None and dt.is_floating_point:
-            dt = dtype
-        items.append((name, dt, tuple(t["shape"]), lambda: reader.full(key).to(dt)))
-
-    for key in man["tensors"]:
-        if key.startswith(("param:", "buffer:")):
-            add(key.split(":", 1)[1], key)
-    for alias, canonical in man["aliases"].items():
-        add(alias, "param:" + canonical)
+    man, reader, entries = _full_entries(path, dtype)
+    items = [(name, dt, tuple(man["tensors"][key]["shape"]), lambda key=key, dt=dt: reader.full(key).to(dt))
+             for name, key, dt in entries]
     tmp = f"{out_file}.partial-{uuid.uuid4().hex[:12]}"
     try:
         fmt.write_safetensors(tmp, items)
@@ -270,24 +258,27 @@ def read_full_state_dict(path, dtype: Optional[torch.dtype] = None) -> Iterator[
     (floating ones; ``torch.float32`` gives the fp32 master values); buffers in
     their own dtype. Memory: the tensors the caller keeps, plus the one being read.
     """
+    _, reader, entries = _full_entries(path, dtype)
+    try:
+        for name, key, dt in entries:
+            yield name, reader.full(key).to(dt)
+    finally:
+        reader.close()
+
+
+def _full_entries(path, dtype: Optional[torch.dtype]):
+    """(manifest, an open reader, [(name, key, dtype)]) of a checkpoint's full model state
+    dict, tied parameters under every name: what export and read_full_state_dict go over."""
     save.wait()
     path = _find(os.path.abspath(os.fspath(path)))
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     man = fmt.read_manifest(path)
-    reader = fmt.Reader(path, man)
 
-    def read(key):
+    def entry(name, key):
         dt = fmt.parse_dtype(man["tensors"][key]["model_dtype"])
-        if key.startswith("param:") and dtype is not None and dt.is_floating_point:
-            dt = dtype
-        return reader.full(key).to(dt)
+        return name, key, dtype if key.startswith("param:") and dtype is not None and dt.is_floating_point else dt
 
-    try:
-        for key in man["tensors"]:
-            if key.startswith(("param:", "buffer:")):
-                yield key.split(":", 1)[1], read(key)
-        for alias, canonical in man["aliases"].items():
-            yield alias, read("param:" + canonical)
-    finally:
-        reader.close()
+    entries = [entry(key.split(":", 1)[1], key) for key in man["tensors"] if key.startswith(("param:", "buffer:"))]
+    entries += [entry(alias, "param:" + canonical) for alias, canonical in man["aliases"].items()]
+    return man, fmt.Reader(path, man), entries

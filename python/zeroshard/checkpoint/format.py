@@ -9,6 +9,7 @@ import json
 import os
 import struct
 import zlib
+from typing import Optional
 
 import torch
 
@@ -178,6 +179,18 @@ def read_manifest(path: str) -> dict:
     return body
 
 
+def file_problem(path: str, fname: str, info: dict) -> Optional[str]:
+    """Why file ``fname`` of the checkpoint at ``path`` cannot be what the manifest
+    describes (missing, or of another size), or None."""
+    fpath = os.path.join(path, fname)
+    if not os.path.exists(fpath):
+        return f"{fpath} is missing"
+    size = os.path.getsize(fpath)
+    if size != info.get("size"):
+        return f"{fpath} has {size} bytes but the manifest says {info.get('size')} (truncated or overwritten)"
+    return None
+
+
 class Reader:
     """Reads element ranges of checkpoint tensors, verifying each block read."""
 
@@ -201,13 +214,11 @@ class Reader:
         if info is None:
             raise CheckpointError(f"{os.path.join(self.path, MANIFEST)} names file {fname} for tensor '{key}' "
                                   "but does not describe it: the manifest is corrupt")
-        if not os.path.exists(fpath):
-            raise CheckpointError(f"{fpath} is missing (it holds tensor '{key}'); the checkpoint is incomplete: "
-                                  "restore the file or load another checkpoint")
+        problem = file_problem(self.path, fname, info)
+        if problem is not None:
+            raise CheckpointError(f"{problem}; it holds tensor '{key}': the checkpoint is incomplete: restore the "
+                                  "file or load another checkpoint")
         size = os.path.getsize(fpath)
-        if size != info["size"]:
-            raise CheckpointError(f"{fpath} has {size} bytes but the manifest says {info['size']} (truncated or "
-                                  f"overwritten; it holds tensor '{key}')")
         f = open(fpath, "rb")
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1

@@ -27,7 +27,6 @@ checkpoint even when their views of a shared filesystem lag.
 """
 from __future__ import annotations
 
-import glob
 import os
 import warnings
 from typing import Any, List, Optional, Tuple
@@ -37,7 +36,7 @@ import torch.nn as nn
 
 from . import format as fmt
 from .. import comm
-from .api import load_checkpoint
+from .api import load_checkpoint, previous_of
 from .format import CheckpointError
 
 
@@ -48,8 +47,7 @@ def _is_checkpoint(path: str) -> bool:
 def _candidates(path: str) -> List[str]:
     """Directories that may hold a checkpoint of ``path``, in no order."""
     if not os.path.isdir(path) and not os.path.lexists(path):
-        parent, name = os.path.split(path)
-        return glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old-*"))
+        return previous_of(path)
     if _is_checkpoint(path):
         return [path]
     return [os.path.join(path, d) for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
@@ -63,13 +61,7 @@ def _problem(path: str) -> Optional[str]:
         man = fmt.read_manifest(path)
     except CheckpointError as e:
         return str(e)
-    for fname, info in man["files"].items():
-        fpath = os.path.join(path, fname)
-        if not os.path.exists(fpath):
-            return f"{fpath} is missing"
-        if os.path.getsize(fpath) != info.get("size"):
-            return f"{fpath} is truncated or has the wrong size ({os.path.getsize(fpath)} bytes, not {info.get('size')})"
-    return None
+    return next(filter(None, (fmt.file_problem(path, fname, info) for fname, info in man["files"].items())), None)
 
 
 def _committed(path: str) -> float:

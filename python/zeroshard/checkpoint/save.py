@@ -35,13 +35,12 @@ import uuid
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import format as fmt
-from .. import comm
 from .format import CheckpointError
 from .holdings import Holdings
 from .peers import Peers

@@ -207,11 +207,8 @@ class ReducedGrads:
         self.stale, self.coef = set(), None
         n = len(self.params)
         stats = torch.zeros(2 * n, dtype=torch.float32, device=self.source.device)
-        stats[:n] = self._local(_squared_norms)
-        stats[:n] *= self.source.grad_scale ** 2
+        stats[:n] = self._local_sumsq()
         groups = self.source.groups
-        if groups.replica_rank != 0:     # hybrid: the replicas' shards are equal; count each once
-            stats[:n] = 0
         arrived = self.source.arrived()
         if arrived:
             stats[n:].index_fill_(0, torch.tensor(arrived, device=stats.device), 1.0)
@@ -257,13 +254,20 @@ class ReducedGrads:
             self._retake()
         return self._sumsq
 
-    def _retake(self):
-        """The squared norms again, after clamping (one all-reduce: every rank clamped alike)."""
+    def _local_sumsq(self) -> torch.Tensor:
+        """This rank's part of each parameter's squared norm, as the step will apply the
+        gradient (the source's grad_scale, the engine's pending clip); summed over the ranks
+        it is the statistic. Hybrid: the replicas' shards are equal, so one replica counts."""
         local = self._local(_squared_norms) * self.source.grad_scale ** 2
         if self.coef is not None:
             local *= self.coef.to(local.device).square()
-        if self.source.groups.replica_rank != 0:     # hybrid: count the replicas' equal shards once
+        if self.source.groups.replica_rank != 0:
             local.zero_()
+        return local
+
+    def _retake(self):
+        """The squared norms again, after clamping (one all-reduce: every rank clamped alike)."""
+        local = self._local_sumsq()
         comm.all_reduce(local, group=self.source.groups.every, what="gradient statistics after a clamp").wait()
         self.source.comm_elements["all_reduce"] += local.numel()
         self._sumsq, self.stale = local, set()

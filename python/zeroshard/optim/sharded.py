@@ -24,8 +24,7 @@ from ..common.claims import claim
 from .grads import ReducedGrads
 from ..zero12.buffers import BufferSync
 from ..zero12.reducer import FlatReducer
-from .rules import FusedAdamW, TorchElementwise, check_class, probe_defaults, require_fused
-from .rules import gather_full as gather_full_state
+from .rules import FusedAdamW, TorchElementwise, check_class, probe_defaults
 from ..common.source import SUPPORTED, Region, ShardSource
 from ..zero3.source import UnitSource
 from ..zero3.records import owner_of

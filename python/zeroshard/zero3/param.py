@@ -25,8 +25,6 @@ import torch
 import torch.nn as nn
 
 aten = torch.ops.aten
-# ops that make another view of the same sharded tensor (autograd and nn.Module use them)
-_ALIASES = (aten.detach.default, aten.alias.default)
 
 
 # what a user wrote, for the torch ops it reaches us as
@@ -60,7 +58,7 @@ class ShardedTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         first = args[0] if args else None
-        if func is aten.detach.default and isinstance(first, ShardedTensor) and type(first) is ShardedTensor:
+        if func is aten.detach.default and type(first) is ShardedTensor:
             return ShardedTensor(first.piece, first.shape, first.param_name)
         owner = next((a for a in args if isinstance(a, ShardedTensor)), first)
         raise RuntimeError(_refuse(getattr(owner, "param_name", "?"), str(func), getattr(owner, "shape", ())))
