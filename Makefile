@@ -56,11 +56,15 @@ test: build test-cpp test-py
 # side with deepspeed.initialize; never a runtime dependency): pinned, installed without its
 # dependency resolution so torch stays the pinned one, then its own dependencies.
 TEST_DS := deepspeed==0.19.8
+# Lightning, the test-only peer of tests/test_lightning.py (ZeroShardStrategy beside its own
+# DDPStrategy): pinned, installed with the pinned torch named so pip keeps it.
+TEST_LIGHTNING := lightning==2.6.6
 .PHONY: test-deps
 test-py: test-deps
 test-deps: $(VENV)/.deps
 	@$(PY) -c "import deepspeed" 2>/dev/null || { $(PIP) install -q --no-deps "$(TEST_DS)" && \
 	  $(PIP) install -q $(BENCH_DEPS_OF_DS); }
+	@$(PY) -c "import lightning" 2>/dev/null || $(PIP) install -q "$(TEST_LIGHTNING)" "$(TORCH_SPEC)"
 
 # Two ranks on this machine (gloo on CPU; NCCL, one GPU each, where there are GPUs).
 # Stages 0-2 run briefly for their memory tables, then ZeRO-3 trains with
