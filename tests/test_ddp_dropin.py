@@ -489,10 +489,14 @@ def test_any_elementwise_torch_optimizer_equals_ddp_with_it(dist_pool, stage, na
         assert rep["exp_avg"] == rep["exp_avg_sq"] == 0 and rep["optimizer_state"] > 0, rep
 
 
+class Custom(torch.optim.SGD):
+    """A class zeroshard cannot know to be elementwise or whole-tensor."""
+
+
 def _refused():
     model = Model()
     out = []
-    for cls, kw in ((torch.optim.LBFGS, {}), (torch.optim.Adafactor, {})):
+    for cls, kw in ((torch.optim.LBFGS, {}), (Custom, {})):
         try:
             zs.ShardedOptimizer(model.parameters(), optimizer_class=cls, lr=0.1, **kw)
         except ValueError as e:
@@ -515,7 +519,8 @@ def _refused():
 def test_non_elementwise_optimizers_are_refused_unless_vouched_for(dist_pool):
     for msgs in dist_pool.run(_refused):
         assert len(msgs) == 5, msgs
-        assert "LBFGS" in msgs[0] and "elementwise=True" in msgs[0] and "Adafactor" in msgs[1]
+        assert "LBFGS" in msgs[0] and "elementwise=True" in msgs[0] and "whole_tensor=True" in msgs[0]
+        assert "Custom" in msgs[1]
         assert "optimizer_class" in msgs[2]
         assert all("Adafactor" in m and "consolidate_state_dict" in m for m in msgs[3:]), msgs[3:]
 

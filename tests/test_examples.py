@@ -15,6 +15,7 @@ EXAMPLES = [
     ("quickstart.py", 2, {}),
     ("fully_shard.py", 2, {}),
     ("optimizers.py", 2, {}),
+    ("muon.py", 2, {}),
     ("mixed_precision.py", 2, {}),
     ("offload.py", 2, {}),
     ("hybrid.py", 4, {}),

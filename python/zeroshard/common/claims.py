@@ -14,6 +14,7 @@ both orders that work.
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Dict, List, Tuple
 
@@ -34,3 +35,19 @@ def claimant(p: torch.Tensor):
     """The live optimizer built over ``p``, else None."""
     e = _CLAIMS.get(id(p))
     return e[1]() if e is not None and e[0]() is p else None
+
+
+def check_unclaimed(opt, params: List[torch.Tensor], err) -> None:
+    """Refuse a parameter another live ShardedOptimizer was built over: both would
+    reduce and update it. (An optimizer only waiting for the garbage collector
+    does not count.)"""
+    if not any(claimant(p) not in (None, opt) for p in params):
+        return
+    gc.collect()
+    for i, p in enumerate(params):
+        if claimant(p) not in (None, opt):
+            raise ValueError(err(
+                f"parameter {i} (shape {tuple(p.shape)}) is already in another live ShardedOptimizer: "
+                "both would reduce and update it. Give each optimizer its own parameters (e.g. Muon "
+                "over the hidden matrices, AdamW over the rest), or drop the first optimizer (del opt) "
+                "before building a new one over the same model"))

@@ -22,6 +22,7 @@ import torch
 from .. import comm
 from ..common.source import update_parts
 from ..native.kernels import fused_adamw_multi_
+from .whole import WHOLE_TENSOR
 
 # torch optimizers whose update of each element depends only on that element's
 # gradient, state and parameter (and per-parameter scalars such as the step)
@@ -30,17 +31,28 @@ ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
     if hasattr(torch.optim, n))
 
 
-def check_class(cls, elementwise: bool) -> None:
+def check_class(cls, elementwise: bool, whole_tensor: bool = False) -> bool:
+    """Whether ``cls`` runs as a whole-tensor rule ([Note: whole-tensor optimizers] in
+    optim/whole.py) rather than over pieces; refuses a class known as neither."""
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {cls!r}")
+    if elementwise and whole_tensor:
+        raise ValueError("pass elementwise=True or whole_tensor=True, not both: an elementwise class runs on "
+                         "this rank's pieces, a whole-tensor one on each parameter's owner")
+    if whole_tensor or (cls in WHOLE_TENSOR and not elementwise):
+        return True
     if cls not in ELEMENTWISE and not elementwise:
         names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        whole = ", ".join(c.__name__ for c in WHOLE_TENSOR)
         raise ValueError(
-            f"optimizer_class {cls.__name__} is not a known elementwise optimizer ({names}). ShardedOptimizer "
-            "runs it on each rank's flat pieces of every parameter, so an update that needs a parameter's "
-            "whole shape (LBFGS's line search, Adafactor's row/column factors, Muon's orthogonalisation) "
-            "would be silently wrong. If every element's update depends only on that element's gradient, "
-            "state and value (and per-parameter scalars), pass elementwise=True to vouch for it")
+            f"optimizer_class {cls.__name__} is neither a known elementwise optimizer ({names}) nor a known "
+            f"whole-tensor one ({whole}). ShardedOptimizer runs an elementwise class on each rank's flat "
+            "pieces of every parameter, so an update that needs a parameter's whole shape (LBFGS's line "
+            "search, row/column factors, an orthogonalisation) would be silently wrong there. If every "
+            "element's update depends only on that element's gradient, state and value (and per-parameter "
+            "scalars), pass elementwise=True to vouch for it; if it needs each parameter whole, pass "
+            "whole_tensor=True (each parameter is then updated whole, on one rank)")
+    return False
 
 
 def require_fused(opt, what: str) -> None:
@@ -151,6 +163,12 @@ class TorchElementwise:
                 if k in self.elementwise_keys else (v.clone() if isinstance(v, torch.Tensor) else v))
             for k, v in st.items()}
 
+    def gather_full(self, opt, keep: bool) -> Optional[Dict[int, dict]]:
+        return gather_full(opt, self, keep)
+
+    def load_full(self, opt, state: dict, saved_ids: list) -> None:
+        load_full(opt, self, state, saved_ids)
+
     def state_bytes(self) -> int:
         if self.inner is None:
             return 0
@@ -173,9 +191,9 @@ def _elementwise_keys(cls, kwargs: dict) -> set:
 
 
 def probe_defaults(cls, kwargs: dict) -> dict:
-    """``cls``'s defaults with ``kwargs`` (an instance over a dummy parameter: the
-    class validates its own arguments)."""
-    return dict(cls([torch.zeros(2, requires_grad=True)], **kwargs).defaults)
+    """``cls``'s defaults with ``kwargs`` (an instance over a dummy matrix: the class
+    validates its own arguments)."""
+    return dict(cls([torch.zeros(2, 2, requires_grad=True)], **kwargs).defaults)
 
 
 def gather_scalars(opt, rule: TorchElementwise) -> Dict[int, dict]:

@@ -20,11 +20,12 @@ from ..comm import mesh as _mesh
 from .. import offload as _offload
 from .state_dict import StateDicts
 from .. import comm
-from ..common.claims import claim
+from ..common.claims import check_unclaimed, claim
 from .grads import ReducedGrads
 from ..zero12.buffers import BufferSync
 from ..zero12.reducer import FlatReducer
 from .rules import FusedAdamW, TorchElementwise, check_class, probe_defaults
+from .whole import WholeTensor
 from ..common.source import SUPPORTED, Region, ShardSource
 from ..zero3.source import UnitSource
 from ..zero3.records import owner_of
@@ -159,9 +160,12 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         bucket_mb: the reduce-scatter bucket size, in MiB.
         process_group: the data-parallel ranks (default: the world).
         reduce_dtype: dtype of the gradient reduction (default: the gradients').
-        optimizer_class: another elementwise torch optimizer to run over this
-            rank's pieces ([Note: update rules]); its arguments go in kwargs.
+        optimizer_class: another torch optimizer: an elementwise one runs over
+            this rank's pieces ([Note: update rules]), a whole-tensor one
+            (``torch.optim.Muon``, ``torch.optim.Adafactor``) on each parameter's
+            owner rank ([Note: whole-tensor optimizers]); its arguments go in kwargs.
         elementwise: vouch that ``optimizer_class`` is elementwise.
+        whole_tensor: vouch that ``optimizer_class`` needs each parameter whole.
         shard_size: hybrid sharding: shard over groups of this many ranks and
             replicate across them ([Note: hybrid sharding]).
         device_mesh: hybrid sharding from a 2-D DeviceMesh (replicas, shards).
@@ -180,6 +184,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
                  weight_decay: Optional[float] = None, *, stage: int = 2, bucket_mb: float = 25,
                  process_group: Optional[dist.ProcessGroup] = None,
                  reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
+                 whole_tensor: bool = False,
                  shard_size: Optional[int] = None, device_mesh=None, offload: Optional[str] = None,
                  offload_dir=None, offload_fraction: float = 1.0, overlap_param_gather: bool = False,
                  broadcast_buffers: bool = True, **optimizer_kwargs):
@@ -189,10 +194,11 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
         optimizer_class, optimizer_kwargs, fused = _resolve_class(optimizer_class, optimizer_kwargs)
         placement = _offload.parse(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
+        self._whole = False
         if fused:
             defaults = _adamw_defaults(given, optimizer_kwargs)
         else:
-            check_class(optimizer_class, elementwise)
+            self._whole = check_class(optimizer_class, elementwise, whole_tensor)
             self._optimizer_kwargs = dict(given, **optimizer_kwargs)
             defaults = probe_defaults(optimizer_class, self._optimizer_kwargs)
         self.optimizer_class, self.fused_requested = optimizer_class or torch.optim.AdamW, fused
@@ -208,6 +214,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(), until a step or load
         self._consolidated = None
         self.broadcast_buffers, self._buffers = bool(broadcast_buffers), None
+        check_unclaimed(self, [p for g in self.param_groups for p in g["params"]], self._err)
         self._binding = ((process_group, shard_size, device_mesh),
                          dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes, reduce_dtype=reduce_dtype,
                               offload=placement, overlap_param_gather=overlap_param_gather))
@@ -234,8 +241,14 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
             every = self._source.groups.every
             self._buffers = BufferSync(self._params, every, dist.get_global_rank(every, 0))
         # see [Note: update rules] in optim/rules.py
-        self._rule = FusedAdamW(self._source.storage) if self.fused_requested else TorchElementwise(
-            self.optimizer_class, self._optimizer_kwargs, self._source.segments, self.param_groups)
+        if self.fused_requested:
+            self._rule = FusedAdamW(self._source.storage)
+        elif self._whole:
+            self._rule = WholeTensor(self.optimizer_class, self._optimizer_kwargs, self._source, self._group_of,
+                                     self.param_groups, self.bucket_bytes // 4, self._err)
+        else:
+            self._rule = TorchElementwise(self.optimizer_class, self._optimizer_kwargs, self._source.segments,
+                                          self.param_groups)
 
     def params_wrapped(self, replaced: Dict[int, torch.Tensor]) -> None:
         """FullyShard wrapped the model whose parameters this optimizer was built over

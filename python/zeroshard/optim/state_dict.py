@@ -9,7 +9,6 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import rules as _rules
 from .rules import require_fused
 from .. import comm
 
@@ -137,7 +136,7 @@ def load_full(opt, state_dict: dict, rule=None) -> List[int]:
                     "is of another model"))
         steps[i] = int(float(st.get("step", 0)))
     if rule is not None:
-        _rules.load_full(opt, rule, state, saved_ids)
+        rule.load_full(opt, state, saved_ids)
         return steps
     for reg in opt.regions:
         reg.exp_avg.zero_()
@@ -214,7 +213,7 @@ class StateDicts:
                       "every rank first, then opt.state_dict() on rank 0 needs no communication")
         keep = to is None or dist.get_rank() == to
         packed = super().state_dict()   # param_groups with indices; our torch state is empty
-        full = gather_full(self, keep) if self._rule.fused else _rules.gather_full(self, self._rule, keep)
+        full = gather_full(self, keep) if self._rule.fused else self._rule.gather_full(self, keep)
         if not keep:
             return None
         packed["state"] = full

@@ -62,7 +62,6 @@ from __future__ import annotations
 __all__ = ["FullyShard", "MixedPrecision", "UnitState", "MAX_INFLIGHT"]
 
 import collections
-import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -77,7 +76,7 @@ from . import state_dict as unit_state
 from .. import comm
 from .gather import Gatherer
 from ..common.source import SUPPORTED, GradState
-from .records import MixedPrecision, Unit, UnitState, register_owner
+from .records import MixedPrecision, Optimizers, Unit, UnitState, register_owner
 from .backward import MAX_INFLIGHT, UnitBackward
 
 
@@ -166,7 +165,7 @@ class FullyShard(nn.Module):
         self._fwd_seen: List[int] = []
         # (weak reference to an optimizer's shard source, {unit index: its state shards}),
         # counted by memory_report while the source is alive
-        self._optimizer_states: List[tuple] = []
+        self._optimizers = Optimizers()
 
         self._device = setup.pick_device(module, device, self.process_group, self._err)
         self.offload_params = bool(offload_params)
@@ -348,20 +347,14 @@ class FullyShard(nn.Module):
         if self._backward.active:
             raise RuntimeError(self._err("zero_grad() called during backward"))
         self._backward.zero_grad(set_to_none)
+        self._optimizers.clear_steps()
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
         """Bytes held on this rank, by category and by location (device, host,
         disk); see zero3/state_dict.py's memory_report for each key."""
-        return unit_state.memory_report(self._units, self._states_by_unit(), self.param_dtype, self._gatherer,
+        return unit_state.memory_report(self._units, self._optimizers.states_by_unit(), self.param_dtype, self._gatherer,
                                         self._backward, reset_peak, self.offload_params)
-
-    def _states_by_unit(self) -> Dict[int, Dict[str, torch.Tensor]]:
-        out: Dict[int, Dict[str, torch.Tensor]] = {}
-        for ref, states in self._optimizer_states:
-            if ref() is not None:
-                out.update(states)
-        return out
 
     # ------------------------------------------- what an optimizer's source uses
     @property
@@ -381,10 +374,14 @@ class FullyShard(nn.Module):
     def in_backward(self) -> bool:
         return self._backward.active
 
-    def step_done(self, updated: bool = True):
-        """The shards were stepped (``updated``) or skipped: drop gathered copies, consume the gradients."""
+    def step_done(self, updated: bool = True, by: Optional[object] = None):
+        """The shards were stepped (``updated``) or skipped: drop gathered copies, consume the
+        gradients. With several optimizers over this model's parameters (``by``: the one
+        that stepped; e.g. Muon over the matrices and AdamW over the rest) the gradients
+        are consumed once each has stepped."""
         self.invalidate()
-        self._backward.step_done(updated)
+        if self._optimizers.all_stepped(by):
+            self._backward.step_done(updated)
 
     def add_grads_ready_listener(self, fn):
         """Call ``fn()`` whenever a backward outside no_sync() has finished and the
@@ -394,7 +391,7 @@ class FullyShard(nn.Module):
     def register_optimizer_states(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]]):
         """An optimizer's state shards by unit index, counted by memory_report()
         while ``owner`` (held weakly) is alive."""
-        self._optimizer_states.append((weakref.ref(owner), states))
+        self._optimizers.register(owner, states)
 
     # ------------------------------------------------------------ state dict
     def state_dict(self, *, to: Optional[int] = None, prefix: str = "", keep_vars: bool = False,

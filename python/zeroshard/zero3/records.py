@@ -114,3 +114,37 @@ def register_owner(fs, units: List[Unit]):
 def _forget(ids):
     for i in ids:
         _OWNERS.pop(i, None)
+
+
+class Optimizers:
+    """The ShardedOptimizers over a FullyShard model's parameters (held weakly): their
+    state shards by unit index, which memory_report counts while each lives, and
+    which of them have stepped since the backward (with several, e.g. Muon over the
+    matrices and AdamW over the rest, the gradients are consumed once each has)."""
+
+    def __init__(self):
+        self._entries: List[tuple] = []
+        self._stepped: set = set()
+
+    def register(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]]):
+        self._entries.append((weakref.ref(owner), states))
+
+    def states_by_unit(self) -> Dict[int, Dict[str, torch.Tensor]]:
+        out: Dict[int, Dict[str, torch.Tensor]] = {}
+        for ref, states in self._entries:
+            if ref() is not None:       # (an optimizer with its own state registers none)
+                out.update({k: v for k, v in states.items() if v})
+        return out
+
+    def all_stepped(self, by: Optional[object]) -> bool:
+        """Records that ``by`` stepped; whether every live one has (then starts over)."""
+        live = [ref() for ref, _ in self._entries if ref() is not None]
+        if by is not None and len(live) > 1:
+            self._stepped.add(id(by))
+            if not all(id(o) in self._stepped for o in live):
+                return False
+        self._stepped.clear()
+        return True
+
+    def clear_steps(self):
+        self._stepped.clear()

@@ -133,7 +133,7 @@ class UnitSource(ShardSource):
 
     def step_done(self, updated: bool):
         for fs in self.owners:      # gathered copies are stale; the next forward gathers
-            fs.step_done(updated)
+            fs.step_done(updated, by=self)
 
     def zero_grad(self, set_to_none: bool):
         for fs in self.owners:

@@ -1,0 +1,259 @@
+"""Whole-tensor update rules: optimizers whose update of a parameter needs all of it.
+
+[Note: whole-tensor optimizers] ``torch.optim.Muon`` orthogonalises each
+matrix's momentum with Newton-Schulz iterations and ``torch.optim.Adafactor``
+factors the second moment over rows and columns: neither can run on the flat
+pieces the shard sources hand out (see [Note: update rules] in rules.py). So
+each such parameter gets one *owner* rank, and its update runs exactly once
+in the job, there:
+
+* Owners are chosen once, the same on every rank, by longest-processing-time
+  packing on the update's cost (``update_cost``: rows x cols x min(rows,
+  cols) for a matrix, as Newton-Schulz grows), so the ranks' shares of the
+  whole-tensor work are balanced.
+* A step moves, window by window (``plan_windows``: at most about one bucket
+  of elements per rank), each parameter's reduced gradient and fp32 value
+  from the ranks' pieces to its owner in one reduce-scatter (SUM): every rank
+  writes its pieces at their place in the owner's chunk and zeros elsewhere;
+  pieces are disjoint, so the sum is the whole tensor.
+* The owner runs one instance of the user's class over the whole tensors it
+  owns (its state, Muon's momentum or Adafactor's factors, lives there only),
+  then an all-gather brings the updated values back and every rank writes its
+  pieces into its shard (and low-precision parameter). The stage then does
+  what it does after any update (ZeRO-1/2: the parameter all-gather;
+  ZeRO-3: drop the gathered copies).
+
+It works over any shard source, so stages 1, 2 and FullyShard share it. The
+price: besides the stage's own collectives, each step moves the whole-tensor
+parameters three more times (gradient and value to the owner, value back)
+instead of running every matrix's update on every rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .. import comm
+
+# torch optimizers whose update of a parameter needs the whole tensor
+WHOLE_TENSOR = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if hasattr(torch.optim, n))
+# classes that take matrices only (torch raises for other shapes)
+MATRICES_ONLY = tuple(getattr(torch.optim, n) for n in ("Muon",) if hasattr(torch.optim, n))
+
+
+def update_cost(shape: Sequence[int]) -> int:
+    """The relative cost of one whole-tensor update of a tensor of ``shape``:
+    rows x cols x min(rows, cols) for a matrix (Newton-Schulz's matrix products;
+    a tensor of more dimensions as (shape[0], the rest)); the size for a vector."""
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel == 0:
+        return numel
+    rows = shape[0]
+    cols = numel // rows
+    return rows * cols * min(rows, cols)
+
+
+def assign_owners(costs: Sequence[int], world_size: int) -> List[int]:
+    """The owner rank of each tensor: longest-processing-time packing (the costliest
+    first, each onto the least loaded rank, the lower rank on a tie), the same on
+    every rank."""
+    load = [0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += costs[i]
+    return owners
+
+
+@dataclass
+class Window:
+    """Tensors exchanged in one reduce-scatter and one all-gather. Each rank's chunk
+    holds its tensors' values in ``[0, values)`` and their gradients in
+    ``[values, 2 * values)``."""
+    values: int = 0
+    slots: Dict[int, tuple] = field(default_factory=dict)   # index -> (owner, offset of its value)
+
+    @property
+    def chunk(self) -> int:
+        return 2 * self.values
+
+
+def plan_windows(numels: Dict[int, int], owners: Dict[int, int], world_size: int, cap: int) -> List[Window]:
+    """Windows over the tensors ``numels`` (index -> elements): round k takes each
+    rank's k-th largest tensor, and rounds join a window while its chunk stays
+    within ``cap`` elements (a window has at least one round)."""
+    mine: List[List[int]] = [[] for _ in range(world_size)]
+    for i in sorted(numels, key=lambda i: (-numels[i], i)):
+        mine[owners[i]].append(i)
+    windows: List[Window] = []
+    used = [0] * world_size          # value elements of each rank in the open window
+    for k in range(max((len(m) for m in mine), default=0)):
+        round_ = [(r, m[k]) for r, m in enumerate(mine) if k < len(m)]
+        grown = [used[r] + sum(numels[i] for q, i in round_ if q == r) for r in range(world_size)]
+        if not windows or 2 * max(grown) > cap:
+            windows.append(Window())
+            used = [0] * world_size
+        w = windows[-1]
+        for r, i in round_:
+            w.slots[i] = (r, used[r])
+            used[r] += numels[i]
+        w.values = max(w.values, max(used))
+    return windows
+
+
+def check_shapes(cls, full_shapes: Dict[int, torch.Size], err) -> None:
+    """Muon takes matrices only: anything else is refused naming it (torch's
+    message does not say which parameter, nor where it belongs)."""
+    if not issubclass(cls, MATRICES_ONLY):
+        return
+    for i, shape in sorted(full_shapes.items()):
+        if len(shape) != 2:
+            raise ValueError(err(
+                f"parameter {i} has shape {tuple(shape)} ({len(shape)}-D), but {cls.__name__} updates "
+                "2-D matrices only: put it in the other optimizer (e.g. a ShardedOptimizer with the "
+                "default AdamW, as with torch: embeddings, the output head, norms and biases)"))
+
+
+class WholeTensor:
+    """An instance of ``cls`` over whole tensors on their owners; see
+    [Note: whole-tensor optimizers]."""
+    fused = False
+    elementwise_keys: frozenset = frozenset()
+
+    def __init__(self, cls, kwargs: dict, source, group_of: List[int], param_groups: List[dict],
+                 cap_elements: int, err):
+        self.cls, self.source, self.err = cls, source, err
+        self.rank, self.world_size = source.rank, source.world_size
+        shapes = dict(source.full_shapes)
+        check_shapes(cls, shapes, err)
+        self.shapes = shapes
+        self.owners = dict(zip(sorted(shapes), assign_owners([update_cost(shapes[i]) for i in sorted(shapes)],
+                                                             self.world_size)))
+        self.windows = plan_windows({i: shapes[i].numel() for i in shapes}, self.owners, self.world_size,
+                                    max(2, cap_elements))
+        # param index -> [(segment, start, stop, offset in the flattened parameter)] on this rank
+        self.pieces: Dict[int, list] = {}
+        for seg in source.segments:
+            for i, a, b, t_off in seg.pieces:
+                self.pieces.setdefault(i, []).append((seg, a, b, t_off))
+        # the owner's tensor of each parameter it owns: the class keys its state by it; between
+        # steps it holds no data (the values live in the shards)
+        self.leaves: Dict[int, torch.Tensor] = {i: torch.zeros(shapes[i], dtype=torch.float32)
+                                                for i in shapes if self.owners[i] == self.rank}
+        by_group: List[list] = [[] for _ in param_groups]
+        for i, leaf in self.leaves.items():
+            by_group[group_of[i]].append(leaf)
+        self.group_index = [gi for gi, ps in enumerate(by_group) if ps]
+        self.inner = cls([dict(_hyper(param_groups[gi]), params=by_group[gi]) for gi in self.group_index],
+                         **kwargs) if self.group_index else None
+        self._empty = torch.empty(0, dtype=torch.float32, device=source.device)
+        for leaf in self.leaves.values():
+            leaf.data = self._empty
+
+    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
+               scale: Optional[torch.Tensor]):
+        if self.inner is not None:          # an LR scheduler changes ours; the instance follows
+            for inner_group, gi in zip(self.inner.param_groups, self.group_index):
+                inner_group.update(_hyper(groups[gi]))
+        for k, w in enumerate(self.windows):
+            if any(used[i] for i in w.slots):
+                self._step_window(k, w, used, grad_scale, scale)
+
+    @torch.no_grad()
+    def _step_window(self, k: int, w: Window, used: List[bool], grad_scale: float,
+                     scale: Optional[torch.Tensor]):
+        n, dev, pg = self.world_size, self.source.device, self.source.process_group
+        buf = torch.zeros(n * w.chunk, dtype=torch.float32, device=dev)
+        for i, (owner, off) in w.slots.items():
+            base = owner * w.chunk + off
+            for seg, a, b, t_off in self.pieces.get(i, ()):
+                buf[base + t_off:base + t_off + b - a].copy_(seg.param[a:b])
+                if used[i]:
+                    g0 = base + w.values + t_off
+                    buf[g0:g0 + b - a].copy_(seg.grad[a:b])
+        mine = buf[self.rank * w.chunk:(self.rank + 1) * w.chunk]
+        comm.reduce_scatter(buf, mine, group=pg, average=False, input_is_scratch=True,
+                            what=f"whole-tensor window {k}: gradients and values to owners").wait()
+        stepping = [i for i, (owner, _) in w.slots.items() if owner == self.rank and used[i]]
+        for i in stepping:
+            off, numel, leaf = w.slots[i][1], self.shapes[i].numel(), self.leaves[i]
+            leaf.data = mine[off:off + numel].view(self.shapes[i])
+            g = mine[w.values + off:w.values + off + numel].view(self.shapes[i]).mul_(grad_scale)
+            leaf.grad = g.mul_(scale) if scale is not None else g
+        if stepping:
+            self.inner.step()
+        for i in stepping:
+            self.leaves[i].grad = None
+            self.leaves[i].data = self._empty
+        out = torch.empty(n * w.values, dtype=torch.float32, device=dev)
+        own = out[self.rank * w.values:(self.rank + 1) * w.values]
+        own.copy_(mine[:w.values])
+        comm.all_gather(own, out, group=pg, what=f"whole-tensor window {k}: updated values from owners").wait()
+        for i, (owner, off) in w.slots.items():
+            if not used[i]:
+                continue
+            base = owner * w.values + off
+            for seg, a, b, t_off in self.pieces.get(i, ()):
+                src = out[base + t_off:base + t_off + b - a]
+                seg.param[a:b].copy_(src)
+                if seg.out is not None:
+                    seg.out[a:b].copy_(src)
+
+    # ------------------------------------------------------------ state dicts
+    def owner_state(self, i: int) -> Optional[dict]:
+        """The class's state of parameter ``i``, on its owner; None elsewhere or before it stepped."""
+        leaf = self.leaves.get(i)
+        return None if leaf is None or self.inner is None else self.inner.state.get(leaf)
+
+    def gather_full(self, opt, keep: bool) -> Optional[Dict[int, dict]]:
+        """The full state in the class's own per-parameter format, on CPU (collective:
+        each owner's entries travel window by window); None where ``keep`` is false."""
+        full: Dict[int, dict] = {}
+        for k, w in enumerate(self.windows):
+            mine = {}
+            for i in w.slots:
+                st = self.owner_state(i)
+                if st is not None:
+                    mine[i] = {key: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                               for key, v in st.items()}
+            for theirs in comm.all_gather_object(mine, group=opt.process_group,
+                                                 what=f"state_dict gather: whole-tensor window {k}"):
+                if keep:
+                    full.update(theirs)
+        return full if keep else None
+
+    def load_full(self, opt, state: dict, saved_ids: list) -> None:
+        """Every owner takes the state of its parameters from a full state dict."""
+        for i, leaf in self.leaves.items():
+            st = state.get(saved_ids[i])
+            if st is None or self.inner is None:
+                self.inner is not None and self.inner.state.pop(leaf, None)
+                continue
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor) and v.numel() > self.shapes[i].numel():
+                    raise ValueError(self.err(f"state of parameter {i}: {key} has shape {tuple(v.shape)}, larger "
+                                              f"than the parameter's {tuple(self.shapes[i])}; the state dict "
+                                              "is of another model"))
+            self.inner.state[leaf] = {key: (v.to(self.source.device).clone() if isinstance(v, torch.Tensor)
+                                            else v) for key, v in st.items()}
+
+    def state_bytes(self) -> int:
+        if self.inner is None:
+            return 0
+        return sum(v.numel() * v.element_size() for st in self.inner.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
+
+    def balance(self) -> List[int]:
+        """Each rank's summed update cost (``update_cost``) of the tensors it owns."""
+        load = [0] * self.world_size
+        for i, r in self.owners.items():
+            load[r] += update_cost(self.shapes[i])
+        return load
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}

@@ -1,0 +1,356 @@
+"""Whole-tensor optimizers (torch.optim.Muon, torch.optim.Adafactor) on sharded state:
+each matrix updated once, on its owner ([Note: whole-tensor optimizers] in
+python/zeroshard/optim/whole.py). A Muon + AdamW script converted with two
+ShardedOptimizers equals DDP + the same two torch optimizers within DDP's own
+distance from single-process training, at stages 1, 2 and FullyShard, world
+sizes 2, 3 and 4."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroshard as zs
+from conftest import get_pool
+from zeroshard.optim.whole import assign_owners, plan_windows, update_cost
+
+BATCH = 24
+TINY_BUCKET_MB = 700 / 2**20     # buckets split tensors, and windows hold one round each
+STEPS = 10
+
+
+class Net(nn.Module):
+    """Matrices of awkward shapes: tall (41x23), wide (13x41), one larger than the
+    others together (211x13), one used only in some steps; AdamW's share: the
+    embedding, the head, biases and a norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(37, 23)
+        self.a = nn.Linear(23, 41)
+        self.b = nn.Linear(41, 13, bias=False)
+        self.big = nn.Linear(13, 211)
+        self.extra = nn.Linear(13, 13, bias=False)
+        self.norm = nn.LayerNorm(211)
+        self.head = nn.Linear(211, 5)
+
+    def forward(self, tok, use_extra=False):
+        h = self.b(F.gelu(self.a(self.emb(tok).mean(1))))
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(self.norm(torch.tanh(self.big(h))))
+
+
+class Muon32(torch.optim.Muon):
+    """torch.optim.Muon's update with Newton-Schulz in fp32 (torch's runs in bf16): a
+    class vouched for with whole_tensor=True, and a reference whose only noise is fp32's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            a, b, c = g["ns_coefficients"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - g["momentum"])
+                x = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf.clone()
+                tall = x.shape[0] > x.shape[1]
+                x = x.T if tall else x
+                x = x / x.norm().clamp(min=g["eps"])
+                for _ in range(g["ns_steps"]):
+                    m = x @ x.T
+                    x = a * x + (b * m + c * m @ m) @ x
+                x = x.T if tall else x
+                rows, cols = p.shape
+                ratio = 0.2 * math.sqrt(max(rows, cols)) if g["adjust_lr_fn"] == "match_rms_adamw" else \
+                    math.sqrt(max(1, rows / cols))
+                adjusted = g["lr"] * ratio
+                p.mul_(1 - g["lr"] * g["weight_decay"]).add_(x, alpha=-adjusted)
+
+
+VARIANTS = {
+    "nesterov": dict(nesterov=True, adjust_lr_fn="original"),
+    "plain_match_rms": dict(nesterov=False, adjust_lr_fn="match_rms_adamw"),
+}
+
+
+def data(steps=STEPS, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 37, (BATCH, 3), generator=g), torch.randint(0, 5, (BATCH,), generator=g))
+            for _ in range(steps)]
+
+
+def _groups(named, variant):
+    mats = {n: p for n, p in named if p.ndim == 2 and not n.endswith(("emb.weight", "head.weight"))}
+    rest = [p for n, p in named if n not in mats]
+    muon_groups = [dict(params=[mats[n] for n in mats if not n.endswith("b.weight")]),
+                   dict(params=[mats[n] for n in mats if n.endswith("b.weight")], lr=0.01)]   # 1 matrix, N ranks
+    muon_kw = dict(lr=0.02, momentum=0.95, weight_decay=0.05, **VARIANTS[variant])
+    return muon_groups, muon_kw, rest, dict(lr=3e-3, weight_decay=0.1)
+
+
+def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False):
+    """Params (full, by name) after STEPS steps of Muon + AdamW; ``kind``: "single"
+    (one process, the whole batch), "ddp", or a zeroshard stage 1/2/3."""
+    torch.manual_seed(0)
+    model = Net()
+    rank, world = (0, 1) if kind == "single" else (dist.get_rank(), dist.get_world_size())
+    if kind == 3:
+        model = zs.FullyShard(model, wrap={nn.Linear})
+    net = DDP(model, find_unused_parameters=True) if kind == "ddp" else model
+    muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), variant)
+    if kind in ("single", "ddp"):
+        muon = cls(muon_groups, **muon_kw)
+        adamw = torch.optim.AdamW(rest, foreach=False, **adamw_kw)
+    else:
+        stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB) if kind != 3 else {}
+        vouch = dict(whole_tensor=True) if cls is Muon32 else {}
+        muon = zs.ShardedOptimizer(muon_groups, optimizer_class=cls, **muon_kw, **vouch, **stage)
+        adamw = zs.ShardedOptimizer(rest, **adamw_kw, **stage)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (muon, adamw)]
+    n = BATCH // world
+    for k, (tok, y) in enumerate(data()):
+        tok, y = tok[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        if permute:         # the same batch, summed in another order
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(k))
+            tok, y = tok[order], y[order]
+        for o in (muon, adamw):
+            o.zero_grad()
+        halves = [(tok[: n // 2], y[: n // 2]), (tok[n // 2:], y[n // 2:])] if accumulate else [(tok, y)]
+        for j, (t, yy) in enumerate(halves):
+            last = j == len(halves) - 1
+            syncs = [] if last or kind == "single" else [net.no_sync()] if kind == "ddp" else \
+                [muon.no_sync(), adamw.no_sync()]
+            for s in syncs:
+                s.__enter__()
+            (F.cross_entropy(net(t, use_extra=k % 3 == 1), yy) / len(halves)).backward()
+            for s in reversed(syncs):
+                s.__exit__(None, None, None)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
+        for o in (muon, adamw):
+            o.step()
+        for s in scheds:
+            s.step()
+    sd = model.state_dict() if kind == 3 else model.state_dict()
+    return {k: v.detach().clone().float() for k, v in sd.items()}, (None if kind in ("single", "ddp") else
+                                                                     muon.memory_report())
+
+
+def _diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def _compare(stage, variant, accumulate, cls=torch.optim.Muon):
+    """(ours against DDP, DDP's own noise, our memory report): the noise is the largest
+    distance among torch's own runs: DDP, single-process training, and the latter
+    with each batch summed in another order."""
+    ours, rep = _train(stage, variant, accumulate, cls)
+    ddp, _ = _train("ddp", variant, accumulate, cls)
+    single, _ = _train("single", variant, accumulate, cls)
+    shuffled, _ = _train("single", variant, accumulate, cls, permute=True)
+    return _diff(ours, ddp), max(_diff(ddp, single), _diff(ddp, shuffled), _diff(single, shuffled)), rep
+
+
+def _check(results, world, floor=1e-5):
+    for rank, (err, ddp_noise, rep) in enumerate(results):
+        # torch's Newton-Schulz runs in bf16: reduction order alone moves its result
+        assert err <= max(2 * ddp_noise, floor), (rank, world, err, ddp_noise)
+    # the momentum lives on owners only: summed over the ranks it is every matrix once
+    total = sum(rep["optimizer_state"] for *_, rep in results)
+    assert total == 4 * (41 * 23 + 13 * 41 + 211 * 13 + 13 * 13), total
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_muon_and_adamw_equal_ddp_with_the_torch_classes(dist_pool, stage, variant):
+    _check(dist_pool.run(_compare, stage, variant, False), dist_pool.world_size)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_in_fp32_equals_ddp_to_fp32_rounding(dist_pool, stage):
+    """With Newton-Schulz in fp32 the only noise left is fp32's: each matrix's update
+    ran once, on its owner, on the whole averaged gradient."""
+    for rank, (err, noise, _) in enumerate(dist_pool.run(_compare, stage, "plain_match_rms", True, Muon32)):
+        assert err < 2e-6 and noise < 2e-6, (rank, err, noise)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_muon_at_world_size_4_with_accumulation_under_no_sync(stage):
+    pool = get_pool(4)
+    _check(pool.run(_compare, stage, "nesterov", True), 4)
+
+
+# ---------------------------------------------------------------- pure layout math
+def test_update_cost_grows_as_newton_schulz():
+    assert update_cost((41, 23)) == 41 * 23 * 23
+    assert update_cost((13, 41)) == 13 * 41 * 13
+    assert update_cost((7,)) == 7
+    assert update_cost((4, 3, 2)) == 4 * 6 * 4
+
+
+def test_owners_balance_the_cost_and_windows_hold_each_tensor_once():
+    g = torch.Generator().manual_seed(11)
+    for world in (2, 3, 4, 7):
+        shapes = [tuple(int(s) for s in torch.randint(1, 60, (2,), generator=g)) for _ in range(23)]
+        costs = [update_cost(s) for s in shapes]
+        owners = assign_owners(costs, world)
+        load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+        # LPT: no rank exceeds the mean by more than the largest single cost
+        assert max(load) <= sum(costs) / world + max(costs), (load, costs)
+        numels = {i: s[0] * s[1] for i, s in enumerate(shapes)}
+        for cap in (2, 500, 10**6):
+            windows = plan_windows(numels, dict(enumerate(owners)), world, cap)
+            seen = [i for w in windows for i in w.slots]
+            assert sorted(seen) == list(range(len(shapes)))
+            for w in windows:
+                for r in range(world):       # a rank's values do not overlap and fit its chunk
+                    spans = sorted((off, off + numels[i]) for i, (o, off) in w.slots.items() if o == r)
+                    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+                    assert all(e <= w.values for _, e in spans)
+                assert w.chunk <= cap or len({o for o, _ in w.slots.values()}) == len(w.slots)
+
+
+# ---------------------------------------------------------------- errors
+def _errors():
+    out = []
+    model = Net()
+    try:    # a vector given to Muon: named, and where it belongs
+        zs.ShardedOptimizer([model.a.weight, model.a.bias], optimizer_class=torch.optim.Muon, lr=0.02)
+    except ValueError as e:
+        out.append(str(e))
+    muon = zs.ShardedOptimizer([model.a.weight], optimizer_class=torch.optim.Muon, lr=0.02)
+    try:    # a parameter in both optimizers
+        zs.ShardedOptimizer([model.a.weight, model.b.weight], lr=1e-3)
+    except ValueError as e:
+        out.append(str(e))
+    del muon
+    zs.ShardedOptimizer([model.a.weight, model.b.weight], lr=1e-3)   # once the first is gone
+    return out
+
+
+def test_misuse_is_a_clear_error(dist_pool):
+    for rank, msgs in enumerate(dist_pool.run(_errors)):
+        assert len(msgs) == 2, msgs
+        assert f"[rank {rank}/" in msgs[0] and "parameter 1 has shape (41,)" in msgs[0], msgs[0]
+        assert "2-D matrices only" in msgs[0] and "AdamW" in msgs[0], msgs[0]
+        assert "parameter 0 (shape (41, 23)) is already in another live ShardedOptimizer" in msgs[1], msgs[1]
+
+
+# ---------------------------------------------------------------- Adafactor, state dicts, resume
+def _build(kind, cls, kw):
+    torch.manual_seed(0)
+    model = Net()
+    if kind == 3:
+        model = zs.FullyShard(model, wrap={nn.Linear})
+    net = DDP(model, find_unused_parameters=True) if kind == "ddp" else model
+    if kind == "ddp":
+        return model, net, cls(model.parameters(), foreach=False, **kw)
+    stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB) if kind != 3 else {}
+    return model, net, zs.ShardedOptimizer(model.parameters(), optimizer_class=cls, **kw, **stage)
+
+
+def _steps(net, opt, batches, first=0):
+    rank, n = dist.get_rank(), BATCH // dist.get_world_size()
+    for k, (tok, y) in enumerate(batches, start=first):
+        opt.zero_grad()
+        F.cross_entropy(net(tok[rank * n:(rank + 1) * n], use_extra=k % 3 == 1), y[rank * n:(rank + 1) * n]).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
+        opt.step()
+
+
+def _full(model):
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+
+
+def _adafactor_and_state_dict(kind):
+    cls, kw = torch.optim.Adafactor, dict(lr=0.01, weight_decay=0.05)
+    model, net, opt = _build(kind, cls, kw)
+    _steps(net, opt, data(6))
+    if kind == "ddp":
+        return _full(model), opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    sd = opt.state_dict() if dist.get_rank() == 0 else None
+    if sd is not None:       # plain torch loads it
+        cls(Net().parameters(), **kw).load_state_dict(sd)
+    return _full(model), sd
+
+
+def _compare_adafactor(kind):
+    (ours, sd), (ref, ref_sd) = _adafactor_and_state_dict(kind), _adafactor_and_state_dict("ddp")
+    state_err = None
+    if sd is not None:
+        assert sd["state"].keys() == ref_sd["state"].keys()
+        state_err = max(float((torch.as_tensor(v).float() - torch.as_tensor(ref_sd["state"][i][k]).float()).abs().max())
+                        for i, st in sd["state"].items() for k, v in st.items())
+    return _diff(ours, ref), state_err
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_adafactor_and_its_state_dict_equal_ddp_with_torch_adafactor(dist_pool, stage):
+    for rank, (err, state_err) in enumerate(dist_pool.run(_compare_adafactor, stage)):
+        assert err < 1e-5, (rank, err)
+        assert rank != 0 or state_err < 1e-5, state_err
+
+
+def _two(kind, cls=Muon32):
+    """(model, net, [muon, adamw]) as in _train, Newton-Schulz in fp32."""
+    torch.manual_seed(0)
+    model = Net()
+    if kind == 3:
+        model = zs.FullyShard(model, wrap={nn.Linear})
+    muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
+    stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB) if kind != 3 else {}
+    return model, model, [zs.ShardedOptimizer(muon_groups, optimizer_class=cls, whole_tensor=True, **muon_kw, **stage),
+                          zs.ShardedOptimizer(rest, **adamw_kw, **stage)]
+
+
+def _steps2(net, opts, batches, first=0):
+    rank, n = dist.get_rank(), BATCH // dist.get_world_size()
+    for k, (tok, y) in enumerate(batches, start=first):
+        for o in opts:
+            o.zero_grad()
+        F.cross_entropy(net(tok[rank * n:(rank + 1) * n], use_extra=k % 3 == 1), y[rank * n:(rank + 1) * n]).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
+        for o in opts:
+            o.step()
+
+
+def _resume(kind):
+    """Three steps, full state dicts, a fresh model and optimizers loading them, three
+    more: against six uninterrupted steps. Rank 0's Muon state dict loads into
+    torch.optim.Muon (its own format)."""
+    batches = data(6)
+    model, net, opts = _two(kind)
+    _steps2(net, opts, batches)
+    straight = _full(model)
+    del model, net, opts
+    model, net, opts = _two(kind)
+    _steps2(net, opts, batches[:3])
+    msd = model.state_dict()
+    opts[0].consolidate_state_dict(to=0)
+    osds = [opts[0].state_dict() if dist.get_rank() == 0 else None, opts[1].state_dict()]
+    del model, net, opts
+    model, net, opts = _two(kind)
+    model.load_state_dict(msd)
+    sd0 = [osds[0]]
+    dist.broadcast_object_list(sd0, src=0)
+    opts[0].load_state_dict(sd0[0])
+    opts[1].load_state_dict(osds[1])
+    _steps2(net, opts, batches[3:], first=3)
+    if dist.get_rank() == 0:
+        fresh = Net()
+        muon_groups, muon_kw, _, _ = _groups(list(fresh.named_parameters()), "nesterov")
+        torch.optim.Muon(muon_groups, **muon_kw).load_state_dict(sd0[0])
+        assert {tuple(st["momentum_buffer"].shape) for st in sd0[0]["state"].values()} == \
+            {(41, 23), (13, 41), (211, 13), (13, 13)}
+    return _diff(_full(model), straight)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_state_dict_resumes_exactly(dist_pool, stage):
+    for rank, err in enumerate(dist_pool.run(_resume, stage)):
+        assert err == 0.0, (rank, err)
