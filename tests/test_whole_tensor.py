@@ -354,3 +354,62 @@ def _resume(kind):
 def test_muon_state_dict_resumes_exactly(dist_pool, stage):
     for rank, err in enumerate(dist_pool.run(_resume, stage)):
         assert err == 0.0, (rank, err)
+
+
+# ---------------------------------------------------------------- checkpoints
+def _ckpt_save(kind, path):
+    """Six steps, a checkpoint of the model and both optimizers after the third."""
+    batches = data(6)
+    model, net, opts = _two(kind)
+    _steps2(net, opts, batches[:3])
+    zs.save_checkpoint(path, model, opts, extra={"step": 3})
+    _steps2(net, opts, batches[3:], first=3)
+    return _full(model), opts[0].param_steps
+
+
+def _ckpt_load(kind, path):
+    """A fresh model and optimizers loading the checkpoint, then the last three steps."""
+    model, net, opts = _two(kind)
+    extra = zs.load_checkpoint(path, model, opts)
+    _steps2(net, opts, data(6)[3:], first=3)
+    return _full(model), extra, opts[0].param_steps
+
+
+@pytest.mark.parametrize("saved,loaded", [((1, 2), (1, 2)), ((3, 2), (3, 2)), ((2, 2), (3, 3)), ((3, 3), (1, 2))],
+                         ids=["stage1-same", "stage3-same", "2to3ranks-stage2to3", "3to2ranks-stage3to1"])
+def test_checkpoints_of_muon_and_adamw_resume_at_any_world_size_and_stage(tmp_path, saved, loaded):
+    path = str(tmp_path / "ck")
+    straight, straight_steps = get_pool(saved[1]).run(_ckpt_save, saved[0], path)[0]
+    for params, extra, steps in get_pool(loaded[1]).run(_ckpt_load, loaded[0], path):
+        assert extra == {"step": 3} and steps == straight_steps == [6, 6, 2, 6], (extra, steps)
+        err = _diff(params, straight)
+        assert err == 0.0 if saved == loaded else err < 1e-5, err
+
+
+def _sharded_round_trip(kind):
+    """Three steps, each rank's sharded_state_dict() copied, three more; a fresh pair
+    loading the copies takes the same last three steps."""
+    batches = data(6)
+    model, net, opts = _two(kind)
+    _steps2(net, opts, batches[:3])
+    msd = model.state_dict()
+    sds = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in o.sharded_state_dict()["state"].items()}
+           for o in opts]
+    held = [dict(o.sharded_state_dict(), state=sd) for o, sd in zip(opts, sds)]
+    _steps2(net, opts, batches[3:], first=3)
+    straight = _full(model)
+    model, net, opts = _two(kind)
+    model.load_state_dict(msd)
+    for o, sd in zip(opts, held):
+        o.load_sharded_state_dict(sd)
+    _steps2(net, opts, batches[3:], first=3)
+    return _diff(_full(model), straight), sorted(k for k in held[0]["state"] if k.startswith("owned."))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_state_dict_holds_the_owned_state_and_resumes_exactly(dist_pool, stage):
+    res = dist_pool.run(_sharded_round_trip, stage)
+    for err, _ in res:
+        assert err == 0.0, err
+    owned = [k for _, keys in res for k in keys]
+    assert len(owned) == len(set(owned)) == 4, owned      # each matrix's momentum on one rank

@@ -75,7 +75,7 @@ from . import format as fmt
 from .. import comm
 from . import save
 from .format import CheckpointError
-from .holdings import Holdings
+from .holdings import Holdings, optimizers_of
 from .peers import Peers
 
 # ------------------------------------------------------------------------ API
@@ -117,7 +117,8 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *
     """
     path = os.path.abspath(os.fspath(path))
     save.wait()                                   # one save in flight per process
-    getattr(optimizer, "wait_params", lambda: None)()   # overlap_param_gather: complete parameters
+    for opt in optimizers_of(optimizer):
+        getattr(opt, "wait_params", lambda: None)()   # overlap_param_gather: complete parameters
     h = Holdings(model, optimizer, for_load=False)   # same outcome on every rank
     _check_in(h, "save_checkpoint()")
     return save.save(h, path, extra, sync_files, background)
@@ -186,12 +187,13 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     """
     save.wait()                                   # a background save, maybe of this path
     path = _find(os.path.abspath(os.fspath(path)))
-    getattr(optimizer, "wait_params", lambda: None)()   # no all-gather may still write the parameters
+    for opt in optimizers_of(optimizer):
+        getattr(opt, "wait_params", lambda: None)()   # no all-gather may still write the parameters
     h = Holdings(model, optimizer, for_load=True)    # same outcome on every rank
     _check_in(h, "load_checkpoint()")
     peers = Peers(h.group)
     man = peers.run(lambda: fmt.read_manifest(path))
-    peers.run(lambda: _check_match(h, man, path, optimizer is not None))
+    peers.run(lambda: (_check_match(h, man, path, optimizer is not None), h.adopt(man)))
     reader = fmt.Reader(path, man)
     fmt.stats["bytes_read"] = 0
 

@@ -41,25 +41,18 @@ class Holdings:
     """What this rank holds of a (model, optimizer) pair, by checkpoint key."""
 
     def __init__(self, model: nn.Module, optimizer, for_load: bool):
-        from ..optim.sharded import ShardedOptimizer
         fs = model if isinstance(model, FullyShard) else None
         inner = model.module if fs is not None or isinstance(model, nn.parallel.DistributedDataParallel) else model
-        sharded_opt = optimizer if isinstance(optimizer, ShardedOptimizer) else None
-        groups = fs.groups if fs is not None else sharded_opt.source.groups if sharded_opt else None
-        # hybrid sharding: each shard group holds everything; its first copy writes
-        self.replicas = groups.replicas if groups is not None else 1
-        self.replica_rank = groups.replica_rank if groups is not None else 0
-        self.every = groups.every if groups is not None else None
-        if fs is not None:
-            self.group = fs.process_group
-        elif sharded_opt is not None:
-            self.group = sharded_opt.process_group
-        else:
-            self.group = dist.group.WORLD if dist.is_initialized() else None
-        self.world = dist.get_world_size(self.group) if self.group is not None else 1
+        sharded = _sharded_optimizers(optimizer)
+        sharded_opt = sharded[0] if sharded else None
+        plain = optimizers_of(optimizer)
+        optimizer = plain[0] if plain and not sharded else None     # a torch AdamW
+        self._set_group(fs, sharded_opt)
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.stage = 3 if fs is not None else (sharded_opt.stage if sharded_opt is not None else 0)
-        self.specs: Dict[str, Spec] = {}
+        self.for_load = for_load
+        self.specs: Dict[str, Spec] = {}          # every rank's: the same on all
+        self.local_specs: Dict[str, Spec] = {}    # this rank's alone (whole-tensor optimizer states)
         self.pieces: List[Piece] = []
         self.groups: Optional[list] = None
         self.aliases: Dict[str, str] = {}
@@ -84,8 +77,10 @@ class Holdings:
                         self.pieces.append(Piece(key, q.tensor_offset, q.local.detach(), False))
                     covered.add(id(q.sharded))
             self._finish.append(lambda man: fs.invalidate())
+        self._later: List[Callable[[dict], None]] = []   # load: pieces known from the manifest only
         if sharded_opt is not None:
-            self._sharded_optimizer(sharded_opt, covered)
+            for opt in sharded:
+                self._sharded_optimizer(opt, covered)
         elif optimizer is not None:
             if fs is not None:
                 raise CheckpointError("FullyShard parameters are updated by zeroshard.ShardedOptimizer; "
@@ -99,6 +94,21 @@ class Holdings:
         for name, b in _persistent_buffers(inner):
             self.specs["buffer:" + name] = Spec(tuple(b.shape), b.dtype, b.dtype)
             self._whole("buffer:" + name, b)
+
+    def _set_group(self, fs, sharded_opt):
+        """The process group the checkpoint is written over, and the replicas of hybrid sharding."""
+        groups = fs.groups if fs is not None else sharded_opt.source.groups if sharded_opt else None
+        # hybrid sharding: each shard group holds everything; its first copy writes
+        self.replicas = groups.replicas if groups is not None else 1
+        self.replica_rank = groups.replica_rank if groups is not None else 0
+        self.every = groups.every if groups is not None else None
+        if fs is not None:
+            self.group = fs.process_group
+        elif sharded_opt is not None:
+            self.group = sharded_opt.process_group
+        else:
+            self.group = dist.group.WORLD if dist.is_initialized() else None
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
 
     def _name_of(self, p: torch.Tensor, i: int) -> str:
         name = self.names.get(id(p))
@@ -117,8 +127,9 @@ class Holdings:
     def _groups(self, opt, group_names: List[List[str]]):
         """Record opt's param groups (hyperparameters and parameter names) for a
         save, and have a load restore the hyperparameters: each group takes those
-        of the saved group holding its first parameter."""
-        self.groups = []
+        of the saved group holding its first parameter. Several optimizers' groups
+        follow each other."""
+        self.groups = self.groups or []
         for g, names in zip(opt.param_groups, group_names):
             hyper = {}
             for k, v in g.items():
@@ -140,16 +151,19 @@ class Holdings:
         self._finish.append(finish)
 
     def _sharded_optimizer(self, opt, covered: set):
-        if not opt.fused:
-            raise CheckpointError(f"zeroshard checkpoints hold the fused AdamW's state only so far; this "
-                                  f"ShardedOptimizer runs {opt.optimizer_class.__name__}: save "
-                                  "opt.consolidate_state_dict(to=0) + opt.state_dict() instead")
+        whole = opt.whole_tensor_rule
+        if not opt.fused and whole is None:
+            raise CheckpointError(f"zeroshard checkpoints hold the fused AdamW's and whole-tensor optimizers' "
+                                  f"state only so far; this ShardedOptimizer runs {opt.optimizer_class.__name__}: "
+                                  "save opt.consolidate_state_dict(to=0) + opt.state_dict() instead")
         names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
-        for i in opt.trainable:
+        for i in opt.trainable if opt.fused else ():
             step = opt.param_steps[i]
             for kind in ("exp_avg", "exp_avg_sq"):
                 self.specs[f"{kind}:{names[i]}"] = Spec(tuple(opt.full_shape(i)), torch.float32, torch.float32,
                                                           step)
+        if whole is not None:
+            self._whole_tensor_state(opt, whole, names)
         for reg in opt.regions:
             if reg.values is not None:
                 for i, *_ in reg.frags:
@@ -159,12 +173,45 @@ class Holdings:
             for i, start, sl in reg.owned(self.rank):
                 if reg.values is not None:
                     self.pieces.append(Piece("param:" + names[i], start, reg.values[sl], False))
-                for kind in ("exp_avg", "exp_avg_sq"):
+                for kind in ("exp_avg", "exp_avg_sq") if opt.fused else ():
                     self.pieces.append(Piece(f"{kind}:{names[i]}", start, getattr(reg, kind)[sl], False))
         group_names = [[n for i, n in enumerate(names) if opt.group_of(i) == gi]
                        for gi in range(len(opt.param_groups))]
         self._groups(opt, group_names)
-        self._finish.append(lambda man: opt.shards_loaded([group_step(man, [n]) for n in names]))
+
+        def finish(man):
+            by = steps_by_name(man)
+            opt.shards_loaded([by.get(n, 0) for n in names])
+        self._finish.append(finish)
+
+    def _whole_tensor_state(self, opt, rule, names: List[str]):
+        """A whole-tensor optimizer's state ([Note: whole-tensor optimizers] in optim/whole.py):
+        each owner holds its parameters' state tensors whole, under ``<state key>:<name>``.
+        A load learns their keys and shapes from the manifest and hands each owner its
+        parameters' state."""
+        for i, st in (rule.owned_states() if not self.for_load else {}).items():
+            for k, v in st.items():
+                t = torch.as_tensor(v)
+                key = f"{k}:{names[i]}"
+                self.local_specs[key] = Spec(tuple(t.shape), t.dtype, t.dtype, opt.param_steps[i])
+                self.pieces.append(Piece(key, 0, t.detach().reshape(-1), False))
+        owned = {names[i]: i for i in rule.owned()}
+        loaded: Dict[int, dict] = {}
+
+        def adopt(man):
+            for key, t in man["tensors"].items():
+                kind, _, name = key.partition(":")
+                if name in owned and kind not in _MODEL_OR_ADAMW:
+                    data = torch.zeros(t["shape"], dtype=torch.float32, device=opt.device)
+                    loaded.setdefault(owned[name], {})[kind] = data
+                    self.pieces.append(Piece(key, 0, data.view(-1), False))
+        self._later.append(adopt)
+        self._finish.append(lambda man: rule.set_owned_states(loaded))
+
+    def adopt(self, man: dict):
+        """A load: add the pieces only the manifest names (whole-tensor optimizer states)."""
+        for f in self._later:
+            f(man)
 
     def _torch_adamw(self, opt, for_load: bool):
         if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
@@ -191,9 +238,10 @@ class Holdings:
         self._groups(opt, group_names)
 
         def finish(man):
+            by = steps_by_name(man)
             for g, nm in zip(opt.param_groups, group_names):
                 for p, name in zip(g["params"], nm):
-                    opt.state[p]["step"].fill_(group_step(man, [name]))
+                    opt.state[p]["step"].fill_(by.get(name, 0))
         self._finish.append(finish)
 
     def finish_load(self, man: dict):
@@ -212,6 +260,32 @@ def _persistent_buffers(module: nn.Module):
             yield name, b
 
 
-def group_step(man: dict, names: List[str]) -> int:
-    steps = [man["tensors"].get(f"exp_avg:{n}", {}).get("step") for n in names]
-    return max([s for s in steps if s is not None], default=0)
+_MODEL_OR_ADAMW = ("param", "buffer", "exp_avg", "exp_avg_sq")
+
+
+def _sharded_optimizers(optimizer) -> list:
+    """The ShardedOptimizers among those given (all of them, or none)."""
+    from ..optim.sharded import ShardedOptimizer
+    optimizers = optimizers_of(optimizer)
+    sharded = [o for o in optimizers if isinstance(o, ShardedOptimizer)]
+    if len(optimizers) > 1 and len(sharded) < len(optimizers):
+        raise CheckpointError("several optimizers are saved together only when each is a "
+                              "zeroshard.ShardedOptimizer (e.g. Muon over the matrices, AdamW over the rest)")
+    return sharded
+
+
+def optimizers_of(optimizer) -> list:
+    """The optimizers given to a checkpoint call: none, one, or a list or tuple of them."""
+    if optimizer is None:
+        return []
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+
+def steps_by_name(man: dict) -> Dict[str, int]:
+    """Each parameter's step count, from its optimizer state's entries in the manifest."""
+    out: Dict[str, int] = {}
+    for key, t in man["tensors"].items():
+        kind, _, name = key.partition(":")
+        if kind not in ("param", "buffer") and t.get("step") is not None:
+            out[name] = max(out.get(name, 0), t["step"])
+    return out

@@ -194,17 +194,20 @@ def _write(h: Holdings, tmp: str, taken: Taken, sync: bool):
     if taken.extra is not None:
         fmt.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), taken.extra, sync)
         files[f"extra{h.rank}.pt"] = {"size": len(taken.extra), "crc32": zlib.crc32(taken.extra)}
-    return entries, files
+    return entries, files, dict(h.local_specs)
 
 
 def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync: bool):
     """The committer: write the manifest, then make ``tmp`` the checkpoint at ``path`` atomically."""
     parent, name = os.path.split(path)
+    specs = dict(h.specs)
+    for *_, local in written:       # what one rank alone holds (whole-tensor optimizer states)
+        specs.update(local)
     tensors = {k: {"shape": list(s.shape), "dtype": fmt.dtype_name(s.dtype),
                    "model_dtype": fmt.dtype_name(s.model_dtype), "step": s.step, "entries": []}
-               for k, s in h.specs.items()}
+               for k, s in specs.items()}
     files = {}
-    for entries, fl in written:
+    for entries, fl, _ in written:
         files.update(fl)
         for key, e in entries:
             tensors[key]["entries"].append(e)

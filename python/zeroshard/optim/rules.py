@@ -56,11 +56,12 @@ def check_class(cls, elementwise: bool, whole_tensor: bool = False) -> bool:
 
 
 def require_fused(opt, what: str) -> None:
-    if not opt.fused:
+    """Refuse ``what`` (a sharded state dict) for an elementwise ``optimizer_class``."""
+    if not opt.fused and opt.whole_tensor_rule is None:
         raise NotImplementedError(comm.on_rank(opt,
             f"{what} with optimizer_class={opt.optimizer_class.__name__}: sharded state dicts and "
-            "zeroshard checkpoints hold the fused AdamW's state only so far; use "
-            "opt.consolidate_state_dict(to=0) and opt.state_dict() (the class's own format)"))
+            "zeroshard checkpoints hold the fused AdamW's and whole-tensor optimizers' state only so "
+            "far; use opt.consolidate_state_dict(to=0) and opt.state_dict() (the class's own format)"))
 
 
 class FusedAdamW:

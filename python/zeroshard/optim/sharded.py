@@ -395,6 +395,12 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         return rep
 
     @property
+    def whole_tensor_rule(self) -> Optional[WholeTensor]:
+        """With a whole-tensor ``optimizer_class``: its rule (the owners and their state,
+        [Note: whole-tensor optimizers]); None otherwise."""
+        return self._rule if isinstance(self._rule, WholeTensor) else None
+
+    @property
     def fused(self) -> bool:
         """Whether the step is zeroshard's fused AdamW (else ``optimizer_class``'s own)."""
         return self._rule.fused

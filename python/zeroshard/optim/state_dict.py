@@ -34,9 +34,13 @@ def sharded(opt, param_groups: list) -> dict:
     """This rank's shard (views of the live state); see ShardedOptimizer.sharded_state_dict."""
     state = {}
     for k, reg in enumerate(opt.regions):
-        state[f"{k}.exp_avg"], state[f"{k}.exp_avg_sq"] = reg.exp_avg, reg.exp_avg_sq
+        if reg.exp_avg is not None:
+            state[f"{k}.exp_avg"], state[f"{k}.exp_avg_sq"] = reg.exp_avg, reg.exp_avg_sq
         if reg.values is not None:
             state[f"{k}.values"] = reg.values
+    whole = opt.whole_tensor_rule        # the state of the parameters this rank owns, whole
+    for i, st in (whole.owned_states() if whole is not None else {}).items():
+        state.update({f"owned.{i}.{key}": v for key, v in st.items()})
     return {"format": _FORMAT, "layout": layout_signature(opt), "param_steps": opt.param_steps,
             "param_groups": param_groups, "state": state}
 
@@ -68,10 +72,19 @@ def load_sharded(opt, sd: dict) -> List[int]:
             "zeroshard.save_checkpoint/load_checkpoint to change world size, stage or layout"))
     take_hyperparameters(opt, sd["param_groups"])
     for k, reg in enumerate(opt.regions):
-        reg.exp_avg.copy_(sd["state"][f"{k}.exp_avg"])
-        reg.exp_avg_sq.copy_(sd["state"][f"{k}.exp_avg_sq"])
+        if reg.exp_avg is not None:
+            reg.exp_avg.copy_(sd["state"][f"{k}.exp_avg"])
+            reg.exp_avg_sq.copy_(sd["state"][f"{k}.exp_avg_sq"])
         if reg.values is not None:
             reg.values.copy_(sd["state"][f"{k}.values"])
+    whole = opt.whole_tensor_rule
+    if whole is not None:
+        owned: Dict[int, dict] = {}
+        for name, v in sd["state"].items():
+            if name.startswith("owned."):
+                _, i, key = name.split(".", 2)
+                owned.setdefault(int(i), {})[key] = v.clone() if isinstance(v, torch.Tensor) else v
+        whole.set_owned_states(owned)
     return list(sd["param_steps"])
 
 

@@ -209,6 +209,24 @@ class WholeTensor:
         leaf = self.leaves.get(i)
         return None if leaf is None or self.inner is None else self.inner.state.get(leaf)
 
+    def owned(self) -> List[int]:
+        """The parameters this rank owns (updates and keeps the state of)."""
+        return sorted(self.leaves)
+
+    def owned_states(self) -> Dict[int, dict]:
+        """The class's live state of each owned parameter that has any."""
+        return {i: st for i in self.owned() if (st := self.owner_state(i))}
+
+    def set_owned_states(self, states: Dict[int, dict]) -> None:
+        """Owned parameters take these states (a checkpoint's); the others start fresh."""
+        for i, leaf in self.leaves.items():
+            if self.inner is None:
+                return
+            if states.get(i):
+                self.inner.state[leaf] = dict(states[i])
+            else:
+                self.inner.state.pop(leaf, None)
+
     def gather_full(self, opt, keep: bool) -> Optional[Dict[int, dict]]:
         """The full state in the class's own per-parameter format, on CPU (collective:
         each owner's entries travel window by window); None where ``keep`` is false."""
