@@ -21,6 +21,7 @@ EXAMPLES = [
     ("hybrid.py", 4, {}),
     ("checkpoints.py", 2, {}),
     ("deepspeed_config.py", 2, {}),
+    ("lightning_gpt.py", 2, {}),
     ("plan_memory.py", 2, {}),
     ("hangs.py", 2, {}),
     ("hangs.py", 2, {"ZEROSHARD_DEBUG": "1"}),

@@ -1,0 +1,121 @@
+"""Lightning trainers on zeroshard and on Lightning's DDPStrategy, one after the other in
+one torchrun launch (the process group is reused); tests/test_lightning.py launches it
+once per world size and compares what rank 0 saves.
+
+    torchrun --nproc-per-node W tests/_lightning_job.py OUT_DIR [RESUME_DIR]
+
+Every run trains examples/lightning_gpt.py's LitGPT for 2 epochs of 2 optimizer steps
+(global batch 6 at any world size, accumulation 2, clipping, a warmup schedule stepped
+per step) and records the logged losses, learning rates and validation losses, the full
+final parameters and rank 0's predictions. The zeroshard runs keep a checkpoint per
+epoch (ModelCheckpoint) plus top-1/last ones; the stage-2 and stage-3 runs are then
+resumed from their first epoch's checkpoint in a fresh model. With RESUME_DIR (a world-2
+run's OUT_DIR) the stage-3 epoch-1 checkpoint saved at world size 2 is resumed here, at
+stage 3 and at stage 2; without it, DDPStrategy and stages 2 and 3 also train in
+bf16-mixed.
+"""
+import os
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from lightning_gpt import LitGPT, windows  # noqa: E402
+
+from zeroshard.integrations.lightning import ZeroShardStrategy  # noqa: E402
+
+GLOBAL_BATCH, EPOCHS = 6, 2
+
+
+class ListForm(LitGPT):
+    """configure_optimizers in Lightning's list form: ([optimizer], [scheduler config])."""
+
+    def configure_optimizers(self):
+        d = super().configure_optimizers()
+        return [d["optimizer"]], [d["lr_scheduler"]]
+
+
+class Record(Callback):
+    """The logged (rank-averaged) loss and the learning rate of every micro-batch, and
+    the logged validation loss of every epoch."""
+
+    def __init__(self):
+        self.losses, self.lrs, self.val = [], [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["train_loss"].item())
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_validation_epoch_end(self, trainer, module):
+        if "val_loss" in trainer.callback_metrics:
+            self.val.append(trainer.callback_metrics["val_loss"].item())
+
+
+def loaders(world):
+    batch = GLOBAL_BATCH // world
+    return (DataLoader(windows(GLOBAL_BATCH * 4, 32), batch_size=batch),
+            DataLoader(windows(GLOBAL_BATCH * 2, 32, offset=40_000), batch_size=batch))
+
+
+def full_params(trainer) -> dict:
+    """{name: full tensor} of the trained LightningModule (collective at stage 3)."""
+    runner = getattr(trainer.strategy, "runner", trainer.lightning_module)
+    return {k: v.detach().clone() for k, v in runner.state_dict().items()}
+
+
+def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=True, precision="32-true"):
+    world = int(os.environ["WORLD_SIZE"])
+    L.seed_everything(0)           # also the seed of the samplers' shuffling
+    torch.manual_seed(seed)        # a resumed run starts from other weights: the checkpoint's must load
+    model = cls()
+    rec = Record()
+    callbacks = [rec]
+    if ckpt_dir is not None:
+        callbacks += [ModelCheckpoint(dirpath=os.path.join(ckpt_dir, "every"), filename="{epoch}",
+                                      every_n_epochs=1, save_top_k=-1),
+                      ModelCheckpoint(dirpath=os.path.join(ckpt_dir, "best"), monitor="val_loss", save_top_k=1,
+                                      save_last=True)]
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_epochs=EPOCHS, precision=precision,
+                        gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, callbacks=callbacks,
+                        enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    train, val = loaders(world)
+    trainer.fit(model, train, val, ckpt_path=ckpt_path)
+    result = dict(losses=rec.losses, lrs=rec.lrs, val=rec.val, params=full_params(trainer),
+                  steps=trainer.global_step)
+    if predict:
+        result["predictions"] = torch.cat(trainer.predict(model, val))
+    return result
+
+
+def main():
+    out_dir = sys.argv[1]
+    resume_dir = sys.argv[2] if len(sys.argv) > 2 else None
+    world = int(os.environ["WORLD_SIZE"])
+    out = {"ddp": run("ddp"), "stage1": run(ZeroShardStrategy(stage=1), cls=ListForm),
+           "stage2": run("zeroshard_stage_2", ckpt_dir=os.path.join(out_dir, "ckpt-stage2")),
+           "stage3": run(ZeroShardStrategy(stage=3), ckpt_dir=os.path.join(out_dir, "ckpt-stage3")),
+           "resumed": {}}
+    for stage in (2, 3):
+        mid = os.path.join(out_dir, f"ckpt-stage{stage}", "every", "epoch=0.ckpt")
+        out["resumed"][f"stage{stage}"] = run(ZeroShardStrategy(stage=stage), ckpt_path=mid, seed=1, predict=False)
+    if resume_dir is not None:
+        mid = os.path.join(resume_dir, "ckpt-stage3", "every", "epoch=0.ckpt")
+        for stage in (3, 2):
+            out["resumed"][f"w2-stage3-to-stage{stage}"] = run(ZeroShardStrategy(stage=stage), ckpt_path=mid,
+                                                               seed=1, predict=False)
+    else:
+        for name, strategy in (("ddp", "ddp"), ("stage2", "zeroshard_stage_2"), ("stage3", "zeroshard_stage_3")):
+            out[f"{name}-bf16"] = run(strategy, precision="bf16-mixed", predict=False)
+    out["listings"] = {stage: sorted(os.listdir(os.path.join(out_dir, f"ckpt-stage{stage}", "best")))
+                       for stage in (2, 3)}
+    if int(os.environ["RANK"]) == 0:
+        torch.save(out, os.path.join(out_dir, f"results-w{world}.pt"))
+
+
+if __name__ == "__main__":
+    main()
