@@ -40,15 +40,19 @@ class ListForm(LitGPT):
 
 
 class Record(Callback):
-    """The logged (rank-averaged) loss and the learning rate of every micro-batch, and
-    the logged validation loss of every epoch."""
+    """The logged (rank-averaged) loss, the learning rate and zeroshard's reduce-scattered
+    elements so far after every micro-batch, and the logged validation loss of every epoch."""
 
     def __init__(self):
-        self.losses, self.lrs, self.val = [], [], []
+        self.losses, self.lrs, self.val, self.reduced = [], [], [], []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(trainer.callback_metrics["train_loss"].item())
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+        opt = getattr(trainer.strategy, "sharded_optimizer", None)    # stages 1/2 count there, FullyShard itself
+        counts = getattr(getattr(trainer.strategy, "runner", None), "comm_elements", None) or getattr(
+            opt, "comm_elements", None)
+        self.reduced.append(counts["reduce_scatter"] if counts is not None else None)
 
     def on_validation_epoch_end(self, trainer, module):
         if "val_loss" in trainer.callback_metrics:
@@ -85,7 +89,7 @@ def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=Tru
                         enable_model_summary=False, num_sanity_val_steps=0)
     train, val = loaders(world)
     trainer.fit(model, train, val, ckpt_path=ckpt_path)
-    result = dict(losses=rec.losses, lrs=rec.lrs, val=rec.val, params=full_params(trainer),
+    result = dict(losses=rec.losses, lrs=rec.lrs, val=rec.val, reduced=rec.reduced, params=full_params(trainer),
                   steps=trainer.global_step)
     if predict:
         result["predictions"] = torch.cat(trainer.predict(model, val))

@@ -65,6 +65,16 @@ def test_same_losses_parameters_and_predictions_as_ddp_strategy(results, world, 
     assert r["losses"][-1] < r["losses"][0] - 0.3                              # it trained
 
 
+@pytest.mark.parametrize("stage", ["stage1", "stage2", "stage3"])
+def test_no_communication_on_non_final_micro_batches(results, stage):
+    """Accumulating 2 micro-batches per step: the first one reduces nothing (no_sync), the
+    second reduces the gradients once."""
+    for world in (2, 3):
+        reduced = results[world][stage]["reduced"]
+        added = [b - a for a, b in zip([0] + reduced, reduced)]
+        assert added[0::2] == [0] * 4 and len(set(added[1::2])) == 1 and added[1] > 0, added
+
+
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
 def test_bf16_mixed_within_ddp_strategys_own_noise(results, stage):
     """DDPStrategy's bf16-mixed run moves from its fp32 run by some amount; zeroshard's
