@@ -67,10 +67,13 @@ class ZeroShardStrategy(DDPStrategy):
         offload_params: stage 3: keep the parameter shards in host memory.
         shard_size: hybrid sharding: shard over groups of this many ranks.
         bucket_mb: stages 1/2: the reduce-scatter bucket size, in MiB.
-        reshard_after_forward, prefetch: stage 3: ``FullyShard``'s.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io,
-            precision_plugin, process_group_backend, timeout, start_method: as
-            for ``DDPStrategy``.
+        reshard_after_forward: stage 3: ``FullyShard``'s (free each unit after its forward).
+        prefetch: stage 3: ``FullyShard``'s (units gathered ahead).
+        **kwargs: refused (DDPStrategy's would go to DistributedDataParallel).
+
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision_plugin``, ``process_group_backend``, ``timeout`` and ``start_method`` are
+    DDPStrategy's.
     """
 
     strategy_name = "zeroshard"
