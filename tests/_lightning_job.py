@@ -12,7 +12,8 @@ epoch (ModelCheckpoint) plus top-1/last ones; the stage-2 and stage-3 runs are t
 resumed from their first epoch's checkpoint in a fresh model. With RESUME_DIR (a world-2
 run's OUT_DIR) the stage-3 epoch-1 checkpoint saved at world size 2 is resumed here, at
 stage 3 and at stage 2; without it, DDPStrategy and stages 2 and 3 also train in
-bf16-mixed.
+bf16-mixed, the two offload strategies train, and stage 3 trains a model built on the
+meta device in configure_model.
 """
 import os
 import sys
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from lightning_gpt import LitGPT, windows  # noqa: E402
+from train_gpt import GPT, GPTConfig  # noqa: E402
 
 from zeroshard.integrations.lightning import ZeroShardStrategy  # noqa: E402
 
@@ -37,6 +39,20 @@ class ListForm(LitGPT):
     def configure_optimizers(self):
         d = super().configure_optimizers()
         return [d["optimizer"]], [d["lr_scheduler"]]
+
+
+class MetaGPT(LitGPT):
+    """The GPT built in configure_model on the meta device (stage 3 initialises it unit by unit)."""
+
+    def __init__(self):
+        super().__init__()
+        del self.model
+        self.model = None
+
+    def configure_model(self):
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = GPT(GPTConfig(vocab=64, seq=32, layers=2, dim=64, heads=4))
 
 
 class Record(Callback):
@@ -115,6 +131,9 @@ def main():
     else:
         for name, strategy in (("ddp", "ddp"), ("stage2", "zeroshard_stage_2"), ("stage3", "zeroshard_stage_3")):
             out[f"{name}-bf16"] = run(strategy, precision="bf16-mixed", predict=False)
+        for name in ("zeroshard_stage_2_offload", "zeroshard_stage_3_offload"):
+            out[name] = run(name, predict=False)
+        out["stage3-meta"] = run("zeroshard_stage_3", cls=MetaGPT, predict=False)
     out["listings"] = {stage: sorted(os.listdir(os.path.join(out_dir, f"ckpt-stage{stage}", "best")))
                        for stage in (2, 3)}
     if int(os.environ["RANK"]) == 0:

@@ -87,6 +87,21 @@ def test_bf16_mixed_within_ddp_strategys_own_noise(results, stage):
         r["ddp-bf16"]["losses"], r["ddp"]["losses"])))
 
 
+@pytest.mark.parametrize("name", ["zeroshard_stage_2_offload", "zeroshard_stage_3_offload"])
+def test_offload_strategies_match_ddp_strategy(results, name):
+    r, ddp = results[2][name], results[2]["ddp"]
+    assert close(r["losses"], ddp["losses"]) and worst(r["params"], ddp["params"]) <= TOL
+
+
+def test_stage_3_initialises_a_model_built_on_meta_in_configure_model(results):
+    """Built on meta in configure_model, initialised by FullyShard unit by unit: it trains,
+    with every parameter of the plain model, finite."""
+    r = results[2]["stage3-meta"]
+    assert r["steps"] == 4 and r["losses"][-1] < r["losses"][0] - 0.3
+    assert r["params"].keys() == results[2]["ddp"]["params"].keys()
+    assert all(torch.isfinite(v).all() for v in r["params"].values())
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
 def test_resume_from_an_epoch_end_checkpoint_equals_the_uninterrupted_run(results, world, stage):
