@@ -308,3 +308,31 @@ def test_the_public_api_rule_finds_planted_violations(tmp_path):
     assert _cycles(graph) == []                              # the lazy re-export is not an import
     (pkg / "__init__.py").write_text("from .optim import x\nfrom .integrations import tool\n")
     assert _cycles(_imports(_sources(str(pkg)))) == [["zeroshard", "zeroshard.integrations.tool"]]
+
+
+# optional tools that only their own adapter (integrations/<tool>/) may import
+OPTIONAL_TOOLS = {"lightning": "integrations/lightning", "pytorch_lightning": "integrations/lightning",
+                  "deepspeed": "integrations/deepspeed"}
+
+
+def _tool_imports(sources) -> list:
+    """(module file, tool) for every import of an optional tool outside its adapter."""
+    found = []
+    for rel, src in sorted(sources.items()):
+        for node in ast.walk(ast.parse(src)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for name in names:
+                tool = name.split(".")[0]
+                if tool in OPTIONAL_TOOLS and not rel.startswith(OPTIONAL_TOOLS[tool] + os.sep):
+                    found.append((rel, tool))
+    return found
+
+
+def test_only_its_adapter_imports_an_optional_tool(tmp_path):
+    assert _tool_imports(_sources()) == []
+    (tmp_path / "optim").mkdir()
+    (tmp_path / "optim" / "x.py").write_text("def f():\n    import lightning.pytorch as pl\n")
+    (tmp_path / "integrations" / "lightning").mkdir(parents=True)
+    (tmp_path / "integrations" / "lightning" / "s.py").write_text("from lightning.pytorch import Trainer\n")
+    assert _tool_imports(_sources(str(tmp_path))) == [(os.path.join("optim", "x.py"), "lightning")]
