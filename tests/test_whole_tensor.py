@@ -118,8 +118,6 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False)
         if permute:         # the same batch, summed in another order
             order = torch.randperm(n, generator=torch.Generator().manual_seed(k))
             tok, y = tok[order], y[order]
-        for o in (muon, adamw):
-            o.zero_grad()
         halves = [(tok[: n // 2], y[: n // 2]), (tok[n // 2:], y[n // 2:])] if accumulate else [(tok, y)]
         for j, (t, yy) in enumerate(halves):
             last = j == len(halves) - 1
@@ -131,8 +129,9 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False)
             for s in reversed(syncs):
                 s.__exit__(None, None, None)
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
-        for o in (muon, adamw):
-            o.step()
+        for o in (muon, adamw):     # each stepped and zeroed in turn (ZeRO-3: the second's
+            o.step()                # gradients outlive the first's zero_grad)
+            o.zero_grad()
         for s in scheds:
             s.step()
     sd = model.state_dict() if kind == 3 else model.state_dict()
@@ -413,3 +412,90 @@ def test_sharded_state_dict_holds_the_owned_state_and_resumes_exactly(dist_pool,
         assert err == 0.0, err
     owned = [k for _, keys in res for k in keys]
     assert len(owned) == len(set(owned)) == 4, owned      # each matrix's momentum on one rank
+
+
+# ---------------------------------------------------------------- the memory planner
+PLAN_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)   # awkward sizes
+
+
+def _gpt():
+    import os
+    import sys
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import train_gpt
+    return train_gpt
+
+
+def _build_gpt():
+    return _gpt().build_model("tiny", **PLAN_KW)
+
+
+def _measured_reports(stage, optimizer):
+    """Every category of memory_report() after two steps (every parameter has stepped), over
+    the optimizers of zeroshard.plan's --optimizer (Muon over the blocks' matrices)."""
+    tg = _gpt()
+    torch.manual_seed(0)
+    x = torch.randint(0, PLAN_KW["vocab"], (8, PLAN_KW["seq"] + 1))
+    model = tg.build_model("tiny", **PLAN_KW)
+    if stage == 3:
+        model = zs.FullyShard(model, wrap={tg.Block})
+    kw = {} if stage == 3 else dict(stage=stage)
+    if optimizer == "adafactor":
+        opts = [zs.ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.Adafactor, lr=1e-2, **kw)]
+    else:
+        inside = {id(p) for m in model.modules() if isinstance(m, tg.Block) for p in m.parameters()}
+        hidden = [p for p in model.parameters() if p.dim() == 2 and id(p) in inside]
+        rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
+        opts = [zs.ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, lr=0.02, **kw),
+                zs.ShardedOptimizer(rest, lr=1e-3, **kw)]
+    for _ in range(2):
+        model(x[:, :-1], x[:, 1:]).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    reps = [o.memory_report() for o in opts]
+    if stage == 3:      # one FullyShard report, each optimizer's own state beside it
+        out = dict(reps[0])
+        out["optimizer_state"] = sum(r.get("optimizer_state", 0) for r in reps)
+        out["total"] = reps[0]["total"] + sum(r.get("optimizer_state", 0) for r in reps[1:])
+        return out
+    return {k: sum(r.get(k, 0) for r in reps) for k in reps[0]}
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
+def test_the_planner_counts_whole_tensor_state_on_its_owner(dist_pool, optimizer):
+    from zeroshard.plan import plan_model
+    world = dist_pool.world_size
+    plan = plan_model(_build_gpt, world, "fp32", optimizer=optimizer, transport="gloo")
+    for stage in (1, 2, 3):
+        want = plan["stages"][f"ZeRO-{stage}"]["ranks"]
+        for r, rep in enumerate(dist_pool.run(_measured_reports, stage, optimizer)):
+            assert rep["optimizer_state"] > 0 or r > 0, (stage, r, rep)
+            assert want[r] == {k: rep.get(k, 0) for k in want[r]}, (stage, r, want[r], rep)
+
+
+def test_the_planner_at_fake_world_sizes_holds_each_state_once():
+    """At 8 (fake) ranks the planned Muon state summed over the ranks is every block
+    matrix's 4 bytes per element, once; at 64, each planned rank holds exactly its owned
+    matrices'; Adafactor's factors are rows + columns."""
+    from zeroshard.plan import plan_model
+    tg, model = _gpt(), _build_gpt()
+    inside = {id(p) for m in model.modules() if isinstance(m, tg.Block) for p in m.parameters()}
+    matrices = [p.shape for p in model.parameters() if p.dim() == 2 and id(p) in inside]
+    plan = plan_model(_build_gpt, 8, "fp32", optimizer="muon", ranks=list(range(8)))
+    for stage in (1, 3):
+        held = sum(rep["optimizer_state"] for rep in plan["stages"][f"ZeRO-{stage}"]["ranks"].values())
+        assert held == 4 * sum(s.numel() for s in matrices), (stage, held)
+    owners = assign_owners([update_cost(s) for s in matrices], 64)
+    ranks = [0, 5, 11, 63]
+    plan = plan_model(_build_gpt, 64, "fp32", optimizer="muon", ranks=ranks)
+    for r in ranks:
+        want = 4 * sum(s.numel() for s, o in zip(matrices, owners) if o == r)
+        assert plan["stages"]["ZeRO-2"]["ranks"][r]["optimizer_state"] == want, r
+    plan = plan_model(_build_gpt, 8, "fp32", optimizer="adafactor", ranks=list(range(8)))
+    held = sum(rep["optimizer_state"] for rep in plan["stages"]["ZeRO-2"]["ranks"].values())
+    # torch's Adafactor: a step count per parameter; row and column factors for a matrix; a vector's variance
+    want = sum(4 + 4 * (p.shape[0] + p.shape[1] if p.dim() == 2 else p.numel()) for p in model.parameters())
+    assert held == want, (held, want)

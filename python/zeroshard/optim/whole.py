@@ -44,6 +44,9 @@ WHOLE_TENSOR = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if h
 MATRICES_ONLY = tuple(getattr(torch.optim, n) for n in ("Muon",) if hasattr(torch.optim, n))
 
 
+_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19)
+
+
 def update_cost(shape: Sequence[int]) -> int:
     """The relative cost of one whole-tensor update of a tensor of ``shape``:
     rows x cols x min(rows, cols) for a matrix (Newton-Schulz's matrix products;
@@ -142,8 +145,11 @@ class WholeTensor:
                 self.pieces.setdefault(i, []).append((seg, a, b, t_off))
         # the owner's tensor of each parameter it owns: the class keys its state by it; between
         # steps it holds no data (the values live in the shards)
-        self.leaves: Dict[int, torch.Tensor] = {i: torch.zeros(shapes[i], dtype=torch.float32)
-                                                for i in shapes if self.owners[i] == self.rank}
+        # (made with one element of storage: the class only checks the shape when it is built)
+        self.leaves: Dict[int, torch.Tensor] = {
+            i: torch.empty_strided(shapes[i], (0,) * len(shapes[i]), dtype=torch.float32, device=source.device)
+            for i in shapes if self.owners[i] == self.rank}
+        self.kwargs, self.group_of = kwargs, group_of
         by_group: List[list] = [[] for _ in param_groups]
         for i, leaf in self.leaves.items():
             by_group[group_of[i]].append(leaf)
@@ -151,6 +157,7 @@ class WholeTensor:
         self.inner = cls([dict(_hyper(param_groups[gi]), params=by_group[gi]) for gi in self.group_index],
                          **kwargs) if self.group_index else None
         self._empty = torch.empty(0, dtype=torch.float32, device=source.device)
+        self._probes: Dict[tuple, list] = {}     # (dimensions, param group) -> state (shape, itemsize)
         for leaf in self.leaves.values():
             leaf.data = self._empty
 
@@ -260,10 +267,37 @@ class WholeTensor:
                                             else v) for key, v in st.items()}
 
     def state_bytes(self) -> int:
+        """Bytes of the class's state on this rank: what it holds; on the meta device (the
+        memory planner), what it will hold once every owned parameter has stepped."""
         if self.inner is None:
             return 0
+        if self.source.device.type == "meta":
+            return sum(self._planned_bytes(i) for i in self.owned())
         return sum(v.numel() * v.element_size() for st in self.inner.state.values() for v in st.values()
                    if isinstance(v, torch.Tensor))
+
+    def _planned_bytes(self, i: int) -> int:
+        """The state bytes the class keeps for parameter ``i``, from one step on a small
+        probe tensor of the same dimensions (each a distinct prime, so every state
+        dimension maps back to the parameter's own)."""
+        shape = self.shapes[i]
+        probe_dims = _PRIMES[:len(shape)]
+        key = (len(shape), self.group_of[i])
+        if key not in self._probes:
+            p = torch.zeros(probe_dims)
+            group = self.inner.param_groups[self.group_index.index(self.group_of[i])]
+            o = self.cls([dict(_hyper(group), params=[p])], **self.kwargs)
+            p.grad = torch.ones(probe_dims)
+            o.step()
+            self._probes[key] = [(tuple(v.shape), v.element_size()) for v in o.state[p].values()
+                                 if isinstance(v, torch.Tensor)]
+        back = dict(zip(probe_dims, shape))
+        return sum(math.prod(back.get(d, d) for d in dims) * size for dims, size in self._probes[key])
+
+    def window_bytes(self) -> int:
+        """The most bytes a step's exchange holds at once: one window's reduce-scatter
+        buffer and its all-gather buffer."""
+        return max((4 * self.world_size * (w.chunk + w.values) for w in self.windows), default=0)
 
     def balance(self) -> List[int]:
         """Each rank's summed update cost (``update_cost``) of the tensors it owns."""

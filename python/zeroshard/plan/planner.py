@@ -54,7 +54,8 @@ from ..optim.sharded import ShardedOptimizer
 __all__ = ["model_state_bytes", "offloaded_bytes", "slow_link_bytes", "format_table", "plan_model",
            "format_model_plan", "activation_bytes", "main"]
 
-_PERSISTENT = PERSISTENT + ("total",)   # memory_report()'s persistent categories
+_PERSISTENT = PERSISTENT + ("total",)
+_OWN = ("optimizer_state",)   # another optimizer_class's own state (a whole-tensor one: on its owner)   # memory_report()'s persistent categories
 
 
 # ------------------------------------------------------------ --model mode
@@ -162,8 +163,45 @@ def _resolve_wrap(model, wrap) -> tuple:
     return tuple(classes)
 
 
+def _optimizers(model: nn.Module, optimizer: str, wrap: tuple, **kw) -> List[ShardedOptimizer]:
+    """The ShardedOptimizers a script with ``optimizer`` builds over ``model``: "adamw"
+    (the fused AdamW), "adafactor" (torch's, over every parameter) or "muon"
+    (torch.optim.Muon over the 2-D matrices inside the ``wrap`` blocks, the fused
+    AdamW over the rest, as in the docs' Muon conversion)."""
+    if optimizer == "adamw":
+        return [ShardedOptimizer(model.parameters(), lr=1e-3, **kw)]
+    if optimizer == "adafactor":
+        return [ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.Adafactor, lr=1e-2, **kw)]
+    inside = {id(p) for m in model.modules() if isinstance(m, wrap) for p in m.parameters()}
+    hidden = [p for p in model.parameters() if p.dim() == 2 and id(p) in inside]
+    if not hidden:
+        raise ValueError("--optimizer muon takes the 2-D matrices inside the blocks (--wrap), and the model "
+                         f"has none inside {[c.__name__ for c in wrap] or 'any block'}; name the blocks with --wrap")
+    rest = [p for p in model.parameters() if id(p) not in {id(q) for q in hidden}]
+    own = {k: v for k, v in kw.items() if not k.startswith("offload")}    # offload is AdamW's
+    return [ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, lr=0.02, **own)] + \
+        ([ShardedOptimizer(rest, lr=1e-3, **kw)] if rest else [])
+
+
+def _report(opts: List[ShardedOptimizer], stage: int) -> Dict[str, int]:
+    """One memory report over several optimizers: ZeRO-1/2 each holds its own buffers
+    (their reports add up); ZeRO-3's reports are the FullyShard model's (counting every
+    optimizer's state shards) plus each optimizer's own ``optimizer_state``."""
+    reps = [o.memory_report() for o in opts]
+    if stage == 3:
+        out = dict(reps[0])
+        for r in reps[1:]:
+            extra = r.get("optimizer_state", 0)
+            out["optimizer_state"] = out.get("optimizer_state", 0) + extra
+            out["total"] += extra
+            out["device"] += extra
+        return out
+    return {k: sum(r.get(k, 0) for r in reps) for k in set().union(*reps)}
+
+
 def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: str, wrap: tuple,
-              bucket_mb: float, prefetch: int, offload: dict, gloo: bool = False) -> Dict[str, object]:
+              bucket_mb: float, prefetch: int, offload: dict, gloo: bool = False,
+              optimizer: str = "adamw") -> Dict[str, object]:
     """``offload``: ShardedOptimizer's offload keywords (on meta, offloaded state is
     counted where it would live, and nothing is allocated or written); ``gloo``: count
     the scratch zeroshard's point-to-point reduce-scatter takes on gloo
@@ -182,7 +220,8 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
         if stage == 3:
             mp = MixedPrecision(param_dtype=pdt, reduce_dtype=torch.float32) if pdt != torch.float32 else None
             fs = FullyShard(model, wrap=set(wrap) or None, mixed_precision=mp, prefetch=prefetch, device="meta")
-            rep = ShardedOptimizer(fs.parameters(), lr=1e-3, **offload).memory_report()
+            opts = _optimizers(fs, optimizer, wrap, **offload)
+            rep = _report(opts, 3)
             units = [u for u in fs.units if u.trainable]
             ri = fs.reduce_dtype.itemsize
             biggest = max(fs.units[1:], key=lambda u: u.numel, default=None)
@@ -198,28 +237,40 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                                     for u in fs.units[1:]]))
         else:
             model.to(pdt)
-            names = [n for n, _ in model.named_parameters()]   # opt's parameter order
-            opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb, **offload)
-            rep = opt.memory_report()
+            opts = _optimizers(model, optimizer, wrap, stage=stage, bucket_mb=bucket_mb, **offload)
+            rep = _report(opts, stage)
             out = dict(report=rep, transient=0, fixed=0, policy=None)   # stage 1 reduces in place
             if stage == 2:
-                red = opt.source
-                item = {id(b): red.reduce_dtype_of(b.buffer.dtype).itemsize for b in red.buckets}
-                out["transient"] = max(b.numel * item[id(b)] for b in red.buckets)
+                index = {id(p): n for n, p in model.named_parameters()}
+                reds = [(red, [index[id(p)] for p in o.params]) for o in opts for red in (o.source,)]
+                item = {id(b): red.reduce_dtype_of(b.buffer.dtype).itemsize for red, _ in reds for b in red.buckets}
+                out["transient"] = max(b.numel * item[id(b)] for red, _ in reds for b in red.buckets)
                 out["policy"] = Policy(
-                    [Reduction([names[i] for i in b.params], b.numel * item[id(b)], 0,
+                    [Reduction([nm[i] for i in b.params], b.numel * item[id(b)], 0,
                                 scratch(b.numel, item[id(b)], False))
-                     for b in (red.buckets[k] for k in red.launch_order)],
-                    inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for b in red.buckets),
+                     for red, nm in reds for b in (red.buckets[k] for k in red.launch_order)],
+                    inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for red, _ in reds
+                                                     for b in red.buckets),
                     keep=_SO_INFLIGHT + 1, pooled=gloo)
+        whole = [o.whole_tensor_rule for o in opts if o.whole_tensor_rule is not None]
+        out["transient"] = max([out["transient"]] + [w.window_bytes() for w in whole])
         out["grad_shards"] = (0 if out["policy"] is None else
                               out["policy"].first + sum(r.shard for r in out["policy"].reductions))
     return out
 
 
+def _check_choices(dtype: str, world_size: int, transport: str, optimizer: str) -> None:
+    _check(dtype, world_size)
+    if transport not in ("nccl", "gloo"):
+        raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
+    if optimizer not in ("adamw", "adafactor", "muon"):
+        raise ValueError(f"optimizer must be 'adamw', 'adafactor' or 'muon', got {optimizer!r}")
+
+
 def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=None, bucket_mb: float = 25,
                prefetch: int = 1, example: Optional[Callable] = None, ranks: Optional[List[int]] = None,
-               offload: Optional[str] = None, offload_fraction: float = 1.0, transport: str = "nccl") -> dict:
+               offload: Optional[str] = None, offload_fraction: float = 1.0, transport: str = "nccl",
+               optimizer: str = "adamw") -> dict:
     """Per-rank memory of ``build()`` (a function returning the model) at each stage.
 
     Returns ``{"params", "wrap", "max_unit", "activations", "stages": {name: {"ranks": {r: report},
@@ -230,11 +281,12 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     ``offload`` / ``offload_fraction``: ShardedOptimizer's; each report then splits its total
     into "device", "host" and "disk", ``device_state`` is the most device bytes of any rank,
     and ``peak`` counts the device only. ``transport``: "nccl" (GPUs) or "gloo" (CPU
-    processes: zeroshard's reduce-scatter then takes scratch chunks). See [Note: model plan].
+    processes: zeroshard's reduce-scatter then takes scratch chunks). ``optimizer``: "adamw",
+    "adafactor" or "muon" (Muon over the blocks' matrices, AdamW over the rest); a
+    whole-tensor optimizer's state is counted on its owner rank as ``optimizer_state``
+    (DDP's row keeps AdamW's 12 bytes). See [Note: model plan].
     """
-    _check(dtype, world_size)
-    if transport not in ("nccl", "gloo"):
-        raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
+    _check_choices(dtype, world_size, transport, optimizer)
     off = dict(offload=offload, offload_fraction=offload_fraction,
                offload_dir=tempfile.gettempdir() if offload == "nvme" else None)   # (no file is made on meta)
     with torch.device("meta"):
@@ -256,7 +308,7 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     stages["DDP"]["peak"] = None if acts is None else ddp_state + gb * trainable + acts
     for stage in (1, 2, 3):
         runs = {r: _meta_run(build, world_size, r, stage, dtype, wrap_classes, bucket_mb, prefetch, off,
-                             transport == "gloo")
+                             transport == "gloo", optimizer)
                 for r in ranks}
         state = max(v["report"]["total"] for v in runs.values())
         dev = max(v["report"]["device"] for v in runs.values())
@@ -265,13 +317,13 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
         if acts is not None:
             traced = acts if run["policy"] is None else activation_bytes(build, example, dtype, run["policy"])
             peak = max(dev, dev - run["grad_shards"] + run["fixed"] + traced)
-        stages[f"ZeRO-{stage}"] = dict(ranks={r: {k: v["report"][k] for k in _PERSISTENT + LOCATIONS}
-                                              for r, v in runs.items()},
+        stages[f"ZeRO-{stage}"] = dict(ranks={r: {k: v["report"][k] for k in _PERSISTENT + LOCATIONS + _OWN
+                                                  if k in v["report"]} for r, v in runs.items()},
                                        model_state=state, device_state=dev,
                                        transient=max(v["transient"] for v in runs.values()), peak=peak)
         if stage == 3:
             max_unit = run["max_unit"]
-    return dict(params=n, trainable=trainable, world_size=world_size, dtype=dtype, offload=offload,
+    return dict(params=n, trainable=trainable, world_size=world_size, dtype=dtype, offload=offload, optimizer=optimizer,
                 offload_fraction=offload_fraction if offload else 0.0,
                 wrap=[c.__name__ for c in wrap_classes], max_unit=max_unit, activations=acts, stages=stages)
 
@@ -290,7 +342,7 @@ def format_model_plan(plan: dict) -> str:
     for s in STAGES:
         st = plan["stages"][s]
         r = max(st["ranks"].values(), key=lambda rep: rep["total"])
-        opt = r["master"] + r["exp_avg"] + r["exp_avg_sq"]
+        opt = r["master"] + r["exp_avg"] + r["exp_avg_sq"] + r.get("optimizer_state", 0)
         acts = plan["activations"]
         need = st["peak"] if st["peak"] is not None else st["device_state"] + st["transient"]
         fits = "".join(f"{'yes' if need <= c * gb else 'no':>7}" for c in CARDS_GB)
@@ -334,6 +386,9 @@ def main(argv: List[str] = None) -> None:
                                                                "state's bytes go to host memory or disk")
     ap.add_argument("--offload-fraction", type=float, default=1.0, help="share of the optimizer state "
                                                                         "offloaded (default 1)")
+    ap.add_argument("--optimizer", choices=("adamw", "adafactor", "muon"), default="adamw",
+                    help="with --model: the fused AdamW (default), torch's Adafactor, or Muon over the "
+                         "blocks' 2-D matrices with AdamW over the rest; whole-tensor state counts on its owner")
     ap.add_argument("--transport", choices=("nccl", "gloo"), default="nccl",
                     help="with --model: nccl (GPUs, default) or gloo (CPU processes, whose reduce-scatter "
                          "takes scratch chunks)")
@@ -362,7 +417,7 @@ def main(argv: List[str] = None) -> None:
         plan = plan_model(build, args.shard_size or args.world_size, args.dtype, wrap=args.wrap,
                           bucket_mb=args.bucket_mb, prefetch=args.prefetch, example=example,
                           offload=args.offload, offload_fraction=args.offload_fraction,
-                          transport=args.transport)
+                          transport=args.transport, optimizer=args.optimizer)
     except (ValueError, TypeError) as e:
         ap.error(str(e))
     if args.shard_size is not None:

@@ -341,13 +341,15 @@ class FullyShard(nn.Module):
         return None
 
     # -------------------------------------------------------------- backward
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True, by: Optional[object] = None):
         """``set_to_none=True`` (the default) frees the gradient shards (the next backward
-        allocates them); ``False`` zeroes them in place (None stays None, as in torch)."""
+        allocates them); ``False`` zeroes them in place (None stays None, as in torch).
+        ``by``: the optimizer asking (see ``Optimizers.defer_zero``)."""
         if self._backward.active:
             raise RuntimeError(self._err("zero_grad() called during backward"))
-        self._backward.zero_grad(set_to_none)
-        self._optimizers.clear_steps()
+        if not self._optimizers.defer_zero(by, set_to_none, self.grads_ready()):
+            self._backward.zero_grad(set_to_none)
+            self._optimizers.clear_steps()
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
@@ -375,13 +377,14 @@ class FullyShard(nn.Module):
         return self._backward.active
 
     def step_done(self, updated: bool = True, by: Optional[object] = None):
-        """The shards were stepped (``updated``) or skipped: drop gathered copies, consume the
-        gradients. With several optimizers over this model's parameters (``by``: the one
-        that stepped; e.g. Muon over the matrices and AdamW over the rest) the gradients
-        are consumed once each has stepped."""
+        """The shards were stepped (``updated``) or skipped by optimizer ``by``: drop gathered
+        copies; consume the gradients once every optimizer over the model has stepped."""
         self.invalidate()
         if self._optimizers.all_stepped(by):
             self._backward.step_done(updated)
+            deferred = self._optimizers.take_deferred_zero()
+            if deferred is not None:
+                self._backward.zero_grad(deferred)
 
     def add_grads_ready_listener(self, fn):
         """Call ``fn()`` whenever a backward outside no_sync() has finished and the

@@ -125,6 +125,7 @@ class Optimizers:
     def __init__(self):
         self._entries: List[tuple] = []
         self._stepped: set = set()
+        self._deferred_zero: Optional[bool] = None   # set_to_none of a zero_grad() held back
 
     def register(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]]):
         self._entries.append((weakref.ref(owner), states))
@@ -148,3 +149,20 @@ class Optimizers:
 
     def clear_steps(self):
         self._stepped.clear()
+        self._deferred_zero = None
+
+    def defer_zero(self, by: Optional[object], set_to_none: bool, grads_ready: bool) -> bool:
+        """Whether ``by``'s zero_grad() must wait: it has stepped on the gradients of this
+        backward and another live optimizer has not yet (a loop that steps and zeroes
+        each optimizer in turn). The zeroing then runs once the last one has stepped."""
+        live = [ref() for ref, _ in self._entries if ref() is not None]
+        if by is None or not grads_ready or id(by) not in self._stepped or \
+                all(id(o) in self._stepped for o in live):
+            return False
+        self._deferred_zero = set_to_none if self._deferred_zero is None else self._deferred_zero and set_to_none
+        return True
+
+    def take_deferred_zero(self) -> Optional[bool]:
+        """The set_to_none of a held-back zero_grad(), if any (then forgotten)."""
+        out, self._deferred_zero = self._deferred_zero, None
+        return out

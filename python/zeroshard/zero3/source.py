@@ -137,7 +137,7 @@ class UnitSource(ShardSource):
 
     def zero_grad(self, set_to_none: bool):
         for fs in self.owners:
-            fs.zero_grad(set_to_none)
+            fs.zero_grad(set_to_none, by=self)
 
     @contextlib.contextmanager
     def no_sync(self):
