@@ -93,7 +93,7 @@ def _groups(named, variant):
     return muon_groups, muon_kw, rest, dict(lr=3e-3, weight_decay=0.1)
 
 
-def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False):
+def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False, scaler=False):
     """Params (full, by name) after STEPS steps of Muon + AdamW; ``kind``: "single"
     (one process, the whole batch), "ddp", or a zeroshard stage 1/2/3."""
     torch.manual_seed(0)
@@ -112,6 +112,8 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False)
         muon = zs.ShardedOptimizer(muon_groups, optimizer_class=cls, **muon_kw, **vouch, **stage)
         adamw = zs.ShardedOptimizer(rest, **adamw_kw, **stage)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (muon, adamw)]
+    # GradScaler over both optimizers; an inf on rank 0 at step 4 skips that step everywhere
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) if scaler else None
     n = BATCH // world
     for k, (tok, y) in enumerate(data()):
         tok, y = tok[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
@@ -125,13 +127,20 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False)
                 [muon.no_sync(), adamw.no_sync()]
             for s in syncs:
                 s.__enter__()
-            (F.cross_entropy(net(t, use_extra=k % 3 == 1), yy) / len(halves)).backward()
+            loss = F.cross_entropy(net(t, use_extra=k % 3 == 1), yy) / len(halves)
+            if gs is not None and k == 4 and rank == 0 and last:
+                loss = loss * float("inf")
+            (gs.scale(loss) if gs is not None else loss).backward()
             for s in reversed(syncs):
                 s.__exit__(None, None, None)
+        for o in (muon, adamw) if gs is not None else ():
+            gs.unscale_(o)
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
         for o in (muon, adamw):     # each stepped and zeroed in turn (ZeRO-3: the second's
-            o.step()                # gradients outlive the first's zero_grad)
+            gs.step(o) if gs is not None else o.step()     # gradients outlive the first's zero_grad)
             o.zero_grad()
+        if gs is not None:
+            gs.update()
         for s in scheds:
             s.step()
     sd = model.state_dict() if kind == 3 else model.state_dict()
@@ -175,6 +184,22 @@ def test_muon_in_fp32_equals_ddp_to_fp32_rounding(dist_pool, stage):
     ran once, on its owner, on the whole averaged gradient."""
     for rank, (err, noise, _) in enumerate(dist_pool.run(_compare, stage, "plain_match_rms", True, Muon32)):
         assert err < 2e-6 and noise < 2e-6, (rank, err, noise)
+
+
+def _compare_scaled(stage):
+    ours, _ = _train(stage, "nesterov", cls=Muon32, scaler=True)
+    ddp, _ = _train("ddp", "nesterov", cls=Muon32, scaler=True)
+    unscaled, _ = _train("ddp", "nesterov", cls=Muon32)
+    return _diff(ours, ddp), _diff(ddp, unscaled)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_grad_scaler_over_both_optimizers_equals_ddp(dist_pool, stage):
+    """GradScaler unscales and steps both optimizers; an overflow on one rank skips the
+    step on every rank, for both, as under DDP."""
+    for rank, (err, skipped_moves) in enumerate(dist_pool.run(_compare_scaled, stage)):
+        assert err < 2e-6, (rank, err)
+        assert skipped_moves > 1e-3, skipped_moves      # the skipped step changed the result
 
 
 @pytest.mark.parametrize("stage", [2, 3])
