@@ -43,10 +43,12 @@ def runnable(variants: list) -> list:
 
 
 def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dtype, lr: float,
-                    universal: bool = False):
+                    universal: bool = False, optimizer: dict | None = None):
     """(engine, engine): the engine is both the model to call and the "optimizer". The
     micro-batch size its config requires is bookkeeping (step.py feeds its own batch).
-    ``universal``: the engine loads universal checkpoints (made by ``to_universal``)."""
+    ``universal``: the engine loads universal checkpoints (made by ``to_universal``).
+    ``optimizer``: the config's "optimizer" entry (DeepSpeed builds it) in place of a
+    client torch.optim.AdamW (benchmarks/muon.py: ``{"type": "Muon", ...}``)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch.distributed as dist
@@ -66,13 +68,19 @@ def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dty
         cfg["checkpoint"] = {"load_universal": True}
     if param_dtype == torch.bfloat16:
         cfg["bf16"] = {"enabled": True}
-    if offload == "cpu":
+    if optimizer is not None:
+        cfg["optimizer"] = optimizer
+        if optimizer.get("type") == "Muon" and stage == 3:
+            zero["reduce_scatter"] = False   # its ZeRO-3 refuses Muon with reduce_scatter (the default)
+        optimizer = None
+    elif offload == "cpu":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         zero["offload_optimizer"] = {"device": "cpu"}
         optimizer = DeepSpeedCPUAdam(model.parameters(), lr=lr, adamw_mode=True, weight_decay=0.01)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
+                                           model_parameters=None if optimizer is not None else list(model.parameters()),
                                            dist_init_required=False)
     return engine, engine
 
