@@ -12,8 +12,9 @@ epoch (ModelCheckpoint) plus top-1/last ones; the stage-2 and stage-3 runs are t
 resumed from their first epoch's checkpoint in a fresh model. With RESUME_DIR (a world-2
 run's OUT_DIR) the stage-3 epoch-1 checkpoint saved at world size 2 is resumed here, at
 stage 3 and at stage 2; without it, DDPStrategy and stages 2 and 3 also train in
-bf16-mixed, the two offload strategies train, and stage 3 trains a model built on the
-meta device in configure_model.
+bf16-mixed, the two offload strategies train, stage 3 trains a model built on the meta device in
+configure_model, and trainer.validate(ckpt_path=) loads the stage-2 run's last
+checkpoint at stage 3.
 """
 import os
 import sys
@@ -112,6 +113,15 @@ def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=Tru
     return result
 
 
+def validate(strategy, ckpt_path) -> float:
+    """A fresh module's validation loss with the weights of ``ckpt_path`` (no fit)."""
+    torch.manual_seed(1)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    return trainer.validate(LitGPT(), loaders(int(os.environ["WORLD_SIZE"]))[1], ckpt_path=ckpt_path,
+                            verbose=False)[0]["val_loss"]
+
+
 def main():
     out_dir = sys.argv[1]
     resume_dir = sys.argv[2] if len(sys.argv) > 2 else None
@@ -134,6 +144,7 @@ def main():
         for name in ("zeroshard_stage_2_offload", "zeroshard_stage_3_offload"):
             out[name] = run(name, predict=False)
         out["stage3-meta"] = run("zeroshard_stage_3", cls=MetaGPT, predict=False)
+        out["validated"] = validate("zeroshard_stage_3", os.path.join(out_dir, "ckpt-stage2", "every", "epoch=1.ckpt"))
     out["listings"] = {stage: sorted(os.listdir(os.path.join(out_dir, f"ckpt-stage{stage}", "best")))
                        for stage in (2, 3)}
     if int(os.environ["RANK"]) == 0:

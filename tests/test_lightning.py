@@ -102,6 +102,12 @@ def test_stage_3_initialises_a_model_built_on_meta_in_configure_model(results):
     assert all(torch.isfinite(v).all() for v in r["params"].values())
 
 
+def test_validate_with_ckpt_path_loads_the_weights_at_another_stage(results):
+    """trainer.validate(ckpt_path=) at stage 3 of the stage-2 run's last checkpoint, into a
+    module built from other weights: the validation loss that run logged."""
+    assert abs(results[2]["validated"] - results[2]["stage2"]["val"][-1]) <= TOL
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
 def test_resume_from_an_epoch_end_checkpoint_equals_the_uninterrupted_run(results, world, stage):
