@@ -12,7 +12,7 @@ epoch (ModelCheckpoint) plus top-1/last ones; the stage-2 and stage-3 runs are t
 resumed from their first epoch's checkpoint in a fresh model. With RESUME_DIR (a world-2
 run's OUT_DIR) the stage-3 epoch-1 checkpoint saved at world size 2 is resumed here, at
 stage 3 and at stage 2; without it, DDPStrategy and stages 2 and 3 also train in
-bf16-mixed, the two offload strategies train, stage 3 trains a model built on the meta device in
+bf16-mixed, DDPStrategy and stage 3 clip by value, the two offload strategies train, stage 3 trains a model built on the meta device in
 configure_model, and trainer.validate(ckpt_path=) loads the stage-2 run's last
 checkpoint at stage 3.
 """
@@ -88,7 +88,8 @@ def full_params(trainer) -> dict:
     return {k: v.detach().clone() for k, v in runner.state_dict().items()}
 
 
-def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=True, precision="32-true"):
+def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=True, precision="32-true",
+        clip="norm"):
     world = int(os.environ["WORLD_SIZE"])
     L.seed_everything(0)           # also the seed of the samplers' shuffling
     torch.manual_seed(seed)        # a resumed run starts from other weights: the checkpoint's must load
@@ -101,7 +102,8 @@ def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=Tru
                       ModelCheckpoint(dirpath=os.path.join(ckpt_dir, "best"), monitor="val_loss", save_top_k=1,
                                       save_last=True)]
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_epochs=EPOCHS, precision=precision,
-                        gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, callbacks=callbacks,
+                        gradient_clip_val=0.5 if clip == "norm" else 0.01, gradient_clip_algorithm=clip,
+                        accumulate_grad_batches=2, logger=False, callbacks=callbacks,
                         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
     train, val = loaders(world)
@@ -143,6 +145,8 @@ def main():
             out[f"{name}-bf16"] = run(strategy, precision="bf16-mixed", predict=False)
         for name in ("zeroshard_stage_2_offload", "zeroshard_stage_3_offload"):
             out[name] = run(name, predict=False)
+        for name, strategy in (("ddp", "ddp"), ("stage3", "zeroshard_stage_3")):
+            out[f"{name}-value"] = run(strategy, clip="value", predict=False)
         out["stage3-meta"] = run("zeroshard_stage_3", cls=MetaGPT, predict=False)
         out["validated"] = validate("zeroshard_stage_3", os.path.join(out_dir, "ckpt-stage2", "every", "epoch=1.ckpt"))
     out["listings"] = {stage: sorted(os.listdir(os.path.join(out_dir, f"ckpt-stage{stage}", "best")))

@@ -93,6 +93,12 @@ def test_offload_strategies_match_ddp_strategy(results, name):
     assert close(r["losses"], ddp["losses"]) and worst(r["params"], ddp["params"]) <= TOL
 
 
+def test_clipping_by_value_as_ddp_strategy(results):
+    r, ddp = results[2]["stage3-value"], results[2]["ddp-value"]
+    assert close(r["losses"], ddp["losses"]) and worst(r["params"], ddp["params"]) <= TOL
+    assert worst(ddp["params"], results[2]["ddp"]["params"]) > 100 * TOL        # the clamp changed the run
+
+
 def test_stage_3_initialises_a_model_built_on_meta_in_configure_model(results):
     """Built on meta in configure_model, initialised by FullyShard unit by unit: it trains,
     with every parameter of the plain model, finite."""
