@@ -2,6 +2,9 @@
 rest, at each ZeRO stage, against DDP + torch.optim.Muon + torch.optim.AdamW.
 
     python benchmarks/muon.py [--sizes 25M,100M] [--worlds 2,3,4] [--steps 3] [--warmup 1]
+    python benchmarks/muon.py --sizes 100M --worlds 4 --steps 1 --batch-variants 1 \
+        --variants zeroshard-1,zeroshard-2,zeroshard-3,deepspeed-1,deepspeed-2,deepspeed-3   # in chunks
+    python benchmarks/muon.py --ns-fp32 --sizes 3M --variants zeroshard-1,zeroshard-2,zeroshard-3,fsdp2
     python benchmarks/muon.py --plot-only                       # table and plot from the JSON
 
 The model is benchmarks/sweep.py's GPT at 25M and 100M parameters (batch 2 x seq 64 per
@@ -40,8 +43,14 @@ Also printed: each rank's summed Newton-Schulz cost (rows x cols x min(rows, col
 matrices zeroshard gives it (ShardedOptimizer.whole_tensor_rule.balance()), and the
 largest deviation from the mean (target within 15%).
 
+--ns-fp32 runs the torch-Muon variants (DDP, zeroshard, FSDP2) with Newton-Schulz in fp32
+(tests/test_whole_tensor.py's Muon32): where the update is right, its distance from DDP's is
+then fp32 rounding, not bf16's (benchmarks/out/muon_ns_fp32.json).
+
 Writes benchmarks/out/muon.json (points of other sizes and world sizes already there are
-kept) and benchmarks/out/muon.png.
+kept, so the run can be taken in chunks) and benchmarks/out/muon.png. On the 2-core VM the
+100M points take --steps 1 and --batch-variants 1 (each variant next to its own DDP, so
+that the 100M copies fit in its 23 GB at world sizes 3 and 4).
 """
 from __future__ import annotations
 
@@ -211,8 +220,19 @@ def measure_batch(batch, cfg, args, data, p0, world):
             row["comm_mb"] = comm_mb(built[v], data, world)
         rows[v] = row
     del built
-    gc.collect()
+    release_memory()
     return {**rows, **failed}
+
+
+def release_memory():
+    """Frees the last batch's copies and hands the C heap's free pages back to the system
+    (glibc keeps them otherwise: at 100M and 4 ranks the next build then ran out of memory)."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def comm_mb(built, data, world):
@@ -239,7 +259,9 @@ def worker(rank, world, port, q, cfg, args):
         rows.update(got)
         if rank == 0:
             print(f"  {batch}: {time.time() - t0:.0f} s", flush=True)
+    p0 = None
     for v in (v for v in variants if v.startswith("zeroshard")):      # the same stage with AdamW only
+        release_memory()
         built = build(v + "+adamw", step.new_model(cfg, args, data.device))
         train(*built, data)
         sent = comm_mb(built, data, world)
@@ -325,10 +347,11 @@ def plot(d: dict, path: str) -> None:
     print(f"wrote {path}")
 
 
-def report(d: dict, png: str) -> None:
+def report(d: dict, png) -> None:
     print(table(d))
     print(balance_lines(d))
-    plot(d, png)
+    if png:
+        plot(d, png)
 
 
 def main():
@@ -347,13 +370,14 @@ def main():
                          "to fp32 rounding; writes --json, default benchmarks/out/muon_ns_fp32.json)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    path = args.json or (JSON.replace(".json", "_ns_fp32.json") if args.ns_fp32 else JSON)
+    png = None if args.ns_fp32 else path.replace(".json", ".png")
     if args.plot_only:
-        with open(args.json or JSON) as f:
-            report(json.load(f), (args.json or JSON).replace(".json", ".png"))
+        with open(path) as f:
+            report(json.load(f), png)
         return
     args.variants = args.variants.split(",")
     args.device, args.dtype = "cpu", "float32"     # (step.setup's and step.new_model's)
-    path = args.json or (JSON.replace(".json", "_ns_fp32.json") if args.ns_fp32 else JSON)
     ctx, points, t0 = mp.get_context("spawn"), [], time.time()
     command = " ".join(["python benchmarks/muon.py"] + sys.argv[1:])
     for size in args.sizes.split(","):
@@ -379,7 +403,7 @@ def main():
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    report(out, path.replace(".json", ".png"))
+    report(out, png)
 
 
 if __name__ == "__main__":

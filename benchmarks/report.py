@@ -639,7 +639,8 @@ OWN_PLOTS = {"headline.png": "Step time and memory of each ZeRO stage against DD
              "adamw.png": "Fused AdamW throughput per variant against size",
              "checkpoint.png": "Checkpoint save and load time per variant"}
 COPIED_CAPTIONS = {"sweep_size.png": "Step time over DDP's against model size (benchmarks/sweep.py)",
-                   "sweep_world.png": "Step time over DDP's against world size (benchmarks/sweep.py)"}
+                   "sweep_world.png": "Step time over DDP's against world size (benchmarks/sweep.py)",
+                   "muon.png": "Muon + AdamW at each stage against DDP + torch.optim.Muon (benchmarks/muon.py)"}
 
 
 def report(out_dir: str, results: str, readme: str, docs: str) -> dict:
