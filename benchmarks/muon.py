@@ -332,7 +332,8 @@ def plot(d: dict, path: str) -> None:
             for v in variants:
                 xy = [(p["world"], r[key]) for p in pts for r in p["rows"] if r["variant"] == v and r.get(key)]
                 if xy:
-                    ax.plot(*zip(*xy), marker="o", label=v, linestyle="-" if v.startswith("zeroshard") else "--")
+                    ax.plot(*zip(*xy), marker="o", label=v, color=f"C{VARIANTS.index(v) % 10}",
+                            linestyle="-" if v.startswith("zeroshard") else "--")
             ax.axhline(target, color="red", linewidth=0.8, linestyle=":", label="target")
             ax.axhline(1.0, color="black", linewidth=0.6)
             ax.set_xticks(sorted({p["world"] for p in pts}))
