@@ -143,8 +143,7 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False,
             gs.update()
         for s in scheds:
             s.step()
-    sd = model.state_dict() if kind == 3 else model.state_dict()
-    return {k: v.detach().clone().float() for k, v in sd.items()}, (None if kind in ("single", "ddp") else
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}, (None if kind in ("single", "ddp") else
                                                                      muon.memory_report())
 
 
@@ -277,15 +276,6 @@ def _build(kind, cls, kw):
     return model, net, zs.ShardedOptimizer(model.parameters(), optimizer_class=cls, **kw, **stage)
 
 
-def _steps(net, opt, batches, first=0):
-    rank, n = dist.get_rank(), BATCH // dist.get_world_size()
-    for k, (tok, y) in enumerate(batches, start=first):
-        opt.zero_grad()
-        F.cross_entropy(net(tok[rank * n:(rank + 1) * n], use_extra=k % 3 == 1), y[rank * n:(rank + 1) * n]).backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
-        opt.step()
-
-
 def _full(model):
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
@@ -293,7 +283,7 @@ def _full(model):
 def _adafactor_and_state_dict(kind):
     cls, kw = torch.optim.Adafactor, dict(lr=0.01, weight_decay=0.05)
     model, net, opt = _build(kind, cls, kw)
-    _steps(net, opt, data(6))
+    _steps(net, [opt], data(6))
     if kind == "ddp":
         return _full(model), opt.state_dict()
     opt.consolidate_state_dict(to=0)
@@ -332,7 +322,7 @@ def _two(kind, cls=Muon32):
                           zs.ShardedOptimizer(rest, **adamw_kw, **stage)]
 
 
-def _steps2(net, opts, batches, first=0):
+def _steps(net, opts, batches, first=0):
     rank, n = dist.get_rank(), BATCH // dist.get_world_size()
     for k, (tok, y) in enumerate(batches, start=first):
         for o in opts:
@@ -349,11 +339,11 @@ def _resume(kind):
     torch.optim.Muon (its own format)."""
     batches = data(6)
     model, net, opts = _two(kind)
-    _steps2(net, opts, batches)
+    _steps(net, opts, batches)
     straight = _full(model)
     del model, net, opts
     model, net, opts = _two(kind)
-    _steps2(net, opts, batches[:3])
+    _steps(net, opts, batches[:3])
     msd = model.state_dict()
     opts[0].consolidate_state_dict(to=0)
     osds = [opts[0].state_dict() if dist.get_rank() == 0 else None, opts[1].state_dict()]
@@ -364,7 +354,7 @@ def _resume(kind):
     dist.broadcast_object_list(sd0, src=0)
     opts[0].load_state_dict(sd0[0])
     opts[1].load_state_dict(osds[1])
-    _steps2(net, opts, batches[3:], first=3)
+    _steps(net, opts, batches[3:], first=3)
     if dist.get_rank() == 0:
         fresh = Net()
         muon_groups, muon_kw, _, _ = _groups(list(fresh.named_parameters()), "nesterov")
@@ -385,9 +375,9 @@ def _ckpt_save(kind, path):
     """Six steps, a checkpoint of the model and both optimizers after the third."""
     batches = data(6)
     model, net, opts = _two(kind)
-    _steps2(net, opts, batches[:3])
+    _steps(net, opts, batches[:3])
     zs.save_checkpoint(path, model, opts, extra={"step": 3})
-    _steps2(net, opts, batches[3:], first=3)
+    _steps(net, opts, batches[3:], first=3)
     return _full(model), opts[0].param_steps
 
 
@@ -395,7 +385,7 @@ def _ckpt_load(kind, path):
     """A fresh model and optimizers loading the checkpoint, then the last three steps."""
     model, net, opts = _two(kind)
     extra = zs.load_checkpoint(path, model, opts)
-    _steps2(net, opts, data(6)[3:], first=3)
+    _steps(net, opts, data(6)[3:], first=3)
     return _full(model), extra, opts[0].param_steps
 
 
@@ -415,18 +405,18 @@ def _sharded_round_trip(kind):
     loading the copies takes the same last three steps."""
     batches = data(6)
     model, net, opts = _two(kind)
-    _steps2(net, opts, batches[:3])
+    _steps(net, opts, batches[:3])
     msd = model.state_dict()
     sds = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in o.sharded_state_dict()["state"].items()}
            for o in opts]
     held = [dict(o.sharded_state_dict(), state=sd) for o, sd in zip(opts, sds)]
-    _steps2(net, opts, batches[3:], first=3)
+    _steps(net, opts, batches[3:], first=3)
     straight = _full(model)
     model, net, opts = _two(kind)
     model.load_state_dict(msd)
     for o, sd in zip(opts, held):
         o.load_sharded_state_dict(sd)
-    _steps2(net, opts, batches[3:], first=3)
+    _steps(net, opts, batches[3:], first=3)
     return _diff(_full(model), straight), sorted(k for k in held[0]["state"] if k.startswith("owned."))
 
 

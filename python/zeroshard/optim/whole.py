@@ -226,9 +226,9 @@ class WholeTensor:
 
     def set_owned_states(self, states: Dict[int, dict]) -> None:
         """Owned parameters take these states (a checkpoint's); the others start fresh."""
+        if self.inner is None:
+            return
         for i, leaf in self.leaves.items():
-            if self.inner is None:
-                return
             if states.get(i):
                 self.inner.state[leaf] = dict(states[i])
             else:
@@ -253,18 +253,19 @@ class WholeTensor:
 
     def load_full(self, opt, state: dict, saved_ids: list) -> None:
         """Every owner takes the state of its parameters from a full state dict."""
-        for i, leaf in self.leaves.items():
+        owned: Dict[int, dict] = {}
+        for i in self.leaves:
             st = state.get(saved_ids[i])
-            if st is None or self.inner is None:
-                self.inner is not None and self.inner.state.pop(leaf, None)
+            if st is None:
                 continue
             for key, v in st.items():
                 if isinstance(v, torch.Tensor) and v.numel() > self.shapes[i].numel():
                     raise ValueError(self.err(f"state of parameter {i}: {key} has shape {tuple(v.shape)}, larger "
                                               f"than the parameter's {tuple(self.shapes[i])}; the state dict "
                                               "is of another model"))
-            self.inner.state[leaf] = {key: (v.to(self.source.device).clone() if isinstance(v, torch.Tensor)
-                                            else v) for key, v in st.items()}
+            owned[i] = {key: (v.to(self.source.device).clone() if isinstance(v, torch.Tensor) else v)
+                        for key, v in st.items()}
+        self.set_owned_states(owned)
 
     def state_bytes(self) -> int:
         """Bytes of the class's state on this rank: what it holds; on the meta device (the

@@ -137,9 +137,12 @@ class Optimizers:
                 out.update({k: v for k, v in states.items() if v})
         return out
 
+    def _live(self) -> list:
+        return [ref() for ref, _ in self._entries if ref() is not None]
+
     def all_stepped(self, by: Optional[object]) -> bool:
         """Records that ``by`` stepped; whether every live one has (then starts over)."""
-        live = [ref() for ref, _ in self._entries if ref() is not None]
+        live = self._live()
         if by is not None and len(live) > 1:
             self._stepped.add(id(by))
             if not all(id(o) in self._stepped for o in live):
@@ -155,7 +158,7 @@ class Optimizers:
         """Whether ``by``'s zero_grad() must wait: it has stepped on the gradients of this
         backward and another live optimizer has not yet (a loop that steps and zeroes
         each optimizer in turn). The zeroing then runs once the last one has stepped."""
-        live = [ref() for ref, _ in self._entries if ref() is not None]
+        live = self._live()
         if by is None or not grads_ready or id(by) not in self._stepped or \
                 all(id(o) in self._stepped for o in live):
             return False
