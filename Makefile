@@ -59,12 +59,21 @@ TEST_DS := deepspeed==0.19.8
 # Lightning, the test-only peer of tests/test_lightning.py (ZeroShardStrategy beside its own
 # DDPStrategy): pinned, installed with the pinned torch named so pip keeps it.
 TEST_LIGHTNING := lightning==2.6.6
+# Hugging Face, the test-only peers of tests/test_hf.py (ZeroShardTrainer beside the Trainer's own
+# DDP, the Accelerate recipe beside Accelerate's, TRL's SFTTrainer through the mixin): pinned to
+# the range zeroshard.integrations.hf checks at import; their wheels (and their dependencies')
+# are kept in the wheelhouse with torch's, so a fresh clone installs them offline.
+TEST_HF := transformers==5.24.0 accelerate==1.15.0 trl==1.16.0
 .PHONY: test-deps
 test-py: test-deps
 test-deps: $(VENV)/.deps
 	@$(PY) -c "import deepspeed" 2>/dev/null || { $(PIP) install -q --no-deps "$(TEST_DS)" && \
 	  $(PIP) install -q $(BENCH_DEPS_OF_DS); }
 	@$(PY) -c "import lightning" 2>/dev/null || $(PIP) install -q "$(TEST_LIGHTNING)" "$(TORCH_SPEC)"
+	@$(PY) -c "import transformers, accelerate, trl" 2>/dev/null || { \
+	  $(PIP) install -q --no-index --find-links "$(WHEELHOUSE)" $(TEST_HF) "$(TORCH_SPEC)" 2>/dev/null || { \
+	    $(PIP) download -q -d "$(WHEELHOUSE)" --find-links "$(WHEELHOUSE)" $(TEST_HF) "$(TORCH_SPEC)" && \
+	    $(PIP) install -q --no-index --find-links "$(WHEELHOUSE)" $(TEST_HF) "$(TORCH_SPEC)"; }; }
 
 # Two ranks on this machine (gloo on CPU; NCCL, one GPU each, where there are GPUs).
 # Stages 0-2 run briefly for their memory tables, then ZeRO-3 trains with

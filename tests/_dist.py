@@ -140,3 +140,35 @@ def piece_of(p):
     """What this rank holds of parameter ``p``: its piece under FullyShard (``p.to_local()``),
     else ``p`` itself (detached)."""
     return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+
+def torchrun_jobs(tmp_path_factory, name: str, job: str, timeout: float) -> dict:
+    """{world size: rank 0's results} of ``job`` launched with torchrun at world sizes 2
+    and then 3; the world-3 launch gets the world-2 directory as its second argument (to
+    resume what world 2 saved). Each writes ``results-w<world>.pt`` into its directory."""
+    import subprocess
+
+    import torch
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for world in (2, 3):
+        d = tmp_path_factory.mktemp(f"{name}-w{world}")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(d))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), job,
+               str(d)] + ([out[2]["dir"]] if world == 3 else [])
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=timeout)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+        out[world] = torch.load(os.path.join(d, f"results-w{world}.pt"), weights_only=False)
+        out[world]["dir"] = str(d)
+    return out
+
+
+def worst(a: dict, b: dict) -> float:
+    """The largest elementwise difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys() and len(a) > 0
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def close(a: list, b: list, tol: float = 1e-5) -> bool:
+    """Two equally long, non-empty lists of numbers within ``tol`` of each other."""
+    return len(a) == len(b) > 0 and max(abs(x - y) for x, y in zip(a, b)) <= tol

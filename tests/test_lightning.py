@@ -12,11 +12,11 @@ exactly, and within 1e-5 from 2 ranks to 3 (stage 3 to stages 3 and 2); ModelChe
 top-k and last are directories; convert_checkpoint's file loads with load_from_checkpoint.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from _dist import close, torchrun_jobs, worst
 
 pytest.importorskip("lightning")
 
@@ -28,26 +28,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """{world size: rank 0's results} of the job at world sizes 2 and 3 (3 resumes 2's checkpoint)."""
-    out = {}
-    for world in (2, 3):
-        d = tmp_path_factory.mktemp(f"lightning-w{world}")
-        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(d))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), JOB,
-               str(d)] + ([out[2]["dir"]] if world == 3 else [])
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=280)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-        out[world] = torch.load(os.path.join(d, f"results-w{world}.pt"), weights_only=False)
-        out[world]["dir"] = str(d)
-    return out
-
-
-def worst(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def close(a: list, b: list, tol: float = TOL) -> bool:
-    return len(a) == len(b) > 0 and max(abs(x - y) for x, y in zip(a, b)) <= tol
+    return torchrun_jobs(tmp_path_factory, "lightning", JOB, timeout=280)
 
 
 @pytest.mark.timeout(600)

@@ -1,5 +1,5 @@
 """Checkpoints that resume at any world size and stage: ``save_checkpoint``,
-``load_checkpoint``, ``export_full_state_dict`` and ``read_full_state_dict`` (``api``), ``resume``
+``load_checkpoint``, ``export_full_state_dict``, ``read_full_state_dict`` and ``full_state_dict_meta`` (``api``), ``resume``
 (the newest complete checkpoint under a path, at a script's start: ``resume``), over what a rank
 holds, by key (``holdings``), the save's steps (``save``), the exchange of
 outcomes that ends each step of a save or load (``peers``), and the file format:
@@ -8,9 +8,10 @@ safetensors writer, manifest and verifying reader (``format``).
 
 May import: ``native``, ``comm``, ``common``, ``zero3``, ``optim``.
 """
-from .api import export_full_state_dict, load_checkpoint, read_full_state_dict, save_checkpoint
+from .api import (export_full_state_dict, full_state_dict_meta, load_checkpoint, read_full_state_dict,
+                  save_checkpoint)
 from .format import CheckpointError
 from .resume import resume
 
-__all__ = ["CheckpointError", "export_full_state_dict", "load_checkpoint", "read_full_state_dict", "resume",
+__all__ = ["CheckpointError", "export_full_state_dict", "full_state_dict_meta", "load_checkpoint", "read_full_state_dict", "resume",
            "save_checkpoint"]

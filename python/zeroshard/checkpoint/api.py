@@ -66,7 +66,7 @@ import types
 import uuid
 import warnings
 import zlib
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -251,7 +251,8 @@ def export_full_state_dict(path, out_file, dtype: Optional[torch.dtype] = None) 
             os.remove(tmp)
 
 
-def read_full_state_dict(path, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+def read_full_state_dict(path, dtype: Optional[torch.dtype] = None, *,
+                         tied: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield a checkpoint's full model state dict as ``(name, tensor)`` pairs, one tensor
     read (and checksummed) at a time, under the unwrapped model's names (tied
     parameters under every name), on CPU.
@@ -259,8 +260,10 @@ def read_full_state_dict(path, dtype: Optional[torch.dtype] = None) -> Iterator[
     Needs no process group. Parameters come in the model's dtype, or ``dtype``
     (floating ones; ``torch.float32`` gives the fp32 master values); buffers in
     their own dtype. Memory: the tensors the caller keeps, plus the one being read.
+    ``tied=False`` leaves out the second and later names of tied parameters (as
+    ``save_pretrained`` does; ``from_pretrained`` ties them again).
     """
-    _, reader, entries = _full_entries(path, dtype)
+    _, reader, entries = _full_entries(path, dtype, tied)
     try:
         for name, key, dt in entries:
             yield name, reader.full(key).to(dt)
@@ -268,7 +271,16 @@ def read_full_state_dict(path, dtype: Optional[torch.dtype] = None) -> Iterator[
         reader.close()
 
 
-def _full_entries(path, dtype: Optional[torch.dtype]):
+def full_state_dict_meta(path, dtype: Optional[torch.dtype] = None, *, tied: bool = True) -> Dict[str, torch.Tensor]:
+    """What ``read_full_state_dict`` yields, as tensors on the ``meta`` device (names,
+    shapes, dtypes, in the same order), read from the manifest alone: enough to plan
+    files before any data is read."""
+    man, reader, entries = _full_entries(path, dtype, tied)
+    reader.close()
+    return {name: torch.empty(man["tensors"][key]["shape"], dtype=dt, device="meta") for name, key, dt in entries}
+
+
+def _full_entries(path, dtype: Optional[torch.dtype], tied: bool = True):
     """(manifest, an open reader, [(name, key, dtype)]) of a checkpoint's full model state
     dict, tied parameters under every name: what export and read_full_state_dict go over."""
     save.wait()
@@ -282,5 +294,6 @@ def _full_entries(path, dtype: Optional[torch.dtype]):
         return name, key, dtype if key.startswith("param:") and dtype is not None and dt.is_floating_point else dt
 
     entries = [entry(key.split(":", 1)[1], key) for key in man["tensors"] if key.startswith(("param:", "buffer:"))]
-    entries += [entry(alias, "param:" + canonical) for alias, canonical in man["aliases"].items()]
+    if tied:
+        entries += [entry(alias, "param:" + canonical) for alias, canonical in man["aliases"].items()]
     return man, fmt.Reader(path, man), entries

@@ -1,0 +1,109 @@
+"""``ZeroShardTrainer(zeroshard=dict(...))`` and ``prepare(..., **options)``: the
+sharding options, checked once, and what they build (the stage-3 ``FullyShard``,
+the ShardedOptimizer's keywords). Shared by the Trainer and the Accelerate helper.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch.nn as nn
+
+import zeroshard
+
+from ..deepspeed.build import block_units
+
+# save_pretrained's default largest safetensors file
+DEFAULT_MAX_SHARD_SIZE = "50GB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The zeroshard half of a Hugging Face run.
+
+    stage: 1 (optimizer state sharded), 2 (also gradients; the default) or 3 (also
+        parameters: the model is wrapped in ``FullyShard``).
+    wrap: stage 3's units: module classes, class names, or a predicate; None: the
+        model's ``_no_split_modules`` (as FSDP's transformer auto wrap), else each
+        element of its outermost ``nn.ModuleList``s.
+    offload / offload_dir / offload_fraction: where the optimizer state lives
+        (None, ``"cpu"``, ``"nvme"``), as ``ShardedOptimizer``'s.
+    offload_params: stage 3: keep the parameter shards in host memory.
+    shard_size: hybrid sharding over groups of this many ranks.
+    bucket_mb: stages 1/2: the reduce-scatter bucket size.
+    reshard_after_forward, prefetch: stage 3: ``FullyShard``'s.
+    max_shard_size: the largest safetensors file a save writes (``save_pretrained``'s).
+    """
+    stage: int = 2
+    wrap: Any = None
+    offload: Optional[str] = None
+    offload_dir: Optional[str] = None
+    offload_fraction: float = 1.0
+    offload_params: bool = False
+    shard_size: Optional[int] = None
+    bucket_mb: float = 25
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    max_shard_size: Any = DEFAULT_MAX_SHARD_SIZE
+
+    @classmethod
+    def parse(cls, given, where: str) -> "Options":
+        """From the user's dict (or None: stage 2), every key checked."""
+        if given is None:
+            given = {}
+        if isinstance(given, Options):
+            return given
+        if not isinstance(given, dict):
+            raise TypeError(f"{where}: zeroshard= takes a dict such as dict(stage=2), got {type(given).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise TypeError(f"{where}: unknown zeroshard option(s) {unknown}; the options are {sorted(known)}")
+        opts = cls(**given)
+        opts.check(where)
+        return opts
+
+    def check(self, where: str) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"{where}: zeroshard stage={self.stage!r}; stage is 1 (optimizer state sharded), "
+                             "2 (also gradients) or 3 (also parameters, FullyShard)")
+        if self.wrap is not None and self.stage != 3:
+            raise ValueError(f"{where}: wrap= chooses stage 3's units; stage={self.stage} shards no parameters")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(f"{where}: offload_params=True offloads stage 3's parameter shards; at "
+                             f"stage={self.stage} use offload='cpu' (the optimizer state)")
+        if self.offload not in (None, "cpu", "nvme"):
+            raise ValueError(f"{where}: offload={self.offload!r}; None, 'cpu' or 'nvme'")
+
+    def optimizer_kwargs(self) -> dict:
+        """The ShardedOptimizer's sharding keywords."""
+        kw = dict(offload=self.offload, offload_dir=self.offload_dir, offload_fraction=self.offload_fraction,
+                  shard_size=self.shard_size)
+        if self.stage != 3:
+            kw.update(stage=self.stage, bucket_mb=self.bucket_mb)
+        return kw
+
+    def fully_shard(self, model: nn.Module) -> "zeroshard.FullyShard":
+        return zeroshard.FullyShard(model, wrap=units(model, self.wrap), shard_size=self.shard_size,
+                                    reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
+                                    offload_params=self.offload_params)
+
+
+def units(model: nn.Module, wrap):
+    """Stage 3's units: ``wrap`` as given (class names become the model's classes of
+    those names), else the classes ``model._no_split_modules`` names, else
+    ``block_units``."""
+    names = wrap if wrap is not None else getattr(model, "_no_split_modules", None)
+    if wrap is not None and (callable(wrap) and not isinstance(wrap, type)):
+        return wrap
+    if not names:
+        return block_units(model)
+    if isinstance(names, (str, type)):
+        names = [names]
+    wanted = {n for n in names if isinstance(n, str)}
+    classes = {c for c in names if isinstance(c, type)}
+    classes |= {type(m) for m in model.modules() if type(m).__name__ in wanted}
+    missing = wanted - {c.__name__ for c in classes}
+    if missing and wrap is not None:
+        raise ValueError(f"zeroshard wrap={sorted(missing)}: no module of the model has that class name")
+    return classes or block_units(model)

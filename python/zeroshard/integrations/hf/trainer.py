@@ -1,0 +1,219 @@
+"""``ZeroShardTrainerMixin``: the Hugging Face ``Trainer`` with zeroshard in place of
+the DDP wrapper Accelerate would add. Data loading, logging, evaluation,
+callbacks, schedules and the training loop stay the Trainer's; what changes is
+where the optimizer comes from, the model the loop calls, accumulation and
+checkpoints ([Note: Trainer integration]).
+
+[Note: Trainer integration] The Trainer builds its optimizer over the plain
+model (``create_optimizer``: the ``optim`` argument's class, the no-decay
+groups), then prepares the model with Accelerate, which wraps it in DDP in a
+multi-process run. Here ``create_optimizer`` keeps the Trainer's choice but
+rebuilds it as a ``ShardedOptimizer`` (same class, hyperparameters, groups; at
+stage 3 over the ``FullyShard`` pieces, the model wrapped first), and
+``_prepare_for_training`` asks Accelerate for autocast only
+(``prepare_model(evaluation_mode=True)``: no DDP, no device move) and wraps the
+optimizer without Accelerate's state-dict round trip. What the loop then does
+works unchanged on zeroshard's objects: ``model.zero_grad()``, the GradScaler,
+``accelerator.clip_grad_norm_`` (torch's ``clip_grad_norm_`` over zeroshard's
+sharded gradients: the global norm, logged as ``grad_norm``). Non-final
+micro-batches run under ``no_sync``. A checkpoint folder holds the
+``save_pretrained`` files (from rank 0 at stages 1/2; streamed from the
+zeroshard checkpoint at stage 3) and ``zeroshard/``, the sharded model and
+optimizer state, which a resume loads at any world size and stage.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+import zeroshard
+from zeroshard import comm
+
+from .. import convert
+from . import pretrained
+from .options import Options
+
+SHARDED_DIR = "zeroshard"       # the sharded model and optimizer state, inside a checkpoint folder
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+FORMAT = "zeroshard-hf/1"
+
+
+def _sharded_state(opt: "zeroshard.ShardedOptimizer") -> bool:
+    """Whether zeroshard checkpoints hold ``opt``'s state (the fused AdamW and the
+    whole-tensor classes); other classes save in their own format, consolidated."""
+    return opt.fused or opt.whole_tensor_rule is not None
+
+
+class ZeroShardTrainerMixin:
+    """Put first in a ``Trainer`` subclass's bases (``class SFT(ZeroShardTrainerMixin,
+    trl.SFTTrainer)``) to train it with zeroshard; ``zeroshard=dict(stage=..., ...)``
+    takes ``Options``' keys. ``ZeroShardTrainer`` is this mixin over ``Trainer``."""
+
+    def __init__(self, *args, zeroshard: Optional[dict] = None, **kwargs):
+        self.zeroshard_options = Options.parse(zeroshard, type(self).__name__)
+        self.sharded_optimizer: Optional["zeroshard.ShardedOptimizer"] = None
+        self.zeroshard_model: Optional[torch.nn.Module] = None   # what trains: the model, or its FullyShard
+        super().__init__(*args, **kwargs)
+        self._check_setup()
+
+    def _check_setup(self) -> None:
+        where = type(self).__name__
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            which = "deepspeed=" if self.is_deepspeed_enabled else "fsdp="
+            raise ValueError(f"{where}: TrainingArguments({which}...) asks for another sharding; zeroshard shards "
+                             f"the run itself: drop {which} (zeroshard=dict(stage=...) chooses the stage)")
+        if isinstance(self.optimizer, zeroshard.ShardedOptimizer):
+            raise TypeError(f"{where}(optimizers=(ShardedOptimizer, ...)): pass the plain torch optimizer (e.g. "
+                            "torch.optim.AdamW(model.parameters(), ...)) or none; the trainer builds the "
+                            "ShardedOptimizer from it after the model is placed, at the stage zeroshard= gives")
+        if self.args.n_gpu > 1:
+            raise ValueError(f"{where}: {self.args.n_gpu} GPUs in one process (DataParallel); launch one process "
+                             "per GPU with torchrun or accelerate launch")
+
+    # ---------------------------------------------------------------- building
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer (``optim``, its hyperparameters, the no-decay groups,
+        or the one passed in ``optimizers=``), rebuilt as a ShardedOptimizer; at stage
+        3 the model is wrapped in FullyShard first."""
+        if self.sharded_optimizer is not None:
+            return self.sharded_optimizer
+        plain = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        runner, pieces = self.model, None
+        if self.zeroshard_options.stage == 3:
+            runner = self.zeroshard_options.fully_shard(self.model)
+            pieces = dict(runner.named_parameters())
+        sharded = convert.to_sharded(plain, self.zeroshard_options.optimizer_kwargs(), pieces, names)
+        convert.move_schedulers([self.lr_scheduler], plain, sharded)
+        self.sharded_optimizer, self.zeroshard_model, self.optimizer = sharded, runner, sharded
+        return sharded
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """[Note: Trainer integration]: no DDP wrapper; the ShardedOptimizer built after
+        the model's placement; the checkpoint loaded into both."""
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self.create_optimizer()
+        model = self.accelerator.prepare_model(self.zeroshard_model, device_placement=False, evaluation_mode=True)
+        if not getattr(self.optimizer, "_is_accelerate_prepared", False):
+            self.optimizer = self.accelerator.prepare_optimizer(self.sharded_optimizer, device_placement=False)
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = model
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Evaluation and prediction run the model training runs (the FullyShard at stage 3)."""
+        if self.zeroshard_model is not None:
+            return self.zeroshard_model
+        return super()._wrap_model(model, training, dataloader)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Non-final micro-batches of an accumulation reduce nothing (stages 1/2: the
+        optimizer's ``no_sync``; at stage 3 Accelerate's ``no_sync`` reaches FullyShard's)."""
+        quiet = (self.sharded_optimizer is not None and not self.accelerator.sync_gradients
+                 and not isinstance(model, zeroshard.FullyShard))
+        with (self.sharded_optimizer.no_sync() if quiet else contextlib.nullcontext()):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    # ------------------------------------------------------------- saving
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """What ``save_pretrained`` writes, into ``output_dir``; call it on every rank
+        (collective at stage 3, where rank 0 streams a zeroshard checkpoint into the
+        files and no rank holds the whole model). Inside a checkpoint the sharded
+        model and optimizer state are written first and the files come from them."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.sharded_optimizer is None or not isinstance(self.zeroshard_model, zeroshard.FullyShard):
+            if self.sharded_optimizer is not None:
+                self.sharded_optimizer.wait_params()
+            return super().save_model(output_dir, _internal_call)
+        fs = self.zeroshard_model
+        comm.check_in(f"{type(self).__name__}.save_model()", fs, fs.process_group,
+                      hint="At stage 3 no rank holds the whole model: call trainer.save_model() on every rank, as "
+                           "Trainer scripts do (rank 0 writes the files)")
+        if _internal_call:
+            checkpoint = self._save_sharded(output_dir, with_optimizer=not self.args.save_only_model)
+            if self.args.should_save:
+                pretrained.export_pretrained(checkpoint, self.model, output_dir,
+                                             self.zeroshard_options.max_shard_size)
+        else:
+            pretrained.save_pretrained(self.zeroshard_model, output_dir, is_main_process=self.args.should_save,
+                                       max_shard_size=self.zeroshard_options.max_shard_size)
+        if self.args.should_save:
+            self._save_beside_weights(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_beside_weights(self, output_dir: str) -> None:
+        """What ``Trainer._save`` writes next to the weights (rank 0)."""
+        processor = self.processing_class
+        if processor is None and getattr(self.data_collator, "tokenizer", None) is not None:
+            processor = self.data_collator.tokenizer
+        if processor is not None:
+            processor.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_sharded(self, output_dir: str, with_optimizer: bool) -> str:
+        """Collective: the model (and the optimizer, where zeroshard checkpoints hold its
+        state) into ``output_dir/zeroshard``; returns that path."""
+        path = os.path.join(output_dir, SHARDED_DIR)
+        if getattr(self, "_zeroshard_saved", None) != path:
+            opt = self.sharded_optimizer if with_optimizer and _sharded_state(self.sharded_optimizer) else None
+            zeroshard.save_checkpoint(path, self.zeroshard_model, opt,
+                                      extra={"format": FORMAT, "with_optimizer": opt is not None})
+            self._zeroshard_saved = path
+        return path
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.sharded_optimizer is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self._save_sharded(output_dir, with_optimizer=True)
+        if not _sharded_state(self.sharded_optimizer):       # its own format, consolidated on rank 0
+            self.sharded_optimizer.consolidate_state_dict(to=0)
+            if self.args.should_save:
+                torch.save(self.sharded_optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
+        self._zeroshard_saved = None
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True):
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    # ------------------------------------------------------------- loading
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """A folder with ``zeroshard/`` loads with the optimizer, once both exist
+        (``_load_optimizer_and_scheduler``); any other folder (a DDP run's) as the Trainer does."""
+        if os.path.isdir(os.path.join(resume_from_checkpoint, SHARDED_DIR)):
+            return None
+        if self.zeroshard_model is not None and self.zeroshard_model is not self.model:
+            raise ValueError(f"{resume_from_checkpoint} has no {SHARDED_DIR}/ folder: at stage 3 a checkpoint "
+                             "loads into the sharded model from a zeroshard checkpoint this trainer wrote")
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or self.sharded_optimizer is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        sharded = os.path.join(checkpoint, SHARDED_DIR)
+        if not os.path.isdir(sharded):
+            return super()._load_optimizer_and_scheduler(checkpoint)   # torch's format, any world size
+        own_format = not _sharded_state(self.sharded_optimizer)
+        zeroshard.load_checkpoint(sharded, self.zeroshard_model, None if own_format else self.sharded_optimizer)
+        if own_format:
+            self.sharded_optimizer.load_state_dict(
+                torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_best_model(self) -> None:
+        sharded = os.path.join(self.state.best_model_checkpoint, SHARDED_DIR)
+        if self.zeroshard_model is None or not os.path.isdir(sharded):
+            return super()._load_best_model()
+        zeroshard.load_checkpoint(sharded, self.zeroshard_model, None)

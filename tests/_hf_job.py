@@ -1,0 +1,276 @@
+"""One torchrun launch of the Hugging Face tests (tests/test_hf.py) at one world size:
+every Trainer (its own DDP, zeroshard at stages 1-3, bf16, fp16, other optimizers,
+Llama, resumes, TRL's SFTTrainer through the mixin) and the Accelerate example's
+runs, in one process group. Rank 0 writes results-w<world>.pt into the output
+directory; the parent compares.
+
+    torchrun --nproc-per-node 2 tests/_hf_job.py OUT [CHECKPOINT_FROM_WORLD_2]
+"""
+import importlib.util
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,
+                          TrainingArguments)
+
+import zeroshard
+from zeroshard.integrations.hf import ZeroShardTrainer, ZeroShardTrainerMixin
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB, SEQ = 101, 16
+transformers.logging.set_verbosity_error()
+
+
+def gpt2(seed=0):
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0))
+
+
+def llama(seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=56,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                        pad_token_id=0))
+
+
+def rows(n, seed):
+    """Sequences counting up by a random stride from a random start (learnable)."""
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, VOCAB, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
+    ids = (start + stride * torch.arange(SEQ)) % VOCAB
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+TRAIN, EVAL = rows(120, 1), rows(22, 5)       # 22: evaluation batches that split unevenly over the ranks
+
+
+class Recorder(TrainerCallback):
+    """Per micro-batch: the elements reduce-scattered so far (zeroshard runs)."""
+
+    def __init__(self):
+        self.trainer, self.reduced = None, []
+
+    def _count(self):
+        t = self.trainer
+        if t is None or getattr(t, "sharded_optimizer", None) is None:
+            return
+        counts = getattr(t.zeroshard_model, "comm_elements", None) or t.sharded_optimizer.comm_elements
+        self.reduced.append(counts["reduce_scatter"])
+
+    def on_substep_end(self, args, state, control, **kw):
+        self._count()
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self._count()
+
+
+class Losses:
+    """Every training micro-batch's loss, unrounded (the Trainer's logs round to 4 digits)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        if model.training:
+            self.losses.append((out[0] if return_outputs else out).item())
+        return out
+
+
+class PlainT(Losses, Trainer):
+    pass
+
+
+class ZeroT(Losses, ZeroShardTrainer):
+    pass
+
+
+def arguments(out, **kw):
+    base = dict(output_dir=out, per_device_train_batch_size=12, gradient_accumulation_steps=2, max_steps=4,
+                learning_rate=2e-3, warmup_steps=2, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
+                eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=6, save_strategy="steps",
+                save_steps=2, report_to=[], seed=3, use_cpu=True, disable_tqdm=True,
+                accelerator_config={"split_batches": True}, dataloader_drop_last=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def full_params(trainer, stage):
+    runner = trainer.zeroshard_model if stage else trainer.model
+    sd = runner.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def run(stage, out, model_fn=gpt2, resume=None, trainer_cls=None, hook=None, **kw):
+    model = model_fn()
+    if hook is not None:
+        hook(model)
+    rec = Recorder()
+    cls = trainer_cls or (ZeroT if stage else PlainT)
+    extra = dict(zeroshard=kw.pop("zeroshard", dict(stage=stage))) if stage else {}
+    t = cls(model=model, args=arguments(out, **kw), train_dataset=TRAIN, eval_dataset=EVAL, callbacks=[rec], **extra)
+    t.losses, rec.trainer = [], t
+    t.train(resume_from_checkpoint=resume)
+    logs = t.state.log_history
+    result = dict(losses=t.losses, reduced=rec.reduced, out=out,
+                  norms=[h["grad_norm"] for h in logs if "grad_norm" in h],
+                  lrs=[h["learning_rate"] for h in logs if "learning_rate" in h and "loss" in h],
+                  eval=[h["eval_loss"] for h in logs if "eval_loss" in h],
+                  params=full_params(t, stage), best=t.state.best_model_checkpoint)
+    final = os.path.join(out, "final")
+    t.save_model(final)                    # every rank, as Trainer scripts do
+    result["final"] = final
+    return result, t
+
+
+def rank_0_saves(trainers, d):
+    """``save_model`` under ``if rank == 0:``: at stage 2 it writes (no collective); at
+    stage 3 rank 0 gets CollectiveTimeout naming the call within the timeout, and
+    rank 1, already in the next collective, goes on once rank 0 joins it."""
+    out = {}
+    zeroshard.set_timeout(5)
+    for stage in (2, 3):
+        target, error = os.path.join(d, f"rank0-save-{stage}"), None
+        if dist.get_rank() == 0:
+            try:
+                trainers[stage].save_model(target)
+            except zeroshard.CollectiveTimeout as e:
+                error = str(e)
+        dist.barrier()
+        out[stage] = dict(error=error, files=sorted(os.listdir(target)) if os.path.isdir(target) else [])
+    zeroshard.set_timeout(None)
+    return out
+
+
+def nan_on_rank_1_at_step_2(model):
+    """Rank 1's first micro-batch of step 2 gives non-finite gradients (a skipped fp16 step)."""
+    calls = []
+
+    def hook(module, args, output):
+        if module.training and torch.is_grad_enabled():
+            calls.append(1)
+            if dist.get_rank() == 1 and len(calls) == 5:
+                return output * float("inf")
+        return output
+    model.transformer.wte.register_forward_hook(hook)
+
+
+class Skips(TrainerCallback):
+    """Whether each optimizer step was skipped, on this rank."""
+
+    def __init__(self):
+        self.trainer, self.skipped = None, []
+
+    def on_step_end(self, args, state, control, **kw):
+        self.skipped.append(self.trainer.accelerator.optimizer_step_was_skipped)
+
+
+def fp16_run(stage, out):
+    """fp16 with a GradScaler and one non-finite micro-batch on rank 1 only. Accelerate
+    creates its GradScaler on GPUs only; here the CPU one it would use stands in."""
+    model = gpt2()
+    nan_on_rank_1_at_step_2(model)
+    skips = Skips()
+    cls = ZeroT if stage else PlainT
+    extra = dict(zeroshard=dict(stage=stage)) if stage else {}
+    # adamw_torch: with the fused AdamW, torch's GradScaler calls step() even on an overflow (the kernel
+    # skips inside), so Accelerate reports the step as taken and the DDP run's schedule moves on
+    t = cls(model=model, args=arguments(out, fp16=True, eval_strategy="no", save_strategy="no", optim="adamw_torch"),
+            train_dataset=TRAIN, callbacks=[skips], **extra)
+    t.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    t.losses, skips.trainer = [], t
+    t.train()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, skips.skipped)
+    return dict(losses=t.losses, skipped=every, scale=t.accelerator.scaler.get_scale(), params=full_params(t, stage))
+
+
+def sft_run(out):
+    """TRL's SFTTrainer through the mixin: trains and saves."""
+    import datasets
+    import trl
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+                                  pad_token="t0", eos_token="t0", unk_token="t1")
+
+    class SFT(ZeroShardTrainerMixin, trl.SFTTrainer):
+        pass
+    ds = datasets.Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in TRAIN[:48]])
+    cfg = trl.SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=3, learning_rate=2e-3,
+                        logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
+                        max_length=SEQ, seed=3)
+    t = SFT(model=gpt2(), args=cfg, train_dataset=ds, processing_class=tok, zeroshard=dict(stage=3))
+    t.train()
+    t.save_model(os.path.join(out, "final"))
+    return dict(losses=[h["loss"] for h in t.state.log_history if "loss" in h], final=os.path.join(out, "final"),
+                params=full_params(t, 3), is_zeroshard=isinstance(t.optimizer.optimizer, zeroshard.ShardedOptimizer))
+
+
+def accelerate_runs(d):
+    spec = importlib.util.spec_from_file_location("hf_accelerate", os.path.join(ROOT, "examples", "hf_accelerate.py"))
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    out = {}
+    from accelerate.state import AcceleratorState
+    for stage in (0, 2, 3):
+        o = os.path.join(d, f"acc{stage}")
+        AcceleratorState._reset_state()          # the Trainers before left their precision in the singleton
+        out[stage] = ex.train(stage, 6, o, save_at=3)
+        AcceleratorState._reset_state()
+        out[f"{stage}-resumed"] = ex.train(stage, 6, o, resume=True, save_at=3)
+    return out
+
+
+def main():
+    d = sys.argv[1]
+    from_w2 = sys.argv[2] if len(sys.argv) > 2 else None
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    res, trainers = {}, {}
+    for stage in (0, 1, 2, 3):
+        kw = dict(zeroshard=dict(stage=3, max_shard_size="40KB")) if stage == 3 else {}
+        res[f"fp32-{stage}"], trainers[stage] = run(stage, os.path.join(d, f"fp32-{stage}"), **kw)
+    if from_w2 is None:
+        res["rank0-save"] = rank_0_saves(trainers, d)
+    for stage in (2, 3):      # resume at step 2 of the same world size: the same final state
+        ck = os.path.join(d, f"fp32-{stage}", "checkpoint-2")
+        res[f"resume-{stage}"], _ = run(stage, os.path.join(d, f"resume-{stage}"), resume=ck)
+    if from_w2 is not None:   # world 3: resume world 2's stage-3 checkpoint, at stages 3 and 2
+        for stage in (2, 3):
+            ck = os.path.join(from_w2, "fp32-3", "checkpoint-2")
+            res[f"from-w2-{stage}"], _ = run(stage, os.path.join(d, f"from-w2-{stage}"), resume=ck)
+    else:
+        for stage in (0, 2, 3):
+            res[f"bf16-{stage}"], _ = run(stage, os.path.join(d, f"bf16-{stage}"), bf16=True)
+        for stage in (0, 2):
+            res[f"fp16-{stage}"] = fp16_run(stage, os.path.join(d, f"fp16-{stage}"))
+        for stage in (0, 3):
+            res[f"llama-{stage}"], _ = run(stage, os.path.join(d, f"llama-{stage}"), model_fn=llama,
+                                           save_strategy="no")
+        for optim in ("sgd", "adafactor"):
+            for stage in (0, 2):
+                # Llama: no biases (GPT-2's attention key bias has a zero gradient, whose rounding noise
+                # Adafactor's normalisation turns into updates of the learning rate's size)
+                res[f"{optim}-{stage}"], _ = run(stage, os.path.join(d, f"{optim}-{stage}"), model_fn=llama,
+                                                 optim=optim, eval_strategy="no", save_strategy="no")
+        # "best" = the highest evaluation loss: the first evaluation's checkpoint, loaded at the end
+        res["best-3"], _ = run(3, os.path.join(d, "best-3"), save_strategy="best", metric_for_best_model="eval_loss",
+                               greater_is_better=True, load_best_model_at_end=True, eval_steps=1, max_steps=3,
+                               save_total_limit=1)
+        res["sft"] = sft_run(os.path.join(d, "sft"))
+        res["accelerate"] = accelerate_runs(d)
+    if dist.get_rank() == 0:
+        torch.save(res, os.path.join(d, f"results-w{world}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

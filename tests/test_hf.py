@@ -1,0 +1,206 @@
+"""Hugging Face's Trainer and Accelerate with zeroshard (zeroshard.integrations.hf) against
+their own DDP on the same data and seed (transformers, accelerate and trl are test-only
+dependencies that `make test` installs).
+
+tests/_hf_job.py runs every trainer of a world size in one torchrun launch: world size 2
+first, then 3, which also resumes a checkpoint world size 2 saved. The parent compares:
+a tiny GPT-2 (and Llama) from config, accumulation 2, clipping, warmup, the Trainer's
+no-decay groups, evaluation and checkpoints every 2 steps. Stages 1-3 give the
+Trainer's DDP losses, logged grad_norm, evaluation losses and final parameters within
+1e-5; bf16 stays within DDP's own bf16 noise; fp16 skips the same step on every rank,
+as DDP; a resume equals the uninterrupted run exactly, and within 1e-5 from 2 ranks to
+3; the saved folders load with from_pretrained in one process.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _dist import close, torchrun_jobs, worst
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "_hf_job.py")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """{world size: rank 0's results} of the job at world sizes 2 and 3 (3 resumes 2's checkpoint)."""
+    return torchrun_jobs(tmp_path_factory, "hf", JOB, timeout=400)
+
+
+def logits(folder_or_params, model_name="gpt2"):
+    """Logits of a fixed batch from a saved folder (from_pretrained, one process) or from a
+    state dict loaded into the job's model."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import _hf_job
+    if isinstance(folder_or_params, str):
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(folder_or_params)
+    else:
+        model = _hf_job.gpt2() if model_name == "gpt2" else _hf_job.llama()
+        model.load_state_dict(folder_or_params)
+    ids = torch.stack([r["input_ids"] for r in _hf_job.rows(3, 9)])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_trainer_matches_its_own_ddp(results, world, stage):
+    r, ddp = results[world][f"fp32-{stage}"], results[world]["fp32-0"]
+    assert len(r["losses"]) == 8 and close(r["losses"], ddp["losses"]), (r["losses"], ddp["losses"])
+    assert close(r["norms"], ddp["norms"]) and len(r["norms"]) == 4        # the logged grad_norm: the global one
+    assert max(r["norms"]) > 0.5 > 0                                         # max_grad_norm=0.5 clipped something
+    assert r["lrs"] == ddp["lrs"] and r["lrs"][1] < r["lrs"][2]              # the warmup schedule stepped
+    assert close(r["eval"], ddp["eval"]) and len(r["eval"]) == 2
+    assert worst(r["params"], ddp["params"]) <= TOL
+    assert r["losses"][-1] < r["losses"][0] - 0.01                            # it trained
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_no_communication_on_non_final_micro_batches(results, stage):
+    for world in (2, 3):
+        reduced = results[world][f"fp32-{stage}"]["reduced"]
+        added = [b - a for a, b in zip([0] + reduced, reduced)]
+        assert added[0::2] == [0] * 4 and len(set(added[1::2])) == 1 and added[1] > 0, added
+
+
+def test_llama_at_stage_3_matches_ddp(results):
+    r, ddp = results[2]["llama-3"], results[2]["llama-0"]
+    assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"])
+    assert worst(r["params"], ddp["params"]) <= TOL
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adafactor"])
+def test_other_optim_arguments_match_ddp(results, optim):
+    """``optim="sgd"`` (an elementwise class) and ``"adafactor"`` (transformers' Adafactor,
+    run whole-tensor on each parameter's owner) at stage 2."""
+    r, ddp = results[2][f"{optim}-2"], results[2][f"{optim}-0"]
+    assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"])
+    assert worst(r["params"], ddp["params"]) <= TOL
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_within_ddps_own_noise(results, stage):
+    res = results[2]
+    noise = worst(res["bf16-0"]["params"], res["fp32-0"]["params"])
+    assert noise > 1e-4
+    assert worst(res[f"bf16-{stage}"]["params"], res["bf16-0"]["params"]) <= 0.1 * noise
+    assert close(res[f"bf16-{stage}"]["norms"], res["bf16-0"]["norms"], 1e-4)
+
+
+def test_fp16_skips_the_same_step_on_every_rank_as_ddp(results):
+    """One rank's non-finite micro-batch: every rank skips that step and backs the scale off, as DDP."""
+    r, ddp = results[2]["fp16-2"], results[2]["fp16-0"]
+    assert r["skipped"] == ddp["skipped"] == [[False, False, True, False]] * 2
+    assert r["scale"] == ddp["scale"] == 512.0
+    assert worst(r["params"], ddp["params"]) <= TOL
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_equals_the_uninterrupted_run(results, world, stage):
+    r, full = results[world][f"resume-{stage}"], results[world][f"fp32-{stage}"]
+    assert r["losses"] == full["losses"][4:] and r["norms"] == full["norms"]   # (the log goes on from the checkpoint's)
+    assert all(torch.equal(r["params"][k], full["params"][k]) for k in full["params"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_at_world_size_3_from_a_world_size_2_stage_3_checkpoint(results, stage):
+    r, full = results[3][f"from-w2-{stage}"], results[3][f"fp32-{stage}"]
+    assert close(r["losses"], full["losses"][4:]) and worst(r["params"], full["params"]) <= TOL
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_saved_folders_load_with_from_pretrained_in_one_process(results, stage):
+    r = results[2][f"fp32-{stage}"]
+    want = logits(r["params"])
+    for folder in (r["final"], os.path.join(r["out"], "checkpoint-4")):
+        assert (logits(folder) - want).abs().max().item() <= TOL
+        assert os.path.isdir(os.path.join(folder, "zeroshard")) == folder.endswith("checkpoint-4")
+    if stage == 3:     # max_shard_size="40KB": several files and their index, as save_pretrained writes
+        with open(os.path.join(r["final"], "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        files = set(index["weight_map"].values())
+        assert len(files) >= 3 and all(os.path.isfile(os.path.join(r["final"], n)) for n in files)
+        assert "lm_head.weight" not in index["weight_map"]          # tied: once, as save_pretrained
+        assert not os.path.exists(os.path.join(r["final"], ".zeroshard-save"))
+
+
+def test_save_strategy_best_keeps_and_loads_the_best_checkpoint(results):
+    r = results[2]["best-3"]
+    best = os.path.join(r["out"], "checkpoint-1")
+    assert r["best"] == best and sorted(os.listdir(r["out"])) == ["checkpoint-1", "final"]
+    assert (logits(best) - logits(r["params"])).abs().max().item() <= TOL     # load_best_model_at_end
+
+
+def test_save_model_on_rank_0_alone(results):
+    """Stage 2 writes; stage 3 raises on rank 0, naming the call and the fix, instead of hanging."""
+    r = results[2]["rank0-save"]
+    assert r[2]["error"] is None and "model.safetensors" in r[2]["files"]
+    assert "save_model() is collective" in r[3]["error"] and "rank(s) [1]" in r[3]["error"]
+    assert "call trainer.save_model() on every rank" in r[3]["error"] and r[3]["files"] == []
+
+
+def test_trl_sft_trainer_through_the_mixin(results):
+    r = results[2]["sft"]
+    assert r["is_zeroshard"] and len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0]
+    assert (logits(r["final"]) - logits(r["params"])).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_example_matches_its_ddp_and_resumes(results, stage):
+    acc = results[2]["accelerate"]
+    r, ddp = acc[stage], acc[0]
+    assert len(r["losses"]) == 12 and close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"])
+    assert worst(r["params"], ddp["params"]) <= TOL
+    resumed = acc[f"{stage}-resumed"]
+    assert all(torch.equal(resumed["params"][k], r["params"][k]) for k in r["params"])
+    assert os.path.isdir(os.path.join(os.path.dirname(r["final"]), "state", "zeroshard"))
+    assert (logits(r["final"]) - logits(r["params"])).abs().max().item() <= TOL
+
+
+def test_the_trainer_example_runs_on_two_ranks(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "hf_trainer.py"), "--stage", "3", "--steps", "8", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("stage 3:")]
+    assert line, res.stdout[-2000:]
+    assert os.path.isfile(os.path.join(tmp_path, "final", "model.safetensors"))
+
+
+def test_misuse_is_refused_with_a_clear_error(tmp_path):
+    from transformers import TrainingArguments
+
+    from zeroshard.integrations.hf import Options, ZeroShardTrainer
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import _hf_job
+    for bad, words in ((dict(stage=4), "stage is 1"), (dict(stages=2), "unknown zeroshard option"),
+                       (dict(stage=2, wrap=["GPT2Block"]), "wrap= chooses stage 3"),
+                       (dict(stage=1, offload_params=True), "offload_params=True"),
+                       (dict(offload="disk"), "offload='disk'")):
+        with pytest.raises((ValueError, TypeError), match=words):
+            ZeroShardTrainer(model=_hf_job.gpt2(), args=args, zeroshard=bad)
+    with pytest.raises(TypeError, match="takes a dict"):
+        Options.parse(2, "ZeroShardTrainer")
+
+
+def test_versions_outside_the_tested_range_are_refused(monkeypatch):
+    import transformers
+
+    import zeroshard.integrations.hf as hf
+    monkeypatch.setattr(transformers, "__version__", "5.30.0")
+    with pytest.raises(ImportError, match=r"supports transformers >=5.24,<5.25 .* has transformers 5.30.0"):
+        hf._check_versions()
+    monkeypatch.setenv("ZEROSHARD_HF_ANY_VERSION", "1")
+    hf._check_versions()
