@@ -247,6 +247,14 @@ def main():
             ck = os.path.join(from_w2, "fp32-3", "checkpoint-2")
             res[f"from-w2-{stage}"], _ = run(stage, os.path.join(d, f"from-w2-{stage}"), resume=ck)
     else:
+        for stage in (2, 3):  # a checkpoint of the Trainer's own DDP run: its weights and optimizer.pt
+            ck = os.path.join(d, "fp32-0", "checkpoint-2")
+            res[f"from-ddp-{stage}"], _ = run(stage, os.path.join(d, f"from-ddp-{stage}"), resume=ck,
+                                              save_strategy="no")
+        res["offload-2"], _ = run(2, os.path.join(d, "offload-2"), zeroshard=dict(stage=2, offload="cpu"),
+                                  save_strategy="no")
+        res["offload-3"], _ = run(3, os.path.join(d, "offload-3"), save_strategy="no",
+                                  zeroshard=dict(stage=3, offload="cpu", offload_params=True))
         for stage in (0, 2, 3):
             res[f"bf16-{stage}"], _ = run(stage, os.path.join(d, f"bf16-{stage}"), bf16=True)
         for stage in (0, 2):

@@ -69,10 +69,11 @@ def script(kind, case, steps=6, overflow_at=2, **zs_kw):
     """One training loop in the idioms of common DDP scripts; returns what to compare."""
     model, opt = build(kind, **zs_kw)
     rank, world = dist.get_rank(), dist.get_world_size()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2) if case == "scaler" else None
+    scaled = case in ("scaler", "scaler_opt_clip")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2) if scaled else None
     out = {"norms": [], "scales": [], "pnorms": []}
     for k, (x, y) in enumerate(data(steps)):
-        if case == "model_zero_grad":
+        if case in ("model_zero_grad", "scaler_opt_clip"):     # (the Hugging Face Trainer's habit)
             model.zero_grad()
         else:
             opt.zero_grad(set_to_none=True)
@@ -84,9 +85,10 @@ def script(kind, case, steps=6, overflow_at=2, **zs_kw):
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.unscale_(opt)
-        if case in ("torch_clip", "scaler", "opt_clip"):
+        if case in ("torch_clip", "scaler", "opt_clip", "scaler_opt_clip"):
             out["pnorms"].append([p.grad.norm().item() for p in model.parameters()])
-            if case == "opt_clip" and kind != "ddp":     # the optimizer's own: no pass over the gradients
+            if case in ("opt_clip", "scaler_opt_clip") and kind != "ddp":   # the optimizer's own (no pass over
+                # the gradients); after a skipped step its coefficient must not reach the next one
                 out["norms"].append(opt.clip_grad_norm_(0.5).item())
             else:
                 out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
@@ -116,7 +118,7 @@ def _compare(stage, case, **zs_kw):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("case", ["torch_clip", "opt_clip", "scaler", "model_zero_grad"])
+@pytest.mark.parametrize("case", ["torch_clip", "opt_clip", "scaler", "model_zero_grad", "scaler_opt_clip"])
 def test_a_converted_ddp_script_equals_ddp(dist_pool, stage, case):
     for r in dist_pool.run(_compare, stage, case):
         assert r["param_err"] < 1e-5, r
@@ -124,7 +126,7 @@ def test_a_converted_ddp_script_equals_ddp(dist_pool, stage, case):
             assert r["norm_err"] < 1e-5 and r["pnorm_err"] < 1e-5, r
         ours, ddp = r["scales"]
         assert ours == ddp, r      # the overflow step is skipped everywhere; same scale after it
-        if case == "scaler":
+        if case in ("scaler", "scaler_opt_clip"):
             assert ddp[2] < ddp[1], ddp   # the injected overflow did back the scale off
 
 

@@ -119,6 +119,21 @@ def test_resume_at_world_size_3_from_a_world_size_2_stage_3_checkpoint(results, 
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_resume_from_a_checkpoint_of_the_trainers_own_ddp(results, stage):
+    """No zeroshard/ folder: the weights and optimizer.pt (torch's format) load, at stage 3 too."""
+    r, ddp = results[2][f"from-ddp-{stage}"], results[2]["fp32-0"]
+    assert close(r["losses"], ddp["losses"][4:]) and worst(r["params"], ddp["params"]) <= TOL
+
+
+@pytest.mark.parametrize("name", ["offload-2", "offload-3"])
+def test_offload_options_match_ddp(results, name):
+    """``offload="cpu"`` at stage 2; and with ``offload_params=True`` at stage 3."""
+    r, ddp = results[2][name], results[2]["fp32-0"]
+    assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"])
+    assert worst(r["params"], ddp["params"]) <= TOL
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_saved_folders_load_with_from_pretrained_in_one_process(results, stage):
     r = results[2][f"fp32-{stage}"]
     want = logits(r["params"])

@@ -361,6 +361,12 @@ class ReducedGrads:
         bad = (~torch.isfinite(self.sumsq[torch.tensor(indices, device=self.sumsq.device)])).any()
         found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape)))
 
+    def clip_coefficient(self) -> Optional[torch.Tensor]:
+        """The product of the engine's clip_grad_norm_ factors since these gradients were
+        reduced (1 element, fp32), or None: the fused step folds it in. It belongs to
+        the gradients: a step the GradScaler skipped leaves it to no later step."""
+        return None if self.coef is None else self.coef.reshape(1)
+
     def scale_all_(self, factor: torch.Tensor):
         """The engine's clip_grad_norm_ folds ``factor`` into its step: keep the statistics in step."""
         self.coef = factor if self.coef is None else self.coef * factor
@@ -379,6 +385,7 @@ class ReducedGrads:
         """Give ``p.grad`` back to the source: what it held before the placeholders
         (the next backward accumulates there, or zero_grad frees it)."""
         self.settle()
+        self.coef = None
         gone = [i for i, g in self.placed.items() if g is not None and self.params[i].grad is not g]
         for i, g in self.kept.items():
             if self.params[i].grad is self.placed[i]:

@@ -210,7 +210,6 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         pg = process_group if process_group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
         self.last_step_skipped = False
-        self._clip_coef: Optional[torch.Tensor] = None
         # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(), until a step or load
         self._consolidated = None
         self.broadcast_buffers, self._buffers = bool(broadcast_buffers), None
@@ -327,8 +326,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         every rank; returns that norm (the same on all ranks). The scale is
         applied inside the fused step."""
         _check_ready(self.device, self._source, "clip_grad_norm_", self._err)
-        total, coef = self._grads.clip_(max_norm, norm_type)
-        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+        total, _ = self._grads.clip_(max_norm, norm_type)   # the coefficient lives with these gradients
         return total
 
     @torch.no_grad()
@@ -348,7 +346,6 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         self._source.step_done(updated=not self.last_step_skipped)
         if not self.last_step_skipped:
             self._consolidated = None
-        self._clip_coef = None
         self.events.append(("step", -1))
         return loss
 
@@ -365,7 +362,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
     def _update(self):
         used = self._grads.used
         self._rule.update(self._source.segments, self.param_groups, used, self._param_steps,
-                          self._source.grad_scale, self._clip_coef)
+                          self._source.grad_scale, self._grads.clip_coefficient())
         for i in self._trainable:
             if used[i]:
                 self._param_steps[i] += 1
@@ -376,7 +373,6 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
             raise RuntimeError(self._err("zero_grad() called during backward"))
         self._grads.clear()
         self._source.zero_grad(set_to_none)
-        self._clip_coef = None
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:

@@ -22,7 +22,8 @@ ACCELERATE = (Version("1.15"), Version("1.16"))
 # the Trainer methods ZeroShardTrainerMixin overrides or calls; their absence means another design
 TRAINER_METHODS = ("_prepare_for_training", "create_optimizer", "create_scheduler", "_wrap_model", "training_step",
                    "save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
-                   "_load_optimizer_and_scheduler", "_load_best_model", "_load_scaler")
+                   "_load_optimizer_and_scheduler", "_load_best_model", "_load_scaler", "_clip_grad_norm",
+                   "_get_grad_norm")
 
 
 def _check_versions() -> None:

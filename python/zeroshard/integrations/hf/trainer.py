@@ -14,9 +14,9 @@ stage 3 over the ``FullyShard`` pieces, the model wrapped first), and
 (``prepare_model(evaluation_mode=True)``: no DDP, no device move) and wraps the
 optimizer without Accelerate's state-dict round trip. What the loop then does
 works unchanged on zeroshard's objects: ``model.zero_grad()``, the GradScaler,
-``accelerator.clip_grad_norm_`` (torch's ``clip_grad_norm_`` over zeroshard's
-sharded gradients: the global norm, logged as ``grad_norm``). Non-final
-micro-batches run under ``no_sync``. A checkpoint folder holds the
+the logged ``grad_norm``; clipping (``max_grad_norm``) goes to the optimizer's
+``clip_grad_norm_`` after Accelerate unscales: the global norm, from statistics
+taken once per step. Non-final micro-batches run under ``no_sync``. A checkpoint folder holds the
 ``save_pretrained`` files (from rank 0 at stages 1/2; streamed from the
 zeroshard checkpoint at stage 3) and ``zeroshard/``, the sharded model and
 optimizer state, which a resume loads at any world size and stage.
@@ -126,6 +126,21 @@ class ZeroShardTrainerMixin:
                  and not isinstance(model, zeroshard.FullyShard))
         with (self.sharded_optimizer.no_sync() if quiet else contextlib.nullcontext()):
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        """``max_grad_norm``: the global norm from the optimizer's per-step statistics,
+        the scale applied inside its step (no pass over the gradients)."""
+        if self.sharded_optimizer is None:
+            return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients()
+        return self.sharded_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The logged ``grad_norm`` (without clipping too): the global one."""
+        if grad_norm is None and self.sharded_optimizer is not None:
+            self.accelerator.unscale_gradients()
+            grad_norm = self.sharded_optimizer.clip_grad_norm_(float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
 
     # ------------------------------------------------------------- saving
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
