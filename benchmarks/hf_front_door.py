@@ -7,6 +7,8 @@ one argument that picks the sharding:
 Rows: the Trainer's own DDP; ``ZeroShardTrainer(zeroshard=dict(stage=2))`` and
 ``stage=3``; FSDP2 (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2,
 "transformer_layer_cls_to_wrap": ["GPT2Block"]}``; GPUs only: on CPU Accelerate ignores it);
+FSDP2 applied before the Trainer (``fully_shard`` on each block and the model, which the
+Trainer then trains through its own path for FSDP2-sharded models: the one that runs on CPU);
 DeepSpeed (``deepspeed=`` a ZeRO
 config, stages 2 and 3; the Trainer's AdamW as its client optimizer). The model is a
 GPT-2 built from its config (float32), AdamW (lr 3e-4, weight decay 0.1), clipping at
@@ -38,7 +40,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = {"trainer ddp": {}, "zeroshard stage 2": {"zeroshard": 2}, "zeroshard stage 3": {"zeroshard": 3},
-        "fsdp2 full_shard": {"fsdp": True}, "deepspeed stage 2": {"deepspeed": 2},
+        "fsdp2 full_shard": {"fsdp": True}, "fsdp2 sharded model": {"fully_shard": True},
+        "deepspeed stage 2": {"deepspeed": 2},
         "deepspeed stage 3": {"deepspeed": 3}}
 VOCAB, SEQ = 8192, 64
 # Accelerate turns FSDP on for multi-GPU runs only: on CPU the Trainer given fsdp= trains
@@ -80,6 +83,15 @@ def trainer_for(row: dict, steps: int, batch: int, out: str, callbacks=()):
                              "gradient_accumulation_steps": "auto"})
     args = TrainingArguments(**kw)
     model = build()
+    if row.get("fully_shard"):
+        # FSDP2 applied before the Trainer (each GPT2Block, then the model), flagged as transformers
+        # flags a model it loaded sharded: the Trainer then prepares it without DDP and defers FSDP's
+        # reduction over accumulation, its own path for FSDP2-managed models (which runs on CPU too)
+        from torch.distributed.fsdp import fully_shard
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        model._is_distributed_loading_by_transformers = True
     if row.get("zeroshard"):
         from zeroshard.integrations.hf import ZeroShardTrainer
         return ZeroShardTrainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks),

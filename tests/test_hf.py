@@ -219,3 +219,28 @@ def test_versions_outside_the_tested_range_are_refused(monkeypatch):
         hf._check_versions()
     monkeypatch.setenv("ZEROSHARD_HF_ANY_VERSION", "1")
     hf._check_versions()
+
+
+def test_export_holds_one_file_of_tensors_at_a_time(tmp_path, monkeypatch):
+    """The stage-3 writer streams a zeroshard checkpoint: each safetensors file is written
+    from at most ``max_shard_size`` bytes of tensors, and nothing else is held."""
+    import safetensors.torch
+
+    import zeroshard
+    from zeroshard.integrations.hf import pretrained
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import _hf_job
+    model = _hf_job.gpt2()
+    zeroshard.save_checkpoint(tmp_path / "ck", model)              # one process, no process group
+    written, save_file = [], safetensors.torch.save_file
+
+    def counting(tensors, filename, metadata=None):
+        written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return save_file(tensors, filename, metadata=metadata)
+    monkeypatch.setattr(pretrained.safetensors.torch, "save_file", counting)
+    limit = 40 * 1000
+    pretrained.export_pretrained(str(tmp_path / "ck"), model, str(tmp_path / "out"), max_shard_size=limit)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(written) >= 3 and sum(written) == total                        # every parameter once (tied once)
+    assert max(written) <= max(limit, max(p.numel() * p.element_size() for p in model.parameters()))
+    assert (logits(str(tmp_path / "out")) - logits(model.state_dict())).abs().max().item() == 0.0
