@@ -100,6 +100,8 @@ def main():
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"stage {args.stage}: loss {first['losses'][0]:.4f} -> {first['losses'][-1]:.4f}; resumed run "
               f"{'equals' if same else 'DIFFERS from'} the uninterrupted one; weights in {first['final']}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

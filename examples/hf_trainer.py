@@ -61,6 +61,7 @@ def main():
               f"the saved model's loss on a new sequence {loss:.3f}; saved in {final}")
     if dist.is_initialized():
         dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

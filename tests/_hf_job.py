@@ -8,6 +8,7 @@ directory; the parent compares.
 """
 import importlib.util
 import os
+import shutil
 import sys
 
 import torch
@@ -213,10 +214,15 @@ def sft_run(out):
                 params=full_params(t, 3), is_zeroshard=isinstance(t.optimizer.optimizer, zeroshard.ShardedOptimizer))
 
 
-def accelerate_runs(d):
+def example():
     spec = importlib.util.spec_from_file_location("hf_accelerate", os.path.join(ROOT, "examples", "hf_accelerate.py"))
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
+    return ex
+
+
+def accelerate_runs(d):
+    ex = example()
     out = {}
     from accelerate.state import AcceleratorState
     for stage in (0, 2, 3):
@@ -225,6 +231,25 @@ def accelerate_runs(d):
         out[stage] = ex.train(stage, 6, o, save_at=3)
         AcceleratorState._reset_state()
         out[f"{stage}-resumed"] = ex.train(stage, 6, o, resume=True, save_at=3)
+    return out
+
+
+def accelerate_loads(from_w2):
+    """World 3: ``load_state`` of the Accelerate example's world-2 states, at another stage
+    (saved at 2, loaded at 3, and back); the parameters right after the load."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from zeroshard.integrations import hf
+    ex = example()
+    out = {}
+    for saved, now in ((2, 3), (3, 2)):
+        AcceleratorState._reset_state()
+        accelerator = Accelerator(gradient_accumulation_steps=2)
+        model = ex.build_model(seed=7)                                  # other weights than the saved ones
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        model, opt = hf.prepare(accelerator, model, opt, stage=now)
+        accelerator.load_state(os.path.join(from_w2, f"acc{saved}", "state"))
+        out[(saved, now)] = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
     return out
 
 
@@ -240,12 +265,18 @@ def main():
     if from_w2 is None:
         res["rank0-save"] = rank_0_saves(trainers, d)
     for stage in (2, 3):      # resume at step 2 of the same world size: the same final state
-        ck = os.path.join(d, f"fp32-{stage}", "checkpoint-2")
-        res[f"resume-{stage}"], _ = run(stage, os.path.join(d, f"resume-{stage}"), resume=ck)
+        ck, out = os.path.join(d, f"fp32-{stage}", "checkpoint-2"), os.path.join(d, f"resume-{stage}")
+        if stage == 2:        # resume_from_checkpoint=True: the newest checkpoint in output_dir
+            if dist.get_rank() == 0:
+                shutil.copytree(ck, os.path.join(out, "checkpoint-2"))
+            dist.barrier()
+            ck = True
+        res[f"resume-{stage}"], _ = run(stage, out, resume=ck)
     if from_w2 is not None:   # world 3: resume world 2's stage-3 checkpoint, at stages 3 and 2
         for stage in (2, 3):
             ck = os.path.join(from_w2, "fp32-3", "checkpoint-2")
             res[f"from-w2-{stage}"], _ = run(stage, os.path.join(d, f"from-w2-{stage}"), resume=ck)
+        res["accelerate-from-w2"] = accelerate_loads(from_w2)
     else:
         for stage in (2, 3):  # a checkpoint of the Trainer's own DDP run: its weights and optimizer.pt
             ck = os.path.join(d, "fp32-0", "checkpoint-2")

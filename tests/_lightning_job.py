@@ -153,6 +153,10 @@ def main():
                        for stage in (2, 3)}
     if int(os.environ["RANK"]) == 0:
         torch.save(out, os.path.join(out_dir, f"results-w{world}.pt"))
+    # Lightning leaves the process group up; torn down by the interpreter's exit, gloo's threads
+    # can end the process with std::terminate (SIGABRT) after the results are written
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def test_offload_options_match_ddp(results, name):
     assert worst(r["params"], ddp["params"]) <= TOL
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_saved_folders_load_with_from_pretrained_in_one_process(results, stage):
     r = results[2][f"fp32-{stage}"]
     want = logits(r["params"])
@@ -180,6 +180,16 @@ def test_accelerate_example_matches_its_ddp_and_resumes(results, stage):
     assert all(torch.equal(resumed["params"][k], r["params"][k]) for k in r["params"])
     assert os.path.isdir(os.path.join(os.path.dirname(r["final"]), "state", "zeroshard"))
     assert (logits(r["final"]) - logits(r["params"])).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("saved, now", [(2, 3), (3, 2)])
+def test_accelerate_load_state_at_another_world_size_and_stage(results, saved, now):
+    """A save_state of 2 ranks loads on 3, at another stage: the saved fp32 values exactly."""
+    from zeroshard.checkpoint import read_full_state_dict
+    state = os.path.join(os.path.dirname(results[2]["accelerate"][saved]["final"]), "state", "zeroshard")
+    want = dict(read_full_state_dict(state, torch.float32))
+    got = results[3]["accelerate-from-w2"][(saved, now)]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_the_trainer_example_runs_on_two_ranks(tmp_path):
