@@ -106,6 +106,8 @@ def main(argv=None):
         print(f"lightning_gpt: {args.strategy} on {world} ranks, {trainer.global_step} optimizer steps: "
               f"val loss {val_loss:.4f}; the converted checkpoint loads with load_from_checkpoint in one "
               f"process and gives {plain_loss:.4f}")
+    trainer.strategy.barrier()
+    torch.distributed.destroy_process_group()     # (Lightning leaves it up; gloo's threads and the exit race)
 
 
 if __name__ == "__main__":
