@@ -152,7 +152,7 @@ class Holdings:
 
     def _sharded_optimizer(self, opt, covered: set):
         whole = opt.whole_tensor_rule
-        if not opt.fused and whole is None:
+        if not opt.sharded_state:
             raise CheckpointError(f"zeroshard checkpoints hold the fused AdamW's and whole-tensor optimizers' "
                                   f"state only so far; this ShardedOptimizer runs {opt.optimizer_class.__name__}: "
                                   "save opt.consolidate_state_dict(to=0) + opt.state_dict() instead")

@@ -277,15 +277,14 @@ class ReducedGrads:
         return (~torch.isfinite(self.sumsq)).any().reshape(1)
 
     def clip_(self, max_norm: float, norm_type: float):
-        """Scales every gradient by min(1, max_norm / total norm); returns (the total norm,
-        the 1-element fp32 coefficient the fused step folds in)."""
+        """Scales every gradient by min(1, max_norm / total norm) (the coefficient the fused
+        step folds in: ``clip_coefficient``); returns the total norm."""
         norm_type = float(norm_type)
         if norm_type not in (2.0, math.inf):
             raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
         total = self.total_norm(norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(1)
-        self.scale_all_(coef.reshape(()))
-        return total.reshape(()), coef
+        self.scale_all_(torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(()))
+        return total.reshape(())
 
     def total_norm(self, ord: float) -> torch.Tensor:
         """The norm over every parameter, from the statistics the backward took (the

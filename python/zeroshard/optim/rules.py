@@ -57,7 +57,7 @@ def check_class(cls, elementwise: bool, whole_tensor: bool = False) -> bool:
 
 def require_fused(opt, what: str) -> None:
     """Refuse ``what`` (a sharded state dict) for an elementwise ``optimizer_class``."""
-    if not opt.fused and opt.whole_tensor_rule is None:
+    if not opt.sharded_state:
         raise NotImplementedError(comm.on_rank(opt,
             f"{what} with optimizer_class={opt.optimizer_class.__name__}: sharded state dicts and "
             "zeroshard checkpoints hold the fused AdamW's and whole-tensor optimizers' state only so "

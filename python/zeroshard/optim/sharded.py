@@ -326,8 +326,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         every rank; returns that norm (the same on all ranks). The scale is
         applied inside the fused step."""
         _check_ready(self.device, self._source, "clip_grad_norm_", self._err)
-        total, _ = self._grads.clip_(max_norm, norm_type)   # the coefficient lives with these gradients
-        return total
+        return self._grads.clip_(max_norm, norm_type)   # the coefficient lives with these gradients
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -395,6 +394,13 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         """With a whole-tensor ``optimizer_class``: its rule (the owners and their state,
         [Note: whole-tensor optimizers]); None otherwise."""
         return self._rule if isinstance(self._rule, WholeTensor) else None
+
+    @property
+    def sharded_state(self) -> bool:
+        """Whether sharded state dicts and zeroshard checkpoints hold this optimizer's state:
+        the fused AdamW's and a whole-tensor class's (another class saves in its own format,
+        through ``consolidate_state_dict``)."""
+        return self.fused or self.whole_tensor_rule is not None
 
     @property
     def fused(self) -> bool:

@@ -27,13 +27,7 @@ from accelerate.utils import DistributedType
 import zeroshard
 
 from .. import convert
-from .options import Options
-
-SHARDED_DIR = "zeroshard"
-
-
-def _sharded_state(opt) -> bool:
-    return opt.fused or opt.whole_tensor_rule is not None
+from .options import SHARDED_DIR, Options
 
 
 class ShardedAcceleratedOptimizer(AcceleratedOptimizer):
@@ -47,7 +41,7 @@ class ShardedAcceleratedOptimizer(AcceleratedOptimizer):
         self._is_accelerate_prepared = True     # accelerator.prepare_optimizer registers it as it is
 
     def state_dict(self):
-        if _sharded_state(self.optimizer):
+        if self.optimizer.sharded_state:
             return {"zeroshard": SHARDED_DIR}
         self.optimizer.consolidate_state_dict(to=0)      # its class's own format, on rank 0 (written there)
         return self.optimizer.state_dict() if torch.distributed.get_rank() == 0 else {}
@@ -84,22 +78,21 @@ class _States:
     model's weights is left out."""
 
     def __init__(self, prepared, runner, optimizer):
-        self.prepared, self.runner, self.optimizer = prepared, runner, optimizer
+        self.prepared, self.runner = prepared, runner
+        self.optimizer = optimizer if optimizer.sharded_state else None    # else: Accelerate's optimizer file
 
     def _index(self, models) -> Optional[int]:
         found = [i for i, m in enumerate(models) if m is self.prepared]
         return found[0] if found else None
 
     def save(self, models, weights, output_dir):
-        opt = self.optimizer if _sharded_state(self.optimizer) else None
-        zeroshard.save_checkpoint(os.path.join(output_dir, SHARDED_DIR), self.runner, opt)
+        zeroshard.save_checkpoint(os.path.join(output_dir, SHARDED_DIR), self.runner, self.optimizer)
         i = self._index(models)
         if i is not None and i < len(weights):
             weights.pop(i)
 
     def load(self, models, input_dir):
-        opt = self.optimizer if _sharded_state(self.optimizer) else None
-        zeroshard.load_checkpoint(os.path.join(input_dir, SHARDED_DIR), self.runner, opt)
+        zeroshard.load_checkpoint(os.path.join(input_dir, SHARDED_DIR), self.runner, self.optimizer)
         i = self._index(models)
         if i is not None:
             models.pop(i)

@@ -15,6 +15,8 @@ from ..deepspeed.build import block_units
 
 # save_pretrained's default largest safetensors file
 DEFAULT_MAX_SHARD_SIZE = "50GB"
+# the sharded model and optimizer state, inside a Trainer checkpoint or an Accelerate save_state folder
+SHARDED_DIR = "zeroshard"
 
 
 @dataclasses.dataclass(frozen=True)

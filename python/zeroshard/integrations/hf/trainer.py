@@ -35,18 +35,11 @@ from zeroshard import comm
 
 from .. import convert
 from . import pretrained
-from .options import Options
+from .options import SHARDED_DIR, Options
 
-SHARDED_DIR = "zeroshard"       # the sharded model and optimizer state, inside a checkpoint folder
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 FORMAT = "zeroshard-hf/1"
-
-
-def _sharded_state(opt: "zeroshard.ShardedOptimizer") -> bool:
-    """Whether zeroshard checkpoints hold ``opt``'s state (the fused AdamW and the
-    whole-tensor classes); other classes save in their own format, consolidated."""
-    return opt.fused or opt.whole_tensor_rule is not None
 
 
 class ZeroShardTrainerMixin:
@@ -184,7 +177,7 @@ class ZeroShardTrainerMixin:
         state) into ``output_dir/zeroshard``; returns that path."""
         path = os.path.join(output_dir, SHARDED_DIR)
         if getattr(self, "_zeroshard_saved", None) != path:
-            opt = self.sharded_optimizer if with_optimizer and _sharded_state(self.sharded_optimizer) else None
+            opt = self.sharded_optimizer if with_optimizer and self.sharded_optimizer.sharded_state else None
             zeroshard.save_checkpoint(path, self.zeroshard_model, opt,
                                       extra={"format": FORMAT, "with_optimizer": opt is not None})
             self._zeroshard_saved = path
@@ -194,7 +187,7 @@ class ZeroShardTrainerMixin:
         if self.sharded_optimizer is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         self._save_sharded(output_dir, with_optimizer=True)
-        if not _sharded_state(self.sharded_optimizer):       # its own format, consolidated on rank 0
+        if not self.sharded_optimizer.sharded_state:       # its own format, consolidated on rank 0
             self.sharded_optimizer.consolidate_state_dict(to=0)
             if self.args.should_save:
                 torch.save(self.sharded_optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
@@ -220,7 +213,7 @@ class ZeroShardTrainerMixin:
         sharded = os.path.join(checkpoint, SHARDED_DIR)
         if not os.path.isdir(sharded):
             return super()._load_optimizer_and_scheduler(checkpoint)   # torch's format, any world size
-        own_format = not _sharded_state(self.sharded_optimizer)
+        own_format = not self.sharded_optimizer.sharded_state
         zeroshard.load_checkpoint(sharded, self.zeroshard_model, None if own_format else self.sharded_optimizer)
         if own_format:
             self.sharded_optimizer.load_state_dict(
