@@ -52,7 +52,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("tensors", &Buffer::tensors);
   py::class_<TensorPlace>(m, "TensorPlace", py::module_local(), "Where one input tensor lives in its buffer.")
       .def_readonly("buffer", &TensorPlace::buffer).def_readonly("offset", &TensorPlace::offset)
-      .def_readonly("numel", &TensorPlace::numel).def_readonly("fragments", &TensorPlace::fragments);
+      .def_readonly("numel", &TensorPlace::numel).def_readonly("fragments", &TensorPlace::fragments)
+      .def_readonly("owner", &TensorPlace::owner);
   py::class_<ShardPiece>(m, "ShardPiece", py::module_local(), "The part of one tensor one rank owns in one bucket.")
       .def_readonly("tensor", &ShardPiece::tensor).def_readonly("bucket", &ShardPiece::bucket)
       .def_readonly("tensor_offset", &ShardPiece::tensor_offset)
@@ -67,14 +68,17 @@ PYBIND11_MODULE(_C, m) {
       .def("padding_numel", &Layout::padding_numel, py::arg("buffer"))
       .def("shard_numel", &Layout::shard_numel, py::arg("buffer"));
   m.def("compute_layout", [](const std::vector<int64_t>& numels, const std::vector<int64_t>& itemsizes,
-                             const std::vector<int64_t>& keys, int64_t cap, int64_t world, int64_t align) {
-    if (itemsizes.size() != numels.size() || keys.size() != numels.size())
-      throw std::invalid_argument("numels, itemsizes and keys must have one entry per tensor");
+                             const std::vector<int64_t>& keys, int64_t cap, int64_t world, int64_t align,
+                             std::vector<int64_t> costs) {
+    if (costs.empty()) costs.assign(numels.size(), -1);
+    if (itemsizes.size() != numels.size() || keys.size() != numels.size() || costs.size() != numels.size())
+      throw std::invalid_argument("numels, itemsizes, keys and costs must have one entry per tensor");
     std::vector<TensorSpec> specs(numels.size());
-    for (size_t i = 0; i < numels.size(); ++i) specs[i] = {numels[i], itemsizes[i], keys[i]};
+    for (size_t i = 0; i < numels.size(); ++i) specs[i] = {numels[i], itemsizes[i], keys[i], costs[i]};
     return compute_layout(specs, cap, world, align);
   }, py::arg("numels"), py::arg("itemsizes"), py::arg("keys"), py::arg("bucket_cap_bytes"),
-     py::arg("world_size"), py::arg("align_bytes") = 16, "Pure layout math (csrc/layout.h).");
+     py::arg("world_size"), py::arg("align_bytes") = 16, py::arg("costs") = std::vector<int64_t>{},
+     "Pure layout math (csrc/layout.h).");
 
   // ---- fused AdamW ----
   py::class_<AdamWOptions>(m, "AdamWOptions", py::module_local(), "One set of AdamW hyperparameters (csrc/ops.h).")

@@ -1,5 +1,6 @@
 #include "layout.h"
 
+#include <algorithm>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -19,7 +20,104 @@ struct OpenBuffer {
   int64_t cap;          // bucket capacity in elements (multiple of unit)
   int64_t pos = 0;      // next free element in the buffer
   int64_t bucket = -1;  // open bucket, -1 if none
+  bool whole = false;  // its tensors are whole ([Note: owner-aligned layout])
+  std::vector<int64_t> members;  // whole: its tensors, placed once all are known
 };
+
+// One bucket of whole tensors `members` at `offset` in buffer `buffer`: each
+// goes, the largest first, to the bin of the least loaded rank (by `load`,
+// every rank's cost so far) among those it fits in without the bin passing
+// an even share of the bucket (or its largest tensor); when it fits in none,
+// to the emptiest bin. Returns the bucket's numel.
+int64_t pack_bucket(Layout& L, int64_t buffer, int64_t offset, int64_t align,
+                    const std::vector<int64_t>& members,
+                    const std::vector<TensorSpec>& specs, std::vector<int64_t>& load) {
+  const int64_t world = L.world_size;
+  auto size = [&](int64_t i) { return round_up(specs[i].numel, align); };
+  std::vector<int64_t> order(members);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return size(x) != size(y) ? size(x) > size(y) : specs[x].cost > specs[y].cost;
+  });
+  int64_t total = 0;
+  for (int64_t i : members) total += size(i);
+  const int64_t target = std::max(round_up((total + world - 1) / world, align), size(order.front()));
+  const int64_t bi = static_cast<int64_t>(L.buckets.size());
+  L.buckets.push_back(Bucket{buffer, offset, 0, 0, 0, {}});
+  L.buffers[buffer].buckets.push_back(bi);
+  Bucket& b = L.buckets[bi];
+  std::vector<int64_t> fill(world, 0), rank_of(specs.size(), -1), at(specs.size(), 0);
+  for (int64_t i : order) {
+    int64_t r = -1;
+    for (int64_t q = 0; q < world; ++q)
+      if (fill[q] + size(i) <= target && (r < 0 || load[q] < load[r])) r = q;
+    if (r < 0) r = std::min_element(fill.begin(), fill.end()) - fill.begin();
+    rank_of[i] = r;
+    at[i] = fill[r];
+    fill[r] += size(i);
+    load[r] += specs[i].cost;
+  }
+  b.shard_numel = *std::max_element(fill.begin(), fill.end());
+  b.numel = b.shard_numel * world;
+  for (int64_t i : members) {  // input order within each bin
+    const int64_t f = static_cast<int64_t>(L.fragments.size());
+    L.fragments.push_back(Fragment{i, bi, 0, rank_of[i] * b.shard_numel + at[i], specs[i].numel});
+    b.fragments.push_back(f);
+    b.data_numel += specs[i].numel;
+    TensorPlace& place = L.tensors[i];
+    place.offset = offset + L.fragments[f].bucket_offset;
+    place.fragments.push_back(f);
+    place.owner = rank_of[i];
+  }
+  std::sort(b.fragments.begin(), b.fragments.end(), [&](int64_t x, int64_t y) {
+    return L.fragments[x].bucket_offset < L.fragments[y].bucket_offset;
+  });
+  return b.numel;
+}
+
+// Lays out the whole tensors of buffer `ob` ([Note: owner-aligned layout]):
+// cut, in order, into as few buckets as bins of `ob.cap / world` (or the
+// largest tensor) allow, of about equal size, each packed by pack_bucket.
+void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>& specs,
+                 std::vector<int64_t>& load) {
+  const int64_t world = L.world_size;
+  std::vector<int64_t> nonempty;
+  int64_t total = 0, largest = 0;
+  for (int64_t i : ob.members) {
+    TensorPlace& place = L.tensors[i];
+    place.buffer = ob.index;
+    place.numel = specs[i].numel;
+    if (specs[i].numel == 0) continue;
+    nonempty.push_back(i);
+    total += round_up(specs[i].numel, ob.align_elems);
+    largest = std::max(largest, round_up(specs[i].numel, ob.align_elems));
+  }
+  const int64_t room = world * std::max(ob.cap / world, largest);  // a bucket's most
+  const int64_t count = (total + room - 1) / room;
+  const int64_t even = count > 0 ? (total + count - 1) / count : 0;
+  int64_t pos = 0;
+  std::vector<int64_t> bucket;
+  int64_t acc = 0;
+  auto flush = [&]() {
+    if (bucket.empty()) return;
+    pos += pack_bucket(L, ob.index, pos, ob.align_elems, bucket, specs, load);
+    bucket.clear();
+    acc = 0;
+  };
+  for (int64_t i : nonempty) {
+    const int64_t n = round_up(specs[i].numel, ob.align_elems);
+    if (!bucket.empty() && (acc + n > room || acc + n / 2 > even)) flush();
+    bucket.push_back(i);
+    acc += n;
+  }
+  flush();
+  L.buffers[ob.index].numel = pos;
+  for (int64_t i : ob.members)  // empty tensors: no fragment, the least loaded rank
+    if (specs[i].numel == 0) {
+      TensorPlace& place = L.tensors[i];
+      place.offset = pos;
+      place.owner = std::min_element(load.begin(), load.end()) - load.begin();
+    }
+}
 
 }  // namespace
 
@@ -41,6 +139,7 @@ Layout compute_layout(const std::vector<TensorSpec>& tensors,
   L.bucket_cap_bytes = bucket_cap_bytes;
   L.tensors.resize(tensors.size());
   std::map<int64_t, OpenBuffer> open;  // key -> cursor
+  std::vector<int64_t> whole_keys;     // in order of first use
 
   auto open_bucket = [&](OpenBuffer& ob) {
     Bucket b{ob.index, ob.pos, 0, 0, 0, {}};
@@ -70,6 +169,8 @@ Layout compute_layout(const std::vector<TensorSpec>& tensors,
       ob.align_elems = align_bytes / t.itemsize;
       ob.unit = world_size * ob.align_elems;
       ob.cap = std::max<int64_t>(ob.unit, bucket_cap_bytes / t.itemsize / ob.unit * ob.unit);
+      ob.whole = t.cost >= 0;
+      if (ob.whole) whole_keys.push_back(t.key);
       L.buffers.push_back(Buffer{t.key, t.itemsize, 0, {}, {}});
       it = open.emplace(t.key, ob).first;
     } else if (L.buffers[it->second.index].itemsize != t.itemsize) {
@@ -79,7 +180,15 @@ Layout compute_layout(const std::vector<TensorSpec>& tensors,
            "; give tensors of different dtypes different keys");
     }
     OpenBuffer& ob = it->second;
+    if (ob.whole != (t.cost >= 0))
+      fail(who + (t.cost >= 0 ? " is whole" : " is not whole") + " but key " + std::to_string(t.key) +
+           " already holds tensors that " + (t.cost >= 0 ? "are not" : "are") +
+           "; give whole tensors their own key");
     L.buffers[ob.index].tensors.push_back(static_cast<int64_t>(i));
+    if (ob.whole) {
+      ob.members.push_back(static_cast<int64_t>(i));
+      continue;
+    }
 
     ob.pos = round_up(ob.pos, ob.align_elems);
     TensorPlace& place = L.tensors[i];
@@ -106,7 +215,10 @@ Layout compute_layout(const std::vector<TensorSpec>& tensors,
 
   // Close buckets: full ones are exactly `cap`; a buffer's last one is padded
   // up to a multiple of the unit.
+  std::vector<int64_t> load(world_size, 0);  // whole tensors' cost per rank, over every buffer
+  for (int64_t key : whole_keys) place_whole(L, open.at(key), tensors, load);
   for (auto& [key, ob] : open) {
+    if (ob.whole) continue;
     Buffer& buf = L.buffers[ob.index];
     for (int64_t bi : buf.buckets) {
       Bucket& b = L.buckets[bi];

@@ -18,6 +18,26 @@
 //   gaps between tensors are padding too. Padding is zero and is reported.
 // * Rank r's shard of bucket b is [b.offset + r * b.shard_numel,
 //   b.offset + (r + 1) * b.shard_numel) in buffer coordinates.
+//
+// [Note: owner-aligned layout]
+// A tensor with `cost >= 0` is WHOLE: an optimizer updates it whole, on one
+// rank (Muon's Newton-Schulz, Adafactor's factors; python/zeroshard/optim/
+// whole.py). It is never split: it lies entirely inside one rank's shard of
+// one bucket, and that rank is its `owner`, so the stage's own
+// reduce-scatter hands the owner its whole gradient and the parameter
+// all-gather carries its update back, with no other collective.
+// * A key's tensors are all whole or none is.
+// * A key's whole tensors are cut, in input order, into as few buckets of
+//   about equal size as bins of max(cap / world_size, the largest tensor)
+//   elements allow. In each bucket, the largest tensor first, each goes to
+//   the bin of the rank with the least update cost so far (over every key;
+//   the lower rank on a tie) among those it fits in without passing an even
+//   share of the bucket; if none, to the emptiest bin. So the owners' costs
+//   stay balanced and, for tensors of even sizes, the bins full.
+// * A bucket's shard_numel is its fullest bin (aligned): it may exceed the
+//   cap by about one tensor per bin; its padding is the bins' unused tails.
+//   Tensors inside a bin are in input order; a bucket's fragments are
+//   listed by offset. Whole buckets are numbered after the others.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +49,7 @@ struct TensorSpec {
   int64_t numel;
   int64_t itemsize;  // bytes per element: 1, 2, 4 or 8
   int64_t key;       // tensors with equal keys share a flat buffer
+  int64_t cost = -1;  // >= 0: whole, owned by one rank ([Note: owner-aligned layout])
 };
 
 // A contiguous piece of one tensor that lies inside one bucket.
@@ -62,6 +83,7 @@ struct TensorPlace {
   int64_t offset;  // first element within the buffer
   int64_t numel;
   std::vector<int64_t> fragments;  // indices into Layout::fragments, in order
+  int64_t owner = -1;  // whole tensors: the rank whose shard holds all of it; else -1
 };
 
 // The part of one tensor that one rank owns in one bucket.
@@ -93,7 +115,8 @@ struct Layout {
 // Throws std::invalid_argument (naming the offending tensor index or
 // argument) on bad input: numel < 0, itemsize not in {1,2,4,8} or larger
 // than align_bytes, one key used with two itemsizes, world_size < 1,
-// bucket_cap_bytes < 1, align_bytes not a power of two.
+// bucket_cap_bytes < 1, align_bytes not a power of two, a key with whole and
+// split tensors.
 Layout compute_layout(const std::vector<TensorSpec>& tensors,
                       int64_t bucket_cap_bytes, int64_t world_size,
                       int64_t align_bytes = 16);

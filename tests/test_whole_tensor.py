@@ -207,6 +207,39 @@ def test_muon_at_world_size_4_with_accumulation_under_no_sync(stage):
     _check(pool.run(_compare, stage, "nesterov", True), 4)
 
 
+def _collectives_of_one_step(stage):
+    """What one Muon step at ``stage`` sends, against its layout's buckets."""
+    torch.manual_seed(0)
+    model = Net()
+    muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
+    muon = zs.ShardedOptimizer(muon_groups, optimizer_class=torch.optim.Muon, **muon_kw, stage=stage,
+                               bucket_mb=TINY_BUCKET_MB)
+    adamw = zs.ShardedOptimizer(rest, **adamw_kw, stage=stage, bucket_mb=TINY_BUCKET_MB)
+    tok, y = data(1)[0]
+    before = dict(muon.comm_elements)
+    F.cross_entropy(model(tok, use_extra=True), y).backward()
+    for o in (muon, adamw):
+        o.step()
+    sent = {k: v - before[k] for k, v in muon.comm_elements.items()}
+    rule, layout = muon.whole_tensor_rule, muon.layout
+    owners = {i: rule.owners[i] for i in muon.trainable}
+    return sent, sum(b.numel for b in layout.buckets), len(rule.windows), owners, rule.balance(), rule.owned()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_lay_each_matrix_in_its_owners_shard_and_add_no_collective(dist_pool, stage):
+    """[Note: owner-aligned layout]: the stage's reduce-scatter hands each owner its whole
+    gradient and the parameter all-gather carries the update back: one step sends each
+    bucket once each way, and nothing more (no exchange window)."""
+    results = dist_pool.run(_collectives_of_one_step, stage)
+    for rank, (sent, numel, windows, owners, load, owned) in enumerate(results):
+        assert windows == 0, windows
+        assert sent == {"reduce_scatter": numel, "all_gather": numel, "all_reduce": sent["all_reduce"],
+                        "replica_all_reduce": 0}, (sent, numel)
+        assert owners == results[0][3] and owned == sorted(i for i, r in owners.items() if r == rank)
+    assert sum(len(r[5]) for r in results) == len(results[0][3])     # each matrix owned once
+
+
 # ---------------------------------------------------------------- pure layout math
 def test_update_cost_grows_as_newton_schulz():
     assert update_cost((41, 23)) == 41 * 23 * 23

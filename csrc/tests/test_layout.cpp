@@ -20,7 +20,12 @@ void check_invariants(const std::vector<TensorSpec>& specs, const Layout& L, int
     EXPECT_EQ(b.numel, b.shard_numel * L.world_size);
     EXPECT_EQ(b.shard_numel % align, 0) << "shard of bucket " << bi << " not aligned";
     EXPECT_EQ(b.offset % align, 0);
-    EXPECT_LE(b.numel * buf.itemsize, std::max<int64_t>(cap_bytes, L.world_size * L.align_bytes));
+    // a bucket of whole tensors may exceed the cap by about one (aligned) tensor per bin
+    int64_t whole_slack = 0;
+    for (int64_t ti : buf.tensors)
+      if (specs[ti].cost >= 0) whole_slack = std::max(whole_slack, specs[ti].numel + align);
+    EXPECT_LE(b.numel * buf.itemsize,
+              std::max<int64_t>(cap_bytes, L.world_size * L.align_bytes) + 2 * L.world_size * whole_slack * buf.itemsize);
     int64_t covered = 0, last_end = 0;
     for (int64_t fi : b.fragments) {
       const Fragment& f = L.fragments[fi];
@@ -57,6 +62,34 @@ void check_invariants(const std::vector<TensorSpec>& specs, const Layout& L, int
       pieces_total += p.numel;
     }
   EXPECT_EQ(pieces_total, total);
+  // [Note: owner-aligned layout]: a whole tensor is one piece of its owner's shard
+  for (size_t ti = 0; ti < specs.size(); ++ti) {
+    const TensorPlace& t = L.tensors[ti];
+    if (specs[ti].cost < 0) {
+      EXPECT_EQ(t.owner, -1);
+      continue;
+    }
+    ASSERT_GE(t.owner, 0);
+    ASSERT_LT(t.owner, L.world_size);
+    ASSERT_LE(t.fragments.size(), 1u);
+    int64_t held = 0;
+    for (int64_t r = 0; r < L.world_size; ++r)
+      for (const ShardPiece& p : L.shard_pieces(r))
+        if (p.tensor == static_cast<int64_t>(ti)) {
+          EXPECT_EQ(r, t.owner) << "whole tensor " << ti << " has a piece on rank " << r;
+          EXPECT_EQ(p.numel, specs[ti].numel);
+          held += p.numel;
+        }
+    EXPECT_EQ(held, specs[ti].numel);
+  }
+}
+
+// Each rank's summed cost of the whole tensors it owns.
+std::vector<int64_t> loads(const std::vector<TensorSpec>& specs, const Layout& L) {
+  std::vector<int64_t> load(L.world_size, 0);
+  for (size_t i = 0; i < specs.size(); ++i)
+    if (specs[i].cost >= 0) load[L.tensors[i].owner] += specs[i].cost;
+  return load;
 }
 
 }  // namespace
@@ -127,6 +160,42 @@ TEST(Layout, TinyCapStillMakesProgress) {
   check_invariants(specs, L, 1);
 }
 
+TEST(Layout, WholeTensorsAreNeverSplit) {
+  // cap 64 bytes fp32 = 16 elements, world 2: bins of max(8, 40) -> one tensor each
+  const std::vector<TensorSpec> specs{{40, 4, 0, 1}, {20, 4, 0, 1}, {7, 4, 0, 1}};
+  const Layout L = compute_layout(specs, 64, 2);
+  check_invariants(specs, L, 64);
+  ASSERT_EQ(L.buckets.size(), 1u);
+  EXPECT_EQ(L.buckets[0].shard_numel, 40);
+  EXPECT_EQ(L.tensors[0].owner, 0);
+  EXPECT_EQ(L.tensors[1].owner, 1);  // the less loaded rank
+  EXPECT_EQ(L.tensors[2].owner, 1);  // fits beside it; rank 1 is still the less loaded
+  EXPECT_EQ(L.tensors[2].offset, 40 + 20);
+}
+
+TEST(Layout, WholeTensorsBalanceCostOverBuffers) {
+  // GPT blocks' four matrices (d = 8: 3d^2, d^2, 4d^2, 4d^2; cost numel * d), two param
+  // groups, 3 ranks: every rank owns the same cost and the bins are full.
+  std::vector<TensorSpec> specs;
+  for (int block = 0; block < 6; ++block)
+    for (int64_t n : {192, 64, 256, 256}) specs.push_back({n, 4, block % 2, n * 8});
+  const Layout L = compute_layout(specs, 1 << 20, 3);
+  check_invariants(specs, L, 1 << 20);
+  const auto load = loads(specs, L);
+  EXPECT_EQ(load[0], load[1]);
+  EXPECT_EQ(load[1], load[2]);
+  EXPECT_EQ(L.padding_numel(0) + L.padding_numel(1), 0);
+}
+
+TEST(Layout, WholeAndSplitTensorsNeedTheirOwnKeys) {
+  EXPECT_THROW(compute_layout({{4, 4, 0, 1}, {4, 4, 0}}, 64, 2), std::invalid_argument);
+  const std::vector<TensorSpec> specs{{0, 4, 0, 0}, {9, 4, 1}, {5, 4, 0, 3}, {0, 4, 0, 0}};
+  const Layout L = compute_layout(specs, 64, 2);
+  check_invariants(specs, L, 64);
+  EXPECT_TRUE(L.tensors[0].fragments.empty());
+  EXPECT_GE(L.tensors[3].owner, 0);
+}
+
 TEST(Layout, BadInputNamesTheTensor) {
   try {
     compute_layout({{4, 4, 0}, {-1, 4, 0}}, 64, 2);
@@ -150,7 +219,8 @@ TEST(Layout, RandomLayoutsKeepAllInvariants) {
     for (int i = 0; i < n; ++i) {
       const int64_t key = static_cast<int64_t>(rng() % 3);
       const int64_t itemsize = key == 1 ? 2 : 4;  // one itemsize per key
-      specs.push_back({static_cast<int64_t>(rng() % 3000), itemsize, key});
+      const int64_t cost = key == 2 ? static_cast<int64_t>(rng() % 1000) : -1;  // key 2: whole
+      specs.push_back({static_cast<int64_t>(rng() % 3000), itemsize, key, cost});
     }
     const int64_t world = 1 + static_cast<int64_t>(rng() % 7);
     const int64_t cap = 1 + static_cast<int64_t>(rng() % 8192);

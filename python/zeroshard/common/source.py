@@ -183,6 +183,14 @@ class ShardSource(abc.ABC):
         # called with no argument when a backward outside no_sync() has finished and
         # every gradient shard holds its reduced value (the engine takes its statistics)
         self.listeners: List[Callable[[], None]] = []
+        # parameter index -> its owner, where the layout keeps parameters whole (whole_owner)
+        self.whole_owners: Dict[int, int] = {}
+
+    def whole_owner(self, i: int) -> Optional[int]:
+        """The rank whose shard holds all of parameter ``i`` when the layout keeps it
+        whole for a whole-tensor optimizer ([Note: owner-aligned layout] in
+        csrc/layout.h); None where it may be split."""
+        return self.whole_owners.get(i)
 
     def notify_grads_ready(self):
         for fn in self.listeners:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+import math
+
 import torch
 
 from .ext import _C
@@ -21,6 +23,7 @@ def compute_layout(
     world_size: int,
     keys: Optional[Sequence[int]] = None,
     align_bytes: int = 16,
+    costs: Optional[Sequence[int]] = None,
 ) -> "_C.Layout":
     """Lay tensors of the given sizes and dtypes out in flat, sharded buckets.
 
@@ -28,6 +31,11 @@ def compute_layout(
     defaults to all zeros, so tensors are grouped by dtype alone). Tensors are
     split across buckets at the cap; every rank's shard of every bucket has
     the same length and is ``align_bytes``-aligned.
+
+    ``costs`` (one per tensor; -1 for none) makes tensors *whole*: never split,
+    each inside one rank's shard (its ``owner`` in ``Layout.tensors``), the
+    owners balancing the summed cost (csrc/layout.h, [Note: owner-aligned
+    layout]); a key's tensors are all whole or none is.
     """
     numels = [int(n) for n in numels]
     dtypes = list(dtypes)
@@ -45,8 +53,24 @@ def compute_layout(
     buffer_ids: dict = {}
     ids = [buffer_ids.setdefault((k, dt), len(buffer_ids)) for k, dt in zip(keys, dtypes)]
     itemsizes = [dt.itemsize for dt in dtypes]
+    costs = [] if costs is None else [int(c) for c in costs]
+    if costs and len(costs) != len(numels):
+        raise ValueError(f"costs has {len(costs)} entries but numels has {len(numels)}; "
+                         "pass one cost per tensor (-1: not whole)")
     return _C.compute_layout(numels, itemsizes, ids, int(bucket_cap_bytes), int(world_size),
-                             int(align_bytes))
+                             int(align_bytes), costs)
+
+
+def update_cost(shape: Sequence[int]) -> int:
+    """The relative cost of one whole-tensor update of a tensor of ``shape``:
+    rows x cols x min(rows, cols) for a matrix (Newton-Schulz's matrix products;
+    a tensor of more dimensions as (shape[0], the rest)); the size for a vector."""
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel == 0:
+        return numel
+    rows = shape[0]
+    cols = numel // rows
+    return rows * cols * min(rows, cols)
 
 
 def gaps(numel: int, covered: Sequence) -> List[Tuple[int, int]]:

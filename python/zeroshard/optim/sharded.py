@@ -216,7 +216,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         check_unclaimed(self, [p for g in self.param_groups for p in g["params"]], self._err)
         self._binding = ((process_group, shard_size, device_mesh),
                          dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes, reduce_dtype=reduce_dtype,
-                              offload=placement, overlap_param_gather=overlap_param_gather))
+                              offload=placement, overlap_param_gather=overlap_param_gather, whole=self._whole))
         self._bind()
         claim(self, self._params)       # FullyShard, wrapping these later, hands over its own
 

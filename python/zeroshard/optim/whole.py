@@ -7,11 +7,18 @@ pieces the shard sources hand out (see [Note: update rules] in rules.py). So
 each such parameter gets one *owner* rank, and its update runs exactly once
 in the job, there:
 
-* Owners are chosen once, the same on every rank, by longest-processing-time
-  packing on the update's cost (``update_cost``: rows x cols x min(rows,
-  cols) for a matrix, as Newton-Schulz grows), so the ranks' shares of the
-  whole-tensor work are balanced.
-* A step moves, window by window (``plan_windows``: at most about one bucket
+* Owners are chosen once, the same on every rank, to balance the update's
+  cost (``update_cost``: rows x cols x min(rows, cols) for a matrix, as
+  Newton-Schulz grows) over the ranks.
+* ZeRO-1/2 lay the parameters out so that each lies inside its owner's shard
+  ([Note: owner-aligned layout] in csrc/layout.h, which also picks the
+  owners): the stage's reduce-scatter hands the owner the whole reduced
+  gradient, its fp32 shard holds the whole value, the owner steps it in
+  place, and the stage's parameter all-gather carries the result to every
+  rank. No collective is added; the bytes sent are AdamW's (but for the
+  layout's padding).
+* Where the layout may split a parameter (FullyShard's units), owners come
+  from longest-processing-time packing on the cost, and a step moves, window by window (``plan_windows``: at most about one bucket
   of elements per rank), each parameter's reduced gradient and fp32 value
   from the ranks' pieces to its owner in one reduce-scatter (SUM): every rank
   writes its pieces at their place in the owner's chunk and zeros elsewhere;
@@ -23,10 +30,9 @@ in the job, there:
   what it does after any update (ZeRO-1/2: the parameter all-gather;
   ZeRO-3: drop the gathered copies).
 
-It works over any shard source, so stages 1, 2 and FullyShard share it. The
-price: besides the stage's own collectives, each step moves the whole-tensor
-parameters three more times (gradient and value to the owner, value back)
-instead of running every matrix's update on every rank.
+The price of that exchange: besides the stage's own collectives, each step
+moves the split parameters three more times (gradient and value to the
+owner, value back) instead of running every matrix's update on every rank.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .. import comm
+from ..native.layout import update_cost
 
 # torch optimizers whose update of a parameter needs the whole tensor
 WHOLE_TENSOR = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if hasattr(torch.optim, n))
@@ -45,18 +52,6 @@ MATRICES_ONLY = tuple(getattr(torch.optim, n) for n in ("Muon",) if hasattr(torc
 
 
 _PRIMES = (2, 3, 5, 7, 11, 13, 17, 19)
-
-
-def update_cost(shape: Sequence[int]) -> int:
-    """The relative cost of one whole-tensor update of a tensor of ``shape``:
-    rows x cols x min(rows, cols) for a matrix (Newton-Schulz's matrix products;
-    a tensor of more dimensions as (shape[0], the rest)); the size for a vector."""
-    numel = math.prod(shape)
-    if len(shape) < 2 or numel == 0:
-        return numel
-    rows = shape[0]
-    cols = numel // rows
-    return rows * cols * min(rows, cols)
 
 
 def assign_owners(costs: Sequence[int], world_size: int) -> List[int]:
@@ -134,20 +129,30 @@ class WholeTensor:
         shapes = dict(source.full_shapes)
         check_shapes(cls, shapes, err)
         self.shapes = shapes
-        self.owners = dict(zip(sorted(shapes), assign_owners([update_cost(shapes[i]) for i in sorted(shapes)],
-                                                             self.world_size)))
-        self.windows = plan_windows({i: shapes[i].numel() for i in shapes}, self.owners, self.world_size,
+        # the parameters the layout keeps whole in their owner's shard, and the others
+        self.owners = {i: o for i in sorted(shapes) if (o := source.whole_owner(i)) is not None}
+        split = [i for i in sorted(shapes) if i not in self.owners]
+        self.owners.update(zip(split, assign_owners([update_cost(shapes[i]) for i in split], self.world_size)))
+        self.windows = plan_windows({i: shapes[i].numel() for i in split}, self.owners, self.world_size,
                                     max(2, cap_elements))
         # param index -> [(segment, start, stop, offset in the flattened parameter)] on this rank
         self.pieces: Dict[int, list] = {}
         for seg in source.segments:
             for i, a, b, t_off in seg.pieces:
                 self.pieces.setdefault(i, []).append((seg, a, b, t_off))
+        # owned parameters whole in this rank's shard, in batches of at most about cap_elements
+        # (each batch's scaled gradients are one transient copy)
+        numels = {i: shapes[i].numel() for i in shapes}
+        whole = [i for i in sorted(shapes) if i not in split]
+        self.local = _batches([i for i in whole if self.owners[i] == self.rank], numels, max(1, cap_elements))
+        # every rank's batches of parameters whose state travels together (state dicts)
+        self.state_batches = [sorted(w.slots) for w in self.windows] + _batches(whole, numels, max(1, cap_elements))
         # the owner's tensor of each parameter it owns: the class keys its state by it; between
         # steps it holds no data (the values live in the shards)
         # (made with one element of storage: the class only checks the shape when it is built)
         self.leaves: Dict[int, torch.Tensor] = {
-            i: torch.empty_strided(shapes[i], (0,) * len(shapes[i]), dtype=torch.float32, device=source.device)
+            i: torch.empty_strided(shapes[i], (0,) * len(shapes[i]), dtype=torch.float32,
+                                   device=self._piece(i)[0].param.device if i not in split else source.device)
             for i in shapes if self.owners[i] == self.rank}
         self.kwargs, self.group_of = kwargs, group_of
         by_group: List[list] = [[] for _ in param_groups]
@@ -159,16 +164,45 @@ class WholeTensor:
         self._empty = torch.empty(0, dtype=torch.float32, device=source.device)
         self._probes: Dict[tuple, list] = {}     # (dimensions, param group) -> state (shape, itemsize)
         for leaf in self.leaves.values():
-            leaf.data = self._empty
+            leaf.data = leaf.new_empty(0)
 
     def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
                scale: Optional[torch.Tensor]):
         if self.inner is not None:          # an LR scheduler changes ours; the instance follows
             for inner_group, gi in zip(self.inner.param_groups, self.group_index):
                 inner_group.update(_hyper(groups[gi]))
+        for batch in self.local:
+            self._step_local([i for i in batch if used[i]], grad_scale, scale)
         for k, w in enumerate(self.windows):
             if any(used[i] for i in w.slots):
                 self._step_window(k, w, used, grad_scale, scale)
+
+    def _piece(self, i: int) -> tuple:
+        """The one piece of owned parameter ``i`` the layout kept whole in this rank's shard."""
+        pieces = self.pieces.get(i, [])
+        if len(pieces) != 1 or pieces[0][2] - pieces[0][1] != self.shapes[i].numel():
+            raise AssertionError(self.err(f"parameter {i} is not whole in its owner's shard: {pieces}"))
+        return pieces[0]
+
+    @torch.no_grad()
+    def _step_local(self, stepping: List[int], grad_scale: float, scale: Optional[torch.Tensor]):
+        """Owned parameters that lie whole in this rank's shard: stepped in place."""
+        if not stepping:
+            return
+        for i in stepping:
+            seg, a, b, _ = self._piece(i)
+            leaf, shape = self.leaves[i], self.shapes[i]
+            leaf.data = seg.param[a:b].view(shape)
+            src = seg.grad[a:b].view(shape)        # one transient fp32 copy, scaled
+            g = src.to(leaf.device, torch.float32, copy=True).mul_(grad_scale)
+            leaf.grad = g.mul_(scale) if scale is not None else g
+        self.inner.step()
+        for i in stepping:
+            seg, a, b, _ = self._piece(i)
+            self.leaves[i].grad = None
+            self.leaves[i].data = self.leaves[i].new_empty(0)
+            if seg.out is not None:
+                seg.out[a:b].copy_(seg.param[a:b])     # round to the low-precision parameter
 
     @torch.no_grad()
     def _step_window(self, k: int, w: Window, used: List[bool], grad_scale: float,
@@ -236,17 +270,17 @@ class WholeTensor:
 
     def gather_full(self, opt, keep: bool) -> Optional[Dict[int, dict]]:
         """The full state in the class's own per-parameter format, on CPU (collective:
-        each owner's entries travel window by window); None where ``keep`` is false."""
+        each owner's entries travel batch by batch); None where ``keep`` is false."""
         full: Dict[int, dict] = {}
-        for k, w in enumerate(self.windows):
+        for k, batch in enumerate(self.state_batches):
             mine = {}
-            for i in w.slots:
+            for i in batch:
                 st = self.owner_state(i)
                 if st is not None:
                     mine[i] = {key: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                                for key, v in st.items()}
             for theirs in comm.all_gather_object(mine, group=opt.process_group,
-                                                 what=f"state_dict gather: whole-tensor window {k}"):
+                                                 what=f"state_dict gather: whole-tensor batch {k}"):
                 if keep:
                     full.update(theirs)
         return full if keep else None
@@ -296,9 +330,10 @@ class WholeTensor:
         return sum(math.prod(back.get(d, d) for d in dims) * size for dims, size in self._probes[key])
 
     def window_bytes(self) -> int:
-        """The most bytes a step's exchange holds at once: one window's reduce-scatter
-        buffer and its all-gather buffer."""
-        return max((4 * self.world_size * (w.chunk + w.values) for w in self.windows), default=0)
+        """The most bytes a step holds at once beyond the state: one window's
+        reduce-scatter and all-gather buffers, or one local batch's scaled gradients."""
+        return max([4 * self.world_size * (w.chunk + w.values) for w in self.windows]
+                   + [4 * sum(self.shapes[i].numel() for i in batch) for batch in self.local], default=0)
 
     def balance(self) -> List[int]:
         """Each rank's summed update cost (``update_cost``) of the tensors it owns."""
@@ -306,6 +341,19 @@ class WholeTensor:
         for i, r in self.owners.items():
             load[r] += update_cost(self.shapes[i])
         return load
+
+
+def _batches(indices: List[int], numels: Dict[int, int], cap: int) -> List[List[int]]:
+    """``indices`` in order, cut into runs of at most ``cap`` elements (a run has at least one)."""
+    out: List[List[int]] = []
+    total = cap
+    for i in indices:
+        if total + numels[i] > cap:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += numels[i]
+    return out
 
 
 def _hyper(group: dict) -> dict:

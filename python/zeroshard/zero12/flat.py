@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .. import comm
 from ..offload import Placement, Storage, on_accelerator
 from ..common.source import SUPPORTED
-from ..native.layout import compute_layout
+from ..native.layout import compute_layout, update_cost
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -148,6 +148,8 @@ class FlatState:
     buckets: List[Bucket]          # by layout bucket index
     where: Dict[int, tuple]        # param index -> (buffer, offset, layout fragments)
     launch_order: List[int]        # bucket indices, until the first backward shows the real order
+    # whole parameters: index -> the rank whose shard holds all of it ([Note: owner-aligned layout])
+    whole_owners: Dict[int, int] = field(default_factory=dict)
 
 
 def _has_master(dtype: torch.dtype, placement: Placement, device: torch.device) -> bool:
@@ -160,22 +162,25 @@ def _has_master(dtype: torch.dtype, placement: Placement, device: torch.device) 
 @torch.no_grad()
 def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int, adam: bool,
                bucket_bytes: int, device: torch.device, group, src: int, everyone=None,
-               storage: Storage, offloaded=frozenset()) -> FlatState:
+               storage: Storage, offloaded=frozenset(), whole: bool = False) -> FlatState:
     """Lay the trainable parameters out in flat buffers (reverse registration order,
     one buffer per (param group, dtype, offloaded or not)) sharded over ``group``,
     copy global rank ``src``'s values in on every rank of ``everyone`` (default:
     ``group``), and make every parameter a view of its buffer; frozen parameters
     are broadcast. The state shards of buffers of ``offloaded`` parameters go
-    where ``storage`` puts offloaded state ([Note: offload] in offload/policy.py)."""
+    where ``storage`` puts offloaded state ([Note: offload] in offload/policy.py).
+    ``whole``: every parameter lies inside one rank's shard, for an optimizer that
+    updates it whole there ([Note: owner-aligned layout] in csrc/layout.h)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone = group if everyone is None else everyone
     copies = dist.get_world_size(everyone)
     order = list(reversed(trainable))        # backward order
     keys = [group_of[i] * 8 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) for i in order]
     L = compute_layout([params[i].numel() for i in order], [params[i].dtype for i in order], bucket_bytes,
-                       world, keys=keys)
+                       world, keys=keys, costs=[update_cost(params[i].shape) for i in order] if whole else None)
     last = [max(L.fragments[f].tensor for f in lb.fragments) for lb in L.buckets]
-    st = FlatState(L, [], [None] * len(L.buckets), {}, sorted(range(len(L.buckets)), key=lambda b: (last[b], b)))
+    st = FlatState(L, [], [None] * len(L.buckets), {}, sorted(range(len(L.buckets)), key=lambda b: (last[b], b)),
+                   {order[t]: place.owner for t, place in enumerate(L.tensors) if place.owner >= 0})
     off = storage.offload.placement
     places = [off if order[lb.tensors[0]] in offloaded else Placement.DEVICE for lb in L.buffers]
     storage.reserve_disk(sum(lb.numel // world * (2 * adam + _has_master(params[order[lb.tensors[0]]].dtype, pl,

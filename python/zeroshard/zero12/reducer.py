@@ -108,7 +108,7 @@ class FlatReducer(ShardSource):
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, adam: bool, bucket_bytes: int,
                  reduce_dtype: Optional[torch.dtype], groups: Groups, offload: Offload = NO_OFFLOAD,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, whole: bool = False):
         super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
@@ -132,9 +132,9 @@ class FlatReducer(ShardSource):
         offloaded = offloaded_params(params, self.trainable, offload)
         flat = build_flat(params, group_of, self.trainable, stage=stage, adam=adam, bucket_bytes=bucket_bytes,
                           device=self.device, group=process_group, src=dist.get_global_rank(groups.every, 0),
-                          everyone=groups.every, storage=self.storage, offloaded=offloaded)
+                          everyone=groups.every, storage=self.storage, offloaded=offloaded, whole=whole)
         self.layout, self.buffers, self.buckets, self.where = flat.layout, flat.buffers, flat.buckets, flat.where
-        self.launch_order = flat.launch_order
+        self.launch_order, self.whole_owners = flat.launch_order, flat.whole_owners
         self._gather = ParamGather(self.buffers, params, self.where, group=process_group, rank=self.rank,
                                    overlap=overlap_param_gather, comm_elements=self.comm_elements,
                                    hook_factory=weak_hook)
