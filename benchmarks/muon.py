@@ -370,6 +370,9 @@ def main():
                     help="the torch-Muon variants with Newton-Schulz in fp32 (checks their update against DDP's "
                          "to fp32 rounding; writes --json, default benchmarks/out/muon_ns_fp32.json)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep-other-variants", action="store_true",
+                    help="at the points this run takes, keep the JSON's rows of the variants it does not run "
+                         "(each row keeps the commit it was measured at and its own paired DDP)")
     args = ap.parse_args()
     path = args.json or (JSON.replace(".json", "_ns_fp32.json") if args.ns_fp32 else JSON)
     png = None if args.ns_fp32 else path.replace(".json", ".png")
@@ -390,16 +393,24 @@ def main():
                 continue
             n = sum(p.numel() for p in step.new_model(cfg, args, torch.device("cpu")).parameters())
             balance = next((r["balance"] for r in rows.values() if r.get("balance")), None)
+            commit = git_commit()
             points.append(dict(size=size, params=n, world=world, balance=balance, steps=args.steps,
-                               warmup=args.warmup, command=command, date=str(date.today()), commit=git_commit(),
-                               rows=list(rows.values())))
+                               warmup=args.warmup, command=command, date=str(date.today()), commit=commit,
+                               rows=[dict(r, commit=commit) for r in rows.values()]))
             print(f"{size} world {world} done [{time.time() - t0:.0f} s]", flush=True)
     out = dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"), batch=args.batch,
                seq=GPTConfig().seq, points=points)
     if os.path.exists(path):    # keep the points of the sizes and world sizes this run did not take
         with open(path) as f:
-            done = {(p["size"], p["world"]) for p in points}
-            out["points"] = [p for p in json.load(f)["points"] if (p["size"], p["world"]) not in done] + points
+            old = {(p["size"], p["world"]): p for p in json.load(f)["points"]}
+        for p in points if args.keep_other_variants else ():
+            was = old.get((p["size"], p["world"]), dict(rows=[]))
+            p["rows"] += [dict(r, commit=r.get("commit", was.get("commit"))) for r in was["rows"]
+                          if r["variant"] != "ddp" and r["variant"] not in args.variants]
+            p["rows"].sort(key=lambda r: (r["variant"] != "ddp", list(VARIANTS).index(r["variant"])
+                                          if r["variant"] in VARIANTS else 99))
+        done = {(p["size"], p["world"]) for p in points}
+        out["points"] = [p for k, p in old.items() if k not in done] + points
     out["points"].sort(key=lambda p: (list(SIZES).index(p["size"]), p["world"]))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

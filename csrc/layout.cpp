@@ -1,7 +1,9 @@
 #include "layout.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -24,63 +26,71 @@ struct OpenBuffer {
   std::vector<int64_t> members;  // whole: its tensors, placed once all are known
 };
 
-// One bucket of whole tensors `members` at `offset` in buffer `buffer`: each
-// goes, the largest first, to the bin of the least loaded rank (by `load`,
-// every rank's cost so far) among those it fits in without the bin passing
-// an even share of the bucket (or its largest tensor); when it fits in none,
-// to the emptiest bin. Returns the bucket's numel.
-int64_t pack_bucket(Layout& L, int64_t buffer, int64_t offset, int64_t align,
-                    const std::vector<int64_t>& members,
-                    const std::vector<TensorSpec>& specs, std::vector<int64_t>& load) {
-  const int64_t world = L.world_size;
-  auto size = [&](int64_t i) { return round_up(specs[i].numel, align); };
-  std::vector<int64_t> order(members);
+// Where the tensors of one bucket of whole tensors go: bins[r] holds rank r's.
+struct Bins {
+  std::vector<int64_t> rank_of, at;  // per member: its rank, its offset in that bin
+  int64_t shard = 0;                 // the fullest bin: the bucket's shard_numel
+};
+
+// Packs whole tensors `members` into one bin per rank: the largest first, each
+// to the bin of the least loaded rank (by `load`, every rank's cost so far,
+// which it adds to) among those it fits in without the bin passing an even
+// share of the bucket (or its largest tensor); when it fits in none, to the
+// emptiest bin.
+Bins pack_bins(const std::vector<int64_t>& members, const std::vector<TensorSpec>& specs,
+               int64_t align, std::vector<int64_t>& load) {
+  const int64_t world = static_cast<int64_t>(load.size());
+  auto size = [&](int64_t k) { return round_up(specs[members[k]].numel, align); };
+  std::vector<int64_t> order(members.size());
+  std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return size(x) != size(y) ? size(x) > size(y) : specs[x].cost > specs[y].cost;
+    return size(x) != size(y) ? size(x) > size(y) : specs[members[x]].cost > specs[members[y]].cost;
   });
   int64_t total = 0;
-  for (int64_t i : members) total += size(i);
+  for (size_t k = 0; k < members.size(); ++k) total += size(k);
   const int64_t target = std::max(round_up((total + world - 1) / world, align), size(order.front()));
-  const int64_t bi = static_cast<int64_t>(L.buckets.size());
-  L.buckets.push_back(Bucket{buffer, offset, 0, 0, 0, {}});
-  L.buffers[buffer].buckets.push_back(bi);
-  Bucket& b = L.buckets[bi];
-  std::vector<int64_t> fill(world, 0), rank_of(specs.size(), -1), at(specs.size(), 0);
-  for (int64_t i : order) {
+  Bins bins{std::vector<int64_t>(members.size()), std::vector<int64_t>(members.size()), 0};
+  std::vector<int64_t> fill(world, 0);
+  for (int64_t k : order) {
     int64_t r = -1;
     for (int64_t q = 0; q < world; ++q)
-      if (fill[q] + size(i) <= target && (r < 0 || load[q] < load[r])) r = q;
+      if (fill[q] + size(k) <= target && (r < 0 || load[q] < load[r])) r = q;
     if (r < 0) r = std::min_element(fill.begin(), fill.end()) - fill.begin();
-    rank_of[i] = r;
-    at[i] = fill[r];
-    fill[r] += size(i);
-    load[r] += specs[i].cost;
+    bins.rank_of[k] = r;
+    bins.at[k] = fill[r];
+    fill[r] += size(k);
+    load[r] += specs[members[k]].cost;
   }
-  b.shard_numel = *std::max_element(fill.begin(), fill.end());
-  b.numel = b.shard_numel * world;
-  for (int64_t i : members) {  // input order within each bin
-    const int64_t f = static_cast<int64_t>(L.fragments.size());
-    L.fragments.push_back(Fragment{i, bi, 0, rank_of[i] * b.shard_numel + at[i], specs[i].numel});
-    b.fragments.push_back(f);
-    b.data_numel += specs[i].numel;
-    TensorPlace& place = L.tensors[i];
-    place.offset = offset + L.fragments[f].bucket_offset;
-    place.fragments.push_back(f);
-    place.owner = rank_of[i];
-  }
-  std::sort(b.fragments.begin(), b.fragments.end(), [&](int64_t x, int64_t y) {
-    return L.fragments[x].bucket_offset < L.fragments[y].bucket_offset;
-  });
-  return b.numel;
+  bins.shard = *std::max_element(fill.begin(), fill.end());
+  return bins;
 }
 
-// Lays out the whole tensors of buffer `ob` ([Note: owner-aligned layout]):
-// cut, in order, into as few buckets as bins of `ob.cap / world` (or the
-// largest tensor) allow, of about equal size, each packed by pack_bucket.
+// Cuts `tensors` (their aligned sizes `sizes`), in order, into about `count`
+// runs of about equal size, none over `limit` elements unless one tensor is.
+std::vector<std::vector<int64_t>> cut(const std::vector<int64_t>& tensors,
+                                      const std::vector<int64_t>& sizes, int64_t count,
+                                      int64_t limit) {
+  int64_t total = 0;
+  for (int64_t n : sizes) total += n;
+  const int64_t even = (total + count - 1) / count;
+  std::vector<std::vector<int64_t>> runs;
+  int64_t acc = 0;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    if (runs.empty() || (acc > 0 && (acc + sizes[k] > limit || acc + sizes[k] / 2 > even))) {
+      runs.emplace_back();
+      acc = 0;
+    }
+    runs.back().push_back(tensors[k]);
+    acc += sizes[k];
+  }
+  return runs;
+}
+
+// Lays out the whole tensors of buffer `ob` ([Note: owner-aligned layout]).
 void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>& specs,
                  std::vector<int64_t>& load) {
   const int64_t world = L.world_size;
-  std::vector<int64_t> nonempty;
+  std::vector<int64_t> nonempty, sizes;
   int64_t total = 0, largest = 0;
   for (int64_t i : ob.members) {
     TensorPlace& place = L.tensors[i];
@@ -88,28 +98,57 @@ void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>&
     place.numel = specs[i].numel;
     if (specs[i].numel == 0) continue;
     nonempty.push_back(i);
-    total += round_up(specs[i].numel, ob.align_elems);
-    largest = std::max(largest, round_up(specs[i].numel, ob.align_elems));
+    sizes.push_back(round_up(specs[i].numel, ob.align_elems));
+    total += sizes.back();
+    largest = std::max(largest, sizes.back());
   }
-  const int64_t room = world * std::max(ob.cap / world, largest);  // a bucket's most
-  const int64_t count = (total + room - 1) / room;
-  const int64_t even = count > 0 ? (total + count - 1) / count : 0;
+  // the cuts tried: from the fewest buckets the limit allows to a few more than the
+  // cap alone asks for; the one with the least padding wins (then the nearest to the cap's)
+  std::vector<std::vector<int64_t>> best;
+  if (!nonempty.empty()) {
+    const int64_t limit = ob.cap + world * largest;
+    const int64_t room = world * std::max(ob.cap / world, largest);
+    const int64_t fewest = (total + limit - 1) / limit, wanted = (total + room - 1) / room;
+    int64_t best_pad = -1, best_off = 0;
+    for (int64_t count = fewest; count <= std::min<int64_t>(nonempty.size(), 2 * wanted + 2); ++count) {
+      auto runs = cut(nonempty, sizes, count, limit);
+      std::vector<int64_t> trial(load);
+      int64_t pad = 0;
+      for (const auto& run : runs) {
+        int64_t data = 0;
+        for (int64_t i : run) data += round_up(specs[i].numel, ob.align_elems);
+        pad += pack_bins(run, specs, ob.align_elems, trial).shard * world - data;
+      }
+      const int64_t off = std::abs(static_cast<int64_t>(runs.size()) - wanted);
+      if (best_pad < 0 || pad < best_pad || (pad == best_pad && off < best_off)) {
+        best_pad = pad;
+        best_off = off;
+        best = std::move(runs);
+      }
+    }
+  }
   int64_t pos = 0;
-  std::vector<int64_t> bucket;
-  int64_t acc = 0;
-  auto flush = [&]() {
-    if (bucket.empty()) return;
-    pos += pack_bucket(L, ob.index, pos, ob.align_elems, bucket, specs, load);
-    bucket.clear();
-    acc = 0;
-  };
-  for (int64_t i : nonempty) {
-    const int64_t n = round_up(specs[i].numel, ob.align_elems);
-    if (!bucket.empty() && (acc + n > room || acc + n / 2 > even)) flush();
-    bucket.push_back(i);
-    acc += n;
+  for (const auto& run : best) {
+    const Bins bins = pack_bins(run, specs, ob.align_elems, load);
+    const int64_t bi = static_cast<int64_t>(L.buckets.size());
+    L.buckets.push_back(Bucket{ob.index, pos, bins.shard * world, bins.shard, 0, {}});
+    L.buffers[ob.index].buckets.push_back(bi);
+    Bucket& b = L.buckets[bi];
+    for (size_t k = 0; k < run.size(); ++k) {
+      const int64_t i = run[k], f = static_cast<int64_t>(L.fragments.size());
+      L.fragments.push_back(Fragment{i, bi, 0, bins.rank_of[k] * bins.shard + bins.at[k], specs[i].numel});
+      b.fragments.push_back(f);
+      b.data_numel += specs[i].numel;
+      TensorPlace& place = L.tensors[i];
+      place.offset = pos + L.fragments[f].bucket_offset;
+      place.fragments.push_back(f);
+      place.owner = bins.rank_of[k];
+    }
+    std::sort(b.fragments.begin(), b.fragments.end(), [&](int64_t x, int64_t y) {
+      return L.fragments[x].bucket_offset < L.fragments[y].bucket_offset;
+    });
+    pos += b.numel;
   }
-  flush();
   L.buffers[ob.index].numel = pos;
   for (int64_t i : ob.members)  // empty tensors: no fragment, the least loaded rank
     if (specs[i].numel == 0) {

@@ -27,17 +27,20 @@
 // reduce-scatter hands the owner its whole gradient and the parameter
 // all-gather carries its update back, with no other collective.
 // * A key's tensors are all whole or none is.
-// * A key's whole tensors are cut, in input order, into as few buckets of
-//   about equal size as bins of max(cap / world_size, the largest tensor)
-//   elements allow. In each bucket, the largest tensor first, each goes to
-//   the bin of the rank with the least update cost so far (over every key;
-//   the lower rank on a tie) among those it fits in without passing an even
-//   share of the bucket; if none, to the emptiest bin. So the owners' costs
-//   stay balanced and, for tensors of even sizes, the bins full.
-// * A bucket's shard_numel is its fullest bin (aligned): it may exceed the
-//   cap by about one tensor per bin; its padding is the bins' unused tails.
-//   Tensors inside a bin are in input order; a bucket's fragments are
-//   listed by offset. Whole buckets are numbered after the others.
+// * A key's whole tensors are cut, in input order, into runs of about equal
+//   size (a bucket each), none over cap + world_size x the largest tensor;
+//   of the numbers of buckets tried (from the fewest that limit allows to
+//   about twice what the cap alone asks for), the one whose buckets pack with
+//   the least padding wins, then the one nearest the cap's.
+// * In each bucket, the largest tensor first, each goes to the bin of the
+//   rank with the least update cost so far (over every key; the lower rank
+//   on a tie) among those it fits in without passing an even share of the
+//   bucket; if none, to the emptiest bin. So the owners' costs stay balanced
+//   and, for tensors of even sizes, the bins full.
+// * A bucket's shard_numel is its fullest bin (aligned), so a bucket may
+//   exceed the cap by about one tensor per bin; its padding is the bins'
+//   unused tails. A bucket's fragments are listed by offset. Whole buckets
+//   are numbered after the others.
 #pragma once
 
 #include <cstdint>

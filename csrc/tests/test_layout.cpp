@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -185,6 +186,24 @@ TEST(Layout, WholeTensorsBalanceCostOverBuffers) {
   EXPECT_EQ(load[0], load[1]);
   EXPECT_EQ(load[1], load[2]);
   EXPECT_EQ(L.padding_numel(0) + L.padding_numel(1), 0);
+}
+
+TEST(Layout, GptMatricesPackWithoutPaddingAtTwoToFourRanks) {
+  // the benchmark's GPTs (d 512 x 8 blocks, 832 x 12, 768 x 12) with the default 25 MB
+  // cap, in backward order: every bucket's bins full, every rank the same cost
+  for (const auto& [d, blocks] : std::vector<std::pair<int64_t, int>>{{512, 8}, {832, 12}, {768, 12}}) {
+    std::vector<TensorSpec> specs;
+    for (int b = 0; b < blocks; ++b)
+      for (int64_t n : {4 * d * d, 4 * d * d, d * d, 3 * d * d}) specs.push_back({n, 4, 0, n * d});
+    for (int64_t world = 2; world <= 4; ++world) {
+      SCOPED_TRACE("d " + std::to_string(d) + " world " + std::to_string(world));
+      const Layout L = compute_layout(specs, 25 << 20, world);
+      check_invariants(specs, L, 25 << 20);
+      EXPECT_EQ(L.padding_numel(0), 0);
+      const auto load = loads(specs, L);
+      EXPECT_EQ(*std::min_element(load.begin(), load.end()), *std::max_element(load.begin(), load.end()));
+    }
+  }
 }
 
 TEST(Layout, WholeAndSplitTensorsNeedTheirOwnKeys) {
