@@ -93,9 +93,10 @@ def _groups(named, variant):
     return muon_groups, muon_kw, rest, dict(lr=3e-3, weight_decay=0.1)
 
 
-def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False, scaler=False):
+def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False, scaler=False, options=None):
     """Params (full, by name) after STEPS steps of Muon + AdamW; ``kind``: "single"
-    (one process, the whole batch), "ddp", or a zeroshard stage 1/2/3."""
+    (one process, the whole batch), "ddp", or a zeroshard stage 1/2/3 (``options``: both
+    ShardedOptimizers' further arguments)."""
     torch.manual_seed(0)
     model = Net()
     rank, world = (0, 1) if kind == "single" else (dist.get_rank(), dist.get_world_size())
@@ -107,7 +108,7 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False,
         muon = cls(muon_groups, **muon_kw)
         adamw = torch.optim.AdamW(rest, foreach=False, **adamw_kw)
     else:
-        stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB) if kind != 3 else {}
+        stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB, **(options or {})) if kind != 3 else {}
         vouch = dict(whole_tensor=True) if cls is Muon32 else {}
         muon = zs.ShardedOptimizer(muon_groups, optimizer_class=cls, **muon_kw, **vouch, **stage)
         adamw = zs.ShardedOptimizer(rest, **adamw_kw, **stage)
@@ -143,6 +144,8 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False,
             gs.update()
         for s in scheds:
             s.step()
+    for o in (muon, adamw) if kind not in ("single", "ddp") else ():
+        o.wait_params()         # (overlap_param_gather: the last all-gathers)
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}, (None if kind in ("single", "ddp") else
                                                                      muon.memory_report())
 
@@ -151,24 +154,25 @@ def _diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-def _compare(stage, variant, accumulate, cls=torch.optim.Muon):
+def _compare(stage, variant, accumulate, cls=torch.optim.Muon, options=None):
     """(ours against DDP, DDP's own noise, our memory report): the noise is the largest
     distance among torch's own runs: DDP, single-process training, and the latter
     with each batch summed in another order."""
-    ours, rep = _train(stage, variant, accumulate, cls)
+    ours, rep = _train(stage, variant, accumulate, cls, options=options)
     ddp, _ = _train("ddp", variant, accumulate, cls)
     single, _ = _train("single", variant, accumulate, cls)
     shuffled, _ = _train("single", variant, accumulate, cls, permute=True)
     return _diff(ours, ddp), max(_diff(ddp, single), _diff(ddp, shuffled), _diff(single, shuffled)), rep
 
 
-def _check(results, world, floor=1e-5):
+def _check(results, world, floor=1e-5, replicas=1):
     for rank, (err, ddp_noise, rep) in enumerate(results):
         # torch's Newton-Schulz runs in bf16: reduction order alone moves its result
         assert err <= max(2 * ddp_noise, floor), (rank, world, err, ddp_noise)
     # the momentum lives on owners only: summed over the ranks it is every matrix once
+    # (once per replica of the state, with hybrid sharding)
     total = sum(rep["optimizer_state"] for *_, rep in results)
-    assert total == 4 * (41 * 23 + 13 * 41 + 211 * 13 + 13 * 13), total
+    assert total == replicas * 4 * (41 * 23 + 13 * 41 + 211 * 13 + 13 * 13), total
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -238,6 +242,87 @@ def test_stages_1_and_2_lay_each_matrix_in_its_owners_shard_and_add_no_collectiv
                         "replica_all_reduce": 0}, (sent, numel)
         assert owners == results[0][3] and owned == sorted(i for i, r in owners.items() if r == rank)
     assert sum(len(r[5]) for r in results) == len(results[0][3])     # each matrix owned once
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hybrid_sharding_and_overlapped_parameter_gather_at_4_ranks(stage):
+    """shard_size=2 of 4 ranks: each shard group's layout has its own owners (the replicas
+    all-reduce the reduced gradients, each group updates every matrix once); with
+    overlap_param_gather the owners' updates reach the next forward through the
+    overlapped all-gather."""
+    pool = get_pool(4)
+    _check(pool.run(_compare, stage, "nesterov", True, torch.optim.Muon,
+                    dict(shard_size=2, overlap_param_gather=True)), 4, replicas=2)
+
+
+def _bf16(stage):
+    """bf16 parameters (fp32 masters in the shards): Muon32 + AdamW at ``stage`` against
+    the same update on fp32 masters in one process, the forward and backward in bf16
+    (one step: later ones would compound bf16's rounding of the different summation orders)."""
+    batches = data(1)
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    masters = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
+    muon = zs.ShardedOptimizer(muon_groups, optimizer_class=Muon32, whole_tensor=True, **muon_kw, stage=stage,
+                               bucket_mb=TINY_BUCKET_MB, reduce_dtype=torch.float32)
+    adamw = zs.ShardedOptimizer(rest, **adamw_kw, stage=stage, bucket_mb=TINY_BUCKET_MB, reduce_dtype=torch.float32)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = BATCH // world
+    for tok, y in batches:
+        F.cross_entropy(model(tok[rank * n:(rank + 1) * n]).float(), y[rank * n:(rank + 1) * n]).backward()
+        for o in (muon, adamw):
+            o.step()
+            o.zero_grad()
+    # the reference: fp32 masters, each step's bf16 copy computing the whole batch's gradient
+    torch.manual_seed(0)
+    ref = Net().to(torch.bfloat16)
+    names = [nm for nm, _ in ref.named_parameters()]
+    master = {nm: masters[nm].clone().requires_grad_() for nm in names}
+    by_param = {id(p): nm for nm, p in ref.named_parameters()}
+    ref_muon_groups, _, ref_rest, _ = _groups(list(ref.named_parameters()), "nesterov")
+    ref_muon = Muon32([dict(g, params=[master[by_param[id(p)]] for p in g["params"]]) for g in ref_muon_groups],
+                      **muon_kw)
+    ref_adamw = torch.optim.AdamW([master[by_param[id(p)]] for p in ref_rest], foreach=False, **adamw_kw)
+    for tok, y in batches:
+        with torch.no_grad():
+            for nm, p in ref.named_parameters():
+                p.copy_(master[nm])
+        for nm in names:
+            master[nm].grad = None
+        for r in range(world):      # each rank's bf16 gradient, summed in fp32 (reduce_dtype)
+            ref.zero_grad()
+            F.cross_entropy(ref(tok[r * n:(r + 1) * n]).float(), y[r * n:(r + 1) * n]).backward()
+            for nm, p in ref.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.float()
+                    master[nm].grad = g if master[nm].grad is None else master[nm].grad + g
+        for nm in names:            # (stage 1 holds the reduced gradient in the parameters' dtype)
+            if master[nm].grad is not None:
+                g = master[nm].grad.to(torch.bfloat16).float() if stage == 1 else master[nm].grad
+                master[nm].grad = g / world
+        ref_muon.step()
+        ref_adamw.step()
+    ours = {nm: p.detach().float() for nm, p in model.named_parameters()}
+    rounded = {nm: master[nm].detach().to(torch.bfloat16).float() for nm in names}
+    moved = min(float((rounded[nm] - masters[nm]).abs().max()) for nm in names if not nm.startswith("extra"))
+    # in bf16 steps of each tensor's largest element (2^-7 of it, at worst)
+    ulps = max(float((ours[nm] - rounded[nm]).abs().max() / (rounded[nm].abs().max() * 2 ** -7)) for nm in names)
+    return ulps, moved, muon.whole_tensor_rule.windows, ours
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_parameters_take_the_owners_update_rounded(dist_pool, stage):
+    """The owner steps the fp32 master and rounds it into the bf16 parameter, which the
+    stage's all-gather carries to every rank: every rank holds the same bf16 model, equal
+    to the reference's rounded masters within one bf16 step (the gradients' summation
+    order differs in fp32's last bits, which can move a rounding)."""
+    results = dist_pool.run(_bf16, stage)
+    for rank, (err, moved, windows, ours) in enumerate(results):
+        assert windows == [], windows
+        assert moved > 1e-3, moved
+        assert err <= 1, (rank, err, moved)
+        assert all(torch.equal(ours[k], results[0][3][k]) for k in ours), rank    # the same model everywhere
 
 
 # ---------------------------------------------------------------- pure layout math
