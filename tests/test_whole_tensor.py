@@ -18,7 +18,9 @@ from conftest import get_pool
 from zeroshard.optim.whole import assign_owners, plan_windows, update_cost
 
 BATCH = 24
-TINY_BUCKET_MB = 700 / 2**20     # buckets split tensors, and windows hold one round each
+# buckets split AdamW's tensors; Muon's matrices of at most a bucket lie whole in their owner's
+# shard, the larger one (211x13) stays split and takes the exchange (windows of one round each)
+TINY_BUCKET_MB = 4000 / 2**20
 STEPS = 10
 
 
@@ -211,14 +213,14 @@ def test_muon_at_world_size_4_with_accumulation_under_no_sync(stage):
     _check(pool.run(_compare, stage, "nesterov", True), 4)
 
 
-def _collectives_of_one_step(stage):
+def _collectives_of_one_step(stage, bucket_mb=0.1):
     """What one Muon step at ``stage`` sends, against its layout's buckets."""
     torch.manual_seed(0)
     model = Net()
     muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
     muon = zs.ShardedOptimizer(muon_groups, optimizer_class=torch.optim.Muon, **muon_kw, stage=stage,
-                               bucket_mb=TINY_BUCKET_MB)
-    adamw = zs.ShardedOptimizer(rest, **adamw_kw, stage=stage, bucket_mb=TINY_BUCKET_MB)
+                               bucket_mb=bucket_mb)
+    adamw = zs.ShardedOptimizer(rest, **adamw_kw, stage=stage, bucket_mb=bucket_mb)
     tok, y = data(1)[0]
     before = dict(muon.comm_elements)
     F.cross_entropy(model(tok, use_extra=True), y).backward()
@@ -227,7 +229,8 @@ def _collectives_of_one_step(stage):
     sent = {k: v - before[k] for k, v in muon.comm_elements.items()}
     rule, layout = muon.whole_tensor_rule, muon.layout
     owners = {i: rule.owners[i] for i in muon.trainable}
-    return sent, sum(b.numel for b in layout.buckets), len(rule.windows), owners, rule.balance(), rule.owned()
+    return (sent, sum(b.numel for b in layout.buckets), len(rule.windows), owners, rule.balance(), rule.owned(),
+            sorted(i for w in rule.windows for i in w.slots))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -236,12 +239,17 @@ def test_stages_1_and_2_lay_each_matrix_in_its_owners_shard_and_add_no_collectiv
     gradient and the parameter all-gather carries the update back: one step sends each
     bucket once each way, and nothing more (no exchange window)."""
     results = dist_pool.run(_collectives_of_one_step, stage)
-    for rank, (sent, numel, windows, owners, load, owned) in enumerate(results):
+    for rank, (sent, numel, windows, owners, load, owned, _) in enumerate(results):
         assert windows == 0, windows
         assert sent == {"reduce_scatter": numel, "all_gather": numel, "all_reduce": sent["all_reduce"],
                         "replica_all_reduce": 0}, (sent, numel)
         assert owners == results[0][3] and owned == sorted(i for i, r in owners.items() if r == rank)
     assert sum(len(r[5]) for r in results) == len(results[0][3])     # each matrix owned once
+    # with buckets smaller than the 211x13 matrix (Muon's parameter 1), it alone stays split
+    # and is exchanged; the others still lie whole in their owners' shards
+    for sent, numel, windows, owners, load, owned, exchanged in dist_pool.run(_collectives_of_one_step, stage,
+                                                                             TINY_BUCKET_MB):
+        assert exchanged == [1] and windows == 1, exchanged
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -308,18 +316,19 @@ def _bf16(stage):
     moved = min(float((rounded[nm] - masters[nm]).abs().max()) for nm in names if not nm.startswith("extra"))
     # in bf16 steps of each tensor's largest element (2^-7 of it, at worst)
     ulps = max(float((ours[nm] - rounded[nm]).abs().max() / (rounded[nm].abs().max() * 2 ** -7)) for nm in names)
-    return ulps, moved, muon.whole_tensor_rule.windows, ours
+    return ulps, moved, sorted(i for w in muon.whole_tensor_rule.windows for i in w.slots), ours
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_parameters_take_the_owners_update_rounded(dist_pool, stage):
-    """The owner steps the fp32 master and rounds it into the bf16 parameter, which the
+    """The owner steps the fp32 master and rounds it into the bf16 parameter (in place, or
+    through the exchange for the matrix larger than a bucket), which the
     stage's all-gather carries to every rank: every rank holds the same bf16 model, equal
     to the reference's rounded masters within one bf16 step (the gradients' summation
     order differs in fp32's last bits, which can move a rounding)."""
     results = dist_pool.run(_bf16, stage)
-    for rank, (err, moved, windows, ours) in enumerate(results):
-        assert windows == [], windows
+    for rank, (err, moved, exchanged, ours) in enumerate(results):
+        assert exchanged == [1], exchanged      # the 211x13 matrix; the others lie whole
         assert moved > 1e-3, moved
         assert err <= 1, (rank, err, moved)
         assert all(torch.equal(ours[k], results[0][3][k]) for k in ours), rank    # the same model everywhere

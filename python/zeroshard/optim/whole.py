@@ -18,10 +18,11 @@ in the job, there:
   rank. No collective is added; the bytes sent are AdamW's (but for the
   layout's padding).
 * Where the layout may split a parameter (FullyShard's units), owners come
-  from longest-processing-time packing on the cost, and a step moves, window by window (``plan_windows``: at most about one bucket
-  of elements per rank), each parameter's reduced gradient and fp32 value
-  from the ranks' pieces to its owner in one reduce-scatter (SUM): every rank
-  writes its pieces at their place in the owner's chunk and zeros elsewhere;
+  from longest-processing-time packing on the cost, and a step moves, window
+  by window (``plan_windows``: at most about one bucket of elements per
+  rank), each parameter's reduced gradient and fp32 value from the ranks'
+  pieces to its owner in one reduce-scatter (SUM): every rank writes its
+  pieces at their place in the owner's chunk and zeros elsewhere;
   pieces are disjoint, so the sum is the whole tensor.
 * The owner runs one instance of the user's class over the whole tensors it
   owns (its state, Muon's momentum or Adafactor's factors, lives there only),

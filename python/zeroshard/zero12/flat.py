@@ -175,9 +175,12 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
     everyone = group if everyone is None else everyone
     copies = dist.get_world_size(everyone)
     order = list(reversed(trainable))        # backward order
-    keys = [group_of[i] * 8 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) for i in order]
+    # whole: a parameter of at most a bucket's bytes lies whole in its owner's shard; a larger
+    # one stays split (optim/whole.py exchanges it), so no bucket passes (world + 1) x the cap
+    kept = {i for i in order if whole and params[i].numel() * params[i].element_size() <= bucket_bytes}
+    keys = [group_of[i] * 16 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) + 8 * (i in kept) for i in order]
     L = compute_layout([params[i].numel() for i in order], [params[i].dtype for i in order], bucket_bytes,
-                       world, keys=keys, costs=[update_cost(params[i].shape) for i in order] if whole else None)
+                       world, keys=keys, costs=[update_cost(params[i].shape) if i in kept else -1 for i in order])
     last = [max(L.fragments[f].tensor for f in lb.fragments) for lb in L.buckets]
     st = FlatState(L, [], [None] * len(L.buckets), {}, sorted(range(len(L.buckets)), key=lambda b: (last[b], b)),
                    {order[t]: place.owner for t, place in enumerate(L.tensors) if place.owner >= 0})
