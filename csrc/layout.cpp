@@ -32,37 +32,79 @@ struct Bins {
   int64_t shard = 0;                 // the fullest bin: the bucket's shard_numel
 };
 
-// Packs whole tensors `members` into one bin per rank: the largest first, each
-// to the bin of the least loaded rank (by `load`, every rank's cost so far,
-// which it adds to) among those it fits in without the bin passing an even
-// share of the bucket (or its largest tensor); when it fits in none, to the
-// emptiest bin.
-Bins pack_bins(const std::vector<int64_t>& members, const std::vector<TensorSpec>& specs,
-               int64_t align, std::vector<int64_t>& load) {
-  const int64_t world = static_cast<int64_t>(load.size());
-  auto size = [&](int64_t k) { return round_up(specs[members[k]].numel, align); };
-  std::vector<int64_t> order(members.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return size(x) != size(y) ? size(x) > size(y) : specs[members[x]].cost > specs[members[y]].cost;
-  });
-  int64_t total = 0;
-  for (size_t k = 0; k < members.size(); ++k) total += size(k);
-  const int64_t target = std::max(round_up((total + world - 1) / world, align), size(order.front()));
-  Bins bins{std::vector<int64_t>(members.size()), std::vector<int64_t>(members.size()), 0};
-  std::vector<int64_t> fill(world, 0);
-  for (int64_t k : order) {
-    int64_t r = -1;
-    for (int64_t q = 0; q < world; ++q)
-      if (fill[q] + size(k) <= target && (r < 0 || load[q] < load[r])) r = q;
-    if (r < 0) r = std::min_element(fill.begin(), fill.end()) - fill.begin();
-    bins.rank_of[k] = r;
-    bins.at[k] = fill[r];
-    fill[r] += size(k);
-    load[r] += specs[members[k]].cost;
+// What both packings below start from: the members' aligned sizes, their order
+// (the largest first, the costlier on a tie) and a bin's even share of the
+// bucket (at least the largest member).
+struct Packing {
+  std::vector<int64_t> size, order;
+  int64_t target = 0;
+  Packing(const std::vector<int64_t>& members, const std::vector<TensorSpec>& specs, int64_t align,
+          int64_t world)
+      : size(members.size()), order(members.size()) {
+    int64_t total = 0;
+    for (size_t k = 0; k < members.size(); ++k) total += size[k] = round_up(specs[members[k]].numel, align);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return size[x] != size[y] ? size[x] > size[y] : specs[members[x]].cost > specs[members[y]].cost;
+    });
+    target = std::max(round_up((total + world - 1) / world, align), size[order.front()]);
   }
+};
+
+enum class Fit { kLeastLoaded, kFirst };
+
+// Packs whole tensors `members` into one bin per rank, the largest first, each
+// into a bin it fits in without the bin passing an even share of the bucket (or
+// its largest tensor), the emptiest bin when it fits in none:
+// * kLeastLoaded: the bin of the least loaded rank (by `load`, every rank's
+//   cost so far, which it adds to);
+// * kFirst: the first such bin; the bins are then handed out by cost, the
+//   costliest to the least loaded rank. Tensors of a few sizes (a GPT block's
+//   4d^2, 3d^2 and d^2) fill bins this way that the first leaves ragged.
+Bins pack_bins(const std::vector<int64_t>& members, const std::vector<TensorSpec>& specs,
+               int64_t align, std::vector<int64_t>& load, Fit fit) {
+  const int64_t world = static_cast<int64_t>(load.size());
+  const Packing pk(members, specs, align, world);
+  Bins bins{std::vector<int64_t>(members.size()), std::vector<int64_t>(members.size()), 0};
+  std::vector<int64_t> fill(world, 0), cost(world, 0);
+  for (int64_t k : pk.order) {
+    int64_t b = -1;
+    for (int64_t q = 0; q < world; ++q)
+      if (fill[q] + pk.size[k] <= pk.target &&
+          (b < 0 || (fit == Fit::kLeastLoaded && load[q] + cost[q] < load[b] + cost[b])))
+        b = q;
+    if (b < 0) b = std::min_element(fill.begin(), fill.end()) - fill.begin();
+    bins.rank_of[k] = b;
+    bins.at[k] = fill[b];
+    fill[b] += pk.size[k];
+    cost[b] += specs[members[k]].cost;
+  }
+  std::vector<int64_t> rank_of_bin(world);
+  std::iota(rank_of_bin.begin(), rank_of_bin.end(), 0);
+  if (fit == Fit::kFirst) {
+    std::vector<int64_t> by_cost(rank_of_bin), by_load(rank_of_bin);
+    std::stable_sort(by_cost.begin(), by_cost.end(), [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
+    std::stable_sort(by_load.begin(), by_load.end(), [&](int64_t x, int64_t y) { return load[x] < load[y]; });
+    for (int64_t j = 0; j < world; ++j) rank_of_bin[by_cost[j]] = by_load[j];
+  }
+  for (int64_t b = 0; b < world; ++b) load[rank_of_bin[b]] += cost[b];
+  for (auto& r : bins.rank_of) r = rank_of_bin[r];
   bins.shard = *std::max_element(fill.begin(), fill.end());
   return bins;
+}
+
+// The better of the two packings: the less padded, the cost-greedy on a tie.
+Bins pack_best(const std::vector<int64_t>& members, const std::vector<TensorSpec>& specs,
+               int64_t align, std::vector<int64_t>& load) {
+  std::vector<int64_t> greedy_load(load), fit_load(load);
+  Bins greedy = pack_bins(members, specs, align, greedy_load, Fit::kLeastLoaded);
+  Bins fit = pack_bins(members, specs, align, fit_load, Fit::kFirst);
+  if (fit.shard < greedy.shard) {
+    load = fit_load;
+    return fit;
+  }
+  load = greedy_load;
+  return greedy;
 }
 
 // Cuts `tensors` (their aligned sizes `sizes`), in order, into about `count`
@@ -117,7 +159,7 @@ void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>&
       for (const auto& run : runs) {
         int64_t data = 0;
         for (int64_t i : run) data += round_up(specs[i].numel, ob.align_elems);
-        pad += pack_bins(run, specs, ob.align_elems, trial).shard * world - data;
+        pad += pack_best(run, specs, ob.align_elems, trial).shard * world - data;
       }
       const int64_t off = std::abs(static_cast<int64_t>(runs.size()) - wanted);
       if (best_pad < 0 || pad < best_pad || (pad == best_pad && off < best_off)) {
@@ -129,7 +171,7 @@ void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>&
   }
   int64_t pos = 0;
   for (const auto& run : best) {
-    const Bins bins = pack_bins(run, specs, ob.align_elems, load);
+    const Bins bins = pack_best(run, specs, ob.align_elems, load);
     const int64_t bi = static_cast<int64_t>(L.buckets.size());
     L.buckets.push_back(Bucket{ob.index, pos, bins.shard * world, bins.shard, 0, {}});
     L.buffers[ob.index].buckets.push_back(bi);

@@ -36,7 +36,9 @@
 //   rank with the least update cost so far (over every key; the lower rank
 //   on a tie) among those it fits in without passing an even share of the
 //   bucket; if none, to the emptiest bin. So the owners' costs stay balanced
-//   and, for tensors of even sizes, the bins full.
+//   and, for tensors of even sizes, the bins full. Where first-fit into bins
+//   of that share (the costliest bin then to the least loaded rank) leaves
+//   less padding, it is used instead.
 // * A bucket's shard_numel is its fullest bin (aligned), so a bucket may
 //   exceed the cap by about one tensor per bin; its padding is the bins'
 //   unused tails. (ShardedOptimizer gives whole tensors of at most the cap

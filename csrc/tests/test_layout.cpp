@@ -206,6 +206,20 @@ TEST(Layout, GptMatricesPackWithoutPaddingAtTwoToFourRanks) {
   }
 }
 
+TEST(Layout, FirstFitPacksWhatTheCostGreedySpreads) {
+  // GPT-2's matrices (d 768 x 12 blocks) over 8 ranks with 100 MB buckets: two buckets of
+  // six blocks, which fill 8 bins only as {4,4,1} x 6 and {3,3,3} x 2 (in d^2)
+  const int64_t d = 768;
+  std::vector<TensorSpec> specs;
+  for (int b = 0; b < 12; ++b)
+    for (int64_t n : {4 * d * d, 4 * d * d, d * d, 3 * d * d}) specs.push_back({n, 4, 0, n * d});
+  const Layout L = compute_layout(specs, 100 << 20, 8);
+  check_invariants(specs, L, 100 << 20);
+  EXPECT_EQ(L.padding_numel(0), 0);
+  const auto load = loads(specs, L);
+  EXPECT_EQ(*std::min_element(load.begin(), load.end()), *std::max_element(load.begin(), load.end()));
+}
+
 TEST(Layout, WholeAndSplitTensorsNeedTheirOwnKeys) {
   EXPECT_THROW(compute_layout({{4, 4, 0, 1}, {4, 4, 0}}, 64, 2), std::invalid_argument);
   const std::vector<TensorSpec> specs{{0, 4, 0, 0}, {9, 4, 1}, {5, 4, 0, 3}, {0, 4, 0, 0}};
