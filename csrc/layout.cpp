@@ -30,6 +30,7 @@ struct OpenBuffer {
 struct Bins {
   std::vector<int64_t> rank_of, at;  // per member: its rank, its offset in that bin
   int64_t shard = 0;                 // the fullest bin: the bucket's shard_numel
+  int64_t padding = 0;               // elements of the bucket no tensor fills
 };
 
 // What both packings below start from: the members' aligned sizes, their order
@@ -37,11 +38,10 @@ struct Bins {
 // bucket (at least the largest member).
 struct Packing {
   std::vector<int64_t> size, order;
-  int64_t target = 0;
+  int64_t total = 0, target = 0;
   Packing(const std::vector<int64_t>& members, const std::vector<TensorSpec>& specs, int64_t align,
           int64_t world)
       : size(members.size()), order(members.size()) {
-    int64_t total = 0;
     for (size_t k = 0; k < members.size(); ++k) total += size[k] = round_up(specs[members[k]].numel, align);
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
@@ -90,6 +90,7 @@ Bins pack_bins(const std::vector<int64_t>& members, const std::vector<TensorSpec
   for (int64_t b = 0; b < world; ++b) load[rank_of_bin[b]] += cost[b];
   for (auto& r : bins.rank_of) r = rank_of_bin[r];
   bins.shard = *std::max_element(fill.begin(), fill.end());
+  bins.padding = bins.shard * world - pk.total;
   return bins;
 }
 
@@ -146,7 +147,10 @@ void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>&
   }
   // the cuts tried: from the fewest buckets the limit allows to a few more than the
   // cap alone asks for; the one with the least padding wins (then the nearest to the cap's)
+  // and is kept with its packings and the loads they leave
   std::vector<std::vector<int64_t>> best;
+  std::vector<Bins> best_bins;
+  std::vector<int64_t> best_load(load);
   if (!nonempty.empty()) {
     const int64_t limit = ob.cap + world * largest;
     const int64_t room = world * std::max(ob.cap / world, largest);
@@ -155,23 +159,27 @@ void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>&
     for (int64_t count = fewest; count <= std::min<int64_t>(nonempty.size(), 2 * wanted + 2); ++count) {
       auto runs = cut(nonempty, sizes, count, limit);
       std::vector<int64_t> trial(load);
+      std::vector<Bins> packed;
       int64_t pad = 0;
       for (const auto& run : runs) {
-        int64_t data = 0;
-        for (int64_t i : run) data += round_up(specs[i].numel, ob.align_elems);
-        pad += pack_best(run, specs, ob.align_elems, trial).shard * world - data;
+        packed.push_back(pack_best(run, specs, ob.align_elems, trial));
+        pad += packed.back().padding;
       }
       const int64_t off = std::abs(static_cast<int64_t>(runs.size()) - wanted);
       if (best_pad < 0 || pad < best_pad || (pad == best_pad && off < best_off)) {
         best_pad = pad;
         best_off = off;
         best = std::move(runs);
+        best_bins = std::move(packed);
+        best_load = std::move(trial);
       }
     }
   }
+  load = best_load;
   int64_t pos = 0;
-  for (const auto& run : best) {
-    const Bins bins = pack_best(run, specs, ob.align_elems, load);
+  for (size_t r = 0; r < best.size(); ++r) {
+    const std::vector<int64_t>& run = best[r];
+    const Bins& bins = best_bins[r];
     const int64_t bi = static_cast<int64_t>(L.buckets.size());
     L.buckets.push_back(Bucket{ob.index, pos, bins.shard * world, bins.shard, 0, {}});
     L.buffers[ob.index].buckets.push_back(bi);

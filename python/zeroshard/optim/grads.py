@@ -139,6 +139,17 @@ _HANDLERS: Dict[object, Callable] = {
 }
 
 
+def scaled_grad(src: torch.Tensor, grad_scale: float, scale: Optional[torch.Tensor],
+                device: torch.device) -> torch.Tensor:
+    """One transient fp32 copy of the averaged gradient ``src`` on ``device``, times
+    ``grad_scale`` (and the clipping coefficient ``scale``), made in one pass."""
+    if src.dtype == torch.float32 and src.device == device:
+        g = src * grad_scale
+    else:
+        g = src.to(device, torch.float32).mul_(grad_scale)
+    return g.mul_(scale) if scale is not None else g
+
+
 class ReducedGrads:
     """The engine's view of the reduced gradient shards: per-parameter pieces,
     the per-step statistics and the ``p.grad`` placeholders; see [Note: sharded

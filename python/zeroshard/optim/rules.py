@@ -22,6 +22,7 @@ import torch
 from .. import comm
 from ..common.source import update_parts
 from ..native.kernels import fused_adamw_multi_
+from .grads import scaled_grad
 from .whole import WHOLE_TENSOR
 
 # torch optimizers whose update of each element depends only on that element's
@@ -138,9 +139,7 @@ class TorchElementwise:
         mine = [(i, piece) for (i, _), piece in self.pieces.items() if piece[0].group == gi]
         for i, (seg, a, b, leaf) in mine:
             if used[i]:     # None: the class skips it, as torch's optimizers skip a None gradient
-                src = seg.grad[a:b]    # one transient fp32 copy of the averaged gradient, one pass
-                g = src * grad_scale if src.dtype == torch.float32 else src.float().mul_(grad_scale)
-                leaf.grad = g.mul_(scale) if scale is not None else g
+                leaf.grad = scaled_grad(seg.grad[a:b], grad_scale, scale, leaf.device)
         self.inner.step()
         for i, (seg, a, b, leaf) in mine:
             leaf.grad = None

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .. import comm
+from .grads import scaled_grad
 from ..native.layout import update_cost
 
 # torch optimizers whose update of a parameter needs the whole tensor
@@ -141,11 +142,12 @@ class WholeTensor:
         for seg in source.segments:
             for i, a, b, t_off in seg.pieces:
                 self.pieces.setdefault(i, []).append((seg, a, b, t_off))
-        # owned parameters whole in this rank's shard, in batches of at most about cap_elements
-        # (each batch's scaled gradients are one transient copy)
+        # owned parameters whole in this rank's shard: their one piece each, and their batches of
+        # at most about cap_elements (each batch's scaled gradients are one transient copy)
         numels = {i: shapes[i].numel() for i in shapes}
         whole = [i for i in sorted(shapes) if i not in split]
-        self.local = _batches([i for i in whole if self.owners[i] == self.rank], numels, max(1, cap_elements))
+        self.home = {i: self._piece(i) for i in whole if self.owners[i] == self.rank}
+        self.local = _batches(list(self.home), numels, max(1, cap_elements))
         # every rank's batches of parameters whose state travels together (state dicts)
         self.state_batches = [sorted(w.slots) for w in self.windows] + _batches(whole, numels, max(1, cap_elements))
         # the owner's tensor of each parameter it owns: the class keys its state by it; between
@@ -153,7 +155,7 @@ class WholeTensor:
         # (made with one element of storage: the class only checks the shape when it is built)
         self.leaves: Dict[int, torch.Tensor] = {
             i: torch.empty_strided(shapes[i], (0,) * len(shapes[i]), dtype=torch.float32,
-                                   device=self._piece(i)[0].param.device if i not in split else source.device)
+                                   device=self.home[i][0].param.device if i in self.home else source.device)
             for i in shapes if self.owners[i] == self.rank}
         self.kwargs, self.group_of = kwargs, group_of
         by_group: List[list] = [[] for _ in param_groups]
@@ -179,7 +181,8 @@ class WholeTensor:
                 self._step_window(k, w, used, grad_scale, scale)
 
     def _piece(self, i: int) -> tuple:
-        """The one piece of owned parameter ``i`` the layout kept whole in this rank's shard."""
+        """The one piece of owned parameter ``i`` the layout kept whole in this rank's shard
+        (checked once, when built)."""
         pieces = self.pieces.get(i, [])
         if len(pieces) != 1 or pieces[0][2] - pieces[0][1] != self.shapes[i].numel():
             raise AssertionError(self.err(f"parameter {i} is not whole in its owner's shard: {pieces}"))
@@ -191,15 +194,13 @@ class WholeTensor:
         if not stepping:
             return
         for i in stepping:
-            seg, a, b, _ = self._piece(i)
+            seg, a, b, _ = self.home[i]
             leaf, shape = self.leaves[i], self.shapes[i]
             leaf.data = seg.param[a:b].view(shape)
-            src = seg.grad[a:b].view(shape)        # one transient fp32 copy, scaled
-            g = src.to(leaf.device, torch.float32, copy=True).mul_(grad_scale)
-            leaf.grad = g.mul_(scale) if scale is not None else g
+            leaf.grad = scaled_grad(seg.grad[a:b].view(shape), grad_scale, scale, leaf.device)
         self.inner.step()
         for i in stepping:
-            seg, a, b, _ = self._piece(i)
+            seg, a, b, _ = self.home[i]
             self.leaves[i].grad = None
             self.leaves[i].data = self.leaves[i].new_empty(0)
             if seg.out is not None:
@@ -330,7 +331,7 @@ class WholeTensor:
         back = dict(zip(probe_dims, shape))
         return sum(math.prod(back.get(d, d) for d in dims) * size for dims, size in self._probes[key])
 
-    def window_bytes(self) -> int:
+    def transient_bytes(self) -> int:
         """The most bytes a step holds at once beyond the state: one window's
         reduce-scatter and all-gather buffers, or one local batch's scaled gradients."""
         return max([4 * self.world_size * (w.chunk + w.values) for w in self.windows]

@@ -253,7 +253,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                                                      for b in red.buckets),
                     keep=_SO_INFLIGHT + 1, pooled=gloo)
         whole = [o.whole_tensor_rule for o in opts if o.whole_tensor_rule is not None]
-        out["transient"] = max([out["transient"]] + [w.window_bytes() for w in whole])
+        out["transient"] = max([out["transient"]] + [w.transient_bytes() for w in whole])
         out["grad_shards"] = (0 if out["policy"] is None else
                               out["policy"].first + sum(r.shard for r in out["policy"].reductions))
     return out
