@@ -2,7 +2,9 @@
 # One pass on a CUDA machine: build against the machine's own torch, run the
 # GPU tests (and optionally the whole suite), then the CUDA benchmarks.
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
-# arguments: build gpu suite adamw step124 step124z3 example (default: all).
+# arguments: build gpu suite adamw step124 step124z3 trace offload example
+# (default: all). Each part runs under its own time limit (PART_LIMIT, seconds),
+# so one that hangs leaves the rest their time.
 #   bash benchmarks/gpu_run.sh build gpu adamw
 # Where one command may run at most 10 minutes, split it over calls to the same
 # warm machine (the build stays installed between them), e.g.
@@ -13,7 +15,8 @@ OUT="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-parts="${*:-build gpu suite adamw step124 step124z3 example}"
+parts="${*:-build gpu suite adamw step124 step124z3 trace offload example}"
+LIMIT="${PART_LIMIT:-300}"
 has() { [[ " $parts " == *" $1 "* ]]; }
 t0=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - t0 ))s] $*"; }
@@ -36,7 +39,8 @@ if has build; then
 fi
 if has gpu; then
   stamp "pytest -m gpu"
-  $PY -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q --timeout 600 -rfE 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  timeout "$LIMIT" $PY -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q --timeout 300 -rfE 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -40
 fi
 if has suite; then
   stamp "whole suite"
@@ -47,18 +51,31 @@ if has suite; then
 fi
 if has adamw; then
   stamp "adamw benchmark"
-  $PY benchmarks/adamw.py --devices cuda --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | tail -45
+  timeout "$LIMIT" $PY benchmarks/adamw.py --devices cuda --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | tail -45
 fi
 GPT2="--world-size 1 --layers 12 --dim 768 --heads 12 --seq 1024 --vocab 50257 --batch 8 --no-comm"
 if has step124; then
-  stamp "step GPT-2 124M, bf16 parameters (stages 1/2) against plain bf16 and autocast training"
-  $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds ${ROUNDS:-1} \
-    --variants adamw,adamw-amp,fsdp2,zeroshard-1,zeroshard-2 --json "$OUT/step124.json" 2>&1 | tee "$OUT/step124.log" | tail -9
+  stamp "step GPT-2 124M, bf16 parameters (stages 1/2) against plain bf16 and autocast training; Muon; offload to host"
+  timeout "$LIMIT" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds ${ROUNDS:-1} \
+    --variants ${STEP124:-adamw,adamw-amp,fsdp2,zeroshard-1,zeroshard-2,zeroshard-2+cpu,adamw+muon,zeroshard-1+muon,zeroshard-2+muon} \
+    --json "$OUT/step124.json" 2>&1 | tee "$OUT/step124.log" | tail -12
 fi
 if has step124z3; then
   stamp "step GPT-2 124M, fp32 shards + bf16 compute (ZeRO-3) against autocast training"
-  $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds ${ROUNDS:-1} \
-    --variants adamw-amp,fsdp2-3,zeroshard-3 --json "$OUT/step124z3.json" 2>&1 | tee "$OUT/step124z3.log" | tail -7
+  timeout "$LIMIT" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds ${ROUNDS:-1} \
+    --variants ${STEP124Z3:-adamw-amp,fsdp2-3,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
+    --json "$OUT/step124z3.json" 2>&1 | tee "$OUT/step124z3.log" | tail -9
+fi
+if has trace; then
+  stamp "offload: do the device-to-host gradient copies overlap the backward? (stages 2 and 3, one profiled step)"
+  for st in 2 3; do
+    timeout "$LIMIT" $PY benchmarks/offload_trace.py --stage $st --out "$OUT/trace$st" 2>&1 | tee "$OUT/trace$st.log" | tail -4
+  done
+fi
+if has offload; then
+  stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"
+  timeout "$LIMIT" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
+    --variants zeroshard-2,zeroshard-2+cpu,zeroshard-2+nvme --json "$OUT/offload124.json" 2>&1 | tee "$OUT/offload124.log" | tail -7
 fi
 if has example; then
   stamp "example: stage 1, then ZeRO-3 with checkpoints resumed as ZeRO-2"

@@ -78,18 +78,10 @@ from sweep import SIZES  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 JSON = os.path.join(HERE, "out", "muon.json")
 VARIANTS = ["zeroshard-1", "zeroshard-2", "zeroshard-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3"]
-MUON = dict(lr=0.02, momentum=0.95)
-ADAMW = dict(lr=3e-4, weight_decay=0.1)
+MUON, ADAMW, split = step.MUON, step.ADAMW, step.muon_split
 DS_MUON = {"type": "Muon", "params": {"muon_lr": MUON["lr"], "momentum": MUON["momentum"], "adam_lr": ADAMW["lr"],
                                       "weight_decay": ADAMW["weight_decay"]}}
 TARGETS = dict(opt=1.2, step=0.95, comm=1.10, balance=0.15)
-
-
-def split(model):
-    """(hidden matrices, the rest): Muon's and AdamW's parameters."""
-    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "blocks." in n]
-    ids = {id(p) for p in hidden}
-    return hidden, [p for p in model.parameters() if id(p) not in ids]
 
 
 def _tag_like_ours(config_class, model):

@@ -16,6 +16,10 @@ Variants (world size 2, CPU + gloo, unless --world-size / --device say otherwise
   zeroshard-3@p0  the same with prefetch=0 (CPU only: gathers each unit when it
                 runs, as FSDP2 does on CPU, where its prefetching needs CUDA
                 streams; the memory-matched comparison)
+  zeroshard-2+cpu / +nvme   the same with offload="cpu" / "nvme"
+  adamw+muon, adamw-amp+muon, zeroshard-1/2/3+muon   the variant with Muon over the
+                blocks' matrices and AdamW over the rest (benchmarks/muon.py's split and
+                hyperparameters): torch.optim.Muon on the plain model, or through zeroshard
 The two ZeRO-3 variants use the same units and the same mixed precision
 (--param-dtype for the gathered parameters, fp32 reduction and shards).
 Each variant runs in fresh processes, in --rounds rounds that each run every
@@ -132,6 +136,8 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None, zs=
     (zeroshard's shard_size=, FSDP2's 2-D mesh: HSDP); DDP variants ignore it.
     ``zs``: the zeroshard module the zeroshard variants use (default: the installed
     one; benchmarks/before_after.py passes other builds)."""
+    if variant.endswith("+muon"):
+        return build_muon(variant[:-len("+muon")], model, param_dtype, prefetch)
     if variant == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "adamw-amp":
@@ -173,6 +179,56 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None, zs=
     return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(name[-1]),
                                       bucket_mb=float(mb) if mb else 25, **hybrid,
                                       **peers.zeroshard_options(variant))
+
+
+MUON = dict(lr=0.02, momentum=0.95)           # the Muon variants' hyperparameters (and benchmarks/muon.py's)
+ADAMW = dict(lr=3e-4, weight_decay=0.1)
+
+
+def muon_split(model):
+    """(hidden matrices, the rest): Muon's and AdamW's parameters."""
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "blocks." in n]
+    ids = {id(p) for p in hidden}
+    return hidden, [p for p in model.parameters() if id(p) not in ids]
+
+
+class Optimizers:
+    """Several optimizers stepped as one: the "+muon" variants' Muon and AdamW."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self):
+        for o in self.opts:
+            o.zero_grad()
+
+    def wait_params(self):
+        for o in self.opts:
+            settle(o)
+
+
+def build_muon(base, model, param_dtype, prefetch):
+    """A "+muon" variant: Muon over the blocks' matrices and AdamW over the rest, with
+    muon_split, MUON and ADAMW; ``base`` "adamw" (torch's classes on the
+    plain model), "adamw-amp" (the same on fp32 parameters under bf16 autocast),
+    "zeroshard-1/2" (two ShardedOptimizers) or "zeroshard-3" (FullyShard as "zeroshard-3")."""
+    import zeroshard as zs
+    wrapped = model
+    if base == "adamw-amp":
+        wrapped = Autocast(model.float())
+    elif base == "zeroshard-3":
+        wrapped = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
+            param_dtype=param_dtype, reduce_dtype=torch.float32))
+    hidden, rest = muon_split(wrapped)
+    if not base.startswith("zeroshard"):
+        return wrapped, Optimizers([torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, fused=True, **ADAMW)])
+    stage = {} if base == "zeroshard-3" else dict(stage=int(base[-1]))
+    return wrapped, Optimizers([zs.ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, **MUON, **stage),
+                                zs.ShardedOptimizer(rest, **ADAMW, **stage)])
 
 
 def tensor_peak_mb(variant, cfg, args, data):
@@ -311,8 +367,11 @@ def planned_peak_mb(variant, cfg, args):
     from zeroshard.plan import plan_model
     if not variant.startswith("zeroshard"):
         return None
-    name, _, opt = variant.partition("@")
+    base, _, suffix = variant.partition("+")      # "+cpu" / "+nvme": offload; "+muon": Muon
+    name, _, opt = base.partition("@")
     stage = int(name[-1])
+    if suffix not in ("", "cpu", "nvme", "muon"):
+        return None
     if stage == 3:
         if args.dtype != "float32" or opt:   # the planner's ZeRO-3 keeps fp32 shards
             return None
@@ -324,7 +383,9 @@ def planned_peak_mb(variant, cfg, args):
         return idx, idx
 
     plan = plan_model(lambda: GPT(cfg), args.shard_size or args.world_size, dtype, wrap={Block}, prefetch=args.prefetch,
-                      bucket_mb=float(opt) if opt and stage < 3 else 25, example=example)
+                      bucket_mb=float(opt) if opt and stage < 3 else 25, example=example,
+                      offload=suffix if suffix in ("cpu", "nvme") else None,
+                      optimizer="muon" if suffix == "muon" else "adamw")
     return plan["stages"][f"ZeRO-{stage}"]["peak"] / 2**20
 
 

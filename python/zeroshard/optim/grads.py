@@ -116,9 +116,11 @@ def _clamp(grads, g, min=None, max=None):
     return g
 
 
-def _squared_norms(views: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Each view's squared 2-norm, in fp32."""
-    return [torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views]
+def _squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
+    """Each view's squared 2-norm, in fp32: one foreach kernel on CUDA (a norm and a
+    square per view cost every step ~300 launches at GPT-2's 148 parameters, ~3 ms of
+    host time at the end of the backward, on an H100), as torch's clip_grad_norm_ does."""
+    return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square()
 
 
 _HANDLERS: Dict[object, Callable] = {
@@ -176,6 +178,7 @@ class ReducedGrads:
         self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
         self._inflight = None     # the statistics' all-reduce, until settle() (see backward_done)
         self._trainable = set(trainable)
+        self._trainable_index = torch.tensor(sorted(trainable), dtype=torch.long, device=source.device)
         # on the placeholders' parameters while they are placed (backward_done to clear):
         # a loop that zeroes its gradients after each step runs no hook in backward
         self.hooks: List[torch.utils.hooks.RemovableHandle] = []
@@ -185,19 +188,19 @@ class ReducedGrads:
 
     # ----------------------------------------------------------- statistics
     def _local(self, fn) -> torch.Tensor:
-        """``fn`` of this rank's pieces (a list of them on one device -> one fp32 value
-        each), one value per parameter (0 where none)."""
+        """``fn`` of this rank's pieces (a list of them on one device -> a 1-D fp32
+        tensor, a value each), one value per parameter (0 where none)."""
         out = torch.zeros(len(self.params), dtype=torch.float32, device=self.source.device)
         if not self.flat:
             return out
         views = [seg.grad[a:b] for seg, a, b in self.flat]
         if all(v.device == out.device for v in views):
-            out.index_add_(0, self.flat_index, torch.stack(fn(views)))
+            out.index_add_(0, self.flat_index, fn(views))
             return out
         for here in (True, False):   # gradient shards in host memory: their values in one copy
             ks = [k for k, v in enumerate(views) if (v.device == out.device) == here]
             if ks:
-                vals = torch.stack(fn([views[k] for k in ks])).to(out.device)
+                vals = fn([views[k] for k in ks]).to(out.device)
                 out.index_add_(0, self.flat_index[ks], vals)
         return out
 
@@ -221,7 +224,9 @@ class ReducedGrads:
         stats[:n] = self._local_sumsq()
         groups = self.source.groups
         arrived = self.source.arrived()
-        if arrived:
+        if len(arrived) == len(self.trainable) and self._trainable.issuperset(arrived):
+            stats[n:].index_fill_(0, self._trainable_index, 1.0)   # (the usual step: no host-to-device copy)
+        elif arrived:
             stats[n:].index_fill_(0, torch.tensor(arrived, device=stats.device), 1.0)
         known = self._trainable.issubset(arrived)
         self._inflight = (comm.all_reduce(stats, group=groups.every, what="gradient statistics"), stats, known)
@@ -313,8 +318,8 @@ class ReducedGrads:
     def inf_norms(self) -> torch.Tensor:
         """Per parameter: the largest absolute gradient element (collective on first use per step)."""
         if self.maxabs is None:
-            local = self._local(lambda vs: [g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
-                                            for g in vs])
+            local = self._local(lambda vs: torch.stack([g.abs().max().float() if g.numel()
+                                                        else g.new_zeros((), dtype=torch.float32) for g in vs]))
             local *= abs(self.source.grad_scale)
             if self.coef is not None:       # the engine's pending clip (clamped after it: _retake too)
                 local *= self.coef.to(local.device)

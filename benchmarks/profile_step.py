@@ -1,0 +1,100 @@
+"""Where does a variant's step time go? Phase times and a profile, CUDA, world size 1.
+
+    python benchmarks/profile_step.py --variants adamw,zeroshard-2 [--dtype bfloat16] [--out DIR]
+
+Each variant of benchmarks/step.py is built on GPT-2 124M (batch 8, sequence 1024) in one
+process, and after three warm-up steps takes --steps steps with the device synchronized
+between the forward, the backward and the optimizer step: the median milliseconds of each
+phase. Then two steps run under torch.profiler: the operators with the most host time,
+and the host-device synchronisations (cudaStreamSynchronize, cudaDeviceSynchronize,
+cudaMemcpy, aten::item / _local_scalar_dense) counted per step, since each stalls the
+host until the device catches up. Writes --out/profile_<variant>.txt and prints the
+phase table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step  # noqa: E402
+from gpt import GPTConfig  # noqa: E402
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize",
+         "aten::item", "aten::_local_scalar_dense")
+
+
+def phase_ms(model, opt, data, steps):
+    """Median milliseconds of (forward, backward, step) with the device synchronized between."""
+    out = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(data[:, :-1], data[:, 1:])
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        loss.backward()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        out.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    return [1e3 * statistics.median(x[i] for x in out) for i in range(3)]
+
+
+def profile(model, opt, data, steps=2) -> str:
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function("forward+backward"):
+                model(data[:, :-1], data[:, 1:]).backward()
+            with torch.profiler.record_function("optimizer"):
+                opt.step()
+                opt.zero_grad()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    syncs = [f"  {e.key}: {e.count / steps:g} per step, {e.cpu_time_total / steps / 1e3:.2f} ms host"
+             for e in avg if any(e.key.startswith(s) for s in SYNCS)]
+    return ("host-device synchronisations:\n" + ("\n".join(syncs) or "  none") + "\n\n"
+            + avg.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
+            + avg.table(sort_by="self_device_time_total", row_limit=20))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="adamw,zeroshard-2")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    args = ap.parse_args()
+    args.prefetch, args.shard_size = 1, None
+    device = step.init_dist(0, 1, step.free_port(), cuda=True)
+    cfg = GPTConfig(layers=12, dim=768, heads=12, seq=1024, vocab=50257)
+    data = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), device=device)
+    os.makedirs(args.out, exist_ok=True)
+    print(f"{'variant':<20} {'forward':>8} {'backward':>9} {'step':>7} {'total':>7}  (ms, {args.dtype})")
+    for v in args.variants.split(","):
+        model, opt = step.build(v, step.new_model(cfg, args, device), getattr(torch, args.param_dtype))
+        for _ in range(3):
+            step.train_step(model, opt, data, torch.cuda.synchronize)
+        f, b, s = phase_ms(model, opt, data, args.steps)
+        print(f"{v:<20} {f:>8.2f} {b:>9.2f} {s:>7.2f} {f + b + s:>7.2f}", flush=True)
+        with open(os.path.join(args.out, f"profile_{v}.txt"), "w") as fh:
+            fh.write(f"{v}: forward {f:.2f} ms, backward {b:.2f} ms, step {s:.2f} ms\n\n" + profile(model, opt, data))
+        step.settle(opt)
+        del model, opt
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
