@@ -252,6 +252,67 @@ def test_stages_1_and_2_lay_each_matrix_in_its_owners_shard_and_add_no_collectiv
         assert exchanged == [1] and windows == 1, exchanged
 
 
+class Stack(nn.Module):
+    """Six 16x16 matrices in one FullyShard unit: 256 elements each, so the unit's equal
+    chunks hold three whole at 2 ranks and two at 3 (4 at 4 would split them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mats = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(6))
+
+    def forward(self, h):
+        for m in self.mats:
+            h = h + torch.tanh(m(h))
+        return h
+
+
+def _fully_shard_in_place(kind):
+    """Muon32 over a Stack unit and a 7x16 head (the root unit's only matrix: split over
+    the ranks), four steps; (full params, the rule's windowed and locally owned
+    parameters) for zeroshard's FullyShard, or the params for DDP."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Stack(), nn.Linear(16, 7, bias=False))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "ddp":
+        net, opt = DDP(model), Muon32(model.parameters(), lr=0.02, momentum=0.95)
+    else:
+        net = model = zs.FullyShard(model, wrap={Stack})
+        opt = zs.ShardedOptimizer(model.parameters(), optimizer_class=Muon32, whole_tensor=True, lr=0.02,
+                                  momentum=0.95)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(12, 16, generator=g), torch.randn(12, 7, generator=g)
+        n = 12 // world
+        F.mse_loss(net(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        opt.step()
+        opt.zero_grad()
+    full = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+    if kind == "ddp":
+        return full, None, None
+    rule = opt.whole_tensor_rule
+    return full, sorted(i for w in rule.windows for i in w.slots), sorted(rule.home)
+
+
+def _fully_shard_in_place_vs_ddp():
+    ours, windowed, home = _fully_shard_in_place("zeroshard")
+    ddp, _, _ = _fully_shard_in_place("ddp")
+    return _diff(ours, ddp), windowed, home
+
+
+def test_fully_shard_steps_matrices_inside_one_chunk_in_place(dist_pool):
+    """FullyShard's equal chunks: a matrix inside one rank's chunk is owned and stepped in
+    place there, with no exchange; only the split head (parameter 6) travels in a window.
+    The result equals DDP's to fp32 rounding (Newton-Schulz in fp32)."""
+    results = dist_pool.run(_fully_shard_in_place_vs_ddp)
+    for rank, (err, windowed, home) in enumerate(results):
+        assert err < 2e-6, (rank, err)
+        assert windowed == [6], windowed
+    assert sorted(i for *_, home in results for i in home) == list(range(6))   # each once, in place
+    per_rank = 6 // dist_pool.world_size
+    assert [r[2] for r in results] == [list(range(k * per_rank, (k + 1) * per_rank))
+                                       for k in range(dist_pool.world_size)]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_hybrid_sharding_and_overlapped_parameter_gather_at_4_ranks(stage):
     """shard_size=2 of 4 ranks: each shard group's layout has its own owners (the replicas

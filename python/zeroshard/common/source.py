@@ -187,9 +187,10 @@ class ShardSource(abc.ABC):
         self.whole_owners: Dict[int, int] = {}
 
     def whole_owner(self, i: int) -> Optional[int]:
-        """The rank whose shard holds all of parameter ``i`` when the layout keeps it
+        """The rank whose shard holds all of parameter ``i``: where the layout keeps it
         whole for a whole-tensor optimizer ([Note: owner-aligned layout] in
-        csrc/layout.h); None where it may be split."""
+        csrc/layout.h), or where a FullyShard unit's chunk happens to; None where
+        it may be split."""
         return self.whole_owners.get(i)
 
     def notify_grads_ready(self):

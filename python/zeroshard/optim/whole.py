@@ -17,8 +17,11 @@ in the job, there:
   place, and the stage's parameter all-gather carries the result to every
   rank. No collective is added; the bytes sent are AdamW's (but for the
   layout's padding).
-* Where the layout may split a parameter (FullyShard's units), owners come
-  from longest-processing-time packing on the cost, and a step moves, window
+* FullyShard's units cut their flat parameter into equal chunks: a parameter
+  that falls inside one rank's chunk is owned and stepped in place there, as
+  at ZeRO-1/2 (``whole_owner``). Where the layout splits a parameter, owners
+  come from longest-processing-time packing on the cost (on top of the load
+  the whole ones already put on each rank), and a step moves, window
   by window (``plan_windows``: at most about one bucket of elements per
   rank), each parameter's reduced gradient and fp32 value from the ranks'
   pieces to its owner in one reduce-scatter (SUM): every rank writes its
@@ -56,11 +59,11 @@ MATRICES_ONLY = tuple(getattr(torch.optim, n) for n in ("Muon",) if hasattr(torc
 _PRIMES = (2, 3, 5, 7, 11, 13, 17, 19)
 
 
-def assign_owners(costs: Sequence[int], world_size: int) -> List[int]:
+def assign_owners(costs: Sequence[int], world_size: int, load: Optional[Sequence[int]] = None) -> List[int]:
     """The owner rank of each tensor: longest-processing-time packing (the costliest
     first, each onto the least loaded rank, the lower rank on a tie), the same on
-    every rank."""
-    load = [0] * world_size
+    every rank. ``load``: each rank's cost already owned (default none)."""
+    load = list(load) if load is not None else [0] * world_size
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(world_size), key=lambda r: (load[r], r))
@@ -134,7 +137,10 @@ class WholeTensor:
         # the parameters the layout keeps whole in their owner's shard, and the others
         self.owners = {i: o for i in sorted(shapes) if (o := source.whole_owner(i)) is not None}
         split = [i for i in sorted(shapes) if i not in self.owners]
-        self.owners.update(zip(split, assign_owners([update_cost(shapes[i]) for i in split], self.world_size)))
+        load = [0] * self.world_size
+        for i, o in self.owners.items():
+            load[o] += update_cost(shapes[i])
+        self.owners.update(zip(split, assign_owners([update_cost(shapes[i]) for i in split], self.world_size, load)))
         self.windows = plan_windows({i: shapes[i].numel() for i in split}, self.owners, self.world_size,
                                     max(2, cap_elements))
         # param index -> [(segment, start, stop, offset in the flattened parameter)] on this rank

@@ -102,6 +102,8 @@ class UnitSource(ShardSource):
               for n in ("exp_avg", "exp_avg_sq")}
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
+            if q.numel and q.offset // u.shard_numel == (q.offset + q.numel - 1) // u.shard_numel:
+                self.whole_owners[index[id(q.sharded)]] = q.offset // u.shard_numel   # inside one chunk
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
         self.regions.append(Region(u.shard_numel, st["exp_avg"], st["exp_avg_sq"],
                                    [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine]))
