@@ -313,6 +313,59 @@ def test_fully_shard_steps_matrices_inside_one_chunk_in_place(dist_pool):
                                        for k in range(dist_pool.world_size)]
 
 
+class Lopsided(nn.Module):
+    """Four 16x16 matrices, then a 1100-element vector, in one unit: at 2 ranks rank 0's
+    chunk holds every matrix whole and rank 1's the vector."""
+
+    def __init__(self):
+        super().__init__()
+        self.mats = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(4))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 1100))
+
+    def forward(self, h):
+        for m in self.mats:
+            h = h + torch.tanh(m(h))
+        return h * self.scale[:16]
+
+
+def _lopsided(kind):
+    torch.manual_seed(0)
+    model = nn.Sequential(Lopsided())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "zeroshard":
+        model = zs.FullyShard(model, wrap={Lopsided})
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    if kind == "ddp":
+        net, opts = DDP(model), [Muon32(mats, lr=0.02, momentum=0.95), torch.optim.AdamW(rest, lr=1e-2)]
+    else:
+        net, opts = model, [zs.ShardedOptimizer(mats, optimizer_class=Muon32, whole_tensor=True, lr=0.02,
+                                                momentum=0.95), zs.ShardedOptimizer(rest, lr=1e-2)]
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+        F.mse_loss(net(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    full = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+    return (full, None) if kind == "ddp" else (full, opts[0].whole_tensor_rule.balance())
+
+
+def _lopsided_vs_ddp():
+    (ours, load), (ddp, _) = _lopsided("zeroshard"), _lopsided("ddp")
+    return _diff(ours, ddp), load
+
+
+def test_fully_shard_balances_the_owners_when_one_chunk_holds_every_matrix():
+    """The matrices a unit's chunk holds whole by chance stay there only while that keeps
+    the update cost balanced (within 15% of the mean): here rank 0's chunk holds all
+    four, so it gives two back, which rank 1 then owns (through the exchange)."""
+    for err, load in get_pool(2).run(_lopsided_vs_ddp):
+        assert err < 2e-6, err
+        assert load[0] == load[1] > 0, load
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_hybrid_sharding_and_overlapped_parameter_gather_at_4_ranks(stage):
     """shard_size=2 of 4 ranks: each shard group's layout has its own owners (the replicas
@@ -396,6 +449,14 @@ def test_bf16_parameters_take_the_owners_update_rounded(dist_pool, stage):
 
 
 # ---------------------------------------------------------------- pure layout math
+def test_keep_balanced_releases_the_costliest_of_an_overloaded_rank():
+    from zeroshard.native.layout import keep_balanced
+    costs = {0: 10, 1: 10, 2: 10, 3: 10, 4: 1}
+    assert keep_balanced({0: 0, 1: 0, 2: 0, 3: 0}, costs, 2) == {2: 0, 3: 0}      # 40 of 41: keeps 20
+    assert keep_balanced({0: 0, 1: 0, 2: 1, 3: 1}, costs, 2) == {0: 0, 1: 0, 2: 1, 3: 1}   # balanced
+    assert keep_balanced({4: 1, 0: 0}, {0: 30, 4: 1, 1: 2}, 3) == {4: 1}   # 30 > 1.15 x 11: given back
+
+
 def test_update_cost_grows_as_newton_schulz():
     assert update_cost((41, 23)) == 41 * 23 * 23
     assert update_cost((13, 41)) == 13 * 41 * 13

@@ -5,7 +5,7 @@ module turns torch dtypes into the itemsizes and keys it takes.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import math
 
@@ -71,6 +71,25 @@ def update_cost(shape: Sequence[int]) -> int:
     rows = shape[0]
     cols = numel // rows
     return rows * cols * min(rows, cols)
+
+
+def keep_balanced(owners: Dict[int, int], costs: Dict[int, int], world_size: int,
+                  tolerance: float = 0.15) -> Dict[int, int]:
+    """Of ``owners`` (tensor -> the rank that holds it whole, by chance of the layout),
+    those each rank keeps: while a rank's cost exceeds the mean over the ranks of all of
+    ``costs`` by more than ``tolerance``, it releases its costliest tensor (which is then
+    owned where the packing of the released ones puts it). The same on every rank."""
+    mean = sum(costs.values()) / world_size
+    kept = dict(owners)
+    for r in range(world_size):
+        mine = sorted((i for i, o in owners.items() if o == r), key=lambda i: (-costs[i], i))
+        load = sum(costs[i] for i in mine)
+        for i in mine:
+            if load <= (1 + tolerance) * mean:
+                break
+            del kept[i]
+            load -= costs[i]
+    return kept
 
 
 def gaps(numel: int, covered: Sequence) -> List[Tuple[int, int]]:

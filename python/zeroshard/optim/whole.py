@@ -19,7 +19,8 @@ in the job, there:
   layout's padding).
 * FullyShard's units cut their flat parameter into equal chunks: a parameter
   that falls inside one rank's chunk is owned and stepped in place there, as
-  at ZeRO-1/2 (``whole_owner``). Where the layout splits a parameter, owners
+  at ZeRO-1/2 (``whole_owner``), unless that rank already holds more than
+  its share of the update cost (``keep_balanced``). Where the layout splits a parameter, owners
   come from longest-processing-time packing on the cost (on top of the load
   the whole ones already put on each rank), and a step moves, window
   by window (``plan_windows``: at most about one bucket of elements per

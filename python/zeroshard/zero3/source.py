@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .. import comm
 from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
 from ..common.source import Region, Segment, ShardSource, weak_hook
+from ..native.layout import keep_balanced, update_cost
 
 
 class UnitSource(ShardSource):
@@ -53,6 +54,10 @@ class UnitSource(ShardSource):
                     states[u.index] = st
             fs.register_optimizer_states(self, states)
             fs.add_grads_ready_listener(weak_hook(self._owner_ready))
+        # a parameter inside one rank's chunk is whole there by chance of the units' layout: a
+        # rank holding too much of the update cost so gives some back (they are exchanged)
+        self.whole_owners = keep_balanced(self.whole_owners, {i: update_cost(s) for i, s in self.full_shapes.items()},
+                                          self.world_size)
 
     def _owner_ready(self):
         if self.grads_ready():      # the last of the models whose backward this step needed
