@@ -2,20 +2,23 @@
 # One pass on a CUDA machine: build against the machine's own torch, run the
 # GPU tests (and optionally the whole suite), then the CUDA benchmarks.
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
-# arguments: build gpu suite adamw step124 step124z3 trace offload example
+# arguments: build gpu suite adamw step124 step124z3 trace offload profile example
 # (default: all). Each part runs under its own time limit (PART_LIMIT, seconds),
 # so one that hangs leaves the rest their time.
 #   bash benchmarks/gpu_run.sh build gpu adamw
 # Where one command may run at most 10 minutes, split it over calls to the same
 # warm machine (the build stays installed between them), e.g.
 #   1) build gpu    2) suite    3) adamw step124 step124z3 example
+# Measured on an H100 (2026-11-25): build 56 s, gpu 52 s, adamw 13 s, step124 (7
+# variants) 128 s, step124z3 (4) 82 s, trace 39 s. Results go to $OUT; where only a
+# few files may come back, tar the folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-parts="${*:-build gpu suite adamw step124 step124z3 trace offload example}"
+parts="${*:-build gpu suite adamw step124 step124z3 trace offload profile example}"
 LIMIT="${PART_LIMIT:-300}"
 has() { [[ " $parts " == *" $1 "* ]]; }
 t0=$(date +%s)
@@ -76,6 +79,13 @@ if has offload; then
   stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"
   timeout "$LIMIT" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
     --variants zeroshard-2,zeroshard-2+cpu,zeroshard-2+nvme --json "$OUT/offload124.json" 2>&1 | tee "$OUT/offload124.log" | tail -7
+fi
+if has profile; then
+  stamp "profile: phase times, host-device syncs (with their Python stacks) and top operators"
+  timeout "$LIMIT" $PY benchmarks/profile_step.py --stack --variants adamw,zeroshard-2,adamw+muon,zeroshard-2+muon \
+    --out "$OUT/prof" 2>&1 | grep -v Warn
+  timeout "$LIMIT" $PY benchmarks/profile_step.py --stack --dtype float32 --variants adamw-amp,zeroshard-3,zeroshard-3+muon \
+    --out "$OUT/prof" 2>&1 | grep -v Warn
 fi
 if has example; then
   stamp "example: stage 1, then ZeRO-3 with checkpoints resumed as ZeRO-2"

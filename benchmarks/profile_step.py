@@ -8,8 +8,8 @@ between the forward, the backward and the optimizer step: the median millisecond
 phase. Then two steps run under torch.profiler: the operators with the most host time,
 and the host-device synchronisations (cudaStreamSynchronize, cudaDeviceSynchronize,
 cudaMemcpy, aten::item / _local_scalar_dense) counted per step, since each stalls the
-host until the device catches up. Writes --out/profile_<variant>.txt and prints the
-phase table.
+host until the device catches up (--stack: with the Python frames each is called
+from). Writes --out/profile_<variant>.txt and prints the phase table.
 """
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def phase_ms(model, opt, data, steps):
     return [1e3 * statistics.median(x[i] for x in out) for i in range(3)]
 
 
-def profile(model, opt, data, steps=2) -> str:
+def profile(model, opt, data, steps=2, stack=False) -> str:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    verbose = dict(experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) if stack else {}
+    with torch.profiler.profile(activities=acts, with_stack=stack, **verbose) as prof:
         for _ in range(steps):
             with torch.profiler.record_function("forward+backward"):
                 model(data[:, :-1], data[:, 1:]).backward()
@@ -62,6 +63,9 @@ def profile(model, opt, data, steps=2) -> str:
     avg = prof.key_averages()
     syncs = [f"  {e.key}: {e.count / steps:g} per step, {e.cpu_time_total / steps / 1e3:.2f} ms host"
              for e in avg if any(e.key.startswith(s) for s in SYNCS)]
+    if stack:     # where each synchronisation is called from (the Python frames nearest to it)
+        syncs += [f"  {e.key} x{e.count} from:\n" + "\n".join(f"      {f}" for f in e.stack)
+                  for e in prof.key_averages(group_by_stack_n=8) if any(e.key.startswith(s) for s in SYNCS)]
     return ("host-device synchronisations:\n" + ("\n".join(syncs) or "  none") + "\n\n"
             + avg.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
             + avg.table(sort_by="self_device_time_total", row_limit=20))
@@ -75,6 +79,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    ap.add_argument("--stack", action="store_true", help="also the Python stacks the synchronisations come from")
     args = ap.parse_args()
     args.prefetch, args.shard_size = 1, None
     device = step.init_dist(0, 1, step.free_port(), cuda=True)
@@ -89,7 +94,7 @@ def main():
         f, b, s = phase_ms(model, opt, data, args.steps)
         print(f"{v:<20} {f:>8.2f} {b:>9.2f} {s:>7.2f} {f + b + s:>7.2f}", flush=True)
         with open(os.path.join(args.out, f"profile_{v}.txt"), "w") as fh:
-            fh.write(f"{v}: forward {f:.2f} ms, backward {b:.2f} ms, step {s:.2f} ms\n\n" + profile(model, opt, data))
+            fh.write(f"{v}: forward {f:.2f} ms, backward {b:.2f} ms, step {s:.2f} ms\n\n" + profile(model, opt, data, stack=args.stack))
         step.settle(opt)
         del model, opt
         torch.cuda.empty_cache()
