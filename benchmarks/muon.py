@@ -119,15 +119,8 @@ def build(variant, model, muon=torch.optim.Muon):
         wrapped, _ = step.build("fsdp2-3", model, torch.float32)
     elif name == "zeroshard-3":
         wrapped = zs.FullyShard(model, wrap={Block})
-    hidden, rest = split(wrapped)
-    if only_adamw:
-        hidden, rest = [], hidden + rest
-    if name in ("ddp", "fsdp2"):
-        return wrapped, [muon(hidden, **MUON), torch.optim.AdamW(rest, fused=name == "ddp", **ADAMW)]
-    stage = {} if name == "zeroshard-3" else dict(stage=int(name[-1]))
-    vouch = {} if muon is torch.optim.Muon else dict(whole_tensor=True)
-    opts = [zs.ShardedOptimizer(hidden, optimizer_class=muon, **MUON, **stage, **vouch)] if hidden else []
-    return wrapped, opts + [zs.ShardedOptimizer(rest, **ADAMW, **stage)]
+    stage = None if name in ("ddp", "fsdp2") else int(name[-1])
+    return wrapped, step.muon_optimizers(wrapped, stage, muon, fused=name == "ddp", only_adamw=bool(only_adamw))
 
 
 def train(wrapped, opts, data):

@@ -223,12 +223,23 @@ def build_muon(base, model, param_dtype, prefetch):
     elif base == "zeroshard-3":
         wrapped = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
             param_dtype=param_dtype, reduce_dtype=torch.float32))
-    hidden, rest = muon_split(wrapped)
-    if not base.startswith("zeroshard"):
-        return wrapped, Optimizers([torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, fused=True, **ADAMW)])
-    stage = {} if base == "zeroshard-3" else dict(stage=int(base[-1]))
-    return wrapped, Optimizers([zs.ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, **MUON, **stage),
-                                zs.ShardedOptimizer(rest, **ADAMW, **stage)])
+    return wrapped, Optimizers(muon_optimizers(wrapped, int(base[-1]) if base.startswith("zeroshard") else None))
+
+
+def muon_optimizers(model, stage=None, muon=torch.optim.Muon, fused=True, only_adamw=False) -> list:
+    """Muon (``muon``) over ``model``'s blocks' matrices and AdamW over the rest: torch's
+    classes (``stage`` None; ``fused`` AdamW), or two zeroshard.ShardedOptimizers at
+    ``stage`` (3: over a FullyShard model). ``only_adamw``: AdamW over every parameter."""
+    hidden, rest = muon_split(model)
+    if only_adamw:
+        hidden, rest = [], hidden + rest
+    if stage is None:
+        return [muon(hidden, **MUON), torch.optim.AdamW(rest, fused=fused, **ADAMW)]
+    import zeroshard as zs
+    st = {} if stage == 3 else dict(stage=stage)
+    vouch = {} if muon is torch.optim.Muon else dict(whole_tensor=True)
+    opts = [zs.ShardedOptimizer(hidden, optimizer_class=muon, **MUON, **st, **vouch)] if hidden else []
+    return opts + [zs.ShardedOptimizer(rest, **ADAMW, **st)]
 
 
 def tensor_peak_mb(variant, cfg, args, data):

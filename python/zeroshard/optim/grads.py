@@ -224,11 +224,11 @@ class ReducedGrads:
         stats[:n] = self._local_sumsq()
         groups = self.source.groups
         arrived = self.source.arrived()
-        if len(arrived) == len(self.trainable) and self._trainable.issuperset(arrived):
+        known = self._trainable.issubset(arrived)
+        if known and len(arrived) == len(self.trainable):
             stats[n:].index_fill_(0, self._trainable_index, 1.0)   # (the usual step: no host-to-device copy)
         elif arrived:
             stats[n:].index_fill_(0, torch.tensor(arrived, device=stats.device), 1.0)
-        known = self._trainable.issubset(arrived)
         self._inflight = (comm.all_reduce(stats, group=groups.every, what="gradient statistics"), stats, known)
         self.source.comm_elements["all_reduce"] += stats.numel()
         self.maxabs = None

@@ -138,10 +138,8 @@ class WholeTensor:
         # the parameters the layout keeps whole in their owner's shard, and the others
         self.owners = {i: o for i in sorted(shapes) if (o := source.whole_owner(i)) is not None}
         split = [i for i in sorted(shapes) if i not in self.owners]
-        load = [0] * self.world_size
-        for i, o in self.owners.items():
-            load[o] += update_cost(shapes[i])
-        self.owners.update(zip(split, assign_owners([update_cost(shapes[i]) for i in split], self.world_size, load)))
+        self.owners.update(zip(split, assign_owners([update_cost(shapes[i]) for i in split], self.world_size,
+                                                    self.balance())))    # (on top of the whole ones' load)
         self.windows = plan_windows({i: shapes[i].numel() for i in split}, self.owners, self.world_size,
                                     max(2, cap_elements))
         # param index -> [(segment, start, stop, offset in the flattened parameter)] on this rank
