@@ -3,9 +3,14 @@
 # GPU tests (and optionally the whole suite), then the CUDA benchmarks.
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
 # arguments: build gpu suite adamw step124 step124z3 trace offload profile example
-# (default: all). Each part runs under its own time limit (PART_LIMIT, seconds),
-# so one that hangs leaves the rest their time.
+# (default: all). Each part runs under its own time limit (PART_LIMIT, seconds; the
+# suite's SUITE_LIMIT), so one that hangs leaves the rest their time, and none runs past
+# DEADLINE seconds from the start. SUITE_WORKERS sets the suite's pytest workers and
+# SUITE_ARGS adds arguments (--ignore tests/test_gpu.py after the gpu part). Wheels in
+# .whl (the integrations' pinned test dependencies) are installed apart and put first.
+# PROFILE12 and PROFILE3 choose the profiled variants (empty: that half is skipped).
 #   bash benchmarks/gpu_run.sh build gpu adamw
+#   DEADLINE=560 SUITE_ARGS="--ignore tests/test_gpu.py" bash benchmarks/gpu_run.sh build gpu suite adamw
 # Where one command may run at most 10 minutes, split it over calls to the same
 # warm machine (the build stays installed between them), e.g.
 #   1) build gpu    2) suite    3) adamw step124 step124z3 example
@@ -20,11 +25,26 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 parts="${*:-build gpu suite adamw step124 step124z3 trace offload profile example}"
 LIMIT="${PART_LIMIT:-300}"
+# every part ends by DEADLINE seconds after the start (one command's whole budget): a part
+# gets what is left, less 10 s for what follows, and is skipped with under 20 s left
+DEADLINE="${DEADLINE:-100000}"
 has() { [[ " $parts " == *" $1 "* ]]; }
 t0=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - t0 ))s] $*"; }
+go() {   # go PART [LIMIT]: the part was asked for and has time; its limit in $L
+  has "$1" || return 1
+  local left=$(( DEADLINE - ($(date +%s) - t0) - 10 )) want="${2:-$LIMIT}"
+  if (( left < 20 )); then stamp "skipped $1: ${left}s left before DEADLINE"; return 1; fi
+  L=$(( left < want ? left : want ))
+}
+# Python packages the image lacks or holds in other versions (the integrations' pinned
+# test dependencies), carried as wheels in .whl: installed apart, ahead on the path
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zs-site .whl/*.whl \
+    && export PYTHONPATH="/tmp/zs-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
-if has build; then
+if go build; then
   stamp "machine"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/machine.txt"
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
@@ -40,61 +60,59 @@ if has build; then
   # the built extension comes back too (a later run can carry it instead of building)
   cp "$($PY -c 'import zeroshard._C as c; print(c.__file__)')" "$OUT/" 2>/dev/null || true
 fi
-if has gpu; then
+if go gpu; then
   stamp "pytest -m gpu"
-  timeout "$LIMIT" $PY -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q --timeout 300 -rfE 2>&1 \
+  timeout "$L" $PY -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q --timeout 300 -rfE 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -40
 fi
-if has suite; then
+if go suite "${SUITE_LIMIT:-540}"; then
   stamp "whole suite"
   # whole test files per worker (the NCCL tests share one port); a hung gloo
   # test fails after 60 s with its ranks' stacks (tests/_dist.py)
-  ZEROSHARD_EXPECT_CUDA_BUILD=1 ZEROSHARD_TEST_TIMEOUT=60 timeout 540 $PY -m pytest tests -p no:cacheprovider -q \
-    -n 6 --dist loadfile --timeout 300 -rfE 2>&1 | tee "$OUT/pytest_all.log" | tail -25
+  ZEROSHARD_EXPECT_CUDA_BUILD=1 ZEROSHARD_TEST_TIMEOUT=60 timeout -s INT -k 20 "$L" $PY -m pytest tests -p no:cacheprovider -q \
+    -n "${SUITE_WORKERS:-6}" --dist loadfile --timeout 300 -rfE ${SUITE_ARGS:-} 2>&1 | tee "$OUT/pytest_all.log" | tail -25
 fi
-if has adamw; then
+if go adamw; then
   stamp "adamw benchmark"
-  timeout "$LIMIT" $PY benchmarks/adamw.py --devices cuda --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | tail -45
+  timeout "$L" $PY benchmarks/adamw.py --devices cuda --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | tail -45
 fi
 GPT2="--world-size 1 --layers 12 --dim 768 --heads 12 --seq 1024 --vocab 50257 --batch 8 --no-comm"
-if has step124; then
+if go step124; then
   stamp "step GPT-2 124M, bf16 parameters (stages 1/2) against plain bf16 and autocast training; Muon; offload to host"
-  timeout "$LIMIT" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds ${ROUNDS:-1} \
+  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds ${ROUNDS:-1} \
     --variants ${STEP124:-adamw,adamw-amp,fsdp2,zeroshard-1,zeroshard-2,zeroshard-2+cpu,adamw+muon,zeroshard-1+muon,zeroshard-2+muon} \
     --json "$OUT/step124.json" 2>&1 | tee "$OUT/step124.log" | tail -12
 fi
-if has step124z3; then
+if go step124z3; then
   stamp "step GPT-2 124M, fp32 shards + bf16 compute (ZeRO-3) against autocast training"
-  timeout "$LIMIT" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds ${ROUNDS:-1} \
+  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds ${ROUNDS:-1} \
     --variants ${STEP124Z3:-adamw-amp,fsdp2-3,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
     --json "$OUT/step124z3.json" 2>&1 | tee "$OUT/step124z3.log" | tail -9
 fi
-if has trace; then
+if go trace; then
   stamp "offload: do the device-to-host gradient copies overlap the backward? (stages 2 and 3, one profiled step)"
   for st in 2 3; do
-    timeout "$LIMIT" $PY benchmarks/offload_trace.py --stage $st --out "$OUT/trace$st" 2>&1 | tee "$OUT/trace$st.log" | tail -4
+    timeout "$L" $PY benchmarks/offload_trace.py --stage $st --out "$OUT/trace$st" 2>&1 | tee "$OUT/trace$st.log" | tail -4
   done
 fi
-if has offload; then
+if go offload; then
   stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"
-  timeout "$LIMIT" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
+  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
     --variants zeroshard-2,zeroshard-2+cpu,zeroshard-2+nvme --json "$OUT/offload124.json" 2>&1 | tee "$OUT/offload124.log" | tail -7
 fi
-if has profile; then
+if go profile; then
   stamp "profile: phase times, host-device syncs (with their Python stacks) and top operators"
-  timeout "$LIMIT" $PY benchmarks/profile_step.py --stack --variants adamw,zeroshard-2,adamw+muon,zeroshard-2+muon \
+  timeout "$L" $PY benchmarks/profile_step.py --stack --variants ${PROFILE12:-adamw,zeroshard-2,adamw+muon,zeroshard-2+muon} \
     --out "$OUT/prof" 2>&1 | grep -v Warn
-  timeout "$LIMIT" $PY benchmarks/profile_step.py --stack --dtype float32 --variants adamw-amp,zeroshard-3,zeroshard-3+muon \
-    --out "$OUT/prof" 2>&1 | grep -v Warn
+  [ -n "${PROFILE3-x}" ] && timeout "$L" $PY benchmarks/profile_step.py --stack --dtype float32 \
+    --variants ${PROFILE3:-adamw-amp,zeroshard-3,zeroshard-3+muon} --out "$OUT/prof" 2>&1 | grep -v Warn
 fi
-if has example; then
+if go example; then
   stamp "example: stage 1, then ZeRO-3 with checkpoints resumed as ZeRO-2"
   ck=$(mktemp -d)
-  { torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --stage 1 --dtype bf16 --steps 60 --out-dir "$OUT/example" &&
-    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --stage 3 --dtype bf16 --steps 100 \
-      --ckpt-dir "$ck" --ckpt-every 50 --out-dir "$OUT/example" &&
-    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --stage 2 --dtype bf16 --steps 120 \
-      --ckpt-dir "$ck" --resume --out-dir "$OUT/example"; echo "example exit $?"; } > "$OUT/example.log" 2>&1
+  run="timeout $L torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --dtype bf16 --out-dir $OUT/example"
+  { $run --stage 1 --steps 60 && $run --stage 3 --steps 100 --ckpt-dir "$ck" --ckpt-every 50 &&
+    $run --stage 2 --steps 120 --ckpt-dir "$ck" --resume; echo "example exit $?"; } > "$OUT/example.log" 2>&1
   grep -E "^GPT|loss:|checkpoint|resum|peak GPU|example exit|Error" "$OUT/example.log"
 fi
 stamp "done"

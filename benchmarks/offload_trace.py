@@ -16,6 +16,9 @@ profiler's trace (kernels and memory copies with their streams):
                  copies could add to the step; the buckets that complete last, such as
                  the one holding a tied embedding's gradient, can only be copied after
                  the backward's compute)
+  gpu_ms         the phase's span on the device (first kernel to the end of the last kernel or
+                 copy): when kernel_ms is much less, the host kept the device waiting, and a
+                 copy not under a kernel (exposed) ran in that idle time rather than adding to it
   step           the device-to-host copies left for the optimizer step (gradients should
                  need none: [Note: offloaded gradients]) and its host-to-device copies
 
@@ -99,7 +102,11 @@ def summarise(trace: dict) -> dict:
         h2d = [e for e in copies if inside(e, phase) and "HtoD" in e["name"]]
         copy_us = sum(e["dur"] for e in d2h)
         under = sum(overlap_us(span(c), [span(k) for k in ks if k.get("tid") != c.get("tid")]) for c in d2h)
-        out[phase] = dict(kernel_ms=union_ms([span(k) for k in ks]), kernels=len(ks),
+        # the GPU's part of the phase: from its first kernel to the end of its last kernel or
+        # copy; the kernels' share of it says whether the host kept the device busy
+        work = [span(e) for e in ks + d2h + h2d]
+        gpu_ms = (max(b for _, b in work) - min(a for a, _ in work)) / 1e3 if work else 0.0
+        out[phase] = dict(kernel_ms=union_ms([span(k) for k in ks]), kernels=len(ks), gpu_ms=gpu_ms,
                           d2h=len(d2h), d2h_mb=mb(d2h), d2h_ms=copy_us / 1e3,
                           d2h_overlap=(under / copy_us) if copy_us else None,
                           d2h_exposed_ms=(copy_us - under) / 1e3,
@@ -168,7 +175,8 @@ def main():
     print(f"backward: {b['kernel_ms']:.1f} ms of kernels; {b['d2h']} device-to-host copies, {b['d2h_mb']:.1f} MB, "
           f"{b['d2h_ms']:.1f} ms of copying, "
           + (f"{100 * b['d2h_overlap']:.1f}% of it under compute" if b["d2h_overlap"] is not None else "none")
-          + f"; {b['d2h_exposed_ms']:.1f} ms of it exposed")
+          + f"; {b['d2h_exposed_ms']:.1f} ms of it exposed; kernels ran {b['kernel_ms']:.1f} ms of the "
+          f"backward's {b['gpu_ms']:.1f} ms on the device")
     print(f"step: {s['kernel_ms']:.1f} ms of kernels; {s['d2h']} device-to-host copies ({s['d2h_mb']:.1f} MB), "
           f"{s['h2d']} host-to-device ({s['h2d_mb']:.1f} MB)")
     dist.destroy_process_group()

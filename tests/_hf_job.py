@@ -5,6 +5,11 @@ runs, in one process group. Rank 0 writes results-w<world>.pt into the output
 directory; the parent compares.
 
     torchrun --nproc-per-node 2 tests/_hf_job.py OUT [CHECKPOINT_FROM_WORLD_2]
+    torchrun --nproc-per-node 1 tests/_hf_job.py --device OUT    # on the GPU when there is one
+
+``--device``: world size 1 on the machine's accelerator (NCCL; gloo and the CPU without
+one): the Trainer's own training against zeroshard at stages 1-3, fp32 and bf16, into
+results-device.pt (tests/test_gpu.py).
 """
 import importlib.util
 import os
@@ -121,7 +126,8 @@ def run(stage, out, model_fn=gpt2, resume=None, trainer_cls=None, hook=None, **k
                   norms=[h["grad_norm"] for h in logs if "grad_norm" in h],
                   lrs=[h["learning_rate"] for h in logs if "learning_rate" in h and "loss" in h],
                   eval=[h["eval_loss"] for h in logs if "eval_loss" in h],
-                  params=full_params(t, stage), best=t.state.best_model_checkpoint)
+                  params=full_params(t, stage), best=t.state.best_model_checkpoint,
+                  device=str(next(iter(t.model.parameters())).device))
     final = os.path.join(out, "final")
     t.save_model(final)                    # every rank, as Trainer scripts do
     result["final"] = final
@@ -253,7 +259,22 @@ def accelerate_loads(from_w2):
     return out
 
 
+def main_device(d):
+    """World size 1 on the accelerator when there is one: see the module's docstring."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    res = {}
+    for prec, stages in (("fp32", (0, 1, 2, 3)), ("bf16", (0, 2, 3))):
+        for stage in stages:
+            res[f"{prec}-{stage}"], _ = run(stage, os.path.join(d, f"{prec}-{stage}"), use_cpu=not cuda,
+                                            save_strategy="no", bf16=prec == "bf16")
+    torch.save(res, os.path.join(d, "results-device.pt"))
+    dist.destroy_process_group()
+
+
 def main():
+    if sys.argv[1] == "--device":
+        return main_device(sys.argv[2])
     d = sys.argv[1]
     from_w2 = sys.argv[2] if len(sys.argv) > 2 else None
     dist.init_process_group("gloo")

@@ -19,7 +19,7 @@ from ..common.order import OrderedReductions
 from ..common.source import GradState
 from .param import ShardedTensor
 from .records import Param, Unit
-from .wrap import host_or_device_zeros
+from .wrap import host_or_device_empty
 from ..native.layout import fill_flat
 
 MAX_INFLIGHT = 1        # reduce-scatters in flight at once (each holds one unit's gradients)
@@ -155,9 +155,10 @@ class UnitBackward:
             u.reduce = None
         chunk = u.own(u.grad_flat, self.rank)
         if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
-            # with the fp32 shard, or in host memory ([Note: offloaded gradients])
+            # with the fp32 shard, or in host memory ([Note: offloaded gradients]); not
+            # zeroed: u.fresh, so each path below overwrites the whole chunk's length
             where = torch.device("cpu") if u.grad_to_host else u.shard.device
-            u.grad_shard = host_or_device_zeros(u.shard_numel, where, self.device)
+            u.grad_shard = host_or_device_empty(u.shard_numel, where, self.device)
             u.fresh = True
         if u.grad_shard.device != chunk.device:      # in host memory: divide here, then to host
             avg = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)

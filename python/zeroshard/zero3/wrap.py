@@ -234,6 +234,14 @@ def host_or_device_zeros(n: int, where: torch.device, device: torch.device) -> t
     return host_zeros(n, device) if where.type == "cpu" else torch.zeros(n, dtype=torch.float32, device=where)
 
 
+def host_or_device_empty(n: int, where: torch.device, device: torch.device) -> torch.Tensor:
+    """As host_or_device_zeros, uninitialised: for a buffer its first writer fills whole
+    (a CPU memset of a GPT-2 unit's pinned gradient shard took ~0.7 ms of host time)."""
+    if where.type == "cpu":
+        return torch.empty(n, dtype=torch.float32, pin_memory=device.type == "cuda")
+    return torch.empty(n, dtype=torch.float32, device=where)
+
+
 @torch.no_grad()
 def buffers_to_device(cfg: "Setup"):
     for mod in cfg.module.modules():
