@@ -2,8 +2,8 @@
 # One pass on a CUDA machine: build against the machine's own torch, run the
 # GPU tests (and optionally the whole suite), then the CUDA benchmarks.
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
-# arguments: build gpu suite adamw step124 step124z3 trace offload profile example
-# (default: all). Each part runs under its own time limit (PART_LIMIT, seconds; the
+# arguments: build gpu suite adamw step124 step124z3 trace offload profile lightning
+# example (default: all). Each part runs under its own time limit (PART_LIMIT, seconds; the
 # suite's SUITE_LIMIT), so one that hangs leaves the rest their time, and none runs past
 # DEADLINE seconds from the start. The suite runs the CPU tests with the GPU hidden
 # (the gpu part runs the GPU tests); SUITE_WORKERS sets its pytest workers and SUITE_ARGS
@@ -26,7 +26,7 @@ OUT="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-parts="${*:-build gpu suite adamw step124 step124z3 trace offload profile example}"
+parts="${*:-build gpu suite adamw step124 step124z3 trace offload profile lightning example}"
 LIMIT="${PART_LIMIT:-300}"
 # every part ends by DEADLINE seconds after the start (one command's whole budget): a part
 # gets what is left, less 10 s for what follows, and is skipped with under 20 s left
@@ -65,8 +65,8 @@ if go build; then
 fi
 if go gpu; then
   stamp "pytest -m gpu"
-  timeout "$L" $PY -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q --timeout 300 -rfE 2>&1 \
-    | tee "$OUT/pytest_gpu.log" | tail -40
+  timeout "$L" $PY -m pytest -m gpu tests/test_gpu.py tests/test_gpu_integrations.py -p no:cacheprovider -q \
+    --timeout 300 -rfE 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 fi
 if go suite "${SUITE_LIMIT:-540}"; then
   stamp "whole suite, the GPU hidden"
@@ -76,7 +76,8 @@ if go suite "${SUITE_LIMIT:-540}"; then
   # gpu part. Whole test files per worker; a hung gloo test fails after 120 s with its
   # ranks' stacks (tests/_dist.py).
   CUDA_VISIBLE_DEVICES= ZEROSHARD_EXPECT_CUDA_BUILD=1 timeout -s INT -k 20 "$L" $PY -m pytest tests \
-    --ignore tests/test_gpu.py -p no:cacheprovider -q -n "${SUITE_WORKERS:-8}" --dist loadfile --timeout 300 -rfE \
+    --ignore tests/test_gpu.py --ignore tests/test_gpu_integrations.py -p no:cacheprovider -q \
+    -n "${SUITE_WORKERS:-8}" --dist loadfile --timeout 300 -rfE \
     ${SUITE_ARGS:-} 2>&1 | tee "$OUT/pytest_all.log" | tail -25
 fi
 if go adamw; then
@@ -113,6 +114,11 @@ if go profile; then
     --out "$OUT/prof" 2>&1 | grep -v Warn
   [ -n "${PROFILE3-x}" ] && timeout "$L" $PY benchmarks/profile_step.py --stack --dtype float32 \
     --variants ${PROFILE3:-adamw-amp,zeroshard-3,zeroshard-3+muon} --out "$OUT/prof" 2>&1 | grep -v Warn
+fi
+if go lightning; then
+  stamp "lightning: ZeroShardStrategy against DDPStrategy, FSDPStrategy and DeepSpeedStrategy on one GPU"
+  timeout "$L" torchrun --standalone --nproc-per-node 1 benchmarks/lightning_front_door.py --steps 8 --rounds 3 \
+    --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/lightning.log" | tail -12
 fi
 if go example; then
   stamp "example: stage 1, then ZeRO-3 with checkpoints resumed as ZeRO-2"

@@ -16,7 +16,7 @@ turns round by round in one process group, so they see the same machine load, an
 machine). "tensor MB" (CPU) is rank 0's exact peak of live tensor bytes over the built
 module during a fit of two steps (the CPU allocator's count, benchmarks/cpu_memory.py);
 on CUDA, torch.cuda.max_memory_allocated over the same.
-Writes benchmarks/out/lightning_front_door.json and prints the table.
+Writes lightning_front_door.json into --out (benchmarks/out) and prints the table.
 """
 from __future__ import annotations
 
@@ -136,6 +136,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+                        help="folder of lightning_front_door.json (a GPU run writes its own)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -150,7 +152,7 @@ def main():
             f"lightning {L.__version__}; {date.today()}")
     print(head)
     print(table(rows))
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    out = args.out
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "lightning_front_door.json"), "w") as f:
         json.dump({"header": head, "machine": machine_info("cuda" if cuda else "cpu"), "args": vars(args),

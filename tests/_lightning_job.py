@@ -3,6 +3,7 @@ one torchrun launch (the process group is reused); tests/test_lightning.py launc
 once per world size and compares what rank 0 saves.
 
     torchrun --nproc-per-node W tests/_lightning_job.py OUT_DIR [RESUME_DIR]
+    torchrun --nproc-per-node 1 tests/_lightning_job.py --device OUT_DIR   # on the GPU if any
 
 Every run trains examples/lightning_gpt.py's LitGPT for 2 epochs of 2 optimizer steps
 (global batch 6 at any world size, accumulation 2, clipping, a warmup schedule stepped
@@ -15,6 +16,11 @@ stage 3 and at stage 2; without it, DDPStrategy and stages 2 and 3 also train in
 bf16-mixed, DDPStrategy and stage 3 clip by value, the two offload strategies train, stage 3 trains a model built on the meta device in
 configure_model, and trainer.validate(ckpt_path=) loads the stage-2 run's last
 checkpoint at stage 3.
+
+``--device``: world size 1 on the machine's accelerator (the CPU without one):
+DDPStrategy and stages 1-3 in 32-true and 16-mixed (with a GradScaler, one micro-batch's
+loss made infinite so that every strategy skips that step), into results-device.pt
+(tests/test_gpu.py).
 """
 import os
 import sys
@@ -56,6 +62,16 @@ class MetaGPT(LitGPT):
                 self.model = GPT(GPTConfig(vocab=64, seq=32, layers=2, dim=64, heads=4))
 
 
+class Overflow(LitGPT):
+    """Under a GradScaler (16-mixed), the third micro-batch's loss is infinite: the step it
+    belongs to is skipped and the scale backs off, on every strategy alike."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        return loss * float("inf") if scaler is not None and self.trainer.fit_loop.total_batch_idx == 2 else loss
+
+
 class Record(Callback):
     """The logged (rank-averaged) loss, the learning rate and zeroshard's reduce-scattered
     elements so far after every micro-batch, and the logged validation loss of every epoch."""
@@ -89,7 +105,7 @@ def full_params(trainer) -> dict:
 
 
 def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=True, precision="32-true",
-        clip="norm"):
+        clip="norm", accelerator="cpu"):
     world = int(os.environ["WORLD_SIZE"])
     L.seed_everything(0)           # also the seed of the samplers' shuffling
     torch.manual_seed(seed)        # a resumed run starts from other weights: the checkpoint's must load
@@ -101,15 +117,18 @@ def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=Tru
                                       every_n_epochs=1, save_top_k=-1),
                       ModelCheckpoint(dirpath=os.path.join(ckpt_dir, "best"), monitor="val_loss", save_top_k=1,
                                       save_last=True)]
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_epochs=EPOCHS, precision=precision,
+    trainer = L.Trainer(strategy=strategy, accelerator=accelerator, devices=world, max_epochs=EPOCHS,
+                        precision=precision,
                         gradient_clip_val=0.5 if clip == "norm" else 0.01, gradient_clip_algorithm=clip,
                         accumulate_grad_batches=2, logger=False, callbacks=callbacks,
                         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
     train, val = loaders(world)
     trainer.fit(model, train, val, ckpt_path=ckpt_path)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
     result = dict(losses=rec.losses, lrs=rec.lrs, val=rec.val, reduced=rec.reduced, params=full_params(trainer),
-                  steps=trainer.global_step)
+                  steps=trainer.global_step, device=str(next(trainer.lightning_module.parameters()).device),
+                  scale=None if scaler is None else scaler.get_scale())
     if predict:
         result["predictions"] = torch.cat(trainer.predict(model, val))
     return result
@@ -124,7 +143,21 @@ def validate(strategy, ckpt_path) -> float:
                             verbose=False)[0]["val_loss"]
 
 
+def main_device(out_dir):
+    """World size 1 on the accelerator when there is one: see the module's docstring."""
+    acc = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for prec in ("32-true", "16-mixed"):
+        for name, strategy in (("ddp", "ddp"), ("stage1", ZeroShardStrategy(stage=1)),
+                               ("stage2", "zeroshard_stage_2"), ("stage3", "zeroshard_stage_3")):
+            out[f"{name}-{prec}"] = run(strategy, cls=Overflow, precision=prec, predict=False, accelerator=acc)
+    torch.save(out, os.path.join(out_dir, "results-device.pt"))
+    torch.distributed.destroy_process_group()
+
+
 def main():
+    if sys.argv[1] == "--device":
+        return main_device(sys.argv[2])
     out_dir = sys.argv[1]
     resume_dir = sys.argv[2] if len(sys.argv) > 2 else None
     world = int(os.environ["WORLD_SIZE"])

@@ -432,39 +432,3 @@ def test_cuda_muon_equals_torch_muon(nccl_world1, stage):
     for k, v in ref.items():
         err = ((ours[k] - v).norm() / v.norm()).item()
         assert err < 1e-5, (k, err)
-
-
-def test_cuda_hugging_face_trainer_matches_its_own_training(tmp_path):
-    """ZeroShardTrainer on one GPU (NCCL) against the Trainer's own training on the same data
-    (tests/_hf_job.py --device: a tiny GPT-2, accumulation 2, clipping, warmup, evaluation):
-    stages 1-3 give its losses, logged grad_norm and final parameters within 1e-5. Under bf16
-    autocast the fp32 updates' last-bit differences (zeroshard's fused AdamW and torch's
-    round alike only to an ulp) change which bf16 values the weights round to, so the runs
-    drift apart: zeroshard's bf16 parameters stay within half of the distance between the
-    Trainer's own bf16 and fp32 runs (a wrong precision path lands at that distance or
-    beyond). The CPU tests' tenth of it held on the CPU (0.05) and not on the 2026-11-26
-    H200 run (0.30: 8.9e-4 against 2.9e-3)."""
-    pytest.importorskip("transformers")
-    import os
-    import subprocess
-    import sys
-    from _dist import close, worst
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                          os.path.join(root, "tests", "_hf_job.py"), "--device", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    r = torch.load(tmp_path / "results-device.pt")
-    assert {v["device"] for v in r.values()} == {"cuda:0"}, {k: v["device"] for k, v in r.items()}
-    ref = r["fp32-0"]
-    for stage in (1, 2, 3):
-        assert close(r[f"fp32-{stage}"]["losses"], ref["losses"]) and len(ref["losses"]) == 8, stage
-        assert close(r[f"fp32-{stage}"]["norms"], ref["norms"]), stage
-        assert worst(r[f"fp32-{stage}"]["params"], ref["params"]) <= 1e-5, stage
-    assert ref["losses"][-1] < ref["losses"][0]
-    noise = worst(r["bf16-0"]["params"], ref["params"])
-    assert noise > 1e-4
-    for stage in (2, 3):
-        ours = worst(r[f"bf16-{stage}"]["params"], r["bf16-0"]["params"])
-        assert ours <= 0.5 * noise, (stage, ours, noise)
-        assert close(r[f"bf16-{stage}"]["losses"], r["bf16-0"]["losses"], 1e-2), stage
