@@ -243,6 +243,44 @@ def test_host_gradient_copies_step_exactly_as_the_device_gradients(stage, tmp_pa
                 assert copied["host"] == plain["grads"] + (copied["padding"] - plain["padding"]), (plain, copied)
 
 
+def _host_shard_statistics(directory):
+    """ZeRO-3 with offload="nvme" (the state the CPU steps window by window), each unit's gradient shard bound for host memory (forced
+    on, as on a GPU): the statistics' squared norms are taken as each unit is reduced, on
+    the reducing device, so the end of the backward reads no gradient in host memory
+    (over pinned memory on the CPU that was half of the host's backward on an H200).
+    Returns, unforced and forced: the final parameters, the clip norms of each step, and
+    how many gradient elements the statistics read after the backward."""
+    from zeroshard.optim import grads
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for forced in (False, True):
+        to_host = (lambda self, placement: self.streamed(placement)) if forced else _offload.Storage.grads_to_host
+        read, real = [], grads.squared_norms
+        spy = lambda views: (read.append(sum(v.numel() for v in views)), real(views))[1]   # noqa: E731
+        with mock.patch.object(_offload.Storage, "grads_to_host", to_host), \
+                mock.patch.object(grads, "squared_norms", spy):
+            model = zs.FullyShard(make_model(), wrap={nn.Linear})
+            opt = zs.ShardedOptimizer(param_groups(model), offload="nvme", offload_dir=directory)
+            norms = []
+            for mbs in batches(STEPS, micro=1):
+                x, y = mbs[0]
+                F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+                opt.step()
+                opt.zero_grad()
+            out[forced] = (model.state_dict(), norms, sum(read))
+            del opt
+    return out
+
+
+def test_fully_shard_takes_the_statistics_of_host_gradient_shards_before_the_copy(tmp_path):
+    for out in get_pool(2).run(_host_shard_statistics, str(tmp_path)):
+        (plain, plain_norms, plain_read), (forced, forced_norms, forced_read) = out[False], out[True]
+        assert all(torch.equal(forced[k], v) for k, v in plain.items())   # bit for bit
+        assert forced_norms == plain_norms and forced_norms[0] > 0.05      # the clip acted
+        assert plain_read > 0 and forced_read == 0, (plain_read, forced_read)
+
+
 def _resident(directory, offload):
     """Resident-memory rises (bytes) of building the optimizer (VmRSS), of building it
     and two steps (VmHWM, reset first), and of the last step() call alone (VmHWM);

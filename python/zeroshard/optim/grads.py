@@ -23,7 +23,11 @@ the ranks) are taken once per step, at the end of the backward, with one
 small all-reduce; the engine reads the non-finite check and its own
 ``clip_grad_norm_`` from them too, so neither needs a pass of its own. The
 all-reduce is waited for only by what reads them (or by the end of the
-step): a script that does not clip steps while it is in flight.
+step): a script that does not clip steps while it is in flight. A piece
+whose source copied it to host memory during the backward (ZeRO-3 offload)
+comes with its squared norm taken on the device before the copy
+(``Segment.sumsq_before_copy``), so the end of the backward reads no host
+memory for it.
 
 Before the next backward accumulates, each placeholder is swapped back for
 what the source keeps in ``p.grad`` (ZeRO-1: a view of its gradient buffer;
@@ -40,7 +44,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .. import comm
-from ..common.source import weak_hook
+from ..common.source import squared_norms, weak_hook
 
 aten = torch.ops.aten
 
@@ -116,13 +120,6 @@ def _clamp(grads, g, min=None, max=None):
     return g
 
 
-def _squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
-    """Each view's squared 2-norm, in fp32: one foreach kernel on CUDA (a norm and a
-    square per view cost every step ~300 launches at GPT-2's 148 parameters, ~3 ms of
-    host time at the end of the backward, on an H100), as torch's clip_grad_norm_ does."""
-    return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square()
-
-
 _HANDLERS: Dict[object, Callable] = {
     aten.linalg_vector_norm.default: _norm,
     aten.mul_.Tensor: _scale, aten.mul_.Scalar: _scale,
@@ -187,18 +184,23 @@ class ReducedGrads:
         source.listeners.append(weak_hook(self.backward_done))
 
     # ----------------------------------------------------------- statistics
-    def _local(self, fn) -> torch.Tensor:
+    def _local(self, fn, taken: Optional[list] = None) -> torch.Tensor:
         """``fn`` of this rank's pieces (a list of them on one device -> a 1-D fp32
-        tensor, a value each), one value per parameter (0 where none)."""
+        tensor, a value each), one value per parameter (0 where none). ``taken``: per
+        piece, its value already taken (None: not), used instead of reading the piece."""
         out = torch.zeros(len(self.params), dtype=torch.float32, device=self.source.device)
         if not self.flat:
             return out
         views = [seg.grad[a:b] for seg, a, b in self.flat]
-        if all(v.device == out.device for v in views):
+        if taken is None and all(v.device == out.device for v in views):
             out.index_add_(0, self.flat_index, fn(views))
             return out
+        taken = taken or [None] * len(views)
+        ks = [k for k, t in enumerate(taken) if t is not None]
+        if ks:
+            out.index_add_(0, self.flat_index[ks], torch.stack([taken[k] for k in ks]).to(out.device))
         for here in (True, False):   # gradient shards in host memory: their values in one copy
-            ks = [k for k, v in enumerate(views) if (v.device == out.device) == here]
+            ks = [k for k, v in enumerate(views) if (v.device == out.device) == here and taken[k] is None]
             if ks:
                 vals = fn([views[k] for k in ks]).to(out.device)
                 out.index_add_(0, self.flat_index[ks], vals)
@@ -221,7 +223,7 @@ class ReducedGrads:
         self.stale, self.coef = set(), None
         n = len(self.params)
         stats = torch.zeros(2 * n, dtype=torch.float32, device=self.source.device)
-        stats[:n] = self._local_sumsq()
+        stats[:n] = self._local_sumsq(after_backward=True)
         groups = self.source.groups
         arrived = self.source.arrived()
         known = self._trainable.issubset(arrived)
@@ -270,11 +272,18 @@ class ReducedGrads:
             self._retake()
         return self._sumsq
 
-    def _local_sumsq(self) -> torch.Tensor:
+    def _local_sumsq(self, after_backward: bool = False) -> torch.Tensor:
         """This rank's part of each parameter's squared norm, as the step will apply the
         gradient (the source's grad_scale, the engine's pending clip); summed over the ranks
-        it is the statistic. Hybrid: the replicas' shards are equal, so one replica counts."""
-        local = self._local(_squared_norms) * self.source.grad_scale ** 2
+        it is the statistic. Hybrid: the replicas' shards are equal, so one replica counts.
+        ``after_backward``: the squared norms the source took on the device before copying
+        gradient shards to host memory stand for those pieces (a pass over host memory on
+        the CPU was half of a ZeRO-3 offload backward's host time on an H200)."""
+        taken = None
+        if after_backward:
+            taken = [seg.sumsq_before_copy(a, b) for seg, a, b in self.flat]
+            taken = taken if any(t is not None for t in taken) else None
+        local = self._local(squared_norms, taken) * self.source.grad_scale ** 2
         if self.coef is not None:
             local *= self.coef.to(local.device).square()
         if self.source.groups.replica_rank != 0:

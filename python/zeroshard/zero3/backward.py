@@ -16,7 +16,7 @@ from .. import comm
 from .gather import Gatherer
 from ..offload import HostCopies
 from ..common.order import OrderedReductions
-from ..common.source import GradState
+from ..common.source import GradState, squared_norms
 from .param import ShardedTensor
 from .records import Param, Unit
 from .wrap import host_or_device_empty
@@ -160,18 +160,22 @@ class UnitBackward:
             where = torch.device("cpu") if u.grad_to_host else u.shard.device
             u.grad_shard = host_or_device_empty(u.shard_numel, where, self.device)
             u.fresh = True
+        written = u.grad_shard       # the fresh values, on the reducing device
         if u.grad_shard.device != chunk.device:      # in host memory: divide here, then to host
-            avg = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)
+            written = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)
             if u.fresh:     # asynchronous into pinned memory; _finish waits before the step reads it
-                self.host_copies.copy(u.grad_shard, avg)
+                self.host_copies.copy(u.grad_shard, written)
             else:
-                u.grad_shard.add_(avg.cpu())
+                u.grad_shard.add_(written.cpu())
         elif u.fresh and chunk.dtype == torch.float32:
             torch.div(chunk, self.divisor, out=u.grad_shard)     # one pass
         elif u.fresh:
             u.grad_shard.copy_(chunk).div_(self.divisor)          # divide in fp32
         else:
             u.grad_shard.add_(chunk.float().div_(self.divisor))
+        # the statistics' squared norms of a shard bound for host memory, taken here on the
+        # device rather than over host memory on the CPU after the backward
+        u.grad_sumsq = _sumsq_of_pieces(u, written) if u.grad_to_host and u.fresh else None
         _expose_grads(u)
         self.grad_bytes -= u.grad_flat.numel() * u.grad_flat.element_size()
         u.grad_flat = None
@@ -218,6 +222,7 @@ class UnitBackward:
     def zero_grad(self, set_to_none: bool):
         """Free (``set_to_none``) or zero the gradient shards; see FullyShard.zero_grad."""
         for u in self.units:
+            u.grad_sumsq = None
             if set_to_none or u.grad_shard is None:
                 u.grad_shard = None
                 for q in u.trainable:
@@ -241,6 +246,16 @@ class UnitBackward:
             yield
         finally:
             self.sync = old
+
+
+def _sumsq_of_pieces(u: Unit, shard: torch.Tensor) -> dict:
+    """{piece's offset in the shard: its squared norm} over ``shard``, a unit's fresh
+    averaged gradient shard (one foreach launch over the unit's pieces)."""
+    pieces = [q for q in u.trainable if q.local.numel() > 0]
+    if not pieces:
+        return {}
+    vals = squared_norms([shard[q.shard_offset:q.shard_offset + q.local.numel()] for q in pieces])
+    return {q.shard_offset: vals[k] for k, q in enumerate(pieces)}
 
 
 def _expose_grads(u: Unit):

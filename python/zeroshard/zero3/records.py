@@ -80,6 +80,9 @@ class Unit:
     # the gradient shard lives in (pinned) host memory: an optimizer steps this unit on the
     # CPU while it trains on a device ([Note: offloaded gradients] in offload/copies.py)
     grad_to_host: bool = False
+    # with grad_to_host: {piece's offset in the shard: its squared norm}, taken on the
+    # device before the copy to host by this backward's fresh reduction (None otherwise)
+    grad_sumsq: Optional[dict] = None
     full: Optional[torch.Tensor] = None         # param_dtype flat buffer; storage freed when sharded
     state: UnitState = UnitState.SHARDED
     gather: Optional[comm.CommHandle] = None

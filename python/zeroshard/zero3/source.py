@@ -124,7 +124,8 @@ class UnitSource(ShardSource):
                        q.tensor_offset) for q in run]
             self.segments.append(Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
                                          *(None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"])),
-                                         pieces=pieces, streamed=self.storage.streamed(placement)))
+                                         pieces=pieces, streamed=self.storage.streamed(placement),
+                                         norms_attr="grad_sumsq"))
         return {n: t for n, t in st.items() if t is not None}
 
     # ------------------------------------------------------- ShardSource API
