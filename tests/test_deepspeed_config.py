@@ -126,6 +126,33 @@ def test_seed_and_public_configs_parse_as_deepspeed_reads_them(tmp_path):
 
 
 # -------------------------------------------------------------- optimizer
+def test_ds_accelerator_chooses_the_device_as_in_deepspeed(monkeypatch):
+    """DS_ACCELERATOR overrides DeepSpeed's detection: "cpu" keeps the model on the CPU (and
+    the process group on gloo) even where a GPU is present, as DeepSpeed's CPU accelerator
+    does; unset, a GPU is used when there is one. (Seen on a one-GPU machine: the
+    DeepSpeed-side tests, which set DS_ACCELERATOR=cpu, met a model moved to cuda:0.)"""
+    moved = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
+    cfg = parse(dict(train_batch_size=4))
+    for value, cuda in (("cpu", False), ("CPU", False), ("", True), ("cuda", True)):
+        monkeypatch.setenv("DS_ACCELERATOR", value)
+        assert build.on_cuda() is cuda, value
+        moved.clear()
+        build.prepare_model(nn.Linear(3, 3), cfg)
+        assert bool(moved) is cuda, value
+    monkeypatch.delenv("DS_ACCELERATOR")
+    assert build.on_cuda()
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(NotImplementedError, match="DS_ACCELERATOR='xpu'.*'cuda' or 'cpu'"):
+        build.on_cuda()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    with pytest.raises(RuntimeError, match="no CUDA device.*DS_ACCELERATOR='cpu'"):
+        build.on_cuda()
+
+
 def test_the_optimizer_a_config_names_has_deepspeeds_meaning():
     assert build.config_optimizer("Adam", {"lr": 1e-3}) == (None, {"lr": 1e-3, "weight_decay": 0.0})   # AdamW mode
     assert build.config_optimizer("AdamW", {"lr": 1e-3, "torch_adam": True}) == (None, {"lr": 1e-3, "weight_decay": 0.01})

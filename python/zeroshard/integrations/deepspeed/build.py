@@ -28,6 +28,21 @@ DS_ADAM_IMPLEMENTATION = {"torch_adam", "adam_w_mode", "fp32_optimizer_states", 
 DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def on_cuda() -> bool:
+    """Whether DeepSpeed would run on CUDA here: ``DS_ACCELERATOR`` when set ("cuda" or
+    "cpu"; DeepSpeed's override of its own detection), else whether a GPU is present."""
+    want = os.environ.get("DS_ACCELERATOR", "").strip().lower()
+    if want == "cpu":
+        return False
+    if want not in ("", "cuda"):
+        raise NotImplementedError(f"DS_ACCELERATOR={want!r}: zeroshard runs on CUDA GPUs and on the CPU; "
+                                  "set it to 'cuda' or 'cpu', or leave it unset")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("DS_ACCELERATOR='cuda' but torch sees no CUDA device; set DS_ACCELERATOR='cpu' "
+                           "to train on the CPU")
+    return torch.cuda.is_available()
+
+
 def init_distributed(dist_init_required: Optional[bool]) -> None:
     """Create the default process group as DeepSpeed does: from torchrun's environment
     (NCCL with CUDA, else gloo); with no launcher, a world of one on this machine."""
@@ -41,9 +56,10 @@ def init_distributed(dist_init_required: Optional[bool]) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if torch.cuda.is_available():
+    cuda = on_cuda()
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo")
 
 
 def refuse_unsupported(model: nn.Module, mpu) -> None:
@@ -69,12 +85,13 @@ def refuse_unsupported(model: nn.Module, mpu) -> None:
 
 
 def prepare_model(model: nn.Module, cfg: Config) -> nn.Module:
-    """DeepSpeed's conversions: the model to fp16/bf16 when enabled, and onto this rank's GPU."""
+    """DeepSpeed's conversions: the model to fp16/bf16 when enabled, and onto this rank's GPU
+    (unless ``DS_ACCELERATOR=cpu``, as DeepSpeed's accelerator is then the CPU)."""
     if cfg.fp16.enabled:
         model.half()
     elif cfg.bf16:
         model.bfloat16()
-    if torch.cuda.is_available() and not any(p.is_meta for p in model.parameters()):
+    if on_cuda() and not any(p.is_meta for p in model.parameters()):
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return model
 
