@@ -115,6 +115,30 @@ def test_fill_flat_copies_sources_and_zeroes_the_rest():
     assert torch.equal(flat, want)
 
 
+def test_fill_flat_is_one_foreach_zero_and_one_foreach_copy():
+    """However many pieces and gaps: two operators at the dispatcher (a few kernel
+    launches on CUDA), not a copy per piece and a zero per gap."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from zeroshard.native.layout import fill_flat
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    flat = torch.full((100,), float("nan"))
+    pieces = [(a, torch.randn(7)) for a in range(1, 100, 10)]     # 10 pieces, 11 gaps
+    with Count() as c:
+        fill_flat(flat, pieces)
+    writes = [op for op in c.ops if op not in ("aten.slice", "aten.view")]
+    assert writes == ["aten._foreach_zero_", "aten._foreach_copy_"], c.ops
+    assert flat.isfinite().all() and flat[0] == 0 and torch.equal(flat[1:8], pieces[0][1])
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 61), st.lists(st.tuples(st.integers(0, 61), st.integers(0, 9)), max_size=8))
 def test_gaps_are_exactly_what_no_range_covers(numel, ranges):

@@ -39,11 +39,12 @@ PUBLIC = {"zeroshard", "zeroshard.comm", "zeroshard.checkpoint", "zeroshard.plan
 # not go through the communicator), the wrapper-subclass constructor of
 # p.grad's placeholder and the aten ops it answers, and the fused per-tensor
 # norm torch's own clip_grad_norm_ calls (torch.nn.utils.get_total_norm
-# returns only the total; the statistics need each parameter's).
+# returns only the total; the statistics need each parameter's), and the
+# foreach zero and copy that fill a flat buffer in a few launches.
 TORCH_INTERNALS = {"_execution_engine", "_parameters", "_buffers", "_modules", "_C", "_current_graph_task_id",
                    "_IncompatibleKeys", "_get_default_store", "_make_wrapper_subclass",
                    "_disabled_torch_function_impl", "_foreach_mul_", "_foreach_zero_",
-                   "_amp_foreach_non_finite_check_and_unscale_", "_foreach_clamp_min_", "_foreach_norm", "_foreach_clamp_max_", "_to_copy", "_get_backend", "_timeout"}
+                   "_amp_foreach_non_finite_check_and_unscale_", "_foreach_clamp_min_", "_foreach_norm", "_foreach_copy_", "_foreach_clamp_max_", "_to_copy", "_get_backend", "_timeout"}
 
 # Known exceptions, each of which must still be over its limit (so the list
 # cannot go stale): none.

@@ -110,8 +110,11 @@ def fill_flat(flat: torch.Tensor, pieces: Sequence) -> None:
     overlapping -- into ``flat`` in one pass: each source copied (cast to
     ``flat``'s dtype) at its offset, and every element no source covers
     (layout padding, tensors without a source) zeroed. Cheaper than zeroing
-    the whole buffer and then adding."""
-    for start, end in gaps(flat.numel(), [(offset, src.numel()) for offset, src in pieces]):
-        flat[start:end].zero_()
-    for offset, src in pieces:
-        flat[offset:offset + src.numel()].copy_(src)
+    the whole buffer and then adding; one foreach zero and one foreach copy, so
+    a few kernel launches on CUDA rather than one per piece and per gap (a
+    GPT-2 backward fills ~150 pieces)."""
+    holes = [flat[start:end] for start, end in gaps(flat.numel(), [(offset, src.numel()) for offset, src in pieces])]
+    if holes:
+        torch._foreach_zero_(holes)
+    if pieces:
+        torch._foreach_copy_([flat[offset:offset + src.numel()] for offset, src in pieces], [src for _, src in pieces])
