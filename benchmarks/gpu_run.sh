@@ -26,6 +26,9 @@ OUT="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
+# a process that dies of a signal prints its Python stack (the 2026-11-26 offload part
+# exited after 23 s with no output at all)
+export PYTHONFAULTHANDLER=1
 parts="${*:-build gpu suite adamw step124 step124z3 trace offload profile lightning example}"
 LIMIT="${PART_LIMIT:-300}"
 # every part ends by DEADLINE seconds after the start (one command's whole budget): a part
@@ -107,6 +110,7 @@ if go offload; then
   stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"
   timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
     --variants zeroshard-2,zeroshard-2+cpu,zeroshard-2+nvme --json "$OUT/offload124.json" 2>&1 | tee "$OUT/offload124.log" | tail -7
+  echo "offload part exit status ${PIPESTATUS[0]}"
 fi
 if go profile; then
   stamp "profile: phase times, host-device syncs (with their Python stacks) and top operators"
