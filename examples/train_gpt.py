@@ -281,9 +281,9 @@ def setup():
     import zeroshard as zs
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         zs.init_distributed("nccl", device_id=device)    # comes up again under torchrun --max-restarts
+        torch.cuda.set_device(local)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))

@@ -13,6 +13,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import zeroshard as zs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "_restart_job.py")
@@ -49,3 +52,25 @@ def test_init_distributed_outside_torchrun_and_twice(tmp_path):
         env.pop(k, None)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+def test_more_ranks_on_a_node_than_gpus_is_a_clear_error(monkeypatch):
+    """torchrun with more ranks per node than GPUs: NCCL would fail per rank, later and less
+    clearly (invalid device ordinal, duplicate GPU); init_distributed says so up front and
+    how to fix it. One rank per GPU, gloo, or hidden GPUs pass the check."""
+    from zeroshard.comm import launch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(launch.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for backend in (None, "nccl", "cpu:gloo,cuda:nccl"):
+        with pytest.raises(RuntimeError, match=r"started 2 ranks on this node but it has 1 GPU.*--nproc-per-node.*"
+                                               r"CUDA_VISIBLE_DEVICES="):
+            zs.init_distributed(backend)
+    launch.check_gpus_per_rank("gloo")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    launch.check_gpus_per_rank("nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    launch.check_gpus_per_rank("nccl")

@@ -59,6 +59,21 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def check_gpus_per_rank(backend: str) -> None:
+    """NCCL needs a GPU of its own for every rank of a node. torchrun starting more ranks
+    on a node than it has GPUs otherwise fails later and less clearly: at
+    ``set_device`` ("invalid device ordinal") or at the first collective ("Duplicate GPU
+    detected"), once per rank."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if "nccl" not in backend or not torch.cuda.is_available() or ranks <= torch.cuda.device_count():
+        return
+    raise RuntimeError(
+        f"init_distributed({backend!r}): torchrun started {ranks} ranks on this node but it has "
+        f"{torch.cuda.device_count()} GPU(s), and NCCL needs one GPU per rank; start at most "
+        f"{torch.cuda.device_count()} per node (--nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+        "to run every rank on the CPU with gloo")
+
+
 def init_distributed(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
                      device_id: Optional[torch.device] = None, **kwargs) -> dist.ProcessGroup:
     """Create the default process group, so that a job torchrun restarts comes up
@@ -85,6 +100,7 @@ def init_distributed(backend: Optional[str] = None, *, timeout: Optional[datetim
     if dist.is_initialized():
         return dist.group.WORLD
     backend = backend or default_backend()
+    check_gpus_per_rank(backend)
     timeout = timeout or DEFAULT_TIMEOUT
     prefix = attempt_prefix()
     if prefix is None:
