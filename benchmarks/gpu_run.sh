@@ -7,8 +7,8 @@
 # suite's SUITE_LIMIT), so one that hangs leaves the rest their time, and none runs past
 # DEADLINE seconds from the start. The suite runs the CPU tests with the GPU hidden
 # (the gpu part runs the GPU tests); SUITE_WORKERS sets its pytest workers and SUITE_ARGS
-# adds arguments. Wheels in
-# .whl (the integrations' pinned test dependencies) are installed apart and put first.
+# adds arguments. Wheels in .whl (the integrations' pinned test dependencies, made by
+# benchmarks/gpu_wheels.sh; carry .whl) are installed apart and put first.
 # PROFILE12 and PROFILE3 choose the profiled variants (empty: that half is skipped).
 #   bash benchmarks/gpu_run.sh build gpu adamw
 #   DEADLINE=560 bash benchmarks/gpu_run.sh build gpu suite adamw
