@@ -175,6 +175,7 @@ class ReducedGrads:
         self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
         self._inflight = None     # the statistics' all-reduce, until settle() (see backward_done)
         self._trainable = set(trainable)
+        self._subsets: Dict[tuple, torch.Tensor] = {}   # flat_index of a subset of the pieces (_index)
         self._trainable_index = torch.tensor(sorted(trainable), dtype=torch.long, device=source.device)
         # on the placeholders' parameters while they are placed (backward_done to clear):
         # a loop that zeroes its gradients after each step runs no hook in backward
@@ -198,12 +199,12 @@ class ReducedGrads:
         taken = taken or [None] * len(views)
         ks = [k for k, t in enumerate(taken) if t is not None]
         if ks:
-            out.index_add_(0, self.flat_index[ks], torch.stack([taken[k] for k in ks]).to(out.device))
+            out.index_add_(0, self._index(ks), torch.stack([taken[k] for k in ks]).to(out.device))
         for here in (True, False):   # gradient shards in host memory: their values in one copy
             ks = [k for k, v in enumerate(views) if (v.device == out.device) == here and taken[k] is None]
             if ks:
                 vals = fn([views[k] for k in ks]).to(out.device)
-                out.index_add_(0, self.flat_index[ks], vals)
+                out.index_add_(0, self._index(ks), vals)
         return out
 
     @torch.no_grad()
@@ -271,6 +272,14 @@ class ReducedGrads:
         if self.stale:
             self._retake()
         return self._sumsq
+
+    def _index(self, ks: List[int]) -> torch.Tensor:
+        """``flat_index[ks]``, kept per subset: indexing a device tensor with a list copies
+        the list to the device, a host sync, each time (the subsets repeat step to step)."""
+        key = tuple(ks)
+        if key not in self._subsets:
+            self._subsets[key] = self.flat_index[torch.tensor(ks, dtype=torch.long, device=self.flat_index.device)]
+        return self._subsets[key]
 
     def _local_sumsq(self, after_backward: bool = False) -> torch.Tensor:
         """This rank's part of each parameter's squared norm, as the step will apply the
