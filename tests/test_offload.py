@@ -198,6 +198,12 @@ def test_fully_shard_offload_params_trains_as_without_and_counts_host_bytes(worl
             assert rep["disk"] < rep["exp_avg"] + rep["exp_avg_sq"] + rep["padding"], rep
 
 
+def _grads_to_host(forced: bool):
+    """Storage.grads_to_host as it is, or forced on for every streamed placement (as on a GPU)."""
+    to_host = (lambda self, placement: self.streamed(placement)) if forced else _offload.Storage.grads_to_host
+    return mock.patch.object(_offload.Storage, "grads_to_host", to_host)
+
+
 def _host_gradient_copies(stage, fraction, directory):
     """[Note: offloaded gradients] on CPU: the gradients are host memory already, so the
     host copies are not made; forced on (as on a GPU), the step reads them. Trained with
@@ -208,8 +214,7 @@ def _host_gradient_copies(stage, fraction, directory):
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for forced in (False, True):
-        to_host = (lambda self, placement: self.streamed(placement)) if forced else _offload.Storage.grads_to_host
-        with mock.patch.object(_offload.Storage, "grads_to_host", to_host):
+        with _grads_to_host(forced):
             model = make_model()
             if stage == 3:
                 model = zs.FullyShard(model, wrap={nn.Linear})
@@ -244,9 +249,9 @@ def test_host_gradient_copies_step_exactly_as_the_device_gradients(stage, tmp_pa
 
 
 def _host_shard_statistics(directory):
-    """ZeRO-3 with offload="nvme" (the state the CPU steps window by window), each unit's gradient shard bound for host memory (forced
-    on, as on a GPU): the statistics' squared norms are taken as each unit is reduced, on
-    the reducing device, so the end of the backward reads no gradient in host memory
+    """ZeRO-3 with offload="nvme" (the state the CPU steps window by window), each unit's
+    gradient shard bound for host memory (forced on, as on a GPU): the statistics' squared
+    norms are taken as each unit is reduced, on the reducing device, so the end of the backward reads no gradient in host memory
     (over pinned memory on the CPU that was half of the host's backward on an H200).
     Returns, unforced and forced: the final parameters, the clip norms of each step, and
     how many gradient elements the statistics read after the backward."""
@@ -254,11 +259,9 @@ def _host_shard_statistics(directory):
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for forced in (False, True):
-        to_host = (lambda self, placement: self.streamed(placement)) if forced else _offload.Storage.grads_to_host
         read, real = [], grads.squared_norms
         spy = lambda views: (read.append(sum(v.numel() for v in views)), real(views))[1]   # noqa: E731
-        with mock.patch.object(_offload.Storage, "grads_to_host", to_host), \
-                mock.patch.object(grads, "squared_norms", spy):
+        with _grads_to_host(forced), mock.patch.object(grads, "squared_norms", spy):
             model = zs.FullyShard(make_model(), wrap={nn.Linear})
             opt = zs.ShardedOptimizer(param_groups(model), offload="nvme", offload_dir=directory)
             norms = []

@@ -17,9 +17,9 @@ the names below.
 """
 from .copies import HostCopies
 from .policy import NO_OFFLOAD, Offload, Placement, check_directory, choose, offloaded_params, parse
-from .storage import Storage, host_zeros, on_accelerator, placement_of, planning_for_host
+from .storage import Storage, host_empty, host_zeros, on_accelerator, placement_of, planning_for_host
 from .streamer import Streamer, window_elements
 
 __all__ = ["HostCopies", "NO_OFFLOAD", "Offload", "Placement", "check_directory", "choose", "offloaded_params",
-           "parse", "Storage", "host_zeros", "on_accelerator", "placement_of", "planning_for_host", "Streamer",
+           "parse", "Storage", "host_empty", "host_zeros", "on_accelerator", "placement_of", "planning_for_host", "Streamer",
            "window_elements"]

@@ -120,8 +120,13 @@ def on_accelerator(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "meta" and not _PLANNING_FOR_HOST.get())
 
 
-def host_zeros(n: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Zeros in host memory for state, shards or gradients of ``device``'s parameters:
+def host_empty(n: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Host memory for state, shards or gradients of ``device``'s parameters, uninitialised:
     pinned when that is CUDA, so copies to and from it run asynchronously."""
-    return torch.zeros(n, dtype=dtype, pin_memory=device.type == "cuda")
+    return torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def host_zeros(n: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """As host_empty, zeroed."""
+    return host_empty(n, device, dtype).zero_()
 

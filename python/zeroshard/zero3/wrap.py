@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..offload import host_zeros
+from ..offload import host_empty
 from ..common.claims import claimant
 from ..common.source import SUPPORTED
 from .param import ShardedParameter
@@ -228,18 +228,17 @@ def shard_device(device: torch.device, offload_params: bool) -> torch.device:
     return torch.device("cpu") if offload_params and device.type != "meta" else device
 
 
-def host_or_device_zeros(n: int, where: torch.device, device: torch.device) -> torch.Tensor:
-    """fp32 zeros on ``where``: ``device`` itself, or host memory standing in for it
-    (offload_params; pinned for CUDA)."""
-    return host_zeros(n, device) if where.type == "cpu" else torch.zeros(n, dtype=torch.float32, device=where)
-
-
 def host_or_device_empty(n: int, where: torch.device, device: torch.device) -> torch.Tensor:
-    """As host_or_device_zeros, uninitialised: for a buffer its first writer fills whole
-    (a CPU memset of a GPT-2 unit's pinned gradient shard took ~0.7 ms of host time)."""
-    if where.type == "cpu":
-        return torch.empty(n, dtype=torch.float32, pin_memory=device.type == "cuda")
-    return torch.empty(n, dtype=torch.float32, device=where)
+    """fp32 memory on ``where``, uninitialised: ``device`` itself, or host memory standing
+    in for it (offload_params, gradient shards bound for the host; pinned for CUDA). For
+    a buffer its first writer fills whole (a CPU memset of a GPT-2 unit's pinned gradient
+    shard took ~0.7 ms of host time)."""
+    return host_empty(n, device) if where.type == "cpu" else torch.empty(n, dtype=torch.float32, device=where)
+
+
+def host_or_device_zeros(n: int, where: torch.device, device: torch.device) -> torch.Tensor:
+    """As host_or_device_empty, zeroed."""
+    return host_or_device_empty(n, where, device).zero_()
 
 
 @torch.no_grad()
