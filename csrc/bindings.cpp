@@ -121,6 +121,12 @@ PYBIND11_MODULE(_C, m) {
         "The smallest piece of a reduce-scatter in pieces; returns the previous (csrc/comm.h).");
   m.def("all_gather", &all_gather, py::arg("group_name"), py::arg("input"), py::arg("output"),
         py::call_guard<py::gil_scoped_release>(), "Flat all-gather (csrc/comm.h).");
+  m.def("reduce_scatter_v", &reduce_scatter_v, py::arg("group_name"), py::arg("input"), py::arg("output"),
+        py::arg("bounds"), py::arg("average"), py::call_guard<py::gil_scoped_release>(),
+        "Reduce-scatter over uneven chunks (csrc/comm.h, [Note: uneven collectives]).");
+  m.def("all_gather_v", &all_gather_v, py::arg("group_name"), py::arg("input"), py::arg("output"),
+        py::arg("bounds"), py::call_guard<py::gil_scoped_release>(),
+        "All-gather over uneven chunks (csrc/comm.h, [Note: uneven collectives]).");
   m.def("all_reduce", &all_reduce, py::arg("group_name"), py::arg("tensor"), py::arg("average"),
         py::call_guard<py::gil_scoped_release>(), "All-reduce (csrc/comm.h).");
 }

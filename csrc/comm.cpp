@@ -122,6 +122,8 @@ using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
 constexpr int kKindReduceScatter = 1;
 constexpr int kKindAllGather = 2;
 constexpr int kKindReduceScatterPiece = 3;   // tag: the group's count of such collectives, the piece
+constexpr int kKindReduceScatterV = 4;       // [Note: uneven collectives]; tag: the flat tensor's size
+constexpr int kKindAllGatherV = 5;
 
 // [Note: reduce-scatter in pieces]
 static std::atomic<int64_t> g_rs_piece_bytes{4 << 20};   // no piece is smaller (see the Note)
@@ -608,6 +610,103 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
   return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
     at::Tensor in = backend_view(input), out = backend_view(output);
     return pg->_allgather_base(out, in);
+  });
+}
+
+// The chunks of [Note: uneven collectives], checked: `flat` is cut at `bounds`, `mine` is this rank's chunk.
+static void check_uneven(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& flat, const char* flat_name,
+                         const at::Tensor& mine, const char* mine_name, const std::vector<int64_t>& bounds) {
+  check_buffer(pg, op, flat, flat_name);
+  check_buffer(pg, op, mine, mine_name);
+  const std::string w = who(pg, op) + ": ";
+  check_same_device(mine, w + mine_name, flat, flat_name);
+  if (mine.scalar_type() != flat.scalar_type())
+    value_error(w, mine_name, " has dtype ", mine.scalar_type(), " but ", flat_name, " has dtype ",
+                flat.scalar_type(), "; both must have one dtype");
+  const int64_t world = pg.getSize(), rank = pg.getRank();
+  if (static_cast<int64_t>(bounds.size()) != world + 1 || bounds.front() != 0 || bounds.back() != flat.numel())
+    value_error(w, "bounds must hold world_size + 1 (", world + 1, ") offsets from 0 to ", flat_name, ".numel() (",
+                flat.numel(), "), got ", bounds.size(), " ending at ", bounds.empty() ? -1 : bounds.back());
+  for (int64_t r = 0; r < world; ++r)
+    if (bounds[r] > bounds[r + 1]) value_error(w, "bounds must not decrease; rank ", r, "'s chunk ends before it starts");
+  if (mine.numel() != bounds[rank + 1] - bounds[rank])
+    value_error(w, mine_name, " has ", mine.numel(), " elements but this rank's chunk has ",
+                bounds[rank + 1] - bounds[rank]);
+}
+
+Handle reduce_scatter_v(const std::string& group_name, const at::Tensor& input, const at::Tensor& output,
+                        const std::vector<int64_t>& bounds, bool average) {
+  auto pg = resolve(group_name);
+  check_uneven(*pg, "reduce_scatter", input, "input", output, "output", bounds);
+  const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
+  const int64_t world = pg->getSize(), rank = pg->getRank(), n = output.numel();
+  auto chunk = [&](const at::Tensor& t, int64_t r) { return t.narrow(0, bounds[r], bounds[r + 1] - bounds[r]); };
+  if (point_to_point(*pg, input)) {   // each peer's contribution to this chunk lands in scratch
+    const bool in_place = n > 0 && overlaps(output, input);
+    std::vector<at::Tensor> keep_alive{input, output}, addends;
+    keep_alive.push_back(at::empty({(world - 1) * n}, output.options()));
+    for (int64_t k = 1; k < world; ++k) addends.push_back(keep_alive.back().narrow(0, (k - 1) * n, n));
+    const int tag = message_tag(kKindReduceScatterV, input);
+    const at::Tensor scratch = keep_alive.back();
+    return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, std::move(keep_alive), [&] {
+      Works works;
+      for (int64_t k = 1; k < world; ++k) {
+        const int64_t from = (rank - k + world) % world, to = (rank + k) % world;
+        if (n > 0) {
+          std::vector<at::Tensor> in{backend_view(scratch.narrow(0, (k - 1) * n, n))};
+          works.push_back(pg->recv(in, static_cast<int>(from), tag));
+        }
+        if (bounds[to + 1] > bounds[to]) {
+          std::vector<at::Tensor> out{backend_view(chunk(input, to))};
+          works.push_back(pg->send(out, static_cast<int>(to), tag));
+        }
+      }
+      return works;
+    }, in_place ? at::Tensor() : chunk(input, rank), std::move(addends));
+  }
+  return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
+    std::vector<at::Tensor> outs{backend_view(output)};
+    std::vector<std::vector<at::Tensor>> ins(1);
+    const at::Tensor in = backend_view(input);
+    for (int64_t r = 0; r < world; ++r) ins[0].push_back(chunk(in, r));
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    return pg->reduce_scatter(outs, ins, opts);
+  });
+}
+
+Handle all_gather_v(const std::string& group_name, const at::Tensor& input, const at::Tensor& output,
+                    const std::vector<int64_t>& bounds) {
+  auto pg = resolve(group_name);
+  check_uneven(*pg, "all_gather", output, "output", input, "input", bounds);
+  const int64_t world = pg->getSize(), rank = pg->getRank(), n = input.numel();
+  auto chunk = [&](const at::Tensor& t, int64_t r) { return t.narrow(0, bounds[r], bounds[r + 1] - bounds[r]); };
+  if (point_to_point(*pg, output)) {
+    const at::Tensor own = chunk(output, rank);
+    if (n > 0 && own.data_ptr() != input.data_ptr()) own.copy_(input);
+    const int tag = message_tag(kKindAllGatherV, output);
+    return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
+      Works works;
+      for (int64_t k = 1; k < world; ++k) {
+        const int64_t from = (rank - k + world) % world, to = (rank + k) % world;
+        if (bounds[from + 1] > bounds[from]) {
+          std::vector<at::Tensor> in{backend_view(chunk(output, from))};
+          works.push_back(pg->recv(in, static_cast<int>(from), tag));
+        }
+        if (n > 0) {
+          std::vector<at::Tensor> out{backend_view(own)};
+          works.push_back(pg->send(out, static_cast<int>(to), tag));
+        }
+      }
+      return works;
+    });
+  }
+  return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
+    std::vector<std::vector<at::Tensor>> outs(1);
+    const at::Tensor out = backend_view(output);
+    for (int64_t r = 0; r < world; ++r) outs[0].push_back(chunk(out, r));
+    std::vector<at::Tensor> ins{backend_view(input)};
+    return pg->allgather(outs, ins);
   });
 }
 

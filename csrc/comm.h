@@ -156,6 +156,20 @@ int64_t set_reduce_scatter_piece_bytes(int64_t bytes);
 // output = concat over ranks of input. output.numel() == world * input.numel().
 Handle all_gather(const std::string& group_name, const at::Tensor& input,
                   const at::Tensor& output);
+// [Note: uneven collectives] The same two collectives over chunks of different
+// lengths: rank r's chunk of the flat tensor is [bounds[r], bounds[r + 1])
+// (bounds: world + 1 non-decreasing offsets, 0 first, the flat's numel last;
+// a chunk may be empty). FullyShard units laid out for whole-tensor
+// optimizers use them (each matrix inside its owner's chunk). gloo: point-to-
+// point messages, each rank's chunk sent to (or from) each peer once (no
+// message for an empty chunk), the peers' contributions received into
+// (world - 1) chunks of scratch; other backends: the list forms of
+// c10d's allgather / reduce_scatter (NCCL runs uneven ones as grouped
+// broadcasts / reduces).
+Handle reduce_scatter_v(const std::string& group_name, const at::Tensor& input, const at::Tensor& output,
+                        const std::vector<int64_t>& bounds, bool average);
+Handle all_gather_v(const std::string& group_name, const at::Tensor& input, const at::Tensor& output,
+                    const std::vector<int64_t>& bounds);
 // tensor = sum over ranks of tensor (divided by the world size when `average`).
 Handle all_reduce(const std::string& group_name, const at::Tensor& tensor, bool average);
 

@@ -360,3 +360,48 @@ def test_flight_record_of_a_step(dist_pool, stage):
     # numbers counted from this run's first: an earlier test's rank-0-only check-in advanced rank 0's)
     strip = [[(r["seq"] - rs[0]["seq"], r["kind"], r["what"], r["numel"]) for r in rs] for rs in records]
     assert all(s == strip[0] for s in strip)
+
+
+def _uneven():
+    """reduce_scatter / all_gather over chunks of different lengths ([Note: uneven collectives]
+    in csrc/comm.h), empty ones among them, in place and not, against torch.distributed's
+    all_reduce of the whole; bad bounds are refused naming them."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ok = []
+    g = torch.Generator().manual_seed(7)             # the same bounds on every rank
+    for trial in range(6):
+        lengths = [int(x) for x in torch.randint(0, 40, (world,), generator=g)]
+        lengths[trial % world] = 0 if trial < 2 else lengths[trial % world]    # empty chunks
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        lo, hi = bounds[rank], bounds[rank + 1]
+        x = _exact_sum_inputs(bounds[-1], torch.float32, salt=10 + trial)
+        total = x.clone()
+        dist.all_reduce(total)
+        for in_place in (False, True):
+            buf = x.clone()
+            out = buf[lo:hi] if in_place else torch.empty(hi - lo)
+            zs.reduce_scatter(buf, out, average=(trial % 2 == 1), bounds=bounds).wait()
+            ok.append(torch.equal(out, total[lo:hi] / (world if trial % 2 == 1 else 1)))
+            full = torch.full((bounds[-1],), float("nan"))
+            mine = total[lo:hi].clone()
+            if in_place:
+                full[lo:hi] = mine
+                mine = full[lo:hi]
+            zs.all_gather(mine, full, bounds=bounds).wait()
+            ok.append(torch.equal(full, total))
+    msgs = []
+    for bad in ([0] * world, [0] * (world + 1) + [1], [0, 5] + [3] * (world - 1)):
+        try:
+            zs.all_gather(torch.zeros(0), torch.zeros(bad[-1]), bounds=bad)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    return ok, msgs
+
+
+def test_uneven_reduce_scatter_and_all_gather(dist_pool):
+    for ok, msgs in dist_pool.run(_uneven):
+        assert all(ok), ok
+        assert None not in msgs and all("bounds" in m or "elements" in m for m in msgs), msgs

@@ -158,3 +158,55 @@ def test_gaps_are_exactly_what_no_range_covers(numel, ranges):
         mask[start:end] = [True] * (end - start)
     assert mask == [not t for t in taken[:numel]]
     assert all(a[1] < b[0] for a, b in zip(out, out[1:]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(-1, 6)), min_size=1, max_size=9),
+       st.integers(1, 6), st.sampled_from([1, 4, 8]))
+def test_owner_chunks_hold_each_whole_tensor_in_its_owners_chunk(specs, world, align):
+    """owner_chunks ([Note: uneven chunks] in zero3/relayout.py): tensors never overlap and
+    lie inside the flat buffer, each whole one inside its owner's chunk, every tensor and
+    chunk aligned, no padding beyond alignment, and no chunk longer than it must be: the
+    longest of its whole tensors' and the even share, plus one tensor cut at its start."""
+    from zeroshard.native.layout import owner_chunks
+    numels = [n for n, _ in specs]
+    owners = {i: r % world for i, (_, r) in enumerate(specs) if r >= 0}
+    L = owner_chunks(numels, owners, world, align)
+    b = L.bounds
+
+    def up(x):
+        return -(-x // align) * align
+    assert len(b) == world + 1 and b[0] == 0 and all(x <= y for x, y in zip(b, b[1:]))
+    spans = sorted((L.offsets[i], L.offsets[i] + n) for i, n in enumerate(numels) if n)
+    assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:])) and (not spans or spans[-1][1] <= b[-1])
+    assert all(o % align == 0 for o in L.offsets) and all(x % align == 0 for x in b[:-1])
+    assert b[-1] <= sum(up(n) for n in numels)
+    for i, r in owners.items():
+        assert numels[i] == 0 or b[r] <= L.offsets[i] and L.offsets[i] + numels[i] <= b[r + 1]
+    whole = [sum(up(numels[i]) for i, o in owners.items() if o == r) for r in range(world)]
+    share = up(-(-b[-1] // world))
+    longest_cut = max([up(n) for i, n in enumerate(numels) if i not in owners] + [0])
+    for r in range(world):
+        assert b[r + 1] - b[r] <= max(whole[r], share) + longest_cut + align, (r, b, whole, share)
+
+
+def test_owner_chunks_of_gpt_blocks_balance_the_cost():
+    """Eight GPT blocks (matrices of 3, 1, 4 and 4 units of d²), owners by LPT over all of
+    them: at 2, 3 and 4 ranks each rank's Newton-Schulz cost is the mean, and no block
+    is padded."""
+    from zeroshard.native.layout import assign_owners, owner_chunks, update_cost
+    d = 64
+    shapes = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    numels = [torch.Size(s).numel() for s in shapes]
+    mats = [k for k, s in enumerate(shapes) if len(s) == 2]
+    for world in (2, 3, 4):
+        costs = [update_cost(shapes[k]) for _ in range(8) for k in mats]
+        owners = assign_owners(costs, world)
+        load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+        assert max(load) == min(load), (world, load)
+        for blk in range(8):
+            mine = dict(zip(mats, owners[blk * len(mats):(blk + 1) * len(mats)]))
+            L = owner_chunks(numels, mine, world)
+            assert L.bounds[-1] == sum(numels)
+            assert all(L.bounds[r] <= L.offsets[k] and L.offsets[k] + numels[k] <= L.bounds[r + 1]
+                       for k, r in mine.items())

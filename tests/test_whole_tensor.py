@@ -98,22 +98,28 @@ def _groups(named, variant):
 def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False, scaler=False, options=None):
     """Params (full, by name) after STEPS steps of Muon + AdamW; ``kind``: "single"
     (one process, the whole batch), "ddp", or a zeroshard stage 1/2/3 (``options``: both
-    ShardedOptimizers' further arguments)."""
+    ShardedOptimizers' further arguments; at stage 3 FullyShard's, and ``adamw_first``:
+    build the AdamW optimizer before Muon's)."""
     torch.manual_seed(0)
     model = Net()
     rank, world = (0, 1) if kind == "single" else (dist.get_rank(), dist.get_world_size())
+    options = dict(options or {})
+    adamw_first = options.pop("adamw_first", False)
     if kind == 3:
-        model = zs.FullyShard(model, wrap={nn.Linear})
+        model = zs.FullyShard(model, wrap={nn.Linear}, **options)
     net = DDP(model, find_unused_parameters=True) if kind == "ddp" else model
     muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), variant)
     if kind in ("single", "ddp"):
         muon = cls(muon_groups, **muon_kw)
         adamw = torch.optim.AdamW(rest, foreach=False, **adamw_kw)
     else:
-        stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB, **(options or {})) if kind != 3 else {}
+        stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB, **options) if kind != 3 else {}
         vouch = dict(whole_tensor=True) if cls is Muon32 else {}
+        if adamw_first:     # (FullyShard: Muon's relayout binds it again over the new layout)
+            adamw = zs.ShardedOptimizer(rest, **adamw_kw, **stage)
         muon = zs.ShardedOptimizer(muon_groups, optimizer_class=cls, **muon_kw, **vouch, **stage)
-        adamw = zs.ShardedOptimizer(rest, **adamw_kw, **stage)
+        if not adamw_first:
+            adamw = zs.ShardedOptimizer(rest, **adamw_kw, **stage)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (muon, adamw)]
     # GradScaler over both optimizers; an inf on rank 0 at step 4 skips that step everywhere
     gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) if scaler else None
@@ -191,6 +197,48 @@ def test_muon_in_fp32_equals_ddp_to_fp32_rounding(dist_pool, stage):
         assert err < 2e-6 and noise < 2e-6, (rank, err, noise)
 
 
+@pytest.mark.parametrize("options", [dict(adamw_first=True), dict(offload_params=True),
+                                     dict(reshard_after_forward=False, prefetch=2)],
+                         ids=["adamw_first", "offload_params", "no_reshard_prefetch_2"])
+def test_fully_shard_relayout_with_the_other_optimizer_first_and_offload_equals_ddp(dist_pool, options):
+    """[Note: uneven chunks]: the units laid out for Muon's owners, with AdamW built first
+    (bound again over the new layout), with the shards in host memory, and with the
+    units kept gathered from forward to backward, still equal DDP to fp32 rounding."""
+    for rank, (err, noise, _) in enumerate(dist_pool.run(_compare, 3, "plain_match_rms", True, Muon32, options)):
+        assert err < 2e-6 and noise < 2e-6, (rank, err, noise)
+
+
+def test_fully_shard_relayout_with_hybrid_sharding_at_4_ranks():
+    """Hybrid sharding (shard_size=2 of 4): each replica lays its units out alike, the
+    momentum is held once per replica, and the result equals DDP's."""
+    results = get_pool(4).run(_compare, 3, "plain_match_rms", True, Muon32, dict(shard_size=2))
+    for rank, (err, noise, _) in enumerate(results):
+        assert err < 2e-6 and noise < 2e-6, (rank, err, noise)
+    _check(results, 4, replicas=2)
+
+
+def _relayout_after_training():
+    torch.manual_seed(0)
+    model = zs.FullyShard(Net(), wrap={nn.Linear})
+    muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
+    adamw = zs.ShardedOptimizer(rest, **adamw_kw)
+    tok, y = data(1)[0]
+    F.cross_entropy(model(tok), y).backward()
+    adamw.step()
+    adamw.zero_grad()
+    try:
+        zs.ShardedOptimizer(muon_groups, optimizer_class=torch.optim.Muon, **muon_kw)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_whole_tensor_optimizer_built_after_training_is_refused_naming_the_unit(dist_pool):
+    for rank, msg in enumerate(dist_pool.run(_relayout_after_training)):
+        assert msg is not None and f"rank {rank}" in msg and "unit 'a'" in msg and "already" in msg, msg
+        assert "before training" in msg, msg
+
+
 def _compare_scaled(stage):
     ours, _ = _train(stage, "nesterov", cls=Muon32, scaler=True)
     ddp, _ = _train("ddp", "nesterov", cls=Muon32, scaler=True)
@@ -252,9 +300,50 @@ def test_stages_1_and_2_lay_each_matrix_in_its_owners_shard_and_add_no_collectiv
         assert exchanged == [1] and windows == 1, exchanged
 
 
+def _fully_shard_step_record(whole: bool):
+    """The flight record of one step (after a first one) of Muon + AdamW (``whole``) or
+    AdamW alone over a FullyShard model: [(kind, elements)] of its unit collectives,
+    and the rest."""
+    torch.manual_seed(0)
+    model = zs.FullyShard(Net(), wrap={nn.Linear})
+    muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
+    opts = [zs.ShardedOptimizer(muon_groups, optimizer_class=torch.optim.Muon, **muon_kw),
+            zs.ShardedOptimizer(rest, **adamw_kw)] if whole else [zs.ShardedOptimizer(model.parameters(), **adamw_kw)]
+    world = dist.group.WORLD.group_name
+    for k, (tok, y) in enumerate(data(2)):
+        after = max([r["seq"] for r in zs.flight_record() if r["group"] == world], default=0)
+        F.cross_entropy(model(tok, use_extra=True), y).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    records = [r for r in zs.flight_record() if r["group"] == world and r["seq"] > after]
+    units = sorted((r["kind"], r["what"].split(", ", 1)[-1], r["numel"]) for r in records if "unit '" in r["what"])
+    rest = sorted(r["what"] for r in records if "unit '" not in r["what"])
+    return units, rest, [u.numel for u in model.units], [u.bounds is not None for u in model.units]
+
+
+def _fully_shard_sends():
+    return _fully_shard_step_record(True), _fully_shard_step_record(False)
+
+
+def test_fully_shard_muon_step_sends_what_adamw_sends(dist_pool):
+    """[Note: uneven chunks]: with the units laid out for Muon's owners, a step runs the
+    units' all-gathers and reduce-scatters alone, as with AdamW over every parameter (no
+    exchange window, no padding beyond alignment: each unit at most AdamW's length)."""
+    for (muon, adamw) in dist_pool.run(_fully_shard_sends):
+        (m_units, m_rest, m_numel, relaid), (a_units, a_rest, a_numel, _) = muon, adamw
+        # (each optimizer takes its own gradient statistics: one small all-reduce more)
+        assert [k for k, *_ in m_units] == [k for k, *_ in a_units], (m_units, a_units)
+        assert set(m_rest) == set(a_rest) == {"gradient statistics"}, m_rest
+        assert all(m <= a for m, a in zip(m_numel, a_numel)) and any(relaid), (m_numel, a_numel)
+        # (the reduce-scatters' records count the flat buffer, whatever its cut)
+        rs = [sum(n for k, _, n in units if k == "reduce_scatter") for units in (m_units, a_units)]
+        assert 0 < rs[0] <= rs[1], rs
+
+
 class Stack(nn.Module):
     """Six 16x16 matrices in one FullyShard unit: 256 elements each, so the unit's equal
-    chunks hold three whole at 2 ranks and two at 3 (4 at 4 would split them)."""
+    chunks would hold three whole at 2 ranks and two at 3 (4 at 4 would split them)."""
 
     def __init__(self):
         super().__init__()
@@ -267,8 +356,8 @@ class Stack(nn.Module):
 
 
 def _fully_shard_in_place(kind):
-    """Muon32 over a Stack unit and a 7x16 head (the root unit's only matrix: split over
-    the ranks), four steps; (full params, the rule's windowed and locally owned
+    """Muon32 over a Stack unit and a 7x16 head (the root unit's only matrix: equal chunks
+    would split it over the ranks), four steps; (full params, the rule's windowed and locally owned
     parameters) for zeroshard's FullyShard, or the params for DDP."""
     torch.manual_seed(0)
     model = nn.Sequential(Stack(), nn.Linear(16, 7, bias=False))
@@ -299,18 +388,18 @@ def _fully_shard_in_place_vs_ddp():
     return _diff(ours, ddp), windowed, home
 
 
-def test_fully_shard_steps_matrices_inside_one_chunk_in_place(dist_pool):
-    """FullyShard's equal chunks: a matrix inside one rank's chunk is owned and stepped in
-    place there, with no exchange; only the split head (parameter 6) travels in a window.
-    The result equals DDP's to fp32 rounding (Newton-Schulz in fp32)."""
+def test_fully_shard_lays_every_matrix_inside_its_owners_chunk(dist_pool):
+    """[Note: uneven chunks]: the whole-tensor optimizer lays the units out again: every
+    matrix, the head that equal chunks would split too, lies inside its owner's chunk
+    and is stepped in place there; nothing travels in a window. The result equals
+    DDP's to fp32 rounding (Newton-Schulz in fp32)."""
     results = dist_pool.run(_fully_shard_in_place_vs_ddp)
     for rank, (err, windowed, home) in enumerate(results):
         assert err < 2e-6, (rank, err)
-        assert windowed == [6], windowed
-    assert sorted(i for *_, home in results for i in home) == list(range(6))   # each once, in place
-    per_rank = 6 // dist_pool.world_size
-    assert [r[2] for r in results] == [list(range(k * per_rank, (k + 1) * per_rank))
-                                       for k in range(dist_pool.world_size)]
+        assert windowed == [], windowed
+    assert sorted(i for *_, home in results for i in home) == list(range(7))   # each once, in place
+    per_rank = [len(r[2]) for r in results]     # the six equal ones spread evenly, the head on top
+    assert max(per_rank) - min(per_rank) <= 1, per_rank
 
 
 class Lopsided(nn.Module):
@@ -358,9 +447,8 @@ def _lopsided_vs_ddp():
 
 
 def test_fully_shard_balances_the_owners_when_one_chunk_holds_every_matrix():
-    """The matrices a unit's chunk holds whole by chance stay there only while that keeps
-    the update cost balanced (within 15% of the mean): here rank 0's chunk holds all
-    four, so it gives two back, which rank 1 then owns (through the exchange)."""
+    """Equal chunks would put all four matrices in rank 0's chunk and the vector in rank
+    1's; the relayout gives each rank two, and the vector (AdamW's) fills the chunks."""
     for err, load in get_pool(2).run(_lopsided_vs_ddp):
         assert err < 2e-6, err
         assert load[0] == load[1] > 0, load

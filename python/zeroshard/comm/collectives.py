@@ -148,7 +148,8 @@ def _issue(kind: str, group, what: str, t: torch.Tensor, launch) -> Tracked:
 
 def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
                    group: Optional[dist.ProcessGroup] = None, average: bool = True,
-                   input_is_scratch: bool = False, what: str = "") -> Tracked:
+                   input_is_scratch: bool = False, what: str = "",
+                   bounds: Optional[List[int]] = None) -> Tracked:
     """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks.
 
     ``input_is_scratch=True`` lets the collective overwrite ``input`` (a CPU
@@ -157,7 +158,13 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
     scratch memory until ``wait()`` (``reduce_scatter_scratch_bytes``; large
     chunks in pieces through a few slots), or, with ``input_is_scratch``, into
     the chunks of ``input`` this rank has already sent, with at most one chunk
-    of scratch; see csrc/comm.h."""
+    of scratch; see csrc/comm.h.
+
+    ``bounds`` (world + 1 offsets): rank r's chunk is ``input[bounds[r]:bounds[r + 1]]``,
+    of any length (see [Note: uneven collectives] in csrc/comm.h); None: equal chunks."""
+    if bounds is not None:
+        return _issue("reduce_scatter", group, what, input,
+                      lambda name: _C.reduce_scatter_v(name, input, output, list(bounds), bool(average)))
     return _issue("reduce_scatter", group, what, input,
                   lambda name: _C.reduce_scatter(name, input, output, bool(average), bool(input_is_scratch)))
 
@@ -172,10 +179,15 @@ def reduce_scatter_scratch_bytes(chunk_numel: int, itemsize: int, world_size: in
 
 
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,
-               group: Optional[dist.ProcessGroup] = None, what: str = "") -> Tracked:
+               group: Optional[dist.ProcessGroup] = None, what: str = "",
+               bounds: Optional[List[int]] = None) -> Tracked:
     """``output`` = concatenation over ranks of ``input``. In place when ``input``
     is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
-    messages, faster than gloo's all-gather; see csrc/comm.h)."""
+    messages, faster than gloo's all-gather; see csrc/comm.h). ``bounds``: chunks
+    of different lengths, as for ``reduce_scatter``."""
+    if bounds is not None:
+        return _issue("all_gather", group, what, output,     # (the same size on every rank)
+                      lambda name: _C.all_gather_v(name, input, output, list(bounds)))
     return _issue("all_gather", group, what, input, lambda name: _C.all_gather(name, input, output))
 
 

@@ -22,7 +22,7 @@ import contextlib
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -157,12 +157,25 @@ class Region:
     frags: List[tuple]         # (param index, offset in param, offset in region, numel)
     values: Optional[torch.Tensor] = None  # ZeRO-1/2: this rank's master (or fp32 parameter)
                                            # shard; ZeRO-3: None (the FullyShard units hold it)
+    # chunks of different lengths (a unit laid out for a whole-tensor optimizer): rank r's
+    # is [bounds[r], bounds[r + 1]) and shard_numel this rank's length; None: equal chunks
+    bounds: Optional[List[int]] = None
+
+    def span(self, rank: int) -> Tuple[int, int]:
+        """Rank ``rank``'s chunk of the region: [start, end)."""
+        if self.bounds is not None:
+            return self.bounds[rank], self.bounds[rank + 1]
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def numel(self, world_size: int) -> int:
+        """The whole region's length (every rank's chunk)."""
+        return self.bounds[-1] if self.bounds is not None else world_size * self.shard_numel
 
     def owned(self, rank: int) -> Iterator[tuple]:
         """(param index, offset in the param, slice of the rank's shard) for each piece ``rank`` owns."""
-        lo = rank * self.shard_numel
+        lo, hi = self.span(rank)
         for i, t_off, r_off, n in self.frags:
-            a, b = max(lo, r_off), min(lo + self.shard_numel, r_off + n)
+            a, b = max(lo, r_off), min(hi, r_off + n)
             if a < b:
                 yield i, t_off + a - r_off, slice(a - lo, b - lo)
 

@@ -5,6 +5,7 @@ module turns torch dtypes into the itemsizes and keys it takes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import math
@@ -73,6 +74,19 @@ def update_cost(shape: Sequence[int]) -> int:
     return rows * cols * min(rows, cols)
 
 
+def assign_owners(costs: Sequence[int], world_size: int, load: Optional[Sequence[int]] = None) -> List[int]:
+    """The owner rank of each tensor: longest-processing-time packing (the costliest
+    first, each onto the least loaded rank, the lower rank on a tie), the same on
+    every rank. ``load``: each rank's cost already owned (default none)."""
+    load = list(load) if load is not None else [0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += costs[i]
+    return owners
+
+
 def keep_balanced(owners: Dict[int, int], costs: Dict[int, int], world_size: int,
                   tolerance: float = 0.15) -> Dict[int, int]:
     """Of ``owners`` (tensor -> the rank that holds it whole, by chance of the layout),
@@ -90,6 +104,67 @@ def keep_balanced(owners: Dict[int, int], costs: Dict[int, int], world_size: int
             del kept[i]
             load -= costs[i]
     return kept
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """A flat buffer cut into one chunk per rank, of different lengths."""
+    offsets: List[int]          # each tensor's offset in the flat buffer
+    bounds: List[int]           # rank r's chunk is [bounds[r], bounds[r + 1]); bounds[-1]: the length
+
+
+def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int, align: int = 4) -> ChunkLayout:
+    """One flat buffer (a FullyShard unit) cut into chunks of different lengths so that
+    each *whole* tensor (``owners``: tensor -> rank) lies inside its owner's chunk.
+
+    The other tensors (updated elementwise) fill the chunks up to one common length
+    where they can (a tensor may be cut between two neighbouring chunks), so the
+    chunks are as even as the whole tensors allow. Every tensor and chunk starts at
+    a multiple of ``align`` elements. The same on every rank (see [Note: uneven
+    chunks] in zero3/relayout.py)."""
+    n = world_size
+
+    def up(x: int) -> int:
+        return -(-x // align) * align
+
+    owners = {i: r for i, r in owners.items() if numels[i] > 0}
+    mine: List[List[int]] = [[] for _ in range(n)]
+    size = [0] * n
+    for i, r in owners.items():
+        mine[r].append(i)
+        size[r] += up(numels[i])
+    rest = [i for i in range(len(numels)) if i not in owners]
+    stream = sum(up(numels[i]) for i in rest)
+    lo, hi = 0, up(max(size) + stream)          # the common length the fill reaches
+    while lo < hi:
+        mid = (lo + hi) // 2 // align * align
+        if sum(max(0, mid - s) for s in size) >= stream:
+            hi = mid
+        else:
+            lo = mid + align
+    level = lo
+    offsets = [0] * len(numels)
+    bounds, pos, k, carry_end = [0], 0, 0, 0     # carry_end: the end of a tensor cut at the last bound
+    for r in range(n):
+        start, last = pos, r == n - 1
+        if carry_end > start and not mine[r] and not last and carry_end > start + level:
+            pos = start + level                  # a long tensor crosses this chunk too
+            bounds.append(pos)
+            continue
+        pos = max(pos, carry_end)
+        for i in sorted(mine[r]):
+            offsets[i] = pos
+            pos += up(numels[i])
+        end = max(start + level, pos)
+        while k < len(rest) and (pos < end or last):
+            i = rest[k]
+            offsets[i], k = pos, k + 1
+            if pos + up(numels[i]) > end and not last:
+                carry_end, pos = pos + up(numels[i]), end    # cut: its rest opens the next chunk
+                break
+            pos += up(numels[i])
+        bounds.append(pos)
+    return ChunkLayout(offsets, bounds)
 
 
 def gaps(numel: int, covered: Sequence) -> List[Tuple[int, int]]:

@@ -230,8 +230,9 @@ def gather_full(opt, rule: TorchElementwise, keep: bool) -> Optional[Dict[int, d
                 st = rule.piece_state(i, t_off)
                 if st is not None and k in st:
                     local[sl].copy_(st[k].reshape(-1))
-            gathered = torch.empty(reg.shard_numel * opt.world_size, dtype=torch.float32, device=opt.device)
-            comm.all_gather(local, gathered, group=opt.process_group, what=f"state_dict gather: {k}").wait()
+            gathered = torch.empty(reg.numel(opt.world_size), dtype=torch.float32, device=opt.device)
+            comm.all_gather(local, gathered, group=opt.process_group, bounds=reg.bounds,
+                            what=f"state_dict gather: {k}").wait()
             gathered = gathered.cpu() if keep else None
             for i, t_off, r_off, n in reg.frags if keep else ():
                 if i in full:

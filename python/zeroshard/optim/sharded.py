@@ -11,6 +11,7 @@ clipping and checkpoints are shared.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -89,9 +90,10 @@ def _adamw_defaults(given: dict, extra: dict) -> dict:
 
 
 def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple, options: dict,
-                 err) -> ShardSource:
+                 err, optimizer=None) -> ShardSource:
     """FlatReducer over plain parameters (ZeRO-1/2), UnitSource over FullyShard ones;
-    ``groups``: (process_group, shard_size, device_mesh); ``options``: the reducer's."""
+    ``groups``: (process_group, shard_size, device_mesh); ``options``: the reducer's;
+    ``optimizer``: a weak reference to the ShardedOptimizer (UnitSource)."""
     owners = [owner_of(p) for p in params]
     if all(o is None for o in owners):
         mesh = _mesh.groups(*groups, who="ShardedOptimizer")
@@ -106,7 +108,7 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
                 "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
                 "outside the wrapped blocks) and pass model.parameters()"))
     return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],
-                      options["offload"])
+                      options["offload"], options["whole"], optimizer)
 
 
 _NEW_GROUP = ("add_param_group() after the ShardedOptimizer was built: its parameters would have no place in the "
@@ -231,7 +233,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
         if not self._trainable:
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        self._source = _make_source(self._params, self._group_of, *self._binding, self._err)
+        self._source = _make_source(self._params, self._group_of, *self._binding, self._err, weakref.ref(self))
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
         self.events, self.comm_elements = self._source.events, self._source.comm_elements
@@ -266,6 +268,13 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
             self._buffers = None
         self._bind()
         claim(self, self._params)
+
+    def units_relaid(self) -> None:
+        """A whole-tensor optimizer laid the FullyShard units this optimizer steps out
+        again ([Note: uneven chunks] in zero3/relayout.py) before anything stepped:
+        bind over the new layout."""
+        self._source.release()
+        self._bind()
 
     # ------------------------------------------------- what checkpoints read
     @property

@@ -18,7 +18,8 @@ _FORMAT = "zeroshard-sharded-optimizer"
 def layout_signature(opt) -> list:
     """What a sharded state dict is only valid for: world size, rank, stage and every region's cut."""
     return [opt.world_size, opt.rank, opt.stage,
-            [[reg.shard_numel, [list(f) for f in reg.frags]] for reg in opt.regions]]
+            [[reg.shard_numel, [list(f) for f in reg.frags]] + ([reg.bounds] if reg.bounds else [])
+             for reg in opt.regions]]
 
 
 def take_hyperparameters(opt, groups: list):
@@ -100,8 +101,8 @@ def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
                        "exp_avg_sq": torch.zeros(opt.full_shape(i), dtype=torch.float32)}
     for reg in opt.regions:
         for name in ("exp_avg", "exp_avg_sq"):
-            gathered = torch.empty(reg.shard_numel * opt.world_size, dtype=torch.float32, device=opt.device)
-            comm.all_gather(getattr(reg, name).to(opt.device), gathered, group=opt.process_group,
+            gathered = torch.empty(reg.numel(opt.world_size), dtype=torch.float32, device=opt.device)
+            comm.all_gather(getattr(reg, name).to(opt.device), gathered, group=opt.process_group, bounds=reg.bounds,
                             what=f"state_dict gather: {name}").wait()
             if not keep:
                 continue

@@ -17,17 +17,20 @@ in the job, there:
   place, and the stage's parameter all-gather carries the result to every
   rank. No collective is added; the bytes sent are AdamW's (but for the
   layout's padding).
-* FullyShard's units cut their flat parameter into equal chunks: a parameter
-  that falls inside one rank's chunk is owned and stepped in place there, as
-  at ZeRO-1/2 (``whole_owner``), unless that rank already holds more than
-  its share of the update cost (``keep_balanced``). Where the layout splits a parameter, owners
-  come from longest-processing-time packing on the cost (on top of the load
-  the whole ones already put on each rank), and a step moves, window
-  by window (``plan_windows``: at most about one bucket of elements per
-  rank), each parameter's reduced gradient and fp32 value from the ranks'
-  pieces to its owner in one reduce-scatter (SUM): every rank writes its
-  pieces at their place in the owner's chunk and zeros elsewhere;
-  pieces are disjoint, so the sum is the whole tensor.
+* FullyShard's units are laid out again when this optimizer is built, each
+  parameter inside its owner's chunk ([Note: uneven chunks] in
+  zero3/relayout.py), and stepped in place there, as at ZeRO-1/2
+  (``whole_owner``).
+* A parameter the layout still splits (at ZeRO-1/2 one larger than a
+  bucket; a chunk that falls inside one rank by chance of an equal layout
+  is kept only while that rank holds at most its share of the cost,
+  ``keep_balanced``) gets its owner from longest-processing-time packing on
+  the cost (on top of the load the whole ones already put on each rank),
+  and a step moves, window by window (``plan_windows``: at most about one
+  bucket of elements per rank), each such parameter's reduced gradient and
+  fp32 value from the ranks' pieces to its owner in one reduce-scatter
+  (SUM): every rank writes its pieces at their place in the owner's chunk
+  and zeros elsewhere; pieces are disjoint, so the sum is the whole tensor.
 * The owner runs one instance of the user's class over the whole tensors it
   owns (its state, Muon's momentum or Adafactor's factors, lives there only),
   then an all-gather brings the updated values back and every rank writes its
@@ -36,7 +39,7 @@ in the job, there:
   ZeRO-3: drop the gathered copies).
 
 The price of that exchange: besides the stage's own collectives, each step
-moves the split parameters three more times (gradient and value to the
+moves the split parameters (none under FullyShard) three more times (gradient and value to the
 owner, value back) instead of running every matrix's update on every rank.
 """
 from __future__ import annotations
@@ -49,7 +52,7 @@ import torch
 
 from .. import comm
 from .grads import scaled_grad
-from ..native.layout import update_cost
+from ..native.layout import assign_owners, update_cost
 
 # torch optimizers whose update of a parameter needs the whole tensor
 WHOLE_TENSOR = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if hasattr(torch.optim, n))
@@ -58,19 +61,6 @@ MATRICES_ONLY = tuple(getattr(torch.optim, n) for n in ("Muon",) if hasattr(torc
 
 
 _PRIMES = (2, 3, 5, 7, 11, 13, 17, 19)
-
-
-def assign_owners(costs: Sequence[int], world_size: int, load: Optional[Sequence[int]] = None) -> List[int]:
-    """The owner rank of each tensor: longest-processing-time packing (the costliest
-    first, each onto the least loaded rank, the lower rank on a tie), the same on
-    every rank. ``load``: each rank's cost already owned (default none)."""
-    load = list(load) if load is not None else [0] * world_size
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
-        owners[i] = r
-        load[r] += costs[i]
-    return owners
 
 
 @dataclass

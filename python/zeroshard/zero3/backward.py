@@ -126,7 +126,7 @@ class UnitBackward:
         # overwrite the shard unless the user kept gradients from an earlier backward
         u.fresh = u.grad_shard is None
         u.reduce = comm.reduce_scatter(u.grad_flat, u.own(u.grad_flat, self.rank), group=self.group,
-                                       average=False, input_is_scratch=True,
+                                       average=False, input_is_scratch=True, bounds=u.bounds,
                                        what=self.gatherer.label(f"unit '{u.name}' reduce-scatter", phase=False))
         self.comm_elements["reduce_scatter"] += u.numel
         self.events.append(("reduce_scatter", u.name))

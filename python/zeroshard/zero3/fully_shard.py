@@ -7,7 +7,9 @@
   the unit of the nearest wrapped module that registers it; a parameter
   registered in two units (a tie across units) is an error. Each unit is laid
   out by zeroshard.compute_layout as one bucket, so each rank owns one
-  contiguous, padded, 16-byte aligned fp32 shard of it (``Unit.shard``), plus
+  contiguous, padded, 16-byte aligned fp32 shard of it (``Unit.shard``; a
+  whole-tensor optimizer lays the units holding its matrices out again, in
+  chunks of different lengths: [Note: uneven chunks] in zero3/relayout.py), plus
   an fp32 gradient shard of the same length (``Unit.grad_shard``). The
   gradient shard exists only from the unit's first reduction to
   ``zero_grad(set_to_none=True)``, which frees it, so it is not held through
@@ -73,6 +75,7 @@ from torch.utils._pytree import tree_flatten
 from ..comm import mesh as _mesh
 from . import wrap as setup
 from . import state_dict as unit_state
+from . import relayout
 from .. import comm
 from .gather import Gatherer
 from ..common.source import SUPPORTED, GradState
@@ -102,6 +105,13 @@ def _check_arguments(module, mixed_precision, prefetch) -> MixedPrecision:
 def _check_dtype(dt, what):
     if dt is not None and dt not in SUPPORTED:
         raise ValueError(f"{what} must be one of {SUPPORTED} or None, got {dt!r}")
+
+
+def _hook_outputs(out, fn):
+    """``fn()`` when the gradient of any of ``out``'s tensors is first computed."""
+    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        register_multi_grad_hook(tensors, lambda grads: fn(), mode="any")
 
 
 def _check_in_evaluation(fs):
@@ -163,16 +173,14 @@ class FullyShard(nn.Module):
         self._in_forward = False
         self._fwd_order: List[int] = []      # recorded forward order of non-root units
         self._fwd_seen: List[int] = []
-        # (weak reference to an optimizer's shard source, {unit index: its state shards}),
-        # counted by memory_report while the source is alive
-        self._optimizers = Optimizers()
+        self._optimizers = Optimizers()    # optimizers' sources (weakly) and state shards by unit
 
         self._device = setup.pick_device(module, device, self.process_group, self._err)
         self.offload_params = bool(offload_params)
         host, claimed = setup.shard_device(self._device, self.offload_params), setup.claimed(module)
-        self._units, self._named = setup.build(setup.Setup(
-            module, self._device, self.process_group, self.world_size, self.rank, self._src, self.param_dtype,
-            self._err, self.groups.every, host), wrap, FullyShard)
+        self._setup = setup.Setup(module, self._device, self.process_group, self.world_size, self.rank, self._src,
+                                  self.param_dtype, self._err, self.groups.every, host)
+        self._units, self._named = setup.build(self._setup, wrap, FullyShard)
         self._gatherer = Gatherer(self._units, device=self._device, group=self.process_group, rank=self.rank,
                                   prefetch=prefetch, events=self.events, comm_elements=self.comm_elements,
                                   err=self._err)
@@ -307,13 +315,8 @@ class FullyShard(nn.Module):
             if not grad:
                 self.invalidate()
                 return out
-        self._hook_outputs(out, lambda: self._backward.pre_backward(None))
+        _hook_outputs(out, lambda: self._backward.pre_backward(None))
         return out
-
-    def _hook_outputs(self, out, fn):
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            register_multi_grad_hook(tensors, lambda grads: fn(), mode="any")
 
     def _pre_forward(self, u: Unit):
         if not (self._in_forward or self._backward.active):
@@ -337,7 +340,7 @@ class FullyShard(nn.Module):
             with torch.no_grad():
                 self._gatherer.reshard(u)
         if grad:
-            self._hook_outputs(out, lambda u=u: self._backward.pre_backward(u))
+            _hook_outputs(out, lambda u=u: self._backward.pre_backward(u))
         return None
 
     # -------------------------------------------------------------- backward
@@ -391,10 +394,15 @@ class FullyShard(nn.Module):
         gradient shards hold their reduced values."""
         self._backward.listeners.append(fn)
 
-    def register_optimizer_states(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]]):
-        """An optimizer's state shards by unit index, counted by memory_report()
-        while ``owner`` (held weakly) is alive."""
-        self._optimizers.register(owner, states)
+    @property
+    def optimizers(self) -> Optimizers:
+        """The optimizers' sources over this model and their state shards, by unit."""
+        return self._optimizers
+
+    def lay_out_for_owners(self, costs: Dict[int, int], load: List[int], by: object):
+        """Each tensor of ``costs`` (sharded parameter id -> cost) inside one rank's chunk, for
+        the whole-tensor optimizer whose source is ``by`` ([Note: uneven chunks])."""
+        relayout.lay_out(self._setup, self._units, costs, load, self._backward, self._optimizers, by)
 
     # ------------------------------------------------------------ state dict
     def state_dict(self, *, to: Optional[int] = None, prefix: str = "", keep_vars: bool = False,

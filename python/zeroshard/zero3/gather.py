@@ -42,7 +42,8 @@ class Gatherer:
             own = u.own(u.full, self.rank)
             # (offload_params: from pinned host memory, ordered before the all-gather on the stream)
             own.copy_(u.shard, non_blocking=True)
-            u.gather = comm.all_gather(own, u.full, group=self.group, what=self.label(f"unit '{u.name}' all-gather"))
+            u.gather = comm.all_gather(own, u.full, group=self.group, bounds=u.bounds,
+                                       what=self.label(f"unit '{u.name}' all-gather"))
             self.comm_elements["all_gather"] += u.numel
             self.events.append(("all_gather", u.name))
             u.state = UnitState.GATHERING

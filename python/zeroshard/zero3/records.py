@@ -73,8 +73,11 @@ class Unit:
     name: str                     # module path, '' for the root
     module: nn.Module
     params: List[Param]
-    numel: int = 0                # padded flat size (world_size * shard_numel)
-    shard_numel: int = 0
+    numel: int = 0                # padded flat size (world_size * shard_numel, or bounds[-1])
+    shard_numel: int = 0          # this rank's chunk of it
+    # rank r's chunk is [bounds[r], bounds[r + 1]) when the unit is laid out for a
+    # whole-tensor optimizer ([Note: uneven chunks] in zero3/relayout.py); None: equal chunks
+    bounds: Optional[List[int]] = None
     shard: Optional[torch.Tensor] = None        # fp32, this rank's shard
     grad_shard: Optional[torch.Tensor] = None   # fp32, averaged gradient shard (None until reduced)
     # the gradient shard lives in (pinned) host memory: an optimizer steps this unit on the
@@ -100,8 +103,23 @@ class Unit:
     def trainable(self) -> List[Param]:   # read once the units are built (every backward)
         return [p for p in self.params if p.requires_grad]
 
+    def span(self, rank: int) -> Tuple[int, int]:
+        """Rank ``rank``'s chunk of the flat buffer: [start, end)."""
+        if self.bounds is not None:
+            return self.bounds[rank], self.bounds[rank + 1]
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
     def own(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+        lo, hi = self.span(rank)
+        return flat[lo:hi]
+
+    def holder(self, offset: int, numel: int, world_size: int) -> Optional[int]:
+        """The rank whose chunk holds all of ``[offset, offset + numel)``, else None."""
+        for r in range(world_size):
+            lo, hi = self.span(r)
+            if lo <= offset and offset + numel <= hi and hi > lo:
+                return r
+        return None
 
 
 
@@ -132,6 +150,13 @@ class Optimizers:
 
     def register(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]]):
         self._entries.append((weakref.ref(owner), states))
+
+    def unregister(self, owner: object):
+        self._entries = [(ref, st) for ref, st in self._entries if ref() is not None and ref() is not owner]
+
+    def over(self, unit_indices: set) -> list:
+        """The live optimizers (their sources) with state over any of these units."""
+        return [o for ref, st in self._entries if (o := ref()) is not None and unit_indices & set(st)]
 
     def states_by_unit(self) -> Dict[int, Dict[str, torch.Tensor]]:
         out: Dict[int, Dict[str, torch.Tensor]] = {}

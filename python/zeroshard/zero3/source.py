@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,15 @@ class UnitSource(ShardSource):
     (``owners[i]`` is the FullyShard of ``params[i]``; none is None)."""
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, groups: tuple,
-                 reduce_dtype, adam: bool = True, offload: Offload = NO_OFFLOAD):
+                 reduce_dtype, adam: bool = True, offload: Offload = NO_OFFLOAD, whole: bool = False,
+                 optimizer: Optional[Callable[[], object]] = None):
         """``groups``: the optimizer's (process_group, shard_size, device_mesh) arguments;
-        ``offload``: where the state shards of which units go ([Note: offload])."""
+        ``offload``: where the state shards of which units go ([Note: offload]);
+        ``whole``: a whole-tensor optimizer's (each of its tensors is laid inside one
+        rank's chunk first: [Note: uneven chunks] in zero3/relayout.py); ``optimizer``:
+        a weak reference to the ShardedOptimizer over this source."""
         super().__init__()
+        self._optimizer = optimizer
         self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
         for fs in owners:
             if all(fs is not o for o in self.owners):
@@ -44,6 +49,11 @@ class UnitSource(ShardSource):
         self.full_shapes, self.segments, self.regions = {}, [], []
         group = {id(params[i]): group_of[i] for i in self.trainable}
         index = self._index = {id(p): i for i, p in enumerate(params)}
+        if whole:
+            load = [0] * self.world_size
+            for fs in self.owners:
+                fs.lay_out_for_owners({id(params[i]): update_cost(params[i].shape) for i in self.trainable},
+                                      load, by=self)
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         placed = self._placements(offload, group)
         for fs in self.owners:
@@ -52,15 +62,16 @@ class UnitSource(ShardSource):
                 st = self._add_unit(u, group, index, placed.get(id(u), Placement.DEVICE))
                 if st is not None:
                     states[u.index] = st
-            fs.register_optimizer_states(self, states)
+            fs.optimizers.register(self, states)
             fs.add_grads_ready_listener(weak_hook(self._owner_ready))
         # a parameter inside one rank's chunk is whole there by chance of the units' layout: a
-        # rank holding too much of the update cost so gives some back (they are exchanged)
-        self.whole_owners = keep_balanced(self.whole_owners, {i: update_cost(s) for i, s in self.full_shapes.items()},
+        # rank holding too much of the update cost so gives some back (they are exchanged);
+        # laid out for this optimizer (``whole``), the owners are already the balanced packing's
+        self.whole_owners = self.whole_owners if whole else keep_balanced(self.whole_owners, {i: update_cost(s) for i, s in self.full_shapes.items()},
                                           self.world_size)
 
     def _owner_ready(self):
-        if self.grads_ready():      # the last of the models whose backward this step needed
+        if self.owners and self.grads_ready():     # (a released source has no owners)      # the last of the models whose backward this step needed
             self.notify_grads_ready()
 
     def err(self, msg: str) -> str:
@@ -107,11 +118,12 @@ class UnitSource(ShardSource):
               for n in ("exp_avg", "exp_avg_sq")}
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
-            if q.numel and q.offset // u.shard_numel == (q.offset + q.numel - 1) // u.shard_numel:
-                self.whole_owners[index[id(q.sharded)]] = q.offset // u.shard_numel   # inside one chunk
+            holder = u.holder(q.offset, q.numel, self.world_size) if q.numel else None
+            if holder is not None:
+                self.whole_owners[index[id(q.sharded)]] = holder     # inside one chunk
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
         self.regions.append(Region(u.shard_numel, st["exp_avg"], st["exp_avg_sq"],
-                                   [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine]))
+                                   [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine], bounds=u.bounds))
         # runs of consecutive pieces with one param group (padding between them is harmless:
         # zero parameters with zero gradients stay zero)
         pieces = sorted((q for q in u.params if q.local.numel() > 0), key=lambda q: q.shard_offset)
@@ -127,6 +139,27 @@ class UnitSource(ShardSource):
                                          pieces=pieces, streamed=self.storage.streamed(placement),
                                          norms_attr="grad_sumsq"))
         return {n: t for n, t in st.items() if t is not None}
+
+    # ------------------------------------------- a relayout by another optimizer
+    def relayout_blocker(self) -> Optional[str]:
+        """Why the units under this source cannot be laid out again, or None."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is not None and any(opt.param_steps):
+            return "another ShardedOptimizer over it has already stepped (or loaded a state)"
+        return None
+
+    def relaid(self):
+        """The units were laid out again: the optimizer binds a new source over them."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is not None:
+            opt.units_relaid()
+
+    def release(self):
+        """Inert from now on (until collected: its hooks are weak): no state counted, no
+        statistics taken after a backward (the optimizer bound a new source)."""
+        for fs in self.owners:
+            fs.optimizers.unregister(self)
+        self.owners = []
 
     # ------------------------------------------------------- ShardSource API
     def grads_ready(self) -> bool:

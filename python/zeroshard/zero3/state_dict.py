@@ -77,7 +77,7 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination) -> Optio
         if not u.params:
             continue
         flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
-        comm.all_gather(u.shard.to(fs.device), flat, group=fs.process_group,
+        comm.all_gather(u.shard.to(fs.device), flat, group=fs.process_group, bounds=u.bounds,
                         what=f"state_dict gather: unit '{u.name}'").wait()
         if not keep:
             continue

@@ -168,6 +168,11 @@ def _layout_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return param_dtype if param_dtype.itemsize < 4 else torch.float32
 
 
+def layout_align(param_dtype: torch.dtype) -> int:
+    """Elements every parameter and chunk of a unit starts at a multiple of (16 bytes of both dtypes)."""
+    return 16 // _layout_dtype(param_dtype).itemsize
+
+
 @torch.no_grad()
 def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
     """Each unit's layout, fp32 shard (rank 0's values everywhere) and full buffer;
@@ -190,11 +195,7 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
             _fill_shard(cfg, u, lo, hi)
         u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
         for q in u.params:
-            a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
-            if a >= b:                   # this rank owns none of it: an empty piece
-                a = b = lo
-            q.shard_offset, q.tensor_offset = a - lo, max(0, a - q.offset)
-            q.local = u.shard[a - lo:b - lo]
+            place_piece(u, q, lo, hi)
             q.sharded = ShardedParameter(q.local, q.shape, q.names[0], requires_grad=q.requires_grad)
             q.full = nn.Parameter(torch.empty(0, dtype=cfg.param_dtype, device=dev),
                                   requires_grad=q.requires_grad)
@@ -203,6 +204,15 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
                 mod._parameters[attr] = q.sharded
         if dev.type != "meta":
             u.full.untyped_storage().resize_(0)
+
+
+def place_piece(u: Unit, q: Param, lo: int, hi: int):
+    """``q``'s piece in this rank's chunk ``[lo, hi)`` of ``u``'s flat buffer (at ``q.offset``)."""
+    a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
+    if a >= b:                   # this rank owns none of it: an empty piece
+        a = b = lo
+    q.shard_offset, q.tensor_offset = a - lo, max(0, a - q.offset)
+    q.local = u.shard[a - lo:b - lo]
 
 
 def _fill_shard(cfg: "Setup", u: Unit, lo: int, hi: int):

@@ -1,0 +1,117 @@
+"""FullyShard units laid out again for a whole-tensor optimizer.
+
+[Note: uneven chunks] A unit's flat buffer is cut into equal chunks, one per
+rank, wherever its parameters fall. A whole-tensor optimizer (Muon,
+Adafactor: optim/whole.py) updates each of its matrices whole, on one rank;
+a matrix cut between two chunks would travel to its owner and back every
+step (gradient and value in, value out), and equal chunks cannot hold whole
+matrices without padding (a GPT block's four matrices, 3, 1, 4 and 4 units
+of d², fill neither 2 nor 4 equal chunks). So when a whole-tensor
+ShardedOptimizer is built over FullyShard parameters, each unit holding some
+of them is laid out again, before anything trains:
+
+* ``owner_chunks`` (native/layout.py) puts each of the optimizer's tensors
+  inside the chunk of its owner (longest-processing-time packing on the
+  update's cost, balanced over all the units together) and fills the chunks
+  with the unit's other parameters toward one length. The chunks then
+  differ in length (``Unit.bounds``), and the unit's all-gathers and
+  reduce-scatters run over those chunks ([Note: uneven collectives]): the
+  bytes they send are those of equal chunks, with no padding and no
+  exchange, and each owner steps its matrices in place in its shard, as
+  stages 1 and 2 do.
+* The values move once: each unit's fp32 shards are all-gathered and every
+  rank keeps its new chunk. The sharded parameters (what the modules and the
+  optimizers hold) stay the same objects, pointing at their new pieces.
+* Another ShardedOptimizer already built over a unit (AdamW over the norms
+  and biases, built first) is bound again over the new layout, if it has not
+  stepped yet; once anything has trained (a backward, a step) the layout is
+  fixed and a whole-tensor optimizer built then is refused, naming the unit.
+
+The price: the chunks of one unit, so each rank's memory for it, differ (the
+balance holds over the units together), and NCCL runs uneven collectives as
+grouped broadcasts and reduces rather than its ring kernels.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .. import comm
+from ..native.layout import assign_owners, owner_chunks
+from .records import Optimizers, Unit, UnitState
+from .wrap import Setup, host_or_device_zeros, layout_align, place_piece
+
+
+def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int], backward,
+            optimizers: Optimizers, by: object):
+    """``lay_out_for_owners`` for a FullyShard (its UnitBackward ``backward``) and the
+    whole-tensor optimizer whose source is ``by``; the other optimizers (their sources)
+    over moved units are bound again."""
+    def busy(u: Unit) -> Optional[str]:
+        if backward.active or u.state != UnitState.SHARDED:
+            return "a forward or backward is running"
+        if backward.gatherer.steps_done or u.grad_shard is not None or u.grad_flat is not None:
+            return "the model has already trained (it holds gradients, or it has stepped)"
+        return next((why for o in optimizers.over({u.index}) if o is not by and (why := o.relayout_blocker())), None)
+    moved = lay_out_for_owners(cfg, units, costs, load, busy)
+    for o in optimizers.over({u.index for u in moved}):
+        if o is not by:
+            o.relaid()
+
+
+@torch.no_grad()
+def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int],
+                       busy: Callable[[Unit], Optional[str]]) -> List[Unit]:
+    """Lay the units holding any of ``costs``' tensors (id of a sharded parameter ->
+    its update cost) out so each lies inside its owner's chunk, the owners chosen by
+    longest-processing-time packing over all of them on top of ``load`` (each rank's
+    cost already owned; updated). ``busy(u)``: why ``u`` cannot move now, or
+    None. Returns the units that moved. Collective over ``cfg.group``."""
+    whole = [q for u in units for q in u.params if id(q.sharded) in costs and q.requires_grad and q.numel]
+    owner = dict(zip(map(id, whole), assign_owners([costs[id(q.sharded)] for q in whole], cfg.world, load)))
+    for q in whole:
+        load[owner[id(q)]] += costs[id(q.sharded)]
+    moved = []
+    for u in units:
+        if not any(id(q) in owner for q in u.params):
+            continue
+        layout = owner_chunks([q.numel for q in u.params], {k: owner[id(q)] for k, q in enumerate(u.params)
+                                                            if id(q) in owner}, cfg.world, layout_align(cfg.param_dtype))
+        now = [u.span(r)[0] for r in range(cfg.world)] + [u.numel]
+        if layout.offsets == [q.offset for q in u.params] and layout.bounds == now:
+            continue
+        why = busy(u)
+        if why:
+            raise RuntimeError(cfg.err(
+                f"a whole-tensor optimizer needs FullyShard unit '{u.name}' laid out again (each of its "
+                f"tensors inside its owner's chunk), but {why}. Build the whole-tensor ShardedOptimizer "
+                "before training (before the first forward and backward)"))
+        _move(cfg, u, layout.offsets, layout.bounds)
+        moved.append(u)
+    return moved
+
+
+def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
+    """``u``'s parameters to ``offsets`` and its chunks to ``bounds``, values kept."""
+    dev = cfg.device
+    values = None
+    if dev.type != "meta":
+        values = torch.empty(u.numel, dtype=torch.float32, device=dev)
+        comm.all_gather(u.shard.to(dev), values, group=cfg.group, bounds=u.bounds,
+                        what=f"relayout: unit '{u.name}' values").wait()
+    old = [q.offset for q in u.params]
+    lo, hi = bounds[cfg.rank], bounds[cfg.rank + 1]
+    u.bounds, u.numel, u.shard_numel = list(bounds), bounds[-1], hi - lo
+    u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
+    u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
+    for q, off, was in zip(u.params, offsets, old):
+        q.offset = off
+        place_piece(u, q, lo, hi)
+        n = q.local.numel()
+        if values is not None and n:
+            q.local.copy_(values[was + q.tensor_offset:was + q.tensor_offset + n])
+        q.sharded.piece = q.local
+        q.full.data = u.full[q.offset:q.offset + q.numel].view(q.shape)
+    if dev.type != "meta":
+        u.full.untyped_storage().resize_(0)
