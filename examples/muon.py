@@ -8,10 +8,12 @@ over the hidden 2-D weight matrices, torch.optim.AdamW over everything else
 AdamW script does: each becomes a zeroshard.ShardedOptimizer over the same
 parameters, Muon through ``optimizer_class=``. Each matrix's Newton-Schulz
 update then runs once in the whole job, on the rank that owns it, and Muon's
-momentum lives on that rank only. The script trains at ZeRO-2 on N ranks,
-checks the result against plain torch in one process (the same two torch
-optimizers, whole batches), and that the momentum of every matrix is held
-exactly once. torch's Newton-Schulz runs in bf16, so a different summation
+momentum lives on that rank only. At ZeRO-3 wrap the model in FullyShard first
+and build the same two optimizers over its parameters, Muon's first (it lays
+the units out so each matrix lies inside its owner's shard). The script trains
+at ZeRO-2 and at ZeRO-3 on N ranks, checks each result against plain torch in
+one process (the same two torch optimizers, whole batches), and that the
+momentum of every matrix is held exactly once. torch's Newton-Schulz runs in bf16, so a different summation
 order alone (N ranks' gradients against one batch) moves the parameters by
 about 1% over these steps; the test suite checks equality to fp32 rounding
 with Newton-Schulz in fp32 (tests/test_whole_tensor.py).
@@ -80,40 +82,49 @@ def train(model, opts, rank=0, world=1):
             opt.zero_grad()
 
 
+def sharded_run(stage, rank, world):
+    """Trains at ``stage`` (2: ShardedOptimizer alone; 3: FullyShard too); returns the
+    held-out loss before and after, the full parameters, and the Muon optimizer."""
+    torch.manual_seed(0)
+    model = Net()
+    if stage == 3:
+        model = zeroshard.FullyShard(model, wrap={Block})    # its parameters keep their full shapes
+    hidden, rest = split(model)
+    before = held_out_loss(model)
+    stage_kw = dict(stage=stage) if stage != 3 else {}
+    muon = zeroshard.ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, lr=0.02, momentum=0.95,
+                                      **stage_kw)                                   # was: torch.optim.Muon(...)
+    adamw = zeroshard.ShardedOptimizer(rest, lr=3e-3, weight_decay=0.1, **stage_kw)  # was: torch.optim.AdamW(...)
+    train(model, [muon, adamw], rank, world)
+    return before, held_out_loss(model), model.state_dict(), muon
+
+
 def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    torch.manual_seed(0)
-    model = Net()
-    hidden, rest = split(model)
-    before = held_out_loss(model)
-    muon = zeroshard.ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, lr=0.02, momentum=0.95,
-                                      stage=2)                                      # was: torch.optim.Muon(...)
-    adamw = zeroshard.ShardedOptimizer(rest, lr=3e-3, weight_decay=0.1, stage=2)     # was: torch.optim.AdamW(...)
-    train(model, [muon, adamw], rank, world)
-    after = held_out_loss(model)
 
     torch.manual_seed(0)                # plain torch in this process, whole batches: the reference
     ref = Net()
     ref_hidden, ref_rest = split(ref)
     train(ref, [torch.optim.Muon(ref_hidden, lr=0.02, momentum=0.95),
                 torch.optim.AdamW(ref_rest, lr=3e-3, weight_decay=0.1)])
-    err = max(((p - r).norm() / r.norm()).item() for p, r in zip(model.parameters(), ref.parameters()))
-    ref_after = held_out_loss(ref)
+    ref_after, ref_params = held_out_loss(ref), ref.state_dict()
+    matrices = sum(4 * p.numel() for p in ref_hidden)
 
-    held = torch.tensor([float(muon.memory_report()["optimizer_state"])])
-    dist.all_reduce(held)               # Muon's momentum, summed over the ranks
-    matrices = sum(4 * p.numel() for p in hidden)
-    assert held.item() == matrices, f"Muon's state is {held.item():.0f} bytes over the ranks, not {matrices}"
-    assert err < 0.1, f"differs from plain torch beyond bf16's rounding (relative error {err})"
-    assert abs(after - ref_after) < 0.1 * ref_after, f"held-out loss {after:.4f}, plain torch's {ref_after:.4f}"
-    assert after < 0.5 * before, f"the loss did not go down: {before:.4f} -> {after:.4f}"
-    if rank == 0:
-        print(f"muon: Muon + AdamW at ZeRO-2 on {world} ranks: held-out loss {before:.4f} -> {after:.4f} "
-              f"(plain torch: {ref_after:.4f}; parameters' max relative error {err:.1e}); Muon's momentum held once "
-              f"({matrices:,} bytes over the ranks, rank 0 {muon.memory_report()['optimizer_state']:,})")
+    for stage in (2, 3):
+        before, after, params, muon = sharded_run(stage, rank, world)
+        err = max(((params[n] - r).norm() / r.norm()).item() for n, r in ref_params.items())
+        held = torch.tensor([float(muon.memory_report()["optimizer_state"])])
+        dist.all_reduce(held)               # Muon's momentum, summed over the ranks
+        assert held.item() == matrices, f"Muon's state is {held.item():.0f} bytes over the ranks, not {matrices}"
+        assert err < 0.1, f"ZeRO-{stage} differs from plain torch beyond bf16's rounding (relative error {err})"
+        assert abs(after - ref_after) < 0.1 * ref_after, f"held-out loss {after:.4f}, plain torch's {ref_after:.4f}"
+        assert after < 0.5 * before, f"the loss did not go down: {before:.4f} -> {after:.4f}"
+        if rank == 0:
+            print(f"muon: Muon + AdamW at ZeRO-{stage} on {world} ranks: held-out loss {before:.4f} -> {after:.4f} "
+                  f"(plain torch: {ref_after:.4f}; parameters' max relative error {err:.1e}); Muon's momentum held "
+                  f"once ({matrices:,} bytes over the ranks, rank 0 {muon.memory_report()['optimizer_state']:,})")
     dist.destroy_process_group()
 
 
