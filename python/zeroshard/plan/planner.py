@@ -207,7 +207,9 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
     the scratch zeroshard's point-to-point reduce-scatter takes on gloo
     (comm.reduce_scatter_scratch_bytes), which NCCL does not need, and plan CPU
     processes (meta stands for host memory: planning_for_host)."""
-    def scratch(numel: int, itemsize: int, in_place: bool) -> int:
+    def scratch(numel: int, itemsize: int, in_place: bool, uneven_chunk: int = -1) -> int:
+        if uneven_chunk >= 0:   # chunks of different lengths: the peers' parts of this rank's land in scratch
+            return (world_size - 1) * uneven_chunk * itemsize if gloo else 0
         return (comm.reduce_scatter_scratch_bytes(numel // world_size, itemsize, world_size, in_place,
                                                   input_is_scratch=True) if gloo else 0)
 
@@ -231,7 +233,8 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                        transient=gathered + ri * (fs.units[0].numel + (biggest.numel if biggest else 0)),
                        fixed=rep["root_gathered"], policy=Policy(
                            [Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel,
-                                       scratch(u.numel, ri, True)) for u in order],
+                                       scratch(u.numel, ri, True, -1 if u.bounds is None else u.shard_numel))
+                            for u in order],
                            inflight=_FS_INFLIGHT, first=0, prefetch=prefetch,
                            gathers=[Gather(u.name, u.numel * pdt.itemsize, [q.names[0] for q in u.trainable])
                                     for u in fs.units[1:]]))
