@@ -28,6 +28,7 @@ import sys
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,6 +73,17 @@ class Overflow(LitGPT):
         return loss * float("inf") if scaler is not None and self.trainer.fit_loop.total_batch_idx == 2 else loss
 
 
+class RankOverflow(LitGPT):
+    """Under a GradScaler, rank 0's third micro-batch alone has an infinite loss: every rank
+    must skip that step and back off the scale, as DDPStrategy's all-reduce makes them."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        overflow = scaler is not None and self.trainer.fit_loop.total_batch_idx == 2 and self.trainer.global_rank == 0
+        return loss * float("inf") if overflow else loss
+
+
 class Record(Callback):
     """The logged (rank-averaged) loss, the learning rate and zeroshard's reduce-scattered
     elements so far after every micro-batch, and the logged validation loss of every epoch."""
@@ -105,7 +117,7 @@ def full_params(trainer) -> dict:
 
 
 def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=True, precision="32-true",
-        clip="norm", accelerator="cpu"):
+        clip="norm", accelerator="cpu", plugins=None):
     world = int(os.environ["WORLD_SIZE"])
     L.seed_everything(0)           # also the seed of the samplers' shuffling
     torch.manual_seed(seed)        # a resumed run starts from other weights: the checkpoint's must load
@@ -118,7 +130,7 @@ def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=Tru
                       ModelCheckpoint(dirpath=os.path.join(ckpt_dir, "best"), monitor="val_loss", save_top_k=1,
                                       save_last=True)]
     trainer = L.Trainer(strategy=strategy, accelerator=accelerator, devices=world, max_epochs=EPOCHS,
-                        precision=precision,
+                        precision=None if plugins else precision, plugins=plugins,
                         gradient_clip_val=0.5 if clip == "norm" else 0.01, gradient_clip_algorithm=clip,
                         accumulate_grad_batches=2, logger=False, callbacks=callbacks,
                         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
@@ -176,6 +188,11 @@ def main():
     else:
         for name, strategy in (("ddp", "ddp"), ("stage2", "zeroshard_stage_2"), ("stage3", "zeroshard_stage_3")):
             out[f"{name}-bf16"] = run(strategy, precision="bf16-mixed", predict=False)
+        for name, strategy in (("ddp", "ddp"), ("stage2", "zeroshard_stage_2"), ("stage3", "zeroshard_stage_3")):
+            # fp16 autocast and Lightning's GradScaler on the CPU (its precision="16-mixed" means
+            # bf16 there, so the plugin is passed as an instance)
+            out[f"{name}-fp16"] = run(strategy, cls=RankOverflow, predict=False,
+                                      plugins=[MixedPrecision("16-mixed", "cpu")])
         for name in ("zeroshard_stage_2_offload", "zeroshard_stage_3_offload"):
             out[name] = run(name, predict=False)
         for name, strategy in (("ddp", "ddp"), ("stage3", "zeroshard_stage_3")):

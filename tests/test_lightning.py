@@ -7,7 +7,7 @@ resumes the checkpoint world size 2 saved. The parent compares: examples/lightni
 GPT at stages 1, 2 and 3 (accumulation 2, clipping, a warmup schedule per step, validation
 and sync_dist logging, predict) gives DDPStrategy's logged losses, learning rates,
 validation losses, predictions and final parameters within 1e-5; bf16-mixed stays within
-DDP's own bf16 noise; a resume from an epoch-end checkpoint equals the uninterrupted run
+DDP's own bf16 noise; 16-mixed (fp16 on the CPU) skips the step one rank overflowed on every rank; a resume from an epoch-end checkpoint equals the uninterrupted run
 exactly, and within 1e-5 from 2 ranks to 3 (stage 3 to stages 3 and 2); ModelCheckpoint's
 top-k and last are directories; convert_checkpoint's file loads with load_from_checkpoint.
 """
@@ -66,6 +66,20 @@ def test_bf16_mixed_within_ddp_strategys_own_noise(results, stage):
     assert worst(r[f"{stage}-bf16"]["params"], r["ddp-bf16"]["params"]) <= noise
     assert close(r[f"{stage}-bf16"]["losses"], r["ddp-bf16"]["losses"], tol=max(abs(a - b) for a, b in zip(
         r["ddp-bf16"]["losses"], r["ddp"]["losses"])))
+
+
+@pytest.mark.parametrize("stage", ["stage2", "stage3"])
+def test_16_mixed_skips_the_step_one_rank_overflowed_on_every_rank(results, stage):
+    """16-mixed (fp16 autocast, Lightning's GradScaler) with rank 0's third micro-batch
+    infinite: as under DDPStrategy, every rank skips that step (the same steps, the scale
+    backed off from 2^16 alike), and the parameters stay within DDPStrategy's own distance
+    between its 16-mixed and 32-true runs."""
+    r = results[2]
+    ours, half, ref = r[f"{stage}-fp16"], r["ddp-fp16"], r["ddp"]
+    assert half["scale"] is not None and half["scale"] < 2.0 ** 16, half["scale"]
+    assert ours["scale"] == half["scale"] and ours["steps"] == half["steps"], (ours["scale"], ours["steps"])
+    noise = worst(half["params"], ref["params"])
+    assert noise > 0 and worst(ours["params"], half["params"]) <= noise, (worst(ours["params"], half["params"]), noise)
 
 
 @pytest.mark.parametrize("name", ["zeroshard_stage_2_offload", "zeroshard_stage_3_offload"])

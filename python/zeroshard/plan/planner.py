@@ -199,6 +199,16 @@ def _report(opts: List[ShardedOptimizer], stage: int) -> Dict[str, int]:
     return {k: sum(r.get(k, 0) for r in reps) for k in set().union(*reps)}
 
 
+def _rs_scratch(numel: int, itemsize: int, world_size: int, in_place: bool, uneven_chunk: int) -> int:
+    """Scratch bytes of a reduce-scatter of ``numel`` elements on gloo; ``uneven_chunk`` >= 0:
+    over chunks of different lengths, this rank's of that many elements (the peers' parts
+    of it land in scratch: [Note: uneven collectives] in csrc/comm.h)."""
+    if uneven_chunk >= 0:
+        return (world_size - 1) * uneven_chunk * itemsize
+    return comm.reduce_scatter_scratch_bytes(numel // world_size, itemsize, world_size, in_place,
+                                             input_is_scratch=True)
+
+
 def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: str, wrap: tuple,
               bucket_mb: float, prefetch: int, offload: dict, gloo: bool = False,
               optimizer: str = "adamw") -> Dict[str, object]:
@@ -208,10 +218,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
     (comm.reduce_scatter_scratch_bytes), which NCCL does not need, and plan CPU
     processes (meta stands for host memory: planning_for_host)."""
     def scratch(numel: int, itemsize: int, in_place: bool, uneven_chunk: int = -1) -> int:
-        if uneven_chunk >= 0:   # chunks of different lengths: the peers' parts of this rank's land in scratch
-            return (world_size - 1) * uneven_chunk * itemsize if gloo else 0
-        return (comm.reduce_scatter_scratch_bytes(numel // world_size, itemsize, world_size, in_place,
-                                                  input_is_scratch=True) if gloo else 0)
+        return _rs_scratch(numel, itemsize, world_size, in_place, uneven_chunk) if gloo else 0
 
     pdt = torch_dtype(dtype)
     with _fake_world(rank, world_size), (planning_for_host() if gloo else contextlib.nullcontext()):
