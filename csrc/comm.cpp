@@ -53,8 +53,9 @@ void check_buffer(const c10d::ProcessGroup& pg, const char* op, const at::Tensor
     value_error(n, " is on ", t.device(), "; collectives take CPU (gloo) or CUDA (NCCL) tensors");
 }
 
-void check_pair(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& big,
-                const char* big_name, const at::Tensor& small, const char* small_name) {
+// Both buffers of a collective: each valid, one device, one dtype.
+static void check_alike(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& big,
+                        const char* big_name, const at::Tensor& small, const char* small_name) {
   check_buffer(pg, op, big, big_name);
   check_buffer(pg, op, small, small_name);
   const std::string w = who(pg, op) + ": ";
@@ -62,6 +63,12 @@ void check_pair(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& 
   if (small.scalar_type() != big.scalar_type())
     value_error(w, small_name, " has dtype ", small.scalar_type(), " but ", big_name,
                 " has dtype ", big.scalar_type(), "; both must have one dtype");
+}
+
+void check_pair(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& big,
+                const char* big_name, const at::Tensor& small, const char* small_name) {
+  check_alike(pg, op, big, big_name, small, small_name);
+  const std::string w = who(pg, op) + ": ";
   if (big.numel() != small.numel() * pg.getSize())
     value_error(w, big_name, " has ", big.numel(), " elements and ", small_name, " has ",
                 small.numel(), "; need ", big_name, ".numel() == world_size (", pg.getSize(),
@@ -178,7 +185,9 @@ static bool point_to_point(c10d::ProcessGroup& pg, const at::Tensor& t) {
 }
 
 // N-1 steps, all in flight at once: at step k this rank receives from rank - k
-// into `into(from)` and sends `from_here(to)` to rank + k.
+// into `into(from)` and sends `from_here(to)` to rank + k. An empty message is
+// not posted (its peer's matching one is empty too: both sizes come from the
+// same chunk).
 template <typename Into, typename FromHere>
 static Works exchange(c10d::ProcessGroup& pg, int tag, Into&& into, FromHere&& from_here) {
   const int64_t world = pg.getSize(), rank = pg.getRank();
@@ -186,9 +195,9 @@ static Works exchange(c10d::ProcessGroup& pg, int tag, Into&& into, FromHere&& f
   for (int64_t k = 1; k < world; ++k) {
     const int64_t from = (rank - k + world) % world, to = (rank + k) % world;
     std::vector<at::Tensor> in{backend_view(into(from))};
-    works.push_back(pg.recv(in, static_cast<int>(from), tag));
+    if (in[0].numel() > 0) works.push_back(pg.recv(in, static_cast<int>(from), tag));
     std::vector<at::Tensor> out{backend_view(from_here(to))};
-    works.push_back(pg.send(out, static_cast<int>(to), tag));
+    if (out[0].numel() > 0) works.push_back(pg.send(out, static_cast<int>(to), tag));
   }
   return works;
 }
@@ -616,13 +625,8 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
 // The chunks of [Note: uneven collectives], checked: `flat` is cut at `bounds`, `mine` is this rank's chunk.
 static void check_uneven(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& flat, const char* flat_name,
                          const at::Tensor& mine, const char* mine_name, const std::vector<int64_t>& bounds) {
-  check_buffer(pg, op, flat, flat_name);
-  check_buffer(pg, op, mine, mine_name);
+  check_alike(pg, op, flat, flat_name, mine, mine_name);
   const std::string w = who(pg, op) + ": ";
-  check_same_device(mine, w + mine_name, flat, flat_name);
-  if (mine.scalar_type() != flat.scalar_type())
-    value_error(w, mine_name, " has dtype ", mine.scalar_type(), " but ", flat_name, " has dtype ",
-                flat.scalar_type(), "; both must have one dtype");
   const int64_t world = pg.getSize(), rank = pg.getRank();
   if (static_cast<int64_t>(bounds.size()) != world + 1 || bounds.front() != 0 || bounds.back() != flat.numel())
     value_error(w, "bounds must hold world_size + 1 (", world + 1, ") offsets from 0 to ", flat_name, ".numel() (",
@@ -647,22 +651,11 @@ Handle reduce_scatter_v(const std::string& group_name, const at::Tensor& input, 
     keep_alive.push_back(at::empty({(world - 1) * n}, output.options()));
     for (int64_t k = 1; k < world; ++k) addends.push_back(keep_alive.back().narrow(0, (k - 1) * n, n));
     const int tag = message_tag(kKindReduceScatterV, input);
-    const at::Tensor scratch = keep_alive.back();
     return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, std::move(keep_alive), [&] {
-      Works works;
-      for (int64_t k = 1; k < world; ++k) {
-        const int64_t from = (rank - k + world) % world, to = (rank + k) % world;
-        if (n > 0) {
-          std::vector<at::Tensor> in{backend_view(scratch.narrow(0, (k - 1) * n, n))};
-          works.push_back(pg->recv(in, static_cast<int>(from), tag));
-        }
-        if (bounds[to + 1] > bounds[to]) {
-          std::vector<at::Tensor> out{backend_view(chunk(input, to))};
-          works.push_back(pg->send(out, static_cast<int>(to), tag));
-        }
-      }
-      return works;
-    }, in_place ? at::Tensor() : chunk(input, rank), std::move(addends));
+      // rank - k's contribution (step k) lands in addends[k - 1]
+      return exchange(*pg, tag, [&](int64_t from) { return addends[(rank - from - 1 + world) % world]; },
+                      [&](int64_t to) { return chunk(input, to); });
+    }, in_place ? at::Tensor() : chunk(input, rank), addends);
   }
   return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
     std::vector<at::Tensor> outs{backend_view(output)};
@@ -686,19 +679,7 @@ Handle all_gather_v(const std::string& group_name, const at::Tensor& input, cons
     if (n > 0 && own.data_ptr() != input.data_ptr()) own.copy_(input);
     const int tag = message_tag(kKindAllGatherV, output);
     return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
-      Works works;
-      for (int64_t k = 1; k < world; ++k) {
-        const int64_t from = (rank - k + world) % world, to = (rank + k) % world;
-        if (bounds[from + 1] > bounds[from]) {
-          std::vector<at::Tensor> in{backend_view(chunk(output, from))};
-          works.push_back(pg->recv(in, static_cast<int>(from), tag));
-        }
-        if (n > 0) {
-          std::vector<at::Tensor> out{backend_view(own)};
-          works.push_back(pg->send(out, static_cast<int>(to), tag));
-        }
-      }
-      return works;
+      return exchange(*pg, tag, [&](int64_t from) { return chunk(output, from); }, [&](int64_t) { return own; });
     });
   }
   return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {

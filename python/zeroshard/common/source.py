@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..comm.mesh import Groups
 from ..offload import Placement, Storage, placement_of
+from ..native.layout import chunk_span
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
 
@@ -163,9 +164,7 @@ class Region:
 
     def span(self, rank: int) -> Tuple[int, int]:
         """Rank ``rank``'s chunk of the region: [start, end)."""
-        if self.bounds is not None:
-            return self.bounds[rank], self.bounds[rank + 1]
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+        return chunk_span(self.bounds, self.shard_numel, rank)
 
     def numel(self, world_size: int) -> int:
         """The whole region's length (every rank's chunk)."""

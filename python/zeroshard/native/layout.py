@@ -106,6 +106,14 @@ def keep_balanced(owners: Dict[int, int], costs: Dict[int, int], world_size: int
     return kept
 
 
+def chunk_span(bounds: Optional[Sequence[int]], shard_numel: int, rank: int) -> Tuple[int, int]:
+    """Rank ``rank``'s chunk ``[start, end)`` of a flat buffer cut at ``bounds`` (world + 1
+    offsets), or into equal chunks of ``shard_numel`` when ``bounds`` is None."""
+    if bounds is not None:
+        return bounds[rank], bounds[rank + 1]
+    return rank * shard_numel, (rank + 1) * shard_numel
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """A flat buffer cut into one chunk per rank, of different lengths."""

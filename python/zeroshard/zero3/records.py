@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..native.layout import chunk_span
 
 # sharded parameter id -> (weakref to it, weakref to its FullyShard)
 _OWNERS: Dict[int, tuple] = {}
@@ -105,9 +106,7 @@ class Unit:
 
     def span(self, rank: int) -> Tuple[int, int]:
         """Rank ``rank``'s chunk of the flat buffer: [start, end)."""
-        if self.bounds is not None:
-            return self.bounds[rank], self.bounds[rank + 1]
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+        return chunk_span(self.bounds, self.shard_numel, rank)
 
     def own(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         lo, hi = self.span(rank)
