@@ -6,8 +6,20 @@ peak memory, in one torchrun launch.
 The module is the benchmarks' GPT (benchmarks/gpt.py) with AdamW (lr 3e-4, weight decay
 0.1), clipping at 1.0, one micro-batch per step; the Trainer is the same for every row
 but ``strategy=``: Lightning's DDPStrategy, ``"zeroshard_stage_2"``, ``"zeroshard_stage_3"``
-and, where Lightning runs them (they need CUDA GPUs: on CPU their rows say so),
-FSDPStrategy and DeepSpeedStrategy at stages 2 and 3.
+and Lightning's FSDPStrategy (FULL_SHARD and SHARD_GRAD_OP, ``auto_wrap_policy={Block}``)
+and DeepSpeedStrategy at stages 2 and 3.
+
+Lightning accepts FSDPStrategy and DeepSpeedStrategy on CUDA only, while torch's FSDP and
+DeepSpeed (``DS_ACCELERATOR=cpu``) themselves train on the CPU with gloo. On a machine without
+CUDA the two rows therefore use the subclasses below, which change only what stands between
+Lightning and the CPU: FSDPStrategy's model is wrapped with ``device_id=cpu`` (Lightning passes
+the device's index, None on the CPU, which torch's FSDP refuses), and DeepSpeedStrategy skips
+Lightning's CUDA-only check and reports the local rank as its device index (which DeepSpeed's
+engine reads). Everything else (optimizer setup, precision, clipping, the loop) is Lightning's.
+Lightning's FSDPPrecision refuses ``gradient_clip_algorithm="norm"``; for FSDP the module clips
+with torch's ``FullyShardedDataParallel.clip_grad_norm_`` (the global norm), as Lightning's docs
+advise, so every row clips at 1.0 by the global norm. "last loss" is rank 0's loss at the last
+step of the last round: the same data, seed and steps in every row, so the rows train alike.
 
 "step ms": the median, over rounds, of each strategy's median step time on rank 0 (from
 the start of a training batch to its end, after warmup steps); the strategies take
@@ -29,17 +41,22 @@ import time
 import warnings
 from datetime import date
 
-import lightning as L
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when DeepSpeedStrategy first imports deepspeed
+
+import lightning as L
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_memory import TensorBytes  # noqa: E402
-from gpt import GPT, Block, GPTConfig  # noqa: E402
-from machine import machine_info  # noqa: E402
-
-import zeroshard.integrations.lightning  # noqa: E402,F401  registers strategy="zeroshard..."
+import zeroshard.integrations.lightning  # noqa: F401  registers strategy="zeroshard..."
+from cpu_memory import TensorBytes
+from gpt import GPT, Block, GPTConfig
+from machine import machine_info
 
 
 class LitGPT(L.LightningModule):
@@ -53,30 +70,68 @@ class LitGPT(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if isinstance(self.trainer.strategy, FSDPStrategy):  # FSDPPrecision refuses "norm": FSDP's own global norm
+            self.trainer.model.clip_grad_norm_(gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+class FSDPOnCPU(FSDPStrategy):
+    """Lightning's FSDPStrategy with torch's FSDP given the CPU device (see the module's docstring)."""
+
+    def _setup_model(self, model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                                         **self.kwargs)
+        return super()._setup_model(model)  # Lightning's own steps for a module the user wrapped
+
+
+class DeepSpeedOnCPU(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy past its CUDA-only checks (see the module's docstring)."""
+
+    @property
+    def root_device(self):
+        return torch.device("cpu", self.local_rank)  # DeepSpeed's engine takes the index as its local rank
+
+    def setup_environment(self):
+        DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's own refuses any accelerator but CUDA
+
+    def setup_distributed(self):
+        reset_seed()  # as DeepSpeedStrategy's, without its check that device indices are local ranks
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
 
 class StepTimes(Callback):
     def __init__(self):
-        self.times, self.t0 = [], 0.0
+        self.times, self.t0, self.loss = [], 0.0, float("nan")
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter() - self.t0)
+        self.loss = float(outputs["loss"])
+
+
+# DeepSpeedStrategy's buckets default to 2e8 elements (800 MB in fp32), which dominate the peak of
+# a small model; these rows give DeepSpeed zeroshard's default bucket of 25 MB (in fp32 elements).
+DS_25MB = {"reduce_bucket_size": 25 * 2**20 // 4, "allgather_bucket_size": 25 * 2**20 // 4}
 
 
 def strategies(cuda: bool) -> dict:
-    """{row: the Trainer's strategy argument, or why it does not run here}."""
-    rows = {"ddp": "ddp", "zeroshard stage 2": "zeroshard_stage_2", "zeroshard stage 3": "zeroshard_stage_3"}
-    if cuda:
-        from lightning.pytorch.strategies import FSDPStrategy
-        rows.update({"fsdp (FULL_SHARD)": FSDPStrategy(auto_wrap_policy={Block}), "fsdp (SHARD_GRAD_OP)":
-                     FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP"),
-                     "deepspeed stage 2": "deepspeed_stage_2", "deepspeed stage 3": "deepspeed_stage_3"})
-    else:
-        rows.update({name: "needs CUDA GPUs (Lightning refuses it on CPU)" for name in
-                     ("fsdp (FULL_SHARD)", "deepspeed stage 2", "deepspeed stage 3")})
-    return rows
+    """{row: a function making the Trainer's strategy argument}: a fresh one for every fit."""
+    fsdp, deepspeed = (FSDPStrategy, DeepSpeedStrategy) if cuda else (FSDPOnCPU, DeepSpeedOnCPU)
+    return {"ddp": lambda: "ddp", "zeroshard stage 2": lambda: "zeroshard_stage_2",
+            "zeroshard stage 3": lambda: "zeroshard_stage_3",
+            "fsdp (FULL_SHARD)": lambda: fsdp(auto_wrap_policy={Block}),
+            "fsdp (SHARD_GRAD_OP)": lambda: fsdp(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP"),
+            "deepspeed stage 2": lambda: deepspeed(stage=2), "deepspeed stage 3": lambda: deepspeed(stage=3),
+            "deepspeed stage 2, 25 MB buckets": lambda: deepspeed(stage=2, **DS_25MB),
+            "deepspeed stage 3, 25 MB buckets": lambda: deepspeed(stage=3, **DS_25MB)}
 
 
 def fit(strategy, steps: int, batch: int, cuda: bool, callbacks=()):
@@ -104,29 +159,23 @@ def peak_mb(strategy, batch: int, cuda: bool) -> float:
 
 
 def measure(rows: dict, args, cuda: bool) -> dict:
-    runnable = {k: v for k, v in rows.items() if not (isinstance(v, str) and " " in v)}
-    per_round = {k: [] for k in runnable}
+    per_round, loss = {k: [] for k in rows}, {}
     for _ in range(args.rounds):
-        for name, strategy in runnable.items():
+        for name, make in rows.items():
             rec = StepTimes()
-            fit(strategy, args.warmup + args.steps, args.batch, cuda, [rec])
+            fit(make(), args.warmup + args.steps, args.batch, cuda, [rec])
             per_round[name].append(statistics.median(rec.times[args.warmup:]))
-    out = {}
-    for name, strategy in rows.items():
-        out[name] = {"skipped": strategy} if name not in runnable else {
-            "step_ms": statistics.median(per_round[name]) * 1e3,
-            "vs_ddp": statistics.median(a / b for a, b in zip(per_round[name], per_round["ddp"])),
-            "tensor_mb": peak_mb(strategy, args.batch, cuda)}
-    return out
+            loss[name] = rec.loss
+    return {name: {"step_ms": statistics.median(per_round[name]) * 1e3,
+                   "vs_ddp": statistics.median(a / b for a, b in zip(per_round[name], per_round["ddp"])),
+                   "tensor_mb": peak_mb(make(), args.batch, cuda), "last_loss": loss[name]}
+            for name, make in rows.items()}
 
 
 def table(rows: dict) -> str:
-    lines = ["| strategy | step ms | vs ddp (paired) | tensor MB |", "|---|---:|---:|---:|"]
+    lines = ["| strategy | step ms | vs ddp (paired) | tensor MB | last loss |", "|---|---:|---:|---:|---:|"]
     for name, r in rows.items():
-        if "skipped" in r:
-            lines.append(f"| {name} | ({r['skipped']}) | — | — |")
-        else:
-            lines.append(f"| {name} | {r['step_ms']:.1f} | {r['vs_ddp']:.2f}x | {r['tensor_mb']:.1f} |")
+        lines.append(f"| {name} | {r['step_ms']:.1f} | {r['vs_ddp']:.2f}x | {r['tensor_mb']:.1f} | {r['last_loss']:.4f} |")
     return "\n".join(lines)
 
 
