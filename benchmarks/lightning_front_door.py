@@ -17,8 +17,8 @@ the device's index, None on the CPU, which torch's FSDP refuses), and DeepSpeedS
 Lightning's CUDA-only check and reports the local rank as its device index (which DeepSpeed's
 engine reads). Everything else (optimizer setup, precision, clipping, the loop) is Lightning's.
 Lightning's FSDPPrecision refuses ``gradient_clip_algorithm="norm"``; for FSDP the module clips
-with torch's ``FullyShardedDataParallel.clip_grad_norm_`` (the global norm), as Lightning's docs
-advise, so every row clips at 1.0 by the global norm. "last loss" is rank 0's loss at the last
+with torch's ``FullyShardedDataParallel.clip_grad_norm_`` (the global norm), the call that
+FSDPPrecision's source names, so every row clips at 1.0 by the global norm. "last loss" is rank 0's loss at the last
 step of the last round: the same data, seed and steps in every row, so the rows train alike.
 
 "step ms": the median, over rounds, of each strategy's median step time on rank 0 (from
