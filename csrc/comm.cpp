@@ -622,6 +622,18 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
   });
 }
 
+// Rank r's chunk of a flat tensor cut at `bounds` ([Note: uneven collectives]).
+static at::Tensor chunk_of(const at::Tensor& t, const std::vector<int64_t>& bounds, int64_t r) {
+  return t.narrow(0, bounds[r], bounds[r + 1] - bounds[r]);
+}
+
+// Every rank's chunk, in rank order (the list forms of c10d's collectives).
+static std::vector<at::Tensor> chunks_of(const at::Tensor& t, const std::vector<int64_t>& bounds) {
+  std::vector<at::Tensor> out;
+  for (size_t r = 0; r + 1 < bounds.size(); ++r) out.push_back(chunk_of(t, bounds, static_cast<int64_t>(r)));
+  return out;
+}
+
 // The chunks of [Note: uneven collectives], checked: `flat` is cut at `bounds`, `mine` is this rank's chunk.
 static void check_uneven(const c10d::ProcessGroup& pg, const char* op, const at::Tensor& flat, const char* flat_name,
                          const at::Tensor& mine, const char* mine_name, const std::vector<int64_t>& bounds) {
@@ -644,7 +656,6 @@ Handle reduce_scatter_v(const std::string& group_name, const at::Tensor& input, 
   check_uneven(*pg, "reduce_scatter", input, "input", output, "output", bounds);
   const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
   const int64_t world = pg->getSize(), rank = pg->getRank(), n = output.numel();
-  auto chunk = [&](const at::Tensor& t, int64_t r) { return t.narrow(0, bounds[r], bounds[r + 1] - bounds[r]); };
   if (point_to_point(*pg, input)) {   // each peer's contribution to this chunk lands in scratch
     const bool in_place = n > 0 && overlaps(output, input);
     std::vector<at::Tensor> keep_alive{input, output}, addends;
@@ -654,14 +665,12 @@ Handle reduce_scatter_v(const std::string& group_name, const at::Tensor& input, 
     return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, std::move(keep_alive), [&] {
       // rank - k's contribution (step k) lands in addends[k - 1]
       return exchange(*pg, tag, [&](int64_t from) { return addends[(rank - from - 1 + world) % world]; },
-                      [&](int64_t to) { return chunk(input, to); });
-    }, in_place ? at::Tensor() : chunk(input, rank), addends);
+                      [&](int64_t to) { return chunk_of(input, bounds, to); });
+    }, in_place ? at::Tensor() : chunk_of(input, bounds, rank), addends);
   }
   return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
     std::vector<at::Tensor> outs{backend_view(output)};
-    std::vector<std::vector<at::Tensor>> ins(1);
-    const at::Tensor in = backend_view(input);
-    for (int64_t r = 0; r < world; ++r) ins[0].push_back(chunk(in, r));
+    std::vector<std::vector<at::Tensor>> ins{chunks_of(backend_view(input), bounds)};
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     return pg->reduce_scatter(outs, ins, opts);
@@ -672,20 +681,18 @@ Handle all_gather_v(const std::string& group_name, const at::Tensor& input, cons
                     const std::vector<int64_t>& bounds) {
   auto pg = resolve(group_name);
   check_uneven(*pg, "all_gather", output, "output", input, "input", bounds);
-  const int64_t world = pg->getSize(), rank = pg->getRank(), n = input.numel();
-  auto chunk = [&](const at::Tensor& t, int64_t r) { return t.narrow(0, bounds[r], bounds[r + 1] - bounds[r]); };
+  const int64_t rank = pg->getRank(), n = input.numel();
   if (point_to_point(*pg, output)) {
-    const at::Tensor own = chunk(output, rank);
+    const at::Tensor own = chunk_of(output, bounds, rank);
     if (n > 0 && own.data_ptr() != input.data_ptr()) own.copy_(input);
     const int tag = message_tag(kKindAllGatherV, output);
     return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
-      return exchange(*pg, tag, [&](int64_t from) { return chunk(output, from); }, [&](int64_t) { return own; });
+      return exchange(*pg, tag, [&](int64_t from) { return chunk_of(output, bounds, from); },
+                      [&](int64_t) { return own; });
     });
   }
   return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
-    std::vector<std::vector<at::Tensor>> outs(1);
-    const at::Tensor out = backend_view(output);
-    for (int64_t r = 0; r < world; ++r) outs[0].push_back(chunk(out, r));
+    std::vector<std::vector<at::Tensor>> outs{chunks_of(backend_view(output), bounds)};
     std::vector<at::Tensor> ins{backend_view(input)};
     return pg->allgather(outs, ins);
   });

@@ -67,11 +67,13 @@ class UnitSource(ShardSource):
         # a parameter inside one rank's chunk is whole there by chance of the units' layout: a
         # rank holding too much of the update cost so gives some back (they are exchanged);
         # laid out for this optimizer (``whole``), the owners are already the balanced packing's
-        self.whole_owners = self.whole_owners if whole else keep_balanced(self.whole_owners, {i: update_cost(s) for i, s in self.full_shapes.items()},
-                                          self.world_size)
+        if not whole:
+            costs = {i: update_cost(s) for i, s in self.full_shapes.items()}
+            self.whole_owners = keep_balanced(self.whole_owners, costs, self.world_size)
 
     def _owner_ready(self):
-        if self.owners and self.grads_ready():     # (a released source has no owners)      # the last of the models whose backward this step needed
+        # the last of the models whose backward this step needed (a released source has no owners)
+        if self.owners and self.grads_ready():
             self.notify_grads_ready()
 
     def err(self, msg: str) -> str:
@@ -141,16 +143,20 @@ class UnitSource(ShardSource):
         return {n: t for n, t in st.items() if t is not None}
 
     # ------------------------------------------- a relayout by another optimizer
+    def _live_optimizer(self):
+        """The ShardedOptimizer over this source, if it is still alive."""
+        return self._optimizer() if self._optimizer is not None else None
+
     def relayout_blocker(self) -> Optional[str]:
         """Why the units under this source cannot be laid out again, or None."""
-        opt = self._optimizer() if self._optimizer is not None else None
+        opt = self._live_optimizer()
         if opt is not None and any(opt.param_steps):
             return "another ShardedOptimizer over it has already stepped (or loaded a state)"
         return None
 
     def relaid(self):
         """The units were laid out again: the optimizer binds a new source over them."""
-        opt = self._optimizer() if self._optimizer is not None else None
+        opt = self._live_optimizer()
         if opt is not None:
             opt.units_relaid()
 
