@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = [
     ("quickstart.py", 2, {}),
     ("fully_shard.py", 2, {}),
+    ("fully_shard_habits.py", 2, {}),
     ("optimizers.py", 2, {}),
     ("muon.py", 2, {}),
     ("mixed_precision.py", 2, {}),

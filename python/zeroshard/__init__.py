@@ -21,7 +21,7 @@ from .comm.watchdog import CollectiveMismatch, CollectiveTimeout, set_timeout
 from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, resume, save_checkpoint
 from .comm.launch import init_distributed
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
-from .zero3.fully_shard import FullyShard, MixedPrecision
+from .zero3.fully_shard import FullyShard, MixedPrecision, register_forward_method
 from .native.kernels import fused_adamw_, fused_adamw_multi_
 from .native.layout import Layout, compute_layout
 from .optim.sharded import ShardedOptimizer
@@ -60,5 +60,5 @@ __all__ = [
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "fused_adamw_multi_", "reduce_scatter", "ShardedOptimizer", "flight_record",
     "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout", "initialize",
-    "init_distributed", "resume",
+    "init_distributed", "resume", "register_forward_method",
 ]

@@ -8,9 +8,11 @@ cannot read a wrong one, ``p.grad`` of every trainable parameter is then a
 ``ShardedGrad``: a tensor with the gradient's shape and dtype but no storage
 of its own, whose operations run on the shards:
 
-* ``torch.linalg.vector_norm`` / ``p.grad.norm()`` (2 and inf): the global
-  norm of the averaged gradient, so ``torch.nn.utils.clip_grad_norm_``
-  returns and clips by exactly what it would under DDP;
+* ``torch.linalg.vector_norm`` / ``p.grad.norm()`` / ``torch._foreach_norm``
+  (any order torch takes: 2 and inf from the statistics, others with one
+  small collective when first asked for in a step): the global norm of the
+  averaged gradient, so ``torch.nn.utils.clip_grad_norm_`` (``foreach`` or
+  not) returns and clips by exactly what it would under DDP;
 * ``mul_`` / ``div_`` by a number or a one-element tensor, ``zero_``:
   applied to this rank's pieces (clip_grad_norm_'s scaling is one);
 * ``torch.amp.GradScaler.unscale_`` (its ``_amp_foreach_non_finite_check_
@@ -45,6 +47,7 @@ import torch
 
 from .. import comm
 from ..common.source import squared_norms, weak_hook
+from . import norms
 
 aten = torch.ops.aten
 
@@ -80,6 +83,10 @@ def _norm(grads, g, ord=2, dim=None, keepdim=False, *, dtype=None):
     if dim is not None:
         raise RuntimeError(grads.unsupported(g.index, "a norm over some dimensions"))
     return grads.norm(g.index, float(ord)).to(dtype or g.dtype)
+
+
+def _foreach_norm(grads, gs, ord=2, dtype=None):
+    return [grads.norm(g.index, float(ord)).to(dtype or g.dtype) for g in gs]
 
 
 def _scale(grads, g, factor):
@@ -121,7 +128,7 @@ def _clamp(grads, g, min=None, max=None):
 
 
 _HANDLERS: Dict[object, Callable] = {
-    aten.linalg_vector_norm.default: _norm,
+    aten.linalg_vector_norm.default: _norm, aten._foreach_norm.Scalar: _foreach_norm,
     aten.mul_.Tensor: _scale, aten.mul_.Scalar: _scale,
     aten.div_.Tensor: _divide, aten.div_.Scalar: _divide,
     aten._foreach_mul_.Tensor: _foreach_scale, aten._foreach_mul_.Scalar: _foreach_scale,
@@ -173,6 +180,7 @@ class ReducedGrads:
         self.stale: set = set()   # parameters clamped since: their squared norms are taken again when read
         self.coef: Optional[torch.Tensor] = None    # the engine's clip coefficient, folded into the step
         self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
+        self.pnorms: Dict[float, torch.Tensor] = {}  # per order (not 2 nor inf): per parameter, when asked for
         self._inflight = None     # the statistics' all-reduce, until settle() (see backward_done)
         self._trainable = set(trainable)
         self._subsets: Dict[tuple, torch.Tensor] = {}   # flat_index of a subset of the pieces (_index)
@@ -185,7 +193,7 @@ class ReducedGrads:
         source.listeners.append(weak_hook(self.backward_done))
 
     # ----------------------------------------------------------- statistics
-    def _local(self, fn, taken: Optional[list] = None) -> torch.Tensor:
+    def local_values(self, fn, taken: Optional[list] = None) -> torch.Tensor:
         """``fn`` of this rank's pieces (a list of them on one device -> a 1-D fp32
         tensor, a value each), one value per parameter (0 where none). ``taken``: per
         piece, its value already taken (None: not), used instead of reading the piece."""
@@ -199,12 +207,12 @@ class ReducedGrads:
         taken = taken or [None] * len(views)
         ks = [k for k, t in enumerate(taken) if t is not None]
         if ks:
-            out.index_add_(0, self._index(ks), torch.stack([taken[k] for k in ks]).to(out.device))
+            out.index_add_(0, self.piece_index(ks), torch.stack([taken[k] for k in ks]).to(out.device))
         for here in (True, False):   # gradient shards in host memory: their values in one copy
             ks = [k for k, v in enumerate(views) if (v.device == out.device) == here and taken[k] is None]
             if ks:
                 vals = fn([views[k] for k in ks]).to(out.device)
-                out.index_add_(0, self._index(ks), vals)
+                out.index_add_(0, self.piece_index(ks), vals)
         return out
 
     @torch.no_grad()
@@ -221,7 +229,7 @@ class ReducedGrads:
         (settle()). The engine's update runs meanwhile: the latency of a small
         collective (~0.4 ms on gloo) off every step's critical path."""
         self.settle()
-        self.stale, self.coef = set(), None
+        self.stale, self.coef, self.pnorms = set(), None, {}
         n = len(self.params)
         stats = torch.zeros(2 * n, dtype=torch.float32, device=self.source.device)
         stats[:n] = self._local_sumsq(after_backward=True)
@@ -273,7 +281,7 @@ class ReducedGrads:
             self._retake()
         return self._sumsq
 
-    def _index(self, ks: List[int]) -> torch.Tensor:
+    def piece_index(self, ks: List[int]) -> torch.Tensor:
         """``flat_index[ks]``, kept per subset: indexing a device tensor with a list copies
         the list to the device, a host sync, each time (the subsets repeat step to step)."""
         key = tuple(ks)
@@ -292,7 +300,7 @@ class ReducedGrads:
         if after_backward:
             taken = [seg.sumsq_before_copy(a, b) for seg, a, b in self.flat]
             taken = taken if any(t is not None for t in taken) else None
-        local = self._local(squared_norms, taken) * self.source.grad_scale ** 2
+        local = self.local_values(squared_norms, taken) * self.source.grad_scale ** 2
         if self.coef is not None:
             local *= self.coef.to(local.device).square()
         if self.source.groups.replica_rank != 0:
@@ -313,40 +321,35 @@ class ReducedGrads:
     def clip_(self, max_norm: float, norm_type: float):
         """Scales every gradient by min(1, max_norm / total norm) (the coefficient the fused
         step folds in: ``clip_coefficient``); returns the total norm."""
-        norm_type = float(norm_type)
-        if norm_type not in (2.0, math.inf):
-            raise NotImplementedError(f"norm_type {norm_type}: only 2 and inf are supported")
-        total = self.total_norm(norm_type)
+        total = self.total_norm(float(norm_type))
         self.scale_all_(torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(()))
         return total.reshape(())
 
     def total_norm(self, ord: float) -> torch.Tensor:
         """The norm over every parameter, from the statistics the backward took (the
-        2-norm: no pass over the gradients, no collective)."""
-        return self.sumsq.sum().sqrt() if ord == 2.0 else self.inf_norms().max()
+        2-norm: no pass over the gradients, no collective); as torch's, the norm of the
+        per-parameter norms of the parameters that have a gradient."""
+        if ord == 2.0:
+            return self.sumsq.sum().sqrt()
+        if ord == math.inf:
+            return self.inf_norms().max()
+        used = [i for i in self.trainable if self.used[i]]
+        every = torch.stack([self.norm(i, ord) for i in used]) if used else torch.zeros(1)
+        return torch.linalg.vector_norm(every, ord)
 
     def norm(self, i: int, ord: float) -> torch.Tensor:
         if ord == 2.0:
             return self.sumsq[i].sqrt()
         if ord == math.inf:
             return self.inf_norms()[i]
-        raise RuntimeError(self.err(f"the norm of order {ord} of parameter {i}'s gradient: only orders 2 "
-                                    "and inf are computed over sharded gradients"))
+        if ord not in self.pnorms:
+            self.pnorms[ord] = norms.p_norms(self, ord)
+        return self.pnorms[ord][i]
 
     def inf_norms(self) -> torch.Tensor:
         """Per parameter: the largest absolute gradient element (collective on first use per step)."""
         if self.maxabs is None:
-            local = self._local(lambda vs: torch.stack([g.abs().max().float() if g.numel()
-                                                        else g.new_zeros((), dtype=torch.float32) for g in vs]))
-            local *= abs(self.source.grad_scale)
-            if self.coef is not None:       # the engine's pending clip (clamped after it: _retake too)
-                local *= self.coef.to(local.device)
-            world, rank = self.source.world_size, self.source.rank
-            every = local.new_zeros(world, local.numel())
-            every[rank].copy_(local)
-            comm.all_gather(every[rank].view(-1), every.view(-1), group=self.source.process_group,
-                            what="gradient inf-norms").wait()
-            self.maxabs = every.amax(0)
+            self.maxabs = norms.inf_norms(self)
         return self.maxabs
 
     # ------------------------------------------------------ in-place updates
@@ -361,6 +364,7 @@ class ReducedGrads:
                     g.zero_()
                 else:
                     g.mul_(factor)
+        self.pnorms = {}
         idx = torch.tensor(indices, device=self.sumsq.device)
         if not isinstance(factor, torch.Tensor) and factor == 0:
             self.sumsq[idx] = 0.0           # exact, even where the gradient was inf or NaN
@@ -385,7 +389,7 @@ class ReducedGrads:
                 s = scale.to(g.device) if isinstance(scale, torch.Tensor) else scale
                 g.clamp_(min=None if lo is None else lo / s, max=None if hi is None else hi / s)
         self.stale.update(indices)
-        self.maxabs = None
+        self.maxabs, self.pnorms = None, {}
 
     def unscale_(self, indices: List[int], found_inf: torch.Tensor, inv_scale: torch.Tensor):
         """GradScaler's unscale: multiply by ``inv_scale``; ``found_inf`` becomes 1 if
@@ -403,6 +407,7 @@ class ReducedGrads:
     def scale_all_(self, factor: torch.Tensor):
         """The engine's clip_grad_norm_ folds ``factor`` into its step: keep the statistics in step."""
         self.coef = factor if self.coef is None else self.coef * factor
+        self.pnorms = {}
         self.sumsq.mul_(factor * factor)
         if self.maxabs is not None:
             self.maxabs.mul_(factor)
@@ -445,6 +450,6 @@ class ReducedGrads:
             f"{what} on p.grad of parameter {i} (shape {shape}): after backward its averaged gradient is "
             "sharded over the ranks (p.grad is a zeroshard ShardedGrad with no data of its own). What works "
             "on it: torch.nn.utils.clip_grad_norm_ (or opt.clip_grad_norm_), torch.amp.GradScaler, "
-            "torch.nn.utils.clip_grad_value_ (clamp_), p.grad.norm() (orders 2 and inf), mul_/div_ by a "
+            "torch.nn.utils.clip_grad_value_ (clamp_), p.grad.norm() (any order), mul_/div_ by a "
             "number, zero_(). Read gradients inside "
             "opt.no_sync() (local, unreduced) if you need the values")

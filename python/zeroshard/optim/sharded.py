@@ -102,7 +102,7 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
         raise ValueError(err("overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit just before "
                              "use (its prefetch= sets how far ahead)"))
     for i, o in enumerate(owners):
-        if o is None:
+        if o is None and (params[i].is_floating_point() or params[i].is_complex()):   # (integer ones: never stepped)
             raise ValueError(err(
                 f"parameter {i} (shape {tuple(params[i].shape)}) is not a FullyShard parameter but "
                 "others are; wrap the whole model in FullyShard (its root unit takes every parameter "

@@ -237,10 +237,12 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
             gathered = rep["root_gathered"] + (prefetch + 1) * rep["max_unit"]
             order = [u for u in units[::-1] if not u.is_root] + [u for u in units if u.is_root]  # backward's
             out = dict(report=rep, max_unit=(biggest.name, biggest.numel) if biggest else ("", 0),
-                       transient=gathered + ri * (fs.units[0].numel + (biggest.numel if biggest else 0)),
+                       transient=gathered + ri * (fs.units[0].grad_numel +
+                                                  max([u.grad_numel for u in fs.units[1:]], default=0)),
                        fixed=rep["root_gathered"], policy=Policy(
-                           [Reduction([q.names[0] for q in u.trainable], ri * u.numel, 4 * u.shard_numel,
-                                       scratch(u.numel, ri, True, -1 if u.bounds is None else u.shard_numel))
+                           [Reduction([q.names[0] for q in u.trainable], ri * u.grad_numel, 4 * _grad_len(u, rank),
+                                       scratch(u.grad_numel, ri, True,
+                                               -1 if u.reduce_bounds() is None else _grad_len(u, rank)))
                             for u in order],
                            inflight=_FS_INFLIGHT, first=0, prefetch=prefetch,
                            gathers=[Gather(u.name, u.numel * pdt.itemsize, [q.names[0] for q in u.trainable])
@@ -267,6 +269,12 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
         out["grad_shards"] = (0 if out["policy"] is None else
                               out["policy"].first + sum(r.shard for r in out["policy"].reductions))
     return out
+
+
+def _grad_len(u, rank: int) -> int:
+    """This rank's chunk of a unit's gradients (frozen parameters have none: [Note: frozen parameters])."""
+    lo, hi = u.grad_span(rank)
+    return hi - lo
 
 
 def _check_choices(dtype: str, world_size: int, transport: str, optimizer: str) -> None:

@@ -18,7 +18,7 @@ from ..offload import HostCopies
 from ..common.order import OrderedReductions
 from ..common.source import GradState, squared_norms
 from .param import ShardedTensor
-from .records import Param, Unit
+from .records import Param, Unit, UnitState
 from .wrap import host_or_device_empty
 from ..native.layout import fill_flat
 
@@ -30,7 +30,7 @@ class UnitBackward:
 
     def __init__(self, units: List[Unit], gatherer: Gatherer, *, device: torch.device, group, rank: int,
                  world: int, replicate, reduce_dtype: torch.dtype, events, comm_elements: dict,
-                 fwd_order: Callable[[], List[int]]):
+                 calls: Callable[[], List[int]], err: Callable[[str], str]):
         self.units, self.gatherer, self.device, self.group = units, gatherer, device, group
         self.rank, self.world, self.reduce_dtype = rank, world, reduce_dtype
         # hybrid sharding: each reduced shard is all-reduced across these replicas
@@ -38,10 +38,12 @@ class UnitBackward:
         self.replicate = replicate
         self.divisor = world * (dist.get_world_size(replicate) if replicate is not None else 1)
         self._replicating: List[Unit] = []    # units whose replica all-reduce is in flight
-        self.events, self.comm_elements, self._fwd_order = events, comm_elements, fwd_order
+        # the units called since the last backward began, in call order (FullyShard keeps them)
+        self.events, self.comm_elements, self._calls, self.err = events, comm_elements, calls, err
         self.state = GradState.EMPTY
         self.sync = True             # reduce (False under no_sync(): accumulate locally)
-        self.order: List[int] = []   # reverse forward order of the non-root units, fixed at backward start
+        self.order: List[int] = []   # reverse call order of the non-root units, fixed at backward start
+        self._cursor = 0             # how far the backward has come along ``order`` (prefetch)
         self.grad_bytes = 0          # flat gradient buffers alive now
         self.grad_bytes_peak = 0
         self.listeners: List[Callable[[], None]] = []   # told when a synced backward has finished
@@ -55,13 +57,15 @@ class UnitBackward:
             return
         self.state = GradState.BACKWARD
         self.gatherer.phase = "backward"
-        fwd = self._fwd_order()
-        self.order = list(reversed(fwd))
-        seen = set(fwd)
-        rest = [u.index for u in self.units[1:] if u.index not in seen]
-        self._reductions.start([self.units[ui] for ui in self.order + rest + [0] if self.units[ui].trainable])
+        calls = self._calls()
+        self.order, self._cursor = list(reversed(calls)), 0
+        # a unit called several times reduces once, after the backward of its first call
+        first = list(reversed(dict.fromkeys(calls)))
+        rest = [u.index for u in self.units[1:] if u.index not in set(first)]
+        self._reductions.start([self.units[ui] for ui in first + rest + [0] if self.units[ui].trainable])
         for u in self.units:     # (a parameter frozen since wrapping takes no gradient: see _swap)
-            u.pending = sum(q.full.requires_grad for q in u.trainable)
+            u.pending = sum(q.full.requires_grad for q in u.trainable) + u.input_waits
+            u.input_waits = 0
             for q in u.params:
                 q.arrived = False
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -77,23 +81,42 @@ class UnitBackward:
             return
         self._retire_completed()
         self.gatherer.gather(u)
-        if u.index in bwd:
-            self.gatherer.prefetch_after(bwd, bwd.index(u.index))
+        if u.index in bwd[self._cursor:]:
+            pos = bwd.index(u.index, self._cursor)
+            self._cursor = pos + 1
+            self.gatherer.prefetch_after(bwd, pos)
 
     @torch.no_grad()
     def on_grad(self, u: Unit, q: Param):
         """Autograd accumulated ``q``'s gradient on its full parameter."""
         self.start()
+        if u.state != UnitState.GATHERED:     # [Note: unit outputs]
+            raise RuntimeError(self.err(
+                f"the gradient of '{q.names[0]}' was computed while unit '{u.name or '<root>'}' was not gathered "
+                f"({u.state.value}): the backward reached the unit through a tensor its output hooks did not see "
+                "(kept on a module or a global, or inside an object). Return every tensor the loss depends on "
+                "from the unit's forward, in a tuple, list, dict, namedtuple or dataclass"))
         if u.grad_flat is not None:   # accumulating into an existing flat buffer: add as they come
             self._move_grad(u, q)
         self.events.append(("grad", u.name))
         q.got_grad = True
         if not q.arrived:
             q.arrived = True
-            u.pending -= 1
-            if u.pending == 0:
-                if not u.is_root:
-                    self.gatherer.reshard(u)
+            self._arrive(u)
+
+    @torch.no_grad()
+    def inputs_done(self, u: Unit):
+        """The gradients of one call's inputs of ``u`` (a unit with frozen parameters) are computed."""
+        self.start()
+        self._arrive(u)
+
+    def _arrive(self, u: Unit):
+        """One thing ``u``'s backward waited for has come; after the last, it is resharded and reduced."""
+        u.pending -= 1
+        if u.pending == 0:
+            if not u.is_root:
+                self.gatherer.reshard(u)
+            if u.trainable:
                 self._flatten_grads(u)
                 if self.sync:
                     self._reductions.advance()
@@ -112,7 +135,7 @@ class UnitBackward:
                     self._move_grad(u, q)
             return
         self._retire_completed()          # free finished reductions' buffers before taking another
-        u.grad_flat = torch.empty(u.numel, dtype=self.reduce_dtype, device=self.device)
+        u.grad_flat = torch.empty(u.grad_numel, dtype=self.reduce_dtype, device=self.device)
         self.grad_bytes += u.grad_flat.numel() * u.grad_flat.element_size()
         self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes)
         # one pass: gradients copied in; padding and gradients that never arrived are zero
@@ -125,10 +148,10 @@ class UnitBackward:
         self._flatten_grads(u)        # a unit some gradient never reached: the rest count as zero
         # overwrite the shard unless the user kept gradients from an earlier backward
         u.fresh = u.grad_shard is None
-        u.reduce = comm.reduce_scatter(u.grad_flat, u.own(u.grad_flat, self.rank), group=self.group,
-                                       average=False, input_is_scratch=True, bounds=u.bounds,
+        u.reduce = comm.reduce_scatter(u.grad_flat, u.own_grad(u.grad_flat, self.rank), group=self.group,
+                                       average=False, input_is_scratch=True, bounds=u.reduce_bounds(),
                                        what=self.gatherer.label(f"unit '{u.name}' reduce-scatter", phase=False))
-        self.comm_elements["reduce_scatter"] += u.numel
+        self.comm_elements["reduce_scatter"] += u.grad_numel
         self.events.append(("reduce_scatter", u.name))
 
     def _retire_completed(self):
@@ -141,9 +164,9 @@ class UnitBackward:
             self._fold(u)
             return
         # stays in flight until the next unit retires: it overlaps the backward too
-        u.reduce = comm.all_reduce(u.own(u.grad_flat, self.rank), group=self.replicate,
+        u.reduce = comm.all_reduce(u.own_grad(u.grad_flat, self.rank), group=self.replicate,
                                    what=self.gatherer.label(f"unit '{u.name}' replica all-reduce", phase=False))
-        self.comm_elements["replica_all_reduce"] += u.shard_numel
+        self.comm_elements["replica_all_reduce"] += u.own_grad(u.grad_flat, self.rank).numel()
         self._replicating.append(u)
         while len(self._replicating) > 1:
             self._fold(self._replicating.pop(0))
@@ -153,12 +176,12 @@ class UnitBackward:
         if u.reduce is not None:
             u.reduce.wait()
             u.reduce = None
-        chunk = u.own(u.grad_flat, self.rank)
+        chunk = u.own_grad(u.grad_flat, self.rank)
         if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
             # with the fp32 shard, or in host memory ([Note: offloaded gradients]); not
             # zeroed: u.fresh, so each path below overwrites the whole chunk's length
             where = torch.device("cpu") if u.grad_to_host else u.shard.device
-            u.grad_shard = host_or_device_empty(u.shard_numel, where, self.device)
+            u.grad_shard = host_or_device_empty(chunk.numel(), where, self.device)
             u.fresh = True
         written = u.grad_shard       # the fresh values, on the reducing device
         if u.grad_shard.device != chunk.device:      # in host memory: divide here, then to host
@@ -261,8 +284,10 @@ def _sumsq_of_pieces(u: Unit, shard: torch.Tensor) -> dict:
 def _expose_grads(u: Unit):
     """Each sharded parameter's ``.grad``: its view of the unit's gradient shard. None
     when the shard is in host memory and the parameter is not (``grad_to_host``:
-    torch keeps ``.grad`` on the parameter's device; the optimizer reads the shard)."""
+    torch keeps ``.grad`` on the parameter's device; the optimizer reads the shard),
+    and for a parameter no backward reached here since ``zero_grad(set_to_none=True)``,
+    as torch leaves it (a ShardedOptimizer then puts in the gradient any rank gave)."""
     same = u.grad_shard.device == u.shard.device
     for q in u.trainable:
         piece = u.grad_shard[q.shard_offset:q.shard_offset + q.local.numel()]
-        q.sharded.grad = ShardedTensor(piece, q.shape, q.names[0]) if same else None
+        q.sharded.grad = ShardedTensor(piece, q.shape, q.names[0]) if same and q.got_grad else None

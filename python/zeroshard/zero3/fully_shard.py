@@ -22,8 +22,8 @@
   (``untyped_storage().resize_(0)``), so tensors autograd saved in forward
   stop holding memory; gathering again re-grows the same storage, so those
   saved tensors see the gathered values again in backward.
-* Forward. Before a unit runs its shard is cast into its chunk of the flat
-  buffer and all-gathered in place; the next ``prefetch`` units in the
+* Forward. Before a unit runs (however it is called: zero3/forward.py) its
+  shard is cast into its chunk of the flat buffer and all-gathered in place; the next ``prefetch`` units in the
   recorded forward order are gathered ahead (on their own stream on CUDA,
   in the backend's thread on CPU), with at most ``prefetch + 1`` non-root
   units gathered at once. The order is recorded by the first forward and
@@ -31,18 +31,21 @@
   is gathered for the whole forward and, when grad is enabled, kept until the
   end of backward (it is needed at both ends of both passes); inference
   (no grad) frees every unit after its forward.
-* Backward. A hook on each unit's forward outputs re-gathers it (and
-  prefetches the next units in reverse forward order). Autograd leaves each
+* Backward. A hook on the tensors of each unit's forward outputs
+  ([Note: unit outputs] in zero3/outputs.py) re-gathers it (and prefetches
+  the next units in reverse call order). Autograd leaves each
   full parameter's gradient on it. When a unit's last gradient has arrived,
   the unit is resharded and the gradients are moved (added, then freed) into
   its flat gradient buffer (``reduce_dtype``), allocated only then, after
   the unit's activations are freed (once the buffer exists, e.g. while
   accumulating under ``no_sync``, gradients are added as they arrive). The
-  buffer is reduce-scattered (SUM) in place; the result, divided by the
-  world size, is written (or added, when accumulating) into the fp32
-  gradient shard. Reduce-scatters
-  are issued in one fixed order on every rank (reverse forward order, root
-  last; common/order.py, shared with stages 1 and 2); one is in flight
+  buffer (which ends with the last trainable parameter: [Note: frozen
+  parameters] in zero3/wrap.py) is reduce-scattered (SUM) in place; the
+  result, divided by the world size, is written (or added, when
+  accumulating) into the fp32 gradient shard. Reduce-scatters are issued in
+  one fixed order on every rank (the reverse order of the units' first calls
+  since the last backward, root last: [Note: units called directly] in
+  zero3/forward.py; common/order.py, shared with stages 1 and 2); one is in flight
   at a time (finished ones are retired early), and at the end of backward
   every unit not yet reduced is (a gradient that never arrived counts as zero).
 * ``no_sync()`` skips the reduce-scatters: the flat gradient buffers (full
@@ -61,7 +64,7 @@
 """
 from __future__ import annotations
 
-__all__ = ["FullyShard", "MixedPrecision", "UnitState", "MAX_INFLIGHT"]
+__all__ = ["FullyShard", "MixedPrecision", "UnitState", "MAX_INFLIGHT", "register_forward_method"]
 
 import collections
 from typing import Callable, Dict, Iterable, List, Optional, Union
@@ -69,8 +72,6 @@ from typing import Callable, Dict, Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
 
 from ..comm import mesh as _mesh
 from . import wrap as setup
@@ -81,6 +82,7 @@ from .gather import Gatherer
 from ..common.source import SUPPORTED, GradState
 from .records import MixedPrecision, Optimizers, Unit, UnitState, register_owner
 from .backward import MAX_INFLIGHT, UnitBackward
+from .forward import UnitForward
 
 
 def _check_arguments(module, mixed_precision, prefetch) -> MixedPrecision:
@@ -105,13 +107,6 @@ def _check_arguments(module, mixed_precision, prefetch) -> MixedPrecision:
 def _check_dtype(dt, what):
     if dt is not None and dt not in SUPPORTED:
         raise ValueError(f"{what} must be one of {SUPPORTED} or None, got {dt!r}")
-
-
-def _hook_outputs(out, fn):
-    """``fn()`` when the gradient of any of ``out``'s tensors is first computed."""
-    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    if tensors:
-        register_multi_grad_hook(tensors, lambda grads: fn(), mode="any")
 
 
 def _check_in_evaluation(fs):
@@ -147,13 +142,16 @@ class FullyShard(nn.Module):
         device_mesh: hybrid sharding from a 2-D DeviceMesh (replicas, shards).
         offload_params: keep the fp32 shards and gradient shards in host
             memory (pinned on CUDA), as FSDP's CPUOffload ([Note: offload params]).
+        forward_methods: names of methods other than ``forward`` (e.g.
+            ``"forward_features"``) that gather their unit wherever a unit's (or
+            the root module's) class has one; see ``register_forward_method``.
     """
 
     def __init__(self, module: nn.Module, wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
                  mixed_precision: Optional[MixedPrecision] = None, reshard_after_forward: bool = True,
                  prefetch: int = 1, process_group: Optional[dist.ProcessGroup] = None, *,
                  device: Union[torch.device, str, None] = None, shard_size: Optional[int] = None,
-                 device_mesh=None, offload_params: bool = False):
+                 device_mesh=None, offload_params: bool = False, forward_methods: Iterable[str] = ()):
         super().__init__()
         mp = _check_arguments(module, mixed_precision, prefetch)
         self.module = module
@@ -170,9 +168,6 @@ class FullyShard(nn.Module):
         self.comm_elements = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
         # (what, unit name) of recent gathers, forwards, reshards, reductions (bounded; tests read it)
         self.events: collections.deque = collections.deque(maxlen=4096)
-        self._in_forward = False
-        self._fwd_order: List[int] = []      # recorded forward order of non-root units
-        self._fwd_seen: List[int] = []
         self._optimizers = Optimizers()    # optimizers' sources (weakly) and state shards by unit
 
         self._device = setup.pick_device(module, device, self.process_group, self._err)
@@ -188,43 +183,26 @@ class FullyShard(nn.Module):
                                       rank=self.rank, world=self.world_size, replicate=self.groups.replicate,
                                       reduce_dtype=self.reduce_dtype,
                                       events=self.events, comm_elements=self.comm_elements,
-                                      fwd_order=lambda: self._fwd_order)
+                                      calls=lambda: self._forward.take_calls(), err=self._err)
+        self._forward = UnitForward(self._units, self._gatherer, self._backward, root=module, mixed_precision=mp,
+                                    param_dtype=self.param_dtype, reshard_after_forward=self.reshard_after_forward,
+                                    events=self.events, err=self._err, check_in=lambda: _check_in_evaluation(self))
         register_owner(self, self._units)
-        self._install_hooks()
+        for name in forward_methods:
+            for mod in [u.module for u in self._units]:
+                if callable(getattr(mod, name, None)):
+                    self.register_forward_method(mod, name)
         setup.hand_over(claimed, self._named, self._err)     # [Note: construction order]
 
     # ------------------------------------------------------------------ setup
     def _err(self, msg: str) -> str:
         return comm.on_rank(self, msg)
 
-    def _install_hooks(self):
-        # one hook object of each kind for every unit: see [Note: fully shard policy], torch.compile
-        self._unit_of = {id(u.module): u for u in self._units[1:]}
-        pre = torch.compiler.disable(self._unit_pre_forward)
-        post = torch.compiler.disable(self._unit_post_forward)
-        for u in self._units[1:]:
-            u.hooks.append(u.module.register_forward_pre_hook(pre))
-            u.hooks.append(u.module.register_forward_hook(post))
-        # root-unit modules called directly (not through this wrapper) get a clear error
-        root_mods = {id(mod): mod for q in self._units[0].params for mod, _ in q.slots}
-        check = torch.compiler.disable(self._root_module_pre_forward)
-        for mod in root_mods.values():
-            if mod is not self.module:
-                self._units[0].hooks.append(mod.register_forward_pre_hook(check))
-        for u in self._units:
-            for q in u.params:
-                if q.requires_grad:
-                    u.hooks.append(q.full.register_post_accumulate_grad_hook(
-                        lambda p, u=u, q=q: self._backward.on_grad(u, q)))
-
-    def _unit_pre_forward(self, module, args):
-        self._pre_forward(self._unit_of[id(module)])
-
-    def _unit_post_forward(self, module, args, out):
-        self._post_forward(self._unit_of[id(module)], out)
-
-    def _root_module_pre_forward(self, module, args):
-        self._check_called_inside(self._units[0], module)
+    def register_forward_method(self, module: nn.Module, name: str):
+        """Make ``module.<name>(...)`` gather its unit as ``forward`` does (FSDP2's
+        ``register_fsdp_forward_method``): ``module`` is a unit's module or the wrapped
+        model; the method is replaced on that instance only ([Note: units called directly])."""
+        self._forward.register_method(module, name)
 
     # -------------------------------------------------------------- nn.Module
     def __getattr__(self, name: str):
@@ -240,22 +218,40 @@ class FullyShard(nn.Module):
         in the unwrapped model's order."""
         seen = set()
         for n, q in self._named:
-            if remove_duplicate and id(q) in seen:
+            if remove_duplicate and id(q.sharded) in seen:
                 continue
-            seen.add(id(q))
+            seen.add(id(q.sharded))
             yield (f"{prefix}.{n}" if prefix else n), q.sharded
+
+    def _apply(self, fn, recurse: bool = True):
+        """``model.to(...)``, ``.float()``, ``.cuda()`` and the like after wrapping: the fp32
+        shards stay where and what they are (FullyShard's master weights), so a conversion
+        that keeps float32 on the shards' device applies to the buffers and the parameters
+        left out of sharding, as torch's does; any other is refused naming what to use."""
+        probe = torch.empty(1, dtype=torch.float32, device=self._device)
+        try:
+            out = fn(probe)
+        except Exception:  # noqa: BLE001 - e.g. .cuda() without CUDA: refused below
+            out = None
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.device != probe.device:
+            dtype, device = getattr(out, "dtype", "?"), getattr(out, "device", "?")
+            raise ValueError(self._err(
+                f"converting a FullyShard model after wrapping (to {dtype} on {device}) is not supported: its "
+                f"parameters are fp32 shards on {self._device}, the master weights. To compute in bf16 or fp16 "
+                "pass mixed_precision=zeroshard.MixedPrecision(param_dtype=...) to FullyShard; to change the "
+                "device, move the model (or build it on meta) before wrapping, or pass device="))
+        for mod in self.module.modules():
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[name] = fn(b)
+        return self
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         yield from self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     # ---------------------------------------------------------------- gather
-    def _check_called_inside(self, u: Unit, mod: nn.Module):
-        if not (self._in_forward or self._backward.active) or u.state == UnitState.SHARDED:
-            what = f"unit '{u.name}'" if u.name else f"root-unit module {type(mod).__name__}"
-            raise RuntimeError(self._err(
-                f"{what} was called directly, outside the FullyShard-wrapped model's forward; its "
-                "parameters are sharded. Call the wrapped model (model(...)), or wrap the module you "
-                "call in a FullyShard of its own"))
+    def forward(self, *args, **kwargs):
+        return self._forward.around_root(self.module, args, kwargs)
 
     def invalidate(self):
         """Drop every gathered copy (the shards changed)."""
@@ -267,82 +263,6 @@ class FullyShard(nn.Module):
         return self._backward.no_sync()
 
     # --------------------------------------------------------------- forward
-    def forward(self, *args, **kwargs):
-        self._begin_forward()
-        try:
-            out = self.module(*args, **kwargs)
-        except BaseException:
-            self._abort_forward()
-            raise
-        return self._end_forward(out)
-
-    @torch.compiler.disable
-    def _begin_forward(self):
-        if self._backward.active:
-            if torch._C._current_graph_task_id() != -1:
-                raise RuntimeError(self._err("the FullyShard model was called during its own backward"))
-            self._backward.abandon()     # the last backward raised before it finished
-        if not torch.is_grad_enabled():       # evaluation: every rank must run it too
-            _check_in_evaluation(self)
-        root = self._units[0]
-        self._in_forward = True
-        self._fwd_seen = []
-        try:
-            with torch.no_grad():
-                self._gatherer.gather(root, wait=False)
-                self._gatherer.prefetch_after(self._fwd_order, -1)
-                self._gatherer.gather(root)
-        except BaseException:
-            self._abort_forward()
-            raise
-
-    @torch.compiler.disable
-    def _abort_forward(self):
-        self._in_forward = False
-        self.invalidate()
-
-    @torch.compiler.disable
-    def _end_forward(self, out):
-        self._in_forward = False
-        grad = torch.is_grad_enabled()
-        if self._fwd_seen != self._fwd_order:
-            self._fwd_order = list(self._fwd_seen)     # (re-)record the order
-        with torch.no_grad():
-            for u in self._units[1:]:                  # prefetched but not run
-                if u.state == UnitState.GATHERING or (u.state == UnitState.GATHERED and self.reshard_after_forward
-                                              and u.index not in self._fwd_seen):
-                    self._gatherer.reshard(u)
-            if not grad:
-                self.invalidate()
-                return out
-        _hook_outputs(out, lambda: self._backward.pre_backward(None))
-        return out
-
-    def _pre_forward(self, u: Unit):
-        if not (self._in_forward or self._backward.active):
-            self._check_called_inside(u, u.module)   # raises
-        with torch.no_grad():
-            if self._backward.active:            # recomputation (activation checkpointing)
-                self._gatherer.gather(u)
-                return
-            self._fwd_seen.append(u.index)
-            self.events.append(("forward", u.name))
-            pos = len(self._fwd_seen) - 1
-            self._gatherer.gather(u)
-            if pos < len(self._fwd_order) and self._fwd_order[pos] == u.index:
-                self._gatherer.prefetch_after(self._fwd_order, pos)
-
-    def _post_forward(self, u: Unit, out):
-        if self._backward.active:
-            return None
-        grad = torch.is_grad_enabled()
-        if self.reshard_after_forward or not grad:
-            with torch.no_grad():
-                self._gatherer.reshard(u)
-        if grad:
-            _hook_outputs(out, lambda u=u: self._backward.pre_backward(u))
-        return None
-
     # -------------------------------------------------------------- backward
     def zero_grad(self, set_to_none: bool = True, by: Optional[object] = None):
         """``set_to_none=True`` (the default) frees the gradient shards (the next backward
@@ -420,3 +340,12 @@ class FullyShard(nn.Module):
         """Load a full state dict (of the unwrapped model, from any world size):
         each rank copies its own pieces; no communication."""
         return unit_state.load_full_state_dict(self, state_dict, strict)
+
+
+def register_forward_method(model: FullyShard, module: nn.Module, name: str) -> None:
+    """``module.<name>(...)`` gathers its unit as ``forward`` does, for ``module`` a sharding
+    unit of the FullyShard ``model`` (or the model it wraps); FSDP2's
+    ``register_fsdp_forward_method``. See FullyShard.register_forward_method."""
+    if not isinstance(model, FullyShard):
+        raise TypeError(f"register_forward_method takes the FullyShard model first, got {type(model).__name__}")
+    model.register_forward_method(module, name)

@@ -33,9 +33,24 @@ class MixedPrecision:
     and backward compute with (None: float32). ``reduce_dtype``: dtype of the
     gradient reduce-scatter (None: ``param_dtype``). Shards, gradient shards
     and optimizer states stay float32 either way.
+
+    ``cast_forward_inputs``: each unit casts the floating tensors among its
+    inputs to ``param_dtype`` (FSDP2's ``MixedPrecisionPolicy`` default);
+    ``cast_root_forward_inputs``: the wrapped model's forward does (FSDP's).
+    Both default to True when ``param_dtype`` is set (None: that default);
+    integer inputs (token ids) are never cast.
     """
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: Optional[bool] = None
+    cast_root_forward_inputs: Optional[bool] = None
+
+    def casts_inputs(self, root: bool) -> bool:
+        """Whether the root's (``root``) or a unit's forward casts its floating inputs."""
+        if self.param_dtype is None:
+            return False
+        flag = self.cast_root_forward_inputs if root else self.cast_forward_inputs
+        return True if flag is None else bool(flag)
 
 
 @dataclass
@@ -79,6 +94,11 @@ class Unit:
     # rank r's chunk is [bounds[r], bounds[r + 1]) when the unit is laid out for a
     # whole-tensor optimizer ([Note: uneven chunks] in zero3/relayout.py); None: equal chunks
     bounds: Optional[List[int]] = None
+    # the flat gradient buffer: [0, grad_numel) of the flat layout, cut at grad_bounds (None:
+    # the parameters' chunks); frozen parameters laid out after the last trainable one are
+    # never reduced ([Note: frozen parameters] in zero3/wrap.py)
+    grad_numel: int = 0
+    grad_bounds: Optional[List[int]] = None
     shard: Optional[torch.Tensor] = None        # fp32, this rank's shard
     grad_shard: Optional[torch.Tensor] = None   # fp32, averaged gradient shard (None until reduced)
     # the gradient shard lives in (pinned) host memory: an optimizer steps this unit on the
@@ -94,6 +114,10 @@ class Unit:
     reduce: Optional[comm.CommHandle] = None
     fresh: bool = True            # the reduction overwrites the gradient shard (no accumulation)
     pending: int = 0              # trainable params whose gradient has not arrived this backward
+    calls: int = 0                # its forwards (or registered methods) running now, nested
+    # calls since the last backward began whose inputs' gradients are still to come: a unit
+    # with frozen parameters is done with its backward only then ([Note: frozen parameters])
+    input_waits: int = 0
     hooks: list = field(default_factory=list)
 
     @property
@@ -111,6 +135,18 @@ class Unit:
     def own(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         lo, hi = self.span(rank)
         return flat[lo:hi]
+
+    def grad_span(self, rank: int) -> Tuple[int, int]:
+        """Rank ``rank``'s chunk of the flat gradient buffer: a prefix of its chunk of the parameters."""
+        return self.span(rank) if self.grad_bounds is None else chunk_span(self.grad_bounds, 0, rank)
+
+    def own_grad(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        lo, hi = self.grad_span(rank)
+        return flat[lo:hi]
+
+    def reduce_bounds(self) -> Optional[List[int]]:
+        """The reduce-scatter's chunks of the flat gradient buffer (None: equal chunks)."""
+        return self.bounds if self.grad_bounds is None else self.grad_bounds
 
     def holder(self, offset: int, numel: int, world_size: int) -> Optional[int]:
         """The rank whose chunk holds all of ``[offset, offset + numel)``, else None."""

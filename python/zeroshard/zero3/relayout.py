@@ -40,7 +40,7 @@ import torch
 from .. import comm
 from ..native.layout import assign_owners, owner_chunks
 from .records import Optimizers, Unit, UnitState
-from .wrap import Setup, host_or_device_zeros, layout_align, place_piece
+from .wrap import Setup, host_or_device_zeros, layout_align, place_piece, set_grad_extent
 
 
 def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int], backward,
@@ -105,6 +105,7 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
     u.bounds, u.numel, u.shard_numel = list(bounds), bounds[-1], hi - lo
     u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
     u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
+    set_grad_extent(u, cfg.world)
     for q, off, was in zip(u.params, offsets, old):
         q.offset = off
         place_piece(u, q, lo, hi)

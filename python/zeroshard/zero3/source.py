@@ -35,8 +35,8 @@ class UnitSource(ShardSource):
         super().__init__()
         self._optimizer = optimizer
         self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
-        for fs in owners:
-            if all(fs is not o for o in self.owners):
+        for fs in owners:       # (None: an integer parameter FullyShard left out of sharding)
+            if fs is not None and all(fs is not o for o in self.owners):
                 self.owners.append(fs)
         first, self.adam = self.owners[0], adam
         self.world_size, self.rank = first.world_size, first.rank
@@ -115,8 +115,10 @@ class UnitSource(ShardSource):
         mine = [q for q in u.trainable if id(q.sharded) in group]
         if not mine:
             return None
-        # the fused AdamW's state shards (another optimizer keeps its own: optim/rules.py)
-        st = {n: self.storage.zeros(placement, u.shard_numel) if self.adam else None
+        # the fused AdamW's state shards (another optimizer keeps its own: optim/rules.py), over
+        # this rank's chunk of the unit's gradients ([Note: frozen parameters] in zero3/wrap.py)
+        lo, hi = u.grad_span(self.rank)
+        st = {n: self.storage.zeros(placement, hi - lo) if self.adam else None
               for n in ("exp_avg", "exp_avg_sq")}
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
@@ -124,8 +126,9 @@ class UnitSource(ShardSource):
             if holder is not None:
                 self.whole_owners[index[id(q.sharded)]] = holder     # inside one chunk
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
-        self.regions.append(Region(u.shard_numel, st["exp_avg"], st["exp_avg_sq"],
-                                   [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine], bounds=u.bounds))
+        self.regions.append(Region(hi - lo, st["exp_avg"], st["exp_avg_sq"],
+                                   [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine],
+                                   bounds=u.reduce_bounds()))
         # runs of consecutive pieces with one param group (padding between them is harmless:
         # zero parameters with zero gradients stay zero)
         pieces = sorted((q for q in u.params if q.local.numel() > 0), key=lambda q: q.shard_offset)

@@ -38,12 +38,13 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
     for u in units:
         if not u.params:
             continue
-        grads_on_host += 4 * u.shard_numel if u.grad_to_host and u.trainable else 0
+        lo, hi = u.grad_span(gatherer.rank)     # (frozen parameters past the last trainable: no gradient)
+        grads_on_host += 4 * (hi - lo) if u.grad_to_host and u.trainable else 0
         own = sum(q.local.numel() for q in u.params)
         own_t = sum(q.local.numel() for q in u.trainable)
         rep["params"] += 4 * own
         rep["grads"] += 4 * own_t
-        rep["padding"] += 4 * (u.shard_numel - own) + (4 * (u.shard_numel - own_t) if u.trainable else 0)
+        rep["padding"] += 4 * (u.shard_numel - own) + (4 * (hi - lo - own_t) if u.trainable else 0)
         for name, t in states.get(u.index, {}).items():
             rep[name] += 4 * own_t
             rep["padding"] += t.numel() * t.element_size() - 4 * own_t

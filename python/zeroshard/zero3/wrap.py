@@ -95,6 +95,13 @@ def _wrap_predicate(module: nn.Module, wrap) -> Callable[[nn.Module], bool]:
     return lambda m: isinstance(m, classes)
 
 
+@dataclass
+class Kept:
+    """A parameter left out of sharding (integer or bool: it takes no gradient). It
+    stays on its module, moved to the shards' device and broadcast as buffers are."""
+    sharded: nn.Parameter
+
+
 def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
     """The sharding units (root first) and every parameter registration in
     named_parameters() order; ``nested`` is the FullyShard class (refused inside)."""
@@ -108,6 +115,9 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
             if p is None:
                 continue
             name = f"{path}.{attr}" if path else attr
+            if not (p.is_floating_point() or p.is_complex()):    # a step counter, a mask: left as it is
+                named.append((name, Kept(p)))
+                continue
             seen = owner.get(id(p))
             if seen is None or seen[0] == unit.index:
                 named.append((name, seen[1] if seen else None))
@@ -183,12 +193,14 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
     for u in units[1:] + units[:1]:
         if not u.params:
             continue
-        L = compute_layout([q.numel for q in u.params], [_layout_dtype(cfg.param_dtype)] * len(u.params),
+        order = sorted(range(len(u.params)), key=lambda k: not u.params[k].requires_grad)   # [Note: frozen parameters]
+        L = compute_layout([u.params[k].numel for k in order], [_layout_dtype(cfg.param_dtype)] * len(u.params),
                            _NO_CAP, W)
         assert len(L.buckets) == 1
         u.numel, u.shard_numel = L.buckets[0].numel, L.buckets[0].shard_numel
-        for q, place in zip(u.params, L.tensors):
-            q.offset = place.offset
+        for k, place in zip(order, L.tensors):
+            u.params[k].offset = place.offset
+        set_grad_extent(u, W)
         u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
         lo, hi = r * u.shard_numel, (r + 1) * u.shard_numel
         if not meta_init and dev.type != "meta":
@@ -204,6 +216,39 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
                 mod._parameters[attr] = q.sharded
         if dev.type != "meta":
             u.full.untyped_storage().resize_(0)
+
+
+def set_grad_extent(u: Unit, world: int):
+    """Which part of ``u``'s flat buffer its gradients are reduced over.
+
+    [Note: frozen parameters] A frozen parameter is gathered for compute but takes
+    no gradient, so nothing of it is reduced (LoRA and BitFit freeze most of each
+    unit). The unit lays its trainable parameters out first, and its gradient
+    buffer ends with the last of them (``Unit.grad_numel``): the frozen ones after
+    it have neither gradient buffer, reduce-scatter nor gradient shard. Each rank's
+    chunk of the gradients is then the start of its chunk of the parameters, cut
+    at ``grad_numel`` (``Unit.grad_bounds``, chunks of different lengths: [Note:
+    uneven collectives]); the ranks whose chunks hold only frozen parameters
+    receive nothing. A unit with no frozen parameter after its last trainable one
+    keeps its equal chunks. (A parameter frozen after wrapping is laid out as a
+    trainable one: it takes no gradient, but its place is still reduced.)
+
+    A unit is resharded after its backward once its last gradient has arrived:
+    with every parameter trainable, each operation's parameter gradients and
+    input gradients come from one autograd node, so that is the end. A frozen
+    weight is still read after that, for the gradient of the unit's inputs
+    (autograd may finish a frozen Linear's trainable bias, or an adapter, first).
+    So a unit holding frozen parameters passes the inputs of each call that
+    require grad through an identity autograd function (``UnitForward``), and
+    its backward also waits for that function's backward: the gradients of
+    its inputs, after which nothing reads its weights."""
+    ends = [q.offset + q.numel for q in u.params if q.requires_grad]
+    end = max(ends, default=0)
+    if any(not q.requires_grad and q.offset >= end and q.numel for q in u.params):
+        u.grad_numel = end
+        u.grad_bounds = [min(u.span(r)[0], end) for r in range(world)] + [end]
+    else:
+        u.grad_numel, u.grad_bounds = u.numel, None
 
 
 def place_piece(u: Unit, q: Param, lo: int, hi: int):
@@ -253,7 +298,14 @@ def host_or_device_zeros(n: int, where: torch.device, device: torch.device) -> t
 
 @torch.no_grad()
 def buffers_to_device(cfg: "Setup"):
+    """Buffers and the parameters left out of sharding (``Kept``): on the device, rank 0's values."""
     for mod in cfg.module.modules():
+        for name, p in mod._parameters.items():
+            if p is not None and not (p.is_floating_point() or p.is_complex()):
+                if p.device != cfg.device and cfg.device.type != "meta" and not p.is_meta:
+                    p = mod._parameters[name] = nn.Parameter(p.to(cfg.device), requires_grad=False)
+                if dist.get_world_size(cfg.everyone) > 1 and not p.is_meta:
+                    dist.broadcast(p.data, src=cfg.src, group=cfg.everyone)
         for name, b in mod._buffers.items():
             if b is None:
                 continue

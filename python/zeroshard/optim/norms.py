@@ -1,0 +1,71 @@
+"""Gradient norms other than the 2-norm, over the sharded gradients of a ``ReducedGrads``.
+
+The 2-norm comes from the statistics the backward took (optim/grads.py). Any other
+order torch's ``vector_norm`` takes is computed here when first asked for in a step,
+from this rank's pieces and one small collective: inf and -inf from each rank's
+largest or smallest absolute element (gathered), 0 from the count of non-zero
+elements and any other order p from the sum of ``|g|^p`` (summed over the ranks,
+one replica counting under hybrid sharding). Each piece holds its gradient divided
+by the source's ``grad_scale`` and the engine's pending clip coefficient, so those
+scale the result.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import comm
+
+
+def _scale(grads) -> torch.Tensor:
+    s = abs(grads.source.grad_scale)
+    return s if grads.coef is None else grads.coef.abs().to(grads.source.device) * s
+
+
+def inf_norms(grads) -> torch.Tensor:
+    """Per parameter: the largest absolute element of its averaged gradient."""
+    return _across_ranks(grads, _extremes(grads, "amax"), "amax") * _scale(grads)
+
+
+def p_norms(grads, ord: float) -> torch.Tensor:
+    """Per parameter: the norm of order ``ord`` (not 2, not inf) of its averaged gradient."""
+    if ord == -math.inf:
+        return _across_ranks(grads, _extremes(grads, "amin"), "amin") * _scale(grads)
+    if ord == 0.0:               # how many elements are not zero
+        local = grads.local_values(lambda vs: torch.stack([(g != 0).sum().float() for g in vs]))
+    else:
+        local = grads.local_values(lambda vs: torch.stack([g.float().abs().pow(ord).sum() for g in vs]))
+        local = local * _scale(grads) ** ord
+    if grads.source.groups.replica_rank != 0:     # the replicas hold equal shards: one counts
+        local.zero_()
+    comm.all_reduce(local, group=grads.source.groups.every, what=f"gradient norms of order {ord:g}").wait()
+    grads.source.comm_elements["all_reduce"] += local.numel()
+    return local if ord == 0.0 else local.pow(1.0 / ord)
+
+
+def _extremes(grads, reduce: str) -> torch.Tensor:
+    """Per parameter: the largest ("amax") or smallest ("amin") absolute element of this
+    rank's pieces of its gradient (0, or inf, where it holds none; a parameter cut
+    between two buckets may have two pieces here)."""
+    out = torch.full((len(grads.params),), 0.0 if reduce == "amax" else math.inf, device=grads.source.device)
+    vals, ks = [], []
+    for k, (seg, a, b) in enumerate(grads.flat):
+        g = seg.grad[a:b]
+        if g.numel():
+            vals.append(getattr(g.abs(), reduce)().float().to(out.device))
+            ks.append(k)
+    if vals:
+        out.scatter_reduce_(0, grads.piece_index(ks), torch.stack(vals), reduce=reduce)
+    return out
+
+
+def _across_ranks(grads, local: torch.Tensor, reduce: str) -> torch.Tensor:
+    """``local`` (a value per parameter) gathered from every rank of the shard group, then
+    reduced elementwise by ``reduce`` ("amax", "amin")."""
+    world, rank = grads.source.world_size, grads.source.rank
+    every = local.new_zeros(world, local.numel())
+    every[rank].copy_(local)
+    comm.all_gather(every[rank].view(-1), every.view(-1), group=grads.source.process_group,
+                    what=f"gradient norms ({reduce})").wait()
+    return getattr(every, reduce)(0)
