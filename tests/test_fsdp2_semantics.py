@@ -27,8 +27,24 @@ class Pair(collections.namedtuple("Pair", "h aux")):
     pass
 
 
+_MODEL_OUTPUT = []
+
+
+def model_output(h, aux):
+    """A ``transformers.ModelOutput`` (a dataclass and an ordered dict), defined on first use."""
+    if not _MODEL_OUTPUT:
+        from transformers.utils import ModelOutput
+
+        @dataclasses.dataclass
+        class BlockOutput(ModelOutput):
+            h: torch.Tensor = None
+            aux: torch.Tensor = None
+        _MODEL_OUTPUT.append(BlockOutput)
+    return _MODEL_OUTPUT[0](h=h, aux=aux)
+
+
 class Block(nn.Module):
-    """Returns ``kind`` of container: a dataclass, a namedtuple, a dict, a list."""
+    """Returns ``kind`` of container: a dataclass, a namedtuple, a dict, a list, a ModelOutput."""
 
     def __init__(self, kind="dataclass"):
         super().__init__()
@@ -41,7 +57,7 @@ class Block(nn.Module):
         h = torch.tanh(self.l(x)) + x
         aux = self.a(h).square().mean()
         return {"dataclass": Out, "namedtuple": Pair, "dict": lambda h, aux: {"h": h, "aux": aux},
-                "list": lambda h, aux: [h, aux]}[self.kind](h, aux)
+                "list": lambda h, aux: [h, aux], "modeloutput": model_output}[self.kind](h, aux)
 
     def forward_features(self, x):          # another method that needs the unit's parameters
         return self.l(x) * 2
@@ -150,7 +166,7 @@ def _how_units_are_called(steps=3):
     ref = single_process(lambda: (torch.manual_seed(0), Net("dataclass"))[1], steps)
     out = {}
     for kind, register in (("dataclass", "argument"), ("namedtuple", "call"), ("dict", "call"),
-                           ("list", "argument")):
+                           ("list", "argument"), ("modeloutput", "call")):
         sd, nones = _train_fully_shard(kind, register, steps)
         out[kind] = (worst(sd, ref), nones)
     out["fsdp2"] = worst(_fsdp2(steps), ref)
@@ -166,7 +182,7 @@ def test_structured_outputs_twice_called_units_chunked_heads_and_methods_train_a
     parameter used outside its forward; its unused-parameter semantics are checked below)."""
     for r in dist_pool.run(_how_units_are_called):
         assert r["fsdp2"] < 1e-5, r          # the references agree
-        for kind in ("dataclass", "namedtuple", "dict", "list"):
+        for kind in ("dataclass", "namedtuple", "dict", "list", "modeloutput"):
             err, nones = r[kind]
             assert err < 1e-5, (kind, r)
             assert nones == ["b1.spare.bias", "b1.spare.weight", "b2.spare.bias",

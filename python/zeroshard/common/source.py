@@ -78,6 +78,15 @@ class GradState(enum.Enum):
     READY = "ready"        # a backward outside no_sync() finished: the shards hold the reduced gradients
 
 
+def check_dense_grad(grad: torch.Tensor, what: str, err: Callable[[str], str]) -> None:
+    """Refuse a sparse gradient of parameter ``what`` (e.g. from ``nn.Embedding(sparse=True)``)."""
+    if grad.layout != torch.strided:
+        raise RuntimeError(err(
+            f"{what} got a sparse gradient ({grad.layout}): zeroshard reduces dense gradients in flat "
+            "buffers. Build its module with sparse=False (nn.Embedding, nn.EmbeddingBag), or keep the "
+            "parameter out of the optimizer"))
+
+
 def squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
     """Each view's squared 2-norm, in fp32: one foreach kernel on CUDA (a norm and a
     square per view cost every step ~300 launches at GPT-2's 148 parameters, ~3 ms of

@@ -74,7 +74,7 @@ class FusedAdamW:
         self.storage = storage
 
     def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
-               scale: Optional[torch.Tensor]):
+               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None):
         """Every range of the step in one kernel call (one launch on CUDA, one
         parallel loop on CPU), one hyperparameter set per (param group, step
         count); offloaded ranges then go window by window through the streamer."""
@@ -124,23 +124,39 @@ class TorchElementwise:
         groups = [dict(_hyper(g), params=ps) for g, ps in zip(param_groups, by_group) if ps]
         self.group_index = [gi for gi, ps in enumerate(by_group) if ps]
         self.inner = cls(groups, **kwargs) if groups else None
-        self.elementwise_keys = _elementwise_keys(cls, kwargs)
+        self.kwargs = kwargs
+        self._elementwise: Optional[set] = None
+
+    @property
+    def elementwise_keys(self) -> set:
+        """The state keys the class keeps one value per element for (the others are
+        per-parameter scalars): read from its state once it has stepped here, else from one
+        step on a dummy parameter (not at construction: a class's step may need arguments)."""
+        if self._elementwise is None:
+            states = [(leaf, self.inner.state[leaf]) for *_, leaf in self.pieces.values()
+                      if self.inner is not None and self.inner.state.get(leaf)]
+            if states:
+                self._elementwise = {k for leaf, st in states for k, v in st.items()
+                                     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == leaf.shape}
+            else:
+                self._elementwise = _elementwise_keys(self.cls, self.kwargs)
+        return self._elementwise
 
     def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
-               scale: Optional[torch.Tensor]):
+               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None):
         for gi, group in enumerate(groups):
             if self.inner is not None and gi in self.group_index:
-                self._update_group(gi, group, used, grad_scale, scale)
+                self._update_group(gi, group, used, grad_scale, scale, step_kwargs or {})
 
     def _update_group(self, gi: int, group: dict, used: List[bool], grad_scale: float,
-                      scale: Optional[torch.Tensor]):
+                      scale: Optional[torch.Tensor], step_kwargs: dict):
         inner_group = self.inner.param_groups[self.group_index.index(gi)]
         inner_group.update(_hyper(group))        # an LR scheduler changes ours; the instance follows
         mine = [(i, piece) for (i, _), piece in self.pieces.items() if piece[0].group == gi]
         for i, (seg, a, b, leaf) in mine:
             if used[i]:     # None: the class skips it, as torch's optimizers skip a None gradient
                 leaf.grad = scaled_grad(seg.grad[a:b], grad_scale, scale, leaf.device)
-        self.inner.step()
+        self.inner.step(**step_kwargs)
         for i, (seg, a, b, leaf) in mine:
             leaf.grad = None
             if used[i] and seg.out is not None:
@@ -182,7 +198,8 @@ def _hyper(group: dict) -> dict:
 
 def _elementwise_keys(cls, kwargs: dict) -> set:
     """The state keys ``cls`` keeps one value per element for (the others are
-    per-parameter scalars), from one step on a two-element dummy parameter."""
+    per-parameter scalars), from one step on a two-element dummy parameter (the
+    keys of a 1-D state, when several elements make that ambiguous: none here)."""
     p = torch.zeros(2, requires_grad=True)
     o = cls([p], **kwargs)
     p.grad = torch.ones(2)
@@ -194,6 +211,18 @@ def probe_defaults(cls, kwargs: dict) -> dict:
     """``cls``'s defaults with ``kwargs`` (an instance over a dummy matrix: the class
     validates its own arguments)."""
     return dict(cls([torch.zeros(2, 2, requires_grad=True)], **kwargs).defaults)
+
+
+def add_group_keys(cls, kwargs: dict, groups: List[dict]) -> None:
+    """The keys ``cls`` adds to a param group beyond its defaults (in its ``__init__``), added
+    to each of ``groups`` where missing, from an instance over a dummy matrix with the
+    group's hyperparameters: code reading ``opt.param_groups`` sees what the class's own
+    groups hold (the class's step() is never called here)."""
+    for g in groups:
+        probe = cls([dict(_hyper(g), params=[torch.zeros(2, 2, requires_grad=True)])], **kwargs)
+        for k, v in probe.param_groups[0].items():
+            if k != "params":
+                g.setdefault(k, v)
 
 
 def gather_scalars(opt, rule: TorchElementwise) -> Dict[int, dict]:

@@ -25,7 +25,7 @@ from ..common.claims import check_unclaimed, claim
 from .grads import ReducedGrads
 from ..zero12.buffers import BufferSync
 from ..zero12.reducer import FlatReducer
-from .rules import FusedAdamW, TorchElementwise, check_class, probe_defaults
+from .rules import FusedAdamW, TorchElementwise, add_group_keys, check_class, probe_defaults
 from .whole import WholeTensor
 from ..common.source import SUPPORTED, Region, ShardSource
 from ..zero3.source import UnitSource
@@ -132,6 +132,16 @@ def _check_not_unfrozen(params: List[torch.Tensor], frozen: List[int], err):
                 "a parameter frozen after construction is left alone, as one without a gradient"))
 
 
+def _check_dense(params: List[torch.Tensor], err) -> None:
+    """Sparse (or other non-strided) parameters have no place in a flat buffer: refused, named."""
+    for i, p in enumerate(params):
+        if p.layout != torch.strided:
+            raise ValueError(err(
+                f"parameter {i} (shape {tuple(p.shape)}) is a {p.layout} tensor: ShardedOptimizer shards "
+                "dense parameters laid out in flat buffers. Make it dense (e.g. nn.Embedding without "
+                "sparse=True), or keep it out of the optimizer"))
+
+
 def _check_ready(device: torch.device, source: ShardSource, what: str, err) -> None:
     if device.type == "meta":
         raise RuntimeError(err(
@@ -216,6 +226,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         self._consolidated = None
         self.broadcast_buffers, self._buffers = bool(broadcast_buffers), None
         check_unclaimed(self, [p for g in self.param_groups for p in g["params"]], self._err)
+        _check_dense([p for g in self.param_groups for p in g["params"]], self._err)
         self._binding = ((process_group, shard_size, device_mesh),
                          dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes, reduce_dtype=reduce_dtype,
                               offload=placement, overlap_param_gather=overlap_param_gather, whole=self._whole))
@@ -242,6 +253,8 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
             every = self._source.groups.every
             self._buffers = BufferSync(self._params, every, dist.get_global_rank(every, 0))
         # see [Note: update rules] in optim/rules.py
+        if not self.fused_requested:
+            add_group_keys(self.optimizer_class, self._optimizer_kwargs, self.param_groups)
         if self.fused_requested:
             self._rule = FusedAdamW(self._source.storage)
         elif self._whole:
@@ -338,18 +351,27 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         return self._grads.clip_(max_norm, norm_type)   # the coefficient lives with these gradients
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
+        """One optimizer step over this rank's shards. ``closure`` re-evaluates the loss (run
+        first, as torch's); other keyword arguments go to ``optimizer_class``'s ``step``. A
+        step with no gradient anywhere (no backward since ``zero_grad()``) does nothing, as
+        torch's optimizers skip parameters without a gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._rule.fused and kwargs:
+            raise TypeError(self._err(f"step() got keyword arguments {sorted(kwargs)}: the fused AdamW's step "
+                                      "takes only a closure (they go to optimizer_class's step when one is set)"))
+        if self._no_gradient_anywhere():
+            return loss
         _check_ready(self.device, self._source, "step()", self._err)
         _check_not_unfrozen(self._params, self._frozen, self._err)
         self.last_step_skipped = False
         if self._source.check_finite:    # every rank agrees: the statistics are summed over the ranks
             self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
         if not self.last_step_skipped:
-            self._update()
+            self._update(kwargs)
         self._grads.settle()     # (its all-reduce ran during the update: see ReducedGrads.backward_done)
         self._source.step_done(updated=not self.last_step_skipped)
         if not self.last_step_skipped:
@@ -367,10 +389,16 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         self._source.shards_loaded()
         self._consolidated = None
 
-    def _update(self):
+    def _no_gradient_anywhere(self) -> bool:
+        """No backward has given any parameter a gradient since ``zero_grad()`` (on any rank:
+        a backward is collective), and none is running."""
+        src = self._source
+        return self.device.type != "meta" and not (src.grads_ready() or src.in_backward() or src.arrived())
+
+    def _update(self, step_kwargs: dict):
         used = self._grads.used
         self._rule.update(self._source.segments, self.param_groups, used, self._param_steps,
-                          self._source.grad_scale, self._grads.clip_coefficient())
+                          self._source.grad_scale, self._grads.clip_coefficient(), step_kwargs=step_kwargs)
         for i in self._trainable:
             if used[i]:
                 self._param_steps[i] += 1

@@ -153,6 +153,7 @@ class WholeTensor:
                                    device=self.home[i][0].param.device if i in self.home else source.device)
             for i in shapes if self.owners[i] == self.rank}
         self.kwargs, self.group_of = kwargs, group_of
+        self.step_kwargs: dict = {}     # what the current step() passes to the class's step
         by_group: List[list] = [[] for _ in param_groups]
         for i, leaf in self.leaves.items():
             by_group[group_of[i]].append(leaf)
@@ -165,7 +166,8 @@ class WholeTensor:
             leaf.data = leaf.new_empty(0)
 
     def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
-               scale: Optional[torch.Tensor]):
+               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None):
+        self.step_kwargs = step_kwargs or {}
         if self.inner is not None:          # an LR scheduler changes ours; the instance follows
             for inner_group, gi in zip(self.inner.param_groups, self.group_index):
                 inner_group.update(_hyper(groups[gi]))
@@ -193,7 +195,7 @@ class WholeTensor:
             leaf, shape = self.leaves[i], self.shapes[i]
             leaf.data = seg.param[a:b].view(shape)
             leaf.grad = scaled_grad(seg.grad[a:b].view(shape), grad_scale, scale, leaf.device)
-        self.inner.step()
+        self.inner.step(**self.step_kwargs)
         for i in stepping:
             seg, a, b, _ = self.home[i]
             self.leaves[i].grad = None
@@ -223,7 +225,7 @@ class WholeTensor:
             g = mine[w.values + off:w.values + off + numel].view(self.shapes[i]).mul_(grad_scale)
             leaf.grad = g.mul_(scale) if scale is not None else g
         if stepping:
-            self.inner.step()
+            self.inner.step(**self.step_kwargs)
         for i in stepping:
             self.leaves[i].grad = None
             self.leaves[i].data = self._empty

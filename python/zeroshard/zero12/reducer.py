@@ -56,7 +56,8 @@ from ..offload import NO_OFFLOAD, HostCopies, Offload, Storage, offloaded_params
 from ..common.order import OrderedReductions
 from ..common.pool import BufferPool
 from .param_gather import ParamGather
-from ..common.source import GradState, Region, Segment, ShardSource, add_locations, empty_report, weak_hook
+from ..common.source import (GradState, Region, Segment, ShardSource, add_locations, check_dense_grad, empty_report,
+                             weak_hook)
 from ..native.layout import fill_flat, gaps
 
 # At most this many buckets are being reduced at once: launching one more
@@ -186,13 +187,13 @@ class FlatReducer(ShardSource):
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_grad(self, i: int, p: torch.Tensor):
+        check_dense_grad(p.grad, f"parameter {i} (shape {tuple(p.shape)})", self.err)
         if self._state != GradState.BACKWARD:
             self._start_backward()
         self.events.append(("grad", i))
         self._arrived.add(i)
         if not self._order_learned and self._sync:
             self._arrival.append(i)
-        frags = self.where[i][2]
         if self.stage == 1:
             view = self._grad_view(i)
             if p.grad.data_ptr() != view.data_ptr():
@@ -200,7 +201,7 @@ class FlatReducer(ShardSource):
                 p.grad = view
         if not self._sync:
             return
-        for f in frags:
+        for f in self.where[i][2]:
             bucket = self.buckets[f.bucket]
             if bucket.launched:
                 raise RuntimeError(self.err(

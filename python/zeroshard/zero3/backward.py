@@ -16,7 +16,7 @@ from .. import comm
 from .gather import Gatherer
 from ..offload import HostCopies
 from ..common.order import OrderedReductions
-from ..common.source import GradState, squared_norms
+from ..common.source import GradState, check_dense_grad, squared_norms
 from .param import ShardedTensor
 from .records import Param, Unit, UnitState
 from .wrap import host_or_device_empty
@@ -96,6 +96,7 @@ class UnitBackward:
                 f"({u.state.value}): the backward reached the unit through a tensor its output hooks did not see "
                 "(kept on a module or a global, or inside an object). Return every tensor the loss depends on "
                 "from the unit's forward, in a tuple, list, dict, namedtuple or dataclass"))
+        check_dense_grad(q.full.grad, f"'{q.names[0]}'", self.err)
         if u.grad_flat is not None:   # accumulating into an existing flat buffer: add as they come
             self._move_grad(u, q)
         self.events.append(("grad", u.name))

@@ -95,6 +95,13 @@ def _wrap_predicate(module: nn.Module, wrap) -> Callable[[nn.Module], bool]:
     return lambda m: isinstance(m, classes)
 
 
+def _check_not_sparse(mod: nn.Module, path: str, err: Callable[[str], str]):
+    if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and mod.weight.requires_grad:
+        raise ValueError(err(f"'{path or type(mod).__name__}' is an {type(mod).__name__} with sparse=True: its "
+                             "gradients would be sparse, and FullyShard reduces dense gradients in flat "
+                             "buffers. Build it with sparse=False"))
+
+
 @dataclass
 class Kept:
     """A parameter left out of sharding (integer or bool: it takes no gradient). It
@@ -111,6 +118,7 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
     named: List[Tuple[str, Param]] = []   # every registration, in named_parameters() order
 
     def visit(mod: nn.Module, path: str, unit: Unit):
+        _check_not_sparse(mod, path, cfg.err)
         for attr, p in mod._parameters.items():
             if p is None:
                 continue

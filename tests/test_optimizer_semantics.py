@@ -1,0 +1,148 @@
+"""ShardedOptimizer by torch's own optimizer semantics, against DDP + the same torch optimizer at
+world sizes 1, 2 and 3: a step with no gradient is a no-op, step() passes keyword arguments to
+the class (whose step() is never called while building), the class's param-group keys are
+visible, and sparse parameters and gradients are refused by name."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zeroshard as zs
+from conftest import get_pool
+
+WORLDS = pytest.mark.parametrize("world", [1, 2, 3], ids=lambda n: f"world{n}")
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(6, 7, generator=g)
+    r, w = dist.get_rank(), dist.get_world_size()
+    return x[r * 6 // w:(r + 1) * 6 // w]
+
+
+def _no_gradient_steps(stage):
+    """Every other iteration steps with no backward since zero_grad() (a gradient-accumulation
+    loop written that way); the LR scheduler steps every iteration."""
+    model = make()
+    if stage == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    elif stage == 3:
+        model = zs.FullyShard(model, wrap={nn.Linear})
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.05)
+    else:
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.05, stage=stage)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for it in range(6):
+        opt.zero_grad()
+        if it % 2 == 0:
+            model(batch(it)).square().mean().backward()
+        opt.step()
+        sched.step()
+    sd = (model.module if stage == "ddp" else model).state_dict()
+    return {k: v.clone() for k, v in sd.items()}, opt.param_groups[0]["lr"]
+
+
+@WORLDS
+def test_a_step_with_no_gradient_is_a_noop(world):
+    pool = get_pool(world)
+    ref = pool.run(_no_gradient_steps, "ddp")
+    for stage in (1, 2, 3):
+        for (sd, lr), (rsd, rlr) in zip(pool.run(_no_gradient_steps, stage), ref):
+            assert lr == rlr
+            assert max((sd[k] - v).abs().max().item() for k, v in rsd.items()) < 1e-5, stage
+
+
+class ScaledSGD(torch.optim.SGD):
+    """An elementwise class whose step needs a keyword argument and whose __init__ adds a key
+    of its own to every param group."""
+    steps_called = 0
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, lr=lr)
+        for g in self.param_groups:
+            g.setdefault("tag", "scaled")
+
+    @torch.no_grad()
+    def step(self, closure=None, *, scale):
+        type(self).steps_called += 1
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] * scale)
+
+
+def _kwargs_and_keys(stage):
+    model = make()
+    ScaledSGD.steps_called = 0
+    if stage == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+        opt = ScaledSGD(model.parameters(), lr=0.1)
+    else:
+        if stage == 3:
+            model = zs.FullyShard(model, wrap={nn.Linear})
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.1, optimizer_class=ScaledSGD, elementwise=True,
+                                  **({} if stage == 3 else {"stage": stage}))
+    built_steps = ScaledSGD.steps_called
+    tag = opt.param_groups[0]["tag"]
+    for it in range(3):
+        model(batch(it)).square().mean().backward()
+        opt.step(scale=0.5 + it)
+        opt.zero_grad()
+    sd = (model.module if stage == "ddp" else model).state_dict()
+    return {k: v.clone() for k, v in sd.items()}, built_steps, tag
+
+
+@WORLDS
+def test_step_keyword_arguments_reach_the_class_and_its_group_keys_are_visible(world):
+    pool = get_pool(world)
+    ref = pool.run(_kwargs_and_keys, "ddp")
+    for stage in (1, 2, 3):
+        for (sd, built_steps, tag), (rsd, _, rtag) in zip(pool.run(_kwargs_and_keys, stage), ref):
+            assert built_steps == 0, stage          # construction never calls the class's step()
+            assert tag == rtag == "scaled"
+            assert max((sd[k] - v).abs().max().item() for k, v in rsd.items()) < 1e-6, stage
+
+
+def _fused_refuses_step_kwargs():
+    opt = zs.ShardedOptimizer(make().parameters(), lr=0.1)
+    try:
+        opt.step(scale=2.0)
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def _sparse():
+    out = {}
+    try:
+        zs.ShardedOptimizer([nn.Parameter(torch.eye(3).to_sparse())], lr=0.1)
+    except ValueError as e:
+        out["param"] = str(e)
+    emb = nn.Embedding(11, 4, sparse=True)
+    opt = zs.ShardedOptimizer(emb.parameters(), lr=0.1)
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+    except RuntimeError as e:
+        out["grad"] = str(e)
+    del opt
+    try:
+        zs.FullyShard(nn.Sequential(nn.Embedding(11, 4, sparse=True), nn.Linear(4, 2)))
+    except ValueError as e:
+        out["fully_shard"] = str(e)
+    return out
+
+
+def test_sparse_parameters_and_gradients_are_refused_by_name():
+    pool = get_pool(2)
+    for r in pool.run(_sparse):
+        assert "parameter 0" in r["param"] and "sparse" in r["param"], r
+        assert "parameter 0" in r["grad"] and "sparse=False" in r["grad"], r
+        assert "'0'" in r["fully_shard"] and "sparse=False" in r["fully_shard"], r
+    for msg in pool.run(_fused_refuses_step_kwargs):
+        assert "keyword arguments ['scale']" in msg, msg
