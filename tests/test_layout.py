@@ -17,7 +17,7 @@ def scatter_into_buffers(layout, tensors):
     return bufs
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     specs=st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(DTYPES), st.integers(0, 2)),
                    min_size=1, max_size=10),

@@ -146,3 +146,41 @@ def test_sparse_parameters_and_gradients_are_refused_by_name():
         assert "'0'" in r["fully_shard"] and "sparse=False" in r["fully_shard"], r
     for msg in pool.run(_fused_refuses_step_kwargs):
         assert "keyword arguments ['scale']" in msg, msg
+
+
+def _hyper_round_trip(stage, kwargs):
+    """Train, save the state dict, load it into a fresh optimizer over the same model, train on:
+    the saved hyperparameters (amsgrad, maximize) come back and the run ends as DDP's."""
+    model = make()
+    if stage == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+        build = lambda: torch.optim.AdamW(model.parameters(), lr=0.05, **kwargs)   # noqa: E731
+    else:
+        if stage == 3:
+            model = zs.FullyShard(model, wrap={nn.Linear})
+        extra = {} if stage == 3 else {"stage": stage}
+        build = lambda: zs.ShardedOptimizer(model.parameters(), lr=0.05, **kwargs, **extra)   # noqa: E731
+    opt = build()
+    for it in range(4):
+        if it == 2:
+            sd = opt.state_dict()
+            del opt                          # (zeroshard refuses two live optimizers over one parameter)
+            opt = build()
+            opt.load_state_dict(sd)
+        model(batch(it)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    flags = {k: opt.param_groups[0][k] for k in kwargs}
+    sd = (model.module if stage == "ddp" else model).state_dict()
+    return {k: v.clone() for k, v in sd.items()}, flags
+
+
+@WORLDS
+@pytest.mark.parametrize("kwargs", [{"amsgrad": True}, {"maximize": True}], ids=lambda k: next(iter(k)))
+def test_hyperparameters_the_optimizer_runs_round_trip_through_its_state_dict(world, kwargs):
+    pool = get_pool(world)
+    ref = pool.run(_hyper_round_trip, "ddp", kwargs)
+    for stage in (1, 2, 3):
+        for (sd, flags), (rsd, _) in zip(pool.run(_hyper_round_trip, stage, kwargs), ref):
+            assert flags == kwargs, (stage, flags)
+            assert max((sd[k] - v).abs().max().item() for k, v in rsd.items()) < 1e-5, stage

@@ -367,8 +367,12 @@ def _bad_inputs():
     m.unused.requires_grad_(False)
     ddp = torch.nn.parallel.DistributedDataParallel(m)
     catch("ddp", lambda: zs.ShardedOptimizer(ddp.parameters()))
-    opt = zs.ShardedOptimizer(make_model().parameters())
-    catch("step_first", opt.step)
+    model = make_model()
+    opt = zs.ShardedOptimizer(model.parameters())
+    catch("step_first", opt.step)          # no gradient anywhere: a no-op, as torch's optimizers
+    with opt.no_sync():                    # gradients only accumulated locally: stepping them is refused
+        model(torch.randint(0, 37, (2, 3))).sum().backward()
+    catch("step_unreduced", opt.step)
     return msgs
 
 
@@ -378,8 +382,10 @@ def test_bad_input_gives_clear_errors_on_every_rank(dist_pool):
         assert "parameter 0 differs across ranks: rank 1 has" in msgs["shapes"]
         assert "parameter 1 is on meta but parameter 0 is on cpu" in msgs["devices"]
         assert "DistributedDataParallel" in msgs["ddp"] and "reduce them again" in msgs["ddp"]
-        assert "step() called before any backward()" in msgs["step_first"]
-        assert f"[rank {rank}/{dist_pool.world_size}]" in msgs["step_first"]
+        assert msgs["step_first"] is None
+        assert "step() called before any backward()" in msgs["step_unreduced"]
+        assert "no_sync()" in msgs["step_unreduced"]
+        assert f"[rank {rank}/{dist_pool.world_size}]" in msgs["step_unreduced"]
 
 
 # ------------------------------------------------- more AdamW behaviours

@@ -23,11 +23,17 @@ def layout_signature(opt) -> list:
 
 
 def take_hyperparameters(opt, groups: list):
-    """Each param group takes the saved group's hyperparameters (everything but its params)."""
+    """Each param group takes the saved group's hyperparameters (everything but its params).
+    The fused AdamW has no amsgrad nor maximize: a saved group asking for them is refused
+    before anything changes (an optimizer built with them runs torch's AdamW, which does)."""
+    for sg in groups:
+        if opt.fused and (sg.get("amsgrad") or sg.get("maximize")):
+            raise NotImplementedError(comm.on_rank(opt,
+                "this state dict's param groups ask for amsgrad or maximize, which the fused AdamW does not "
+                "run; build the ShardedOptimizer with them (amsgrad=True / maximize=True: it then runs "
+                "torch.optim.AdamW over its pieces) before loading it"))
     for g, sg in zip(opt.param_groups, groups):
         g.update((k, v) for k, v in sg.items() if k != "params")
-        if g.get("amsgrad") or g.get("maximize"):
-            raise NotImplementedError("amsgrad and maximize are not supported by ShardedOptimizer")
 
 
 @torch.no_grad()
