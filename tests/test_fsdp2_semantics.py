@@ -486,3 +486,64 @@ def test_the_planner_counts_no_gradient_or_state_for_frozen_parameters():
     # fp32 shards of everything, gradient + exp_avg + exp_avg_sq of the trainable elements only,
     # plus 16-byte alignment (at most 16 elements per parameter and rank)
     assert 4 * n + 12 * t <= total <= 4 * n + 12 * t + 4 * 16 * 9 * 2, (total, 4 * n + 12 * t)
+
+
+def _frozen_with(kind, steps, save=None, load=None):
+    """LoRA-like units trained with Muon over the adapters (their units laid out again for
+    Muon's owners) or AdamW; ``save``/``load``: a zeroshard checkpoint directory."""
+    torch.manual_seed(0)
+    model = zs.FullyShard(nn.Sequential(LoRAish(), LoRAish(), LoRAish(), nn.Linear(64, 3)), wrap={LoRAish})
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    mats = [p for n, p in trainable if kind == "muon" and p.dim() == 2 and n.split(".")[-2] in ("down", "up")]
+    rest = [p for n, p in trainable if all(p is not q for q in mats)]
+    opts = ([zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, lr=0.02)] if mats else []) + \
+        [zs.ShardedOptimizer(rest, lr=0.05)]
+    if load:
+        zs.load_checkpoint(load, model, opts[-1])
+    for x in [torch.randn(12, 64, generator=torch.Generator().manual_seed(s)) for s in range(steps)]:
+        model(mine(x)).square().mean().backward()
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
+    if save:
+        zs.save_checkpoint(save, model, opts[-1])
+    osd = opts[-1].state_dict()
+    return model.state_dict(), {i: {k: v for k, v in st.items()} for i, st in osd["state"].items()}
+
+
+def _frozen_reference(kind, steps):
+    torch.manual_seed(0)
+    ref = nn.Sequential(LoRAish(), LoRAish(), LoRAish(), nn.Linear(64, 3))
+    trainable = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    mats = [p for n, p in trainable if kind == "muon" and p.dim() == 2 and n.split(".")[-2] in ("down", "up")]
+    rest = [p for n, p in trainable if all(p is not q for q in mats)]
+    opts = ([torch.optim.Muon(mats, lr=0.02)] if mats else []) + [torch.optim.AdamW(rest, lr=0.05)]
+    w = dist.get_world_size()
+    for x in [torch.randn(12, 64, generator=torch.Generator().manual_seed(s)) for s in range(steps)]:
+        for o in opts:
+            o.zero_grad()
+        k = x.shape[0] // w
+        (sum(ref(x[i * k:(i + 1) * k]).square().mean() for i in range(w)) / w).backward()
+        for o in opts:
+            o.step()
+    return ref.state_dict()
+
+
+def _frozen_muon():
+    return worst(_frozen_with("muon", 3)[0], _frozen_reference("muon", 3))
+
+
+def test_frozen_units_under_muon_and_through_a_checkpoint_at_another_world_size(tmp_path):
+    """Muon lays the units out again for its owners: the frozen weights' place in the
+    reduction follows. A checkpoint of such units saved at 2 ranks loads at 3."""
+    for err in get_pool(2).run(_frozen_muon):
+        assert err < 1e-5, err
+    path = str(tmp_path / "ck")
+    saved = get_pool(2).run(_frozen_with, "adamw", 2, path)[0]
+    loaded = get_pool(3).run(_frozen_with, "adamw", 0, None, path)[0]
+    assert worst(loaded[0], saved[0]) == 0.0
+    assert saved[1].keys() == loaded[1].keys() and len(saved[1]) > 0
+    for i, st in saved[1].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(loaded[1][i][k]), torch.as_tensor(v)), (i, k)

@@ -105,7 +105,6 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
     u.bounds, u.numel, u.shard_numel = list(bounds), bounds[-1], hi - lo
     u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
     u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
-    set_grad_extent(u, cfg.world)
     for q, off, was in zip(u.params, offsets, old):
         q.offset = off
         place_piece(u, q, lo, hi)
@@ -114,5 +113,6 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
             q.local.copy_(values[was + q.tensor_offset:was + q.tensor_offset + n])
         q.sharded.piece = q.local
         q.full.data = u.full[q.offset:q.offset + q.numel].view(q.shape)
+    set_grad_extent(u, cfg.world)      # ([Note: frozen parameters]: over the new offsets)
     if dev.type != "meta":
         u.full.untyped_storage().resize_(0)
