@@ -225,6 +225,9 @@ def _refusals():
         model.module[0](torch.randn(2, D))
     except TypeError as e:
         out["opaque"] = str(e)
+    root = zs.FullyShard(Hiding())        # the model itself may: its root unit stays gathered
+    root(torch.randn(2, D)).h.sum().backward()
+    out["root_opaque"] = [n for n, p in root.named_parameters() if p.grad is not None]
     for prefetch in (0, 1):
         torch.manual_seed(0)
         net = nn.Sequential(Stashing(), Stashing(), nn.Linear(D, 1))
@@ -245,6 +248,7 @@ def test_hidden_outputs_are_refused_never_computed_on(world):
     dist_pool = get_pool(world)
     for r in dist_pool.run(_refusals):
         assert "unit '0'" in r["opaque"] and "Opaque" in r["opaque"] and "'h'" in r["opaque"], r
+        assert r["root_opaque"] == ["l.weight", "l.bias"], r
         for k in ("stash0", "stash1"):     # loud: not gathered (storage released, or still in flight)
             assert "not gathered" in r[k] or "storage of size 0" in r[k], r
 

@@ -35,9 +35,9 @@ from .outputs import cast_inputs, output_tensors
 from .records import MixedPrecision, Unit, UnitState
 
 
-def _hook_outputs(out, fn, where: str, err):
+def _hook_outputs(out, fn, where: str, err, strict: bool = True):
     """``fn()`` when the gradient of any of ``out``'s tensors is first computed ([Note: unit outputs])."""
-    tensors = output_tensors(out, where, err)
+    tensors = output_tensors(out, where, err, strict)
     if tensors:
         register_multi_grad_hook(tensors, lambda grads: fn(), mode="any")
 
@@ -261,5 +261,5 @@ class UnitForward:
             if not grad:
                 self.gatherer.reshard_all()
                 return out
-        _hook_outputs(out, lambda: self.backward.pre_backward(None), "the model's forward", self.err)
+        _hook_outputs(out, lambda: self.backward.pre_backward(None), "the model's forward", self.err, strict=False)
         return out

@@ -11,7 +11,9 @@ anything registered with ``torch.utils._pytree``), dataclasses (also
 ``transformers.ModelOutput``) and other sequences and mappings. An object
 that still holds a tensor requiring grad in its attributes is refused, naming
 the unit and the type, before any backward runs; one holding none (a cache of
-detached tensors, a config) passes: no gradient can flow through it. And a
+detached tensors, a config) passes: no gradient can flow through it. The
+wrapped model's own output is walked but not refused: the root unit stays
+gathered to the end of the backward. And a
 gradient that arrives for a unit whose parameters are not gathered is
 refused too (``UnitBackward.on_grad``), whatever hid its output.
 """
@@ -28,11 +30,13 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 _DEPTH = 16
 
 
-def output_tensors(out, where: str, err: Callable[[str], str]) -> List[torch.Tensor]:
-    """Every tensor requiring grad in ``out`` (a unit's output); raises on one hidden
-    in an object the walk cannot see into ([Note: unit outputs])."""
+def output_tensors(out, where: str, err: Callable[[str], str], strict: bool = True) -> List[torch.Tensor]:
+    """Every tensor requiring grad in ``out`` (a unit's output); with ``strict``, raises on
+    one hidden in an object the walk cannot see into ([Note: unit outputs]). (The model's
+    own output is not strict: the root unit stays gathered to the end of the backward, and
+    a model may return such objects, e.g. a key-value cache.)"""
     found: List[torch.Tensor] = []
-    _walk(out, found, set(), 0, where, err)
+    _walk(out, found, set(), 0, where, err if strict else None)
     return found
 
 
@@ -64,7 +68,7 @@ def _walk(obj, found: list, seen: set, depth: int, where: str, err):
         for v in obj:
             _walk(v, found, seen, depth + 1, where, err)
         return
-    hidden = _hidden_tensor(obj)
+    hidden = _hidden_tensor(obj) if err is not None else None
     if hidden is not None:
         raise TypeError(err(
             f"{where} returned a {type(obj).__module__}.{type(obj).__qualname__} whose attribute "
