@@ -29,7 +29,7 @@ from .rules import FusedAdamW, TorchElementwise, add_group_keys, check_class, pr
 from .whole import WholeTensor
 from ..common.source import SUPPORTED, Region, ShardSource
 from ..zero3.source import UnitSource
-from ..zero3.records import owner_of
+from ..zero3.records import left_out, owner_of
 
 
 _ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -102,7 +102,7 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
         raise ValueError(err("overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit just before "
                              "use (its prefetch= sets how far ahead)"))
     for i, o in enumerate(owners):
-        if o is None and (params[i].is_floating_point() or params[i].is_complex()):   # (integer ones: never stepped)
+        if o is None and not left_out(params[i]):
             raise ValueError(err(
                 f"parameter {i} (shape {tuple(params[i].shape)}) is not a FullyShard parameter but "
                 "others are; wrap the whole model in FullyShard (its root unit takes every parameter "

@@ -61,7 +61,8 @@ class UnitBackward:
         self.order, self._cursor = list(reversed(calls)), 0
         # a unit called several times reduces once, after the backward of its first call
         first = list(reversed(dict.fromkeys(calls)))
-        rest = [u.index for u in self.units[1:] if u.index not in set(first)]
+        called = set(first)
+        rest = [u.index for u in self.units[1:] if u.index not in called]
         self._reductions.start([self.units[ui] for ui in first + rest + [0] if self.units[ui].trainable])
         for u in self.units:     # (a parameter frozen since wrapping takes no gradient: see _swap)
             u.pending = sum(q.full.requires_grad for q in u.trainable) + u.input_waits

@@ -19,6 +19,12 @@ from ..native.layout import chunk_span
 _OWNERS: Dict[int, tuple] = {}
 
 
+def left_out(p: torch.Tensor) -> bool:
+    """An integer or bool parameter (a step counter, a mask): FullyShard leaves it out of
+    sharding, on its module, as a buffer (it takes no gradient)."""
+    return not (p.is_floating_point() or p.is_complex())
+
+
 def owner_of(p: torch.Tensor):
     """The FullyShard that made parameter ``p``, else None."""
     e = _OWNERS.get(id(p))

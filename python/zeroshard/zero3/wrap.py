@@ -16,7 +16,7 @@ from ..offload import host_empty
 from ..common.claims import claimant
 from ..common.source import SUPPORTED
 from .param import ShardedParameter
-from .records import Param, Unit, owner_of
+from .records import Param, Unit, left_out, owner_of
 from ..native.layout import compute_layout
 
 _NO_CAP = 1 << 62        # bucket cap for unit layouts: one bucket per unit
@@ -123,7 +123,7 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
             if p is None:
                 continue
             name = f"{path}.{attr}" if path else attr
-            if not (p.is_floating_point() or p.is_complex()):    # a step counter, a mask: left as it is
+            if left_out(p):
                 named.append((name, Kept(p)))
                 continue
             seen = owner.get(id(p))
@@ -309,7 +309,7 @@ def buffers_to_device(cfg: "Setup"):
     """Buffers and the parameters left out of sharding (``Kept``): on the device, rank 0's values."""
     for mod in cfg.module.modules():
         for name, p in mod._parameters.items():
-            if p is not None and not (p.is_floating_point() or p.is_complex()):
+            if p is not None and left_out(p):
                 if p.device != cfg.device and cfg.device.type != "meta" and not p.is_meta:
                     p = mod._parameters[name] = nn.Parameter(p.to(cfg.device), requires_grad=False)
                 if dist.get_world_size(cfg.everyone) > 1 and not p.is_meta:
