@@ -15,9 +15,10 @@ using namespace zeroshard;
 #define ZEROSHARD_CUDA_ARCHS ""
 #endif
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "zeroshard C++/CUDA core: layout math, fused AdamW, collectives";
+// Every class is module-local (py::module_local()): two builds of zeroshard can then be
+// imported into one process side by side (benchmarks/before_after.py).
 
+static void bind_build_info(py::module_& m) {
   m.def("build_info", [] {
     py::dict d;
 #ifdef ZEROSHARD_WITH_CUDA
@@ -33,10 +34,9 @@ PYBIND11_MODULE(_C, m) {
     d["cxx_standard"] = static_cast<long>(__cplusplus);
     return d;
   }, "How this extension was built: CUDA or not, CUDA archs, the torch it was built against.");
+}
 
-  // Every class is module-local (py::module_local()): two builds of zeroshard can then be
-  // imported into one process side by side (benchmarks/before_after.py).
-  // ---- layout ----
+static void bind_layout(py::module_& m) {
   py::class_<Fragment>(m, "Fragment", py::module_local(), "A contiguous piece of one tensor inside one bucket.")
       .def_readonly("tensor", &Fragment::tensor).def_readonly("bucket", &Fragment::bucket)
       .def_readonly("tensor_offset", &Fragment::tensor_offset)
@@ -79,8 +79,9 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("numels"), py::arg("itemsizes"), py::arg("keys"), py::arg("bucket_cap_bytes"),
      py::arg("world_size"), py::arg("align_bytes") = 16, py::arg("costs") = std::vector<int64_t>{},
      "Pure layout math (csrc/layout.h).");
+}
 
-  // ---- fused AdamW ----
+static void bind_kernels(py::module_& m) {
   py::class_<AdamWOptions>(m, "AdamWOptions", py::module_local(), "One set of AdamW hyperparameters (csrc/ops.h).")
       .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
                        double grad_scale) {
@@ -91,16 +92,16 @@ PYBIND11_MODULE(_C, m) {
         py::arg("exp_avg_sqs"), py::arg("outs"), py::arg("hypers"), py::arg("hyper_of"), py::arg("scale"),
         py::arg("noop"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>(),
         "Fused AdamW over flat shards, one launch (csrc/ops.h).");
-
-  // ---- checkpoint checksums ----
+  // checkpoint checksums
   m.def("crc32", [](py::buffer data, uint32_t crc) {
           const py::buffer_info b = data.request();
           const py::gil_scoped_release unlocked;
           return crc32(b.ptr, static_cast<size_t>(b.size * b.itemsize), crc);
         }, py::arg("data"), py::arg("crc") = 0, "zlib.crc32, faster where the CPU allows (csrc/crc32.h).");
   m.def("crc32_is_fast", &crc32_is_fast, "Whether crc32 folds with PCLMULQDQ here (csrc/crc32.h).");
+}
 
-  // ---- collectives ----
+static void bind_collectives(py::module_& m) {
   py::class_<CommHandle, Handle>(m, "CommHandle", py::module_local(), "Guards the result of one collective.")
       .def("wait", &CommHandle::wait, py::call_guard<py::gil_scoped_release>(),
            "Block (CPU) or order the current stream (CUDA) until the result is ready. Idempotent.")
@@ -116,9 +117,9 @@ PYBIND11_MODULE(_C, m) {
         "Flat reduce-scatter (csrc/comm.h).");
   m.def("reduce_scatter_scratch_bytes", &reduce_scatter_scratch_bytes, py::arg("chunk_numel"),
         py::arg("element_size"), py::arg("world"), py::arg("in_place"), py::arg("input_is_scratch") = false,
-        "Scratch bytes of a reduce-scatter on gloo (csrc/comm.h).");
+        "Scratch bytes of a reduce-scatter on gloo (csrc/gloo_p2p.h).");
   m.def("set_reduce_scatter_piece_bytes", &set_reduce_scatter_piece_bytes, py::arg("bytes"),
-        "The smallest piece of a reduce-scatter in pieces; returns the previous (csrc/comm.h).");
+        "The smallest piece of a reduce-scatter in pieces; returns the previous (csrc/gloo_p2p.h).");
   m.def("all_gather", &all_gather, py::arg("group_name"), py::arg("input"), py::arg("output"),
         py::call_guard<py::gil_scoped_release>(), "Flat all-gather (csrc/comm.h).");
   m.def("reduce_scatter_v", &reduce_scatter_v, py::arg("group_name"), py::arg("input"), py::arg("output"),
@@ -129,4 +130,12 @@ PYBIND11_MODULE(_C, m) {
         "All-gather over uneven chunks (csrc/comm.h, [Note: uneven collectives]).");
   m.def("all_reduce", &all_reduce, py::arg("group_name"), py::arg("tensor"), py::arg("average"),
         py::call_guard<py::gil_scoped_release>(), "All-reduce (csrc/comm.h).");
+}
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "zeroshard C++/CUDA core: layout math, fused AdamW, collectives";
+  bind_build_info(m);
+  bind_layout(m);
+  bind_kernels(m);
+  bind_collectives(m);
 }

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard as zs
-from _dist import piece_of
+from _dist import Timeline, piece_of
 
 BATCH = 12
 TINY_BUCKET_MB = 700 / 2**20     # buckets split tensors
@@ -344,10 +344,16 @@ def test_parameters_frozen_after_construction_are_left_alone_and_train_again_as_
 def _partly_frozen_unit_events():
     net, opt = _branchy(3)
     net.module.blocks[0].fc.weight.requires_grad_(False)     # after wrapping; its bias still trains
+    timeline, block0 = Timeline(), net.units[[u.name for u in net.units].index("blocks.0")]
+    for u in net.units:     # each unit's gradients arriving (and, at the root's, where blocks.0 is)
+        timeline.grad_hooks((u.name, q.full) for q in u.trainable)
+        if u.is_root:
+            for q in u.trainable:
+                q.full.register_post_accumulate_grad_hook(lambda p: timeline.mark("blocks.0", block0.state.value))
     x, y = data(1)[0]
     F.cross_entropy(net(local(x), use_extra=True), local(y)).backward()
     opt.step()
-    return list(net.events)
+    return timeline.events()
 
 
 def test_a_unit_with_a_parameter_frozen_after_wrapping_is_reduced_when_the_rest_arrived(dist_pool):
@@ -356,7 +362,7 @@ def test_a_unit_with_a_parameter_frozen_after_wrapping_is_reduced_when_the_rest_
     for ev in dist_pool.run(_partly_frozen_unit_events):
         ev = ev[ev.index(("grad", "blocks.1")):]          # the backward
         last_root_grad = len(ev) - 1 - ev[::-1].index(("grad", ""))
-        assert ev.index(("reshard", "blocks.0")) < last_root_grad, ev
+        assert ev[last_root_grad + 1] == ("blocks.0", "sharded"), ev      # resharded by then
         assert ev.index(("reduce_scatter", "blocks.0")) < last_root_grad, ev
 
 
@@ -365,13 +371,14 @@ def _launched_before_last_grad(stage):
     parameters trainable, then with one frozen after construction."""
     net, opt = _branchy(stage)
     x, y = data(1)[0]
-    counts = []
+    counts, timeline = [], Timeline()
+    timeline.grad_hooks(net.named_parameters())
     for frozen in (False, False, True):     # (the first backward learns the launch order)
         net.blocks[1].fc.weight.requires_grad_(not frozen)
         opt.zero_grad()
-        start = len(opt.events)
+        start = len(timeline.events())
         F.cross_entropy(net(local(x), use_extra=True), local(y)).backward()
-        ev = list(opt.events)[start:]
+        ev = timeline.events()[start:]
         last_grad = max(k for k, e in enumerate(ev) if e[0] == "grad")
         counts.append(sum(e[0] == "reduce_scatter" for e in ev[:last_grad]))
         opt.step()

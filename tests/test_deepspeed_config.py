@@ -117,7 +117,7 @@ def test_seed_and_public_configs_parse_as_deepspeed_reads_them(tmp_path):
     assert (s3.train_micro_batch_size_per_gpu, s3.zero.stage, s3.fp16.enabled) == (4, 3, True)
     assert s3.zero.offload_param.device == s3.zero.offload_optimizer.device == "cpu"
     nvme = parse(dict(copy.deepcopy(SEED_003_NVME), train_micro_batch_size_per_gpu=1))
-    assert nvme.zero.offload_optimizer == config.Offload("nvme", "/local_nvme")
+    assert nvme.zero.offload_optimizer == config.OffloadSection(device="nvme", nvme_path="/local_nvme")
     cifar = parse(CIFAR, world=1)
     assert cifar.zero.offload_optimizer.device == "cpu" and cifar.fp16.initial_scale_power == 15
     assert "fp16.fp16_master_weights_and_grads" in cifar.unused
@@ -192,14 +192,16 @@ def test_loss_scale_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
     monkeypatch.setattr(ds, "dist", OneRank)
     pattern = [True, True, False, False, False, True, False, False, False, False, False, False, True, True, False]
     for hysteresis, consecutive in ((1, False), (2, False), (3, True)):
-        mine = loss_scaler.LossScaler(config.LossScaling(True, 0.0, 10, 3, hysteresis, consecutive, 1.0))
+        mine = loss_scaler.LossScaler(config.LossScaling(
+            enabled=True, loss_scale=0.0, initial_scale_power=10, loss_scale_window=3, hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive, min_loss_scale=1.0))
         theirs = ds.DynamicLossScaler(init_scale=2.0 ** 10, scale_window=3, min_scale=1.0, delayed_shift=hysteresis,
                                       consecutive_hysteresis=consecutive)
         for overflow in pattern:
             mine.update(overflow)
             theirs.update_scale(overflow)
             assert mine.scale == theirs.cur_scale and mine.hysteresis == theirs.cur_hysteresis
-    static = loss_scaler.LossScaler(config.LossScaling(True, 128.0))
+    static = loss_scaler.LossScaler(config.LossScaling(enabled=True, loss_scale=128.0))
     static.update(True)
     assert static.scale == 128.0 and loss_scaler.LossScaler(config.LossScaling()).scale == 1.0
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
-from _dist import piece_of
+from _dist import Timeline, piece_of
 
 BATCH = 12          # divisible by 2 and 3: every rank gets an equal slice
 TINY_BUCKET_MB = 1000 / 2**20   # ~1000 bytes: buckets split tensors, big.weight spans several
@@ -263,20 +263,20 @@ def _overlap():
     model = make_model()
     model.unused.requires_grad_(False)
     opt = zs.ShardedOptimizer(param_groups(model), stage=2, bucket_mb=TINY_BUCKET_MB)
+    timeline = Timeline()       # the gradients' arrivals among the collectives of the flight record
+    timeline.grad_hooks(model.named_parameters())
     train_ours(1, 2, model=model, opt=opt)
-    ev = [e for e in opt.events]
-    last = max(i for i, e in enumerate(ev) if e[0] == "backward_start")
-    ev = ev[last:]
+    ev = timeline.events()
     first_rs = next(i for i, e in enumerate(ev) if e[0] == "reduce_scatter")
-    end = next(i for i, e in enumerate(ev) if e[0] == "backward_end")
-    grads_after = sum(1 for e in ev[first_rs:end] if e[0] == "grad")
-    return first_rs, end, grads_after, len(opt.layout.buckets)
+    last_grad = max(i for i, e in enumerate(ev) if e[0] == "grad")
+    grads_after = sum(1 for e in ev[first_rs:] if e[0] == "grad")
+    return first_rs, last_grad, grads_after, len(opt.layout.buckets)
 
 
 def test_first_bucket_is_reduced_while_backward_continues(dist_pool):
-    for first_rs, end, grads_after, nb in dist_pool.run(_overlap):
+    for first_rs, last_grad, grads_after, nb in dist_pool.run(_overlap):
         assert nb > 3
-        assert first_rs < end
+        assert first_rs < last_grad
         assert grads_after > 0, "no gradient arrived after the first reduce-scatter was launched"
 
 
@@ -468,7 +468,7 @@ def _inflight_bound():
 
 
 def test_stage2_bucket_memory_is_bounded(dist_pool):
-    from zeroshard.zero12.reducer import MAX_INFLIGHT as _MAX_INFLIGHT
+    from zeroshard.common.reduction import MAX_INFLIGHT_BUCKETS as _MAX_INFLIGHT
     for peak, biggest, nb, full, nbuf, kept in dist_pool.run(_inflight_bound):
         assert nb > _MAX_INFLIGHT + 2
         # on CPU the pool stays between steps ([Note: bucket buffers between steps]): at most

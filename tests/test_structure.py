@@ -19,11 +19,11 @@ LAYERS = {
     "native": set(),                                   # the C++ core's bindings
     "comm": {"native"},                                # collectives, flight record, watchdog, groups
     "offload": {"native"},                             # where state lives, the streamed CPU step
-    "common": {"native", "comm", "offload"},           # the shard-source interface, order, buffer pool
+    "common": {"native", "comm", "offload"},           # the shard-source interface, the reduction pipeline
     "zero12": {"native", "comm", "offload", "common"},  # the ZeRO-1/2 gradient source
     "zero3": {"native", "comm", "offload", "common"},   # FullyShard and its units
     "optim": BELOW_OPTIM,                              # the update engine
-    "checkpoint": {"native", "comm", "common", "zero3", "optim"},
+    "checkpoint": {"native", "comm", "common", "optim"},   # through regions: neither stage
     "plan": BELOW_OPTIM | {"optim"},                   # the memory planner
 }
 
@@ -345,3 +345,97 @@ def test_only_its_adapter_imports_an_optional_tool(tmp_path):
     (tmp_path / "integrations" / "lightning").mkdir(parents=True)
     (tmp_path / "integrations" / "lightning" / "s.py").write_text("from lightning.pytorch import Trainer\n")
     assert _tool_imports(_sources(str(tmp_path))) == [(os.path.join("optim", "x.py"), "lightning")]
+
+
+# ----------------------------------------------------- one reduction pipeline
+# The calls that issue a gradient reduction, and the module allowed to make them.
+REDUCING_CALLS = {"reduce_scatter", "all_reduce"}
+PIPELINE = os.path.join("common", "reduction.py")
+# the gradient sources, each of which must run its reductions on the pipeline
+SOURCES_ON_PIPELINE = (os.path.join("zero12", "reducer.py"), os.path.join("zero3", "backward.py"))
+
+
+def _reductions_outside_pipeline(sources: dict) -> list:
+    """Calls to reduce_scatter / all_reduce in the stage folders (zero12/, zero3/), and
+    gradient sources that do not build a ReductionPipeline."""
+    bad = []
+    for rel, src in sources.items():
+        if rel.split(os.sep)[0] not in ("zero12", "zero3"):
+            continue
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name in REDUCING_CALLS:
+                    bad.append(f"{rel}:{node.lineno}: {name}() outside {PIPELINE}")
+    for rel in SOURCES_ON_PIPELINE:
+        src = sources.get(rel, "")
+        if "ReductionPipeline(" not in src or "from ..common.reduction import" not in src:
+            bad.append(f"{rel}: does not reduce on {PIPELINE}'s ReductionPipeline")
+    return bad
+
+
+def test_every_stage_reduces_on_the_one_pipeline():
+    sources = _sources()
+    called = {n.func.attr for n in ast.walk(ast.parse(sources[PIPELINE]))
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert REDUCING_CALLS <= called          # the pipeline is where they are
+    bad = _reductions_outside_pipeline(sources)
+    assert not bad, "reduction code outside the pipeline:\n" + "\n".join(bad)
+
+
+def test_the_pipeline_check_finds_planted_violations():
+    planted = dict(_sources())
+    planted[os.path.join("zero3", "extra.py")] = "def f(t):\n    comm.reduce_scatter(t, t)\n"
+    planted[os.path.join("zero12", "reducer.py")] = "x = 1\n"
+    bad = _reductions_outside_pipeline(planted)
+    assert any("extra.py:2: reduce_scatter()" in b for b in bad), bad
+    assert any(b.startswith(os.path.join("zero12", "reducer.py") + ":") for b in bad), bad
+
+
+# ------------------------------------------------------------------ csrc/ sizes
+CSRC = os.path.join(ROOT, "csrc")
+# a definition at file scope: a line at column 0 opening a body, closed by a "}" at column 0
+_CPP_DEF = re.compile(r"^(?!namespace\b|extern\b|//|#)[A-Za-z_][^;]*\{\s*$")
+
+
+def _cpp_violations(root=CSRC) -> dict:
+    """C++ files over MAX_FILE lines, and file-scope definitions (functions, the
+    binding module, classes) whose bodies run past MAX_FUNCTION lines (MAX_CLASS for
+    a struct or class): the same sizes the Python rule holds."""
+    found = {}
+    for folder, _, files in os.walk(root):
+        for f in sorted(files):
+            if not f.endswith((".h", ".cpp", ".cu")):
+                continue
+            path = os.path.join(folder, f)
+            rel = os.path.relpath(path, root)
+            with open(path) as fh:
+                lines = fh.read().splitlines()
+            if len(lines) > MAX_FILE:
+                found[("file", rel)] = len(lines)
+            start = None
+            for k, line in enumerate(lines):
+                if start is None and _CPP_DEF.match(line):
+                    start = k
+                elif start is not None and line.startswith("}"):
+                    is_class = re.match(r"^(template\s*<[^>]*>\s*)?(struct|class)\b", lines[start])
+                    limit = MAX_CLASS if is_class else MAX_FUNCTION
+                    if k - start + 1 > limit:
+                        found[("class" if is_class else "function", f"{rel}:{start + 1}")] = k - start + 1
+                    start = None
+    return found
+
+
+def test_no_cpp_file_or_function_over_its_limit():
+    found = _cpp_violations()
+    assert len([f for _, _, fs in os.walk(CSRC) for f in fs if f.endswith(".cpp")]) > 5     # it sees csrc/
+    assert not found, f"csrc/ over the limits (file {MAX_FILE}, class {MAX_CLASS}, function {MAX_FUNCTION}): {found}"
+
+
+def test_the_cpp_size_check_finds_planted_violations(tmp_path):
+    (tmp_path / "big.cpp").write_text("int f() {\n" + "  x();\n" * MAX_FUNCTION + "}\n" + "//\n" * MAX_FILE)
+    (tmp_path / "ok.h").write_text("namespace a {\nint g() {\n  return 1;\n}\n}  // namespace a\n")
+    found = _cpp_violations(str(tmp_path))
+    assert found == {("file", "big.cpp"): MAX_FILE + MAX_FUNCTION + 2,
+                     ("function", "big.cpp:1"): MAX_FUNCTION + 2}, found

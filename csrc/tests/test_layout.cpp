@@ -11,9 +11,8 @@ using namespace zeroshard;
 
 namespace {
 
-// Checks every invariant of [Note: layout rules]; returns nothing, fails the test.
-void check_invariants(const std::vector<TensorSpec>& specs, const Layout& L, int64_t cap_bytes) {
-  ASSERT_EQ(L.tensors.size(), specs.size());
+// The buckets' invariants of [Note: layout rules]: aligned, capped, fragments in order.
+void check_buckets(const std::vector<TensorSpec>& specs, const Layout& L, int64_t cap_bytes) {
   for (size_t bi = 0; bi < L.buckets.size(); ++bi) {
     const Bucket& b = L.buckets[bi];
     const Buffer& buf = L.buffers[b.buffer];
@@ -38,6 +37,12 @@ void check_invariants(const std::vector<TensorSpec>& specs, const Layout& L, int
     EXPECT_LE(last_end, b.numel);
     EXPECT_EQ(covered, b.data_numel);
   }
+}
+
+// Checks every invariant of [Note: layout rules]; returns nothing, fails the test.
+void check_invariants(const std::vector<TensorSpec>& specs, const Layout& L, int64_t cap_bytes) {
+  ASSERT_EQ(L.tensors.size(), specs.size());
+  check_buckets(specs, L, cap_bytes);
   // Every element of every tensor is in exactly one fragment, in order.
   for (size_t ti = 0; ti < specs.size(); ++ti) {
     const TensorPlace& t = L.tensors[ti];

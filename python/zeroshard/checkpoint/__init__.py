@@ -6,7 +6,7 @@ outcomes that ends each step of a save or load (``peers``), and the file format:
 safetensors writer, manifest and verifying reader (``format``).
 [Note: checkpoint format] in ``checkpoint/api.py``.
 
-May import: ``native``, ``comm``, ``common``, ``zero3``, ``optim``.
+May import: ``native``, ``comm``, ``common``, ``optim``.
 """
 from .api import (export_full_state_dict, full_state_dict_meta, load_checkpoint, read_full_state_dict,
                   save_checkpoint)

@@ -1,7 +1,8 @@
 """What a rank holds of a (model, optimizer) pair, by checkpoint key: the
-tensors (Spec) and this rank's element ranges of them (Piece), gathered
-through FullyShard's and ShardedOptimizer's public API, or from a plain
-model and torch AdamW."""
+tensors (Spec) and this rank's element ranges of them (Piece), read from
+the regions a sharded model (FullyShard) and a ShardedOptimizer describe
+([Note: shard sources] in common/source.py), or from a plain model and
+torch AdamW."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .format import CheckpointError
-from ..zero3.fully_shard import FullyShard
+from ..common.source import ShardedModel
 
 _SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
 
@@ -41,7 +42,7 @@ class Holdings:
     """What this rank holds of a (model, optimizer) pair, by checkpoint key."""
 
     def __init__(self, model: nn.Module, optimizer, for_load: bool):
-        fs = model if isinstance(model, FullyShard) else None
+        fs = model if isinstance(model, ShardedModel) else None
         inner = model.module if fs is not None or isinstance(model, nn.parallel.DistributedDataParallel) else model
         sharded = _sharded_optimizers(optimizer)
         sharded_opt = sharded[0] if sharded else None
@@ -69,14 +70,14 @@ class Holdings:
                 self.names[id(p)] = name
         covered = set()
         if fs is not None:
-            for u in fs.units:
-                for q in u.params:
-                    key = "param:" + q.names[0]
-                    self.specs[key] = Spec(tuple(q.shape), torch.float32, q.dtype)
-                    if q.local.numel():
-                        self.pieces.append(Piece(key, q.tensor_offset, q.local.detach(), False))
-                    covered.add(id(q.sharded))
-            self._finish.append(lambda man: fs.invalidate())
+            held, regions = fs.held_regions()
+            for h in held:
+                self.specs["param:" + self.names[id(h.param)]] = Spec(tuple(h.shape), torch.float32, h.dtype)
+                covered.add(id(h.param))
+            for reg in regions:
+                for i, start, sl in reg.owned(self.rank):
+                    self.pieces.append(Piece("param:" + self.names[id(held[i].param)], start, reg.values[sl], False))
+            self._finish.append(lambda man: fs.shards_loaded())
         self._later: List[Callable[[dict], None]] = []   # load: pieces known from the manifest only
         if sharded_opt is not None:
             for opt in sharded:
@@ -165,13 +166,13 @@ class Holdings:
         if whole is not None:
             self._whole_tensor_state(opt, whole, names)
         for reg in opt.regions:
-            if reg.values is not None:
+            if reg.values is not None and not reg.model_owned:     # (ZeRO-3: the model's, saved above)
                 for i, *_ in reg.frags:
                     p = opt.params[i]
                     self.specs["param:" + names[i]] = Spec(tuple(p.shape), reg.values.dtype, p.dtype)
                     covered.add(id(p))
             for i, start, sl in reg.owned(self.rank):
-                if reg.values is not None:
+                if reg.values is not None and not reg.model_owned:
                     self.pieces.append(Piece("param:" + names[i], start, reg.values[sl], False))
                 for kind in ("exp_avg", "exp_avg_sq") if opt.fused else ():
                     self.pieces.append(Piece(f"{kind}:{names[i]}", start, getattr(reg, kind)[sl], False))

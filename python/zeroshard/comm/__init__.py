@@ -8,8 +8,8 @@ waits and cross-rank diagnosis (``watchdog``), hybrid sharding's groups
 May import: ``native``. Every other part issues its collectives through the
 names below.
 """
-from .collectives import (CommHandle, Tracked, all_gather, all_gather_object, all_reduce, check_in, group_name,
+from .collectives import (CommHandle, all_gather, all_gather_object, all_reduce, check_in, group_name,
                           on_rank, reduce_scatter, reduce_scatter_scratch_bytes)
 
-__all__ = ["CommHandle", "Tracked", "all_gather", "all_gather_object", "all_reduce", "check_in", "group_name",
+__all__ = ["CommHandle", "all_gather", "all_gather_object", "all_reduce", "check_in", "group_name",
            "on_rank", "reduce_scatter", "reduce_scatter_scratch_bytes"]

@@ -17,11 +17,9 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import flight as _flight
-from . import watchdog as _incident
+from . import flight, watchdog
 from ..native.ext import _C
 
-CommHandle = _C.CommHandle
 
 
 @atexit.register
@@ -71,16 +69,16 @@ def check_in(what: str, who, group: Optional[dist.ProcessGroup] = None, hint: st
     group = group if group is not None else dist.group.WORLD
     key = (what, group_name(group))
     _checkins[key] += 1
-    rec = _flight.start("check_in", key[1], what, None)
-    if _incident.debug():       # a check-in is a collective of its own: kind and size agree first
-        _incident.agree(rec, group)
+    rec = flight.start("check_in", key[1], what, None)
+    if watchdog.debug():       # a check-in is a collective of its own: kind and size agree first
+        watchdog.agree(rec, group)
     prefix = f"zeroshard/check_in/{key[1]}/{what}/{_checkins[key]}/"
-    seconds = _incident.checkin_timeout()
-    missing = _incident.meet(prefix, dist.get_process_group_ranks(group), "1", seconds)
+    seconds = watchdog.checkin_timeout()
+    missing = watchdog.meet(prefix, dist.get_process_group_ranks(group), "1", seconds)
     if missing:
         dist.distributed_c10d._get_default_store().delete_key(prefix + str(dist.get_rank()))
         _checkins[key] -= 1      # the ranks stay in step for the next call
-        raise _incident.check_in_timed_out(on_rank(who,
+        raise watchdog.check_in_timed_out(on_rank(who,
             f"{what} is collective, but rank(s) {missing} did not call it within {seconds:g} s "
             f"(zeroshard.set_timeout() or ZEROSHARD_TIMEOUT sets it). Call it on every rank. {hint}"),
             key[1], rec)
@@ -97,59 +95,69 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     return group.group_name
 
 
-class Tracked:
-    """A collective's handle: its wait is bounded by the watchdog's timeout
-    (see [Note: watchdog] in comm/watchdog.py) and marks its record's end."""
+class CommHandle:
+    """Guards the result of one collective (``reduce_scatter``, ``all_gather`` and
+    ``all_reduce`` return one): ``wait()`` blocks (CPU) or orders the current stream
+    (CUDA) until the result is ready, for at most the watchdog's timeout (see [Note:
+    watchdog] in comm/watchdog.py), and marks the collective's flight record done."""
     __slots__ = ("handle", "record")
 
-    def __init__(self, handle, record: _flight.Record):
-        self.handle, self.record = handle, record
+    def __init__(self, handle, record: flight.Record):
+        self.handle, self.record = handle, record      # (the C++ core's handle, its flight record)
 
     def wait(self):
-        broken = _incident.raised()     # then only a collective already done may pass
+        """Wait for the result; raises CollectiveError naming the collective and what every
+        rank last did if it fails or does not finish within the watchdog's timeout. Idempotent."""
+        if not self.wait_for(0.0 if watchdog.raised() else watchdog.timeout()):
+            raise watchdog.raised() or watchdog.timed_out(self.record)
+
+    def wait_for(self, seconds: float) -> bool:
+        """``wait()`` for at most ``seconds``; False (the handle abandoned) if the time ran out."""
+        broken = watchdog.raised()     # then only a collective already done may pass
         try:
-            done = self.handle.wait_for(0.0 if broken else _incident.timeout())
+            done = self.handle.wait_for(0.0 if broken else seconds)
         except RuntimeError as e:
-            raise (broken or _incident.transport_failed(self.record, e)) from e
-        if not done:
-            raise broken or _incident.timed_out(self.record)
-        if self.record.end is None:
+            raise (broken or watchdog.transport_failed(self.record, e)) from e
+        if done and self.record.end is None:
             self.record.end = time.time()
+        return done
 
     @property
     def waited(self) -> bool:
+        """Whether ``wait()`` has returned."""
         return self.handle.waited
 
     def completed(self) -> bool:
+        """Whether the collective has finished; never blocks (``wait()`` is still needed)."""
         try:
             done = self.handle.completed()
         except RuntimeError as e:
-            raise (_incident.raised() or _incident.transport_failed(self.record, e)) from e
+            raise (watchdog.raised() or watchdog.transport_failed(self.record, e)) from e
         if done and self.record.end is None:
             self.record.end = time.time()
         return done
 
 
-def _issue(kind: str, group, what: str, t: torch.Tensor, launch) -> Tracked:
+def _issue(kind: str, group, what: str, t: torch.Tensor, launch) -> CommHandle:
     """Record the collective (checked across ranks first under ZEROSHARD_DEBUG),
     launch it; a transport failure raises CollectiveError naming it (bad input
     stays the C++ core's ValueError)."""
     name = group_name(group)
-    rec = _flight.start(kind, name, what, t)
-    if _incident.debug():
-        _incident.agree(rec, group)
+    rec = flight.start(kind, name, what, t)
+    if watchdog.debug():
+        watchdog.agree(rec, group)
     try:
-        return Tracked(launch(name), rec)
+        return CommHandle(launch(name), rec)
     except ValueError:
         raise
     except RuntimeError as e:
-        raise (_incident.raised() or _incident.transport_failed(rec, e)) from e
+        raise (watchdog.raised() or watchdog.transport_failed(rec, e)) from e
 
 
 def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
                    group: Optional[dist.ProcessGroup] = None, average: bool = True,
                    input_is_scratch: bool = False, what: str = "",
-                   bounds: Optional[List[int]] = None) -> Tracked:
+                   bounds: Optional[List[int]] = None) -> CommHandle:
     """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks.
 
     ``input_is_scratch=True`` lets the collective overwrite ``input`` (a CPU
@@ -180,7 +188,7 @@ def reduce_scatter_scratch_bytes(chunk_numel: int, itemsize: int, world_size: in
 
 def all_gather(input: torch.Tensor, output: torch.Tensor, *,
                group: Optional[dist.ProcessGroup] = None, what: str = "",
-               bounds: Optional[List[int]] = None) -> Tracked:
+               bounds: Optional[List[int]] = None) -> CommHandle:
     """``output`` = concatenation over ranks of ``input``. In place when ``input``
     is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
     messages, faster than gloo's all-gather; see csrc/comm.h). ``bounds``: chunks
@@ -192,7 +200,7 @@ def all_gather(input: torch.Tensor, output: torch.Tensor, *,
 
 
 def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
-               average: bool = False, what: str = "") -> Tracked:
+               average: bool = False, what: str = "") -> CommHandle:
     """``tensor`` = sum (mean if ``average``) of ``tensor`` over ranks, in place."""
     return _issue("all_reduce", group, what, tensor, lambda name: _C.all_reduce(name, tensor, bool(average)))
 
@@ -212,9 +220,9 @@ def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None, wh
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if dist.get_backend(group) != "gloo":
         out = [None] * world
-        rec = _flight.start("all_gather_object", group_name(group), what, None)
-        if _incident.debug():
-            _incident.agree(rec, group)
+        rec = flight.start("all_gather_object", group_name(group), what, None)
+        if watchdog.debug():
+            watchdog.agree(rec, group)
         dist.all_gather_object(out, obj, group=group)
         rec.end = time.time()
         return out

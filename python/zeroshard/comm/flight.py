@@ -27,6 +27,7 @@ RING = 4096
 
 _ring: collections.deque = collections.deque(maxlen=RING)
 _seq: collections.Counter = collections.Counter()
+_issued = 0        # collectives this rank issued since the process began
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Record:
 
 
 def start(kind: str, group: str, what: str, t: Optional[torch.Tensor], numel: Optional[int] = None) -> Record:
+    global _issued
+    _issued += 1
     _seq[group] += 1
     rec = Record(_seq[group], group, kind, what, t.numel() if t is not None else int(numel or 0),
                  str(t.dtype).replace("torch.", "") if t is not None else "bytes", time.time())
@@ -64,6 +67,13 @@ def last_completed() -> float:
     every rank of its group had issued it too, so whatever stopped a rank
     before then is over."""
     return max((r.start for r in _ring if r.end is not None), default=0.0)
+
+
+def issued() -> int:
+    """How many collectives this rank has issued through zeroshard.comm (the last record
+    of ``flight_record()`` is the issued()-th): a probe that notes it beside its own
+    observations places them among the collectives."""
+    return _issued
 
 
 def flight_record() -> List[dict]:

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import flight as _flight
+from . import flight
 from ..native.ext import _C
 from .flight import CollectiveError, Record
 
@@ -174,7 +174,7 @@ def incident(cause: str, group: str, rec: Optional[Record]) -> Tuple[str, bool]:
     returns the diagnosis and whether another rank timed out (see [Note: watchdog])."""
     rank = dist.get_rank()
     mine = {"rank": rank, "cause": cause, "time": time.time(),
-            "stuck": dataclasses.asdict(rec) if rec is not None else None, "records": _flight.recent(RECENT)}
+            "stuck": dataclasses.asdict(rec) if rec is not None else None, "records": flight.recent(RECENT)}
     reports, store_error = _exchange(mine)
     lines = [diagnose(reports, group, dist.get_world_size(), time.time())]
     if store_error:
@@ -208,7 +208,7 @@ def _exchange(mine: dict) -> Tuple[Dict[int, dict], Optional[str]]:
         # a report older than this rank's last completed collective is an earlier
         # incident's, which the ranks got past (a caught check-in timeout, say)
         # (approximate across hosts: it compares wall clocks)
-        since = _flight.last_completed()
+        since = flight.last_completed()
         return {r: v for r, v in got.items() if r == mine["rank"] or v["time"] >= since}, None
     except RuntimeError as e:
         return {mine["rank"]: mine}, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -261,7 +261,7 @@ def _write(reports: Dict[int, dict], message: str) -> str:
     folder = os.environ.get("ZEROSHARD_RECORD_DIR") or tempfile.gettempdir()
     path = os.path.join(folder, f"zeroshard-flight-rank{dist.get_rank()}-pid{os.getpid()}.json")
     body = {"message": message, "reports": {str(r): v for r, v in reports.items()},
-            "flight_record": _flight.flight_record()}
+            "flight_record": flight.flight_record()}
     try:
         with open(path, "w") as f:
             json.dump(body, f, indent=1)

@@ -17,7 +17,6 @@ are ready, and are told when a step is done.
 from __future__ import annotations
 
 import abc
-import collections
 import contextlib
 import enum
 import weakref
@@ -94,7 +93,7 @@ def squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Segment:
     """A flat range updated by one fused AdamW call."""
     group: int                 # param group index
@@ -102,8 +101,8 @@ class Segment:
     holder: object             # the record whose attribute ``grad_attr`` holds the gradient tensor
     grad_attr: str             # "grads" / "grad_shard": allocated and freed as backward and zero_grad go
     grad_range: tuple          # (start, stop) in that tensor
-    exp_avg: Optional[torch.Tensor]      # the fused AdamW's state (None for another optimizer_class)
-    exp_avg_sq: Optional[torch.Tensor]
+    exp_avg: Optional[torch.Tensor] = None      # the fused AdamW's state (None for another optimizer_class)
+    exp_avg_sq: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
     # (param index, start, stop, offset in the flattened parameter): each trainable
     # parameter's range within this segment
@@ -158,15 +157,18 @@ def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) ->
     return parts
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Region:
-    """A range sharded over the ranks in rank order (a bucket or a unit), for state dicts."""
+    """A range sharded over the ranks in rank order (a bucket or a unit): what this rank
+    holds of it, for state dicts and checkpoints ([Note: shard sources])."""
     shard_numel: int
-    exp_avg: Optional[torch.Tensor]      # this rank's shard (None for another optimizer_class)
-    exp_avg_sq: Optional[torch.Tensor]
     frags: List[tuple]         # (param index, offset in param, offset in region, numel)
-    values: Optional[torch.Tensor] = None  # ZeRO-1/2: this rank's master (or fp32 parameter)
-                                           # shard; ZeRO-3: None (the FullyShard units hold it)
+    exp_avg: Optional[torch.Tensor] = None      # this rank's shard (None for another optimizer_class)
+    exp_avg_sq: Optional[torch.Tensor] = None
+    # this rank's fp32 values: ZeRO-1/2 the master (or fp32 parameter) shard, the optimizer's
+    # to save; ZeRO-3 the unit's shard, the model's to save (``model_owned``)
+    values: Optional[torch.Tensor] = None
+    model_owned: bool = False
     # chunks of different lengths (a unit laid out for a whole-tensor optimizer): rank r's
     # is [bounds[r], bounds[r + 1]) and shard_numel this rank's length; None: equal chunks
     bounds: Optional[List[int]] = None
@@ -186,6 +188,34 @@ class Region:
             a, b = max(lo, r_off), min(hi, r_off + n)
             if a < b:
                 yield i, t_off + a - r_off, slice(a - lo, b - lo)
+
+
+@dataclass(frozen=True)
+class HeldParam:
+    """A parameter of a sharded model as checkpoints see it: the object the model yields
+    (its name is the model's for it), its full shape and the model's dtype for it."""
+    param: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class ShardedModel(abc.ABC):
+    """A model whose parameters are sharded over the ranks (FullyShard), seen through
+    regions: what checkpoints read and write. Set by the constructor: ``module`` (the
+    wrapped model), ``device``, ``process_group``, ``groups`` (as ShardSource's)."""
+    module: torch.nn.Module
+    device: torch.device
+    process_group: dist.ProcessGroup
+    groups: Groups
+
+    @abc.abstractmethod
+    def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:
+        """Every sharded parameter, and this rank's regions of them (``values`` its fp32
+        shards, ``model_owned``); the regions' frags index the parameter list."""
+
+    @abc.abstractmethod
+    def shards_loaded(self) -> None:
+        """The shards were written (a checkpoint loaded): drop whatever derives from them."""
 
 
 class ShardSource(abc.ABC):
@@ -215,9 +245,6 @@ class ShardSource(abc.ABC):
     def __init__(self):
         # elements each kind of collective moved (the optimizer adds its all-reduces)
         self.comm_elements = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0, "replica_all_reduce": 0}
-        # (what, index) of recent hooks, launches and steps, in order; bounded so
-        # a long run does not grow it (tests/test_sharded.py reads it)
-        self.events: collections.deque = collections.deque(maxlen=4096)
         # called with no argument when a backward outside no_sync() has finished and
         # every gradient shard holds its reduced value (the engine takes its statistics)
         self.listeners: List[Callable[[], None]] = []

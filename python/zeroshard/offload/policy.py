@@ -62,7 +62,7 @@ class Offload:
 NO_OFFLOAD = Offload(Placement.DEVICE, None, 0.0)
 
 
-def parse(offload, offload_dir, offload_fraction, optimizer_class=None) -> Offload:
+def parse_offload(offload, offload_dir, offload_fraction, optimizer_class=None) -> Offload:
     """Checks ShardedOptimizer's offload arguments (see [Note: offload]); ``optimizer_class``:
     the torch optimizer asked for instead of the fused AdamW, if any."""
     kinds = {None: Placement.DEVICE, "cpu": Placement.HOST, "nvme": Placement.DISK}

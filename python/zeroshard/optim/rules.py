@@ -69,6 +69,7 @@ class FusedAdamW:
     """The fused kernel over the segments; see [Note: update rules]. Segments whose
     state is offloaded go through ``storage``'s streamer ([Note: offload])."""
     fused = True
+    elementwise_keys = frozenset({"exp_avg", "exp_avg_sq"})
 
     def __init__(self, storage=None):
         self.storage = storage
@@ -96,6 +97,45 @@ class FusedAdamW:
             fused_adamw_multi_(p, g, m, v, sets, which, outs=out, scale=scale)
         for (gi, step), ps in streamed.items():
             self.storage.streamer_for_step().update(ps, dict(hypers[gi], scale=scale), step)
+
+
+    @torch.no_grad()
+    def gather_full(self, opt, keep: bool) -> Optional[Dict[int, dict]]:
+        """The full AdamW state on CPU of every trainable parameter that has stepped,
+        gathered one region at a time (collective); None where ``keep`` is false."""
+        full, steps = {}, opt.param_steps
+        if keep:
+            for i in opt.trainable:
+                full[i] = {"step": torch.tensor(float(steps[i])),
+                           "exp_avg": torch.zeros(opt.full_shape(i), dtype=torch.float32),
+                           "exp_avg_sq": torch.zeros(opt.full_shape(i), dtype=torch.float32)}
+        for reg in opt.regions:
+            for name in ("exp_avg", "exp_avg_sq"):
+                gathered = torch.empty(reg.numel(opt.world_size), dtype=torch.float32, device=opt.device)
+                comm.all_gather(getattr(reg, name).to(opt.device), gathered, group=opt.process_group,
+                                bounds=reg.bounds, what=f"state_dict gather: {name}").wait()
+                if not keep:
+                    continue
+                gathered = gathered.cpu()
+                for i, t_off, r_off, n in reg.frags:
+                    full[i][name].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
+        if not keep:
+            return None
+        # as torch's AdamW: no state for a parameter that never stepped
+        return {i: st for i, st in full.items() if steps[i] > 0}
+
+    @torch.no_grad()
+    def load_full(self, opt, state: dict, saved_ids: list) -> None:
+        """This rank's pieces of a full AdamW state dict (ours or torch's) into the regions."""
+        for reg in opt.regions:
+            reg.exp_avg.zero_()
+            reg.exp_avg_sq.zero_()
+            for i, start, sl in reg.owned(opt.rank):
+                st = state.get(saved_ids[i])
+                if st is None:
+                    continue
+                for name in ("exp_avg", "exp_avg_sq"):
+                    getattr(reg, name)[sl].copy_(st[name].reshape(-1)[start:start + sl.stop - sl.start])
 
 
 def _adamw_hyper(group: dict, grad_scale: float) -> dict:
@@ -179,11 +219,38 @@ class TorchElementwise:
                 if k in self.elementwise_keys else (v.clone() if isinstance(v, torch.Tensor) else v))
             for k, v in st.items()}
 
+    @torch.no_grad()
     def gather_full(self, opt, keep: bool) -> Optional[Dict[int, dict]]:
-        return gather_full(opt, self, keep)
+        """The full state in the class's own per-parameter format, on CPU, gathered
+        one region and one state key at a time (collective); None where ``keep`` is false."""
+        scalars = gather_scalars(opt, self)       # (collective: every rank)
+        full = {i: dict(d) for i, d in scalars.items()} if keep else {}
+        for i in full:
+            for k in self.elementwise_keys:
+                full[i][k] = torch.zeros(opt.full_shape(i), dtype=torch.float32)
+        for reg in opt.regions:
+            for k in sorted(self.elementwise_keys):
+                local = torch.zeros(reg.shard_numel, dtype=torch.float32, device=opt.device)
+                for i, t_off, sl in reg.owned(opt.rank):
+                    st = self.piece_state(i, t_off)
+                    if st is not None and k in st:
+                        local[sl].copy_(st[k].reshape(-1))
+                gathered = torch.empty(reg.numel(opt.world_size), dtype=torch.float32, device=opt.device)
+                comm.all_gather(local, gathered, group=opt.process_group, bounds=reg.bounds,
+                                what=f"state_dict gather: {k}").wait()
+                gathered = gathered.cpu() if keep else None
+                for i, t_off, r_off, n in reg.frags if keep else ():
+                    if i in full:
+                        full[i][k].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
+        return full if keep else None
 
+    @torch.no_grad()
     def load_full(self, opt, state: dict, saved_ids: list) -> None:
-        load_full(opt, self, state, saved_ids)
+        """Every piece on this rank takes its part of a full state dict in the class's format."""
+        for i, t_off in list(self.pieces):
+            st = state.get(saved_ids[i])
+            if st is not None:
+                self.load_piece_state(i, t_off, st)
 
     def state_bytes(self) -> int:
         if self.inner is None:
@@ -241,38 +308,3 @@ def gather_scalars(opt, rule: TorchElementwise) -> Dict[int, dict]:
         for i, d in theirs.items():
             out.setdefault(i, {}).update(d)
     return out
-
-
-@torch.no_grad()
-def gather_full(opt, rule: TorchElementwise, keep: bool) -> Optional[Dict[int, dict]]:
-    """The full state in ``rule.cls``'s own per-parameter format, on CPU, gathered
-    one region and one state key at a time (collective); None where ``keep`` is false."""
-    scalars = gather_scalars(opt, rule)
-    full = {i: dict(d) for i, d in scalars.items()} if keep else {}
-    for i in full:
-        for k in rule.elementwise_keys:
-            full[i][k] = torch.zeros(opt.full_shape(i), dtype=torch.float32)
-    for reg in opt.regions:
-        for k in sorted(rule.elementwise_keys):
-            local = torch.zeros(reg.shard_numel, dtype=torch.float32, device=opt.device)
-            for i, t_off, sl in reg.owned(opt.rank):
-                st = rule.piece_state(i, t_off)
-                if st is not None and k in st:
-                    local[sl].copy_(st[k].reshape(-1))
-            gathered = torch.empty(reg.numel(opt.world_size), dtype=torch.float32, device=opt.device)
-            comm.all_gather(local, gathered, group=opt.process_group, bounds=reg.bounds,
-                            what=f"state_dict gather: {k}").wait()
-            gathered = gathered.cpu() if keep else None
-            for i, t_off, r_off, n in reg.frags if keep else ():
-                if i in full:
-                    full[i][k].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
-    return full if keep else None
-
-
-@torch.no_grad()
-def load_full(opt, rule: TorchElementwise, state: dict, saved_ids: list) -> None:
-    """Every piece on this rank takes its part of a full state dict in the class's format."""
-    for i, t_off in list(rule.pieces):
-        st = state.get(saved_ids[i])
-        if st is not None:
-            rule.load_piece_state(i, t_off, st)

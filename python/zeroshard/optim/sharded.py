@@ -17,8 +17,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import mesh as _mesh
-from .. import offload as _offload
+from ..comm import mesh
+from ..offload import parse_offload
 from .state_dict import StateDicts
 from .. import comm
 from ..common.claims import check_unclaimed, claim
@@ -96,8 +96,7 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
     ``optimizer``: a weak reference to the ShardedOptimizer (UnitSource)."""
     owners = [owner_of(p) for p in params]
     if all(o is None for o in owners):
-        mesh = _mesh.groups(*groups, who="ShardedOptimizer")
-        return FlatReducer(params, group_of, groups=mesh, **options)
+        return FlatReducer(params, group_of, groups=mesh.groups(*groups, who="ShardedOptimizer"), **options)
     if options["overlap_param_gather"]:
         raise ValueError(err("overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit just before "
                              "use (its prefetch= sets how far ahead)"))
@@ -205,7 +204,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
                  if v is not None}
         # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
         optimizer_class, optimizer_kwargs, fused = _resolve_class(optimizer_class, optimizer_kwargs)
-        placement = _offload.parse(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
+        placement = parse_offload(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
         self._whole = False
         if fused:
             defaults = _adamw_defaults(given, optimizer_kwargs)
@@ -247,7 +246,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         self._source = _make_source(self._params, self._group_of, *self._binding, self._err, weakref.ref(self))
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
-        self.events, self.comm_elements = self._source.events, self._source.comm_elements
+        self.comm_elements = self._source.comm_elements
         self._grads = ReducedGrads(self._params, self._trainable, self._source, self._err)
         if self.broadcast_buffers and self.stage in (1, 2):     # [Note: module buffers]
             every = self._source.groups.every
@@ -376,7 +375,6 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         self._source.step_done(updated=not self.last_step_skipped)
         if not self.last_step_skipped:
             self._consolidated = None
-        self.events.append(("step", -1))
         return loss
 
     @torch.no_grad()

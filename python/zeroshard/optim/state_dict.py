@@ -43,7 +43,7 @@ def sharded(opt, param_groups: list) -> dict:
     for k, reg in enumerate(opt.regions):
         if reg.exp_avg is not None:
             state[f"{k}.exp_avg"], state[f"{k}.exp_avg_sq"] = reg.exp_avg, reg.exp_avg_sq
-        if reg.values is not None:
+        if reg.values is not None and not reg.model_owned:    # (ZeRO-3: the model's to save)
             state[f"{k}.values"] = reg.values
     whole = opt.whole_tensor_rule        # the state of the parameters this rank owns, whole
     for i, st in (whole.owned_states() if whole is not None else {}).items():
@@ -82,7 +82,7 @@ def load_sharded(opt, sd: dict) -> List[int]:
         if reg.exp_avg is not None:
             reg.exp_avg.copy_(sd["state"][f"{k}.exp_avg"])
             reg.exp_avg_sq.copy_(sd["state"][f"{k}.exp_avg_sq"])
-        if reg.values is not None:
+        if reg.values is not None and not reg.model_owned:
             reg.values.copy_(sd["state"][f"{k}.values"])
     whole = opt.whole_tensor_rule
     if whole is not None:
@@ -93,32 +93,6 @@ def load_sharded(opt, sd: dict) -> List[int]:
                 owned.setdefault(int(i), {})[key] = v.clone() if isinstance(v, torch.Tensor) else v
         whole.set_owned_states(owned)
     return list(sd["param_steps"])
-
-
-@torch.no_grad()
-def gather_full(opt, keep: bool) -> Optional[Dict[int, dict]]:
-    """The full AdamW state on CPU of every trainable parameter that has stepped,
-    gathered one region at a time (collective); None where ``keep`` is false."""
-    full, steps = {}, opt.param_steps
-    if keep:
-        for i in opt.trainable:
-            full[i] = {"step": torch.tensor(float(steps[i])),
-                       "exp_avg": torch.zeros(opt.full_shape(i), dtype=torch.float32),
-                       "exp_avg_sq": torch.zeros(opt.full_shape(i), dtype=torch.float32)}
-    for reg in opt.regions:
-        for name in ("exp_avg", "exp_avg_sq"):
-            gathered = torch.empty(reg.numel(opt.world_size), dtype=torch.float32, device=opt.device)
-            comm.all_gather(getattr(reg, name).to(opt.device), gathered, group=opt.process_group, bounds=reg.bounds,
-                            what=f"state_dict gather: {name}").wait()
-            if not keep:
-                continue
-            gathered = gathered.cpu()
-            for i, t_off, r_off, n in reg.frags:
-                full[i][name].view(-1)[t_off:t_off + n] = gathered[r_off:r_off + n]
-    if not keep:
-        return None
-    # as torch's AdamW: no state for a parameter that never stepped
-    return {i: st for i, st in full.items() if steps[i] > 0}
 
 
 def _check_full(opt, state_dict: dict):
@@ -133,10 +107,10 @@ def _check_full(opt, state_dict: dict):
 
 
 @torch.no_grad()
-def load_full(opt, state_dict: dict, rule=None) -> List[int]:
-    """Writes this rank's pieces of a full AdamW state dict (ours or torch's, any
-    world size) into the regions (or, with a ``rule`` of another optimizer class,
-    that class's state dict into its pieces); returns each parameter's step count."""
+def load_full(opt, state_dict: dict, rule) -> List[int]:
+    """Checks a full state dict (ours or the optimizer class's own, any world size) against
+    the parameters and has the update ``rule`` write this rank's pieces of it
+    (``rule.load_full``); returns each parameter's step count."""
     _check_full(opt, state_dict)
     groups = state_dict["param_groups"]
     take_hyperparameters(opt, groups)
@@ -148,25 +122,14 @@ def load_full(opt, state_dict: dict, rule=None) -> List[int]:
         if st is None:
             continue
         numel = opt.full_shape(i).numel()
-        for name in (("exp_avg", "exp_avg_sq") if rule is None else sorted(rule.elementwise_keys & set(st))):
+        for name in sorted(rule.elementwise_keys if rule.fused else rule.elementwise_keys & set(st)):
             if st[name].numel() != numel:
                 raise ValueError(comm.on_rank(opt,
                     f"state of parameter {i}: {name} has {st[name].numel()} elements but the "
                     f"parameter has {numel} (shape {tuple(opt.full_shape(i))}); the state dict "
                     "is of another model"))
         steps[i] = int(float(st.get("step", 0)))
-    if rule is not None:
-        rule.load_full(opt, state, saved_ids)
-        return steps
-    for reg in opt.regions:
-        reg.exp_avg.zero_()
-        reg.exp_avg_sq.zero_()
-        for i, start, sl in reg.owned(opt.rank):
-            st = state.get(saved_ids[i])
-            if st is None:
-                continue
-            for name in ("exp_avg", "exp_avg_sq"):
-                getattr(reg, name)[sl].copy_(st[name].reshape(-1)[start:start + sl.stop - sl.start])
+    rule.load_full(opt, state, saved_ids)
     return steps
 
 
@@ -233,7 +196,7 @@ class StateDicts:
                       "every rank first, then opt.state_dict() on rank 0 needs no communication")
         keep = to is None or dist.get_rank() == to
         packed = super().state_dict()   # param_groups with indices; our torch state is empty
-        full = gather_full(self, keep) if self._rule.fused else self._rule.gather_full(self, keep)
+        full = self._rule.gather_full(self, keep)
         if not keep:
             return None
         packed["state"] = full
@@ -244,6 +207,6 @@ class StateDicts:
         size), keeping only this rank's shard. Parameters come from the model:
         load the model's state dict first; bf16/fp16 master weights are re-made
         from the parameters."""
-        self._param_steps = load_full(self, state_dict, None if self._rule.fused else self._rule)
+        self._param_steps = load_full(self, state_dict, self._rule)
         self._source.params_loaded()
         self._consolidated = None

@@ -45,9 +45,8 @@ from ..offload import planning_for_host
 from .trace import Gather, Policy, Reduction, activation_bytes, torch_dtype
 from .formula import (
     _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
-from ..zero12.reducer import MAX_INFLIGHT as _SO_INFLIGHT
+from ..common.reduction import MAX_INFLIGHT_BUCKETS, MAX_INFLIGHT_UNITS
 from ..common.source import LOCATIONS, PERSISTENT
-from ..zero3.fully_shard import MAX_INFLIGHT as _FS_INFLIGHT
 from ..zero3.fully_shard import FullyShard, MixedPrecision
 from ..optim.sharded import ShardedOptimizer
 
@@ -83,7 +82,7 @@ _OWN = ("optimizer_state",)   # another optimizer_class's own state (a whole-ten
 # and the peak is state + buffers + that activation peak. ZeRO-2 and ZeRO-3
 # hold gradients longer and allocate their buffers and gradient shards during
 # backward, so for them the trace replays the stage's policy, read from the
-# library's own objects (_plan_trace.Policy: the buckets or units in launch
+# library's own objects (plan/trace.py's Policy: the buckets or units in launch
 # order, their buffer and shard bytes, how many are in flight; ZeRO-2's buffer
 # pool, the reducer's own BufferPool, which a CPU plan starts as one backward
 # leaves it: [Note: bucket buffers between steps]): a gradient stays on its
@@ -91,7 +90,7 @@ _OWN = ("optimizer_state",)   # another optimizer_class's own state (a whole-ten
 # allocated and the gradients freed; retiring a reduction frees the buffer
 # and (ZeRO-3) allocates the unit's gradient shard; ZeRO-2's whole gradient
 # shard is allocated at the first launch. ZeRO-3's non-root units are gathered
-# and resharded in the trace as FullyShard does it (_plan_trace._GatherReplay:
+# and resharded in the trace as FullyShard does it (plan/trace.py's _GatherReplay:
 # before each unit's forward and backward, prefetch ahead, resharded after its
 # forward and once its gradients have all arrived), so the root's gradient
 # buffer at the end of backward is not counted on top of gathered blocks that
@@ -244,7 +243,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                                        scratch(u.grad_numel, ri, True,
                                                -1 if u.reduce_bounds() is None else _grad_len(u, rank)))
                             for u in order],
-                           inflight=_FS_INFLIGHT, first=0, prefetch=prefetch,
+                           inflight=MAX_INFLIGHT_UNITS, first=0, prefetch=prefetch,
                            gathers=[Gather(u.name, u.numel * pdt.itemsize, [q.names[0] for q in u.trainable])
                                     for u in fs.units[1:]]))
         else:
@@ -261,9 +260,9 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                     [Reduction([nm[i] for i in b.params], b.numel * item[id(b)], 0,
                                 scratch(b.numel, item[id(b)], False))
                      for red, nm in reds for b in (red.buckets[k] for k in red.launch_order)],
-                    inflight=_SO_INFLIGHT, first=sum(b.shard_numel * item[id(b)] for red, _ in reds
+                    inflight=MAX_INFLIGHT_BUCKETS, first=sum(b.shard_numel * item[id(b)] for red, _ in reds
                                                      for b in red.buckets),
-                    keep=_SO_INFLIGHT + 1, pooled=gloo)
+                    keep=MAX_INFLIGHT_BUCKETS + 1, pooled=gloo)
         whole = [o.whole_tensor_rule for o in opts if o.whole_tensor_rule is not None]
         out["transient"] = max([out["transient"]] + [w.transient_bytes() for w in whole])
         out["grad_shards"] = (0 if out["policy"] is None else

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..common.order import OrderedReductions
+from ..common.reduction import ReductionOrder
 from ..common.pool import BufferPool
 
 
@@ -72,7 +72,7 @@ class _Replay:
         for it in self.items:
             for n in it.r.names:
                 self.left[n] += 1
-        self.ordered = OrderedReductions(self._launch, self._retire, policy.inflight)
+        self.ordered = ReductionOrder(self._launch, self._retire, policy.inflight)
         self.ordered.start(self.items)
         by_name = {n: [it for it in self.items if n in it.r.names] for n in self.params}
         self.gathers = _GatherReplay(model, policy)
@@ -177,7 +177,7 @@ def _pool_after_backward(policy: Policy) -> BufferPool:
     def launch(it):
         it.buf = pool.acquire(it.r.buffer, torch.uint8)
 
-    ordered = OrderedReductions(launch, lambda it: pool.release(it.buf), policy.inflight)
+    ordered = ReductionOrder(launch, lambda it: pool.release(it.buf), policy.inflight)
     ordered.start(items)
     ordered.advance(flush=True)
     ordered.drain()

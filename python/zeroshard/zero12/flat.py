@@ -14,28 +14,33 @@ import torch.distributed as dist
 
 from .. import comm
 from ..offload import Placement, Storage, on_accelerator
+from ..common.reduction import Reduction
 from ..common.source import SUPPORTED
 from ..native.layout import compute_layout, update_cost
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-@dataclass
-class Bucket:
-    """A contiguous range of a flat buffer, reduced by one reduce-scatter."""
+@dataclass(eq=False)
+class FlatBucket:
+    """One of the layout's buckets (``zeroshard.Layout.buckets``, the C++ core's
+    ``Bucket``: a contiguous range of a flat buffer, reduced by one reduce-scatter)
+    placed in this rank's FlatBuffer: its geometry is the layout's (the three numbers
+    the hooks use copied once, here); this record adds the tensors and the reduction
+    it has on this rank."""
     index: int
+    layout: object         # the layout's Bucket (offset, numel, shard_numel, fragments)
     buffer: "FlatBuffer"
-    offset: int            # in the buffer
-    numel: int             # padded
-    shard_numel: int
     shard_offset: int      # where this bucket's shard starts in the buffer's shard tensors
     params: List[int] = field(default_factory=list)  # trainable-parameter indices with data here
     frags: List[tuple] = field(default_factory=list)   # (param index, layout fragment) in this bucket
-    pending: int = 0       # parameters whose gradient has not arrived this backward
-    grad: Optional[torch.Tensor] = None   # stage 2: transient bucket gradient (reduce dtype)
-    handle: Optional[comm.CommHandle] = None
-    reduce_out: Optional[torch.Tensor] = None  # where the reduce-scatter wrote
-    launched: bool = False
+    # its gradients' reduction ([Note: reduction pipeline] in common/reduction.py)
+    reduction: Optional[Reduction] = None
+
+    def __post_init__(self):   # read once: the hooks of every backward use them
+        self.offset = self.layout.offset                # in the buffer
+        self.numel = self.layout.numel                  # padded
+        self.shard_numel = self.layout.shard_numel      # each rank's chunk
 
     def own(self, t: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's chunk of a bucket-sized range of a buffer-sized tensor."""
@@ -58,7 +63,7 @@ class FlatBuffer:
     exp_avg_sq: Optional[torch.Tensor]   # fp32 shard
     grad_shard: Optional[torch.Tensor]   # stage 2: reduced gradient shard (reduce dtype)
     grads: Optional[torch.Tensor]        # stage 1: full flat gradients (param dtype)
-    buckets: List[Bucket] = field(default_factory=list)
+    buckets: List[FlatBucket] = field(default_factory=list)
     shard_data_numel: int = 0            # elements of real parameters in this rank's shard
     shard_numel: int = 0                 # this rank's shard, padding included
     placement: Placement = Placement.DEVICE   # where master / exp_avg / exp_avg_sq live ([Note: offload])
@@ -145,7 +150,7 @@ class FlatState:
     """What build_flat made: the layout, its buffers and buckets, where each parameter lives."""
     layout: object                 # zeroshard.compute_layout's result
     buffers: List[FlatBuffer]
-    buckets: List[Bucket]          # by layout bucket index
+    buckets: List[FlatBucket]          # by layout bucket index
     where: Dict[int, tuple]        # param index -> (buffer, offset, layout fragments)
     launch_order: List[int]        # bucket indices, until the first backward shows the real order
     # whole parameters: index -> the rank whose shard holds all of it ([Note: owner-aligned layout])
@@ -225,8 +230,7 @@ def _make_buffer(L, built: tuple, order: List[int], group: int, stage: int, wher
     shard_off = 0
     for b in lb.buckets:
         lbk = L.buckets[b]
-        bucket = Bucket(index=b, buffer=buf, offset=lbk.offset, numel=lbk.numel,
-                        shard_numel=lbk.shard_numel, shard_offset=shard_off)
+        bucket = FlatBucket(index=b, layout=lbk, buffer=buf, shard_offset=shard_off)
         bucket.frags = [(order[L.fragments[f].tensor], L.fragments[f]) for f in lbk.fragments]
         bucket.params = sorted({i for i, _ in bucket.frags})
         shard_off += lbk.shard_numel

@@ -24,7 +24,7 @@
   of a backward and freed by ``zero_grad(set_to_none=True)``, so on CUDA it
   is not held through the forward, where activations peak (on CPU its
   storage is kept for the next backward: [Note: bucket buffers between
-  steps]). At most MAX_INFLIGHT buckets are in flight; their buffers are
+  steps]). At most MAX_INFLIGHT_BUCKETS are in flight; their buffers are
   recycled within the backward and released at its end (CUDA; CPU keeps
   them), so stage 2 holds at most that many buckets of gradient (plus the
   loose gradients of buckets not yet complete) beyond its shard.
@@ -42,52 +42,24 @@
 """
 from __future__ import annotations
 
-import contextlib
-import enum
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
-from .flat import Bucket, build_flat, check_params, check_same_across_ranks, check_views
+from .flat import FlatBucket, build_flat, check_params, check_same_across_ranks, check_views
 from ..comm.mesh import Groups
 from ..offload import NO_OFFLOAD, HostCopies, Offload, Storage, offloaded_params
-from ..common.order import OrderedReductions
 from ..common.pool import BufferPool
+from ..common.reduction import MAX_INFLIGHT_BUCKETS, Reduction, ReductionPipeline
+from .folds import AddToShardFold, InPlaceFold
 from .param_gather import ParamGather
 from ..common.source import (GradState, Region, Segment, ShardSource, add_locations, check_dense_grad, empty_report,
                              weak_hook)
-from ..native.layout import fill_flat, gaps
-
-# At most this many buckets are being reduced at once: launching one more
-# first retires the oldest (waits for it, folds it into the shard, recycles
-# its buffer). Two keep the communication busy while backward continues and
-# bound the transient gradient memory of stage 2 to two buckets.
-MAX_INFLIGHT = 2
-
-# [Note: stage-1 gradient buffer] GradFill names what the buffer holds. After
-# zero_grad(set_to_none=True) (OVERWRITE) nothing in it is zeroed: p.grad is
-# None, so autograd hands each parameter's first gradient over whole and
-# _on_grad copies it into the parameter's view, overwriting whatever was
-# there; a bucket's launch zeroes only what no gradient reached (padding,
-# parameters unused on this rank). A synced backward leaves it REDUCED: this
-# rank's chunks hold the sums, the other ranks' chunks what the in-place
-# reduce-scatter left there. Only a backward that adds to it without a
-# zero_grad in between (gradients accumulated across synced backwards) needs
-# those zeroed, which _before_grad does before the first gradient is added;
-# zero_grad(set_to_none=False) zeroes the whole buffer. So the common loop
-# (backward, step, zero_grad) writes every element once per step, as DDP
-# does, instead of zeroing the buffer and then adding to it (12 MB of memset
-# a step at 3M parameters).
-class GradFill(enum.Enum):
-    ACCUMULATE = "accumulate"   # every element holds a value to add to (zeros or this rank's gradients)
-    OVERWRITE = "overwrite"     # stale: each gradient's first arrival copies, launch zeroes the rest
-    REDUCED = "reduced"         # this rank's chunks reduced; the other ranks' chunks stale
-
 
 # [Note: bucket buffers between steps] Stage 2 copies each bucket's gradients
-# into a pooled buffer (at most MAX_INFLIGHT + 1 kept free). On CUDA the pool
+# into a pooled buffer (at most MAX_INFLIGHT_BUCKETS + 1 kept free). On CUDA the pool
 # is emptied at the end of every backward, so no bucket buffer is alive at
 # the next forward, when the activations peak; the caching allocator keeps
 # the blocks, and the next backward gets them back at no cost. On CPU the
@@ -117,16 +89,14 @@ class FlatReducer(ShardSource):
         self.groups = groups
         self.process_group = process_group = groups.shard
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        self._sync = True
         self._state = GradState.EMPTY
         self.steps_done = 0         # steps that updated the shards (names the collectives)
-        self._arrived = set()       # parameters with a gradient since zero_grad(set_to_none=True)
-        self._shard_fresh = True    # stage 2: grad shards hold nothing since zero_grad
-        self._fill = GradFill.ACCUMULATE   # stage 1: the gradient buffers (zeros when built)
-        self._reductions = OrderedReductions(self._launch, self._retire, MAX_INFLIGHT)
-        self._replicating: List[Bucket] = []   # hybrid: buckets whose replica all-reduce is in flight
+        self.arrived_since_zero = set()   # parameters with a gradient since zero_grad(set_to_none=True)
+        # what the stage does around the one reduction pipeline ([Note: reduction pipeline])
+        self.fold = InPlaceFold(self) if stage == 1 else AddToShardFold(self)
+        self._pipeline = ReductionPipeline(self.fold, MAX_INFLIGHT_BUCKETS, self.comm_elements)
         # stage 2's bucket buffers, recycled ([Note: bucket buffers between steps])
-        self.pool = BufferPool(MAX_INFLIGHT + 1, lambda n, dt: torch.empty(n, dtype=dt, device=self.device))
+        self.pool = BufferPool(MAX_INFLIGHT_BUCKETS + 1, lambda n, dt: torch.empty(n, dtype=dt, device=self.device))
         self.device = check_params(params, self.trainable, self.err)
         check_same_across_ranks(params, groups.every, self.err)
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
@@ -136,6 +106,9 @@ class FlatReducer(ShardSource):
                           everyone=groups.every, storage=self.storage, offloaded=offloaded, whole=whole)
         self.layout, self.buffers, self.buckets, self.where = flat.layout, flat.buffers, flat.buckets, flat.where
         self.launch_order, self.whole_owners = flat.launch_order, flat.whole_owners
+        for b in self.buckets:
+            b.reduction = Reduction(name=f"bucket {b.index}", owner=b, group=process_group,
+                                    replicate=groups.replicate)
         self._gather = ParamGather(self.buffers, params, self.where, group=process_group, rank=self.rank,
                                    overlap=overlap_param_gather, comm_elements=self.comm_elements,
                                    hook_factory=weak_hook)
@@ -149,9 +122,8 @@ class FlatReducer(ShardSource):
         on_grad = weak_hook(self._on_grad)
         self._hooks = [params[i].register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i, p))
                        for i in self.trainable]
-        self._kept: Optional[Dict[int, torch.Tensor]] = None     # see _before_grad
-        if stage == 1:
-            self._hooks += [params[i].register_hook(weak_hook(self._before_grad)) for i in self.trainable]
+        if stage == 1:     # [Note: stage-1 gradient buffer]
+            self._hooks += [params[i].register_hook(weak_hook(self.fold.before_grad)) for i in self.trainable]
 
     # ------------------------------------------------------------------ setup
     def err(self, msg: str) -> str:
@@ -162,27 +134,14 @@ class FlatReducer(ShardSource):
         return self.reduce_dtype or dtype
 
     # --------------------------------------------------------------- backward
-    def _before_grad(self, grad):
-        """Stage 1, before autograd adds a gradient to the buffer: a backward adding to
-        the last synced backward's reduced gradient first zeroes the other ranks' chunks
-        ([Note: stage-1 gradient buffer]). Hybrid: keeps this rank's chunks, counted once per
-        replica by the replica all-reduce; _fold takes the extra copies off."""
-        if self._fill is GradFill.REDUCED:
-            _zero_other_chunks(self.buckets, self.rank)
-            self._fill = GradFill.ACCUMULATE
-        if self.groups.replicate is not None and self._kept is None and not self._shard_fresh:
-            self._kept = {b.index: b.own(b.buffer.grads, self.rank).clone() for b in self.buckets}
-
     def _start_backward(self):
         check_views(self.params, self.trainable, self.where, self.err)
         self.settle()     # parameters no forward waited for: done before the reductions start
         self._state = GradState.BACKWARD
-        self._reductions.start([self.buckets[b] for b in self.launch_order])
-        self.events.append(("backward_start", -1))
         for b in self.buckets:   # (a parameter frozen since construction takes no gradient)
-            b.pending, b.launched = sum(self.params[i].requires_grad for i in b.params), False
-        # stage 2: buckets still to copy each parameter's gradient (then it is freed)
-        self._copies_left = {i: len(self.where[i][2]) for i in self.trainable}
+            b.reduction.pending = sum(self.params[i].requires_grad for i in b.params)
+        self._pipeline.start([self.buckets[b].reduction for b in self.launch_order])
+        self.fold.backward_started()
         # runs once, when the whole backward pass has finished
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -190,123 +149,36 @@ class FlatReducer(ShardSource):
         check_dense_grad(p.grad, f"parameter {i} (shape {tuple(p.shape)})", self.err)
         if self._state != GradState.BACKWARD:
             self._start_backward()
-        self.events.append(("grad", i))
-        self._arrived.add(i)
-        if not self._order_learned and self._sync:
+        self.arrived_since_zero.add(i)
+        sync = self._pipeline.sync
+        if not self._order_learned and sync:
             self._arrival.append(i)
-        if self.stage == 1:
-            view = self._grad_view(i)
-            if p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)   # p.grad was replaced or re-created: it holds the total
-                p.grad = view
-        if not self._sync:
+        self.fold.grad_arrived(i, p)
+        if not sync:
             return
         for f in self.where[i][2]:
-            bucket = self.buckets[f.bucket]
-            if bucket.launched:
+            r = self.buckets[f.bucket].reduction
+            if r.launched:
                 raise RuntimeError(self.err(
                     f"parameter {i} received a gradient after its bucket {f.bucket} was reduced in this "
                     "backward pass (a second backward through the same parameters without a new "
                     "forward?); call backward once per forward, or accumulate under no_sync()"))
-            bucket.pending -= 1
+            self._pipeline.arrived(r)
         # launches every bucket now complete, in order (a tensor split over several
         # buckets recycles their buffers as it goes)
-        self._reductions.advance()
-
-    def _bucket_input(self, b: Bucket, rdt: torch.dtype) -> torch.Tensor:
-        """The tensor a bucket's reduce-scatter reads: stage 1 its range of the
-        gradient buffer (in the reduce dtype); stage 2 a recycled buffer the
-        parameters' gradients are copied into (then freed)."""
-        buf = b.buffer
-        if self.stage == 1:
-            src = buf.grads[b.offset:b.offset + b.numel]
-            if self._fill is GradFill.OVERWRITE:   # what no gradient wrote is stale: zero it
-                for start, end in gaps(b.numel, [(f.bucket_offset, f.numel) for i, f in b.frags
-                                                 if i in self._arrived]):
-                    src[start:end].zero_()
-            return src.to(rdt) if src.dtype != rdt else src   # reduce in rdt, store back in the grad dtype
-        src = b.grad = self.pool.acquire(b.numel, rdt)   # (uninitialised: every element is written)
-        # gradients that never arrived on this rank count as zero, as does padding
-        fill_flat(src, [(f.bucket_offset, self.params[i].grad.detach().reshape(-1)[
-            f.tensor_offset:f.tensor_offset + f.numel]) for i, f in b.frags if self.params[i].grad is not None])
-        for i, _ in b.frags:
-            self._copies_left[i] -= 1
-            if self._copies_left[i] == 0:
-                self.params[i].grad = None
-        return src
-
-    def _launch(self, b: Bucket):
-        """Reduce-scatter (SUM) one bucket; see [Note: sharded optimizer policy]."""
-        buf, r = b.buffer, self.rank
-        rdt = self.reduce_dtype_of(buf.dtype)
-        src = self._bucket_input(b, rdt)
-        # In place into this rank's chunk of the input, except that a stage-2 shard
-        # holding nothing yet receives the result directly; _retire folds it in.
-        if self.stage == 2 and buf.grad_shard is None:   # freed by zero_grad(set_to_none=True)
-            # every bucket writes its whole piece of the shard: no zeroing needed
-            buf.grad_shard, buf.spare_shard = buf.spare_shard, None
-            if buf.grad_shard is None:
-                buf.grad_shard = torch.empty(buf.shard_numel, dtype=rdt, device=self.device)
-        out = (b.shard_of(buf.grad_shard) if self.stage == 2 and self._shard_fresh
-               else src[r * b.shard_numel:(r + 1) * b.shard_numel])
-        b.reduce_out = out
-        # the input is never needed afterwards: stage 1 zeroes the other ranks'
-        # chunks after the reduction, stage 2's bucket buffer is recycled
-        b.handle = comm.reduce_scatter(src, out, group=self.process_group, average=False, input_is_scratch=True,
-                                       what=f"step {self.steps_done + 1}, bucket {b.index} reduce-scatter")
-        b.launched = True
-        self.comm_elements["reduce_scatter"] += b.numel
-        self.events.append(("reduce_scatter", b.index))
-
-    def _retire(self, b: Bucket):
-        """Wait for a bucket's reduce-scatter; fold it into the shard, after the replicas'
-        all-reduce under hybrid sharding ([Note: hybrid sharding]: in flight till the next retires)."""
-        b.handle.wait()
-        if self.groups.replicate is None:
-            self._fold(b)
-            return
-        b.handle = comm.all_reduce(b.reduce_out, group=self.groups.replicate,
-                                   what=f"step {self.steps_done + 1}, bucket {b.index} replica all-reduce")
-        self.comm_elements["replica_all_reduce"] += b.reduce_out.numel()
-        self._replicating.append(b)
-        while len(self._replicating) > 1:
-            self._fold(self._replicating.pop(0))
-
-    def _fold(self, b: Bucket):
-        b.handle.wait()
-        buf = b.buffer
-        if self.stage == 1:
-            own = b.own(buf.grads, self.rank)
-            if b.reduce_out.data_ptr() != own.data_ptr():
-                own.copy_(b.reduce_out)
-            if self._kept is not None:      # hybrid: counted once per replica (see _before_grad)
-                own.sub_(self._kept[b.index], alpha=self.groups.replicas - 1)
-        elif b.reduce_out.data_ptr() != b.shard_of(buf.grad_shard).data_ptr():
-            b.shard_of(buf.grad_shard).add_(b.reduce_out)
-        if buf.grad_mirror is not None:
-            self.host_copies.copy(b.shard_of(buf.grad_mirror), b.own(buf.grads, self.rank) if self.stage == 1
-                                  else b.shard_of(buf.grad_shard))
-        if self.stage == 2:
-            self.pool.release(b.grad)
-            b.grad = None
-        b.handle, b.reduce_out = None, None
+        self._pipeline.advance()
 
     def _finish_backward(self):
-        self._reductions.advance(flush=self._sync)
-        self._reductions.drain()
-        while self._replicating:
-            self._fold(self._replicating.pop(0))
+        sync = self._pipeline.sync
+        self._pipeline.finish()
         if self.device.type != "cpu":    # [Note: bucket buffers between steps]
             self.pool.clear()
-        if self._sync and not self._order_learned:
+        if sync and not self._order_learned:
             self._learn_launch_order()
         self.host_copies.wait()       # the CPU step reads the mirrors
-        self._state = GradState.READY if self._sync else GradState.EMPTY
-        self.events.append(("backward_end", -1))
-        if self._sync:
-            self._shard_fresh = False
-            self._fill = GradFill.REDUCED     # stage 1 ([Note: stage-1 gradient buffer])
-            self._kept = None
+        self._state = GradState.READY if sync else GradState.EMPTY
+        if sync:
+            self.fold.synced()
             self.notify_grads_ready()
 
     def _learn_launch_order(self):
@@ -326,22 +198,17 @@ class FlatReducer(ShardSource):
         return self._state == GradState.BACKWARD
 
     def arrived(self) -> List[int]:
-        return sorted(self._arrived)
+        return sorted(self.arrived_since_zero)
 
-    @contextlib.contextmanager
     def no_sync(self):
-        old, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = old
+        return self._pipeline.no_sync()
 
     def resting_grad(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Stage 1: the reduced gradient lives in the parameter's view of the buffer even
         where this rank gave it none, so a backward accumulating onto it adds there."""
-        return self._grad_view(i) if self.stage == 1 and grad is None else grad
+        return self.grad_view(i) if self.stage == 1 and grad is None else grad
 
-    def _grad_view(self, i: int) -> torch.Tensor:
+    def grad_view(self, i: int) -> torch.Tensor:
         """Stage 1: parameter ``i``'s view of its flat buffer's full gradient."""
         buf, offset, _ = self.where[i]
         return buf.grads[offset:offset + self.params[i].numel()].view_as(self.params[i])
@@ -388,34 +255,23 @@ class FlatReducer(ShardSource):
                 if self.device.type == "cpu" and buf.grad_shard is not None:
                     buf.spare_shard = buf.grad_shard     # [Note: bucket buffers between steps]
                 buf.grad_shard = None
-                self._arrived.clear()
+                self.arrived_since_zero.clear()
             elif buf.grad_shard is not None:
                 buf.grad_shard.zero_()
         for i in self.trainable:
             p = self.params[i]
             if self.stage == 1 and not set_to_none:
-                p.grad = self._grad_view(i)
+                p.grad = self.grad_view(i)
             else:
                 p.grad = None
-        self._shard_fresh = True
-        self._fill = GradFill.OVERWRITE if set_to_none else GradFill.ACCUMULATE
-        self._kept = None
+        self.fold.zeroed(set_to_none)
         self._state = GradState.EMPTY
 
     def memory_report(self, reset_peak: bool) -> Dict[str, int]:
         return _memory_report(self, reset_peak)
 
 
-@torch.no_grad()
-def _zero_other_chunks(buckets: List[Bucket], rank: int) -> None:
-    """Stage 1: zero every bucket's chunks of the gradient buffer but ``rank``'s."""
-    for b in buckets:
-        whole = b.buffer.grads[b.offset:b.offset + b.numel]
-        whole[:rank * b.shard_numel].zero_()
-        whole[(rank + 1) * b.shard_numel:].zero_()
-
-
-def _arrival_order(buckets: List[Bucket], arrival: List[int], everyone) -> List[int]:
+def _arrival_order(buckets: List[FlatBucket], arrival: List[int], everyone) -> List[int]:
     """The bucket order to reduce in from now on: the order their last gradient arrived
     in this backward (``arrival``); rank 0's order is used everywhere (every replica
     too: their all-reduces pair up bucket by bucket), so all ranks agree."""
@@ -433,10 +289,12 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
     shard (what a fused call updates), with each parameter's piece of it."""
     order = list(reversed(src.trainable))
     regions = [
-        Region(bk.shard_numel, _shard_of(bk, bk.buffer.exp_avg), _shard_of(bk, bk.buffer.exp_avg_sq),
-               [(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
-                for fr in (src.layout.fragments[f] for f in src.layout.buckets[bk.index].fragments)],
-               bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params, rank))
+        Region(shard_numel=bk.shard_numel, exp_avg=_shard_of(bk, bk.buffer.exp_avg),
+               exp_avg_sq=_shard_of(bk, bk.buffer.exp_avg_sq),
+               frags=[(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
+                      for fr in (src.layout.fragments[f] for f in bk.layout.fragments)],
+               values=bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params,
+                                                                                                  rank))
         for bk in src.buckets]
     region_of = {bk.index: reg for bk, reg in zip(src.buckets, regions)}
     segments = []
@@ -450,16 +308,16 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
             else:
                 grad = ("grad_shard", (b.shard_offset, b.shard_offset + b.shard_numel))
             low = buf.master is not None
-            segments.append(Segment(buf.group, b.shard_of(buf.master) if low else b.own(buf.params, rank), buf,
-                                    *grad, _shard_of(b, buf.exp_avg), _shard_of(b, buf.exp_avg_sq),
-                                    b.own(buf.params, rank) if low else None,
-                                    [(i, sl.start, sl.stop, t_off)
-                                     for i, t_off, sl in region_of[b.index].owned(rank)],
-                                    src.storage.streamed(buf.placement), _shard_of(b, buf.grad_mirror)))
+            segments.append(Segment(
+                group=buf.group, param=b.shard_of(buf.master) if low else b.own(buf.params, rank), holder=buf,
+                grad_attr=grad[0], grad_range=grad[1], exp_avg=_shard_of(b, buf.exp_avg),
+                exp_avg_sq=_shard_of(b, buf.exp_avg_sq), out=b.own(buf.params, rank) if low else None,
+                pieces=[(i, sl.start, sl.stop, t_off) for i, t_off, sl in region_of[b.index].owned(rank)],
+                streamed=src.storage.streamed(buf.placement), mirror=_shard_of(b, buf.grad_mirror)))
     return regions, segments
 
 
-def _shard_of(b: Bucket, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _shard_of(b: FlatBucket, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else b.shard_of(t)
 
 

@@ -75,12 +75,12 @@ class UnitForward:
 
     def __init__(self, units: List[Unit], gatherer: Gatherer, backward: UnitBackward, *, root: nn.Module,
                  mixed_precision: MixedPrecision, param_dtype: torch.dtype, reshard_after_forward: bool,
-                 events, err: Callable[[str], str], check_in: Callable[[], None]):
+                 err: Callable[[str], str], check_in: Callable[[], None]):
         """``root``: the wrapped model; ``check_in()``: every rank must run this gathering too
         (a forward without gradients)."""
         self.units, self.gatherer, self.backward, self.root = units, gatherer, backward, root
         self.mp, self.param_dtype, self.reshard_after_forward = mixed_precision, param_dtype, reshard_after_forward
-        self.events, self.err, self.check_in = events, err, check_in
+        self.err, self.check_in = err, check_in
         self.in_forward = False
         self.order: List[int] = []       # recorded forward order of non-root units (prefetch)
         self.seen: List[int] = []        # the units the current forward ran
@@ -136,7 +136,6 @@ class UnitForward:
             grad = torch.is_grad_enabled()
             if grad and len(self.calls) < 8 * len(self.units) + 64:
                 self.calls.append(u.index)      # the next backward's order follows the calls
-            self.events.append(("forward", u.name))
             if not self.in_forward:             # called directly ([Note: units called directly])
                 if not grad and u.state == UnitState.SHARDED:
                     self.check_in()

@@ -45,7 +45,8 @@
   accumulating) into the fp32 gradient shard. Reduce-scatters are issued in
   one fixed order on every rank (the reverse order of the units' first calls
   since the last backward, root last: [Note: units called directly] in
-  zero3/forward.py; common/order.py, shared with stages 1 and 2); one is in flight
+  zero3/forward.py; the one reduction pipeline of every stage: [Note: reduction
+  pipeline] in common/reduction.py, with zero3/fold.py's fold); one is in flight
   at a time (finished ones are retired early), and at the end of backward
   every unit not yet reduced is (a gradient that never arrived counts as zero).
 * ``no_sync()`` skips the reduce-scatters: the flat gradient buffers (full
@@ -64,24 +65,23 @@
 """
 from __future__ import annotations
 
-__all__ = ["FullyShard", "MixedPrecision", "UnitState", "MAX_INFLIGHT", "register_forward_method"]
+__all__ = ["FullyShard", "MixedPrecision", "UnitState", "register_forward_method"]
 
-import collections
-from typing import Callable, Dict, Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm import mesh as _mesh
-from . import wrap as setup
-from . import state_dict as unit_state
+from ..comm import mesh
+from .wrap import Setup, build, claimed, hand_over, pick_device, shard_device
+from .state_dict import full_state_dict, held_regions, load_full_state_dict, memory_report
 from . import relayout
 from .. import comm
 from .gather import Gatherer
-from ..common.source import SUPPORTED, GradState
+from ..common.source import SUPPORTED, GradState, HeldParam, Region, ShardedModel
 from .records import MixedPrecision, Optimizers, Unit, UnitState, register_owner
-from .backward import MAX_INFLIGHT, UnitBackward
+from .backward import BackwardContext, UnitBackward
 from .forward import UnitForward
 
 
@@ -117,7 +117,7 @@ def _check_in_evaluation(fs):
                   "copy of the model loaded from model.state_dict(to=0), called on every rank")
 
 
-class FullyShard(nn.Module):
+class FullyShard(nn.Module, ShardedModel):
     """ZeRO-3: shard ``module``'s parameters over ``process_group`` unit by unit
     ([Note: fully shard policy]); train with ``ShardedOptimizer(model.parameters())``,
     which updates the shards in place. Each parameter becomes this rank's 1-D
@@ -160,39 +160,37 @@ class FullyShard(nn.Module):
         self.mixed_precision = mp
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = prefetch
-        self.groups = _mesh.groups(process_group, shard_size, device_mesh, "FullyShard")
+        self.groups = mesh.groups(process_group, shard_size, device_mesh, "FullyShard")
         self.process_group = self.groups.shard
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self._src = dist.get_global_rank(self.groups.every, 0)
         self.comm_elements = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
-        # (what, unit name) of recent gathers, forwards, reshards, reductions (bounded; tests read it)
-        self.events: collections.deque = collections.deque(maxlen=4096)
         self._optimizers = Optimizers()    # optimizers' sources (weakly) and state shards by unit
 
-        self._device = setup.pick_device(module, device, self.process_group, self._err)
+        self._device = pick_device(module, device, self.process_group, self._err)
         self.offload_params = bool(offload_params)
-        host, claimed = setup.shard_device(self._device, self.offload_params), setup.claimed(module)
-        self._setup = setup.Setup(module, self._device, self.process_group, self.world_size, self.rank, self._src,
-                                  self.param_dtype, self._err, self.groups.every, host)
-        self._units, self._named = setup.build(self._setup, wrap, FullyShard)
+        host, taken = shard_device(self._device, self.offload_params), claimed(module)
+        self._setup = Setup(module=module, device=self._device, group=self.process_group, world=self.world_size,
+                            rank=self.rank, src=self._src, param_dtype=self.param_dtype, err=self._err,
+                            everyone=self.groups.every, shard_device=host)
+        self._units, self._named = build(self._setup, wrap, FullyShard)
         self._gatherer = Gatherer(self._units, device=self._device, group=self.process_group, rank=self.rank,
-                                  prefetch=prefetch, events=self.events, comm_elements=self.comm_elements,
+                                  prefetch=prefetch, comm_elements=self.comm_elements,
                                   err=self._err)
-        self._backward = UnitBackward(self._units, self._gatherer, device=self._device, group=self.process_group,
-                                      rank=self.rank, world=self.world_size, replicate=self.groups.replicate,
-                                      reduce_dtype=self.reduce_dtype,
-                                      events=self.events, comm_elements=self.comm_elements,
-                                      calls=lambda: self._forward.take_calls(), err=self._err)
+        self._backward = UnitBackward(self._units, self._gatherer, BackwardContext(
+            device=self._device, group=self.process_group, rank=self.rank, world=self.world_size,
+            replicate=self.groups.replicate, reduce_dtype=self.reduce_dtype, comm_elements=self.comm_elements,
+            calls=lambda: self._forward.take_calls(), err=self._err))
         self._forward = UnitForward(self._units, self._gatherer, self._backward, root=module, mixed_precision=mp,
                                     param_dtype=self.param_dtype, reshard_after_forward=self.reshard_after_forward,
-                                    events=self.events, err=self._err, check_in=lambda: _check_in_evaluation(self))
+                                    err=self._err, check_in=lambda: _check_in_evaluation(self))
         register_owner(self, self._units)
         for name in forward_methods:
             for mod in [u.module for u in self._units]:
                 if callable(getattr(mod, name, None)):
                     self.register_forward_method(mod, name)
-        setup.hand_over(claimed, self._named, self._err)     # [Note: construction order]
+        hand_over(taken, self._named, self._err)     # [Note: construction order]
 
     # ------------------------------------------------------------------ setup
     def _err(self, msg: str) -> str:
@@ -257,6 +255,14 @@ class FullyShard(nn.Module):
         """Drop every gathered copy (the shards changed)."""
         self._gatherer.reshard_all()
 
+    def shards_loaded(self):
+        self.invalidate()
+
+    def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:
+        """Every sharded parameter and this rank's regions of them, one per unit (what
+        checkpoints read: [Note: shard sources] in common/source.py)."""
+        return held_regions(self._units, self.rank)
+
     def no_sync(self):
         """Accumulate gradients locally (full size, in reduce_dtype) without
         communication; the next backward outside this context reduces them all."""
@@ -278,7 +284,7 @@ class FullyShard(nn.Module):
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
         """Bytes held on this rank, by category and by location (device, host,
         disk); see zero3/state_dict.py's memory_report for each key."""
-        return unit_state.memory_report(self._units, self._optimizers.states_by_unit(), self.param_dtype, self._gatherer,
+        return memory_report(self._units, self._optimizers.states_by_unit(), self.param_dtype, self._gatherer,
                                         self._backward, reset_peak, self.offload_params)
 
     # ------------------------------------------- what an optimizer's source uses
@@ -334,12 +340,12 @@ class FullyShard(nn.Module):
         and copied to CPU, so the transient extra memory is one unit. With
         ``to=r`` only global rank ``r`` builds and returns it; the others return None.
         """
-        return unit_state.full_state_dict(self, to=to, prefix=prefix, destination=destination)
+        return full_state_dict(self, to=to, prefix=prefix, destination=destination)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (of the unwrapped model, from any world size):
         each rank copies its own pieces; no communication."""
-        return unit_state.load_full_state_dict(self, state_dict, strict)
+        return load_full_state_dict(self, state_dict, strict)
 
 
 def register_forward_method(model: FullyShard, module: nn.Module, name: str) -> None:

@@ -15,9 +15,9 @@ class Gatherer:
     """Gathers and reshards the units of one FullyShard; counts the gathered memory."""
 
     def __init__(self, units: List[Unit], *, device: torch.device, group, rank: int, prefetch: int,
-                 events, comm_elements: dict, err: Callable[[str], str]):
+                 comm_elements: dict, err: Callable[[str], str]):
         self.units, self.device, self.group, self.rank, self.prefetch = units, device, group, rank, prefetch
-        self.events, self.comm_elements, self.err = events, comm_elements, err
+        self.comm_elements, self.err = comm_elements, err
         self.gathered_bytes = 0      # full parameters of non-root units alive now
         self.gathered_peak = 0
         self.alive_peak = 0          # most non-root units gathered (or gathering) at once
@@ -45,7 +45,6 @@ class Gatherer:
             u.gather = comm.all_gather(own, u.full, group=self.group, bounds=u.bounds,
                                        what=self.label(f"unit '{u.name}' all-gather"))
             self.comm_elements["all_gather"] += u.numel
-            self.events.append(("all_gather", u.name))
             u.state = UnitState.GATHERING
             if not u.is_root:
                 self.gathered_bytes += u.full.numel() * u.full.element_size()
@@ -65,7 +64,6 @@ class Gatherer:
             u.gather.wait()
             u.gather = None
         u.full.untyped_storage().resize_(0)
-        self.events.append(("reshard", u.name))
         _swap(u, gathered=False)
         u.state = UnitState.SHARDED
         if not u.is_root:

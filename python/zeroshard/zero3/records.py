@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..common.reduction import Reduction
 from ..native.layout import chunk_span
 
 # sharded parameter id -> (weakref to it, weakref to its FullyShard)
@@ -116,10 +117,11 @@ class Unit:
     full: Optional[torch.Tensor] = None         # param_dtype flat buffer; storage freed when sharded
     state: UnitState = UnitState.SHARDED
     gather: Optional[comm.CommHandle] = None
-    grad_flat: Optional[torch.Tensor] = None    # reduce_dtype flat gradients during backward
-    reduce: Optional[comm.CommHandle] = None
+    # its gradients' reduction ([Note: reduction pipeline] in common/reduction.py): its
+    # buffer holds the flat reduce_dtype gradients during backward; its pending count
+    # what the unit's backward still waits for (trainable parameters' gradients, inputs')
+    reduction: Optional[Reduction] = None
     fresh: bool = True            # the reduction overwrites the gradient shard (no accumulation)
-    pending: int = 0              # trainable params whose gradient has not arrived this backward
     calls: int = 0                # its forwards (or registered methods) running now, nested
     # calls since the last backward began whose inputs' gradients are still to come: a unit
     # with frozen parameters is done with its backward only then ([Note: frozen parameters])

@@ -51,7 +51,7 @@ def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int
     def busy(u: Unit) -> Optional[str]:
         if backward.active or u.state != UnitState.SHARDED:
             return "a forward or backward is running"
-        if backward.gatherer.steps_done or u.grad_shard is not None or u.grad_flat is not None:
+        if backward.gatherer.steps_done or u.grad_shard is not None or u.reduction.buffer is not None:
             return "the model has already trained (it holds gradients, or it has stepped)"
         return next((why for o in optimizers.over({u.index}) if o is not by and (why := o.relayout_blocker())), None)
     moved = lay_out_for_owners(cfg, units, costs, load, busy)

@@ -126,9 +126,9 @@ class UnitSource(ShardSource):
             if holder is not None:
                 self.whole_owners[index[id(q.sharded)]] = holder     # inside one chunk
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
-        self.regions.append(Region(hi - lo, st["exp_avg"], st["exp_avg_sq"],
-                                   [(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine],
-                                   bounds=u.reduce_bounds()))
+        self.regions.append(Region(shard_numel=hi - lo, exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"],
+                                   frags=[(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine],
+                                   values=u.shard[:hi - lo], model_owned=True, bounds=u.reduce_bounds()))
         # runs of consecutive pieces with one param group (padding between them is harmless:
         # zero parameters with zero gradients stay zero)
         pieces = sorted((q for q in u.params if q.local.numel() > 0), key=lambda q: q.shard_offset)
@@ -139,10 +139,10 @@ class UnitSource(ShardSource):
             a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].local.numel()
             pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.local.numel(),
                        q.tensor_offset) for q in run]
-            self.segments.append(Segment(g, u.shard[a:b], u, "grad_shard", (a, b),
-                                         *(None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"])),
-                                         pieces=pieces, streamed=self.storage.streamed(placement),
-                                         norms_attr="grad_sumsq"))
+            ea, eas = (None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"]))
+            self.segments.append(Segment(group=g, param=u.shard[a:b], holder=u, grad_attr="grad_shard",
+                                         grad_range=(a, b), exp_avg=ea, exp_avg_sq=eas, pieces=pieces,
+                                         streamed=self.storage.streamed(placement), norms_attr="grad_sumsq"))
         return {n: t for n, t in st.items() if t is not None}
 
     # ------------------------------------------- a relayout by another optimizer

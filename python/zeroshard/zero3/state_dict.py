@@ -2,15 +2,29 @@
 (``units``, ``module``, ``device``, ``process_group``, ``invalidate``)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..common.source import add_locations, empty_report
+from ..common.source import HeldParam, Region, add_locations, empty_report
 from .records import Unit
+
+
+def held_regions(units: List[Unit], rank: int) -> Tuple[List[HeldParam], List[Region]]:
+    """FullyShard.held_regions: each unit's fp32 shard is a region over its parameters."""
+    params, regions = [], []
+    for u in units:
+        frags = []
+        for q in u.params:
+            frags.append((len(params), 0, q.offset, q.numel))
+            params.append(HeldParam(q.sharded, q.shape, q.dtype))
+        if frags:
+            regions.append(Region(shard_numel=u.shard_numel, frags=frags, values=u.shard, model_owned=True,
+                                  bounds=u.bounds))
+    return params, regions
 
 
 def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]], param_dtype: torch.dtype,
@@ -58,10 +72,10 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
     rep.update(gathered=gatherer.gathered_bytes, gathered_peak=gatherer.gathered_peak,
                gathered_units_peak=gatherer.alive_peak, root_gathered=units[0].numel * item,
                max_unit=max([u.numel * item for u in units[1:]], default=0),
-               grad_buffers=backward.grad_bytes, grad_buffers_peak=backward.grad_bytes_peak)
+               grad_buffers=backward.fold.grad_bytes, grad_buffers_peak=backward.fold.grad_bytes_peak)
     if reset_peak:
         gatherer.reset_peaks()
-        backward.grad_bytes_peak = backward.grad_bytes
+        backward.fold.grad_bytes_peak = backward.fold.grad_bytes
     return rep
 
 

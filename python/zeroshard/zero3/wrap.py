@@ -22,7 +22,7 @@ from ..native.layout import compute_layout
 _NO_CAP = 1 << 62        # bucket cap for unit layouts: one bucket per unit
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Setup:
     """What the setup functions need from the FullyShard being built."""
     module: nn.Module

@@ -81,8 +81,8 @@ DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "bfp16": "bf
 
 
 # ------------------------------------------------------------ the parsed form
-@dataclasses.dataclass(frozen=True)
-class Offload:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadSection:
     """``zero_optimization.offload_optimizer`` / ``offload_param``."""
     device: str = "none"            # "none", "cpu" or "nvme"
     nvme_path: Optional[str] = None
@@ -90,7 +90,7 @@ class Offload:
     pin_memory: bool = True         # zeroshard pins host memory whenever the parameters are on CUDA
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LossScaling:
     """The ``fp16`` section: DeepSpeed's defaults; ``loss_scale`` 0 means dynamic."""
     enabled: bool = False
@@ -106,18 +106,18 @@ class LossScaling:
         return self.loss_scale == 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Zero:
     """The ``zero_optimization`` section (stage 0 runs as ZeRO-1: see docs/deepspeed.md)."""
     stage: int = 0
     reduce_bucket_size: Optional[int] = None   # elements; None: not given (zeroshard's 25 MiB buckets)
     contiguous_gradients: bool = True
     overlap_comm: Optional[bool] = None
-    offload_optimizer: Offload = Offload()
-    offload_param: Offload = Offload()
+    offload_optimizer: OffloadSection = OffloadSection()
+    offload_param: OffloadSection = OffloadSection()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """A checked DeepSpeed config, batch sizes resolved for ``world_size``."""
     train_batch_size: int
@@ -199,9 +199,9 @@ def _num(d: dict, key: str, default, kind, where: str, minimum=None):
     return kind(v)
 
 
-def _offload(d, where: str, unused: list) -> Offload:
+def _offload(d, where: str, unused: list) -> OffloadSection:
     if d is None:
-        return Offload()
+        return OffloadSection()
     if not isinstance(d, dict):
         raise ValueError(f"DeepSpeed config {where}: expected a dict, got {d!r}")
     _check_keys(d, where, OFFLOAD_HONOURED, OFFLOAD_TUNING, OFFLOAD_FEATURES, unused)
@@ -214,7 +214,8 @@ def _offload(d, where: str, unused: list) -> Offload:
     ratio = _num(d, "ratio", 1.0, float, where + ".")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"DeepSpeed config {where}.ratio must be in [0, 1], got {ratio}")
-    return Offload(device, d.get("nvme_path"), ratio, bool(d.get("pin_memory", True)))
+    return OffloadSection(device=device, nvme_path=d.get("nvme_path"), ratio=ratio,
+                          pin_memory=bool(d.get("pin_memory", True)))
 
 
 def _zero(d, unused: list) -> Zero:
@@ -229,16 +230,17 @@ def _zero(d, unused: list) -> Zero:
     opt = _offload(d.get("offload_optimizer"), "zero_optimization.offload_optimizer", unused)
     par = _offload(d.get("offload_param"), "zero_optimization.offload_param", unused)
     if d.get("cpu_offload") and opt.device == "none":             # DeepSpeed's deprecated spellings
-        opt = Offload("cpu", pin_memory=bool(d.get("cpu_offload_use_pin_memory", True)))
+        opt = OffloadSection(device="cpu", pin_memory=bool(d.get("cpu_offload_use_pin_memory", True)))
     if d.get("cpu_offload_param") and par.device == "none":
-        par = Offload("cpu", pin_memory=bool(d.get("cpu_offload_use_pin_memory", True)))
+        par = OffloadSection(device="cpu", pin_memory=bool(d.get("cpu_offload_use_pin_memory", True)))
     if par.device != "none" and stage != 3:
         unused.append(f"zero_optimization.offload_param (stage {stage}: parameters are offloaded at stage 3 only)")
-        par = Offload()
+        par = OffloadSection()
     if stage == 3 and "reduce_bucket_size" in d:
         unused.append("zero_optimization.reduce_bucket_size (stage 3 reduces one unit at a time)")
-    return Zero(stage, _num(d, "reduce_bucket_size", None, int, "zero_optimization.", 1),
-                bool(d.get("contiguous_gradients", True)), d.get("overlap_comm"), opt, par)
+    return Zero(stage=stage, reduce_bucket_size=_num(d, "reduce_bucket_size", None, int, "zero_optimization.", 1),
+                contiguous_gradients=bool(d.get("contiguous_gradients", True)), overlap_comm=d.get("overlap_comm"),
+                offload_optimizer=opt, offload_param=par)
 
 
 def _precision(raw: dict, unused: list) -> Tuple[LossScaling, bool]:
@@ -250,11 +252,13 @@ def _precision(raw: dict, unused: list) -> Tuple[LossScaling, bool]:
     _check_keys(fp16, "fp16", FP16_HONOURED, FP16_TUNING, FP16_FEATURES, unused)
     _check_keys(bf16, "bf16", BF16_HONOURED, BF16_TUNING, {}, unused)
     w = "fp16."
-    scaling = LossScaling(bool(fp16.get("enabled", False)), _num(fp16, "loss_scale", 0.0, float, w, 0),
-                          _num(fp16, "initial_scale_power", 16, int, w, 0),
-                          _num(fp16, "loss_scale_window", 1000, int, w, 1), _num(fp16, "hysteresis", 2, int, w, 1),
-                          bool(fp16.get("consecutive_hysteresis", False)),
-                          _num(fp16, "min_loss_scale", 1.0, float, w))
+    scaling = LossScaling(enabled=bool(fp16.get("enabled", False)),
+                          loss_scale=_num(fp16, "loss_scale", 0.0, float, w, 0),
+                          initial_scale_power=_num(fp16, "initial_scale_power", 16, int, w, 0),
+                          loss_scale_window=_num(fp16, "loss_scale_window", 1000, int, w, 1),
+                          hysteresis=_num(fp16, "hysteresis", 2, int, w, 1),
+                          consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
+                          min_loss_scale=_num(fp16, "min_loss_scale", 1.0, float, w))
     if scaling.enabled and scaling.dynamic and not scaling.min_loss_scale > 0:
         raise ValueError("DeepSpeed config fp16.min_loss_scale must be > 0 with dynamic loss scaling (loss_scale 0)")
     use_bf16 = bool(bf16.get("enabled", False))
@@ -321,11 +325,14 @@ def parse(config, world_size: int, warn: bool = True) -> Config:
     comm = raw.get("communication_data_type")
     if comm is not None and str(comm).lower() not in DTYPES:
         raise ValueError(f"DeepSpeed config communication_data_type: expected one of {sorted(DTYPES)}, got {comm!r}")
-    cfg = Config(train, micro, gas, _num(raw, "gradient_clipping", 1.0, float, "", 0), scaling, bf16,
-                 _section(raw, "optimizer"), _section(raw, "scheduler"), _zero(raw.get("zero_optimization"), unused),
-                 DTYPES[str(comm).lower()] if comm is not None else None,
-                 _num(raw, "steps_per_print", None, int, "", 1), bool(raw.get("wall_clock_breakdown", False)),
-                 bool(raw.get("dataloader_drop_last", False)), tuple(unused))
+    cfg = Config(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
+                 gradient_clipping=_num(raw, "gradient_clipping", 1.0, float, "", 0), fp16=scaling, bf16=bf16,
+                 optimizer=_section(raw, "optimizer"), scheduler=_section(raw, "scheduler"),
+                 zero=_zero(raw.get("zero_optimization"), unused),
+                 communication_data_type=DTYPES[str(comm).lower()] if comm is not None else None,
+                 steps_per_print=_num(raw, "steps_per_print", None, int, "", 1),
+                 wall_clock_breakdown=bool(raw.get("wall_clock_breakdown", False)),
+                 dataloader_drop_last=bool(raw.get("dataloader_drop_last", False)), unused=tuple(unused))
     if warn and unused:
         warnings.warn(f"zeroshard.initialize: these DeepSpeed config keys tune DeepSpeed's own machinery and have "
                       f"no counterpart in zeroshard; they are ignored: {', '.join(unused)}", stacklevel=3)

@@ -1,0 +1,126 @@
+"""ZeRO-3's fold policy: a unit's gradients are moved into one flat buffer once
+all have arrived, reduce-scattered (SUM), then divided by every rank and written
+(or added) into the unit's fp32 gradient shard, on the device or in host memory
+([Note: reduction pipeline] in common/reduction.py; [Note: fully shard policy]
+in zero3/fully_shard.py)."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from ..common.reduction import FoldPolicy, Reduction
+from ..common.source import squared_norms
+from ..native.layout import fill_flat
+from ..offload import HostCopies
+from .param import ShardedTensor
+from .records import Param, Unit
+from .wrap import host_or_device_empty
+
+
+class DivideIntoShard(FoldPolicy):
+    """The fold of one FullyShard's units; ``divisor``: every rank taking part (replicas
+    too), ``label``: names a collective of this FullyShard's current step."""
+
+    def __init__(self, *, device: torch.device, rank: int, reduce_dtype: torch.dtype, divisor: int,
+                 label: Callable[[str], str]):
+        self.device, self.rank, self.reduce_dtype, self.divisor = device, rank, reduce_dtype, divisor
+        self._label = label
+        self.grad_bytes = 0          # flat gradient buffers alive now
+        self.grad_bytes_peak = 0
+        # to gradient shards in host memory ([Note: offloaded gradients] in offload/copies.py)
+        self.host_copies = HostCopies(device)
+        # folds the finished reductions before a buffer is taken (set by the pipeline's owner)
+        self.retire_completed: Callable[[], None] = lambda: None
+
+    def label(self, r: Reduction, what: str) -> str:
+        return self._label(f"{r.name} {what}")
+
+    @staticmethod
+    def move_grad(u: Unit, q: Param):
+        """Add ``q``'s gradient into the unit's flat buffer (accumulating) and free it."""
+        flat = u.reduction.buffer
+        flat[q.offset:q.offset + q.numel].add_(q.full.grad.reshape(-1))
+        q.full.grad = None
+
+    def flatten(self, u: Unit):
+        """Move the gradients autograd left on the unit's full parameters into its
+        flat gradient buffer, allocated now: not at the unit's first gradient,
+        while the unit's activations are still alive (the peak of backward)."""
+        r = u.reduction
+        if r.buffer is not None:       # accumulating: add what arrived since
+            for q in u.trainable:
+                if q.full.grad is not None:
+                    self.move_grad(u, q)
+            return
+        self.retire_completed()          # free finished reductions' buffers before taking another
+        r.buffer = torch.empty(u.grad_numel, dtype=self.reduce_dtype, device=self.device)
+        self.grad_bytes += r.buffer.numel() * r.buffer.element_size()
+        self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes)
+        # one pass: gradients copied in; padding and gradients that never arrived are zero
+        fill_flat(r.buffer, [(q.offset, q.full.grad.reshape(-1)) for q in u.trainable if q.full.grad is not None])
+        for q in u.trainable:
+            q.full.grad = None
+
+    def reduce_input(self, r: Reduction) -> Tuple[torch.Tensor, torch.Tensor, Optional[List[int]]]:
+        u: Unit = r.owner
+        self.flatten(u)        # a unit some gradient never reached: the rest count as zero
+        # overwrite the shard unless the user kept gradients from an earlier backward
+        u.fresh = u.grad_shard is None
+        return r.buffer, u.own_grad(r.buffer, self.rank), u.reduce_bounds()
+
+    def fold(self, r: Reduction):
+        """Divide the reduced chunk by every rank and write (or add) it into the fp32 shard."""
+        u: Unit = r.owner
+        chunk = r.out
+        if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
+            # with the fp32 shard, or in host memory ([Note: offloaded gradients]); not
+            # zeroed: u.fresh, so each path below overwrites the whole chunk's length
+            where = torch.device("cpu") if u.grad_to_host else u.shard.device
+            u.grad_shard = host_or_device_empty(chunk.numel(), where, self.device)
+            u.fresh = True
+        written = u.grad_shard       # the fresh values, on the reducing device
+        if u.grad_shard.device != chunk.device:      # in host memory: divide here, then to host
+            written = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)
+            if u.fresh:     # asynchronous into pinned memory; the backward's end waits before the step reads it
+                self.host_copies.copy(u.grad_shard, written)
+            else:
+                u.grad_shard.add_(written.cpu())
+        elif u.fresh and chunk.dtype == torch.float32:
+            torch.div(chunk, self.divisor, out=u.grad_shard)     # one pass
+        elif u.fresh:
+            u.grad_shard.copy_(chunk).div_(self.divisor)          # divide in fp32
+        else:
+            u.grad_shard.add_(chunk.float().div_(self.divisor))
+        # the statistics' squared norms of a shard bound for host memory, taken here on the
+        # device rather than over host memory on the CPU after the backward
+        u.grad_sumsq = _sumsq_of_pieces(u, written) if u.grad_to_host and u.fresh else None
+        expose_grads(u)
+        self.drop_buffer(u)
+
+    def drop_buffer(self, u: Unit):
+        if u.reduction.buffer is not None:
+            self.grad_bytes -= u.reduction.buffer.numel() * u.reduction.buffer.element_size()
+            u.reduction.buffer = None
+
+
+def _sumsq_of_pieces(u: Unit, shard: torch.Tensor) -> dict:
+    """{piece's offset in the shard: its squared norm} over ``shard``, a unit's fresh
+    averaged gradient shard (one foreach launch over the unit's pieces)."""
+    pieces = [q for q in u.trainable if q.local.numel() > 0]
+    if not pieces:
+        return {}
+    vals = squared_norms([shard[q.shard_offset:q.shard_offset + q.local.numel()] for q in pieces])
+    return {q.shard_offset: vals[k] for k, q in enumerate(pieces)}
+
+
+def expose_grads(u: Unit):
+    """Each sharded parameter's ``.grad``: its view of the unit's gradient shard. None
+    when the shard is in host memory and the parameter is not (``grad_to_host``:
+    torch keeps ``.grad`` on the parameter's device; the optimizer reads the shard),
+    and for a parameter no backward reached here since ``zero_grad(set_to_none=True)``,
+    as torch leaves it (a ShardedOptimizer then puts in the gradient any rank gave)."""
+    same = u.grad_shard.device == u.shard.device
+    for q in u.trainable:
+        piece = u.grad_shard[q.shard_offset:q.shard_offset + q.local.numel()]
+        q.sharded.grad = ShardedTensor(piece, q.shape, q.names[0]) if same and q.got_grad else None
