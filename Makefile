@@ -1,6 +1,10 @@
 # Two commands for a fresh machine (see README):
 #   make demo   the main job: examples/train_gpt.py on 2 CPU processes (gloo)
-#   make test   the whole test suite (C++ unit tests + pytest)
+#   make test   the whole test suite (C++ unit tests + pytest: every tier)
+# and, for a developer, one tier of tests/ at a time:
+#   make test-unit          pure, single-process tests (seconds)
+#   make test-multiprocess  gloo ranks on this machine (the library's behaviour)
+#   make test-integration   whole scripts, torchrun jobs, the tools zeroshard plugs into
 # Both create/refresh .venv, install torch if it is missing (pip keeps the
 # wheel in its cache, so a fresh clone does not download it again), build the
 # extension when its sources changed, and can be run again at any time.
@@ -50,16 +54,24 @@ test-cpp:
 test-py: build
 	$(PY) -m pytest tests
 
+.PHONY: test-unit test-multiprocess test-integration
+test-unit: build
+	$(PY) -m pytest tests/unit
+test-multiprocess: build test-deps
+	$(PY) -m pytest tests/multiprocess
+test-integration: build test-deps
+	$(PY) -m pytest tests/integration
+
 test: build test-cpp test-py
 
-# DeepSpeed, the test-only peer of tests/test_deepspeed_*.py (zeroshard.initialize side by
+# DeepSpeed, the test-only peer of tests/*/test_deepspeed_*.py (zeroshard.initialize side by
 # side with deepspeed.initialize; never a runtime dependency): pinned, installed without its
 # dependency resolution so torch stays the pinned one, then its own dependencies.
 TEST_DS := deepspeed==0.19.8
-# Lightning, the test-only peer of tests/test_lightning.py (ZeroShardStrategy beside its own
+# Lightning, the test-only peer of tests/integration/test_lightning.py (ZeroShardStrategy beside its own
 # DDPStrategy): pinned, installed with the pinned torch named so pip keeps it.
 TEST_LIGHTNING := lightning==2.6.6
-# Hugging Face, the test-only peers of tests/test_hf.py (ZeroShardTrainer beside the Trainer's own
+# Hugging Face, the test-only peers of tests/integration/test_hf.py (ZeroShardTrainer beside the Trainer's own
 # DDP, the Accelerate recipe beside Accelerate's, TRL's SFTTrainer through the mixin): pinned to
 # the range zeroshard.integrations.hf checks at import; their wheels (and their dependencies')
 # are kept in the wheelhouse with torch's, so a fresh clone installs them offline.

@@ -68,7 +68,7 @@ if go build; then
 fi
 if go gpu; then
   stamp "pytest -m gpu"
-  timeout "$L" $PY -m pytest -m gpu tests/test_gpu.py tests/test_gpu_integrations.py -p no:cacheprovider -q \
+  timeout "$L" $PY -m pytest -m gpu tests/integration/test_gpu.py tests/integration/test_gpu_integrations.py -p no:cacheprovider -q \
     --timeout 300 -rfE 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 fi
 if go suite "${SUITE_LIMIT:-540}"; then
@@ -79,7 +79,7 @@ if go suite "${SUITE_LIMIT:-540}"; then
   # gpu part. Whole test files per worker; a hung gloo test fails after 120 s with its
   # ranks' stacks (tests/_dist.py).
   CUDA_VISIBLE_DEVICES= ZEROSHARD_EXPECT_CUDA_BUILD=1 timeout -s INT -k 20 "$L" $PY -m pytest tests \
-    --ignore tests/test_gpu.py --ignore tests/test_gpu_integrations.py -p no:cacheprovider -q \
+    --ignore tests/integration/test_gpu.py --ignore tests/integration/test_gpu_integrations.py -p no:cacheprovider -q \
     -n "${SUITE_WORKERS:-8}" --dist loadfile --timeout 300 -rfE \
     ${SUITE_ARGS:-} 2>&1 | tee "$OUT/pytest_all.log" | tail -25
 fi

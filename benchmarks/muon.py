@@ -44,7 +44,7 @@ matrices zeroshard gives it (ShardedOptimizer.whole_tensor_rule.balance()), and 
 largest deviation from the mean (target within 15%).
 
 --ns-fp32 runs the torch-Muon variants (DDP, zeroshard, FSDP2) with Newton-Schulz in fp32
-(tests/test_whole_tensor.py's Muon32): where the update is right, its distance from DDP's is
+(tests/multiprocess/test_whole_tensor.py's Muon32): where the update is right, its distance from DDP's is
 then fp32 rounding, not bf16's (benchmarks/out/muon_ns_fp32.json).
 
 Writes benchmarks/out/muon.json (points of other sizes and world sizes already there are
@@ -93,7 +93,7 @@ def _tag_like_ours(config_class, model):
 
 
 def muon_class(ns_fp32: bool):
-    """torch.optim.Muon, or with --ns-fp32 tests/test_whole_tensor.py's Muon32 (torch's
+    """torch.optim.Muon, or with --ns-fp32 tests/multiprocess/test_whole_tensor.py's Muon32 (torch's
     update with Newton-Schulz in fp32: a reference whose only noise is fp32 rounding)."""
     if not ns_fp32:
         return torch.optim.Muon

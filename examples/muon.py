@@ -16,7 +16,7 @@ one process (the same two torch optimizers, whole batches), and that the
 momentum of every matrix is held exactly once. torch's Newton-Schulz runs in bf16, so a different summation
 order alone (N ranks' gradients against one batch) moves the parameters by
 about 1% over these steps; the test suite checks equality to fp32 rounding
-with Newton-Schulz in fp32 (tests/test_whole_tensor.py).
+with Newton-Schulz in fp32 (tests/multiprocess/test_whole_tensor.py).
 """
 import torch
 import torch.distributed as dist

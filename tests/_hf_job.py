@@ -1,4 +1,4 @@
-"""One torchrun launch of the Hugging Face tests (tests/test_hf.py) at one world size:
+"""One torchrun launch of the Hugging Face tests (tests/integration/test_hf.py) at one world size:
 every Trainer (its own DDP, zeroshard at stages 1-3, bf16, fp16, other optimizers,
 Llama, resumes, TRL's SFTTrainer through the mixin) and the Accelerate example's
 runs, in one process group. Rank 0 writes results-w<world>.pt into the output
@@ -9,7 +9,7 @@ directory; the parent compares.
 
 ``--device``: world size 1 on the machine's accelerator (NCCL; gloo and the CPU without
 one): the Trainer's own training against zeroshard at stages 1-3, fp32 and bf16, into
-results-device.pt (tests/test_gpu.py).
+results-device.pt (tests/integration/test_gpu.py).
 """
 import importlib.util
 import os

@@ -1,5 +1,5 @@
 """Lightning trainers on zeroshard and on Lightning's DDPStrategy, one after the other in
-one torchrun launch (the process group is reused); tests/test_lightning.py launches it
+one torchrun launch (the process group is reused); tests/integration/test_lightning.py launches it
 once per world size and compares what rank 0 saves.
 
     torchrun --nproc-per-node W tests/_lightning_job.py OUT_DIR [RESUME_DIR]
@@ -20,7 +20,7 @@ checkpoint at stage 3.
 ``--device``: world size 1 on the machine's accelerator (the CPU without one):
 DDPStrategy and stages 1-3 in 32-true and 16-mixed (with a GradScaler, one micro-batch's
 loss made infinite so that every strategy skips that step), into results-device.pt
-(tests/test_gpu.py).
+(tests/integration/test_gpu.py).
 """
 import os
 import sys

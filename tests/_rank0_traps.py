@@ -1,5 +1,5 @@
 """Code under ``if rank == 0:`` reaching a collective zeroshard call, for
-tests/test_gpt_script.py: rank 0 alone calls SCENARIO's call while rank 1 goes on
+tests/integration/test_gpt_script.py: rank 0 alone calls SCENARIO's call while rank 1 goes on
 training. Each rank prints one JSON line (what it raised, after how long, and its
 flight record's last entries) and leaves with os._exit(0), as a script that
 catches the error and exits would.

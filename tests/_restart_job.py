@@ -1,4 +1,4 @@
-"""tests/test_restarts.py's job: rank 1 kills itself in the first `kills` attempts; in
+"""tests/integration/test_restarts.py's job: rank 1 kills itself in the first `kills` attempts; in
 every later attempt it reaches the process group 2 s after rank 0 (as after a longer
 import). `plain`: torch.distributed.init_process_group; `zeroshard`: zeroshard.init_distributed."""
 import datetime, os, signal, sys, time

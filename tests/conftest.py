@@ -4,7 +4,11 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The shared helpers (tests/_*.py) and every tier's modules are importable from any test,
+# whichever tier pytest was pointed at (a few tests reuse another tier's models).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _tier in ("unit", "multiprocess", "integration", ""):
+    sys.path.insert(0, os.path.join(_HERE, _tier) if _tier else _HERE)
 
 from _dist import DistPool  # noqa: E402
 

@@ -12,7 +12,7 @@ before it unscales the gradients, so on a step where the scale doubles it
 divides the gradients by the new scale, half the one the backward used
 (unless clipping rescales them anyway). The engine here unscales by the
 scale the backward used, as ``torch.amp.GradScaler`` and DDP do; the scale
-and the skipped steps are DeepSpeed's (tests/test_deepspeed_engine.py).
+and the skipped steps are DeepSpeed's (tests/integration/test_deepspeed_engine.py).
 """
 from __future__ import annotations
 

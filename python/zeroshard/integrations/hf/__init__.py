@@ -16,7 +16,7 @@ import accelerate
 import transformers
 from packaging.version import Version
 
-# the releases tested (tests/test_hf.py); ZEROSHARD_HF_ANY_VERSION=1 skips the check, at your risk
+# the releases tested (tests/integration/test_hf.py); ZEROSHARD_HF_ANY_VERSION=1 skips the check, at your risk
 TRANSFORMERS = (Version("5.24"), Version("5.25"))       # >= first, < second
 ACCELERATE = (Version("1.15"), Version("1.16"))
 # the Trainer methods ZeroShardTrainerMixin overrides or calls; their absence means another design

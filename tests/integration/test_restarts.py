@@ -17,7 +17,7 @@ import torch
 
 import zeroshard as zs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(ROOT, "tests", "_restart_job.py")
 
 

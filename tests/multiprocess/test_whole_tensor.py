@@ -773,7 +773,7 @@ PLAN_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)   # awkward sizes
 def _gpt():
     import os
     import sys
-    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
     import train_gpt

@@ -6,7 +6,7 @@ import ast
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "python", "zeroshard")
 MAX_FILE, MAX_CLASS, MAX_FUNCTION = 500, 300, 60
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "report.py")
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "report.py")
 _spec = importlib.util.spec_from_file_location("bench_report", _PATH)
 report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(report)

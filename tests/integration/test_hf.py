@@ -23,7 +23,7 @@ from _dist import close, torchrun_jobs, worst
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(ROOT, "tests", "_hf_job.py")
 TOL = 1e-5
 

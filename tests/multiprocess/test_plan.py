@@ -95,7 +95,7 @@ def test_formula_matches_what_the_ranks_hold(dist_pool, stage, dtype, conv):
 
 
 # --------------------------------------------------------- --model mode
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 MODEL_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)   # awkward sizes: the layouts pad

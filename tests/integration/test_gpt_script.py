@@ -11,6 +11,7 @@ and optimizer state within 1e-5 (fp32), the same parameter count.
 """
 import contextlib
 import inspect
+import os
 
 import pytest
 import torch
@@ -230,7 +231,7 @@ def test_torch_adamw_arguments_are_accepted(dist_pool):
 
 
 # ------------------------------------------------------------ rank-0 code
-TRAPS = __import__("os").path.join(__import__("os").path.dirname(__file__), "_rank0_traps.py")
+TRAPS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_rank0_traps.py")
 
 
 def _trap(scenario, tmp_path):

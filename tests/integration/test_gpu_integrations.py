@@ -39,7 +39,7 @@ def _device_job(job: str, tmp_path) -> dict:
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                           os.path.join(root, "tests", job), "--device", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)

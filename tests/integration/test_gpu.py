@@ -211,7 +211,7 @@ def test_cuda_training_example(stage, tmp_path):
     import re
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                           os.path.join(root, "examples", "train_gpt.py"), "--stage", str(stage), "--dtype", "bf16",
                           "--steps", "60", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
