@@ -16,6 +16,7 @@ EXAMPLES = [
     ("fully_shard.py", 2, {}),
     ("fully_shard_habits.py", 2, {}),
     ("optimizers.py", 2, {}),
+    ("uneven_inputs.py", 2, {}),
     ("muon.py", 2, {}),
     ("mixed_precision.py", 2, {}),
     ("offload.py", 2, {}),

@@ -17,15 +17,15 @@ from conftest import get_pool
 from test_checkpoint import TINY_SCRIPT, build, dir_bytes, train
 from test_fully_shard import max_err
 
-from zeroshard.checkpoint import format as fmt
+from zeroshard.checkpoint import files
 
 
 class HeldWrite:
-    """Holds each ``fmt.write_safetensors`` of this process until a ``release()``, so a
+    """Holds each ``files.write_safetensors`` of this process until a ``release()``, so a
     test can act after a background save's call and before its write."""
 
     def __init__(self):
-        self.started, self._permits, self._real = threading.Event(), threading.Semaphore(0), fmt.write_safetensors
+        self.started, self._permits, self._real = threading.Event(), threading.Semaphore(0), files.write_safetensors
 
     def release(self, after: float = 0.0):
         """Let one write go on, ``after`` seconds from now."""
@@ -36,12 +36,12 @@ class HeldWrite:
             self.started.set()
             assert self._permits.acquire(timeout=60), "never released"
             return self._real(*args, **kw)
-        fmt.write_safetensors = held
+        files.write_safetensors = held
         return self
 
     def __exit__(self, *exc):
         self._permits.release(100)
-        fmt.write_safetensors = self._real
+        files.write_safetensors = self._real
 
 
 def _background_equals_blocking(kind, root):
@@ -81,12 +81,12 @@ def _failures(root):
     path = os.path.join(root, "ck")
     zs.save_checkpoint(path, model, opt, extra={"step": 2})
     train(model, opt, 1, first_step=2)
-    real, msgs = fmt.write_safetensors, {}
+    real, msgs = files.write_safetensors, {}
 
     def disk_full(*args, **kw):
         raise OSError(28, "No space left on device")
     if rank == 1:
-        fmt.write_safetensors = disk_full
+        files.write_safetensors = disk_full
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -97,7 +97,7 @@ def _failures(root):
                 msgs["one_rank"] = f"{type(e).__name__}: {e}"
         msgs["warned"] = any("background save" in str(w.message) and path in str(w.message) for w in seen)
     finally:
-        fmt.write_safetensors = real
+        files.write_safetensors = real
     again, again_opt = build(2, seed=7)
     msgs["still"] = zs.load_checkpoint(path, again, again_opt)
     msgs["left"] = sorted(os.listdir(root))
@@ -194,9 +194,9 @@ def test_a_script_that_exits_right_after_a_background_save_completes_it(tmp_path
 def test_destroying_the_process_group_under_a_background_save_says_what_to_do(tmp_path):
     """No crash and no hang: the save fails, saying to call result() first, and leaves
     no checkpoint."""
-    slow_write = ("import time; import zeroshard.checkpoint.format as fmt\n"     # the destroy comes mid-save
-                  "w = fmt.write_safetensors\n"
-                  "fmt.write_safetensors = lambda *a, **k: (time.sleep(1), w(*a, **k))[1]\n")
+    slow_write = ("import time; import zeroshard.checkpoint.files as files\n"     # the destroy comes mid-save
+                  "w = files.write_safetensors\n"
+                  "files.write_safetensors = lambda *a, **k: (time.sleep(1), w(*a, **k))[1]\n")
     head, save = _SCRIPT.rsplit("zs.save_checkpoint", 1)
     out = _run_script(tmp_path, head + slow_write + "zs.save_checkpoint" + save + "dist.destroy_process_group()\n")
     assert out.stderr.count("call result() on the Future save_checkpoint returned before "

@@ -54,20 +54,20 @@ def train_plain(model, opt, steps, first_step=0):
 def _save_after(kind, steps, path):
     model, opt = build(kind)
     train(model, opt, steps)
-    from zeroshard.checkpoint import format as fmt
-    block, fmt.BLOCK = fmt.BLOCK, 256   # checksum blocks as fine as the tiny model
+    from zeroshard.checkpoint import files
+    block, files.BLOCK = files.BLOCK, 256   # checksum blocks as fine as the tiny model
     try:
         zs.save_checkpoint(path, model, opt, extra={"step": steps})
     finally:
-        fmt.BLOCK = block
+        files.BLOCK = block
     return sorted(os.listdir(path))
 
 
 def _resume(kind, path, steps):
     model, opt = build(kind, seed=7)         # other initial values: the load must replace them all
     extra = zs.load_checkpoint(path, model, opt)
-    from zeroshard.checkpoint import format as fmt
-    read = fmt.stats["bytes_read"]
+    from zeroshard.checkpoint import files
+    read = files.stats["bytes_read"]
     train(model, opt, steps, first_step=extra["step"])
     return max_err(model.state_dict(), reference(extra["step"] + steps)[0].state_dict()), read
 
@@ -183,7 +183,7 @@ def _save_and_die(rank, port, path, ref_file, dying, background=False):
         torch.save((sd, osd), ref_file)
     train(model, opt, 1, first_step=2)
     if rank in dying:
-        from zeroshard.checkpoint import format as fmt
+        from zeroshard.checkpoint import files
 
         def write_half_then_die(fpath, items, *_):
             with open(fpath, "wb") as f:
@@ -191,7 +191,7 @@ def _save_and_die(rank, port, path, ref_file, dying, background=False):
                 f.flush()
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
-        fmt.write_safetensors = write_half_then_die
+        files.write_safetensors = write_half_then_die
     try:
         done = zs.save_checkpoint(path, model, opt, extra={"step": 3}, background=background)
         if background:
@@ -254,8 +254,8 @@ def test_replacing_without_atomic_exchange_and_a_cut_between_the_renames(tmp_pat
     """Filesystems without renameat2(RENAME_EXCHANGE) replace a checkpoint with two
     renames; a crash between them leaves the previous one beside the path, and
     load_checkpoint finds it."""
-    from zeroshard.checkpoint import format as fmt
-    monkeypatch.setattr(fmt, "exchange", lambda a, b: False)
+    from zeroshard.checkpoint import files
+    monkeypatch.setattr(files, "exchange", lambda a, b: False)
     path = str(tmp_path / "ck")
     model, opt = build("plain")
     zs.save_checkpoint(path, model, opt, extra={"step": 0})
@@ -292,20 +292,20 @@ def test_sync_files_false_skips_every_fsync_and_loads_the_same(tmp_path, monkeyp
 def test_writeback_is_started_as_the_file_is_written(tmp_path, monkeypatch):
     """Every WRITEBACK_BYTES written, the writer asks the kernel to start writing the range
     back (sync_file_range), contiguous from the start; not at all with sync=False."""
-    from zeroshard.checkpoint import format as fmt
+    from zeroshard.checkpoint import files
     ranges = []
-    monkeypatch.setattr(fmt, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: ranges.append((off, n, flags)) or 0)
-    monkeypatch.setattr(fmt, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(files, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: ranges.append((off, n, flags)) or 0)
+    monkeypatch.setattr(files, "WRITEBACK_BYTES", 4096)
     ts = [torch.randn(n) for n in (1021, 3001, 17, 4099)]
     items = [(f"t{k}", t.dtype, t.shape, lambda t=t: t) for k, t in enumerate(ts)]
-    _, size, _ = fmt.write_safetensors(str(tmp_path / "a.safetensors"), items)
+    _, size, _ = files.write_safetensors(str(tmp_path / "a.safetensors"), items)
     assert ranges and ranges[0][0] == 0 and all(f == 2 for *_, f in ranges)
     assert all(a + n == b for (a, n, _), (b, _, _) in zip(ranges, ranges[1:]))      # contiguous
     assert all(n >= 4096 for _, n, _ in ranges) and ranges[-1][0] + ranges[-1][1] <= size
     got = load_file(str(tmp_path / "a.safetensors"))
     assert all(torch.equal(got[f"t{k}"], t) for k, t in enumerate(ts))
     ranges.clear()
-    fmt.write_safetensors(str(tmp_path / "b.safetensors"), items, sync=False)
+    files.write_safetensors(str(tmp_path / "b.safetensors"), items, sync=False)
     assert ranges == []
 
 
@@ -314,20 +314,20 @@ def test_block_checksums_are_zlibs_crc32(tmp_path):
     offsets, and on the blocks of a written file, so checkpoints written before it and
     any zlib reader agree."""
     import zlib
-    from zeroshard.checkpoint import format as fmt
+    from zeroshard.checkpoint import files
     g = torch.Generator().manual_seed(int(time.time()))
     data = memoryview(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).numpy().tobytes())
     for n in (0, 1, 15, 16, 63, 64, 65, 1021, 65537, 1 << 20, (3 << 20) - 7):
         for off in (0, 3):
             chunk = data[off:off + n]
             assert zs._C.crc32(chunk) == zlib.crc32(chunk), (n, off)
-            assert fmt.crc32(chunk, 12345) == zlib.crc32(chunk, 12345), (n, off)
+            assert files.crc32(chunk, 12345) == zlib.crc32(chunk, 12345), (n, off)
     t = torch.randn(300_007)
-    _, _, placed = fmt.write_safetensors(str(tmp_path / "a.safetensors"), [("t", t.dtype, t.shape, lambda: t)])
+    _, _, placed = files.write_safetensors(str(tmp_path / "a.safetensors"), [("t", t.dtype, t.shape, lambda: t)])
     raw = open(tmp_path / "a.safetensors", "rb").read()
     off, crcs = placed[0]
     body = raw[off:off + t.numel() * 4]
-    assert crcs == [zlib.crc32(body[k:k + fmt.BLOCK]) for k in range(0, len(body), fmt.BLOCK)]
+    assert crcs == [zlib.crc32(body[k:k + files.BLOCK]) for k in range(0, len(body), files.BLOCK)]
 
 
 def test_the_replaced_checkpoint_is_deleted_in_the_background(tmp_path, monkeypatch):

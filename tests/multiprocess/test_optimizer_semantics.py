@@ -1,7 +1,8 @@
 """ShardedOptimizer by torch's own optimizer semantics, against DDP + the same torch optimizer at
 world sizes 1, 2 and 3: a step with no gradient is a no-op, step() passes keyword arguments to
 the class (whose step() is never called while building), the class's param-group keys are
-visible, and sparse parameters and gradients are refused by name."""
+visible, sparse parameters and gradients are refused by name, and torch's Join over uneven
+inputs ends as DDP + Join does."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -184,3 +185,67 @@ def test_hyperparameters_the_optimizer_runs_round_trip_through_its_state_dict(wo
         for (sd, flags), (rsd, _) in zip(pool.run(_hyper_round_trip, stage, kwargs), ref):
             assert flags == kwargs, (stage, flags)
             assert max((sd[k] - v).abs().max().item() for k, v in rsd.items()) < 1e-5, stage
+
+
+class WithNorm(nn.Module):
+    """A model with buffers (BatchNorm's running statistics): DDP and ShardedOptimizer
+    broadcast them before each training forward, a collective the joined ranks shadow."""
+
+    def __init__(self):
+        super().__init__()
+        # (no bias before the norm: its gradient is zero up to rounding, which AdamW would amplify)
+        self.inp, self.norm, self.out = nn.Linear(7, 13, bias=False), nn.BatchNorm1d(13), nn.Linear(13, 5)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(self.inp(x))))
+
+
+def _uneven(stage, buffers):
+    """Rank r trains on 2 + 2r batches inside torch's Join (the others shadow the rest)."""
+    from torch.distributed.algorithms.join import Join
+    torch.manual_seed(0)
+    model = WithNorm() if buffers else make()
+    if stage == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+        opt, joinables = torch.optim.AdamW(model.parameters(), lr=0.05), [net]
+    else:
+        net = model
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.05, stage=stage, bucket_mb=0.0002)
+        joinables = [opt]
+    with Join(joinables):
+        for it in range(2 + 2 * dist.get_rank()):
+            opt.zero_grad()
+            x = torch.randn(8, 7, generator=torch.Generator().manual_seed(1000 * dist.get_rank() + it))
+            net(x).square().mean().backward()
+            opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world,buffers", [(2, False), (3, True)], ids=["world2-plain", "world3-buffers"])
+def test_uneven_inputs_under_join_end_as_ddp_does(world, buffers):
+    """torch's Join([opt]) over ranks with different numbers of batches finishes (no hang) with
+    DDP + Join's parameters and buffers on every rank, at stages 1 and 2."""
+    pool = get_pool(world)
+    ref = pool.run(_uneven, "ddp", buffers)[-1]       # the last rank to join trained every iteration
+    for stage in (1, 2):
+        for rank, sd in enumerate(pool.run(_uneven, stage, buffers)):
+            assert sd.keys() == ref.keys()
+            err = max((sd[k].double() - v.double()).abs().max().item() for k, v in ref.items())
+            assert err < 1e-5, (stage, rank, err)
+
+
+def _join_with_fully_shard():
+    from torch.distributed.algorithms.join import Join
+    model = zs.FullyShard(make(), wrap={nn.Linear})
+    opt = zs.ShardedOptimizer(model.parameters(), lr=0.05)
+    try:
+        with Join([opt]):
+            pass
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_join_with_fully_shard_parameters_is_refused_by_name():
+    for msg in get_pool(2).run(_join_with_fully_shard):
+        assert msg is not None and "Join with FullyShard" in msg and "DistributedSampler" in msg, msg

@@ -439,3 +439,29 @@ def test_the_cpp_size_check_finds_planted_violations(tmp_path):
     found = _cpp_violations(str(tmp_path))
     assert found == {("file", "big.cpp"): MAX_FILE + MAX_FUNCTION + 2,
                      ("function", "big.cpp:1"): MAX_FUNCTION + 2}, found
+
+
+# ------------------------------------------------------------ names as they are
+# The ecosystem's own abbreviations, the only names a module may be imported under
+# other than its own (``import torch.distributed as dist``).
+CONVENTIONAL = {"dist", "nn", "F", "np", "mp"}
+
+
+def _renamed_imports(sources: dict) -> list:
+    """Imports that give a module or name of the package a name of their own."""
+    bad = []
+    for rel, src in sources.items():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    own = alias.name.rsplit(".", 1)[-1]
+                    if alias.asname not in (None, own) and alias.asname not in CONVENTIONAL:
+                        bad.append(f"{rel}:{node.lineno}: {alias.name} as {alias.asname}")
+    return bad
+
+
+def test_no_module_is_imported_under_another_name():
+    bad = _renamed_imports(_sources())
+    assert not bad, "imported under another name (rename the module or the clashing variable):\n" + "\n".join(bad)
+    planted = _renamed_imports({"x.py": "from . import wrap as setup\nimport torch.distributed as dist\n"})
+    assert planted == ["x.py:1: wrap as setup"], planted

@@ -3,14 +3,14 @@
 (the newest complete checkpoint under a path, at a script's start: ``resume``), over what a rank
 holds, by key (``holdings``), the save's steps (``save``), the exchange of
 outcomes that ends each step of a save or load (``peers``), and the file format:
-safetensors writer, manifest and verifying reader (``format``).
+safetensors writer, manifest and verifying reader (``files``).
 [Note: checkpoint format] in ``checkpoint/api.py``.
 
 May import: ``native``, ``comm``, ``common``, ``optim``.
 """
 from .api import (export_full_state_dict, full_state_dict_meta, load_checkpoint, read_full_state_dict,
                   save_checkpoint)
-from .format import CheckpointError
+from .files import CheckpointError
 from .resume import resume
 
 __all__ = ["CheckpointError", "export_full_state_dict", "full_state_dict_meta", "load_checkpoint", "read_full_state_dict", "resume",

@@ -71,10 +71,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import format as fmt
+from . import files
 from .. import comm
 from . import save
-from .format import CheckpointError
+from .files import CheckpointError
 from .holdings import Holdings, optimizers_of
 from .peers import Peers
 
@@ -145,7 +145,7 @@ def _find(path: str) -> str:
     between its two renames."""
     if os.path.exists(path):
         return path
-    old = [d for d in previous_of(path) if os.path.exists(os.path.join(d, fmt.MANIFEST))]
+    old = [d for d in previous_of(path) if os.path.exists(os.path.join(d, files.MANIFEST))]
     if len(old) == 1:
         warnings.warn(f"{path} is missing but a save replacing it was interrupted; loading the previous "
                       f"checkpoint from {old[0]} (rename it to {path} to keep it)")
@@ -192,10 +192,10 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     h = Holdings(model, optimizer, for_load=True)    # same outcome on every rank
     _check_in(h, "load_checkpoint()")
     peers = Peers(h.group)
-    man = peers.run(lambda: fmt.read_manifest(path))
+    man = peers.run(lambda: files.read_manifest(path))
     peers.run(lambda: (_check_match(h, man, path, optimizer is not None), h.adopt(man)))
-    reader = fmt.Reader(path, man)
-    fmt.stats["bytes_read"] = 0
+    reader = files.Reader(path, man)
+    files.stats["bytes_read"] = 0
 
     @torch.no_grad()
     def read():
@@ -243,7 +243,7 @@ def export_full_state_dict(path, out_file, dtype: Optional[torch.dtype] = None) 
              for name, key, dt in entries]
     tmp = f"{out_file}.partial-{uuid.uuid4().hex[:12]}"
     try:
-        fmt.write_safetensors(tmp, items)
+        files.write_safetensors(tmp, items)
         os.replace(tmp, out_file)
     finally:
         reader.close()
@@ -287,13 +287,13 @@ def _full_entries(path, dtype: Optional[torch.dtype], tied: bool = True):
     path = _find(os.path.abspath(os.fspath(path)))
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-    man = fmt.read_manifest(path)
+    man = files.read_manifest(path)
 
     def entry(name, key):
-        dt = fmt.parse_dtype(man["tensors"][key]["model_dtype"])
+        dt = files.parse_dtype(man["tensors"][key]["model_dtype"])
         return name, key, dtype if key.startswith("param:") and dtype is not None and dt.is_floating_point else dt
 
     entries = [entry(key.split(":", 1)[1], key) for key in man["tensors"] if key.startswith(("param:", "buffer:"))]
     if tied:
         entries += [entry(alias, "param:" + canonical) for alias, canonical in man["aliases"].items()]
-    return man, fmt.Reader(path, man), entries
+    return man, files.Reader(path, man), entries

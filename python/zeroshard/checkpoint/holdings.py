@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .format import CheckpointError
+from .files import CheckpointError
 from ..common.source import ShardedModel
 
 _SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")

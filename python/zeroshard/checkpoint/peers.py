@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from .. import comm
-from .format import CheckpointError
+from .files import CheckpointError
 
 
 @dataclass(frozen=True)

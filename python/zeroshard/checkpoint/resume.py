@@ -34,14 +34,14 @@ from typing import Any, List, Optional, Tuple
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import format as fmt
+from . import files
 from .. import comm
 from .api import load_checkpoint, previous_of
-from .format import CheckpointError
+from .files import CheckpointError
 
 
 def _is_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, fmt.MANIFEST))
+    return os.path.isfile(os.path.join(path, files.MANIFEST))
 
 
 def _candidates(path: str) -> List[str]:
@@ -58,15 +58,15 @@ def _problem(path: str) -> Optional[str]:
     if ".partial-" in os.path.basename(path):
         return "a save into it was interrupted"
     try:
-        man = fmt.read_manifest(path)
+        man = files.read_manifest(path)
     except CheckpointError as e:
         return str(e)
-    return next(filter(None, (fmt.file_problem(path, fname, info) for fname, info in man["files"].items())), None)
+    return next(filter(None, (files.file_problem(path, fname, info) for fname, info in man["files"].items())), None)
 
 
 def _committed(path: str) -> float:
     """When ``path`` was committed: its manifest's mtime, else the directory's."""
-    for p in (os.path.join(path, fmt.MANIFEST), path):
+    for p in (os.path.join(path, files.MANIFEST), path):
         if os.path.exists(p):
             return os.path.getmtime(p)
     return 0.0

@@ -40,8 +40,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import format as fmt
-from .format import CheckpointError
+from . import files
+from .files import CheckpointError
 from .holdings import Holdings
 from .peers import Peers
 
@@ -172,7 +172,7 @@ def _prepare(path: str) -> str:
     _wait_discards()
     os.makedirs(parent, exist_ok=True)
     if os.path.lexists(path) and not (os.path.isdir(path) and (
-            os.path.exists(os.path.join(path, fmt.MANIFEST)) or not os.listdir(path))):
+            os.path.exists(os.path.join(path, files.MANIFEST)) or not os.listdir(path))):
         raise CheckpointError(f"{path} exists and is not a zeroshard checkpoint; refusing to replace it "
                               "(choose another path or remove it yourself)")
     for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.partial-*")):
@@ -184,17 +184,17 @@ def _prepare(path: str) -> str:
 
 def _write(h: Holdings, tmp: str, taken: Taken, sync: bool):
     """This rank's files in ``tmp``; returns (manifest entries, files) for the committer."""
-    fname, entries, files = f"rank{h.rank}.safetensors", [], {}
+    fname, entries, listing = f"rank{h.rank}.safetensors", [], {}
     if taken.pieces:          # (a rank of a replicated model owns nothing and writes no file)
         items = [(f"{key}@{start}", t.dtype, (t.numel(),), lambda t=t: t) for key, start, t in taken.pieces]
-        crc, size, placed = fmt.write_safetensors(os.path.join(tmp, fname), items, sync)
+        crc, size, placed = files.write_safetensors(os.path.join(tmp, fname), items, sync)
         entries = [(key, [fname, off, start, t.numel(), crcs])
                    for (key, start, t), (off, crcs) in zip(taken.pieces, placed)]
-        files[fname] = {"size": size, "crc32": crc}
+        listing[fname] = {"size": size, "crc32": crc}
     if taken.extra is not None:
-        fmt.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), taken.extra, sync)
-        files[f"extra{h.rank}.pt"] = {"size": len(taken.extra), "crc32": zlib.crc32(taken.extra)}
-    return entries, files, dict(h.local_specs)
+        files.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), taken.extra, sync)
+        listing[f"extra{h.rank}.pt"] = {"size": len(taken.extra), "crc32": zlib.crc32(taken.extra)}
+    return entries, listing, dict(h.local_specs)
 
 
 def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync: bool):
@@ -203,32 +203,32 @@ def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync:
     specs = dict(h.specs)
     for *_, local in written:       # what one rank alone holds (whole-tensor optimizer states)
         specs.update(local)
-    tensors = {k: {"shape": list(s.shape), "dtype": fmt.dtype_name(s.dtype),
-                   "model_dtype": fmt.dtype_name(s.model_dtype), "step": s.step, "entries": []}
+    tensors = {k: {"shape": list(s.shape), "dtype": files.dtype_name(s.dtype),
+                   "model_dtype": files.dtype_name(s.model_dtype), "step": s.step, "entries": []}
                for k, s in specs.items()}
-    files = {}
+    listing = {}
     for entries, fl, _ in written:
-        files.update(fl)
+        listing.update(fl)
         for key, e in entries:
             tensors[key]["entries"].append(e)
     for t in tensors.values():
         t["entries"].sort(key=lambda e: e[2])
-    body = {"world_size": h.world, "stage": h.stage, "block_bytes": fmt.BLOCK, "tensors": tensors,
-            "aliases": h.aliases, "param_groups": h.groups, "files": files, "extra": taken.extra is not None,
+    body = {"world_size": h.world, "stage": h.stage, "block_bytes": files.BLOCK, "tensors": tensors,
+            "aliases": h.aliases, "param_groups": h.groups, "files": listing, "extra": taken.extra is not None,
             "torch_version": torch.__version__}
-    fmt.write_bytes(os.path.join(tmp, fmt.MANIFEST), fmt.manifest_bytes(body), sync)
-    fmt.fsync_dir(tmp, sync)
+    files.write_bytes(os.path.join(tmp, files.MANIFEST), files.manifest_bytes(body), sync)
+    files.fsync_dir(tmp, sync)
     if not os.path.lexists(path):
         os.rename(tmp, path)
-    elif fmt.exchange(tmp, path):
+    elif files.exchange(tmp, path):
         _discard(tmp)                       # tmp now holds the previous checkpoint
     else:
         old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
         os.rename(path, old)                # a crash here: load_checkpoint finds `old`
         os.rename(tmp, path)
-        fmt.fsync_dir(parent, sync)
+        files.fsync_dir(parent, sync)
         shutil.rmtree(old)
-    fmt.fsync_dir(parent, sync)
+    files.fsync_dir(parent, sync)
 
 
 _discards: List[threading.Thread] = []   # deleting replaced checkpoints (see [Note: checkpoint format])

@@ -248,6 +248,9 @@ class ShardSource(abc.ABC):
         # called with no argument when a backward outside no_sync() has finished and
         # every gradient shard holds its reduced value (the engine takes its statistics)
         self.listeners: List[Callable[[], None]] = []
+        # called with no argument when a backward begins, before its first reduction
+        # (the engine's part in torch's Join: [Note: uneven inputs] in optim/join.py)
+        self.backward_listeners: List[Callable[[], None]] = []
         # parameter index -> its owner, where the layout keeps parameters whole (whole_owner)
         self.whole_owners: Dict[int, int] = {}
 

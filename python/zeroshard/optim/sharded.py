@@ -23,11 +23,12 @@ from .state_dict import StateDicts
 from .. import comm
 from ..common.claims import check_unclaimed, claim
 from .grads import ReducedGrads
+from .join import Joinable, JoinableOptimizer
 from ..zero12.buffers import BufferSync
 from ..zero12.reducer import FlatReducer
 from .rules import FusedAdamW, TorchElementwise, add_group_keys, check_class, probe_defaults
 from .whole import WholeTensor
-from ..common.source import SUPPORTED, Region, ShardSource
+from ..common.source import SUPPORTED, Region, ShardSource, weak_hook
 from ..zero3.source import UnitSource
 from ..zero3.records import left_out, owner_of
 
@@ -153,7 +154,7 @@ def _check_ready(device: torch.device, source: ShardSource, what: str, err) -> N
             "run loss.backward() outside no_sync() first"))
 
 
-class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
+class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
     """AdamW with ZeRO stage 1 (sharded optimizer states) or 2 (also sharded
     gradients); over a FullyShard model's parameters, the ZeRO-3 optimizer.
     Replaces ``DistributedDataParallel`` + ``torch.optim.AdamW`` (do not wrap the
@@ -231,6 +232,8 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
                               offload=placement, overlap_param_gather=overlap_param_gather, whole=self._whole))
         self._bind()
         claim(self, self._params)       # FullyShard, wrapping these later, hands over its own
+        Joinable.__init__(self)         # torch's Join ([Note: uneven inputs] in optim/join.py)
+        self._join_notified = False     # this iteration took part in Join's count
 
     def _bind(self):
         """Lay out and hook the parameters of the param groups: the shard source, the
@@ -250,7 +253,9 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         self._grads = ReducedGrads(self._params, self._trainable, self._source, self._err)
         if self.broadcast_buffers and self.stage in (1, 2):     # [Note: module buffers]
             every = self._source.groups.every
-            self._buffers = BufferSync(self._params, every, dist.get_global_rank(every, 0))
+            self._buffers = BufferSync(self._params, every, dist.get_global_rank(every, 0),
+                                       before=weak_hook(self.iteration_begins), source=weak_hook(self.buffer_source))
+        self._source.backward_listeners.append(weak_hook(self.iteration_begins))
         # see [Note: update rules] in optim/rules.py
         if not self.fused_requested:
             add_group_keys(self.optimizer_class, self._optimizer_kwargs, self.param_groups)
@@ -359,6 +364,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._join_notified = False      # the next collective begins another iteration
         if self._rule.fused and kwargs:
             raise TypeError(self._err(f"step() got keyword arguments {sorted(kwargs)}: the fused AdamW's step "
                                       "takes only a closure (they go to optimizer_class's step when one is set)"))

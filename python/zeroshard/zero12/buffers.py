@@ -18,7 +18,7 @@ wrapping, as FSDP2 does.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,12 @@ class BufferSync:
     """Broadcasts the buffers of the module holding ``params`` from ``src`` over ``group``
     before each training forward; see [Note: module buffers]."""
 
-    def __init__(self, params: List[torch.Tensor], group: dist.ProcessGroup, src: int):
-        self.ids, self.group, self.src = {id(p) for p in params}, group, src
+    def __init__(self, params: List[torch.Tensor], group: dist.ProcessGroup, src: int,
+                 before: Optional[Callable[[], None]] = None, source: Optional[Callable[[bool], int]] = None):
+        """``before()``: called before each broadcast (the first collective of an iteration);
+        ``source(training)``: the global rank to broadcast from, when it is not always ``src``
+        (collective: under torch's Join, the highest rank still training)."""
+        self.ids, self.group, self.src, self.before, self.source = {id(p) for p in params}, group, src, before, source
         self.module = None
         self.hooks = [nn.modules.module.register_module_forward_pre_hook(weak_hook(self._find))]
 
@@ -45,16 +49,33 @@ class BufferSync:
             self.hooks = [module.register_forward_pre_hook(weak_hook(self._broadcast))]
             self._broadcast(module, args)      # (this call's own hooks were collected already)
 
+    @property
+    def active(self) -> bool:
+        """The module is known and has buffers to broadcast."""
+        return self.module is not None and len(self.hooks) > 0
+
+    def shadow(self):
+        """The broadcast a training forward of the module makes, made by a rank that has
+        no batch for it ([Note: uneven inputs] in optim/join.py)."""
+        if self.active and self.module.training and torch.is_grad_enabled():
+            self.sync(self.source(False) if self.source is not None else self.src)
+
     def _broadcast(self, module: nn.Module, args):
         if not (module.training and torch.is_grad_enabled()):
             return
+        if self.before is not None:
+            self.before()
+        self.sync(self.source(True) if self.source is not None else self.src)
+
+    def sync(self, src: int):
+        """Every rank's buffers of the module become global rank ``src``'s (collective)."""
         by_kind = {}
-        for b in module.buffers():
+        for b in self.module.buffers():
             by_kind.setdefault((b.dtype, b.device), []).append(b)
         with torch.no_grad():
             for bufs in by_kind.values():
                 flat = torch.cat([b.reshape(-1) for b in bufs])
-                dist.broadcast(flat, self.src, group=self.group)
+                dist.broadcast(flat, src, group=self.group)
                 offset = 0
                 for b in bufs:
                     b.copy_(flat[offset:offset + b.numel()].view_as(b))

@@ -137,6 +137,8 @@ class FlatReducer(ShardSource):
     def _start_backward(self):
         check_views(self.params, self.trainable, self.where, self.err)
         self.settle()     # parameters no forward waited for: done before the reductions start
+        for fn in self.backward_listeners:
+            fn()
         self._state = GradState.BACKWARD
         for b in self.buckets:   # (a parameter frozen since construction takes no gradient)
             b.reduction.pending = sum(self.params[i].requires_grad for i in b.params)

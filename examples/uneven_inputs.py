@@ -1,0 +1,66 @@
+"""Ranks with different numbers of batches: torch's Join around a ShardedOptimizer loop.
+
+    torchrun --nproc-per-node 2 examples/uneven_inputs.py
+
+When the ranks' data loaders are not the same length (no ``drop_last``, data
+split by files, dynamic batching), the rank that finishes first would leave
+the others waiting in their next collective. torch's
+``torch.distributed.algorithms.join.Join`` takes the optimizer (a
+``Joinable``, as DDP and ZeroRedundancyOptimizer are): a rank out of batches
+waits in the context's exit and shadows each iteration the others still run
+with a zero gradient, so every rank ends with the same parameters and
+buffers, those DDP + Join ends with. The script trains a small model with a
+BatchNorm on rank r's 3 + 2r batches, at ZeRO-2, and checks the result
+against DDP + AdamW inside Join on the same batches.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.join import Join
+
+import zeroshard
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32, bias=False), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 1))
+
+
+def my_batches():
+    """This rank's batches: 3 on rank 0, 5 on rank 1, ..."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(16, 12, generator=g), torch.randn(16, 1, generator=g)) for _ in range(3 + 2 * rank)]
+
+
+def train(use_zeroshard: bool) -> dict:
+    model = make_model()
+    if use_zeroshard:
+        net = model
+        opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2)
+        joinables = [opt]                       # the optimizer is what joins
+    else:
+        net = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        joinables = [net]
+    with Join(joinables):
+        for x, y in my_batches():
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def main():
+    dist.init_process_group("gloo")
+    ours, ddp = train(use_zeroshard=True), train(use_zeroshard=False)
+    err = max((ours[k].double() - v.double()).abs().max().item() for k, v in ddp.items())
+    if dist.get_rank() == 0:
+        print(f"rank 0 trained {len(my_batches())} batches of the {3 + 2 * (dist.get_world_size() - 1)} "
+              f"the last rank had; largest difference to DDP + Join: {err:.2e}")
+    assert err < 1e-5, err
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
