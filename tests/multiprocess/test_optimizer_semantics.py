@@ -249,3 +249,42 @@ def _join_with_fully_shard():
 def test_join_with_fully_shard_parameters_is_refused_by_name():
     for msg in get_pool(2).run(_join_with_fully_shard):
         assert msg is not None and "Join with FullyShard" in msg and "DistributedSampler" in msg, msg
+
+
+def _grad_reads(stage):
+    """What a script reads off p.grad after a backward: every read gives DDP's value."""
+    model = make()
+    if stage == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+    elif stage == 3:
+        net = model = zs.FullyShard(model, wrap={nn.Linear})
+        zs.ShardedOptimizer(model.parameters(), lr=0.05)
+    else:
+        net = model
+        zs.ShardedOptimizer(model.parameters(), lr=0.05, stage=stage, bucket_mb=0.0002)
+    net(batch(0)).square().mean().backward()
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = {
+            "clone": g.clone(), "abs_max": g.abs().max(), "positive": (g > 0), "equal_self": torch.equal(g, g.clone()),
+            "allclose_zero": torch.allclose(g, torch.zeros_like(g.clone())), "finite": torch.isfinite(g).all(),
+            "sum": g.sum(), "norm": g.norm(), "scaled": g * 2 - 1, "first": g.reshape(-1)[0].item()}
+        torch.testing.assert_close(g, g.clone())      # (a subclass compared with its own values)
+    return out
+
+
+@WORLDS
+def test_reading_p_grad_gives_ddps_values(world):
+    pool = get_pool(world)
+    ref = pool.run(_grad_reads, "ddp")
+    for stage in (1, 2, 3):
+        for ours, theirs in zip(pool.run(_grad_reads, stage), ref):
+            for name, reads in theirs.items():
+                for k, v in reads.items():
+                    got = ours[name][k]
+                    if isinstance(v, torch.Tensor):
+                        assert got.shape == v.shape and got.dtype == v.dtype, (stage, name, k)
+                        assert torch.allclose(got.double(), v.double(), atol=1e-6, rtol=1e-5), (stage, name, k)
+                    else:
+                        assert got == v or abs(got - v) < 1e-6, (stage, name, k, got, v)

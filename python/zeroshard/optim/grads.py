@@ -48,6 +48,7 @@ import torch
 from .. import comm
 from ..common.source import squared_norms, weak_hook
 from . import norms
+from .grad_reads import full_gradient, read, writes
 
 aten = torch.ops.aten
 
@@ -66,17 +67,24 @@ class ShardedGrad(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
         handler = _HANDLERS.get(func)
-        if handler is None or not isinstance(first, ShardedGrad):
-            owner = first if isinstance(first, ShardedGrad) else next(
-                a for a in args if isinstance(a, ShardedGrad))
-            raise RuntimeError(owner.grads.unsupported(owner.index, str(func)))
-        return handler(first.grads, *args, **(kwargs or {}))
+        if handler is not None and isinstance(first, ShardedGrad):
+            return handler(first.grads, *args, **(kwargs or {}))
+        if not writes(func):            # a read: on the full gradients ([Note: gradient reads])
+            return read(func, args, kwargs, ShardedGrad)
+        owner = first if isinstance(first, ShardedGrad) else next(
+            (a for a in args if isinstance(a, ShardedGrad)), first)
+        raise RuntimeError(owner.grads.unsupported(owner.index, str(func)))
+
+    def full_tensor(self) -> torch.Tensor:
+        """The full averaged gradient, as DDP's ``p.grad`` holds it (collective: every rank
+        calls it; see [Note: gradient reads] in optim/grad_reads.py)."""
+        return full_gradient(self.grads, self.index).to(self.device, self.dtype)
 
     def __repr__(self):
-        return (f"ShardedGrad(parameter {self.index}, shape {tuple(self.shape)}, {self.dtype}: "
-                "sharded over the ranks, see zeroshard's README, 'Converting a DDP script')")
+        return (f"ShardedGrad(parameter {self.index}, shape {tuple(self.shape)}, {self.dtype}: sharded over the "
+                "ranks; p.grad.full_tensor() on every rank gathers it, see docs/converting-ddp.md)")
 
 
 def _norm(grads, g, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -451,5 +459,7 @@ class ReducedGrads:
             "sharded over the ranks (p.grad is a zeroshard ShardedGrad with no data of its own). What works "
             "on it: torch.nn.utils.clip_grad_norm_ (or opt.clip_grad_norm_), torch.amp.GradScaler, "
             "torch.nn.utils.clip_grad_value_ (clamp_), p.grad.norm() (any order), mul_/div_ by a "
-            "number, zero_(). Read gradients inside "
-            "opt.no_sync() (local, unreduced) if you need the values")
+            "number, zero_(); and any read (comparisons, clone(), abs(), isfinite, ...), which gathers "
+            "the full gradient on every rank. For another in-place change, write it into "
+            "p.grad.full_tensor() (a gathered copy), or change the gradients inside opt.no_sync() "
+            "(local, unreduced)")
