@@ -18,6 +18,7 @@ wrapping, as FSDP2 does.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, List, Optional
 
 import torch
@@ -39,6 +40,8 @@ class BufferSync:
         self.ids, self.group, self.src, self.before, self.source = {id(p) for p in params}, group, src, before, source
         self.module = None
         self.hooks = [nn.modules.module.register_module_forward_pre_hook(weak_hook(self._find))]
+        # an optimizer dropped before its first forward leaves no global hook behind
+        weakref.finalize(self, _remove_all, self.hooks)
 
     def _find(self, module: nn.Module, args):
         if self.module is not None or not any(id(p) in self.ids for p in module.parameters()):
@@ -46,7 +49,7 @@ class BufferSync:
         self.release()
         self.module = module
         if any(True for _ in module.buffers()):
-            self.hooks = [module.register_forward_pre_hook(weak_hook(self._broadcast))]
+            self.hooks.append(module.register_forward_pre_hook(weak_hook(self._broadcast)))
             self._broadcast(module, args)      # (this call's own hooks were collected already)
 
     @property
@@ -83,5 +86,9 @@ class BufferSync:
 
     def release(self):
         """Remove the hooks (the optimizer is rebound, or the search is over)."""
-        while self.hooks:
-            self.hooks.pop().remove()
+        _remove_all(self.hooks)
+
+
+def _remove_all(hooks: list) -> None:
+    while hooks:
+        hooks.pop().remove()
