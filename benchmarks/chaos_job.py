@@ -122,7 +122,7 @@ class Killer:
 
         def prof(frame, event, arg):
             if event == "call" and frame.f_code.co_name == "read" and \
-                    frame.f_code.co_filename.endswith(os.path.join("checkpoint", "format.py")):
+                    frame.f_code.co_filename.endswith(os.path.join("checkpoint", "files.py")):
                 self.reads += 1
                 if self.reads >= self.plan["at"]:
                     self.now("load", read=self.reads)

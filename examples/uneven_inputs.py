@@ -56,7 +56,7 @@ def main():
     ours, ddp = train(use_zeroshard=True), train(use_zeroshard=False)
     err = max((ours[k].double() - v.double()).abs().max().item() for k, v in ddp.items())
     if dist.get_rank() == 0:
-        print(f"rank 0 trained {len(my_batches())} batches of the {3 + 2 * (dist.get_world_size() - 1)} "
+        print(f"uneven_inputs: rank 0 trained {len(my_batches())} batches of the {3 + 2 * (dist.get_world_size() - 1)} "
               f"the last rank had; largest difference to DDP + Join: {err:.2e}")
     assert err < 1e-5, err
     dist.destroy_process_group()

@@ -255,13 +255,13 @@ def _grad_reads(stage):
     """What a script reads off p.grad after a backward: every read gives DDP's value."""
     model = make()
     if stage == "ddp":
-        net = nn.parallel.DistributedDataParallel(model)
+        net, opt = nn.parallel.DistributedDataParallel(model), None
     elif stage == 3:
         net = model = zs.FullyShard(model, wrap={nn.Linear})
-        zs.ShardedOptimizer(model.parameters(), lr=0.05)
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.05)
     else:
         net = model
-        zs.ShardedOptimizer(model.parameters(), lr=0.05, stage=stage, bucket_mb=0.0002)
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.05, stage=stage, bucket_mb=0.0002)
     net(batch(0)).square().mean().backward()
     out = {}
     for name, p in model.named_parameters():
@@ -271,6 +271,7 @@ def _grad_reads(stage):
             "allclose_zero": torch.allclose(g, torch.zeros_like(g.clone())), "finite": torch.isfinite(g).all(),
             "sum": g.sum(), "norm": g.norm(), "scaled": g * 2 - 1, "first": g.reshape(-1)[0].item()}
         torch.testing.assert_close(g, g.clone())      # (a subclass compared with its own values)
+    del opt     # (alive to here: an optimizer dropped before the backward's end puts no placeholder in p.grad)
     return out
 
 
