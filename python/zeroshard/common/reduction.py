@@ -164,11 +164,12 @@ class ReductionPipeline:
             self._fold(self._replicating.pop(0))
 
     def abandon(self):
-        """Forget a backward that stopped half-way: wait for what is in flight, fold nothing."""
+        """Forget a backward that stopped half-way: wait for what is in flight, fold nothing
+        (the buffers are the policy's to drop: it counts them)."""
         for r in self._order.inflight + self._replicating:
             if r.handle is not None:
                 r.handle.wait()
-            r.handle, r.out, r.buffer = None, None, None
+            r.handle, r.out = None, None
         self._order.reset()
         self._replicating = []
 
