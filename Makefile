@@ -57,7 +57,7 @@ test-py: build
 	$(PY) -m pytest tests/unit tests/multiprocess tests/integration
 
 .PHONY: test-unit test-multiprocess test-integration
-test-unit: build
+test-unit: build test-deps
 	$(PY) -m pytest tests/unit
 test-multiprocess: build test-deps
 	$(PY) -m pytest tests/multiprocess
