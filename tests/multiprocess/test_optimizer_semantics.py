@@ -208,6 +208,10 @@ def _uneven(stage, buffers):
     if stage == "ddp":
         net = nn.parallel.DistributedDataParallel(model)
         opt, joinables = torch.optim.AdamW(model.parameters(), lr=0.05), [net]
+    elif stage == 3:
+        net = model = zs.FullyShard(model, wrap={nn.Linear})
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.05)
+        joinables = [opt]
     else:
         net = model
         opt = zs.ShardedOptimizer(model.parameters(), lr=0.05, stage=stage, bucket_mb=0.0002)
@@ -224,20 +228,22 @@ def _uneven(stage, buffers):
 @pytest.mark.parametrize("world,buffers", [(2, False), (3, True)], ids=["world2-plain", "world3-buffers"])
 def test_uneven_inputs_under_join_end_as_ddp_does(world, buffers):
     """torch's Join([opt]) over ranks with different numbers of batches finishes (no hang) with
-    DDP + Join's parameters and buffers on every rank, at stages 1 and 2."""
+    DDP + Join's parameters and buffers on every rank, at stages 1 and 2; at ZeRO-3 DDP's
+    parameters (a FullyShard model broadcasts its buffers once, at wrapping, as FSDP2)."""
     pool = get_pool(world)
     ref = pool.run(_uneven, "ddp", buffers)[-1]       # the last rank to join trained every iteration
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for rank, sd in enumerate(pool.run(_uneven, stage, buffers)):
             assert sd.keys() == ref.keys()
-            err = max((sd[k].double() - v.double()).abs().max().item() for k, v in ref.items())
+            keys = [k for k in ref if stage != 3 or "running" not in k and "tracked" not in k]
+            err = max((sd[k].double() - ref[k].double()).abs().max().item() for k in keys)
             assert err < 1e-5, (stage, rank, err)
 
 
-def _join_with_fully_shard():
+def _join_with_two_models():
     from torch.distributed.algorithms.join import Join
-    model = zs.FullyShard(make(), wrap={nn.Linear})
-    opt = zs.ShardedOptimizer(model.parameters(), lr=0.05)
+    a, b = zs.FullyShard(make(), wrap={nn.Linear}), zs.FullyShard(make(1), wrap={nn.Linear})
+    opt = zs.ShardedOptimizer(list(a.parameters()) + list(b.parameters()), lr=0.05)
     try:
         with Join([opt]):
             pass
@@ -246,9 +252,9 @@ def _join_with_fully_shard():
     return None
 
 
-def test_join_with_fully_shard_parameters_is_refused_by_name():
-    for msg in get_pool(2).run(_join_with_fully_shard):
-        assert msg is not None and "Join with FullyShard" in msg and "DistributedSampler" in msg, msg
+def test_join_over_two_fully_shard_models_is_refused_by_name():
+    for msg in get_pool(2).run(_join_with_two_models):
+        assert msg is not None and "2 FullyShard models" in msg and "DistributedSampler" in msg, msg
 
 
 def _grad_reads(stage):
@@ -289,3 +295,198 @@ def test_reading_p_grad_gives_ddps_values(world):
                         assert torch.allclose(got.double(), v.double(), atol=1e-6, rtol=1e-5), (stage, name, k)
                     else:
                         assert got == v or abs(got - v) < 1e-6, (stage, name, k, got, v)
+
+
+ELEMENTWISE_CASES = {"adamw-amsgrad-maximize": (torch.optim.AdamW, dict(amsgrad=True, maximize=True)),
+                     "sgd-momentum": (torch.optim.SGD, dict(momentum=0.9, nesterov=True)),
+                     "nadam": (torch.optim.NAdam, dict(decoupled_weight_decay=True, weight_decay=0.1))}
+
+
+def _elementwise_run(case, stage, path, phase):
+    """Six steps of the case's optimizer: DDP + the torch class ("ddp"), or zeroshard at
+    ``stage`` saving after three ("save") or loading that checkpoint into a model and
+    optimizer of other initial values and training the last three ("resume")."""
+    cls, kwargs = ELEMENTWISE_CASES[case]
+    model = make(seed=7 if phase == "resume" else 0)
+    if stage == "ddp":
+        net, opt = nn.parallel.DistributedDataParallel(model), cls(model.parameters(), lr=0.05, **kwargs)
+    else:
+        net = model = zs.FullyShard(model, wrap={nn.Linear}) if stage == 3 else model
+        extra = {} if stage == 3 else {"stage": stage, "bucket_mb": 0.0002}
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.05, optimizer_class=cls, **kwargs, **extra)
+    steps = range(6) if phase == "ddp" else range(3) if phase == "save" else range(3, 6)
+    if phase == "resume":
+        zs.load_checkpoint(path, model, opt)
+    for it in steps:
+        opt.zero_grad()
+        net(batch(it)).square().mean().backward()
+        opt.step()
+    if phase == "save":
+        zs.save_checkpoint(path, model, opt)
+    return {k: v.clone() for k, v in model.state_dict().items()}, {k: opt.param_groups[0][k] for k in kwargs}
+
+
+def _fused_loads(path):
+    model = make()
+    try:
+        zs.load_checkpoint(path, model, zs.ShardedOptimizer(model.parameters(), lr=0.05))
+    except zs.CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", sorted(ELEMENTWISE_CASES))
+def test_an_elementwise_optimizers_checkpoint_resumes_at_another_world_size_and_stage(tmp_path, case):
+    """Saved at world 2 (stage 2 or ZeRO-3), resumed at world 3 (ZeRO-3 or stage 1): the class's
+    whole state (per-element keys and scalars) and its hyperparameters come back, and the run
+    ends as DDP + the same class uninterrupted."""
+    ref, _ = get_pool(2).run(_elementwise_run, case, "ddp", None, "ddp")[0]
+    for saved_at, resumed_at in ((2, 3), (3, 1)):
+        path = str(tmp_path / f"ckpt{saved_at}")
+        get_pool(2).run(_elementwise_run, case, saved_at, path, "save")
+        for sd, flags in get_pool(3).run(_elementwise_run, case, resumed_at, path, "resume"):
+            assert flags == ELEMENTWISE_CASES[case][1], flags
+            err = max((sd[k] - v).abs().max().item() for k, v in ref.items())
+            assert err < 1e-5, (saved_at, resumed_at, err)
+    if case.startswith("adamw"):      # the fused AdamW cannot run it: refused before anything is read
+        for msg in get_pool(2).run(_fused_loads, str(tmp_path / "ckpt2")):
+            assert msg is not None and "amsgrad=True and maximize=True" in msg, msg
+
+
+def _buffers_at_construction(how):
+    """Each rank's BatchNorm statistics differ; right after the wrapper or optimizer is
+    built (no forward yet), what each rank holds."""
+    torch.manual_seed(0)
+    model = WithNorm()
+    with torch.no_grad():
+        model.norm.running_mean.fill_(float(dist.get_rank() + 1))
+        model.norm.num_batches_tracked.fill_(dist.get_rank())
+    if how == "ddp":
+        keep = nn.parallel.DistributedDataParallel(model)
+    elif how == "fully_shard":
+        keep = zs.FullyShard(model, wrap={nn.Linear})
+    elif how == "groups":
+        keep = zs.ShardedOptimizer([{"params": model.inp.parameters()},
+                                    {"params": model.out.parameters(), "lr": 0.1},
+                                    {"params": model.norm.parameters()}], lr=0.05, stage=1)
+    else:
+        keep = zs.ShardedOptimizer(model.parameters(), lr=0.05, stage=2)
+    out = {k: v.clone() for k, v in model.named_buffers()}
+    del keep
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"world{n}")
+def test_buffers_are_rank_zeros_once_the_optimizer_is_built(world):
+    """As DDP's constructor: ShardedOptimizer over model.parameters() (or param groups of
+    submodules' generators) and FullyShard make every rank's buffers rank 0's before any forward."""
+    pool = get_pool(world)
+    ref = pool.run(_buffers_at_construction, "ddp")
+    assert all(r["norm.running_mean"].eq(1).all() for r in ref)
+    for how in ("params", "groups", "fully_shard"):
+        for got, want in zip(pool.run(_buffers_at_construction, how), ref):
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], v) for k, v in want.items()), how
+
+
+class Headed(nn.Module):
+    """A body, a head added to the optimizer later, and a bf16-free tail frozen at first."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.tail = nn.Linear(7, 13), nn.Linear(13, 11), nn.Linear(11, 5)
+
+    def forward(self, x):
+        return self.tail(torch.tanh(self.head(torch.tanh(self.body(x)))))
+
+
+def _new_params(stage, cls):
+    """Iterations 0-1 train the body (the tail frozen, in the optimizer); at 2 the head joins by
+    add_param_group (lr 0.02); at 4 the tail is unfrozen, before zero_grad() (ZeRO-3: after it,
+    so its next forward lays it out). Eight iterations."""
+    torch.manual_seed(0)
+    model = Headed()
+    model.tail.requires_grad_(False)
+    kw = dict(lr=0.05, **({} if cls is torch.optim.AdamW else {"momentum": 0.9}))
+    groups = [{"params": list(model.body.parameters()) + list(model.tail.parameters())}]
+    if stage == "ddp":
+        net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        opt = cls(groups, **kw)
+    else:
+        net = model = zs.FullyShard(model, wrap={nn.Linear}) if stage == 3 else model
+        if stage == 3:
+            groups = [{"params": list(model.body.parameters()) + list(model.tail.parameters())}]
+        extra = {} if stage == 3 else {"stage": stage, "bucket_mb": 0.0002}
+        opt = zs.ShardedOptimizer(groups, optimizer_class=None if cls is torch.optim.AdamW else cls, **kw, **extra)
+    for it in range(8):
+        if it == 2:
+            opt.add_param_group({"params": model.head.parameters(), "lr": 0.02})
+        if it == 4 and stage != 3:
+            model.tail.requires_grad_(True)
+            if stage == "ddp":      # (DDP averages only what was trainable when it was built)
+                net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        opt.zero_grad()
+        if it == 4 and stage == 3:  # (after zero_grad(): the forward lays its unit out again)
+            model.tail.requires_grad_(True)
+        net(batch(it)).square().mean().backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}, [g["lr"] for g in opt.param_groups]
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"world{n}")
+def test_add_param_group_and_unfreezing_train_as_torchs_optimizer(world):
+    """A group added after construction is laid out, sharded and stepped from the next step, and
+    a parameter frozen at construction trains once unfrozen (laid out by zero_grad()), at
+    stages 1, 2 and 3, with the fused AdamW and with SGD: as DDP + the torch optimizer."""
+    pool = get_pool(world)
+    for cls in (torch.optim.AdamW, torch.optim.SGD):
+        ref = pool.run(_new_params, "ddp", cls)
+        for stage in (1, 2, 3):
+            for (sd, lrs), (rsd, rlrs) in zip(pool.run(_new_params, stage, cls), ref):
+                assert lrs == rlrs == [0.05, 0.02]
+                err = max((sd[k] - v).abs().max().item() for k, v in rsd.items())
+                assert err < 1e-5, (cls.__name__, stage, err)
+
+
+def _carried(stage, cls, path):
+    from zeroshard.checkpoint import read_full_state_dict
+    """bf16 parameters, tiny buckets: the fp32 masters (read from a checkpoint) and the full
+    optimizer state of the first group, before and after add_param_group; the new group's
+    parameters (different on each rank) after it."""
+    torch.manual_seed(0)
+    model = Headed().to(torch.bfloat16)
+    kw = {} if cls is None else {"optimizer_class": cls, "momentum": 0.9}
+    opt = zs.ShardedOptimizer([{"params": model.body.parameters()}, {"params": model.tail.parameters()}],
+                              lr=0.05, stage=stage, bucket_mb=0.0001, **kw)
+    for it in range(2):
+        opt.zero_grad()
+        model(batch(it).bfloat16()).float().square().mean().backward()
+        opt.step()
+    seen = []
+    for k in range(2):
+        if k == 1:
+            with torch.no_grad():
+                model.head.weight.fill_(float(dist.get_rank()))
+            opt.add_param_group({"params": model.head.parameters(), "lr": 0.02})
+        zs.save_checkpoint(f"{path}{k}", model, opt)
+        sd = opt.state_dict()
+        seen.append(({n: t.tolist() for n, t in read_full_state_dict(f"{path}{k}", torch.float32)},
+                     {i: {key: torch.as_tensor(v).tolist() for key, v in st.items()}
+                      for i, st in sd["state"].items() if i < 4}))
+    return seen, model.head.weight.float().tolist()      # (lists: many small tensors cost the pool a descriptor each)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_add_param_group_carries_the_masters_and_state_exactly(tmp_path, stage):
+    """What the first groups hold (fp32 masters of bf16 parameters, the AdamW or SGD state)
+    is bit-identical after add_param_group re-lays everything out; the new group's
+    parameters are rank 0's on every rank, as DDP's constructor makes them."""
+    for cls in (None, torch.optim.SGD):
+        for rank, ((before, after), head) in enumerate(
+                get_pool(3).run(_carried, stage, cls, str(tmp_path / f"c{stage}{cls is None}"))):
+            (mb, sb), (ma, sa) = before, after
+            for name in ("body.weight", "body.bias", "tail.weight", "tail.bias"):
+                assert mb[name] == ma[name], (cls, name)
+            assert sb.keys() == sa.keys() and len(sb) == 4
+            assert sb == sa, cls
+            assert torch.tensor(head).eq(0).all(), rank

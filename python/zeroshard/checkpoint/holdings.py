@@ -6,7 +6,6 @@ torch AdamW."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -14,28 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .files import CheckpointError
+from .elementwise import ElementwiseLoad, elementwise_save
+from .pieces import Piece, Spec
 from ..common.source import ShardedModel
 
 _SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
-
-
-@dataclass
-class Spec:
-    """One tensor of the checkpoint."""
-    shape: tuple
-    dtype: torch.dtype           # as stored
-    model_dtype: torch.dtype     # the model's parameter dtype (export writes this by default)
-    step: Optional[int] = None   # optimizer states: the parameter's step count
-
-
-@dataclass
-class Piece:
-    """Elements start .. start+numel of a checkpoint tensor, held by this rank."""
-    key: str
-    start: int
-    data: torch.Tensor           # 1-D; saved from, or loaded into
-    replicated: bool             # every rank holds it: rank 0 writes it, every rank reads it
-    writeback: Optional[torch.Tensor] = None   # load: copy data here afterwards (non-contiguous target)
 
 
 class Holdings:
@@ -153,11 +135,11 @@ class Holdings:
 
     def _sharded_optimizer(self, opt, covered: set):
         whole = opt.whole_tensor_rule
-        if not opt.sharded_state:
-            raise CheckpointError(f"zeroshard checkpoints hold the fused AdamW's and whole-tensor optimizers' "
-                                  f"state only so far; this ShardedOptimizer runs {opt.optimizer_class.__name__}: "
-                                  "save opt.consolidate_state_dict(to=0) + opt.state_dict() instead")
         names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
+        if opt.elementwise_rule is not None:    # [Note: elementwise optimizer checkpoints]
+            self._elementwise_state(opt, opt.elementwise_rule, names)
+        if opt.fused and self.for_load:
+            self._later.append(lambda man: _check_fused_can_run(man, set(names)))
         for i in opt.trainable if opt.fused else ():
             step = opt.param_steps[i]
             for kind in ("exp_avg", "exp_avg_sq"):
@@ -184,6 +166,17 @@ class Holdings:
             by = steps_by_name(man)
             opt.shards_loaded([by.get(n, 0) for n in names])
         self._finish.append(finish)
+
+    def _elementwise_state(self, opt, rule, names: List[str]):
+        """An elementwise optimizer_class's state; see [Note: elementwise optimizer checkpoints]."""
+        if not self.for_load:
+            specs, pieces = elementwise_save(opt, rule, names)
+            self.specs.update(specs)
+            self.pieces.extend(pieces)
+            return
+        load = ElementwiseLoad(opt, rule, names)
+        self._later.append(lambda man: self.pieces.extend(load.adopt(man)))
+        self._finish.append(lambda man: load.finish(steps_by_name(man)))
 
     def _whole_tensor_state(self, opt, rule, names: List[str]):
         """A whole-tensor optimizer's state ([Note: whole-tensor optimizers] in optim/whole.py):
@@ -251,6 +244,18 @@ class Holdings:
                 p.writeback.copy_(p.data.view(p.writeback.shape))
         for f in self._finish:
             f(man)
+
+
+def _check_fused_can_run(man: dict, names: set) -> None:
+    """A checkpoint whose param groups ask for what the fused AdamW does not run is refused
+    before anything is read (its optimizer was built with amsgrad or maximize)."""
+    for g in man["param_groups"] or ():
+        asked = sorted(k for k in ("amsgrad", "maximize") if g["hyper"].get(k))
+        if asked and names & set(g["params"]):
+            raise CheckpointError(
+                f"the checkpoint's optimizer ran with {' and '.join(f'{k}=True' for k in asked)}, which the "
+                f"fused AdamW does not run: build the ShardedOptimizer with {', '.join(f'{k}=True' for k in asked)} "
+                "(it then runs torch.optim.AdamW over its pieces) before loading it")
 
 
 def _persistent_buffers(module: nn.Module):

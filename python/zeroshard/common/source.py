@@ -307,6 +307,11 @@ class ShardSource(abc.ABC):
         ``grad``: what it held at the end of the backward."""
         return grad
 
+    def lay_out_trainable(self) -> None:
+        """Before the optimizer binds a new source over these parameters ([Note: new
+        parameters] in optim/regroup.py): whatever the source's owners must lay out again for
+        parameters unfrozen since (FullyShard's units); nothing by default (collective)."""
+
     def release(self) -> None:
         """Stop following the parameters (hooks removed): the optimizer is rebound to
         others ([Note: construction order] in common/claims.py)."""

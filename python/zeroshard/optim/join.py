@@ -19,14 +19,29 @@ rank, the joined ones too, ends with the parameters DDP + ``Join`` leaves
 (its final broadcast from the last rank to join): the zero gradients count in
 the average as DDP's joined ranks count them (divided by the whole world).
 What it needs: ``step()`` once per iteration (gradient accumulation under
-``no_sync()`` inside ``Join`` is refused by torch's own DDP too); stages 1 and
-2 (FullyShard's gathers would need the joined rank to replay a forward).
+``no_sync()`` inside ``Join`` is refused by torch's own DDP too).
+
+Over FullyShard parameters (ZeRO-3) an iteration's collectives include the
+forward's gathers, which only a forward makes in the right order. So inside
+a Join the optimizer listens to the model's forwards (``forward_listeners``):
+a training rank takes part in Join's count as its forward begins, before the
+first gather, and the inputs of its last training forward are kept; a
+joined rank shadows an iteration by running the model on those inputs again
+and back-propagating a zero gradient from every output (``_Replay``: the
+buffers and the random state are put back afterwards), then ``step()``. Its
+gradient is exactly zero, as DDP's joined ranks' is. What it needs besides:
+one model (a FullyShard) whose one forward and backward make an iteration,
+and every rank at least one batch (a rank that trained none has no inputs
+to replay: it raises, naming the fix).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from ..common.source import weak_hook
+from ..zero3.outputs import output_tensors
 
 __all__ = ["Joinable", "JoinableOptimizer"]
 
@@ -49,10 +64,13 @@ class JoinableOptimizer(Joinable):
 
     def join_hook(self, **kwargs) -> JoinHook:
         if self.stage == 3:
-            raise NotImplementedError(self._err(
-                "Join with FullyShard parameters is not supported yet: a rank out of batches would have to "
-                "replay the units' gathers of a forward it has no input for. Give every rank the same "
-                "number of batches (e.g. DistributedSampler(drop_last=True)), or train at stage 1 or 2"))
+            models = self.source.owners
+            if len(models) != 1:
+                raise NotImplementedError(self._err(
+                    f"Join over the parameters of {len(models)} FullyShard models: a joined rank replays one "
+                    "model's forward; wrap them in one FullyShard (or give every rank the same number "
+                    "of batches, e.g. DistributedSampler(drop_last=True))"))
+            self._replay = _Replay(models[0], weak_hook(self.iteration_begins), weak_hook(self._err))
         return _ShadowIteration(self)
 
     @property
@@ -86,6 +104,9 @@ class JoinableOptimizer(Joinable):
 
     def final_buffers(self, is_last_joiner: bool) -> None:
         """At the end of a Join: the buffers of the last rank to join, on every rank."""
+        if getattr(self, "_replay", None) is not None:
+            self._replay.close()
+            self._replay = None
         if self._buffers is not None and self._buffers.active:
             self._buffers.sync(self._highest(is_last_joiner))
 
@@ -96,6 +117,49 @@ class JoinableOptimizer(Joinable):
         if self._buffers is not None:
             self._buffers.shadow()
         self.zero_grad(set_to_none=True)
-        trainable = [self._params[i] for i in self._trainable if self._params[i].requires_grad]
-        torch.stack([(p * 0).sum() for p in trainable]).sum().backward()
+        if self.stage == 3:
+            self._replay.shadow()
+        else:
+            trainable = [self._params[i] for i in self._trainable if self._params[i].requires_grad]
+            torch.stack([(p * 0).sum() for p in trainable]).sum().backward()
         self.step()
+
+
+class _Replay:
+    """ZeRO-3 under Join: the inputs of this rank's last training forward of ``model``, and
+    that forward replayed with a zero gradient by a joined rank ([Note: uneven inputs])."""
+
+    def __init__(self, model, begins, err):
+        """``begins()``: the optimizer's part in Join's count; ``err``: its error wording."""
+        self.model, self.inputs, self.begins, self.err = model, None, begins, err
+        model.forward_listeners.append(self.record)
+
+    def record(self, args: tuple, kwargs: dict) -> None:
+        if self.model.training and torch.is_grad_enabled():
+            self.begins()
+            self.inputs = (args, kwargs)
+
+    def shadow(self) -> None:
+        if self.inputs is None:
+            raise RuntimeError(self.err(
+                "this rank joined torch's Join without a training forward of its FullyShard model: a joined "
+                "rank replays its last batch's forward with a zero gradient (the units' gathers need one). "
+                "Give every rank at least one batch"))
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        devices = [self.model.device] if self.model.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            out = self.model(*self.inputs[0], **self.inputs[1])
+            outs = output_tensors(out, "the model's output", self.err, strict=False)
+            if not outs:
+                raise RuntimeError(self.err("the FullyShard model's output holds no tensor requiring grad, so "
+                                            "a joined rank cannot replay its backward"))
+            torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
+        with torch.no_grad():       # (after the backward: it may read what the forward saved)
+            for b, saved in zip(self.model.buffers(), buffers):
+                b.copy_(saved)
+
+    def close(self) -> None:
+        """The Join ended: stop listening and drop the inputs."""
+        if self.record in self.model.forward_listeners:
+            self.model.forward_listeners.remove(self.record)
+        self.inputs = None

@@ -60,9 +60,10 @@ def require_fused(opt, what: str) -> None:
     """Refuse ``what`` (a sharded state dict) for an elementwise ``optimizer_class``."""
     if not opt.sharded_state:
         raise NotImplementedError(comm.on_rank(opt,
-            f"{what} with optimizer_class={opt.optimizer_class.__name__}: sharded state dicts and "
-            "zeroshard checkpoints hold the fused AdamW's and whole-tensor optimizers' state only so "
-            "far; use opt.consolidate_state_dict(to=0) and opt.state_dict() (the class's own format)"))
+            f"{what} with optimizer_class={opt.optimizer_class.__name__}: sharded state dicts hold the "
+            "fused AdamW's and whole-tensor optimizers' state only; use zeroshard.save_checkpoint "
+            "(any world size, every optimizer) or opt.consolidate_state_dict(to=0) and "
+            "opt.state_dict() (the class's own format)"))
 
 
 class FusedAdamW:
@@ -179,7 +180,7 @@ class TorchElementwise:
                 self._elementwise = {k for leaf, st in states for k, v in st.items()
                                      if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == leaf.shape}
             else:
-                self._elementwise = _elementwise_keys(self.cls, self.kwargs)
+                self._elementwise = {k for k, each in probe_state(self.cls, self.kwargs).items() if each}
         return self._elementwise
 
     def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
@@ -206,6 +207,19 @@ class TorchElementwise:
     def piece_state(self, i: int, t_off: int) -> Optional[dict]:
         piece = self.pieces.get((i, t_off))
         return None if piece is None or self.inner is None else self.inner.state.get(piece[3])
+
+    def piece_leaves(self) -> Dict[Tuple[int, int], torch.Tensor]:
+        """(param index, offset in the flattened parameter) -> this rank's fp32 piece there."""
+        return {key: piece[3] for key, piece in self.pieces.items()}
+
+    def set_piece_state(self, i: int, t_off: int, st: Optional[dict]):
+        """The class's state of this rank's piece of parameter ``i`` at ``t_off``, as it keeps it
+        (None: no state, as for a parameter that never stepped)."""
+        leaf = self.pieces[(i, t_off)][3]
+        if st is None:
+            self.inner.state.pop(leaf, None)
+        else:
+            self.inner.state[leaf] = st
 
     def load_piece_state(self, i: int, t_off: int, st: dict):
         """This rank's piece (if any) of parameter ``i`` at ``t_off`` takes its part of
@@ -263,15 +277,15 @@ def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _elementwise_keys(cls, kwargs: dict) -> set:
-    """The state keys ``cls`` keeps one value per element for (the others are
-    per-parameter scalars), from one step on a two-element dummy parameter (the
-    keys of a 1-D state, when several elements make that ambiguous: none here)."""
+def probe_state(cls, kwargs: dict) -> Dict[str, bool]:
+    """The state keys ``cls`` keeps for a parameter, each with whether it keeps one value per
+    element (else it is a per-parameter scalar), from one step on a two-element dummy
+    parameter (the keys of a 1-D state, when several elements make that ambiguous: none here)."""
     p = torch.zeros(2, requires_grad=True)
     o = cls([p], **kwargs)
     p.grad = torch.ones(2)
     o.step()
-    return {k for k, v in o.state[p].items() if isinstance(v, torch.Tensor) and v.numel() == 2}
+    return {k: isinstance(v, torch.Tensor) and v.numel() == 2 for k, v in o.state[p].items()}
 
 
 def probe_defaults(cls, kwargs: dict) -> dict:

@@ -24,7 +24,8 @@ from .. import comm
 from ..common.claims import check_unclaimed, claim
 from .grads import ReducedGrads
 from .join import Joinable, JoinableOptimizer
-from ..zero12.buffers import BufferSync
+from .regroup import Regrouping, refuse_unaveraged
+from ..zero12.buffers import BufferSync, modules_given, sync_buffers
 from ..zero12.reducer import FlatReducer
 from .rules import FusedAdamW, TorchElementwise, add_group_keys, check_class, probe_defaults
 from .whole import WholeTensor
@@ -111,27 +112,6 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
                       options["offload"], options["whole"], optimizer)
 
 
-_NEW_GROUP = ("add_param_group() after the ShardedOptimizer was built: its parameters would have no place in the "
-              "flat layout, so they would never be averaged over the ranks nor updated. Pass every param group "
-              "to the constructor; to train some of them later, freeze them with requires_grad_(False) right "
-              "after the optimizer is built and unfreeze them when they should train")
-
-
-def _check_not_unfrozen(params: List[torch.Tensor], frozen: List[int], err):
-    """Freezing a parameter after construction is supported (it is left alone, as one
-    without a gradient); unfreezing one that was frozen then is not: it has no place
-    in the layout, so its gradient would be neither averaged nor applied."""
-    for i in frozen:
-        if params[i].requires_grad:
-            raise NotImplementedError(err(
-                f"parameter {i} (shape {tuple(params[i].shape)}) requires grad now but did not when this "
-                "ShardedOptimizer was built: zeroshard lays out, shards and steps only the parameters "
-                "trainable at construction, so its gradient would be neither averaged over the ranks "
-                "nor applied. Build the ShardedOptimizer (and FullyShard) after unfreezing it, or build "
-                "them with it trainable and freeze it with requires_grad_(False) until it should train: "
-                "a parameter frozen after construction is left alone, as one without a gradient"))
-
-
 def _check_dense(params: List[torch.Tensor], err) -> None:
     """Sparse (or other non-strided) parameters have no place in a flat buffer: refused, named."""
     for i, p in enumerate(params):
@@ -154,7 +134,7 @@ def _check_ready(device: torch.device, source: ShardSource, what: str, err) -> N
             "run loss.backward() outside no_sync() first"))
 
 
-class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
+class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOptimizer):
     """AdamW with ZeRO stage 1 (sharded optimizer states) or 2 (also sharded
     gradients); over a FullyShard model's parameters, the ZeRO-3 optimizer.
     Replaces ``DistributedDataParallel`` + ``torch.optim.AdamW`` (do not wrap the
@@ -214,6 +194,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
             self._optimizer_kwargs = dict(given, **optimizer_kwargs)
             defaults = probe_defaults(optimizer_class, self._optimizer_kwargs)
         self.optimizer_class, self.fused_requested = optimizer_class or torch.optim.AdamW, fused
+        modules = modules_given(params)      # (before torch reads the generators)
         super().__init__(params, defaults)
         if not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
@@ -231,6 +212,8 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
                          dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes, reduce_dtype=reduce_dtype,
                               offload=placement, overlap_param_gather=overlap_param_gather, whole=self._whole))
         self._bind()
+        if self._buffers is not None:    # equal from here on, as DDP's constructor makes them
+            sync_buffers(modules, self._source.groups.every, self._buffers.src)
         claim(self, self._params)       # FullyShard, wrapping these later, hands over its own
         Joinable.__init__(self)         # torch's Join ([Note: uneven inputs] in optim/join.py)
         self._join_notified = False     # this iteration took part in Join's count
@@ -238,15 +221,19 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
     def _bind(self):
         """Lay out and hook the parameters of the param groups: the shard source, the
         gradient statistics and the update rule over it."""
-        # every parameter, in state_dict index order
-        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
-        self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
-        self._param_steps = [0] * len(self._params)   # each parameter's own step count, as torch's
-        if not self._trainable:
+        params = [p for g in self.param_groups for p in g["params"]]     # in state_dict index order
+        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        if not any(p.requires_grad for p in params):
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        self._source = _make_source(self._params, self._group_of, *self._binding, self._err, weakref.ref(self))
+        source = _make_source(params, group_of, *self._binding, self._err, weakref.ref(self))
+        known = None                 # a new layout keeps the module the last one found
+        if self._buffers is not None:
+            self._buffers.release()
+            known, self._buffers = self._buffers.module, None
+        self._params, self._group_of, self._source = params, group_of, source
+        self._trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+        self._param_steps = [0] * len(params)   # each parameter's own step count, as torch's
         self.process_group, self.device = self._source.process_group, self._source.device
         self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
         self.comm_elements = self._source.comm_elements
@@ -255,6 +242,8 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
             every = self._source.groups.every
             self._buffers = BufferSync(self._params, every, dist.get_global_rank(every, 0),
                                        before=weak_hook(self.iteration_begins), source=weak_hook(self.buffer_source))
+            if known is not None:
+                self._buffers.use(known)
         self._source.backward_listeners.append(weak_hook(self.iteration_begins))
         # see [Note: update rules] in optim/rules.py
         if not self.fused_requested:
@@ -267,31 +256,6 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
         else:
             self._rule = TorchElementwise(self.optimizer_class, self._optimizer_kwargs, self._source.segments,
                                           self.param_groups)
-
-    def params_wrapped(self, replaced: Dict[int, torch.Tensor]) -> None:
-        """FullyShard wrapped the model whose parameters this optimizer was built over
-        (DDP's order: the optimizer, then the wrap): ``replaced`` maps each plain
-        parameter's id to its sharded one, which this optimizer then steps as
-        ZeRO-3, in the same param groups. See [Note: construction order]."""
-        if any(self._param_steps) or self._source.in_backward() or self._source.grads_ready():
-            raise RuntimeError(self._err(
-                "FullyShard wrapped parameters of a ShardedOptimizer that has already run a backward or a "
-                "step: wrap the model before training (the optimizer may be built before or after)"))
-        for g in self.param_groups:
-            g["params"] = [replaced.get(id(p), p) for p in g["params"]]
-        self._source.release()
-        if self._buffers is not None:
-            self._buffers.release()
-            self._buffers = None
-        self._bind()
-        claim(self, self._params)
-
-    def units_relaid(self) -> None:
-        """A whole-tensor optimizer laid the FullyShard units this optimizer steps out
-        again ([Note: uneven chunks] in zero3/relayout.py) before anything stepped:
-        bind over the new layout."""
-        self._source.release()
-        self._bind()
 
     # ------------------------------------------------- what checkpoints read
     @property
@@ -371,7 +335,7 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
         if self._no_gradient_anywhere():
             return loss
         _check_ready(self.device, self._source, "step()", self._err)
-        _check_not_unfrozen(self._params, self._frozen, self._err)
+        refuse_unaveraged(self._params, self._frozen, self._err)
         self.last_step_skipped = False
         if self._source.check_finite:    # every rank agrees: the statistics are summed over the ranks
             self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
@@ -408,11 +372,19 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
                 self._param_steps[i] += 1
 
     def zero_grad(self, set_to_none: bool = True):
-        """Zero the gradients (and this rank's reduced shards)."""
+        """Zero the gradients (and this rank's reduced shards); lay out the parameters
+        unfrozen since the optimizer was built ([Note: new parameters] in optim/regroup.py)."""
         if self._source.in_backward():
             raise RuntimeError(self._err("zero_grad() called during backward"))
         self._grads.clear()
         self._source.zero_grad(set_to_none)
+        for i in self._frozen:      # (not laid out: their own gradients, as torch's)
+            p = self._params[i]
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.zero_()
+        self.lay_out_unfrozen()
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
@@ -437,10 +409,16 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
         return self._rule if isinstance(self._rule, WholeTensor) else None
 
     @property
+    def elementwise_rule(self) -> Optional[TorchElementwise]:
+        """With an elementwise ``optimizer_class``: its rule (its state, one entry per piece of
+        this rank's shard, [Note: update rules]); None otherwise."""
+        return self._rule if isinstance(self._rule, TorchElementwise) else None
+
+    @property
     def sharded_state(self) -> bool:
-        """Whether sharded state dicts and zeroshard checkpoints hold this optimizer's state:
-        the fused AdamW's and a whole-tensor class's (another class saves in its own format,
-        through ``consolidate_state_dict``)."""
+        """Whether sharded state dicts hold this optimizer's state: the fused AdamW's and a
+        whole-tensor class's (an elementwise class's state dict is in its own format, through
+        ``consolidate_state_dict``; zeroshard checkpoints hold every rule's)."""
         return self.fused or self.whole_tensor_rule is not None
 
     @property
@@ -448,7 +426,3 @@ class ShardedOptimizer(StateDicts, torch.optim.Optimizer, JoinableOptimizer):
         """Whether the step is zeroshard's fused AdamW (else ``optimizer_class``'s own)."""
         return self._rule.fused
 
-    def add_param_group(self, param_group: dict):
-        if hasattr(self, "_source"):     # after construction (torch's __init__ adds the groups)
-            raise NotImplementedError(self._err(_NEW_GROUP))
-        super().add_param_group(param_group)

@@ -13,8 +13,12 @@ broadcast per dtype, none at all for a model without buffers. A forward in
 eval mode or without gradients broadcasts nothing, so evaluation on the
 master rank alone stays local (each rank then evaluates with its own
 statistics; rank 0's are DDP's). ``ShardedOptimizer(broadcast_buffers=False)``
-turns it off, as DDP's argument does. FullyShard broadcasts buffers once, at
-wrapping, as FSDP2 does.
+turns it off, as DDP's argument does. DDP also broadcasts them when it is
+built; so does ShardedOptimizer when it is given a module's ``parameters()``
+or ``named_parameters()`` (or param groups of them: ``modules_given``), so the
+buffers are equal from construction on. Given a list of tensors it knows no
+module until the first forward, which then makes them equal. FullyShard
+broadcasts buffers once, at wrapping, as FSDP2 does.
 """
 from __future__ import annotations
 
@@ -46,11 +50,18 @@ class BufferSync:
     def _find(self, module: nn.Module, args):
         if self.module is not None or not any(id(p) in self.ids for p in module.parameters()):
             return
+        if self.use(module):
+            self._broadcast(module, args)      # (this call's own hooks were collected already)
+
+    def use(self, module: nn.Module) -> bool:
+        """Broadcast ``module``'s buffers before each of its training forwards from now on (the
+        module found by an earlier layout of the optimizer's parameters); whether it has any."""
         self.release()
         self.module = module
         if any(True for _ in module.buffers()):
             self.hooks.append(module.register_forward_pre_hook(weak_hook(self._broadcast)))
-            self._broadcast(module, args)      # (this call's own hooks were collected already)
+            return True
+        return False
 
     @property
     def active(self) -> bool:
@@ -72,21 +83,49 @@ class BufferSync:
 
     def sync(self, src: int):
         """Every rank's buffers of the module become global rank ``src``'s (collective)."""
-        by_kind = {}
-        for b in self.module.buffers():
-            by_kind.setdefault((b.dtype, b.device), []).append(b)
-        with torch.no_grad():
-            for bufs in by_kind.values():
-                flat = torch.cat([b.reshape(-1) for b in bufs])
-                dist.broadcast(flat, src, group=self.group)
-                offset = 0
-                for b in bufs:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                    offset += b.numel()
+        sync_buffers([self.module], self.group, src)
 
     def release(self):
         """Remove the hooks (the optimizer is rebound, or the search is over)."""
         _remove_all(self.hooks)
+
+
+def sync_buffers(modules: List[nn.Module], group: dist.ProcessGroup, src: int) -> None:
+    """Every rank's buffers of ``modules`` become global rank ``src``'s: one broadcast per
+    (dtype, device), none without buffers (collective)."""
+    by_kind, seen = {}, set()
+    for m in modules:
+        for b in m.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                by_kind.setdefault((b.dtype, b.device), []).append(b)
+    with torch.no_grad():
+        for bufs in by_kind.values():
+            flat = torch.cat([b.reshape(-1) for b in bufs])
+            dist.broadcast(flat, src, group=group)
+            offset = 0
+            for b in bufs:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+
+_PARAMETER_GENERATORS = (nn.Module.parameters.__code__, nn.Module.named_parameters.__code__)
+
+
+def modules_given(params) -> List[nn.Module]:
+    """The modules whose ``parameters()`` / ``named_parameters()`` an optimizer is given
+    (``ShardedOptimizer(model.parameters())``, or param groups of them), read before the
+    optimizer iterates them: such a generator, not yet started, holds its module as
+    ``self``. A list of tensors names no module (then []). See [Note: module buffers]."""
+    found = []
+    for g in [params] + [d.get("params") for d in params if isinstance(d, dict)] \
+            if isinstance(params, (list, tuple)) else [params]:
+        frame = getattr(g, "gi_frame", None)
+        if getattr(g, "gi_code", None) in _PARAMETER_GENERATORS and frame is not None:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module):
+                found.append(module)
+    return found
 
 
 def _remove_all(hooks: list) -> None:

@@ -107,8 +107,12 @@ class UnitForward:
         for u in self.units:
             for q in u.params:
                 if q.requires_grad:
-                    u.hooks.append(q.full.register_post_accumulate_grad_hook(
-                        lambda p, u=u, q=q: self.backward.on_grad(u, q)))
+                    self.watch_grad(u, q)
+
+    def watch_grad(self, u: Unit, q) -> None:
+        """``q``'s gradient goes to its unit's reduction as it arrives (a parameter trainable
+        when wrapped, or laid out again since: relayout.thaw)."""
+        u.hooks.append(q.full.register_post_accumulate_grad_hook(lambda p, u=u, q=q: self.backward.on_grad(u, q)))
 
     # ------------------------------------------------------------ unit hooks
     def unit_pre_forward(self, module, args, kwargs):

@@ -186,6 +186,11 @@ class FullyShard(nn.Module, ShardedModel):
                                     param_dtype=self.param_dtype, reshard_after_forward=self.reshard_after_forward,
                                     err=self._err, check_in=lambda: _check_in_evaluation(self))
         register_owner(self, self._units)
+        # called with the model's (args, kwargs) as each forward of the model begins, before
+        # any gather (an optimizer under torch's Join: [Note: uneven inputs] in optim/join.py)
+        self.forward_listeners: List[Callable[[tuple, dict], None]] = []
+        # sharded parameters frozen when wrapped: one unfrozen is laid out by the next forward
+        self._frozen_when_wrapped = [q.sharded for u in self._units for q in u.params if not q.requires_grad]
         for name in forward_methods:
             for mod in [u.module for u in self._units]:
                 if callable(getattr(mod, name, None)):
@@ -249,6 +254,10 @@ class FullyShard(nn.Module, ShardedModel):
 
     # ---------------------------------------------------------------- gather
     def forward(self, *args, **kwargs):
+        if any(p.requires_grad for p in self._frozen_when_wrapped):    # unfrozen since: laid out again
+            self.lay_out_trainable(by=None)
+        for fn in self.forward_listeners:     # before the root's gather (torch's Join counts first)
+            fn(args, kwargs)
         return self._forward.around_root(self.module, args, kwargs)
 
     def invalidate(self):
@@ -329,6 +338,14 @@ class FullyShard(nn.Module, ShardedModel):
         """Each tensor of ``costs`` (sharded parameter id -> cost) inside one rank's chunk, for
         the whole-tensor optimizer whose source is ``by`` ([Note: uneven chunks])."""
         relayout.lay_out(self._setup, self._units, costs, load, self._backward, self._optimizers, by)
+
+    @torch.compiler.disable
+    def lay_out_trainable(self, by: object):
+        """Lay out again the units holding parameters frozen at wrapping and unfrozen since, so
+        they take gradients, for the optimizer whose source is ``by`` (collective)."""
+        for u, q in relayout.thaw(self._setup, self._units, self._backward, self._optimizers, by):
+            self._forward.watch_grad(u, q)
+        self._frozen_when_wrapped = [p for p in self._frozen_when_wrapped if not p.requires_grad]
 
     # ------------------------------------------------------------ state dict
     def state_dict(self, *, to: Optional[int] = None, prefix: str = "", keep_vars: bool = False,

@@ -95,8 +95,9 @@ def _swap(u: Unit, gathered: bool):
     """Point every module slot of ``u``'s parameters at the full (gathered) or sharded parameter.
     A full parameter requires grad as its sharded piece does now: one frozen after wrapping
     (``requires_grad_(False)`` on what ``model.parameters()`` yields) takes no gradient, as
-    a parameter no forward used, and one unfrozen again trains. (Only those trainable when
-    wrapped: the others have no gradient path; the optimizer refuses their unfreezing.)"""
+    a parameter no forward used, and one unfrozen again trains. (One frozen when wrapped has
+    no gradient path until its optimizer's zero_grad() lays its unit out again:
+    relayout.thaw.)"""
     for q in u.params:
         if gathered and q.requires_grad and q.full.requires_grad != q.sharded.requires_grad:
             q.full.requires_grad_(q.sharded.requires_grad)

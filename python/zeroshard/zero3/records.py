@@ -136,6 +136,12 @@ class Unit:
     def trainable(self) -> List[Param]:   # read once the units are built (every backward)
         return [p for p in self.params if p.requires_grad]
 
+    def thawed(self, params: List[Param]) -> None:
+        """``params`` (frozen when wrapped) are trainable from now on (relayout.thaw)."""
+        for q in params:
+            q.requires_grad = True
+        self.__dict__.pop("trainable", None)
+
     def span(self, rank: int) -> Tuple[int, int]:
         """Rank ``rank``'s chunk of the flat buffer: [start, end)."""
         return chunk_span(self.bounds, self.shard_numel, rank)
@@ -208,12 +214,13 @@ class Optimizers:
                 out.update({k: v for k, v in states.items() if v})
         return out
 
-    def _live(self) -> list:
+    def live(self) -> list:
+        """The live optimizers' sources, in registration order."""
         return [ref() for ref, _ in self._entries if ref() is not None]
 
     def all_stepped(self, by: Optional[object]) -> bool:
         """Records that ``by`` stepped; whether every live one has (then starts over)."""
-        live = self._live()
+        live = self.live()
         if by is not None and len(live) > 1:
             self._stepped.add(id(by))
             if not all(id(o) in self._stepped for o in live):
@@ -229,7 +236,7 @@ class Optimizers:
         """Whether ``by``'s zero_grad() must wait: it has stepped on the gradients of this
         backward and another live optimizer has not yet (a loop that steps and zeroes
         each optimizer in turn). The zeroing then runs once the last one has stepped."""
-        live = self._live()
+        live = self.live()
         if by is None or not grads_ready or id(by) not in self._stepped or \
                 all(id(o) in self._stepped for o in live):
             return False

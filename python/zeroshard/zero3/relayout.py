@@ -39,8 +39,9 @@ import torch
 
 from .. import comm
 from ..native.layout import assign_owners, owner_chunks
+from ..common.source import GradState
 from .records import Optimizers, Unit, UnitState
-from .wrap import Setup, host_or_device_zeros, layout_align, place_piece, set_grad_extent
+from .wrap import Setup, host_or_device_zeros, layout_align, place_piece, set_grad_extent, unit_layout
 
 
 def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int], backward,
@@ -90,6 +91,42 @@ def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], loa
         _move(cfg, u, layout.offsets, layout.bounds)
         moved.append(u)
     return moved
+
+
+def thaw(cfg: Setup, units: List[Unit], backward, optimizers: Optimizers, by: object) -> List[tuple]:
+    """Lay out again, in equal chunks with their trainable parameters first, the units holding
+    parameters frozen at wrapping and unfrozen since (``requires_grad_(True)`` on the sharded
+    parameter), values kept, so those parameters take gradients ([Note: frozen parameters]
+    in zero3/wrap.py); the optimizers over them but the one whose source is ``by`` are bound
+    again, their state carried over ([Note: new parameters] in optim/regroup.py). Returns the (unit, parameter record) of each parameter thawed. Collective over
+    ``cfg.group``."""
+    moved, thawed_all = [], []
+    for u in units:
+        thawed = [q for q in u.params if not q.requires_grad and q.sharded.requires_grad]
+        if not thawed:
+            continue
+        why = ("a forward or backward is running" if backward.active or u.state != UnitState.SHARDED else
+               "gradients wait for step()" if backward.state == GradState.READY or u.reduction.buffer is not None
+               else "it is laid out for a whole-tensor optimizer" if u.bounds is not None else None)
+        if why:
+            raise RuntimeError(cfg.err(
+                f"parameter '{thawed[0].names[0]}' of FullyShard unit '{u.name}' was frozen when the model was "
+                f"wrapped and is unfrozen now; laying the unit out again for its gradient is refused: {why}. "
+                "Unfreeze it after step() (or zero_grad()) and before the next forward, or wrap the model with "
+                "it trainable and freeze it with requires_grad_(False) until it should train"))
+        u.thawed(thawed)
+        for q in thawed:
+            q.full.requires_grad_(True)
+        offsets, shard_numel = unit_layout(cfg, u)
+        _move(cfg, u, offsets, [r * shard_numel for r in range(cfg.world + 1)])
+        u.bounds, u.grad_shard = None, None     # (equal chunks; the gradients were zeroed)
+        set_grad_extent(u, cfg.world)
+        moved.append(u)
+        thawed_all += [(u, q) for q in thawed]
+    for o in optimizers.live() if moved else ():   # (any may hold the thawed ones, frozen; each binds anew)
+        if o is not by:
+            o.relaid()
+    return thawed_all
 
 
 def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):

@@ -157,6 +157,10 @@ class UnitSource(ShardSource):
             return "another ShardedOptimizer over it has already stepped (or loaded a state)"
         return None
 
+    def lay_out_trainable(self):
+        for fs in self.owners:
+            fs.lay_out_trainable(by=self)
+
     def relaid(self):
         """The units were laid out again: the optimizer binds a new source over them."""
         opt = self._live_optimizer()

@@ -201,13 +201,10 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
     for u in units[1:] + units[:1]:
         if not u.params:
             continue
-        order = sorted(range(len(u.params)), key=lambda k: not u.params[k].requires_grad)   # [Note: frozen parameters]
-        L = compute_layout([u.params[k].numel for k in order], [_layout_dtype(cfg.param_dtype)] * len(u.params),
-                           _NO_CAP, W)
-        assert len(L.buckets) == 1
-        u.numel, u.shard_numel = L.buckets[0].numel, L.buckets[0].shard_numel
-        for k, place in zip(order, L.tensors):
-            u.params[k].offset = place.offset
+        offsets, u.shard_numel = unit_layout(cfg, u)
+        u.numel = u.shard_numel * W
+        for q, off in zip(u.params, offsets):
+            q.offset = off
         set_grad_extent(u, W)
         u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
         lo, hi = r * u.shard_numel, (r + 1) * u.shard_numel
@@ -224,6 +221,19 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
                 mod._parameters[attr] = q.sharded
         if dev.type != "meta":
             u.full.untyped_storage().resize_(0)
+
+
+def unit_layout(cfg: "Setup", u: Unit) -> Tuple[List[int], int]:
+    """(each parameter's offset, the chunk length) of ``u``'s flat buffer in equal chunks,
+    its trainable parameters first ([Note: frozen parameters])."""
+    order = sorted(range(len(u.params)), key=lambda k: not u.params[k].requires_grad)
+    L = compute_layout([u.params[k].numel for k in order], [_layout_dtype(cfg.param_dtype)] * len(u.params),
+                       _NO_CAP, cfg.world)
+    assert len(L.buckets) == 1
+    offsets = [0] * len(u.params)
+    for k, place in zip(order, L.tensors):
+        offsets[k] = place.offset
+    return offsets, L.buckets[0].shard_numel
 
 
 def set_grad_extent(u: Unit, world: int):

@@ -1,0 +1,203 @@
+"""Parameters that join a ShardedOptimizer after it was built.
+
+[Note: new parameters] ``add_param_group`` after construction (a new head,
+progressive unfreezing as torch's ZeroRedundancyOptimizer supports it), and
+a parameter frozen when the optimizer was built and unfrozen later, each
+need a place in the shards. The optimizer lays every parameter out again
+(``relayout``), as its constructor does: a new shard source and update rule
+over all the param groups, the new parameters broadcast from rank 0, as
+DDP's constructor makes them equal. What the old layout held is carried
+over region by region (``carry_state``): each old region's fp32 values
+(stages 1/2: the master weights) and the update rule's per-element state
+are all-gathered one region at a time and each rank keeps the pieces the
+new layout gives it; per-parameter scalars (a class's ``step``) and step
+counts go with their parameters. So a run that adds a group is exactly the
+run whose optimizer had it from the start, with its state empty until it
+first steps, as in torch. The cost: collective (every rank calls it, as
+torch's ZeroRedundancyOptimizer requires), once per call: both layouts'
+state are alive until the copy ends, plus one region gathered.
+
+When: between a ``step()`` (or ``zero_grad()``) and the next backward, as
+no reduced gradient may be pending. A parameter unfrozen after
+construction is laid out by the next ``zero_grad()``: from that backward on
+it trains. If a backward ran with it unfrozen before that, its gradient was
+not averaged over the ranks, so ``step()`` refuses, naming ``zero_grad()``.
+A whole-tensor ``optimizer_class`` (Muon, Adafactor) keeps each
+parameter's state on an owner rank chosen for the whole layout: a new group
+is refused there (build another ShardedOptimizer for it).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+from .. import comm
+from ..common.claims import check_unclaimed, claim
+from .rules import gather_scalars
+
+
+def unfrozen(params: List[torch.Tensor], frozen: List[int]) -> List[int]:
+    """Indices of the parameters frozen at the last layout that now require grad."""
+    return [i for i in frozen if params[i].requires_grad]
+
+
+def refuse_unaveraged(params: List[torch.Tensor], frozen: List[int], err) -> None:
+    """step() after a backward that gave an unfrozen, not yet laid out parameter a gradient:
+    that gradient was not averaged over the ranks; refused, naming the call that fixes it."""
+    for i in unfrozen(params, frozen):
+        if params[i].grad is not None:
+            raise RuntimeError(err(
+                f"parameter {i} (shape {tuple(params[i].shape)}) was frozen when the ShardedOptimizer laid "
+                "out its parameters and requires grad now: the backward gave it a gradient that was not "
+                "averaged over the ranks. Call opt.zero_grad() after unfreezing it and before the next "
+                "backward: zero_grad() lays it out, and it trains from that backward on"))
+
+
+def _targets(regions, rank: int) -> Dict[int, list]:
+    """param index -> [(offset in the param, region, slice of the shard)] this rank owns."""
+    mine: Dict[int, list] = {}
+    for reg in regions:
+        for i, start, sl in reg.owned(rank):
+            mine.setdefault(i, []).append((start, reg, sl))
+    return mine
+
+
+@torch.no_grad()
+def carry_streams(opt, old_regions, read: Callable, write: Callable, names: List[str]) -> None:
+    """For each stream ``name``: every old region's shard (``read(reg, name)``, the same
+    None-ness on every rank) is all-gathered and this rank copies the elements of each of
+    its new pieces into ``write(reg, i, start, sl, name)`` (a 1-D tensor of the piece)."""
+    mine = _targets(opt.regions, opt.rank)
+    for name in names:
+        for reg in old_regions:
+            local = read(reg, name)
+            if local is None:
+                continue
+            whole = torch.empty(reg.numel(opt.world_size), dtype=local.dtype, device=opt.device)
+            comm.all_gather(local.to(opt.device), whole, group=opt.process_group, bounds=reg.bounds,
+                            what=f"add_param_group: {name}").wait()
+            for i, t_off, r_off, n in reg.frags:
+                for start, new, sl in mine.get(i, ()):
+                    a, b = max(t_off, start), min(t_off + n, start + sl.stop - sl.start)
+                    if a < b:
+                        dest = write(new, i, start, sl, name)
+                        dest[a - start:b - start].copy_(whole[r_off + a - t_off:r_off + b - t_off])
+
+
+def carry_state(opt, old_regions, old_rule, old_steps: List[int]) -> None:
+    """The old layout's values and update-rule state into ``opt``'s new one (collective)."""
+    def read(reg, name):
+        if name == "values":
+            return reg.values if reg.values is not None and not reg.model_owned else None
+        if old_rule.fused:
+            return getattr(reg, name)
+        local = torch.zeros(reg.shard_numel, dtype=torch.float32, device=opt.device)
+        for i, t_off, sl in reg.owned(opt.rank):
+            st = old_rule.piece_state(i, t_off)
+            if st is not None and isinstance(st.get(name), torch.Tensor):
+                local[sl].copy_(st[name].reshape(-1))
+        return local
+
+    new_rule, states = opt.elementwise_rule, {}
+
+    def write(reg, i, start, sl, name):
+        if name == "values" or new_rule is None:
+            return getattr(reg, name)[sl]
+        st = states.setdefault((i, start), {})
+        if name not in st:
+            st[name] = torch.zeros(sl.stop - sl.start, dtype=torch.float32, device=opt.device)
+        return st[name]
+
+    keys = ["values"] + sorted(old_rule.elementwise_keys)
+    carry_streams(opt, old_regions, read, write, keys)
+    if new_rule is not None:
+        scalars = gather_scalars(opt, old_rule)      # (collective)
+        for (i, t_off) in new_rule.piece_leaves():
+            if old_steps[i] if i < len(old_steps) else 0:
+                st = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.get(i, {}).items()}
+                st.update(states.get((i, t_off), {}))
+                new_rule.set_piece_state(i, t_off, st)
+
+
+class Regrouping:
+    """ShardedOptimizer bound over a new layout of its parameters: ``add_param_group`` after
+    construction, parameters unfrozen since ([Note: new parameters]), a FullyShard wrapping
+    them ([Note: construction order]) or laying its units out again."""
+
+    def add_param_group(self, param_group: dict):
+        """torch's ``add_param_group``: the group's parameters join the shards (collective:
+        call it on every rank) and are stepped from the next step; see [Note: new parameters]."""
+        if not hasattr(self, "_source"):     # torch's __init__ adding the constructor's groups
+            return super().add_param_group(param_group)
+        self._check_can_relayout("add_param_group()")
+        n = len(self.param_groups)
+        super().add_param_group(param_group)
+        try:
+            check_unclaimed(self, self.param_groups[n]["params"], self._err)
+            self._relayout()
+        except BaseException:
+            del self.param_groups[n:]      # (refused before anything changed)
+            raise
+
+    def _check_can_relayout(self, what: str) -> None:
+        if self.whole_tensor_rule is not None:
+            raise NotImplementedError(self._err(
+                f"{what} with the whole-tensor optimizer_class {self.optimizer_class.__name__}: each "
+                "parameter's state lives on an owner rank chosen for the whole layout; build another "
+                "ShardedOptimizer over the new parameters"))
+        if self._source.in_backward() or self._source.grads_ready():
+            raise RuntimeError(self._err(
+                f"{what} while reduced gradients wait for step(): call it after step() (or zero_grad()) "
+                "and before the next backward"))
+
+    def _relayout(self, lay_out: bool = True) -> None:
+        """Lay every parameter out again, carrying the state over; see [Note: new parameters].
+        ``lay_out``: have the source's owners lay out parameters unfrozen since (else they did)."""
+        self._source.settle()
+        old_source, old_rule, old_steps = self._source, self._rule, list(self._param_steps)
+        old_regions = old_source.regions      # (each keeps the cut it was made with)
+        if lay_out:
+            old_source.lay_out_trainable()
+        self._bind()
+        carry_state(self, old_regions, old_rule, old_steps)
+        old_source.release()
+        self._param_steps = [old_steps[i] if i < len(old_steps) else 0 for i in range(len(self._params))]
+        self._source.shards_loaded()
+        self._consolidated = None
+        claim(self, self._params)
+
+    def lay_out_unfrozen(self) -> bool:
+        """zero_grad(): lay out the parameters unfrozen since the last layout, if any
+        (collective when there are: every rank unfreezes the same ones)."""
+        if not unfrozen(self._params, self._frozen):
+            return False
+        self._check_can_relayout("unfreezing a parameter frozen at construction")
+        self._relayout()
+        return True
+
+    def params_wrapped(self, replaced: Dict[int, torch.Tensor]) -> None:
+        """FullyShard wrapped the model whose parameters this optimizer was built over
+        (DDP's order: the optimizer, then the wrap): ``replaced`` maps each plain
+        parameter's id to its sharded one, which this optimizer then steps as
+        ZeRO-3, in the same param groups. See [Note: construction order]."""
+        if any(self._param_steps) or self._source.in_backward() or self._source.grads_ready():
+            raise RuntimeError(self._err(
+                "FullyShard wrapped parameters of a ShardedOptimizer that has already run a backward or a "
+                "step: wrap the model before training (the optimizer may be built before or after)"))
+        for g in self.param_groups:
+            g["params"] = [replaced.get(id(p), p) for p in g["params"]]
+        self._source.release()
+        self._bind()
+        claim(self, self._params)
+
+    def units_relaid(self) -> None:
+        """The FullyShard units this optimizer steps were laid out again: for a whole-tensor
+        optimizer before anything stepped ([Note: uneven chunks] in zero3/relayout.py), or
+        for parameters unfrozen since wrapping: bind over the new layout, the state carried."""
+        if any(self._param_steps):
+            self._check_can_relayout("laying FullyShard units out again")
+            self._relayout(lay_out=False)
+            return
+        self._source.release()
+        self._bind()
