@@ -433,7 +433,7 @@ def _new_params(stage, cls):
     return {k: v.clone() for k, v in model.state_dict().items()}, [g["lr"] for g in opt.param_groups]
 
 
-@pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"world{n}")
+@WORLDS
 def test_add_param_group_and_unfreezing_train_as_torchs_optimizer(world):
     """A group added after construction is laid out, sharded and stepped from the next step, and
     a parameter frozen at construction trains once unfrozen (laid out by zero_grad()), at
