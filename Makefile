@@ -1,5 +1,5 @@
 # Two commands for a fresh machine (see README):
-#   make demo   the main job: examples/train_gpt.py on 2 CPU processes (gloo)
+#   make demo   the main job: examples/train_gpt.py, a rank per GPU (NCCL) where there are 2+, else 2 CPU ranks (gloo)
 #   make test   the whole test suite (C++ unit tests + pytest: every tier)
 # and, for a developer, one tier of tests/ at a time:
 #   make test-unit          pure, single-process tests (seconds)
@@ -89,11 +89,13 @@ test-deps: $(VENV)/.deps
 	    $(PIP) download -q -d "$(WHEELHOUSE)" --find-links "$(WHEELHOUSE)" $(TEST_HF) "$(TORCH_SPEC)" && \
 	    $(PIP) install -q --no-index --find-links "$(WHEELHOUSE)" $(TEST_HF) "$(TORCH_SPEC)"; }; }
 
-# Two ranks on this machine (gloo on CPU; NCCL, one GPU each, where there are GPUs).
-# Stages 0-2 run briefly for their memory tables, then ZeRO-3 trains with
-# checkpoints and the run resumes from the last one as ZeRO-2. The memory
-# picture is examples/out/memory_by_stage.png.
-DEMO := OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+# One rank per visible GPU (NCCL) where CUDA sees 2 or more, else two ranks on the
+# CPU (gloo): DEMO_RANKS asks torch, when a recipe runs (after `build`). Stages
+# 0-2 run briefly for their memory tables, then ZeRO-3 trains with checkpoints
+# and the run resumes from the last one as ZeRO-2. The memory picture is
+# examples/out/memory_by_stage.png.
+DEMO_RANKS = $(shell $(PY) -c "import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; print(n if n >= 2 else 2)")
+DEMO = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(DEMO_RANKS) examples/train_gpt.py
 
 demo: build
 	rm -rf examples/out

@@ -558,7 +558,7 @@ def docs_page(found: dict, plots: dict, extra: str, docs: str) -> str:
                     "`benchmarks/step.py` and `benchmarks/checkpoint.py`, which write their JSON files to "
                     "`benchmarks/out/`, then `benchmarks/report.py`, which writes this page (generated: not to be "
                     "edited by hand), the tables in `benchmarks/RESULTS.md` and the README's table. The dated "
-                    "record of earlier runs is the [History](history.md) page."), ""]
+                    "record of earlier runs is `benchmarks/history.md` in the repository."), ""]
     extra = docs_links(extra, docs) if extra else ""
     shown = set(re.findall(r"\]\(([^)/\s]+\.png)\)", extra))
     listed = [(png, v) for png, v in plots.items() if png not in shown]

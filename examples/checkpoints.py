@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, SAVE_AT, BATCH, DIM = 12, 6, 32, 32
@@ -53,11 +54,12 @@ class Net(nn.Module):
         return self.head(self.blocks(self.inp(x))).squeeze(-1)
 
 
-def train(model, opt, start, stop, rank, world):
+def train(model, opt, start, stop, rank, world, device):
     for step in range(start, stop):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(BATCH, 16, generator=g).chunk(world)[rank]    # this rank's share of the batch
-        F.mse_loss(model(x), torch.sin(2 * (x @ W))).backward()
+        y = torch.sin(2 * (x @ W))
+        F.mse_loss(model(x.to(device)), y.to(device)).backward()
         opt.step()
         opt.zero_grad()
 
@@ -66,7 +68,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt-dir", default=None, help="a directory every rank sees (default: a temporary one)")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     root = [args.ckpt_dir or (tempfile.mkdtemp() if rank == 0 else None)]
@@ -75,22 +77,22 @@ def main():
 
     # 1. ZeRO-3, with a checkpoint written in the background at SAVE_AT
     torch.manual_seed(0)
-    model = zeroshard.FullyShard(Net(), wrap={Block})
+    model = zeroshard.FullyShard(Net().to(device), wrap={Block})
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)
-    train(model, opt, 0, SAVE_AT, rank, world)
+    train(model, opt, 0, SAVE_AT, rank, world, device)
     done = zeroshard.save_checkpoint(ckpt, model, opt, extra={"step": SAVE_AT}, background=True)  # zeroshard
-    train(model, opt, SAVE_AT, STEPS, rank, world)    # training goes on while a thread writes the state at SAVE_AT
+    train(model, opt, SAVE_AT, STEPS, rank, world, device)   # goes on while a thread writes the state at SAVE_AT
     done.result()                       # zeroshard: complete and durable (raises if any rank's write failed)
-    uninterrupted = model.state_dict()  # collective: the full state dict on every rank
+    uninterrupted = model.state_dict()  # collective: the full state dict (on CPU) on every rank
     del model, opt
 
     # 2. A new job resumes at ZeRO-2: a plain model, ShardedOptimizer(stage=2)
     torch.manual_seed(1)                # other initial values: everything must come from the checkpoint
-    model = Net()
+    model = Net().to(device)
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1.0, stage=2)   # lr, betas, ... come from it too
     extra = zeroshard.load_checkpoint(ckpt, model, opt)                     # zeroshard: any stage, any world size
-    train(model, opt, extra["step"], STEPS, rank, world)
-    err = max(((p - uninterrupted[k]).norm() / uninterrupted[k].norm()).item()
+    train(model, opt, extra["step"], STEPS, rank, world, device)
+    err = max(((p.cpu() - uninterrupted[k]).norm() / uninterrupted[k].norm()).item()
               for k, p in model.state_dict().items())
 
     # 3. A blocking save of the resumed run, and one safetensors file of the model for inference
@@ -98,9 +100,9 @@ def main():
     if rank == 0:
         out = os.path.join(root[0], "model.safetensors")
         zeroshard.export_full_state_dict(final_ckpt, out)   # zeroshard: offline, no process group needed
-        plain = Net()
+        plain = Net()                   # on CPU, where load_file puts the tensors
         plain.load_state_dict(safetensors.torch.load_file(out))
-        exported = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), model.parameters()))
+        exported = max((a - b.cpu()).abs().max().item() for a, b in zip(plain.parameters(), model.parameters()))
         print(f"checkpoint files: {sorted(os.listdir(ckpt))}")
         print(f"checkpoints: ZeRO-3 -> saved at step {SAVE_AT} (background) -> resumed at ZeRO-2 -> step {STEPS}: "
               f"vs uninterrupted max relative error {err:.1e}; exported model differs by {exported:g}")

@@ -1,6 +1,6 @@
 """A DDP training loop in the idioms of the most-copied training scripts, and
 the same loop converted to zeroshard. Every line that differs between the
-two is marked ``# zeroshard:``; see the README's "Converting a DDP script".
+two is marked ``# zeroshard:``; see docs/converting-ddp.md.
 
     torchrun --nproc-per-node 2 examples/ddp_idioms.py --mode ddp --out ddp.pt
     torchrun --nproc-per-node 2 examples/ddp_idioms.py --mode 2 --out zs2.pt   # stage 1, 2 or 3
@@ -47,11 +47,12 @@ class Net(nn.Module):
         return self.head(self.blocks(self.emb(idx)))
 
 
-def build(mode):
+def build(mode, device):
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     if mode == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
+        ids = [device.index] if device.type == "cuda" else None      # device_ids=[LOCAL_RANK] on a GPU
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
         return model, model.module, opt
     if mode == "3":
@@ -61,21 +62,21 @@ def build(mode):
     return model, model, opt
 
 
-def batch(step, micro):
+def batch(step, micro, device):
     g = torch.Generator().manual_seed(1000 * step + micro)
     x = torch.randint(0, 37, (BATCH, 9), generator=g)
     n = BATCH // dist.get_world_size()
-    x = x[dist.get_rank() * n:(dist.get_rank() + 1) * n]
+    x = x[dist.get_rank() * n:(dist.get_rank() + 1) * n].to(device)
     return x[:, :-1], x[:, 1:]
 
 
-def train(mode, model, raw, opt, scaler, start, stop, ckpt):
+def train(mode, model, raw, opt, scaler, start, stop, ckpt, device):
     for step in range(start, stop):
         for micro in range(ACCUM):
             if mode == "ddp":   # nanoGPT's idiom; a no-op attribute on a zeroshard model (it reduces every time)
                 model.require_backward_grad_sync = micro == ACCUM - 1
-            x, y = batch(step, micro)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            x, y = batch(step, micro, device)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / ACCUM
             scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -98,23 +99,25 @@ def main():
     ap.add_argument("--mode", choices=["ddp", "1", "2", "3"], required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    import _device      # examples/_device.py (imported here: the tests load this file as a module, off sys.path)
+    device = _device.setup()            # NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo on the CPU
     torch.set_num_threads(1)
     ckpt = args.out + ".ckpt"
-    model, raw, opt = build(args.mode)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    train(args.mode, model, raw, opt, scaler, 0, STEPS, ckpt)
+    model, raw, opt = build(args.mode, device)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
+    train(args.mode, model, raw, opt, scaler, 0, STEPS, ckpt, device)
     straight = raw.state_dict(to=0) if args.mode == "3" else raw.state_dict()            # zeroshard: ZeRO-3
 
-    model, raw, opt = build(args.mode)          # resume from the rank-0 checkpoint
-    saved = torch.load(ckpt, weights_only=False)
+    model, raw, opt = build(args.mode, device)  # resume from the rank-0 checkpoint
+    saved = torch.load(ckpt, weights_only=False, map_location=device)   # onto this rank's device, not rank 0's
     raw.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     scaler.load_state_dict(saved["scaler"])
-    train(args.mode, model, raw, opt, scaler, saved["step"], STEPS, None)
+    train(args.mode, model, raw, opt, scaler, saved["step"], STEPS, None, device)
     resumed = raw.state_dict(to=0) if args.mode == "3" else raw.state_dict()             # zeroshard: ZeRO-3
     if dist.get_rank() == 0:
-        torch.save({"straight": straight, "resumed": resumed}, args.out)
+        torch.save({run: {k: v.cpu() for k, v in sd.items()}                  # on CPU, as FullyShard's
+                    for run, sd in (("straight", straight), ("resumed", resumed))}, args.out)
         os.remove(ckpt)
     dist.destroy_process_group()
 

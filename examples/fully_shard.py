@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM = 20, 32, 32      # BATCH is the global batch, split over the ranks
@@ -56,10 +57,10 @@ def batch(step, rank=0, world=1):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def train(model, opt, rank, world):
+def train(model, opt, device, rank, world):
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, rank, world)
+        x, y = (t.to(device) for t in batch(step, rank, world))
         loss = F.mse_loss(model(x), y)  # FullyShard gathers each Block before its forward, frees it after
         loss.backward()                 # units re-gathered in reverse order, gradients reduce-scattered
         opt.step()                      # updates this rank's fp32 shards (the master weights) in place
@@ -69,19 +70,19 @@ def train(model, opt, rank, world):
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    model = zeroshard.FullyShard(Net(), wrap={Block})                   # zeroshard: ZeRO-3 units
+    model = zeroshard.FullyShard(Net().to(device), wrap={Block})        # zeroshard: ZeRO-3 units
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)   # zeroshard
     owned = sum(p.numel() for p in model.parameters())                 # this rank's 1-D pieces
     if rank == 0:
         print(f"rank 0 holds {owned:,} of {sum(p.numel() for p in Net().parameters()):,} parameter elements")
-    losses = train(model, opt, rank, world)
+    losses = train(model, opt, device, rank, world)
 
-    sd = model.state_dict(to=0)         # collective: every rank calls it; the full state dict on rank 0 only
+    sd = model.state_dict(to=0)         # collective: every rank calls it; the full state dict (CPU) on rank 0 only
     mem = model.memory_report()
     path = os.path.join(tempfile.gettempdir(), f"fully_shard_example_{os.getpid()}.pt")
     if rank == 0:
@@ -91,10 +92,10 @@ def main():
         os.remove(path)
 
         torch.manual_seed(0)            # the same training in one process, plain torch, whole batches
-        ref = Net()
-        ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), 0, 1)
+        ref = Net().to(device)          # on the device the sharded run used
+        ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), device, 0, 1)
         err = max(((p - r).norm() / r.norm()).item()
-                  for p, r in zip(plain.state_dict().values(), ref.state_dict().values()))
+                  for p, r in zip(plain.state_dict().values(), (v.cpu() for v in ref.state_dict().values())))
         print(f"rank 0 model state: {mem['total']:,} bytes (16 per element it holds: fp32 shard, "
               f"gradient shard, exp_avg, exp_avg_sq)")
         print(f"fully_shard: rank 0's loss {losses[0]:.4f} -> {losses[-1]:.4f} (plain torch, whole batch: "

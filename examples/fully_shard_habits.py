@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM, RANK = 10, 16, 48, 4      # BATCH is the global batch, split over the ranks
@@ -74,9 +75,9 @@ def batch(step, rank=0, world=1):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def train(model, opt, rank, world):
+def train(model, opt, device, rank, world):
     for step in range(STEPS):
-        loss = loss_of(model, *batch(step, rank, world))
+        loss = loss_of(model, *(t.to(device) for t in batch(step, rank, world)))
         loss.backward()
         trainable = [p for p in model.parameters() if p.requires_grad]
         torch.nn.utils.clip_grad_norm_(trainable, 1.0, norm_type=1.0, foreach=True)
@@ -86,23 +87,24 @@ def train(model, opt, rank, world):
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    model = zeroshard.FullyShard(Net(), wrap={Block})
+    model = zeroshard.FullyShard(Net().to(device), wrap={Block})
     zeroshard.register_forward_method(model, model.module.b1, "features")
     opt = zeroshard.ShardedOptimizer([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    loss = train(model, opt, rank, world)
+    loss = train(model, opt, device, rank, world)
     sent = {u.name: (u.grad_numel, u.numel) for u in model.units if u.name}
-    sd = model.state_dict(to=0)
+    sd = model.state_dict(to=0)          # the full state dict, on CPU, on rank 0
 
     if rank == 0:
         torch.manual_seed(0)             # the same training in one process, plain torch, whole batches
-        ref = Net()
-        ref_loss = train(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), 0, 1)
-        err = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        ref = Net().to(device)           # on the device the sharded run used
+        ref_loss = train(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2),
+                         device, 0, 1)
+        err = max((sd[k] - v.cpu()).abs().max().item() for k, v in ref.state_dict().items())
         reduced = ", ".join(f"{n}: {g:,} of {t:,}" for n, (g, t) in sent.items())
         print(f"fully_shard_habits: last loss {loss:.4f} on rank 0 (one process: {ref_loss:.4f}); elements "
               f"reduce-scattered per block ({reduced}); max error against one process {err:.1e}")

@@ -6,10 +6,11 @@
 A classic distributed bug: a data-dependent ``continue`` makes rank 1 skip
 step 1's backward and step, so the ranks' collectives drift apart, and the
 checkpoint at the end is entered by rank 1 while rank 0 still waits in a step.
-Without zeroshard's watchdog this waits for the process group's timeout (30
-minutes for gloo by default). With ``zeroshard.set_timeout(3)`` every rank
-raises ``zeroshard.CollectiveTimeout`` within seconds, naming the first
-collective where the ranks differ and what each rank did last; with
+Without zeroshard's watchdog this waits for the process group's timeout (10
+minutes for the group ``zeroshard.init_distributed`` creates, gloo or NCCL; 30
+for gloo's default). With ``zeroshard.set_timeout(3)`` every rank raises
+``zeroshard.CollectiveTimeout`` within seconds, naming the first collective
+where the ranks differ and what each rank did last; with
 ``ZEROSHARD_DEBUG=1`` each collective's kind and size are checked across
 ranks before any data moves, and the first collective where they differ (here
 the checkpoint's check-in, since the drifted reductions match in kind and size)
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 DIM = 32
@@ -41,7 +43,7 @@ class Block(nn.Module):
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     zeroshard.set_timeout(3)            # zeroshard: seconds any zeroshard collective may wait (default: the group's)
@@ -49,11 +51,11 @@ def main():
     dist.broadcast_object_list(ckpt)
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, DIM), Block(DIM), Block(DIM), nn.Linear(DIM, 1))
+    model = nn.Sequential(nn.Linear(16, DIM), Block(DIM), Block(DIM), nn.Linear(DIM, 1)).to(device)
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-3, stage=2, bucket_mb=0.01)
     try:
         for step in range(3):
-            x = torch.randn(8, 16)
+            x = torch.randn(8, 16).to(device)
             loss = F.mse_loss(model(x).squeeze(-1), x[:, 0])
             if rank == 1 and step == 1:
                 continue                # the bug: one rank skips a step that the others take

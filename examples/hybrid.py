@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM, SHARD = 10, 32, 32, 2
@@ -50,39 +51,39 @@ def batch(step, rank=0, world=1):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def train(model, opt, rank=0, world=1):
+def train(model, opt, device, rank=0, world=1):
     for step in range(STEPS):
-        x, y = batch(step, rank, world)
+        x, y = (t.to(device) for t in batch(step, rank, world))
         F.mse_loss(model(x), y).backward()   # reduce-scatter in the shard group, all-reduce across replicas
         opt.step()                            # all-gather in the shard group
         opt.zero_grad()
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world % SHARD == 0, f"run with a multiple of {SHARD} ranks: torchrun --nproc-per-node 4 ..."
     torch.manual_seed(0)
-    ref = Net()                                # plain torch in this process, whole batches: the reference
-    train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1))
-    expected = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref = Net().to(device)                     # plain torch in this process, whole batches: the reference
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), device)
+    expected = {k: v.cpu().clone() for k, v in ref.state_dict().items()}   # on CPU, as FullyShard's state dict
     n = sum(v.numel() for v in expected.values())
 
     # ZeRO-2, hybrid: the optimizer state and gradients sharded over 2 ranks, replicated world/2 times
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1, stage=2,
                                      shard_size=SHARD)                               # zeroshard: hybrid
-    train(model, opt, rank, world)
-    err2 = max(((v - expected[k]).norm() / expected[k].norm()).item() for k, v in model.state_dict().items())
+    train(model, opt, device, rank, world)
+    err2 = max(((v.cpu() - expected[k]).norm() / expected[k].norm()).item() for k, v in model.state_dict().items())
     rep2, crossed = opt.memory_report(), opt.comm_elements["replica_all_reduce"]
 
     # ZeRO-3, hybrid: the parameters too
     torch.manual_seed(0)
-    model = zeroshard.FullyShard(Net(), wrap={Block}, shard_size=SHARD)              # zeroshard: hybrid
+    model = zeroshard.FullyShard(Net().to(device), wrap={Block}, shard_size=SHARD)   # zeroshard: hybrid
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)
-    train(model, opt, rank, world)
+    train(model, opt, device, rank, world)
     owned = sum(p.to_local().numel() for p in model.parameters())   # this rank's pieces
     full = model.state_dict()         # collective: every rank builds the full state dict
     err3 = max(((v - expected[k]).norm() / expected[k].norm()).item() for k, v in full.items())

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM = 30, 32, 32
@@ -54,17 +55,17 @@ def batch(step, rank=0, world=1):
 
 
 @torch.no_grad()
-def held_out_loss(model, input_dtype):
+def held_out_loss(model, device, input_dtype):
     x, y = batch(10_000)                # the same on every rank (FullyShard's forward is collective)
-    return F.mse_loss(model(x.to(input_dtype)).float(), y).item()
+    return F.mse_loss(model(x.to(device, input_dtype)).float(), y.to(device)).item()
 
 
-def run(name, model, opt, rank, world, dtype=None, scaler=None, input_dtype=torch.float32):
-    before, skipped = held_out_loss(model, input_dtype), 0
+def run(name, model, opt, device, rank, world, dtype=None, scaler=None, input_dtype=torch.float32):
+    before, skipped = held_out_loss(model, device, input_dtype), 0
     for step in range(STEPS):
         x, y = batch(step, rank, world)
-        x = x.to(input_dtype)
-        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        x, y = x.to(device, input_dtype), y.to(device)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = F.mse_loss(model(x).float(), y)
         if scaler is None:
             loss.backward()
@@ -78,7 +79,7 @@ def run(name, model, opt, rank, world, dtype=None, scaler=None, input_dtype=torc
             scaler.update()
             skipped += scaler.get_scale() < scale
         opt.zero_grad()
-    after = held_out_loss(model, input_dtype)
+    after = held_out_loss(model, device, input_dtype)
     if rank == 0:
         print(f"{name:<28} held-out loss {before:.4f} -> {after:.4f}"
               + (f" | {skipped} overflowed steps skipped, scale now {scaler.get_scale():g}" if scaler else ""))
@@ -87,30 +88,30 @@ def run(name, model, opt, rank, world, dtype=None, scaler=None, input_dtype=torc
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     kw = dict(lr=3e-3, weight_decay=0.1)
 
     torch.manual_seed(0)                # 1. ZeRO-2 under bf16 autocast
-    model = Net()
+    model = Net().to(device)
     opt = zeroshard.ShardedOptimizer(model.parameters(), stage=2, **kw)            # zeroshard
-    run("ZeRO-2, bf16 autocast", model, opt, rank, world, dtype=torch.bfloat16)
+    run("ZeRO-2, bf16 autocast", model, opt, device, rank, world, dtype=torch.bfloat16)
 
     torch.manual_seed(0)                # 2. ZeRO-2 under fp16 autocast with a GradScaler
-    model = Net()
+    model = Net().to(device)
     opt = zeroshard.ShardedOptimizer(model.parameters(), stage=2, **kw)            # zeroshard
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)                     # too large: overflows first
-    skipped = run("ZeRO-2, fp16 + GradScaler", model, opt, rank, world, dtype=torch.float16, scaler=scaler)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 24)               # too large: overflows first
+    skipped = run("ZeRO-2, fp16 + GradScaler", model, opt, device, rank, world, dtype=torch.float16, scaler=scaler)
     every_rank = zeroshard.all_gather_object((skipped, scaler.get_scale()))      # must be the same everywhere
     assert skipped > 0 and len(set(every_rank)) == 1, f"ranks disagree on skipped steps / scale: {every_rank}"
 
     torch.manual_seed(0)                # 3. ZeRO-3: bf16 compute from fp32 shards, fp32 reductions
     mp = zeroshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)       # zeroshard
-    model = zeroshard.FullyShard(Net(), wrap={Block}, mixed_precision=mp)                        # zeroshard
+    model = zeroshard.FullyShard(Net().to(device), wrap={Block}, mixed_precision=mp)             # zeroshard
     opt = zeroshard.ShardedOptimizer(model.parameters(), **kw)                                   # zeroshard
     # the model computes in bf16: float inputs are not cast for you (no autocast here), so pass bf16 ones
-    run("ZeRO-3, MixedPrecision bf16", model, opt, rank, world, input_dtype=torch.bfloat16)
+    run("ZeRO-3, MixedPrecision bf16", model, opt, device, rank, world, input_dtype=torch.bfloat16)
     dtypes = {p.dtype for p in model.parameters()}
     assert dtypes == {torch.float32}, f"the shards (master weights) should stay fp32, got {dtypes}"
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM = 20, 48, 32
@@ -67,14 +68,14 @@ def batch(step, rank=0, world=1):
 
 
 @torch.no_grad()
-def held_out_loss(model):
-    x, y = batch(10_000)                # a fixed batch no step trains on, the same on every rank
+def held_out_loss(model, device):
+    x, y = (t.to(device) for t in batch(10_000))    # a fixed batch no step trains on, the same on every rank
     return F.mse_loss(model(x), y).item()
 
 
-def train(model, opts, rank=0, world=1):
+def train(model, opts, device, rank=0, world=1):
     for step in range(STEPS):
-        x, y = batch(step, rank, world)
+        x, y = (t.to(device) for t in batch(step, rank, world))
         F.mse_loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)    # the global norm, over both
         for opt in opts:
@@ -82,40 +83,41 @@ def train(model, opts, rank=0, world=1):
             opt.zero_grad()
 
 
-def sharded_run(stage, rank, world):
+def sharded_run(stage, device, rank, world):
     """Trains at ``stage`` (2: ShardedOptimizer alone; 3: FullyShard too); returns the
-    held-out loss before and after, the full parameters, and the Muon optimizer."""
+    held-out loss before and after, the full parameters (on CPU), and the Muon optimizer."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     if stage == 3:
         model = zeroshard.FullyShard(model, wrap={Block})    # its parameters keep their full shapes
     hidden, rest = split(model)
-    before = held_out_loss(model)
+    before = held_out_loss(model, device)
     stage_kw = dict(stage=stage) if stage != 3 else {}
     muon = zeroshard.ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, lr=0.02, momentum=0.95,
                                       **stage_kw)                                   # was: torch.optim.Muon(...)
     adamw = zeroshard.ShardedOptimizer(rest, lr=3e-3, weight_decay=0.1, **stage_kw)  # was: torch.optim.AdamW(...)
-    train(model, [muon, adamw], rank, world)
-    return before, held_out_loss(model), model.state_dict(), muon
+    train(model, [muon, adamw], device, rank, world)
+    after = held_out_loss(model, device)
+    return before, after, {k: v.cpu() for k, v in model.state_dict().items()}, muon   # (FullyShard's: CPU already)
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)                # plain torch in this process, whole batches: the reference
-    ref = Net()
+    ref = Net().to(device)
     ref_hidden, ref_rest = split(ref)
     train(ref, [torch.optim.Muon(ref_hidden, lr=0.02, momentum=0.95),
-                torch.optim.AdamW(ref_rest, lr=3e-3, weight_decay=0.1)])
-    ref_after, ref_params = held_out_loss(ref), ref.state_dict()
+                torch.optim.AdamW(ref_rest, lr=3e-3, weight_decay=0.1)], device)
+    ref_after, ref_params = held_out_loss(ref, device), {k: v.cpu() for k, v in ref.state_dict().items()}
     matrices = sum(4 * p.numel() for p in ref_hidden)
 
     for stage in (2, 3):
-        before, after, params, muon = sharded_run(stage, rank, world)
+        before, after, params, muon = sharded_run(stage, device, rank, world)
         err = max(((params[n] - r).norm() / r.norm()).item() for n, r in ref_params.items())
-        held = torch.tensor([float(muon.memory_report()["optimizer_state"])])
+        held = torch.tensor([float(muon.memory_report()["optimizer_state"])], device=device)   # NCCL: on the GPU
         dist.all_reduce(held)               # Muon's momentum, summed over the ranks
         assert held.item() == matrices, f"Muon's state is {held.item():.0f} bytes over the ranks, not {matrices}"
         assert err < 0.1, f"ZeRO-{stage} differs from plain torch beyond bf16's rounding (relative error {err})"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM, WARMUP = 20, 32, 32, 5
@@ -53,8 +54,8 @@ def batch(step, rank=0, world=1):
 
 
 @torch.no_grad()
-def held_out_loss(model):
-    x, y = batch(10_000)                # a fixed batch no step trains on, the same on every rank
+def held_out_loss(model, device):
+    x, y = (t.to(device) for t in batch(10_000))    # a fixed batch no step trains on, the same on every rank
     return F.mse_loss(model(x), y).item()
 
 
@@ -65,13 +66,13 @@ def param_groups(model, weight_decay):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def train(model, opt, rank=0, world=1):
+def train(model, opt, device, rank=0, world=1):
     # warmup, then linear decay: the scheduler drives the ShardedOptimizer's param groups as torch's
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / WARMUP, (STEPS - s) / (STEPS - WARMUP)))
     lrs = []
     for step in range(STEPS):
-        x, y = batch(step, rank, world)
+        x, y = (t.to(device) for t in batch(step, rank, world))
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -80,14 +81,14 @@ def train(model, opt, rank=0, world=1):
     return lrs
 
 
-def compare(name, make_sharded, make_torch, rank, world):
+def compare(name, make_sharded, make_torch, device, rank, world):
     torch.manual_seed(0)
-    model = Net()
-    opt, before = make_sharded(model), held_out_loss(model)
-    lrs, after = train(model, opt, rank, world), held_out_loss(model)
+    model = Net().to(device)
+    opt, before = make_sharded(model), held_out_loss(model, device)
+    lrs, after = train(model, opt, device, rank, world), held_out_loss(model, device)
     torch.manual_seed(0)                # plain torch in this process, whole batches: the reference
-    ref = Net()
-    train(ref, make_torch(ref))
+    ref = Net().to(device)
+    train(ref, make_torch(ref), device)
     err = max(((p - r).norm() / r.norm()).item() for p, r in zip(model.parameters(), ref.parameters()))
     mem = opt.memory_report()
     state = mem.get("optimizer_state", mem["exp_avg"] + mem["exp_avg_sq"])
@@ -100,20 +101,20 @@ def compare(name, make_sharded, make_torch, rank, world):
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     # 1. The default: zeroshard's fused AdamW, over two param groups.
     adamw = compare("AdamW",
                     lambda m: zeroshard.ShardedOptimizer(param_groups(m, 0.1), lr=3e-3, stage=2),   # zeroshard
-                    lambda m: torch.optim.AdamW(param_groups(m, 0.1), lr=3e-3), rank, world)
+                    lambda m: torch.optim.AdamW(param_groups(m, 0.1), lr=3e-3), device, rank, world)
 
     # 2. Another torch optimizer: optimizer_class= plus that class's own keyword arguments.
     sgd = compare("SGD+momentum",
                   lambda m: zeroshard.ShardedOptimizer(param_groups(m, 1e-4), optimizer_class=torch.optim.SGD,
                                                        lr=0.05, momentum=0.9, stage=2),            # zeroshard
-                  lambda m: torch.optim.SGD(param_groups(m, 1e-4), lr=0.05, momentum=0.9), rank, world)
+                  lambda m: torch.optim.SGD(param_groups(m, 1e-4), lr=0.05, momentum=0.9), device, rank, world)
 
     if rank == 0:
         print(f"optimizers: AdamW and SGD with param groups and a scheduler on {world} ranks equal plain torch "

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM = 30, 32, 32      # BATCH is the global batch, split over the ranks
@@ -59,18 +60,18 @@ def batch(step, rank, world):
 
 
 def main():
-    dist.init_process_group("gloo")     # "nccl" on GPUs, with torch.cuda.set_device(LOCAL_RANK)
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     # DDP: model = torch.nn.parallel.DistributedDataParallel(model)      <- deleted
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1, stage=2)   # zeroshard
 
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, rank, world)
+        x, y = (t.to(device) for t in batch(step, rank, world))
         loss = F.mse_loss(model(x), y)
         loss.backward()                 # gradients are reduce-scattered: each rank keeps its shard
         opt.step()                      # each rank updates its shard, then the parameters are all-gathered
@@ -80,8 +81,8 @@ def main():
             print(f"step {step:3d} | loss {loss.item():.4f}")
 
     # Every rank holds the full, identical parameters (as under DDP).
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    others = zeroshard.all_gather_object(flat)     # a script's last collective on gloo: see the README
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()   # objects go as CPU tensors
+    others = zeroshard.all_gather_object(flat)     # a script's last collective on gloo: see docs/cpp-core.md
     worst = max((o - flat).abs().max().item() for o in others)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     mem = opt.memory_report()

@@ -278,16 +278,14 @@ def setup():
     if "RANK" not in os.environ:   # plain `python train_gpt.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
-    import zeroshard as zs
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local)
-        zs.init_distributed("nccl", device_id=device)    # comes up again under torchrun --max-restarts
-        torch.cuda.set_device(local)
-    else:
-        device = torch.device("cpu")
+    # examples/_device.py, imported here, not at the top: the planner and the benchmarks load this
+    # file for its model, from where examples/ need not be on sys.path
+    import _device
+    # NCCL on cuda:LOCAL_RANK where the node has a GPU for every rank, else gloo on the CPU; the
+    # group comes up again under torchrun --max-restarts (zeroshard.init_distributed)
+    device = _device.setup()
+    if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-        zs.init_distributed("gloo")
     return device
 
 

@@ -21,23 +21,25 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.join import Join
 
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 
-def make_model():
+def make_model(device):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 32, bias=False), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 1))
+    return nn.Sequential(nn.Linear(12, 32, bias=False), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 1)).to(device)
 
 
-def my_batches():
+def my_batches(device="cpu"):
     """This rank's batches: 3 on rank 0, 5 on rank 1, ..."""
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
-    return [(torch.randn(16, 12, generator=g), torch.randn(16, 1, generator=g)) for _ in range(3 + 2 * rank)]
+    return [(torch.randn(16, 12, generator=g).to(device), torch.randn(16, 1, generator=g).to(device))
+            for _ in range(3 + 2 * rank)]
 
 
-def train(kind: str) -> dict:
-    model = make_model()
+def train(kind: str, device) -> dict:
+    model = make_model(device)
     if kind == "zero2":
         net = model
         opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2)
@@ -47,20 +49,21 @@ def train(kind: str) -> dict:
         opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2)
         joinables = [opt]
     else:
-        net = nn.parallel.DistributedDataParallel(model)
+        ids = [device.index] if device.type == "cuda" else None      # device_ids=[LOCAL_RANK] on a GPU
+        net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         joinables = [net]
     with Join(joinables):
-        for x, y in my_batches():
+        for x, y in my_batches(device):
             opt.zero_grad()
             nn.functional.mse_loss(net(x), y).backward()
             opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return {k: v.cpu().clone() for k, v in model.state_dict().items()}    # on CPU, as FullyShard's
 
 
 def main():
-    dist.init_process_group("gloo")
-    ddp, zero2, zero3 = train("ddp"), train("zero2"), train("zero3")
+    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
+    ddp, zero2, zero3 = train("ddp", device), train("zero2", device), train("zero3", device)
     err = max((zero2[k].double() - v.double()).abs().max().item() for k, v in ddp.items())
     err3 = max((zero3[k].double() - v.double()).abs().max().item() for k, v in ddp.items()
                if "running" not in k and "tracked" not in k)

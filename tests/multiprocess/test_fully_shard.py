@@ -440,6 +440,30 @@ def test_meta_init_equals_a_normally_built_model(dist_pool):
         assert r["equal"] and r["err"] <= 1e-5, r
 
 
+class WithFrequencies(nn.Module):
+    """A rotary-style buffer computed in __init__, in no state dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.arange(1.0, 3.0), persistent=False)
+
+
+def _meta_unsaved_buffer():
+    import warnings
+    with torch.device("meta"):
+        model = WithFrequencies()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        zs.FullyShard(model)
+    return [str(w.message) for w in seen if "non-persistent" in str(w.message)]
+
+
+def test_meta_init_names_the_non_persistent_buffers_no_checkpoint_restores(dist_pool):
+    for msgs in dist_pool.run(_meta_unsaved_buffer):
+        assert len(msgs) == 1 and "['inv_freq']" in msgs[0] and "no state dict" in msgs[0], msgs
+
+
 # --------------------------------------------------------------- state dict
 def _fs_save(steps):
     model = wrapped()

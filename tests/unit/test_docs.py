@@ -74,3 +74,46 @@ def test_api_reference_covers_the_public_api():
     documented = set(re.findall(r"^::: zeroshard\.(\w+)\s*$", api, re.M))
     documented |= set(re.findall(r"^#+ `zeroshard\.(\w+)`", api, re.M))
     assert not set(public) - documented, f"public names missing from docs/api.md: {sorted(set(public) - documented)}"
+
+
+def test_the_memory_table_is_the_planners():
+    """The memory tables (README, home page, choosing a stage): each stage's 7B-on-8-GPUs figures are what the
+    planner's formula gives for bf16 parameters with an fp32 master and for fp32 parameters."""
+    from zeroshard.plan.formula import model_state_bytes
+    want = {dt: {s: r["total"] / 1e9 for s, r in model_state_bytes(7e9, 8, dt).items()} for dt in ("bf16", "fp32")}
+    for page in ("README.md", os.path.join("docs", "index.md"), os.path.join("docs", "choosing-a-stage.md")):
+        rows = [line.split("|")[1:-1] for line in _read(page).splitlines()
+                if re.match(r"\| (DDP|ZeRO-[123]) \|", line)]
+        assert [r[0].strip() for r in rows] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], page
+        for r in rows:
+            stage = r[0].strip()
+            got = [float(c.strip().removesuffix(" GB")) for c in r if c.strip().endswith(" GB")]
+            assert got == [want["bf16"][stage], want["fp32"][stage]], (page, stage, got)
+
+
+def test_every_docs_pointer_in_the_code_resolves():
+    """A message or docstring that sends the reader to ``docs/<page>.md`` (and a section,
+    ``("Title")`` or ``('Title')`` after it) names a page and heading that exist."""
+    bad = []
+    for dirpath, _, filenames in os.walk(os.path.join(ROOT, "python", "zeroshard")):
+        for name in filenames:
+            if not name.endswith(".py"):
+                continue
+            text = open(os.path.join(dirpath, name), encoding="utf-8").read()
+            for page, title in re.findall(r"""docs/([\w/-]+\.md)(?:,? \(?["']([^"']+)["'])?""", text):
+                path = os.path.join(DOCS, page)
+                if not os.path.isfile(path):
+                    bad.append((name, page))
+                elif title and not re.search(rf"^#+ {re.escape(title)}\s*$", _read("docs", page), re.M):
+                    bad.append((name, page, title))
+    assert not bad, bad
+
+
+def test_the_product_speaks_of_itself_alone():
+    """No page, the README nor the results name internal issue numbers or how the project's
+    machines were used (torch.profiler's own "session" aside)."""
+    pages = ["README.md", os.path.join("benchmarks", "RESULTS.md")] + [os.path.join("docs", p) for p in _doc_pages()]
+    hits = [(p, line) for p in pages for line in _read(p).splitlines()
+            if re.search(r"issue [0-9]+|session|device time", line, re.I) and "profiler" not in line
+            and not line.startswith("start is still running as the session ends")]
+    assert not hits, hits

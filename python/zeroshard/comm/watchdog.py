@@ -21,7 +21,7 @@ blocks in it), so a GPU-side hang is torch's NCCL watchdog's to report.
 through the store, that every rank of its group issues the same (sequence,
 kind, size, dtype); a mismatch raises ``CollectiveMismatch`` on every rank at
 once, naming both sides, before any data moves. It costs a few store round
-trips per collective (see README, "When something hangs").
+trips per collective (see docs/hangs.md, "When something hangs").
 """
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def incident(cause: str, group: str, rec: Optional[Record]) -> Tuple[str, bool]:
                      "agent) has exited, so the other ranks' reports cannot be read.")
     path = _write(reports, "\n".join(lines))
     lines.append(f"Every answering rank's last {RECENT} collectives: {path} (this rank's whole flight "
-                 "record included); see the README's 'When something hangs'.")
+                 "record included); see docs/hangs.md ('When something hangs').")
     others_timed_out = any(v["cause"].startswith("timed out") for r, v in reports.items() if r != rank)
     return "\n".join(lines), others_timed_out
 

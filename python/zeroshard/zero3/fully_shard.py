@@ -14,9 +14,10 @@
   gradient shard exists only from the unit's first reduction to
   ``zero_grad(set_to_none=True)``, which frees it, so it is not held through
   the forward and the start of backward, where the activations peak.
-* Parameters. ``FullyShard.named_parameters()`` yields one 1-D parameter per
-  original parameter: this rank's piece of it, a view into the unit's shard
-  (possibly empty). While a unit is gathered, its modules hold "full"
+* Parameters. ``FullyShard.named_parameters()`` yields one parameter per
+  original parameter, with the full tensor's shape; its data is this rank's
+  piece of it (``p.to_local()``: a 1-D view into the unit's fp32 shard,
+  possibly empty; see zero3/param.py). While a unit is gathered, its modules hold "full"
   parameters instead: leaves whose data are views of the unit's gathered flat
   buffer in ``param_dtype``. Resharding frees that buffer's *storage*
   (``untyped_storage().resize_(0)``), so tensors autograd saved in forward
@@ -120,9 +121,9 @@ def _check_in_evaluation(fs):
 class FullyShard(nn.Module, ShardedModel):
     """ZeRO-3: shard ``module``'s parameters over ``process_group`` unit by unit
     ([Note: fully shard policy]); train with ``ShardedOptimizer(model.parameters())``,
-    which updates the shards in place. Each parameter becomes this rank's 1-D
-    fp32 piece of it between steps; a unit is all-gathered just before its forward
-    and its backward.
+    which updates the shards in place. Each parameter keeps its full shape, and
+    holds this rank's fp32 piece of it between steps (``p.to_local()``); a unit is
+    all-gathered just before its forward and its backward.
 
     Args:
         module: the model, built on CPU, CUDA or ``meta``.
@@ -217,8 +218,8 @@ class FullyShard(nn.Module, ShardedModel):
             return getattr(self._modules["module"], name)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's sharded parameters (1-D pieces), under their original names,
-        in the unwrapped model's order."""
+        """The sharded parameters (the full shapes; their data this rank's pieces), under
+        their original names, in the unwrapped model's order."""
         seen = set()
         for n, q in self._named:
             if remove_duplicate and id(q.sharded) in seen:

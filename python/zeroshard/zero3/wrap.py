@@ -348,6 +348,7 @@ def materialize(cfg: "Setup", units: List[Unit]):
         for q in u.params:
             for mod, attr in q.slots:
                 unit_of[id(mod), attr] = (u, q)
+    names = {id(m): n for n, m in cfg.module.named_modules()}
     mods = list(cfg.module.modules())
     last_use: Dict[int, int] = {}
     for k, mod in enumerate(mods):
@@ -355,7 +356,7 @@ def materialize(cfg: "Setup", units: List[Unit]):
             if (id(mod), attr) in unit_of:
                 last_use[unit_of[id(mod), attr][0].index] = k
     temp: Dict[int, torch.Tensor] = {}
-    initialised, uninitialised_buffers = set(), []
+    initialised, uninitialised_buffers, unsaved = set(), [], []
     for k, mod in enumerate(mods):
         owned = [unit_of[id(mod), attr] for attr in mod._parameters if (id(mod), attr) in unit_of]
         has_buffers = any(b is not None for b in mod._buffers.values())
@@ -366,7 +367,11 @@ def materialize(cfg: "Setup", units: List[Unit]):
                 initialised.add(id(q))
             mod.reset_parameters()
         elif has_buffers:
-            uninitialised_buffers += [n for n, b in mod._buffers.items() if b is not None]
+            saved = mod.state_dict(keep_vars=True)      # (its persistent buffers only)
+            for n, b in mod._buffers.items():
+                if b is not None:
+                    full = f"{names[id(mod)]}.{n}".lstrip(".")
+                    (uninitialised_buffers if n in saved else unsaved).append(full)
         for ui in [ui for ui, last in last_use.items() if last == k and ui in temp]:
             u = units[ui]
             u.shard.copy_(u.own(temp.pop(ui), cfg.rank))
@@ -379,6 +384,12 @@ def materialize(cfg: "Setup", units: List[Unit]):
             "FullyShard: the model was built on meta; these parameters/buffers have no module "
             f"reset_parameters() to initialise them, so they start at zero: {missing + uninitialised_buffers}. "
             "Load a state dict (model.load_state_dict) or give their modules reset_parameters().")
+    if unsaved:
+        warnings.warn(
+            f"FullyShard: the model was built on meta; its non-persistent buffers {unsaved} have no module "
+            "reset_parameters() to initialise them, so they start at zero, and no state dict or checkpoint "
+            "holds them: loading one leaves them zero (a rotary embedding's inv_freq computed in __init__ is "
+            "one). Set them after wrapping as the module's __init__ computes them, or build the model on CPU")
 
 
 def _full_fp32_views(u: Unit, device: torch.device) -> torch.Tensor:
