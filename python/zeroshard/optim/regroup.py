@@ -92,12 +92,7 @@ def carry_state(opt, old_regions, old_rule, old_steps: List[int]) -> None:
             return reg.values if reg.values is not None and not reg.model_owned else None
         if old_rule.fused:
             return getattr(reg, name)
-        local = torch.zeros(reg.shard_numel, dtype=torch.float32, device=opt.device)
-        for i, t_off, sl in reg.owned(opt.rank):
-            st = old_rule.piece_state(i, t_off)
-            if st is not None and isinstance(st.get(name), torch.Tensor):
-                local[sl].copy_(st[name].reshape(-1))
-        return local
+        return old_rule.region_state(reg, name, opt.rank, opt.device)
 
     new_rule, states = opt.elementwise_rule, {}
 
@@ -114,7 +109,7 @@ def carry_state(opt, old_regions, old_rule, old_steps: List[int]) -> None:
     if new_rule is not None:
         scalars = gather_scalars(opt, old_rule)      # (collective)
         for (i, t_off) in new_rule.piece_leaves():
-            if old_steps[i] if i < len(old_steps) else 0:
+            if i < len(old_steps) and old_steps[i]:      # (a new parameter has no state yet)
                 st = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.get(i, {}).items()}
                 st.update(states.get((i, t_off), {}))
                 new_rule.set_piece_state(i, t_off, st)

@@ -234,6 +234,17 @@ class TorchElementwise:
             for k, v in st.items()}
 
     @torch.no_grad()
+    def region_state(self, reg, key: str, rank: int, device: torch.device) -> torch.Tensor:
+        """State ``key`` of this rank's pieces of region ``reg``, laid out as its shard (fp32;
+        zero where a piece has none)."""
+        local = torch.zeros(reg.shard_numel, dtype=torch.float32, device=device)
+        for i, t_off, sl in reg.owned(rank):
+            st = self.piece_state(i, t_off)
+            if st is not None and isinstance(st.get(key), torch.Tensor):
+                local[sl].copy_(st[key].reshape(-1))
+        return local
+
+    @torch.no_grad()
     def gather_full(self, opt, keep: bool) -> Optional[Dict[int, dict]]:
         """The full state in the class's own per-parameter format, on CPU, gathered
         one region and one state key at a time (collective); None where ``keep`` is false."""
@@ -244,11 +255,7 @@ class TorchElementwise:
                 full[i][k] = torch.zeros(opt.full_shape(i), dtype=torch.float32)
         for reg in opt.regions:
             for k in sorted(self.elementwise_keys):
-                local = torch.zeros(reg.shard_numel, dtype=torch.float32, device=opt.device)
-                for i, t_off, sl in reg.owned(opt.rank):
-                    st = self.piece_state(i, t_off)
-                    if st is not None and k in st:
-                        local[sl].copy_(st[k].reshape(-1))
+                local = self.region_state(reg, k, opt.rank, opt.device)
                 gathered = torch.empty(reg.numel(opt.world_size), dtype=torch.float32, device=opt.device)
                 comm.all_gather(local, gathered, group=opt.process_group, bounds=reg.bounds,
                                 what=f"state_dict gather: {k}").wait()

@@ -117,9 +117,11 @@ def modules_given(params) -> List[nn.Module]:
     (``ShardedOptimizer(model.parameters())``, or param groups of them), read before the
     optimizer iterates them: such a generator, not yet started, holds its module as
     ``self``. A list of tensors names no module (then []). See [Note: module buffers]."""
+    given = [params]
+    if isinstance(params, (list, tuple)):       # param groups: each group's "params"
+        given += [d.get("params") for d in params if isinstance(d, dict)]
     found = []
-    for g in [params] + [d.get("params") for d in params if isinstance(d, dict)] \
-            if isinstance(params, (list, tuple)) else [params]:
+    for g in given:
         frame = getattr(g, "gi_frame", None)
         if getattr(g, "gi_code", None) in _PARAMETER_GENERATORS and frame is not None:
             module = frame.f_locals.get("self")

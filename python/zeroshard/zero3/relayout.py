@@ -98,8 +98,8 @@ def thaw(cfg: Setup, units: List[Unit], backward, optimizers: Optimizers, by: ob
     parameters frozen at wrapping and unfrozen since (``requires_grad_(True)`` on the sharded
     parameter), values kept, so those parameters take gradients ([Note: frozen parameters]
     in zero3/wrap.py); the optimizers over them but the one whose source is ``by`` are bound
-    again, their state carried over ([Note: new parameters] in optim/regroup.py). Returns the (unit, parameter record) of each parameter thawed. Collective over
-    ``cfg.group``."""
+    again, their state carried over ([Note: new parameters] in optim/regroup.py). Returns
+    the (unit, parameter record) of each parameter thawed. Collective over ``cfg.group``."""
     moved, thawed_all = [], []
     for u in units:
         thawed = [q for q in u.params if not q.requires_grad and q.sharded.requires_grad]
