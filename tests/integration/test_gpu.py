@@ -224,6 +224,28 @@ def test_cuda_training_example(stage, tmp_path):
     assert row and row.group(1) == row.group(2), res.stdout    # measured total == the seeds' formula
 
 
+# every example that starts through examples/_device.py, on one GPU (a rank per GPU: NCCL on cuda:0)
+GPU_EXAMPLES = ["quickstart", "fully_shard", "fully_shard_habits", "optimizers", "uneven_inputs", "muon",
+                "mixed_precision", "offload", "checkpoints", "llama_zero3", "deepspeed_config", "lightning_gpt"]
+
+
+@pytest.mark.parametrize("name", GPU_EXAMPLES)
+def test_cuda_examples_run_where_the_user_is(name, tmp_path):
+    """Each example under torchrun on one GPU host takes the NCCL branch of examples/_device.py
+    (the unit test checks which branch each machine gets) and passes its own check."""
+    import os
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                          os.path.join(root, "examples", f"{name}.py")], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(rf"^{name}: ", res.stdout, re.MULTILINE), res.stdout[-3000:]
+
+
 class _Branchy(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -1,5 +1,5 @@
 """benchmarks/report.py on synthetic benchmark JSONs: plots, the generated docs
-page, the RESULTS.md and README.md sections between their markers, idempotence,
+page, the RESULTS.md section between its markers, idempotence,
 missing JSONs."""
 import importlib.util
 import json
@@ -47,8 +47,6 @@ CKPT = {"date": "2031-01-02", "world_size": 2, "torch": "2.99.0", "backend": "CP
 
 RESULTS = "# Benchmark results\n\nIntro paragraph.\n\n## Old run\n\nhand-written reading\n"
 PNGS = ["headline.png", "memory_by_stage.png", "step_time_ratio.png", "adamw.png", "checkpoint.png"]
-README = ("# proj\n\ntext\n\n## Benchmarks\n\n- `make bench` runs them.\n\nshort summary\n\n"
-          "## Afterwards\n\nlast section\n")
 
 
 def _setup(tmp_path, files=(("step.json", STEP), ("adamw.json", ADAMW), ("checkpoint.json", CKPT))):
@@ -56,15 +54,14 @@ def _setup(tmp_path, files=(("step.json", STEP), ("adamw.json", ADAMW), ("checkp
     out.mkdir(parents=True)
     for name, data in files:
         (out / name).write_text(json.dumps(data))
-    results, readme = tmp_path / "bench" / "RESULTS.md", tmp_path / "README.md"
+    results = tmp_path / "bench" / "RESULTS.md"
     results.write_text(RESULTS)
-    readme.write_text(README)
-    return out, results, readme
+    return out, results
 
 
-def _run(tmp_path, out, results, readme):
+def _run(tmp_path, out, results):
     docs = tmp_path / "docs" / "benchmarks"
-    return report.report(str(out), str(results), str(readme), str(docs)), docs
+    return report.report(str(out), str(results), str(docs)), docs
 
 
 def _links(text):
@@ -79,9 +76,9 @@ def _section(text, markers):
 
 
 def test_plots_sections_and_idempotent(tmp_path):
-    out, results, readme = _setup(tmp_path)
+    out, results = _setup(tmp_path)
     (out / "sweep_size.png").write_bytes(b"\x89PNG sweep.py's plot")   # drawn by another script: copied
-    changed, docs = _run(tmp_path, out, results, readme)
+    changed, docs = _run(tmp_path, out, results)
     for png in PNGS:
         data = (docs / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) < 100_000, png
@@ -98,21 +95,6 @@ def test_plots_sections_and_idempotent(tmp_path):
     assert "zeroshard-3 / fsdp2-3 (ZeRO-3): 0.63x time" in sec
     assert "| zeroshard-3 | 262.9 | 0.68x | 77.7 | 0.28x |" in sec
 
-    # README: one headline table (each stage: ours, torch's, DeepSpeed's where run, against DDP), one plot,
-    # a link to the docs page; short
-    rd = readme.read_text()
-    sec = _section(rd, report.README_MARKERS)
-    before, after = rd.split(sec)
-    assert before == "# proj\n\ntext\n\n## Benchmarks\n\n- `make bench` runs them.\n\nshort summary\n\n"
-    assert after == "\n\n## Afterwards\n\nlast section\n"
-    assert len(sec.split("\n")) <= 25
-    assert [t for t in _links(sec) if t.endswith(".png")] == ["docs/benchmarks/headline.png"]
-    assert "docs/benchmarks/index.md" in _links(sec)
-    rows = [line.split(" | ")[0].strip("| *") for line in sec.split("\n") if line.startswith("| ")][1:]
-    assert rows == ["ddp", "zeroshard-1", "ddp+zero", "zeroshard-2", "fsdp2", "zeroshard-3", "fsdp2-3"]
-    assert "| **zeroshard-2** | ZeRO-2 | 370.0 | 1.01x | 226.0 | 0.93x |" in sec
-    assert "2031-01-02" in sec and "Test CPU 9000, 4 CPUs" in sec and "abc1234" in sec
-
     # the docs page: generated whole, every plot (links relative to the page), the same tables
     page = (docs / "index.md").read_text()
     assert page.startswith(report.DOCS_HEADER) and "do not edit by hand" in page.lower()
@@ -124,19 +106,19 @@ def test_plots_sections_and_idempotent(tmp_path):
     assert tables in page and tables in sec_res
     assert "## Old run\n\nhand-written reading\n" in page     # RESULTS' hand-kept sections follow
 
-    files = [results, readme] + [docs / p for p in PNGS + ["index.md", "sweep_size.png"]]
+    files = [results] + [docs / p for p in PNGS + ["index.md", "sweep_size.png"]]
     snapshot = {p: p.read_bytes() for p in files}
-    again, _ = _run(tmp_path, out, results, readme)
+    again, _ = _run(tmp_path, out, results)
     assert not any(again.values())
     assert snapshot == {p: p.read_bytes() for p in snapshot}
 
 
 def test_docs_page_links_stay_inside_docs(tmp_path):
-    out, results, readme = _setup(tmp_path, files=[("step.json", STEP)])
+    out, results = _setup(tmp_path, files=[("step.json", STEP)])
     (out / "sweep_world.png").write_bytes(b"\x89PNG")
     results.write_text("# R\n\n## GPU run (x)\n\n![plot](out/sweep_world.png) and [a file](gpu_run.sh), "
                        "[site](https://example.com), [here](#gpu-run-x)\n")
-    _, docs = _run(tmp_path, out, results, readme)
+    _, docs = _run(tmp_path, out, results)
     page = (docs / "index.md").read_text()
     assert "![plot](sweep_world.png) and a file (`benchmarks/gpu_run.sh`), [site](https://example.com), " \
            "[here](#gpu-run-x)" in page
@@ -146,12 +128,10 @@ def test_docs_page_links_stay_inside_docs(tmp_path):
 
 
 def test_missing_jsons_are_skipped(tmp_path):
-    out, results, readme = _setup(tmp_path, files=[("checkpoint.json", CKPT), ("notes.json", {"x": 1})])
+    out, results = _setup(tmp_path, files=[("checkpoint.json", CKPT), ("notes.json", {"x": 1})])
     (out / "broken.json").write_text("{not json")
-    _, docs = _run(tmp_path, out, results, readme)
+    _, docs = _run(tmp_path, out, results)
     assert sorted(p.name for p in docs.glob("*.png")) == ["checkpoint.png"]
-    sec = _section(readme.read_text(), report.README_MARKERS)
-    assert "No step run yet" in sec and ".png" not in sec
     page = (docs / "index.md").read_text()
     assert "checkpoint.png" in page and "memory_by_stage.png" not in page and "adamw.png" not in page
     res = _section(results.read_text(), report.RESULTS_MARKERS)
@@ -159,28 +139,24 @@ def test_missing_jsons_are_skipped(tmp_path):
 
 
 def test_existing_sections_are_replaced_in_place(tmp_path):
-    out, results, readme = _setup(tmp_path)
+    out, results = _setup(tmp_path)
     old = f"# R\n\nintro\n\n{report.RESULTS_MARKERS[0]}\nstale numbers\n{report.RESULTS_MARKERS[1]}\n\n## Old\n"
     results.write_text(old)
-    readme.write_text(f"# P\n\n{report.README_MARKERS[0]}\nold\n{report.README_MARKERS[1]}\n\n## Benchmarks\n")
-    _run(tmp_path, out, results, readme)
-    res, rd = results.read_text(), readme.read_text()
+    _run(tmp_path, out, results)
+    res = results.read_text()
     assert "stale numbers" not in res and res.startswith("# R\n\nintro\n\n") and res.endswith("\n\n## Old\n")
-    assert "old\n" not in rd and rd.startswith("# P\n\n" + report.README_MARKERS[0])
-    assert rd.endswith(report.README_MARKERS[1] + "\n\n## Benchmarks\n")
 
 
 def test_cli_and_broken_markers(tmp_path, capsys):
-    out, results, readme = _setup(tmp_path, files=[("step.json", STEP)])
+    out, results = _setup(tmp_path, files=[("step.json", STEP)])
     docs = tmp_path / "site" / "bench"
-    args = ["--out-dir", str(out), "--results", str(results), "--readme", str(readme), "--docs", str(docs)]
+    args = ["--out-dir", str(out), "--results", str(results), "--docs", str(docs)]
     assert report.main(args) == 0
     assert all((docs / png).exists() for png in ("headline.png", "memory_by_stage.png", "step_time_ratio.png"))
-    assert "](site/bench/index.md)" in readme.read_text()
     capsys.readouterr()
     assert report.main(args) == 0
     printed = capsys.readouterr().out
-    assert "wrote" not in printed and printed.count("unchanged") == 6     # 3 plots, RESULTS, page, README
+    assert "wrote" not in printed and printed.count("unchanged") == 5     # 3 plots, RESULTS, page
     results.write_text(f"# R\n\n{report.RESULTS_MARKERS[0]}\nno end marker\n")
     with pytest.raises(ValueError, match="by hand"):
         report.main(args)
@@ -191,8 +167,8 @@ def test_paired_ratios_get_their_column(tmp_path):
     step["paired"] = 12
     for r, ratio in zip(step["rows"], (1.0, 1.13, 1.4, 0.97, 0.96, 0.99, 1.8, 1.2)):
         r["paired_ratio"] = ratio
-    out, results, readme = _setup(tmp_path, files=[("step.json", step)])
-    _run(tmp_path, out, results, readme)
+    out, results = _setup(tmp_path, files=[("step.json", step)])
+    _run(tmp_path, out, results)
     sec = _section(results.read_text(), report.RESULTS_MARKERS)
     assert "| variant | stage | step ms | vs ddp | paired vs ddp | peak MB/rank |" in sec
     assert "| zeroshard-2 | ZeRO-2 | 370.0 | 1.01x | 0.96x | 226.0 | 0.93x |" in sec
@@ -208,8 +184,8 @@ def test_hybrid_runs_get_the_replica_traffic_column(tmp_path):
         r["comm_groups"] = {"shard": {"size": 2, "sent": 1.0 * 2**20}}
         if sent is not None:
             r["comm_groups"]["replicate"] = {"size": 2, "sent": sent * 2**20}
-    out, results, readme = _setup(tmp_path, files=[("step_hybrid.json", step)])
-    _run(tmp_path, out, results, readme)
+    out, results = _setup(tmp_path, files=[("step_hybrid.json", step)])
+    _run(tmp_path, out, results)
     sec = _section(results.read_text(), report.RESULTS_MARKERS)
     assert "| comm MB/rank/step | across replicas MB |" in sec
     assert "| 13.10 | - |" in sec and "| 26.20 | 3.25 |" in sec     # ddp: no replica group
