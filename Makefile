@@ -75,16 +75,16 @@ TEST_DS := deepspeed==0.19.8
 TEST_LIGHTNING := lightning==2.6.6
 # Hugging Face, the test-only peers of tests/integration/test_hf.py (ZeroShardTrainer beside the Trainer's own
 # DDP, the Accelerate recipe beside Accelerate's, TRL's SFTTrainer through the mixin): pinned to
-# the range zeroshard.integrations.hf checks at import; their wheels (and their dependencies')
+# the range zeroshard.integrations.hf checks at import (peft: LoRA); their wheels (and their dependencies')
 # are kept in the wheelhouse with torch's, so a fresh clone installs them offline.
-TEST_HF := transformers==5.24.0 accelerate==1.15.0 trl==1.16.0
+TEST_HF := transformers==5.24.0 accelerate==1.15.0 trl==1.16.0 peft==0.21.2
 .PHONY: test-deps
 test-py: test-deps
 test-deps: $(VENV)/.deps
 	@$(PY) -c "import deepspeed" 2>/dev/null || { $(PIP) install -q --no-deps "$(TEST_DS)" && \
 	  $(PIP) install -q $(BENCH_DEPS_OF_DS); }
 	@$(PY) -c "import lightning" 2>/dev/null || $(PIP) install -q "$(TEST_LIGHTNING)" "$(TORCH_SPEC)"
-	@$(PY) -c "import transformers, accelerate, trl" 2>/dev/null || { \
+	@$(PY) -c "import transformers, accelerate, trl, peft" 2>/dev/null || { \
 	  $(PIP) install -q --no-index --find-links "$(WHEELHOUSE)" $(TEST_HF) "$(TORCH_SPEC)" 2>/dev/null || { \
 	    $(PIP) download -q -d "$(WHEELHOUSE)" --find-links "$(WHEELHOUSE)" $(TEST_HF) "$(TORCH_SPEC)" && \
 	    $(PIP) install -q --no-index --find-links "$(WHEELHOUSE)" $(TEST_HF) "$(TORCH_SPEC)"; }; }

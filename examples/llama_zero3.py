@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 examples/llama_zero3.py --tiny        # CPU: a tiny Llama saved here first
 
 What a job on many GPUs does, in a few dozen lines (docs/large-models.md):
-* the pretrained weights come from a ``save_pretrained`` folder;
+* the pretrained weights come from a ``save_pretrained`` folder, each rank reading
+  only its own shards' bytes (``zeroshard.integrations.hf.from_pretrained``);
 * ``FullyShard`` shards every decoder layer (``wrap={LlamaDecoderLayer}``) and
   gathers them in bf16 while the shards and the optimizer stay fp32;
 * activation checkpointing (the model's own ``gradient_checkpointing_enable``)
@@ -24,6 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import _device                  # examples/_device.py: where the examples run
 import zeroshard
+from zeroshard.integrations.hf import from_pretrained
 
 
 def tiny_llama(path: str) -> None:
@@ -34,18 +36,17 @@ def tiny_llama(path: str) -> None:
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
 
 
-def build(path: str, device: torch.device):
+def build(path: str):
     """The model, sharded, and its optimizer."""
-    # 1. The pretrained weights, in fp32 (the shards and the optimizer state stay fp32). Every rank
-    #    reads them here, then FullyShard keeps its own share: host memory for one full copy per rank
-    #    while wrapping (docs/large-models.md says what that costs).
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    # 2. ZeRO-3 over every decoder layer, gathered in bf16, gradients reduced in fp32.
-    model = zeroshard.FullyShard(
-        model, wrap={LlamaDecoderLayer}, device=device,
-        mixed_precision=zeroshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    # 1. Built on meta, wrapped at every decoder layer, then each rank reads only the bytes of its own
+    #    shards from the safetensors files: no rank ever holds the whole model. Units gathered in bf16,
+    #    gradients reduced in fp32; the shards and the optimizer state stay fp32.
+    model = from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32,
+                            zeroshard=dict(stage=3, wrap={LlamaDecoderLayer}, mixed_precision="bf16"))
+    # 2. Activation checkpointing: the model's own switch, on the model inside the FullyShard.
+    model.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.module.config.use_cache = False
+    model.train()                 # from_pretrained returns it in eval mode, as Hugging Face's does
     return model, zeroshard.ShardedOptimizer(model.parameters(), lr=1e-4, weight_decay=0.0)
 
 
@@ -81,7 +82,7 @@ def main():
         dist.barrier()
     ckpt = args.ckpt_dir or os.path.join(work, "ckpt")
 
-    model, opt = build(path, device)
+    model, opt = build(path)
     # 3. Continue from the newest checkpoint, if any (torchrun --max-restarts relies on it).
     extra = zeroshard.resume(ckpt, model, opt)
     start = extra["step"] if extra else 0
@@ -106,7 +107,7 @@ def main():
     if pending is not None:
         pending.result()
     if args.tiny:     # what a restarted job does: a fresh process resumes exactly where this one saved
-        again, again_opt = build(path, device)
+        again, again_opt = build(path)
         assert zeroshard.resume(ckpt, again, again_opt)["step"] == args.steps - args.steps % args.ckpt_every
         if args.steps % args.ckpt_every == 0:
             ours, theirs = model.state_dict(), again.state_dict()

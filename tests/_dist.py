@@ -212,3 +212,11 @@ class Timeline:
             out.append((rec["kind"], unit.group(1) if unit else int(bucket.group(1)) if bucket else rec["what"]))
         out += [m[1] for m in ([mark] if mark is not None else []) + list(marks)]
         return out
+
+
+def unit_gather_dtypes(since: float) -> list:
+    """The dtypes of the units' all-gathers this rank issued since ``since`` (time.time()), from the flight record."""
+    import zeroshard
+    return sorted({r["dtype"] for r in zeroshard.flight_record()
+                   if r["kind"] == "all_gather" and "all-gather" in r["what"] and ", unit '" in r["what"]
+                   and r["start"] >= since})

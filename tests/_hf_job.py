@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           TrainingArguments)
 
 import zeroshard
-from zeroshard.integrations.hf import ZeroShardTrainer, ZeroShardTrainerMixin
+from _dist import unit_gather_dtypes
+from zeroshard.integrations.hf import ZeroShardTrainer, ZeroShardTrainerMixin, from_pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 101, 16
@@ -112,6 +114,7 @@ def full_params(trainer, stage):
 
 
 def run(stage, out, model_fn=gpt2, resume=None, trainer_cls=None, hook=None, **kw):
+    t0 = time.time()
     model = model_fn()
     if hook is not None:
         hook(model)
@@ -127,7 +130,7 @@ def run(stage, out, model_fn=gpt2, resume=None, trainer_cls=None, hook=None, **k
                   lrs=[h["learning_rate"] for h in logs if "learning_rate" in h and "loss" in h],
                   eval=[h["eval_loss"] for h in logs if "eval_loss" in h],
                   params=full_params(t, stage), best=t.state.best_model_checkpoint,
-                  device=str(next(iter(t.model.parameters())).device))
+                  device=str(next(iter(t.model.parameters())).device), gathers=unit_gather_dtypes(t0))
     final = os.path.join(out, "final")
     t.save_model(final)                    # every rank, as Trainer scripts do
     result["final"] = final
@@ -197,7 +200,7 @@ def fp16_run(stage, out):
 
 
 def sft_run(out):
-    """TRL's SFTTrainer through the mixin: trains and saves."""
+    """TRL's SFTTrainer through the mixin, given a model from_pretrained loaded at stage 3: trains and saves."""
     import datasets
     import trl
     from tokenizers import Tokenizer, models
@@ -213,11 +216,72 @@ def sft_run(out):
     cfg = trl.SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=3, learning_rate=2e-3,
                         logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
                         max_length=SEQ, seed=3)
-    t = SFT(model=gpt2(), args=cfg, train_dataset=ds, processing_class=tok, zeroshard=dict(stage=3))
+    from transformers import AutoModelForCausalLM     # the model from_pretrained wrapped: the mixin takes it
+    opts = dict(stage=3, mixed_precision="bf16")      # SFTConfig's bf16=True by default: bf16 gathers
+    model = from_pretrained(AutoModelForCausalLM, os.path.join(os.path.dirname(out), "saved-gpt2"), zeroshard=opts)
+    t = SFT(model=model, args=cfg, train_dataset=ds, processing_class=tok, zeroshard=opts)
     t.train()
     t.save_model(os.path.join(out, "final"))
     return dict(losses=[h["loss"] for h in t.state.log_history if "loss" in h], final=os.path.join(out, "final"),
                 params=full_params(t, 3), is_zeroshard=isinstance(t.optimizer.optimizer, zeroshard.ShardedOptimizer))
+
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def loaded_logits(d):
+    """A Llama and a GPT-2 (tied, Conv1D) saved in files of 20 KB, loaded by from_pretrained at
+    stages 2 and 3: the logits of a fixed batch, and the files' count."""
+    from transformers import AutoModelForCausalLM
+    ids, out = torch.stack([r["input_ids"] for r in rows(3, 9)]), {}
+    for name, fn in (("llama", llama), ("gpt2", gpt2)):
+        folder = os.path.join(d, f"saved-{name}")
+        if dist.get_rank() == 0:
+            fn(seed=4).save_pretrained(folder, max_shard_size="20KB")
+        dist.barrier()
+        out[f"files-{name}"] = len([f for f in os.listdir(folder) if f.endswith(".safetensors")])
+        for stage in (2, 3):
+            model = from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=stage))
+            with torch.no_grad():
+                out[f"{name}-{stage}"] = model(input_ids=ids).logits
+    return out
+
+
+def fine_tunes(d):
+    """From the saved Llama: full fine-tuning at stage 3 and LoRA at stages 2 and 3 (with
+    gradient checkpointing) from from_pretrained, against the Trainer's DDP from
+    AutoModelForCausalLM.from_pretrained (+ get_peft_model, the adapter started where
+    zeroshard's started); the gradient bytes memory_report counts, over the ranks."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    folder, out = os.path.join(d, "saved-llama"), {}
+    plain = lambda: AutoModelForCausalLM.from_pretrained(folder)   # noqa: E731
+    kw = dict(model_fn=plain, save_strategy="no", eval_strategy="no")
+    out["ft-0"], _ = run(0, os.path.join(d, "ft-0"), **kw)
+    kw["model_fn"] = lambda: from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=3))  # noqa: E731
+    out["ft-3"], _ = run(3, os.path.join(d, "ft-3"), zeroshard=dict(stage=3), **kw)
+    for stage in (2, 3):
+        torch.manual_seed(11)
+        model = from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=stage),
+                                peft_config=LoraConfig(**LORA))
+        if stage == 3:
+            names = [n for n, p in model.module.named_parameters() if p.requires_grad]
+            start = model.state_dict(keys=names)
+        kw["model_fn"] = lambda: model     # noqa: E731
+        out[f"lora-{stage}"], t = run(stage, os.path.join(d, f"lora-{stage}"), gradient_checkpointing=True, **kw)
+        grads = torch.tensor(float(t.zeroshard_model.memory_report()["grads"] if stage == 3 else 0))
+        dist.all_reduce(grads)
+        out[f"lora-{stage}"]["grad_bytes"] = int(grads)
+    wrapped = from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=3))     # gathers in fp32
+    for name, given in (("precision", dict(stage=3)), ("stage", dict(stage=2))):
+        try:
+            ZeroT(model=wrapped, args=arguments(os.path.join(d, "refused"), bf16=True, eval_strategy="no"),
+                  zeroshard=given)
+        except ValueError as e:
+            out[f"refused-{name}"] = str(e)
+    kw["model_fn"] = lambda: get_peft_model(plain(), LoraConfig(**LORA))   # noqa: E731
+    out["lora-0"], _ = run(0, os.path.join(d, "lora-0"), hook=lambda m: m.load_state_dict(start, strict=False), **kw)
+    return out
 
 
 def example():
@@ -293,6 +357,9 @@ def main():
             dist.barrier()
             ck = True
         res[f"resume-{stage}"], _ = run(stage, out, resume=ck)
+    res["loaded"] = loaded_logits(d)
+    if from_w2 is None:
+        res.update(fine_tunes(d))
     if from_w2 is not None:   # world 3: resume world 2's stage-3 checkpoint, at stages 3 and 2
         for stage in (2, 3):
             ck = os.path.join(from_w2, "fp32-3", "checkpoint-2")

@@ -24,6 +24,7 @@ loss made infinite so that every strategy skips that step), into results-device.
 """
 import os
 import sys
+import time
 
 import lightning as L
 import torch
@@ -37,6 +38,7 @@ from lightning_gpt import LitGPT, windows  # noqa: E402
 from train_gpt import GPT, GPTConfig  # noqa: E402
 
 from zeroshard.integrations.lightning import ZeroShardStrategy  # noqa: E402
+from _dist import unit_gather_dtypes  # noqa: E402
 
 GLOBAL_BATCH, EPOCHS = 6, 2
 
@@ -118,7 +120,7 @@ def full_params(trainer) -> dict:
 
 def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=True, precision="32-true",
         clip="norm", accelerator="cpu", plugins=None):
-    world = int(os.environ["WORLD_SIZE"])
+    world, t0 = int(os.environ["WORLD_SIZE"]), time.time()
     L.seed_everything(0)           # also the seed of the samplers' shuffling
     torch.manual_seed(seed)        # a resumed run starts from other weights: the checkpoint's must load
     model = cls()
@@ -140,7 +142,7 @@ def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=Tru
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     result = dict(losses=rec.losses, lrs=rec.lrs, val=rec.val, reduced=rec.reduced, params=full_params(trainer),
                   steps=trainer.global_step, device=str(next(trainer.lightning_module.parameters()).device),
-                  scale=None if scaler is None else scaler.get_scale())
+                  scale=None if scaler is None else scaler.get_scale(), gathers=unit_gather_dtypes(t0))
     if predict:
         result["predictions"] = torch.cat(trainer.predict(model, val))
     return result

@@ -7,7 +7,8 @@ layout (:func:`compute_layout`), the fused AdamW kernel (:func:`fused_adamw_`)
 and flat-buffer collectives (:func:`reduce_scatter`, :func:`all_gather`,
 :func:`all_reduce`). Checkpoints that resume at any world size and stage:
 :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`export_full_state_dict`, and
-:func:`resume` at the start of a script; :func:`init_distributed` creates the
+:func:`resume` at the start of a script; :func:`load_pretrained` reads published
+safetensors weights straight into shards; :func:`init_distributed` creates the
 process group so that torchrun's restarts come up.
 When collectives hang or fail: :func:`flight_record`, :func:`set_timeout`,
 :class:`CollectiveTimeout`, :class:`CollectiveError`, :class:`CollectiveMismatch`.
@@ -18,7 +19,8 @@ from __future__ import annotations
 from .native.ext import _C
 from .comm.flight import CollectiveError, flight_record
 from .comm.watchdog import CollectiveMismatch, CollectiveTimeout, set_timeout
-from .checkpoint import CheckpointError, export_full_state_dict, load_checkpoint, resume, save_checkpoint
+from .checkpoint import (CheckpointError, export_full_state_dict, load_checkpoint, load_pretrained, resume,
+                         save_checkpoint)
 from .comm.launch import init_distributed
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .zero3.fully_shard import FullyShard, MixedPrecision, register_forward_method
@@ -56,7 +58,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "CheckpointError", "export_full_state_dict", "load_checkpoint", "save_checkpoint", "CommHandle", "Layout",
+    "CheckpointError", "export_full_state_dict", "load_checkpoint", "load_pretrained", "save_checkpoint", "CommHandle", "Layout",
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "fused_adamw_multi_", "reduce_scatter", "ShardedOptimizer", "flight_record",
     "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout", "initialize",

@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -332,3 +333,17 @@ def test_checkpoints_resume_exactly_reshard_and_export(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     exported = torch.load(out / "pytorch_model.bin", weights_only=True)
     _close(exported, sd, 0.0)
+
+
+# ------------------------------------------------------------------ precision
+def _bf16_gathers():
+    from _dist import unit_gather_dtypes
+    t0 = time.time()
+    train(zeroshard.initialize, base(3, bf16={"enabled": True}), steps=1)
+    return unit_gather_dtypes(t0)
+
+
+def test_bf16_config_gathers_every_unit_in_bf16_at_stage_3():
+    """``"bf16": {"enabled": true}`` at stage 3: every unit all-gather in bf16, from the flight record."""
+    from conftest import get_pool
+    assert get_pool(2).run(_bf16_gathers) == [["bfloat16"], ["bfloat16"]]

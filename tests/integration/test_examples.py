@@ -23,6 +23,7 @@ EXAMPLES = [
     ("hybrid.py", 4, {}),
     ("checkpoints.py", 2, {}),
     ("llama_zero3.py", 2, {}),
+    ("finetune.py", 2, {}),
     ("deepspeed_config.py", 2, {}),
     ("lightning_gpt.py", 2, {}),
     ("plan_memory.py", 2, {}),

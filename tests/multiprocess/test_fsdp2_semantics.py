@@ -350,10 +350,16 @@ class LoRAish(nn.Module):
         return x + torch.tanh(self.big(x) + self.up(self.down(x)))
 
 
+REPORT_KEYS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding", "total")
+
+
+def _lora_ish_model():
+    return nn.Sequential(LoRAish(), LoRAish(), LoRAish(), nn.Linear(64, 3))
+
+
 def _frozen(world_hint):
     torch.manual_seed(0)
-    make = lambda: nn.Sequential(LoRAish(), LoRAish(), LoRAish(), nn.Linear(64, 3))   # noqa: E731
-    model, ref = make(), make()
+    model, ref = _lora_ish_model(), _lora_ish_model()
     ref.load_state_dict(model.state_dict())
     model = zs.FullyShard(model, wrap={LoRAish})
     opt = zs.ShardedOptimizer([p for p in model.parameters() if p.requires_grad], lr=0.05)
@@ -374,7 +380,7 @@ def _frozen(world_hint):
     trainable = {u.name: sum(q.numel for q in u.params if q.requires_grad) for u in model.units}
     return dict(err=worst(model.state_dict(), ref.state_dict()), sent=sent, trainable=trainable,
                 units={u.name: (u.numel, u.grad_numel) for u in model.units}, grad_elems=grad_elems,
-                report_grads=report["grads"],
+                report_grads=report["grads"], report={k: report[k] for k in REPORT_KEYS},
                 own_trainable=sum(q.local.numel() for u in model.units for q in u.params if q.requires_grad))
 
 
@@ -393,6 +399,11 @@ def test_frozen_parameters_are_gathered_but_never_reduced(world):
         assert r["report_grads"] == 4 * r["own_trainable"], r          # no gradient bytes for frozen ones
     # gradient shards: each rank's chunk of the trainable prefix, every element held by one rank
     assert sum(r["grad_elems"] for r in res) == sum(g for _, g in res[0]["units"].values())
+    # the planner counts the same bytes on every rank: no gradient or AdamW state for frozen elements
+    from zeroshard.plan import plan_model
+    plan = plan_model(_lora_ish_model, world, wrap=[LoRAish], transport="gloo")["stages"]["ZeRO-3"]["ranks"]
+    for rank, r in enumerate(res):
+        assert {k: plan[rank][k] for k in REPORT_KEYS} == r["report"], (rank, plan[rank], r["report"])
 
 
 class Counter(nn.Module):

@@ -3,7 +3,8 @@
 (the newest complete checkpoint under a path, at a script's start: ``resume``), over what a rank
 holds, by key (``holdings``), the save's steps (``save``), the exchange of
 outcomes that ends each step of a save or load (``peers``), and the file format:
-safetensors writer, manifest and verifying reader (``files``).
+safetensors writer, manifest and verifying reader (``files``); published weights read
+straight into shards (``pretrained``: ``load_pretrained``).
 [Note: checkpoint format] in ``checkpoint/api.py``.
 
 May import: ``native``, ``comm``, ``common``, ``optim``.
@@ -11,7 +12,9 @@ May import: ``native``, ``comm``, ``common``, ``optim``.
 from .api import (export_full_state_dict, full_state_dict_meta, load_checkpoint, read_full_state_dict,
                   save_checkpoint)
 from .files import CheckpointError
+from .pretrained import load_pretrained
 from .resume import resume
 
-__all__ = ["CheckpointError", "export_full_state_dict", "full_state_dict_meta", "load_checkpoint", "read_full_state_dict", "resume",
+__all__ = ["CheckpointError", "export_full_state_dict", "full_state_dict_meta", "load_checkpoint", "load_pretrained",
+           "read_full_state_dict", "resume",
            "save_checkpoint"]

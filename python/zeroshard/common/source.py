@@ -202,11 +202,14 @@ class HeldParam:
 class ShardedModel(abc.ABC):
     """A model whose parameters are sharded over the ranks (FullyShard), seen through
     regions: what checkpoints read and write. Set by the constructor: ``module`` (the
-    wrapped model), ``device``, ``process_group``, ``groups`` (as ShardSource's)."""
+    wrapped model), ``device``, ``process_group``, ``groups`` (as ShardSource's),
+    ``uninitialised_buffers`` (a model built on meta: the non-persistent buffers its
+    modules' own code did not set; ``load_pretrained`` sets a Hugging Face model's)."""
     module: torch.nn.Module
     device: torch.device
     process_group: dist.ProcessGroup
     groups: Groups
+    uninitialised_buffers: List[str]     # built on meta: non-persistent buffers nothing set
 
     @abc.abstractmethod
     def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:

@@ -176,6 +176,8 @@ class FullyShard(nn.Module, ShardedModel):
                             rank=self.rank, src=self._src, param_dtype=self.param_dtype, err=self._err,
                             everyone=self.groups.every, shard_device=host)
         self._units, self._named = build(self._setup, wrap, FullyShard)
+        # built on meta: the non-persistent buffers nothing initialised (load_pretrained sets an HF model's)
+        self.uninitialised_buffers: List[str] = list(self._setup.unset_buffers)
         self._gatherer = Gatherer(self._units, device=self._device, group=self.process_group, rank=self.rank,
                                   prefetch=prefetch, comm_elements=self.comm_elements,
                                   err=self._err)
@@ -350,15 +352,17 @@ class FullyShard(nn.Module, ShardedModel):
 
     # ------------------------------------------------------------ state dict
     def state_dict(self, *, to: Optional[int] = None, prefix: str = "", keep_vars: bool = False,
-                   destination=None):
+                   destination=None, keys: Optional[Iterable[str]] = None):
         """The full, unsharded state dict of the wrapped model (original names,
         dtypes and shapes, on CPU), loadable into the unwrapped model.
 
         Collective: every rank must call it. Units are gathered one at a time
         and copied to CPU, so the transient extra memory is one unit. With
         ``to=r`` only global rank ``r`` builds and returns it; the others return None.
+        ``keys``: only these entries (a LoRA adapter's), and only the units holding
+        them gathered.
         """
-        return full_state_dict(self, to=to, prefix=prefix, destination=destination)
+        return full_state_dict(self, to=to, prefix=prefix, destination=destination, keys=keys)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (of the unwrapped model, from any world size):

@@ -80,16 +80,21 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
 
 
 @torch.no_grad()
-def full_state_dict(fs, *, to: Optional[int], prefix: str, destination) -> Optional[dict]:
-    """See FullyShard.state_dict: units gathered one at a time and copied to CPU."""
+def full_state_dict(fs, *, to: Optional[int], prefix: str, destination, keys=None) -> Optional[dict]:
+    """See FullyShard.state_dict: units gathered one at a time and copied to CPU
+    (``keys``: only these entries; a unit holding none of them is not gathered)."""
     comm.check_in("FullyShard.state_dict()", fs, fs.process_group,
                   "For a checkpoint written by rank 0 alone, call model.state_dict(to=0) on every rank "
                   "(it returns None elsewhere), or use zeroshard.save_checkpoint")
     keep = to is None or dist.get_rank() == to
     template = fs.module.state_dict(keep_vars=True)
+    wanted = set(template) if keys is None else set(keys)
+    unknown = sorted(wanted - set(template))
+    if unknown:
+        raise KeyError(comm.on_rank(fs, f"FullyShard.state_dict(keys=...): the model has no entries {unknown}"))
     values: Dict[str, torch.Tensor] = {}
     for u in fs.units:
-        if not u.params:
+        if not any(n in wanted for q in u.params for n in q.names):
             continue
         flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
         comm.all_gather(u.shard.to(fs.device), flat, group=fs.process_group, bounds=u.bounds,
@@ -105,7 +110,8 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination) -> Optio
         return None
     out = destination if destination is not None else {}
     for k, v in template.items():
-        out[prefix + k] = values[k] if k in values else v.detach().cpu().clone()
+        if k in wanted:
+            out[prefix + k] = values[k] if k in values else v.detach().cpu().clone()
     return out
 
 

@@ -4,7 +4,7 @@ unit. Functions of a ``Setup`` (what FullyShard decided before building)."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -35,6 +35,10 @@ class Setup:
     err: Callable[[str], str]      # rank-prefixed error message
     everyone: object               # every rank holding a copy: ``group`` x the replicas (hybrid sharding)
     shard_device: torch.device     # where the fp32 shards live: ``device``, or host memory (offload_params)
+    # a model built on meta: its non-persistent buffers nothing initialised (materialize)
+    unset_buffers: List[str] = field(default_factory=list)
+    # a model partly on meta: the parameters that had values (kept, not initialised)
+    valued: set = field(default_factory=set)
 
 
 def build(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
@@ -208,7 +212,7 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
         set_grad_extent(u, W)
         u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
         lo, hi = r * u.shard_numel, (r + 1) * u.shard_numel
-        if not meta_init and dev.type != "meta":
+        if dev.type != "meta":
             _fill_shard(cfg, u, lo, hi)
         u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
         for q in u.params:
@@ -279,13 +283,19 @@ def place_piece(u: Unit, q: Param, lo: int, hi: int):
 
 
 def _fill_shard(cfg: "Setup", u: Unit, lo: int, hi: int):
-    """Rank 0's values everywhere (like DDP): each parameter is broadcast in place, as
+    """Rank 0's values everywhere (like DDP): each parameter with values (not on meta:
+    [Note: partly on meta]) is broadcast in place, as
     DDP syncs module states, and this rank's part of it copied into the fp32 shard
     (padding stays zero). No flat copy of the unit is made: while the model is being
     wrapped its full parameters are all still alive, and a copy of the largest unit
     beside them would be the peak of the whole run (GPT-2's embedding: 154 MB)."""
     for q in u.params:
         src = q.slots[0][0]._parameters[q.slots[0][1]].detach()
+        if src.is_meta:                  # a model built on meta: materialize initialises it
+            continue
+        cfg.valued.add(id(q))
+        if src.device != cfg.device:     # a model partly on meta (an adapter made on CPU)
+            src = src.to(cfg.device)
         if dist.get_world_size(cfg.everyone) > 1:
             if not src.is_contiguous():
                 src = src.contiguous()
@@ -342,7 +352,13 @@ def materialize(cfg: "Setup", units: List[Unit]):
     of every module that registers parameters or buffers, in module order (the
     order construction would initialise them, so a seeded run reproduces a
     model built normally), on fp32 full-size copies of its unit; then keep
-    this rank's shard. At most the root unit and one other are full at once."""
+    this rank's shard. At most the root unit and one other are full at once.
+
+    [Note: partly on meta] Parameters that are not on meta (a LoRA adapter made
+    by its library on CPU beside a base model on meta) keep their values: their
+    shards were filled when the units were built, a module all of whose
+    parameters have values is not reset, and only the pieces of the others are
+    copied from the initialised copies."""
     unit_of: Dict[tuple, Tuple[Unit, Param]] = {}
     for u in units:
         for q in u.params:
@@ -360,7 +376,9 @@ def materialize(cfg: "Setup", units: List[Unit]):
     for k, mod in enumerate(mods):
         owned = [unit_of[id(mod), attr] for attr in mod._parameters if (id(mod), attr) in unit_of]
         has_buffers = any(b is not None for b in mod._buffers.values())
-        if callable(getattr(mod, "reset_parameters", None)) and (owned or has_buffers):
+        if owned and all(id(q) in cfg.valued for _, q in owned) and not has_buffers:
+            initialised.update(id(q) for _, q in owned)          # its values were given: kept
+        elif callable(getattr(mod, "reset_parameters", None)) and (owned or has_buffers):
             for u, q in owned:
                 if u.index not in temp:
                     temp[u.index] = _full_fp32_views(u, cfg.device)
@@ -373,23 +391,34 @@ def materialize(cfg: "Setup", units: List[Unit]):
                     full = f"{names[id(mod)]}.{n}".lstrip(".")
                     (uninitialised_buffers if n in saved else unsaved).append(full)
         for ui in [ui for ui, last in last_use.items() if last == k and ui in temp]:
-            u = units[ui]
-            u.shard.copy_(u.own(temp.pop(ui), cfg.rank))
-            for q in u.params:
-                for m2, a2 in q.slots:
-                    m2._parameters[a2] = q.sharded
+            _keep_initialised(cfg, units[ui], temp.pop(ui))
     missing = [q.names[0] for u in units for q in u.params if id(q) not in initialised]
     if missing or uninitialised_buffers:
         warnings.warn(
             "FullyShard: the model was built on meta; these parameters/buffers have no module "
             f"reset_parameters() to initialise them, so they start at zero: {missing + uninitialised_buffers}. "
-            "Load a state dict (model.load_state_dict) or give their modules reset_parameters().")
+            "Load their values (model.load_state_dict, zeroshard.load_pretrained) or give their modules "
+            "reset_parameters().")
+    cfg.unset_buffers.extend(unsaved)
     if unsaved:
         warnings.warn(
             f"FullyShard: the model was built on meta; its non-persistent buffers {unsaved} have no module "
             "reset_parameters() to initialise them, so they start at zero, and no state dict or checkpoint "
             "holds them: loading one leaves them zero (a rotary embedding's inv_freq computed in __init__ is "
-            "one). Set them after wrapping as the module's __init__ computes them, or build the model on CPU")
+            "one). zeroshard.load_pretrained sets them for a Hugging Face model; otherwise set them after "
+            "wrapping as the module's __init__ computes them, or build the model with its buffers off meta")
+
+
+def _keep_initialised(cfg: "Setup", u: Unit, flat: torch.Tensor):
+    """This rank's pieces of the initialised copy ``flat`` into ``u``'s shard (not of the
+    parameters that had values: [Note: partly on meta]); the modules hold the sharded ones again."""
+    mine = u.own(flat, cfg.rank)
+    for q in u.params:
+        if id(q) not in cfg.valued:
+            n = q.local.numel()
+            u.shard[q.shard_offset:q.shard_offset + n].copy_(mine[q.shard_offset:q.shard_offset + n])
+        for mod, attr in q.slots:
+            mod._parameters[attr] = q.sharded
 
 
 def _full_fp32_views(u: Unit, device: torch.device) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 ``ZeroShardTrainer`` in place of ``transformers.Trainer`` (``zeroshard=dict(stage=2)``);
 ``ZeroShardTrainerMixin`` for Trainer subclasses (TRL's ``SFTTrainer``, ...);
-``prepare`` for ``accelerate launch`` scripts; ``save_pretrained`` (collective at
-stage 3). The Trainer's private methods change between releases, so the
+``prepare`` for ``accelerate launch`` scripts; ``from_pretrained`` (a published
+model loaded into its shards, no full copy on any rank); ``save_pretrained``
+(collective at stage 3). The Trainer's private methods change between releases, so the
 transformers versions this module was tested with are checked at import; the
 ``hf`` extra in pyproject.toml pins the same range. The only module that imports
 transformers or accelerate.
@@ -23,7 +24,7 @@ ACCELERATE = (Version("1.15"), Version("1.16"))
 TRAINER_METHODS = ("_prepare_for_training", "create_optimizer", "create_scheduler", "_wrap_model", "training_step",
                    "save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
                    "_load_optimizer_and_scheduler", "_load_best_model", "_load_scaler", "_clip_grad_norm",
-                   "_get_grad_norm")
+                   "_get_grad_norm", "_move_model_to_device")
 
 
 def _check_versions() -> None:
@@ -46,6 +47,7 @@ def _check_versions() -> None:
 _check_versions()
 
 from .accelerate import prepare  # noqa: E402
+from .loading import from_pretrained  # noqa: E402
 from .options import Options  # noqa: E402
 from .pretrained import save_pretrained  # noqa: E402
 from .trainer import ZeroShardTrainerMixin  # noqa: E402
@@ -56,4 +58,4 @@ class ZeroShardTrainer(ZeroShardTrainerMixin, transformers.Trainer):
     ``zeroshard=dict(stage=1|2|3, ...)`` (``Options``' keys)."""
 
 
-__all__ = ["Options", "ZeroShardTrainer", "ZeroShardTrainerMixin", "prepare", "save_pretrained"]
+__all__ = ["Options", "ZeroShardTrainer", "ZeroShardTrainerMixin", "from_pretrained", "prepare", "save_pretrained"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 
 import zeroshard
@@ -35,6 +36,11 @@ class Options:
     bucket_mb: stages 1/2: the reduce-scatter bucket size.
     reshard_after_forward, prefetch: stage 3: ``FullyShard``'s.
     max_shard_size: the largest safetensors file a save writes (``save_pretrained``'s).
+    mixed_precision: stage 3's gather and reduce dtypes: ``"bf16"`` / ``"fp16"`` (units
+        gathered in that dtype, gradients reduced in fp32), ``"fp32"``, or a
+        ``zeroshard.MixedPrecision``; None: what the Trainer's arguments ask for
+        (``bf16=True`` / ``fp16=True``), else fp32 (``prepare`` keeps Accelerate's
+        autocast over fp32 gathers: pass ``mixed_precision="bf16"`` for bf16 ones).
     """
     stage: int = 2
     wrap: Any = None
@@ -47,6 +53,7 @@ class Options:
     reshard_after_forward: bool = True
     prefetch: int = 1
     max_shard_size: Any = DEFAULT_MAX_SHARD_SIZE
+    mixed_precision: Any = None
 
     @classmethod
     def parse(cls, given, where: str) -> "Options":
@@ -76,6 +83,11 @@ class Options:
                              f"stage={self.stage} use offload='cpu' (the optimizer state)")
         if self.offload not in (None, "cpu", "nvme"):
             raise ValueError(f"{where}: offload={self.offload!r}; None, 'cpu' or 'nvme'")
+        if self.mixed_precision is not None:
+            if self.stage != 3:
+                raise ValueError(f"{where}: mixed_precision= sets stage 3's gather dtype; at stage={self.stage} the "
+                                 "parameters are not gathered (use the Trainer's bf16=True: autocast)")
+            precision(self.mixed_precision, where)
 
     def optimizer_kwargs(self) -> dict:
         """The ShardedOptimizer's sharding keywords."""
@@ -85,10 +97,33 @@ class Options:
             kw.update(stage=self.stage, bucket_mb=self.bucket_mb)
         return kw
 
-    def fully_shard(self, model: nn.Module) -> "zeroshard.FullyShard":
+    def gather_precision(self, asked: Optional[str], where: str) -> "zeroshard.MixedPrecision":
+        """Stage 3's MixedPrecision: ``mixed_precision`` when given, else what the run
+        asked for (``asked``: ``"bf16"``, ``"fp16"`` or None)."""
+        return precision(self.mixed_precision if self.mixed_precision is not None else asked, where)
+
+    def fully_shard(self, model: nn.Module, asked: Optional[str] = None,
+                    where: str = "zeroshard") -> "zeroshard.FullyShard":
         return zeroshard.FullyShard(model, wrap=units(model, self.wrap), shard_size=self.shard_size,
+                                    mixed_precision=self.gather_precision(asked, where),
                                     reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
                                     offload_params=self.offload_params)
+
+
+# the dtypes a run's precision names gather in; gradients reduce in fp32 (as FSDP's and DeepSpeed's)
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "no": None}
+
+
+def precision(value, where: str) -> "zeroshard.MixedPrecision":
+    """``mixed_precision=``'s value as a ``zeroshard.MixedPrecision``."""
+    if value is None:
+        return zeroshard.MixedPrecision()
+    if isinstance(value, zeroshard.MixedPrecision):
+        return value
+    if value not in _LOW:
+        raise ValueError(f"{where}: mixed_precision={value!r}; 'bf16', 'fp16', 'fp32' or a zeroshard.MixedPrecision")
+    low = _LOW[value]
+    return zeroshard.MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else zeroshard.MixedPrecision()
 
 
 def units(model: nn.Module, wrap):

@@ -3,7 +3,9 @@ config (and generation config) and the weights as safetensors files of at most
 ``max_shard_size`` with their index, under the model's own names, tied
 parameters once. Rank 0 streams the checkpoint's full state dict (one tensor
 read at a time, one output file held), so no rank ever holds the whole model,
-and ``AutoModel*.from_pretrained(folder)`` loads the result on any machine.
+and ``AutoModel*.from_pretrained(folder)`` loads the result on any machine. A
+peft model writes its adapter alone (``save_adapter``), as peft's
+``save_pretrained`` does: ``PeftModel.from_pretrained`` loads it.
 """
 from __future__ import annotations
 
@@ -92,6 +94,8 @@ def save_pretrained(model: nn.Module, out_dir: str, *, is_main_process: bool,
         if is_main_process:
             model.save_pretrained(out_dir, max_shard_size=max_shard_size)
         return
+    if is_peft(model.module):
+        return save_adapter(model, out_dir, is_main_process=is_main_process)
     scratch = os.path.join(out_dir, SCRATCH)
     zeroshard.save_checkpoint(scratch, model, None, sync_files=False)
     if is_main_process:
@@ -99,3 +103,23 @@ def save_pretrained(model: nn.Module, out_dir: str, *, is_main_process: bool,
             export_pretrained(scratch, hf_model(model), out_dir, max_shard_size)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def is_peft(model: nn.Module) -> bool:
+    """A peft model (its ``save_pretrained`` writes the adapter alone)."""
+    try:
+        import peft
+    except ImportError:
+        return False
+    return isinstance(model, peft.PeftModel)
+
+
+def save_adapter(fs: "zeroshard.FullyShard", out_dir: str, *, is_main_process: bool) -> None:
+    """Collective: a peft model's adapter as its ``save_pretrained`` writes it (what
+    ``PeftModel.from_pretrained`` loads), from the units holding trainable parameters
+    alone, gathered to rank 0."""
+    inner = fs.module
+    keys = [n for n, p in inner.named_parameters() if p.requires_grad]
+    sd = fs.state_dict(to=0, keys=keys)
+    if is_main_process:
+        inner.save_pretrained(out_dir, state_dict=sd)

@@ -20,6 +20,9 @@ taken once per step. Non-final micro-batches run under ``no_sync``. A checkpoint
 ``save_pretrained`` files (from rank 0 at stages 1/2; streamed from the
 zeroshard checkpoint at stage 3) and ``zeroshard/``, the sharded model and
 optimizer state, which a resume loads at any world size and stage.
+A model wrapped before the trainer (``from_pretrained`` at stage 3) is trained as it
+is: the Trainer sees the model inside, and the arguments' precision must be the one
+it gathers in. At stage 3 a peft model's files are its adapter alone.
 """
 from __future__ import annotations
 
@@ -51,8 +54,44 @@ class ZeroShardTrainerMixin:
         self.zeroshard_options = Options.parse(zeroshard, type(self).__name__)
         self.sharded_optimizer: Optional["zeroshard.ShardedOptimizer"] = None
         self.zeroshard_model: Optional[torch.nn.Module] = None   # what trains: the model, or its FullyShard
+        args, kwargs = self._adopt(args, kwargs)
         super().__init__(*args, **kwargs)
         self._check_setup()
+
+    def _adopt(self, args: tuple, kwargs: dict):
+        """A model wrapped before the trainer (``from_pretrained`` at stage 3): the trainer
+        runs it, at stage 3, and the Trainer sees the model inside. Returns the Trainer's arguments."""
+        given = kwargs.get("model", args[0] if args else None)
+        if not isinstance(given, zeroshard.FullyShard):
+            return args, kwargs
+        if self.zeroshard_options.stage != 3:
+            raise ValueError(f"{type(self).__name__}(model=FullyShard(...)): the model is sharded at stage 3; pass "
+                             f"zeroshard=dict(stage=3) (got stage={self.zeroshard_options.stage})")
+        self.zeroshard_model = given
+        if "model" in kwargs:
+            return args, dict(kwargs, model=given.module)
+        return (given.module,) + tuple(args[1:]), kwargs
+
+    def _check_precision(self) -> None:
+        """A model wrapped before the trainer gathers in the dtype the arguments ask for."""
+        fs, where = self.zeroshard_model, type(self).__name__
+        if not isinstance(fs, zeroshard.FullyShard):
+            return
+        want = self.zeroshard_options.gather_precision(self._asked_precision(), where).param_dtype or torch.float32
+        if fs.param_dtype != want:
+            name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(want, "fp32")
+            raise ValueError(f"{where}: the model was wrapped gathering its units in {fs.param_dtype}, but the "
+                             f"arguments ask for {want} (bf16={self.args.bf16}, fp16={self.args.fp16}); wrap or load "
+                             f"it with zeroshard=dict(stage=3, mixed_precision='{name}') to match")
+
+    def _asked_precision(self) -> Optional[str]:
+        return "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else None
+
+    def _move_model_to_device(self, model, device):
+        """A model wrapped before the trainer is where FullyShard put it."""
+        if isinstance(self.zeroshard_model, zeroshard.FullyShard):
+            return None
+        return super()._move_model_to_device(model, device)
 
     def _check_setup(self) -> None:
         where = type(self).__name__
@@ -67,6 +106,7 @@ class ZeroShardTrainerMixin:
         if self.args.n_gpu > 1:
             raise ValueError(f"{where}: {self.args.n_gpu} GPUs in one process (DataParallel); launch one process "
                              "per GPU with torchrun or accelerate launch")
+        self._check_precision()
 
     # ---------------------------------------------------------------- building
     def create_optimizer(self, model=None):
@@ -79,7 +119,8 @@ class ZeroShardTrainerMixin:
         names = {id(p): n for n, p in self.model.named_parameters()}
         runner, pieces = self.model, None
         if self.zeroshard_options.stage == 3:
-            runner = self.zeroshard_options.fully_shard(self.model)
+            runner = self.zeroshard_model if self.zeroshard_model is not None else \
+                self.zeroshard_options.fully_shard(self.model, self._asked_precision(), type(self).__name__)
             pieces = dict(runner.named_parameters())
         sharded = convert.to_sharded(plain, self.zeroshard_options.optimizer_kwargs(), pieces, names)
         convert.move_schedulers([self.lr_scheduler], plain, sharded)
@@ -152,7 +193,9 @@ class ZeroShardTrainerMixin:
                            "Trainer scripts do (rank 0 writes the files)")
         if _internal_call:
             checkpoint = self._save_sharded(output_dir, with_optimizer=not self.args.save_only_model)
-            if self.args.should_save:
+            if pretrained.is_peft(self.model):      # the adapter, as peft's save_pretrained writes it
+                pretrained.save_adapter(fs, output_dir, is_main_process=self.args.should_save)
+            elif self.args.should_save:
                 pretrained.export_pretrained(checkpoint, self.model, output_dir,
                                              self.zeroshard_options.max_shard_size)
         else:

@@ -30,7 +30,9 @@ from ..deepspeed.build import block_units
 _WRAPPED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # the precision plugins whose math is DDPStrategy's with a ShardedOptimizer under it
 PLUGINS = (Precision, MixedPrecision, HalfPrecision)
-HALF = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+# stage 3 gathers in the precision's low dtype and reduces in fp32 (FSDPStrategy gathers bf16-mixed in bf16 too)
+GATHER = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "bf16-mixed": torch.bfloat16,
+          "16-mixed": torch.float16}
 
 
 def _check_options(stage, wrap, offload, offload_params, kwargs) -> None:
@@ -150,7 +152,7 @@ class ZeroShardStrategy(DDPStrategy):
     def _fully_shard(self) -> "zeroshard.FullyShard":
         module = self.lightning_module
         if module not in _WRAPPED:
-            low = HALF.get(getattr(self.precision_plugin, "precision", None))
+            low = GATHER.get(getattr(self.precision_plugin, "precision", None))
             mp = zeroshard.MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
             wrap = self.wrap if self.wrap is not None else block_units(module)
             _WRAPPED[module] = zeroshard.FullyShard(
