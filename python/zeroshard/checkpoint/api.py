@@ -20,10 +20,11 @@ A checkpoint is a directory:
   parameter names, step counts), the saving world size and stage, and a CRC32
   of itself.
 
-Why not torch.distributed.checkpoint: DCP describes a shard as a rectangular
-chunk of a tensor. Our shards are flat element ranges cut at arbitrary points
-(bucket and unit boundaries), which are not rectangles for 2-D tensors. DCP
-also keeps no checksums and commits no atomic rename.
+Why the native format is not torch.distributed.checkpoint: DCP keeps no
+checksums and commits no atomic rename, and describes a shard as a rectangular
+chunk of a tensor where ours are flat element ranges cut at arbitrary points
+(bucket and unit boundaries). A flat range is a few rectangles, so the same
+pieces also go through DCP: [Note: DCP adapter] in checkpoint/dcp.py.
 
 Files are written by a streaming writer of the safetensors format: a header,
 then each piece's bytes straight from the shard (no copy on CPU; one piece at

@@ -1,0 +1,180 @@
+"""torch.distributed.checkpoint (DCP) state dicts of zeroshard models and optimizers:
+``dcp_state_dict`` and ``load_dcp_state_dict``.
+
+[Note: DCP adapter] DCP describes a shard as a rectangular chunk of a tensor; a
+zeroshard shard is a flat element range ([Note: shard sources]). A flat range of a
+row-major tensor is a few rectangles (``rectangles``: a partial first row, whole
+rows, a partial last row, recursively; at most 2 x dims - 1 of them), each a
+contiguous run of the range. Each becomes one local shard of a ``ShardedTensor``
+whose data is a view of the rank's own shard memory, so ``dcp.save`` writes
+straight from the shards and ``dcp.load`` reads straight into them, resharding
+from whatever wrote the checkpoint (FSDP2's row chunks, another world size or
+stage): no rank builds a whole tensor. What every rank holds whole (stage-1/2
+parameters without a master, buffers, step counts) is a plain tensor, which DCP
+writes once. The optimizer's half has torch's format under the model's names
+(``{"state": {name: {"step", "exp_avg", "exp_avg_sq", ...}}, "param_groups":
+[{..., "params": [names]}]}``), as ``torch.distributed.checkpoint.state_dict.
+get_state_dict`` gives for FSDP2; torch's helpers read module and optimizer
+internals zeroshard does not have, hence this pair beside them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
+
+from .holdings import Holdings
+from .pieces import Piece
+
+
+def rectangles(shape: tuple, start: int, numel: int) -> List[Tuple[tuple, tuple, int]]:
+    """(offsets, sizes, position in the range) of the rectangular chunks that make up the
+    elements ``start .. start + numel`` of a row-major tensor of ``shape``, in order."""
+    if numel == 0:
+        return []
+    if len(shape) <= 1:
+        return [((start,) if shape else (), (numel,) if shape else (), 0)]
+    row = math.prod(shape[1:])
+    out, a, b, pos = [], start, start + numel, 0
+
+    def part_row(a: int, end: int, pos: int):
+        i = a // row
+        for off, size, p in rectangles(tuple(shape[1:]), a - i * row, end - a):
+            out.append(((i,) + off, (1,) + size, pos + p))
+
+    if a % row:                                       # a partial first row
+        end = min(b, (a // row + 1) * row)
+        part_row(a, end, pos)
+        pos, a = pos + end - a, end
+    if b - a >= row:                                  # whole rows
+        r0, r1 = a // row, b // row
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:]), pos))
+        pos, a = pos + (r1 - r0) * row, r1 * row
+    if a < b:                                         # a partial last row
+        part_row(a, b, pos)
+    return out
+
+
+def _sharded(shape: tuple, dtype: torch.dtype, pieces: List[Piece], group, rank: int) -> ShardedTensor:
+    """One tensor of ``shape`` from this rank's flat pieces of it (collective over ``group``)."""
+    shards = []
+    for piece in pieces:
+        for off, size, pos in rectangles(shape, piece.start, piece.data.numel()):
+            n = math.prod(size)
+            meta = ShardMetadata(shard_offsets=list(off), shard_sizes=list(size),
+                                 placement=f"rank:{rank}/{piece.data.device}")
+            shards.append(Shard(piece.data[pos:pos + n].view(size), meta))
+    if not shards and shape:
+        # none of it here: an empty shard keeps the key in this rank's plans (DCP drops a
+        # ShardedTensor with no local shard), placed past the end so that no chunk shares its offset
+        dev = pieces[0].data.device if pieces else torch.device("cpu")
+        empty = torch.empty([0] * len(shape), dtype=dtype, device=dev)
+        at = [shape[0]] + [0] * (len(shape) - 1)
+        shards.append(Shard(empty, ShardMetadata(shard_offsets=at, shard_sizes=[0] * len(shape),
+                                                 placement=f"rank:{rank}/{dev}")))
+    return init_from_local_shards(shards, *shape, process_group=group)
+
+
+def dcp_state_dict(model: nn.Module, optimizer=None) -> Tuple[dict, dict]:
+    """``(model_state_dict, optim_state_dict)`` for ``dcp.save`` / ``dcp.load`` (see
+    [Note: DCP adapter]): the model's parameters and persistent buffers under its own
+    names, the optimizer's state in torch's format. Sharded values are ``ShardedTensor``s
+    whose local shards are views of this rank's shards: ``dcp.load`` into them loads
+    the model and optimizer in place (then call ``load_dcp_state_dict``). Collective."""
+    _check_optimizers(optimizer)
+    holdings = Holdings(model, optimizer, for_load=True)
+    rank = dist.get_rank(holdings.group) if holdings.group is not None else 0
+    by_key: Dict[str, List[Piece]] = {}
+    for piece in holdings.pieces:
+        by_key.setdefault(piece.key, []).append(piece)
+    model_sd, state = {}, {}
+    for key in sorted(holdings.specs):
+        spec = holdings.specs[key]
+        kind, _, name = key.partition(":")
+        pieces = by_key.get(key, [])
+        if pieces and pieces[0].replicated:
+            value = pieces[0].data.view(spec.shape)
+        else:
+            value = _sharded(spec.shape, spec.dtype, pieces, holdings.group, rank)
+        if kind in ("param", "buffer"):
+            model_sd[name] = value
+        else:
+            entry = state.setdefault(name, {"step": torch.tensor(float(spec.step or 0))})
+            entry[kind] = value
+    base = _torch_group_keys(optimizer)
+    groups = [dict(base, **g["hyper"], params=list(g["params"])) for g in holdings.groups or []]
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def _check_optimizers(optimizer) -> None:
+    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        if opt is not None and not getattr(opt, "fused", True):
+            raise NotImplementedError(
+                f"dcp_state_dict: a ShardedOptimizer running {opt.optimizer_class.__name__} is not supported yet (only "
+                "the fused AdamW's state goes through DCP); zeroshard.save_checkpoint / load_checkpoint hold its "
+                "state at any world size and stage")
+
+
+def _torch_group_keys(optimizer) -> dict:
+    """Every key of a param group of the torch class the optimizer runs, with its default:
+    DCP matches keys exactly, and a checkpoint torch's optimizer wrote has them all."""
+    cls = getattr(optimizer, "optimizer_class", None)
+    if cls is None:
+        return {}
+    group = dict(cls([nn.Parameter(torch.zeros(1, 1))]).param_groups[0])
+    group.pop("params")
+    return group
+
+
+@torch.no_grad()
+def load_dcp_state_dict(model: nn.Module, optimizer=None, *, model_state_dict: dict,
+                        optim_state_dict: Optional[dict] = None) -> None:
+    """Finish a load: ``model_state_dict`` / ``optim_state_dict`` from ``dcp_state_dict``,
+    filled by ``dcp.load`` (or full tensors of the same names: each rank copies its own
+    pieces). The optimizer takes the step counts and hyperparameters loaded. Collective
+    where ``dcp_state_dict`` is."""
+    holdings = Holdings(model, optimizer, for_load=True)
+    optim_state_dict = optim_state_dict or {"state": {}, "param_groups": []}
+    tensors = {}
+    for key, spec in holdings.specs.items():
+        kind, _, name = key.partition(":")
+        src = model_state_dict.get(name) if kind in ("param", "buffer") else \
+            optim_state_dict["state"].get(name, {}).get(kind)
+        if src is None:
+            continue
+        if kind not in ("param", "buffer"):
+            tensors[key] = {"step": int(float(optim_state_dict["state"][name].get("step", 0)))}
+        for piece in (p for p in holdings.pieces if p.key == key):
+            _copy_in(piece, src)
+    man = {"tensors": tensors, "param_groups": [
+        {"params": list(g["params"]), "hyper": {k: v for k, v in g.items() if k != "params"}}
+        for g in optim_state_dict["param_groups"]]}
+    holdings.adopt(man)
+    holdings.finish_load(man)
+
+
+def _copy_in(piece: Piece, src) -> None:
+    """This rank's piece from ``src``: a ShardedTensor (``dcp.load`` filled it: its local
+    shards, unless they are the piece's own memory) or a full tensor."""
+    n = piece.data.numel()
+    if isinstance(src, ShardedTensor):
+        shape = tuple(src.size())
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        for shard in src.local_shards():
+            off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            start = sum(o * s for o, s in zip(off, strides))
+            last = sum((o + z - 1) * s for o, z, s in zip(off, size, strides))
+            t = shard.tensor.reshape(-1)
+            if last + 1 - start != t.numel():
+                raise ValueError(f"load_dcp_state_dict: a local shard at {list(off)} of size {list(size)} is not a "
+                                 "flat element range; pass the state dicts dcp_state_dict made, filled by dcp.load")
+            lo, hi = max(start, piece.start), min(start + t.numel(), piece.start + n)
+            if lo < hi and t.data_ptr() != piece.data[lo - piece.start:].data_ptr():   # not loaded in place
+                piece.data[lo - piece.start:hi - piece.start].copy_(t[lo - start:hi - start])
+        return
+    flat = src.reshape(-1)
+    piece.data.copy_(flat[piece.start:piece.start + n])

@@ -1,0 +1,118 @@
+"""torch.distributed.checkpoint both ways: zeroshard's DCP state dicts (checkpoint/dcp.py) saved and
+loaded with dcp.save / dcp.load against FSDP2 (fully_shard + torch.optim.AdamW through
+torch's get_state_dict / set_state_dict) and DDP, across world sizes 2 and 3 and stages 1-3:
+whoever loads a checkpoint then trains on exactly as the other tool does from it."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+import zeroshard as zs
+from conftest import get_pool
+from zeroshard.checkpoint.dcp import dcp_state_dict, load_dcp_state_dict
+
+HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(13, 13)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), Block(), Block(), nn.Linear(13, 3))
+
+
+def _train(model, opt, steps: range):
+    rank = dist.get_rank()
+    for s in steps:
+        x = torch.randn(6, 7, generator=torch.Generator().manual_seed(100 * s + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _build(kind: str):
+    """(model, optimizer, whose) for ``kind``: "fsdp2", "ddp", or zeroshard's "zs1"/"zs2"/"zs3"."""
+    model = _model()
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for b in (model[1], model[2]):
+            fully_shard(b)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), **HYPER), "torch"
+    if kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+        return model, torch.optim.AdamW(model.parameters(), **HYPER), "torch"
+    stage = int(kind[2:])
+    if stage == 3:
+        model = zs.FullyShard(model, wrap={Block})
+        return model, zs.ShardedOptimizer(model.parameters(), **HYPER), "zs"
+    return model, zs.ShardedOptimizer(model.parameters(), stage=stage, **HYPER), "zs"
+
+
+def _state_dicts(model, opt, whose):
+    return get_state_dict(model, opt) if whose == "torch" else dcp_state_dict(model, opt)
+
+
+def _full(model, opt, whose) -> dict:
+    """{name: values as a list} (lists: tensors returned from the pool's workers can stall it)."""
+    if whose == "torch":
+        sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))[0]
+    else:
+        sd = model.state_dict()
+    return {k.removeprefix("module."): v.detach().float().reshape(-1).tolist() for k, v in sd.items()}
+
+
+def _save(kind: str, path: str):
+    """Train 2 steps and save with dcp.save; then 2 more: the parameters after them."""
+    model, opt, whose = _build(kind)
+    _train(model, opt, range(2))
+    msd, osd = _state_dicts(model, opt, whose)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    _train(model, opt, range(2, 4))
+    return _full(model, opt, whose)
+
+
+def _load(kind: str, path: str):
+    """Load with dcp.load (other weights first), train the last 2 steps: the parameters after them."""
+    model, opt, whose = _build(kind)
+    msd, osd = _state_dicts(model, opt, whose)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    if whose == "torch":
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    else:
+        load_dcp_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    _train(model, opt, range(2, 4))
+    return _full(model, opt, whose)
+
+
+def _worst(a: dict, b: dict) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("writer", ["fsdp2", "ddp"])
+def test_a_torch_checkpoint_at_world_2_trains_on_in_zeroshard_at_world_3(writer, tmp_path):
+    path = str(tmp_path / "ckpt")
+    get_pool(2).run(_save, writer, path)
+    want = get_pool(3).run(_load, writer, path)[0]          # the writer continuing from its checkpoint
+    for stage in (3, 2, 1):
+        got = get_pool(3).run(_load, f"zs{stage}", path)[0]
+        assert _worst(got, want) < 1e-6, (writer, stage)
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_zeroshard_checkpoint_at_world_3_trains_on_in_fsdp2_at_world_2(stage, tmp_path):
+    path = str(tmp_path / "ckpt")
+    get_pool(3).run(_save, f"zs{stage}", path)
+    fsdp2 = get_pool(2).run(_load, "fsdp2", path)[0]
+    for now in (3, 2):
+        assert _worst(get_pool(2).run(_load, f"zs{now}", path)[0], fsdp2) < 1e-6, (stage, now)
