@@ -3,6 +3,8 @@
 Variants (world size 2, CPU + gloo by default), each in fresh processes:
   fsdp2-3+dcp   FSDP2 fully_shard per block + root, saved and loaded with
                 torch.distributed.checkpoint (get_state_dict / dcp.save / dcp.load / set_state_dict)
+  zeroshard-3+dcp, zeroshard-2+dcp   zeroshard's state dicts through torch.distributed.checkpoint
+                (dcp_state_dict / dcp.save / dcp.load / load_dcp_state_dict)
   zeroshard-3   zeroshard.FullyShard + ShardedOptimizer, save_checkpoint / load_checkpoint
   zeroshard-2   zeroshard.ShardedOptimizer(stage=2), save_checkpoint / load_checkpoint
   zeroshard-3+nosync, zeroshard-2+nosync   the same with save_checkpoint(..., sync_files=False):
@@ -53,8 +55,8 @@ from machine import machine_info  # noqa: E402
 from report import lost_ms  # noqa: E402
 from step import build, free_port, init_dist, reset_peak_rss, rss_mb, train_step  # noqa: E402
 
-VARIANTS = ["fsdp2-3+dcp", "zeroshard-3", "zeroshard-2", "zeroshard-3+nosync", "zeroshard-2+nosync",
-            "zeroshard-3+background", "zeroshard-2+background", "deepspeed-3", "deepspeed-2"]
+VARIANTS = ["fsdp2-3+dcp", "zeroshard-3+dcp", "zeroshard-2+dcp", "zeroshard-3", "zeroshard-2", "zeroshard-3+nosync",
+            "zeroshard-2+nosync", "zeroshard-3+background", "zeroshard-2+background", "deepspeed-3", "deepspeed-2"]
 SUFFIXES = ("+dcp", "+nosync", "+background")
 
 
@@ -87,6 +89,19 @@ def save_load(variant, model, opt):
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return save, load
     import zeroshard as zs
+    if variant.endswith("+dcp"):         # zeroshard's state dicts through torch.distributed.checkpoint
+        import torch.distributed.checkpoint as dcp
+        from zeroshard.checkpoint import dcp_state_dict, load_dcp_state_dict
+
+        def save(path):
+            msd, osd = dcp_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+        def load(path):
+            msd, osd = dcp_state_dict(model, opt)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+            load_dcp_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        return save, load
     sync, background = not variant.endswith("+nosync"), variant.endswith("+background")
     return (lambda path: zs.save_checkpoint(path, model, opt, sync_files=sync, background=background)), \
         (lambda path: zs.load_checkpoint(path, model, opt))

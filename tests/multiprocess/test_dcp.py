@@ -39,23 +39,33 @@ def _train(model, opt, steps: range):
         opt.zero_grad()
 
 
+# an optimizer by name: (torch class, its hyperparameters); zeroshard runs torch's SGD and AdamW with amsgrad
+# as elementwise optimizer_class, AdamW as its fused kernel
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, HYPER), "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
+              "amsgrad": (torch.optim.AdamW, dict(HYPER, amsgrad=True))}
+
+
 def _build(kind: str):
-    """(model, optimizer, whose) for ``kind``: "fsdp2", "ddp", or zeroshard's "zs1"/"zs2"/"zs3"."""
+    """(model, optimizer, whose) for ``kind``: "fsdp2", "ddp", or zeroshard's "zs1"/"zs2"/"zs3", each
+    with an optimizer suffix ("-sgd", "-amsgrad"; AdamW without)."""
+    kind, _, which = kind.partition("-")
+    cls, hyper = OPTIMIZERS[which or "adamw"]
     model = _model()
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for b in (model[1], model[2]):
             fully_shard(b)
         fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), **HYPER), "torch"
+        return model, cls(model.parameters(), **hyper), "torch"
     if kind == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-        return model, torch.optim.AdamW(model.parameters(), **HYPER), "torch"
+        return model, cls(model.parameters(), **hyper), "torch"
     stage = int(kind[2:])
+    extra = dict(optimizer_class=cls) if which else {}
     if stage == 3:
         model = zs.FullyShard(model, wrap={Block})
-        return model, zs.ShardedOptimizer(model.parameters(), **HYPER), "zs"
-    return model, zs.ShardedOptimizer(model.parameters(), stage=stage, **HYPER), "zs"
+        return model, zs.ShardedOptimizer(model.parameters(), **extra, **hyper), "zs"
+    return model, zs.ShardedOptimizer(model.parameters(), stage=stage, **extra, **hyper), "zs"
 
 
 def _state_dicts(model, opt, whose):
@@ -116,3 +126,50 @@ def test_a_zeroshard_checkpoint_at_world_3_trains_on_in_fsdp2_at_world_2(stage, 
     fsdp2 = get_pool(2).run(_load, "fsdp2", path)[0]
     for now in (3, 2):
         assert _worst(get_pool(2).run(_load, f"zs{now}", path)[0], fsdp2) < 1e-6, (stage, now)
+
+
+def _native_save(kind: str, path: str):
+    """zeroshard's own checkpoint after 2 steps; the parameters after 2 more."""
+    model, opt, whose = _build(kind)
+    _train(model, opt, range(2))
+    zs.save_checkpoint(path, model, opt)
+    _train(model, opt, range(2, 4))
+    return _full(model, opt, whose)
+
+
+def _native_load(kind: str, path: str):
+    model, opt, whose = _build(kind)
+    zs.load_checkpoint(path, model, opt)
+    _train(model, opt, range(2, 4))
+    return _full(model, opt, whose)
+
+
+def test_converters_both_ways(tmp_path):
+    """python -m zeroshard.checkpoint.convert: a zeroshard checkpoint as DCP (FSDP2 trains on from it
+    as zeroshard does), and FSDP2's DCP checkpoint as a zeroshard one (loaded at another world size
+    and stage, training on as FSDP2 does)."""
+    from zeroshard.checkpoint import convert
+    native, as_dcp = str(tmp_path / "native"), str(tmp_path / "as-dcp")
+    ours = get_pool(2).run(_native_save, "zs3", native)[0]
+    assert convert.main(["--to", "dcp", native, as_dcp]) == 0
+    assert _worst(get_pool(2).run(_load, "fsdp2", as_dcp)[0], ours) < 1e-6
+    theirs, back = str(tmp_path / "fsdp2"), str(tmp_path / "back")
+    get_pool(2).run(_save, "fsdp2", theirs)
+    assert convert.main(["--to", "zeroshard", theirs, back]) == 0
+    want = get_pool(3).run(_load, "fsdp2", theirs)[0]
+    assert _worst(get_pool(3).run(_native_load, "zs2", back)[0], want) < 1e-6
+    assert convert.main(["--to", "dcp", native, back]) == 2          # an existing destination is refused
+
+
+@pytest.mark.parametrize("which", ["sgd", "amsgrad"])
+def test_elementwise_optimizers_both_ways(which, tmp_path):
+    """torch's SGD with momentum and AdamW with amsgrad (elementwise optimizer_class): FSDP2's
+    checkpoint at world 2 into zeroshard at world 3 (stages 3 and 2), and zeroshard's back."""
+    theirs, ours = str(tmp_path / "fsdp2"), str(tmp_path / "zs")
+    get_pool(2).run(_save, f"fsdp2-{which}", theirs)
+    want = get_pool(3).run(_load, f"fsdp2-{which}", theirs)[0]
+    for stage in (3, 2):
+        assert _worst(get_pool(3).run(_load, f"zs{stage}-{which}", theirs)[0], want) < 1e-6, stage
+    get_pool(3).run(_save, f"zs3-{which}", ours)
+    want = get_pool(2).run(_load, f"fsdp2-{which}", ours)[0]
+    assert _worst(get_pool(2).run(_load, f"zs2-{which}", ours)[0], want) < 1e-6

@@ -140,7 +140,7 @@ def previous_of(path: str) -> List[str]:
     return glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old-*"))
 
 
-def _find(path: str) -> str:
+def find_checkpoint(path: str) -> str:
     """The checkpoint directory for ``path``: itself, or the previous checkpoint a
     save on a filesystem without atomic exchange left beside it when it was cut
     between its two renames."""
@@ -187,7 +187,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     then holds a mix of old and loaded values: load another checkpoint.
     """
     save.wait()                                   # a background save, maybe of this path
-    path = _find(os.path.abspath(os.fspath(path)))
+    path = find_checkpoint(os.path.abspath(os.fspath(path)))
     for opt in optimizers_of(optimizer):
         getattr(opt, "wait_params", lambda: None)()   # no all-gather may still write the parameters
     h = Holdings(model, optimizer, for_load=True)    # same outcome on every rank
@@ -285,7 +285,7 @@ def _full_entries(path, dtype: Optional[torch.dtype], tied: bool = True):
     """(manifest, an open reader, [(name, key, dtype)]) of a checkpoint's full model state
     dict, tied parameters under every name: what export and read_full_state_dict go over."""
     save.wait()
-    path = _find(os.path.abspath(os.fspath(path)))
+    path = find_checkpoint(os.path.abspath(os.fspath(path)))
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     man = files.read_manifest(path)

@@ -25,8 +25,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+from .. import comm
+from ..optim.rules import probe_state
 from .holdings import Holdings
 from .pieces import Piece
 
@@ -59,8 +62,8 @@ def rectangles(shape: tuple, start: int, numel: int) -> List[Tuple[tuple, tuple,
     return out
 
 
-def _sharded(shape: tuple, dtype: torch.dtype, pieces: List[Piece], group, rank: int) -> ShardedTensor:
-    """One tensor of ``shape`` from this rank's flat pieces of it (collective over ``group``)."""
+def _local_shards(shape: tuple, dtype: torch.dtype, pieces: List[Piece], rank: int) -> List[Shard]:
+    """This rank's flat pieces of one tensor of ``shape`` as rectangular shards, views of the pieces."""
     shards = []
     for piece in pieces:
         for off, size, pos in rectangles(shape, piece.start, piece.data.numel()):
@@ -76,7 +79,22 @@ def _sharded(shape: tuple, dtype: torch.dtype, pieces: List[Piece], group, rank:
         at = [shape[0]] + [0] * (len(shape) - 1)
         shards.append(Shard(empty, ShardMetadata(shard_offsets=at, shard_sizes=[0] * len(shape),
                                                  placement=f"rank:{rank}/{dev}")))
-    return init_from_local_shards(shards, *shape, process_group=group)
+    return shards
+
+
+def _sharded_tensors(local: Dict[str, Tuple[tuple, torch.dtype, List[Shard]]], group) -> Dict[str, ShardedTensor]:
+    """Every key's ShardedTensor from each rank's local shards: one exchange of the shards'
+    metadata for all of them (torch's ``init_from_local_shards`` makes one per tensor)."""
+    mine = {key: [sh.metadata for sh in shards] for key, (_, _, shards) in local.items()}
+    everyone = comm.all_gather_object(mine, group=group, what="dcp_state_dict: the shards' layout")
+    out = {}
+    for key, (shape, dtype, shards) in local.items():
+        props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        meta = ShardedTensorMetadata(shards_metadata=[m for theirs in everyone for m in theirs[key]],
+                                     size=torch.Size(shape), tensor_properties=props)
+        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group)
+    return out
 
 
 def dcp_state_dict(model: nn.Module, optimizer=None) -> Tuple[dict, dict]:
@@ -86,37 +104,72 @@ def dcp_state_dict(model: nn.Module, optimizer=None) -> Tuple[dict, dict]:
     whose local shards are views of this rank's shards: ``dcp.load`` into them loads
     the model and optimizer in place (then call ``load_dcp_state_dict``). Collective."""
     _check_optimizers(optimizer)
-    holdings = Holdings(model, optimizer, for_load=True)
+    fresh = _fresh_elementwise(model, optimizer)      # no state yet: what a load fills, from the class
+    holdings = Holdings(model, optimizer, for_load=fresh is not None)
+    if fresh is not None:
+        holdings.adopt(fresh)
     rank = dist.get_rank(holdings.group) if holdings.group is not None else 0
     by_key: Dict[str, List[Piece]] = {}
     for piece in holdings.pieces:
         by_key.setdefault(piece.key, []).append(piece)
-    model_sd, state = {}, {}
-    for key in sorted(holdings.specs):
-        spec = holdings.specs[key]
-        kind, _, name = key.partition(":")
+    shapes = {k: tuple(s.shape) for k, s in holdings.specs.items()}
+    for key, t in (fresh or {"tensors": {}})["tensors"].items():
+        shapes.setdefault(key, tuple(t["shape"]))
+    local = {}
+    for key, shape in shapes.items():       # (a scalar is whole wherever it is: a plain tensor)
         pieces = by_key.get(key, [])
-        if pieces and pieces[0].replicated:
-            value = pieces[0].data.view(spec.shape)
-        else:
-            value = _sharded(spec.shape, spec.dtype, pieces, holdings.group, rank)
+        if shape and not (pieces and pieces[0].replicated):
+            dtype = pieces[0].data.dtype if pieces else torch.float32
+            local[key] = (shape, dtype, _local_shards(shape, dtype, pieces, rank))
+    sharded = _sharded_tensors(local, holdings.group)
+    model_sd, state = {}, {}
+    for key in sorted(shapes):
+        kind, _, name = key.partition(":")
+        if key in sharded:
+            value = sharded[key]
+        else:    # every rank plans every key: a scalar of a parameter held elsewhere is a stand-in here
+            value = by_key[key][0].data.view(shapes[key]) if key in by_key else torch.zeros(shapes[key])
         if kind in ("param", "buffer"):
             model_sd[name] = value
         else:
-            entry = state.setdefault(name, {"step": torch.tensor(float(spec.step or 0))})
+            entry = state.setdefault(name, {})
             entry[kind] = value
+            if kind == "exp_avg" and "step" not in entry:    # the fused AdamW's count (a class's own: its key)
+                entry["step"] = torch.tensor(float(holdings.specs[key].step or 0) if key in holdings.specs else 0.0)
     base = _torch_group_keys(optimizer)
     groups = [dict(base, **g["hyper"], params=list(g["params"])) for g in holdings.groups or []]
     return model_sd, {"state": state, "param_groups": groups}
 
 
+def _optimizers(optimizer) -> list:
+    return [o for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]) if o is not None]
+
+
 def _check_optimizers(optimizer) -> None:
-    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-        if opt is not None and not getattr(opt, "fused", True):
+    for opt in _optimizers(optimizer):
+        if getattr(opt, "whole_tensor_rule", None) is not None:
             raise NotImplementedError(
-                f"dcp_state_dict: a ShardedOptimizer running {opt.optimizer_class.__name__} is not supported yet (only "
-                "the fused AdamW's state goes through DCP); zeroshard.save_checkpoint / load_checkpoint hold its "
-                "state at any world size and stage")
+                f"dcp_state_dict: a ShardedOptimizer running {opt.optimizer_class.__name__} (a whole-tensor "
+                "optimizer) is not supported yet; zeroshard.save_checkpoint / load_checkpoint hold its state at any "
+                "world size and stage")
+
+
+def _fresh_elementwise(model: nn.Module, optimizer) -> Optional[dict]:
+    """For elementwise optimizers that have not stepped: a manifest of the state their class
+    keeps (``rules.probe_state``), so that their state tensors exist for ``dcp.load``; None
+    where every optimizer is fused or has stepped (its state is read as it is)."""
+    opts = [o for o in _optimizers(optimizer) if getattr(o, "elementwise_rule", None) is not None]
+    if not opts or all(any(o.param_steps) for o in opts):
+        return None
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    tensors = {}
+    for opt in opts:
+        rule = opt.elementwise_rule
+        for i in opt.trainable:
+            for kind, each in probe_state(rule.cls, rule.kwargs).items():
+                tensors[f"{kind}:{names[id(opt.params[i])]}"] = {
+                    "shape": list(opt.full_shape(i)) if each else [], "dtype": "float32", "step": 0}
+    return {"tensors": tensors, "param_groups": None}
 
 
 def _torch_group_keys(optimizer) -> dict:
@@ -140,20 +193,26 @@ def load_dcp_state_dict(model: nn.Module, optimizer=None, *, model_state_dict: d
     holdings = Holdings(model, optimizer, for_load=True)
     optim_state_dict = optim_state_dict or {"state": {}, "param_groups": []}
     tensors = {}
+    for name, entry in optim_state_dict["state"].items():     # what an elementwise class keeps
+        step = int(float(entry.get("step", 0)))
+        for kind, v in entry.items():
+            tensors[f"{kind}:{name}"] = {"shape": list(v.shape), "dtype": "float32", "step": step}
+    man = {"tensors": tensors, "param_groups": None}
+    holdings.adopt(man)
     for key, spec in holdings.specs.items():
         kind, _, name = key.partition(":")
         src = model_state_dict.get(name) if kind in ("param", "buffer") else \
             optim_state_dict["state"].get(name, {}).get(kind)
         if src is None:
             continue
-        if kind not in ("param", "buffer"):
-            tensors[key] = {"step": int(float(optim_state_dict["state"][name].get("step", 0)))}
         for piece in (p for p in holdings.pieces if p.key == key):
             _copy_in(piece, src)
-    man = {"tensors": tensors, "param_groups": [
-        {"params": list(g["params"]), "hyper": {k: v for k, v in g.items() if k != "params"}}
-        for g in optim_state_dict["param_groups"]]}
-    holdings.adopt(man)
+    for piece in holdings.pieces:          # an elementwise class's state, known from the manifest
+        kind, _, name = piece.key.partition(":")
+        if piece.key not in holdings.specs and kind in optim_state_dict["state"].get(name, {}):
+            _copy_in(piece, optim_state_dict["state"][name][kind])
+    man["param_groups"] = [{"params": list(g["params"]), "hyper": {k: v for k, v in g.items() if k != "params"}}
+                           for g in optim_state_dict["param_groups"]]
     holdings.finish_load(man)
 
 
