@@ -31,24 +31,47 @@ def _model():
 
 
 def _train(model, opt, steps: range):
-    rank = dist.get_rank()
+    rank, opts = dist.get_rank(), opt if isinstance(opt, list) else [opt]
     for s in steps:
         x = torch.randn(6, 7, generator=torch.Generator().manual_seed(100 * s + rank))
         model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
 
 
 # an optimizer by name: (torch class, its hyperparameters); zeroshard runs torch's SGD and AdamW with amsgrad
 # as elementwise optimizer_class, AdamW as its fused kernel
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, HYPER), "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
-              "amsgrad": (torch.optim.AdamW, dict(HYPER, amsgrad=True))}
+              "amsgrad": (torch.optim.AdamW, dict(HYPER, amsgrad=True)),
+              "adafactor": (torch.optim.Adafactor, dict(lr=1e-2))}     # whole-tensor: on owner ranks
+
+
+def _muon(kind: str):
+    """Muon over the hidden matrices and AdamW over the rest, as a Muon script holds them: DDP's
+    two torch optimizers, or zeroshard's two ShardedOptimizers at stage 2 or 3."""
+    model = _model()
+    if kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif kind == "zs3":
+        model = zs.FullyShard(model, wrap={Block})
+    mats = [p for n, p in model.named_parameters() if p.dim() == 2 and ".lin." in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and ".lin." in n)]
+    muon = dict(lr=2e-2, momentum=0.9)
+    if kind == "ddp":
+        return model, [torch.optim.Muon(mats, **muon), torch.optim.AdamW(rest, **HYPER)], "torch"
+    stage = {} if kind == "zs3" else dict(stage=2)
+    return model, [zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, **stage, **muon),
+                   zs.ShardedOptimizer(rest, **stage, **HYPER)], "zs"
 
 
 def _build(kind: str):
     """(model, optimizer, whose) for ``kind``: "fsdp2", "ddp", or zeroshard's "zs1"/"zs2"/"zs3", each
     with an optimizer suffix ("-sgd", "-amsgrad"; AdamW without)."""
     kind, _, which = kind.partition("-")
+    if which == "muon":
+        return _muon(kind)
     cls, hyper = OPTIMIZERS[which or "adamw"]
     model = _model()
     if kind == "fsdp2":
@@ -161,15 +184,29 @@ def test_converters_both_ways(tmp_path):
     assert convert.main(["--to", "dcp", native, back]) == 2          # an existing destination is refused
 
 
-@pytest.mark.parametrize("which", ["sgd", "amsgrad"])
-def test_elementwise_optimizers_both_ways(which, tmp_path):
-    """torch's SGD with momentum and AdamW with amsgrad (elementwise optimizer_class): FSDP2's
-    checkpoint at world 2 into zeroshard at world 3 (stages 3 and 2), and zeroshard's back."""
-    theirs, ours = str(tmp_path / "fsdp2"), str(tmp_path / "zs")
-    get_pool(2).run(_save, f"fsdp2-{which}", theirs)
-    want = get_pool(3).run(_load, f"fsdp2-{which}", theirs)[0]
+@pytest.mark.parametrize("which,peer", [("sgd", "fsdp2"), ("amsgrad", "fsdp2"), ("adafactor", "ddp")])
+def test_other_optimizer_classes_both_ways(which, peer, tmp_path):
+    """torch's SGD with momentum and AdamW with amsgrad (elementwise optimizer_class) against FSDP2,
+    Adafactor (whole-tensor: factored state on owner ranks) against DDP: the peer's checkpoint at
+    world 2 into zeroshard at world 3 (stages 3 and 2), and zeroshard's back."""
+    theirs, ours = str(tmp_path / peer), str(tmp_path / "zs")
+    get_pool(2).run(_save, f"{peer}-{which}", theirs)
+    want = get_pool(3).run(_load, f"{peer}-{which}", theirs)[0]
     for stage in (3, 2):
         assert _worst(get_pool(3).run(_load, f"zs{stage}-{which}", theirs)[0], want) < 1e-6, stage
     get_pool(3).run(_save, f"zs3-{which}", ours)
-    want = get_pool(2).run(_load, f"fsdp2-{which}", ours)[0]
+    want = get_pool(2).run(_load, f"{peer}-{which}", ours)[0]
     assert _worst(get_pool(2).run(_load, f"zs2-{which}", ours)[0], want) < 1e-6
+
+
+def test_muon_with_adamw_both_ways(tmp_path):
+    """Muon (each matrix's momentum on its owner rank) with AdamW: DDP's two torch optimizers'
+    checkpoint at world 2 into zeroshard at world 3 (stages 3 and 2), and zeroshard's back into DDP."""
+    theirs, ours = str(tmp_path / "ddp"), str(tmp_path / "zs")
+    get_pool(2).run(_save, "ddp-muon", theirs)
+    want = get_pool(3).run(_load, "ddp-muon", theirs)[0]
+    for stage in (3, 2):
+        assert _worst(get_pool(3).run(_load, f"zs{stage}-muon", theirs)[0], want) < 1e-5, stage
+    get_pool(3).run(_save, "zs3-muon", ours)
+    want = get_pool(2).run(_load, "ddp-muon", ours)[0]
+    assert _worst(get_pool(2).run(_load, "zs2-muon", ours)[0], want) < 1e-5

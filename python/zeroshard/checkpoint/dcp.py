@@ -29,7 +29,6 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardM
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from .. import comm
-from ..optim.rules import probe_state
 from .holdings import Holdings
 from .pieces import Piece
 
@@ -103,8 +102,7 @@ def dcp_state_dict(model: nn.Module, optimizer=None) -> Tuple[dict, dict]:
     names, the optimizer's state in torch's format. Sharded values are ``ShardedTensor``s
     whose local shards are views of this rank's shards: ``dcp.load`` into them loads
     the model and optimizer in place (then call ``load_dcp_state_dict``). Collective."""
-    _check_optimizers(optimizer)
-    fresh = _fresh_elementwise(model, optimizer)      # no state yet: what a load fills, from the class
+    fresh = _fresh(model, optimizer)      # no state yet: what a load fills, from the class
     holdings = Holdings(model, optimizer, for_load=fresh is not None)
     if fresh is not None:
         holdings.adopt(fresh)
@@ -113,6 +111,8 @@ def dcp_state_dict(model: nn.Module, optimizer=None) -> Tuple[dict, dict]:
     for piece in holdings.pieces:
         by_key.setdefault(piece.key, []).append(piece)
     shapes = {k: tuple(s.shape) for k, s in holdings.specs.items()}
+    if any(o.whole_tensor_rule is not None for o in _optimizers(optimizer)):
+        shapes.update(_owner_scalars(holdings, by_key, holdings.group))
     for key, t in (fresh or {"tensors": {}})["tensors"].items():
         shapes.setdefault(key, tuple(t["shape"]))
     local = {}
@@ -136,8 +136,9 @@ def dcp_state_dict(model: nn.Module, optimizer=None) -> Tuple[dict, dict]:
             entry[kind] = value
             if kind == "exp_avg" and "step" not in entry:    # the fused AdamW's count (a class's own: its key)
                 entry["step"] = torch.tensor(float(holdings.specs[key].step or 0) if key in holdings.specs else 0.0)
-    base = _torch_group_keys(optimizer)
-    groups = [dict(base, **g["hyper"], params=list(g["params"])) for g in holdings.groups or []]
+    saved = iter(holdings.groups or [])     # each optimizer's groups in turn, with its class's keys
+    groups = [dict(_torch_group_keys(opt), **g["hyper"], params=list(g["params"]))
+              for opt in _optimizers(optimizer) for g in (next(saved) for _ in opt.param_groups)]
     return model_sd, {"state": state, "param_groups": groups}
 
 
@@ -145,31 +146,60 @@ def _optimizers(optimizer) -> list:
     return [o for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]) if o is not None]
 
 
-def _check_optimizers(optimizer) -> None:
-    for opt in _optimizers(optimizer):
-        if getattr(opt, "whole_tensor_rule", None) is not None:
-            raise NotImplementedError(
-                f"dcp_state_dict: a ShardedOptimizer running {opt.optimizer_class.__name__} (a whole-tensor "
-                "optimizer) is not supported yet; zeroshard.save_checkpoint / load_checkpoint hold its state at any "
-                "world size and stage")
-
-
-def _fresh_elementwise(model: nn.Module, optimizer) -> Optional[dict]:
-    """For elementwise optimizers that have not stepped: a manifest of the state their class
-    keeps (``rules.probe_state``), so that their state tensors exist for ``dcp.load``; None
-    where every optimizer is fused or has stepped (its state is read as it is)."""
-    opts = [o for o in _optimizers(optimizer) if getattr(o, "elementwise_rule", None) is not None]
-    if not opts or all(any(o.param_steps) for o in opts):
+def _fresh(model: nn.Module, optimizer) -> Optional[dict]:
+    """For optimizer classes whose state is made at their first step (an elementwise or
+    whole-tensor ``optimizer_class``) where no rank has any yet: a manifest of the state
+    the class keeps, so that its tensors exist for ``dcp.load``; None where every
+    optimizer is fused or has state (read as it is). Collective where such a class runs."""
+    opts = [o for o in _optimizers(optimizer) if o.elementwise_rule is not None or o.whole_tensor_rule is not None]
+    if not opts:
+        return None
+    mine = any(bool(o.whole_tensor_rule.owned_states()) if o.whole_tensor_rule is not None else
+               any(o.elementwise_rule.piece_state(i, t) for (i, t) in o.elementwise_rule.piece_leaves())
+               for o in opts)
+    if any(comm.all_gather_object(mine, group=opts[0].process_group, what="dcp_state_dict: optimizer state")):
         return None
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     tensors = {}
     for opt in opts:
-        rule = opt.elementwise_rule
+        rule = opt.elementwise_rule or opt.whole_tensor_rule
         for i in opt.trainable:
-            for kind, each in probe_state(rule.cls, rule.kwargs).items():
-                tensors[f"{kind}:{names[id(opt.params[i])]}"] = {
-                    "shape": list(opt.full_shape(i)) if each else [], "dtype": "float32", "step": 0}
+            for kind, shape in _class_state(rule.cls, rule.kwargs, tuple(opt.full_shape(i))).items():
+                tensors[f"{kind}:{names[id(opt.params[i])]}"] = {"shape": list(shape), "dtype": "float32", "step": 0}
     return {"tensors": tensors, "param_groups": None}
+
+
+def _class_state(cls, kwargs: dict, shape: tuple) -> Dict[str, tuple]:
+    """The state ``cls`` keeps for a parameter of ``shape``, each key's shape, from one step
+    on a dummy whose dimensions are distinct primes (a state dimension of 1 stays 1)."""
+    primes = (3, 5, 7, 11, 13, 17)[:len(shape)]
+    p = nn.Parameter(torch.zeros(primes))
+    opt = cls([p], **kwargs)
+    p.grad = torch.ones(primes)
+    opt.step()
+    out = {}
+    for kind, v in opt.state[p].items():
+        dims = tuple(torch.as_tensor(v).shape)
+        if any(d != 1 and d not in primes for d in dims):
+            raise NotImplementedError(f"dcp_state_dict: {cls.__name__} keeps '{kind}' of a shape zeroshard cannot "
+                                      "tell from the parameter's; save_checkpoint holds its state")
+        out[kind] = tuple(1 if d == 1 else shape[primes.index(d)] for d in dims)
+    return out
+
+
+def _owner_scalars(holdings: Holdings, by_key: Dict[str, List[Piece]], group) -> Dict[str, tuple]:
+    """The shapes of the state tensors only their owners hold (a whole-tensor optimizer's),
+    for every rank, and each owner's scalars given to every rank (a plain tensor DCP writes
+    from whichever rank: all must hold its value)."""
+    mine = {k: (tuple(sp.shape), by_key[k][0].data.item() if not sp.shape else None)
+            for k, sp in holdings.local_specs.items()}
+    shapes = {}
+    for theirs in comm.all_gather_object(mine, group=group, what="dcp_state_dict: owners' state"):
+        for key, (shape, value) in theirs.items():
+            shapes[key] = shape
+            if value is not None and key not in by_key:
+                by_key[key] = [Piece(key, 0, torch.tensor([value]), True)]
+    return shapes
 
 
 def _torch_group_keys(optimizer) -> dict:
