@@ -92,7 +92,7 @@ def train(init, cfg, steps=STEPS, inject=(), optimizer=None, start=None):
     else:
         engine = start
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = torch.float16 if engine.fp16_enabled() else torch.float32
+    dtype = torch.float16 if engine.fp16_enabled() else torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
     losses, applied, scales = [], [], []
     first = engine.global_steps
     for s in range(first, first + steps):
@@ -336,14 +336,26 @@ def test_checkpoints_resume_exactly_reshard_and_export(tmp_path):
 
 
 # ------------------------------------------------------------------ precision
-def _bf16_gathers():
+def _bf16_against_deepspeed():
+    """zeroshard's bf16 stage 3 (the units' gather dtypes, from the flight record) and DeepSpeed's,
+    each against DeepSpeed's fp32 stage 3: (gathers, zeroshard's distance, DeepSpeed's)."""
     from _dist import unit_gather_dtypes
+    deepspeed = ds_setup()
+    bf16 = base(3, bf16={"enabled": True})
     t0 = time.time()
-    train(zeroshard.initialize, base(3, bf16={"enabled": True}), steps=1)
-    return unit_gather_dtypes(t0)
+    ours = params_of(train(zeroshard.initialize, bf16)[0])
+    gathers = unit_gather_dtypes(t0)
+    theirs = params_of(train(deepspeed.initialize, bf16)[0], deepspeed=True)
+    fp32 = params_of(train(deepspeed.initialize, base(3))[0], deepspeed=True)
+    far = lambda a: max((a[k].float() - fp32[k]).abs().max().item() for k in fp32)   # noqa: E731
+    return gathers, far(ours), far(theirs)
 
 
 def test_bf16_config_gathers_every_unit_in_bf16_at_stage_3():
-    """``"bf16": {"enabled": true}`` at stage 3: every unit all-gather in bf16, from the flight record."""
+    """``"bf16": {"enabled": true}`` at stage 3: every unit all-gather in bf16, from the flight record,
+    and the run as far from DeepSpeed's fp32 run as DeepSpeed's own bf16 run is (within its noise)."""
     from conftest import get_pool
-    assert get_pool(2).run(_bf16_gathers) == [["bfloat16"], ["bfloat16"]]
+    for gathers, ours, theirs in get_pool(2).run(_bf16_against_deepspeed):
+        assert gathers == ["bfloat16"]
+        assert 0 < theirs and ours <= 1.5 * theirs, (ours, theirs)
+        print(f"bf16 stage 3 from DeepSpeed's fp32 run: zeroshard {ours:.2e}, DeepSpeed {theirs:.2e}")
