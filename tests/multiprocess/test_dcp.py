@@ -210,3 +210,53 @@ def test_muon_with_adamw_both_ways(tmp_path):
     get_pool(3).run(_save, "zs3-muon", ours)
     want = get_pool(2).run(_load, "ddp-muon", ours)[0]
     assert _worst(get_pool(2).run(_load, "zs2-muon", ours)[0], want) < 1e-5
+
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def _full_save(kind: str, path: str):
+    """Full state dicts on rank 0 (``full_state_dict=True, cpu_offload=True``), torch.save'd there."""
+    model, opt, whose = _build(kind)
+    _train(model, opt, range(2))
+    msd, osd = get_state_dict(model, opt, options=FULL) if whose == "torch" else \
+        dcp_state_dict(model, opt, options=FULL)
+    if dist.get_rank() == 0:
+        torch.save({"model": msd, "optim": osd}, path)
+    else:
+        assert msd == {} and not osd.get("state")
+    dist.barrier()
+    _train(model, opt, range(2, 4))
+    return _full(model, opt, whose)
+
+
+def _full_load(kind: str, path: str):
+    """zeroshard: rank 0 loads the file and every rank takes its part (``broadcast_from_rank0=True``);
+    FSDP2: every rank loads the file (``full_state_dict=True``)."""
+    model, opt, whose = _build(kind)
+    if whose == "torch":
+        sd = torch.load(path, weights_only=False)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        sd = torch.load(path, weights_only=False) if dist.get_rank() == 0 else \
+            {"model": {}, "optim": {"state": {}, "param_groups": []}}
+        load_dcp_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                            options=FROM_RANK0)
+    _train(model, opt, range(2, 4))
+    return _full(model, opt, whose)
+
+
+def test_full_state_dicts_on_rank_0_both_ways(tmp_path):
+    """StateDictOptions(full_state_dict=True, cpu_offload=True) to save on rank 0, and
+    broadcast_from_rank0=True for zeroshard to load, as FSDP2 scripts do: FSDP2's file at world 2
+    into zeroshard at world 3, and zeroshard's (stage 3, world 3) into FSDP2 at world 2, each
+    against FSDP2 loading the same file on every rank."""
+    theirs, ours = str(tmp_path / "fsdp2.pt"), str(tmp_path / "zs.pt")
+    get_pool(2).run(_full_save, "fsdp2", theirs)
+    want = get_pool(3).run(_full_load, "fsdp2", theirs)[0]
+    assert _worst(get_pool(3).run(_full_load, "zs3", theirs)[0], want) < 1e-6
+    get_pool(3).run(_full_save, "zs3", ours)
+    want = get_pool(2).run(_full_load, "fsdp2", ours)[0]
+    assert _worst(get_pool(2).run(_full_load, "zs2", ours)[0], want) < 1e-6

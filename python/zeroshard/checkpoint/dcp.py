@@ -96,12 +96,16 @@ def _sharded_tensors(local: Dict[str, Tuple[tuple, torch.dtype, List[Shard]]], g
     return out
 
 
-def dcp_state_dict(model: nn.Module, optimizer=None) -> Tuple[dict, dict]:
+def dcp_state_dict(model: nn.Module, optimizer=None, *, options=None) -> Tuple[dict, dict]:
     """``(model_state_dict, optim_state_dict)`` for ``dcp.save`` / ``dcp.load`` (see
     [Note: DCP adapter]): the model's parameters and persistent buffers under its own
     names, the optimizer's state in torch's format. Sharded values are ``ShardedTensor``s
     whose local shards are views of this rank's shards: ``dcp.load`` into them loads
-    the model and optimizer in place (then call ``load_dcp_state_dict``). Collective."""
+    the model and optimizer in place (then call ``load_dcp_state_dict``). Collective.
+
+    ``options``: torch's ``StateDictOptions``. ``full_state_dict=True`` gives full tensors
+    (each gathered in turn) on every rank, or with ``cpu_offload=True`` on rank 0 alone
+    (the other ranks' dicts are empty), as ``get_state_dict`` does for FSDP2."""
     fresh = _fresh(model, optimizer)      # no state yet: what a load fills, from the class
     holdings = Holdings(model, optimizer, for_load=fresh is not None)
     if fresh is not None:
@@ -139,7 +143,38 @@ def dcp_state_dict(model: nn.Module, optimizer=None) -> Tuple[dict, dict]:
     saved = iter(holdings.groups or [])     # each optimizer's groups in turn, with its class's keys
     groups = [dict(_torch_group_keys(opt), **g["hyper"], params=list(g["params"]))
               for opt in _optimizers(optimizer) for g in (next(saved) for _ in opt.param_groups)]
+    if options is not None and options.full_state_dict:
+        return _gathered(model_sd, state, groups, holdings.group, options.cpu_offload)
     return model_sd, {"state": state, "param_groups": groups}
+
+
+def _gathered(model_sd: dict, state: dict, groups: list, group, rank0_only: bool) -> Tuple[dict, dict]:
+    """The state dicts with every ShardedTensor gathered whole, one at a time (on rank 0 alone
+    with ``rank0_only``: the others' dicts are then empty)."""
+    keep = not rank0_only or dist.get_rank(group) == 0
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def whole(v):
+        if not isinstance(v, ShardedTensor):
+            return v.detach().clone().cpu()
+        shape = tuple(v.size())
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        flat = torch.zeros(math.prod(shape), dtype=v.dtype)
+        for shard in v.local_shards():
+            start = sum(o * st for o, st in zip(shard.metadata.shard_offsets, strides))
+            t = shard.tensor.reshape(-1)
+            flat[start:start + t.numel()] = t.cpu()
+        if rank0_only:               # (the pieces are disjoint: their sum is the tensor)
+            dist.reduce(flat, dst, group=group)
+        else:
+            dist.all_reduce(flat, group=group)
+        return flat.view(shape)
+
+    model_out = {k: whole(v) for k, v in model_sd.items()}
+    state_out = {n: {k: whole(v) for k, v in e.items()} for n, e in state.items()}
+    if not keep:
+        return {}, {"state": {}, "param_groups": groups}
+    return model_out, {"state": state_out, "param_groups": groups}
 
 
 def _optimizers(optimizer) -> list:
@@ -215,13 +250,17 @@ def _torch_group_keys(optimizer) -> dict:
 
 @torch.no_grad()
 def load_dcp_state_dict(model: nn.Module, optimizer=None, *, model_state_dict: dict,
-                        optim_state_dict: Optional[dict] = None) -> None:
+                        optim_state_dict: Optional[dict] = None, options=None) -> None:
     """Finish a load: ``model_state_dict`` / ``optim_state_dict`` from ``dcp_state_dict``,
     filled by ``dcp.load`` (or full tensors of the same names: each rank copies its own
     pieces). The optimizer takes the step counts and hyperparameters loaded. Collective
-    where ``dcp_state_dict`` is."""
+    where ``dcp_state_dict`` is. ``options``: torch's ``StateDictOptions``; with
+    ``broadcast_from_rank0=True`` only rank 0's dicts hold values (full tensors), each
+    broadcast in turn, as ``set_state_dict`` takes them for FSDP2."""
     holdings = Holdings(model, optimizer, for_load=True)
     optim_state_dict = optim_state_dict or {"state": {}, "param_groups": []}
+    if options is not None and options.broadcast_from_rank0:
+        model_state_dict, optim_state_dict = _from_rank0(model_state_dict, optim_state_dict, holdings.group)
     tensors = {}
     for name, entry in optim_state_dict["state"].items():     # what an elementwise class keeps
         step = int(float(entry.get("step", 0)))
@@ -244,6 +283,28 @@ def load_dcp_state_dict(model: nn.Module, optimizer=None, *, model_state_dict: d
     man["param_groups"] = [{"params": list(g["params"]), "hyper": {k: v for k, v in g.items() if k != "params"}}
                            for g in optim_state_dict["param_groups"]]
     holdings.finish_load(man)
+
+
+def _from_rank0(model_sd: dict, optim_sd: dict, group) -> Tuple[dict, dict]:
+    """Rank 0's full state dicts on every rank, one tensor broadcast at a time."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    layout = [None]
+    if dist.get_rank(group) == 0:
+        layout = [({k: (tuple(v.shape), v.dtype) for k, v in model_sd.items()},
+                   {n: {k: (tuple(v.shape), torch.as_tensor(v).dtype) for k, v in e.items()}
+                    for n, e in optim_sd["state"].items()}, optim_sd["param_groups"])]
+    dist.broadcast_object_list(layout, src=src, group=group)
+    model_meta, state_meta, groups = layout[0]
+    mine = dist.get_rank(group) == 0
+
+    def one(value, meta):
+        t = torch.as_tensor(value).detach().cpu().contiguous() if mine else torch.empty(meta[0], dtype=meta[1])
+        dist.broadcast(t, src=src, group=group)
+        return t
+    model_out = {k: one(model_sd.get(k), m) for k, m in model_meta.items()}
+    state_out = {n: {k: one(optim_sd["state"][n][k] if mine else None, m) for k, m in e.items()}
+                 for n, e in state_meta.items()}
+    return model_out, {"state": state_out, "param_groups": groups}
 
 
 def _copy_in(piece: Piece, src) -> None:
