@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from . import files
 from .api import find_checkpoint
+from .dcp import torch_group_keys
 
 _MODEL, _STATE = "model.", "optim.state."
 
@@ -80,11 +81,7 @@ def to_dcp(src: str, dst: str) -> None:
 def _adamw_keys(hyper: dict) -> dict:
     """torch.optim.AdamW's param-group keys with their defaults, for an AdamW's group (DCP
     matches keys exactly: torch's AdamW loading the checkpoint asks for every one)."""
-    if "betas" not in hyper:
-        return {}
-    group = dict(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).param_groups[0])
-    group.pop("params")
-    return group
+    return torch_group_keys(torch.optim.AdamW) if "betas" in hyper else {}
 
 
 def to_zeroshard(src: str, dst: str) -> None:

@@ -161,7 +161,7 @@ def _gathered(model_sd: dict, state: dict, groups: list, group, rank0_only: bool
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         flat = torch.zeros(math.prod(shape), dtype=v.dtype)
         for shard in v.local_shards():
-            start = sum(o * st for o, st in zip(shard.metadata.shard_offsets, strides))
+            start, _ = _flat_range(shard, strides)
             t = shard.tensor.reshape(-1)
             flat[start:start + t.numel()] = t.cpu()
         if rank0_only:               # (the pieces are disjoint: their sum is the tensor)
@@ -238,14 +238,23 @@ def _owner_scalars(holdings: Holdings, by_key: Dict[str, List[Piece]], group) ->
 
 
 def _torch_group_keys(optimizer) -> dict:
-    """Every key of a param group of the torch class the optimizer runs, with its default:
-    DCP matches keys exactly, and a checkpoint torch's optimizer wrote has them all."""
     cls = getattr(optimizer, "optimizer_class", None)
-    if cls is None:
-        return {}
+    return torch_group_keys(cls) if cls is not None else {}
+
+
+def torch_group_keys(cls) -> dict:
+    """Every key of a param group of the torch class ``cls``, with its default: DCP matches
+    keys exactly, and a checkpoint torch's optimizer wrote has them all."""
     group = dict(cls([nn.Parameter(torch.zeros(1, 1))]).param_groups[0])
     group.pop("params")
     return group
+
+
+def _flat_range(shard, strides: List[int]) -> Tuple[int, int]:
+    """(flat index of the first element, of one past the last) of a local shard's rectangle."""
+    off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+    first = sum(o * st for o, st in zip(off, strides))
+    return first, sum((o + z - 1) * st for o, z, st in zip(off, size, strides)) + 1
 
 
 @torch.no_grad()
@@ -316,10 +325,9 @@ def _copy_in(piece: Piece, src) -> None:
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         for shard in src.local_shards():
             off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-            start = sum(o * s for o, s in zip(off, strides))
-            last = sum((o + z - 1) * s for o, z, s in zip(off, size, strides))
+            start, end = _flat_range(shard, strides)
             t = shard.tensor.reshape(-1)
-            if last + 1 - start != t.numel():
+            if end - start != t.numel():
                 raise ValueError(f"load_dcp_state_dict: a local shard at {list(off)} of size {list(size)} is not a "
                                  "flat element range; pass the state dicts dcp_state_dict made, filled by dcp.load")
             lo, hi = max(start, piece.start), min(start + t.numel(), piece.start + n)

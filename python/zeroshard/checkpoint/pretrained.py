@@ -210,7 +210,8 @@ def init_buffers(root: nn.Module, names: List[str]) -> List[str]:
     return left
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
+    """The current CUDA device, else the CPU: where a plain model's meta tensors are made."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -239,7 +240,7 @@ def load_pretrained(model: nn.Module, path: Union[str, Sequence[str]], *, strict
     entries = index(weight_files(path))
     unset = list(fs.uninitialised_buffers) if fs is not None else []
     if fs is None:
-        made = materialize_meta(inner, torch.device(device) if device is not None else _default_device())
+        made = materialize_meta(inner, torch.device(device) if device is not None else default_device())
         unset += reset_owners(inner, made)
         if device is not None:
             inner.to(device)          # whatever was made elsewhere (an adapter on CPU) joins it
