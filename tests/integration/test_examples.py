@@ -58,3 +58,13 @@ def test_plan_memory_runs_without_torchrun(tmp_path):
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "plan_memory: the planner's state bytes equal memory_report() at stages 1-3 on 1 ranks" in res.stdout
+
+
+def test_rehearse_scale_runs_as_one_process(tmp_path):
+    """rehearse_scale.py: plain python, rank 0 of 4096 over the no-op process group."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "rehearse_scale.py")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(r"^rehearse_scale: at 4096 ranks the same \d+ collectives per step as at 8", res.stdout,
+                     re.MULTILINE), res.stdout

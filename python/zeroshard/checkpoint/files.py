@@ -3,13 +3,14 @@ manifest, a block-verifying reader, and the filesystem steps of an atomic
 commit. See [Note: checkpoint format] in checkpoint/api.py."""
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import json
 import os
 import struct
 import zlib
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -196,6 +197,7 @@ class Reader:
 
     def __init__(self, path: str, man: dict):
         self.path, self.man, self.files = path, man, {}
+        self._starts: Dict[str, List[int]] = {}   # key -> its entries' first elements (a load's lookups)
         self.block = int(man["block_bytes"])
         self._staging = torch.empty(0, dtype=torch.uint8)   # reused: at most the largest read
 
@@ -235,7 +237,12 @@ class Reader:
         lo..hi: elements a..b of the tensor are bytes x0..x1 of the entry, read as the
         whole blocks r0..r1."""
         item = parse_dtype(self.man["tensors"][key]["dtype"]).itemsize
-        for e in self.man["tensors"][key]["entries"]:
+        entries = self.man["tensors"][key]["entries"]     # not overlapping; sorted by start (the save sorts them)
+        starts = self._starts.get(key)
+        if starts is None:
+            entries.sort(key=lambda e: e[2])
+            starts = self._starts[key] = [e[2] for e in entries]
+        for e in entries[max(0, bisect.bisect_right(starts, lo) - 1):bisect.bisect_left(starts, hi)]:
             start, numel = e[2], e[3]
             a, b = max(lo, start), min(hi, start + numel)
             if a < b:

@@ -29,6 +29,7 @@ import concurrent.futures
 import glob
 import io
 import os
+import pickle
 import shutil
 import threading
 import uuid
@@ -156,9 +157,8 @@ def _save(h: Holdings, peers: Peers, path: str, taken: Taken, sync: bool) -> Non
         return _prepare(path) if commits else None
     tmp = next(t for t in peers.run(prepare, gather=True) if t is not None)
     try:
-        written = peers.run(lambda: _write(h, tmp, taken, sync) if h.replica_rank == 0 else None, gather=True)
-        peers.run(lambda: _commit(h, tmp, path, [w for w in written if w is not None], taken, sync)
-                  if commits else None)
+        peers.run(lambda: _write(h, tmp, taken, sync) if h.replica_rank == 0 else None)
+        peers.run(lambda: _commit(h, tmp, path, _indexes(tmp, h.world), taken, sync) if commits else None)
     except BaseException:
         if commits and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -183,7 +183,7 @@ def _prepare(path: str) -> str:
 
 
 def _write(h: Holdings, tmp: str, taken: Taken, sync: bool):
-    """This rank's files in ``tmp``; returns (manifest entries, files) for the committer."""
+    """This rank's files in ``tmp``, and its index for the committer: see ``_indexes``."""
     fname, entries, listing = f"rank{h.rank}.safetensors", [], {}
     if taken.pieces:          # (a rank of a replicated model owns nothing and writes no file)
         items = [(f"{key}@{start}", t.dtype, (t.numel(),), lambda t=t: t) for key, start, t in taken.pieces]
@@ -194,7 +194,25 @@ def _write(h: Holdings, tmp: str, taken: Taken, sync: bool):
     if taken.extra is not None:
         files.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), taken.extra, sync)
         listing[f"extra{h.rank}.pt"] = {"size": len(taken.extra), "crc32": zlib.crc32(taken.extra)}
-    return entries, listing, dict(h.local_specs)
+    with open(os.path.join(tmp, f"{INDEX}{h.rank}"), "wb") as f:
+        pickle.dump((entries, listing, dict(h.local_specs)), f)
+
+
+INDEX = "index-of-rank"   # (a save's own file, read by the committer and deleted before the commit)
+
+
+def _indexes(tmp: str, world: int) -> list:
+    """Each writing rank's (manifest entries, files, whole-tensor states it alone holds), from
+    the index files in ``tmp``, which are then deleted. The writers leave them there instead of
+    sending them to the committer: an exchange would hand every rank every rank's entries,
+    bytes growing as the square of the world size; here only the committer reads them."""
+    out = []
+    for r in range(world):
+        name = os.path.join(tmp, f"{INDEX}{r}")
+        with open(name, "rb") as f:
+            out.append(pickle.load(f))
+        os.remove(name)
+    return out
 
 
 def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync: bool):

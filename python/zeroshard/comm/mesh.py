@@ -15,7 +15,7 @@ gradient) are all-reduced over every rank, each shard counted once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -35,7 +35,9 @@ class Groups:
         return 0 if self.replicate is None else dist.get_rank(self.replicate)
 
 
-_made: Dict[int, Tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# shard_size -> (the default group they were made in, shard group, replica group); made
+# again in a new default group (after destroy_process_group and a new init, as a restart does)
+_made: Dict[int, Tuple[Any, dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def groups(process_group: Optional[dist.ProcessGroup], shard_size: Optional[int], device_mesh, who: str) -> Groups:
@@ -62,9 +64,10 @@ def groups(process_group: Optional[dist.ProcessGroup], shard_size: Optional[int]
                          f"got {shard_size!r}; usually the number of GPUs per node")
     if shard_size == world:
         return Groups(dist.group.WORLD, None, dist.group.WORLD)
-    if shard_size not in _made:
-        _made[shard_size] = _make(shard_size, world)
-    shard, replicate = _made[shard_size]
+    made = _made.get(shard_size)
+    if made is None or made[0] is not dist.group.WORLD:
+        made = _made[shard_size] = (dist.group.WORLD, *_make(shard_size, world))
+    _, shard, replicate = made
     return Groups(shard, replicate if world // shard_size > 1 else None, dist.group.WORLD)
 
 

@@ -202,9 +202,10 @@ def meet(prefix: str, ranks: List[int], value: str, seconds: float) -> List[int]
 def _exchange(mine: dict) -> Tuple[Dict[int, dict], Optional[str]]:
     world = dist.get_world_size()
     try:
-        silent = meet(PREFIX, list(range(world)), json.dumps(mine), grace())   # named in the diagnosis
+        silent = set(meet(PREFIX, list(range(world)), json.dumps(mine), grace()))   # named in the diagnosis
         store = dist.distributed_c10d._get_default_store()
-        got = {r: json.loads(store.get(f"{PREFIX}{r}")) for r in range(world) if r not in silent}
+        answered = [r for r in range(world) if r not in silent]     # (one round trip to the store)
+        got = dict(zip(answered, map(json.loads, store.multi_get([f"{PREFIX}{r}" for r in answered]))))
         # a report older than this rank's last completed collective is an earlier
         # incident's, which the ranks got past (a caught check-in timeout, say)
         # (approximate across hosts: it compares wall clocks)
@@ -214,28 +215,63 @@ def _exchange(mine: dict) -> Tuple[Dict[int, dict], Optional[str]]:
         return {mine["rank"]: mine}, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
+GROUPS = 8   # the most rank groups a diagnosis lists (the file has every rank's report)
+
+
+def ranks_text(ranks) -> str:
+    """Ranks in words, runs of consecutive ranks as ranges: "rank 3", "ranks 0-511, 513-1023"."""
+    ranks = sorted(ranks)
+    runs, lo = [], None
+    for i, r in enumerate(ranks):
+        lo = r if lo is None else lo
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            runs.append(str(r) if lo == r else f"{lo}-{r}")
+            lo = None
+    if len(runs) > GROUPS:
+        runs = runs[:GROUPS - 1] + [f"... ({len(ranks)} in all)"]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
+
+
+def _grouped(by_rank: Dict[int, str]) -> List[str]:
+    """"<ranks>: <text>" for each distinct text, most ranks first, at most GROUPS of them."""
+    groups: Dict[str, List[int]] = {}
+    for r, text in sorted(by_rank.items()):
+        groups.setdefault(text, []).append(r)
+    order = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    lines = [f"{ranks_text(rs)}{text}" for text, rs in order[:GROUPS]]
+    rest = order[GROUPS:]
+    if rest:
+        lines.append(f"{sum(len(rs) for _, rs in rest)} more rank(s) in {len(rest)} other state(s): "
+                     "see the file below")
+    return lines
+
+
 def diagnose(reports: Dict[int, dict], group: str, world: int, now: float) -> str:
-    """The part of the message built from every answering rank's report (pure)."""
+    """The part of the message built from every answering rank's report (pure): ranks in
+    the same state share a line, so its length is bounded whatever the world size."""
     lines = []
     first = first_difference(reports, group)
     if first:
         lines.append(first)
     lines.append(f"What each rank last did on process group '{group}':")
     others = [r for r in sorted(reports) if not any(x["group"] == group for x in reports[r]["records"])]
+    states = {}
     for r in sorted(set(reports) - set(others)):
         recs = [x for x in reports[r]["records"] if x["group"] == group]
         started = recs[-1] if recs else None
         done = next((x for x in reversed(recs) if x["end"] is not None), None)
+        # (the wait, in whole seconds, so ranks stuck in one collective share a line)
         state = "" if started is None or started["end"] is not None else \
-            f", not completed after {now - started['start']:.1f} s"
-        lines.append(f"  rank {r}: last started {describe(started)}{state}; last completed {describe(done)}; "
+            f", not completed after {int(now - started['start']):d} s"
+        states[r] = (f": last started {describe(started)}{state}; last completed {describe(done)}; "
                      f"cause: {reports[r]['cause']}")
-    for r in others:
-        lines.append(f"  rank {r} (no recent collective on this group): cause: {reports[r]['cause']}")
+    states.update({r: f" (no recent collective on this group): cause: {reports[r]['cause']}" for r in others})
+    lines += ["  " + line for line in _grouped(states)]
     silent = [r for r in range(world) if r not in reports]
     if silent:
-        lines.append(f"Rank(s) {silent} did not answer within {grace():g} s: dead, or busy outside zeroshard "
-                     "(a long computation, a torch collective, a sleep, a wait on a different group).")
+        lines.append(f"{ranks_text(silent).capitalize()} did not answer within {grace():g} s: dead, or busy "
+                     "outside zeroshard (a long computation, a torch collective, a sleep, a wait on a different "
+                     "group).")
     return "\n".join(lines)
 
 
@@ -250,9 +286,9 @@ def first_difference(reports: Dict[int, dict], group: str) -> Optional[str]:
         sides = {r: s.get(n) for r, s in seqs.items()}
         sigs = {None if x is None else (x["kind"], x["numel"], x["dtype"], x["what"]) for x in sides.values()}
         if len(sigs) > 1:
-            said = [f"rank {r} " + (f"issued {describe(x)}" if x is not None else
-                                    f"never issued it (its last: {describe(seqs[r][max(seqs[r])])})")
-                    for r, x in sorted(sides.items())]
+            said = _grouped({r: (f" issued {describe(x)}" if x is not None else
+                                 f" never issued it (its last: {describe(seqs[r][max(seqs[r])])})")
+                             for r, x in sides.items()})
             return f"The ranks first differ at collective #{n} on process group '{group}': " + "; ".join(said) + "."
     return None
 
@@ -278,7 +314,7 @@ def agree(rec: Record, group: Optional[dist.ProcessGroup]) -> None:
     missing = meet(f"{key}{rec.seq}/", ranks, json.dumps([rec.kind, rec.numel, rec.dtype, rec.what]), timeout())
     if missing:
         raise CollectiveTimeout(_on_rank(
-            f"ZEROSHARD_DEBUG: rank(s) {missing} did not issue collective #{rec.seq} on process group "
+            f"ZEROSHARD_DEBUG: {ranks_text(missing)} did not issue collective #{rec.seq} on process group "
             f"'{rec.group}' within {timeout():g} s; this rank issued {describe(rec)}.\n")
             + incident(f"timed out in the debug check of {describe(rec)}", rec.group, rec)[0])
     store = dist.distributed_c10d._get_default_store()
@@ -286,7 +322,7 @@ def agree(rec: Record, group: Optional[dist.ProcessGroup]) -> None:
     if rec.seq > 1:       # every rank has read seq-1's keys before posting seq's
         store.delete_key(f"{key}{rec.seq - 1}/{dist.get_rank()}")
     if any(s[:3] != sides[ranks[0]][:3] for s in sides.values()):
-        said = "; ".join(f"rank {r}: {s[0]} of {s[1]} {s[2]} ({s[3] or 'unlabelled'})" for r, s in sides.items())
+        said = "; ".join(_grouped({r: f": {s[0]} of {s[1]} {s[2]} ({s[3] or 'unlabelled'})" for r, s in sides.items()}))
         raise CollectiveMismatch(_on_rank(
             f"ZEROSHARD_DEBUG: the ranks issue different collectives as #{rec.seq} on process group "
             f"'{rec.group}': {said}. They took different branches before this point (a rank-dependent "

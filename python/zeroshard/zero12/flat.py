@@ -6,6 +6,7 @@ See [Note: sharded optimizer policy] in zero12/reducer.py for how they are used.
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -164,6 +165,20 @@ def _has_master(dtype: torch.dtype, placement: Placement, device: torch.device) 
     return dtype != torch.float32 or (placement is not Placement.DEVICE and on_accelerator(device))
 
 
+def _warn_padding(laid_out: int, numel: int, world: int):
+    """Warn where an owner-aligned layout's equal shards pad the flat buffers past the
+    parameters' own size: with more ranks than whole tensors most shards hold nothing,
+    yet every shard is as long as the fullest one."""
+    if laid_out > 2 * numel:
+        warnings.warn(
+            f"[rank {dist.get_rank()}/{dist.get_world_size()}] ShardedOptimizer: a whole-tensor optimizer at "
+            f"stage 1/2 over {world} ranks lays each of its tensors whole in one rank's shard, and the shards are "
+            f"equal, so the flat buffers hold {laid_out:,} elements for {numel:,} of parameters "
+            f"({laid_out / numel:.0f}x: every full-size buffer, parameters and gradients, is that much larger). "
+            "Shard it over fewer ranks (shard_size=8, say: a copy of its state per group of 8 ranks, owners "
+            "inside each) or use FullyShard, whose uneven chunks need no padding.", ResourceWarning, stacklevel=4)
+
+
 @torch.no_grad()
 def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int, adam: bool,
                bucket_bytes: int, device: torch.device, group, src: int, everyone=None,
@@ -186,6 +201,8 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
     keys = [group_of[i] * 16 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) + 8 * (i in kept) for i in order]
     L = compute_layout([params[i].numel() for i in order], [params[i].dtype for i in order], bucket_bytes,
                        world, keys=keys, costs=[update_cost(params[i].shape) if i in kept else -1 for i in order])
+    if whole:
+        _warn_padding(sum(lb.numel for lb in L.buffers), sum(params[i].numel() for i in order), world)
     last = [max(L.fragments[f].tensor for f in lb.fragments) for lb in L.buckets]
     st = FlatState(L, [], [None] * len(L.buckets), {}, sorted(range(len(L.buckets)), key=lambda b: (last[b], b)),
                    {order[t]: place.owner for t, place in enumerate(L.tensors) if place.owner >= 0})
