@@ -598,7 +598,9 @@ OWN_PLOTS = {"headline.png": "Step time and memory of each ZeRO stage against DD
              "checkpoint.png": "Checkpoint save and load time per variant"}
 COPIED_CAPTIONS = {"sweep_size.png": "Step time over DDP's against model size (benchmarks/sweep.py)",
                    "sweep_world.png": "Step time over DDP's against world size (benchmarks/sweep.py)",
-                   "muon.png": "Muon + AdamW at each stage against DDP + torch.optim.Muon (benchmarks/muon.py)"}
+                   "muon.png": "Muon + AdamW at each stage against DDP + torch.optim.Muon (benchmarks/muon.py)",
+                   "scale.png": "Host time of a step and construction against the world size, rank 0 of N over "
+                                "the no-op process group (benchmarks/scale.py)"}
 
 
 def report(out_dir: str, results: str, docs: str) -> dict:

@@ -11,8 +11,8 @@ the host's own work, the part that sits between kernels on a GPU cluster. The mo
 fp32), a batch of 4 x 264. Variants:
   zeroshard-1/2/3         ShardedOptimizer(stage=1/2), FullyShard(wrap={Block}) + ShardedOptimizer
   hybrid-2/3              the same with shard_size=8 (from N = 16)
-  muon-2/3, muon-hybrid-3 Muon over the 16 matrices (optimizer_class=torch.optim.Muon), AdamW
-                          over the rest: each matrix updated whole on one owner rank
+  muon-2/3, muon-hybrid-2/3  Muon over the 16 matrices (optimizer_class=torch.optim.Muon),
+                          AdamW over the rest: each matrix updated whole on one owner rank
   zeroshard-3/fake-pg     zeroshard-3 over torch's fake process group (backend "fake") instead,
                           which copies each all-gather's input into all N chunks of its output
 Each (variant, N) runs in its own process. Columns:
@@ -23,7 +23,8 @@ Each (variant, N) runs in its own process. Columns:
               the most tensors any one collective was given, N + 1 for a chunk list)
   state / formula   this rank's parameter, gradient and optimizer-state bytes (memory_report's
               total, padding included) over the planner's formula for the stage (fp32:
-              16 bytes a parameter over N at ZeRO-3, over S = 8 with hybrid sharding)
+              16 bytes a parameter over N at ZeRO-3, over S = 8 with hybrid sharding); with
+              Muon rank 0 owns a matrix from N = 16 on, which it holds whole
   padding     the bytes of that total that the layout adds
 Then, for the same model at each N (no process group needed):
   diagnosis lines   the watchdog's message for a divergence where rank N/8 is one
@@ -47,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "out")
 D, BLOCKS, BATCH, SHARD = 264, 8, 4, 8
 VARIANTS = ["zeroshard-1", "zeroshard-2", "zeroshard-3", "hybrid-2", "hybrid-3", "muon-2", "muon-3",
-            "muon-hybrid-3", "zeroshard-3/fake-pg"]
+            "muon-hybrid-2", "muon-hybrid-3", "zeroshard-3/fake-pg"]
 
 
 def _model():

@@ -367,6 +367,23 @@ static void check_uneven(const c10d::ProcessGroup& pg, const char* op, const at:
                 bounds[rank + 1] - bounds[rank]);
 }
 
+// One collective per non-empty chunk of `flat` cut at `bounds` (`op(rank, chunk)`), in one
+// NCCL group where the backend is NCCL ([Note: uneven collectives]): torch's list forms
+// issue one per rank, empty or not, so their host work grows with the world size.
+template <typename Op>
+static Works per_chunk(c10d::ProcessGroup& pg, const at::Tensor& flat, const std::vector<int64_t>& bounds, Op&& op) {
+  const bool group = flat.is_cuda() && pg.getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
+  if (group) pg.startCoalescing(c10::DeviceType::CUDA);
+  Works works;
+  for (int64_t r = 0; r + 1 < static_cast<int64_t>(bounds.size()); ++r) {
+    if (bounds[r + 1] == bounds[r]) continue;
+    auto w = op(r, chunk_of(flat, bounds, r));
+    if (!group && w) works.push_back(std::move(w));
+  }
+  if (group) works.push_back(pg.endCoalescing(c10::DeviceType::CUDA));
+  return works;
+}
+
 Handle reduce_scatter_v(const std::string& group_name, const at::Tensor& input, const at::Tensor& output,
                         const std::vector<int64_t>& bounds, bool average) {
   auto pg = resolve(group_name);
@@ -374,11 +391,16 @@ Handle reduce_scatter_v(const std::string& group_name, const at::Tensor& input, 
   const double divisor = average ? static_cast<double>(pg->getSize()) : 1.0;
   if (gloo::applies(*pg, input)) return gloo::reduce_scatter_v(*pg, input, output, bounds, divisor);
   return CommLauncher::run(StreamRole::kReduceScatter, output, divisor, {input, output}, [&] {
-    std::vector<at::Tensor> outs{backend_view(output)};
-    std::vector<std::vector<at::Tensor>> ins{chunks_of(backend_view(input), bounds)};
-    c10d::ReduceScatterOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    return pg->reduce_scatter(outs, ins, opts);
+    at::Tensor in = backend_view(input), out = backend_view(output);
+    const int64_t rank = pg->getRank();
+    if (out.numel() > 0) out.copy_(chunk_of(in, bounds, rank));   // this rank's share, summed in place
+    return per_chunk(*pg, in, bounds, [&](int64_t r, const at::Tensor& chunk) {
+      std::vector<at::Tensor> ts{r == rank ? out : chunk};
+      c10d::ReduceOptions opts;
+      opts.rootRank = r;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      return pg->reduce(ts, opts);
+    });
   });
 }
 
@@ -388,9 +410,15 @@ Handle all_gather_v(const std::string& group_name, const at::Tensor& input, cons
   check_uneven(*pg, "all_gather", output, "output", input, "input", bounds);
   if (gloo::applies(*pg, output)) return gloo::all_gather_v(*pg, input, output, bounds);
   return CommLauncher::run(StreamRole::kAllGather, output, 1.0, {input, output}, [&] {
-    std::vector<std::vector<at::Tensor>> outs{chunks_of(backend_view(output), bounds)};
-    std::vector<at::Tensor> ins{backend_view(input)};
-    return pg->allgather(outs, ins);
+    at::Tensor out = backend_view(output);
+    at::Tensor mine = chunk_of(out, bounds, pg->getRank());
+    if (mine.numel() > 0 && mine.data_ptr() != input.data_ptr()) mine.copy_(input);
+    return per_chunk(*pg, out, bounds, [&](int64_t r, const at::Tensor& chunk) {
+      std::vector<at::Tensor> ts{chunk};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = r;
+      return pg->broadcast(ts, opts);
+    });
   });
 }
 

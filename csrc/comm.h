@@ -109,9 +109,13 @@ Handle all_gather(const std::string& group_name, const at::Tensor& input,
 // optimizers use them (each matrix inside its owner's chunk). gloo: point-to-
 // point messages, each rank's chunk sent to (or from) each peer once (no
 // message for an empty chunk), the peers' contributions received into
-// (world - 1) chunks of scratch; other backends: the list forms of
-// c10d's allgather / reduce_scatter (NCCL runs uneven ones as grouped
-// broadcasts / reduces).
+// (world - 1) chunks of scratch; other backends: one broadcast from (all-
+// gather) or reduce to (reduce-scatter) each rank whose chunk is not empty,
+// in one NCCL group on NCCL, so the host work grows with the chunks that
+// hold something, not with the world size (torch's list forms of allgather /
+// reduce_scatter issue one per rank, empty or not). The reduce-scatter's sum
+// lands in `output`, which first takes this rank's chunk of `input`;
+// `input` is not written.
 Handle reduce_scatter_v(const std::string& group_name, const at::Tensor& input, const at::Tensor& output,
                         const std::vector<int64_t>& bounds, bool average);
 Handle all_gather_v(const std::string& group_name, const at::Tensor& input, const at::Tensor& output,

@@ -76,11 +76,4 @@ inline at::Tensor chunk_of(const at::Tensor& t, const std::vector<int64_t>& boun
   return t.narrow(0, bounds[r], bounds[r + 1] - bounds[r]);
 }
 
-// Every rank's chunk, in rank order (the list forms of c10d's collectives).
-inline std::vector<at::Tensor> chunks_of(const at::Tensor& t, const std::vector<int64_t>& bounds) {
-  std::vector<at::Tensor> out;
-  for (size_t r = 0; r + 1 < bounds.size(); ++r) out.push_back(chunk_of(t, bounds, static_cast<int64_t>(r)));
-  return out;
-}
-
 }  // namespace zeroshard

@@ -69,6 +69,23 @@ def test_cuda_collectives_world_size_1(nccl_world1):
     torch.testing.assert_close(z, x)
 
 
+def test_cuda_uneven_collectives_world_size_1(nccl_world1):
+    """The uneven collectives' NCCL path (one broadcast or reduce per chunk that holds
+    something, in one NCCL group: [Note: uneven collectives]), out of place and in place."""
+    x = torch.randn(999, device="cuda")
+    for in_place in (False, True):
+        buf = x.clone()
+        out = buf if in_place else torch.empty(999, device="cuda")
+        zs.reduce_scatter(buf, out, bounds=[0, 999]).wait()
+        torch.testing.assert_close(out, x)
+        full = torch.full((999,), float("nan"), device="cuda")
+        mine = full if in_place else x.clone()
+        if in_place:
+            full.copy_(x)
+        zs.all_gather(mine, full, bounds=[0, 999]).wait()
+        torch.testing.assert_close(full, x)
+
+
 def train_both(model, opt, ref, ropt, dtype=torch.float32, steps=10):
     """Ten clipped steps of ours and of torch AdamW on the same random batches."""
     g = torch.Generator(device="cuda").manual_seed(1)

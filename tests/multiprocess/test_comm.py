@@ -4,6 +4,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend
 
 import zeroshard as zs
 
@@ -362,10 +363,45 @@ def test_flight_record_of_a_step(dist_pool, stage):
     assert all(s == strip[0] for s in strip)
 
 
-def _uneven():
+class _Forwarding(Backend):
+    """A backend that is not gloo (so zeroshard takes its path for other backends, one
+    broadcast or reduce per non-empty chunk) but moves the data through a gloo group."""
+
+    def __init__(self, rank, size, inner):
+        super().__init__(rank, size)
+        self.inner = inner
+
+    def getBackendName(self):
+        return "forwarding"
+
+    def broadcast(self, tensors, opts):
+        return self.inner.broadcast(tensors, opts)
+
+    def reduce(self, tensors, opts):
+        return self.inner.reduce(tensors, opts)
+
+
+_FORWARDING = {}
+
+
+def _forwarding_group():
+    """A process group over every rank whose backend is _Forwarding (made once per process)."""
+    if "group" not in _FORWARDING:
+        inner = dist.new_group(backend="gloo")
+        if "forwarding" not in dist.Backend.backend_list:
+            dist.Backend.register_backend("forwarding", lambda store, rank, size, timeout: _Forwarding(
+                rank, size, _FORWARDING["inner"]), devices=["cpu"])
+        _FORWARDING["inner"] = inner
+        _FORWARDING["group"] = dist.new_group(backend="forwarding")
+    return _FORWARDING["group"]
+
+
+def _uneven(forwarding=False):
     """reduce_scatter / all_gather over chunks of different lengths ([Note: uneven collectives]
     in csrc/comm.h), empty ones among them, in place and not, against torch.distributed's
-    all_reduce of the whole; bad bounds are refused naming them."""
+    all_reduce of the whole; bad bounds are refused naming them. ``forwarding``: over a
+    backend that is not gloo (the path NCCL takes), its data moved by gloo."""
+    group = _forwarding_group() if forwarding else None
     world, rank = dist.get_world_size(), dist.get_rank()
     ok = []
     g = torch.Generator().manual_seed(7)             # the same bounds on every rank
@@ -382,26 +418,27 @@ def _uneven():
         for in_place in (False, True):
             buf = x.clone()
             out = buf[lo:hi] if in_place else torch.empty(hi - lo)
-            zs.reduce_scatter(buf, out, average=(trial % 2 == 1), bounds=bounds).wait()
+            zs.reduce_scatter(buf, out, average=(trial % 2 == 1), bounds=bounds, group=group).wait()
             ok.append(torch.equal(out, total[lo:hi] / (world if trial % 2 == 1 else 1)))
             full = torch.full((bounds[-1],), float("nan"))
             mine = total[lo:hi].clone()
             if in_place:
                 full[lo:hi] = mine
                 mine = full[lo:hi]
-            zs.all_gather(mine, full, bounds=bounds).wait()
+            zs.all_gather(mine, full, bounds=bounds, group=group).wait()
             ok.append(torch.equal(full, total))
     msgs = []
     for bad in ([0] * world, [0] * (world + 1) + [1], [0, 5] + [3] * (world - 1)):
         try:
-            zs.all_gather(torch.zeros(0), torch.zeros(bad[-1]), bounds=bad)
+            zs.all_gather(torch.zeros(0), torch.zeros(bad[-1]), bounds=bad, group=group)
             msgs.append(None)
         except ValueError as e:
             msgs.append(str(e))
     return ok, msgs
 
 
-def test_uneven_reduce_scatter_and_all_gather(dist_pool):
-    for ok, msgs in dist_pool.run(_uneven):
+@pytest.mark.parametrize("forwarding", [False, True], ids=["gloo", "other-backends"])
+def test_uneven_reduce_scatter_and_all_gather(dist_pool, forwarding):
+    for ok, msgs in dist_pool.run(_uneven, forwarding):
         assert all(ok), ok
         assert None not in msgs and all("bounds" in m or "elements" in m for m in msgs), msgs

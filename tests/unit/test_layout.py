@@ -190,6 +190,38 @@ def test_owner_chunks_hold_each_whole_tensor_in_its_owners_chunk(specs, world, a
         assert b[r + 1] - b[r] <= max(whole[r], share) + longest_cut + align, (r, b, whole, share)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(-1, 40)), min_size=1, max_size=9),
+       st.sampled_from([8, 64, 4096]), st.sampled_from([0, 64, 1 << 16]))
+def test_owner_chunks_with_a_least_fill_touch_few_chunks(specs, world, min_fill):
+    """With ``min_fill``, the tensors updated elementwise fill chunks to at least that many
+    elements: besides the owners' chunks, at most (their elements / min_fill) + 2 chunks
+    hold anything (however many ranks), whole tensors still lie in their owners' chunks,
+    and no chunk passes max(its whole tensors, the even share, min_fill) by more than one
+    cut tensor."""
+    from zeroshard.native.layout import owner_chunks
+    numels = [n for n, _ in specs]
+    owners = {i: r % world for i, (_, r) in enumerate(specs) if r >= 0}
+    L = owner_chunks(numels, owners, world, 4, min_fill)
+    b = L.bounds
+
+    def up(x):
+        return -(-x // 4) * 4
+    assert len(b) == world + 1 and b[0] == 0 and b[-1] <= sum(up(n) for n in numels)
+    for i, r in owners.items():
+        assert numels[i] == 0 or b[r] <= L.offsets[i] and L.offsets[i] + numels[i] <= b[r + 1]
+    rest = sum(up(n) for i, n in enumerate(numels) if i not in owners)
+    holders = {r for i, r in owners.items() if numels[i]}
+    busy = [r for r in range(world) if b[r + 1] > b[r] and r not in holders]
+    if min_fill:
+        assert len(busy) <= rest // min_fill + 2, (busy, rest)
+    share = up(-(-b[-1] // world))
+    longest_cut = max([up(n) for i, n in enumerate(numels) if i not in owners] + [0])
+    for r in range(world):
+        whole = sum(up(numels[i]) for i, o in owners.items() if o == r)
+        assert b[r + 1] - b[r] <= max(whole, share, up(min(min_fill, rest))) + longest_cut + 4, (r, b)
+
+
 def test_owner_chunks_of_gpt_blocks_balance_the_cost():
     """Eight GPT blocks (matrices of 3, 1, 4 and 4 units of d²), owners by LPT over all of
     them: at 2, 3 and 4 ranks each rank's Newton-Schulz cost is the mean, and no block

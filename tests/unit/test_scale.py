@@ -28,28 +28,35 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
-def _build(stage: int, shard_size):
+def _build(stage: int, shard_size, muon: bool = False):
     torch.manual_seed(0)
     model = nn.Sequential(*[Block() for _ in range(BLOCKS)])
     kw = {} if shard_size is None else {"shard_size": shard_size}
     if stage == 3:
         model = zs.FullyShard(model, wrap={Block}, **kw)
-        return model, zs.ShardedOptimizer(model.parameters(), lr=1e-3)
-    return model, zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, **kw)
+        kw = {}
+    else:
+        kw["stage"] = stage
+    if not muon:
+        return model, [zs.ShardedOptimizer(model.parameters(), lr=1e-3, **kw)]
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    return model, [zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, lr=0.02, **kw),
+                   zs.ShardedOptimizer([p for p in model.parameters() if p.ndim != 2], lr=1e-3, **kw)]
 
 
-def _step(model, opt, x):
+def _step(model, opts, x):
     model(x).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
 
 
-def _work(world: int, stage: int, shard_size=None):
+def _work(world: int, stage: int, shard_size=None, muon=False):
     """(the collectives of one step: (kind, tensors given) -> count, Python calls in it, construction s)."""
     x = torch.randn(3, D)
     with noop.noop_world(world):
         t0 = time.perf_counter()
-        model, opt = _build(stage, shard_size)
+        model, opt = _build(stage, shard_size, muon)
         built = time.perf_counter() - t0
         for _ in range(2):
             _step(model, opt, x)
@@ -67,10 +74,14 @@ def _work(world: int, stage: int, shard_size=None):
         return dict(noop.calls), sum(calls.values()), built
 
 
-@pytest.mark.parametrize("stage,shard_size", [(1, None), (2, None), (3, None), (2, 8), (3, 8)])
-def test_a_steps_host_work_is_the_same_at_8_and_4096_ranks(stage, shard_size):
-    small = _work(8 if shard_size is None else 16, stage, shard_size)
-    big = _work(4096, stage, shard_size)
+@pytest.mark.parametrize("stage,shard_size,muon", [(1, None, False), (2, None, False), (3, None, False),
+                                                   (2, 8, False), (3, 8, False), (3, None, True)],
+                         ids=["stage1", "stage2", "stage3", "hybrid2", "hybrid3", "muon3"])
+def test_a_steps_host_work_is_the_same_at_8_and_4096_ranks(stage, shard_size, muon):
+    """Muon under FullyShard: each unit's chunks differ in length, and its collectives run one
+    per chunk that holds something ([Note: uneven collectives]): as many at 4096 ranks."""
+    small = _work(8 if shard_size is None else 16, stage, shard_size, muon)
+    big = _work(4096, stage, shard_size, muon)
     assert big[0] == small[0], (small[0], big[0])     # the same collectives, each with as many tensors
     assert all(n <= 2 for (_, n) in big[0]), big[0]   # never a per-rank list of chunks
     assert big[1] <= small[1] * 1.02 + 20, (small[1], big[1])    # Python calls in the step

@@ -121,7 +121,8 @@ class ChunkLayout:
     bounds: List[int]           # rank r's chunk is [bounds[r], bounds[r + 1]); bounds[-1]: the length
 
 
-def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int, align: int = 4) -> ChunkLayout:
+def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int, align: int = 4,
+                 min_fill: int = 0) -> ChunkLayout:
     """One flat buffer (a FullyShard unit) cut into chunks of different lengths so that
     each *whole* tensor (``owners``: tensor -> rank) lies inside its owner's chunk.
 
@@ -129,7 +130,10 @@ def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int,
     where they can (a tensor may be cut between two neighbouring chunks), so the
     chunks are as even as the whole tensors allow. Every tensor and chunk starts at
     a multiple of ``align`` elements. The same on every rank (see [Note: uneven
-    chunks] in zero3/relayout.py)."""
+    chunks] in zero3/relayout.py). ``min_fill``: the common length is at least this
+    (or all of the other tensors, if fewer), so a few elements of them do not spread
+    over every chunk: with many more ranks than whole tensors, only the owners' chunks
+    and about (their elements / min_fill) others then hold anything."""
     n = world_size
 
     def up(x: int) -> int:
@@ -150,7 +154,7 @@ def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int,
             hi = mid
         else:
             lo = mid + align
-    level = lo
+    level = max(lo, up(min(min_fill, stream)))
     offsets = [0] * len(numels)
     bounds, pos, k, carry_end = [0], 0, 0, 0     # carry_end: the end of a tensor cut at the last bound
     for r in range(n):

@@ -27,6 +27,12 @@ of them is laid out again, before anything trains:
   stepped yet; once anything has trained (a backward, a step) the layout is
   fixed and a whole-tensor optimizer built then is refused, naming the unit.
 
+The other tensors fill the chunks to at least ``MIN_FILL`` elements, so on a
+large job their few elements do not spread one or two to a rank over every
+chunk: the unit's collectives run one broadcast (all-gather) or reduce
+(reduce-scatter) per chunk that holds something ([Note: uneven collectives]),
+so their host work grows with the unit's tensors, not with the world size.
+
 The price: the chunks of one unit, so each rank's memory for it, differ (the
 balance holds over the units together), and NCCL runs uneven collectives as
 grouped broadcasts and reduces rather than its ring kernels.
@@ -42,6 +48,12 @@ from ..native.layout import assign_owners, owner_chunks
 from ..common.source import GradState
 from .records import Optimizers, Unit, UnitState
 from .wrap import Setup, host_or_device_zeros, layout_align, place_piece, set_grad_extent, unit_layout
+
+# The least a chunk holding the unit's other tensors is filled to (elements): with many more
+# ranks than whole tensors, the collectives then touch the owners' chunks and a few others,
+# not every rank's (see the Note); a rank holds at most this many elements more than an even
+# share would give it.
+MIN_FILL = 1 << 16
 
 
 def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int], backward,
@@ -78,7 +90,8 @@ def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], loa
         if not any(id(q) in owner for q in u.params):
             continue
         layout = owner_chunks([q.numel for q in u.params], {k: owner[id(q)] for k, q in enumerate(u.params)
-                                                            if id(q) in owner}, cfg.world, layout_align(cfg.param_dtype))
+                                                            if id(q) in owner}, cfg.world, layout_align(cfg.param_dtype),
+                              MIN_FILL)
         now = [u.span(r)[0] for r in range(cfg.world)] + [u.numel]
         if layout.offsets == [q.offset for q in u.params] and layout.bounds == now:
             continue
