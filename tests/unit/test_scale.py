@@ -126,3 +126,25 @@ def test_a_whole_tensor_optimizer_padding_past_the_parameters_at_stage_2_warns()
     said = build(512)
     assert len(said) == 1, said        # (with shard_size=8 the owners are within 8 ranks: no warning)
     assert "over 512 ranks" in said[0] and "shard_size=8" in said[0] and "FullyShard" in said[0], said
+
+
+def test_a_load_finds_the_entries_of_a_4096_rank_manifest_by_bisection():
+    """Each piece a rank loads overlaps few of a tensor's 4096 entries; the reader finds
+    exactly those (as a scan over all would), entries given in any order."""
+    import random
+    from zeroshard.checkpoint import files
+    rnd = random.Random(3)
+    numel, world = 1_000_003, 4096
+    cuts = sorted(rnd.sample(range(1, numel), world - 1))
+    starts = [0] + cuts
+    entries = [[f"rank{r}.safetensors", 0, s, e - s, []] for r, (s, e) in enumerate(zip(starts, cuts + [numel]))]
+    rnd.shuffle(entries)
+    man = {"block_bytes": files.BLOCK, "tensors": {"param:w": {"dtype": "float32", "entries": entries}}}
+    reader = files.Reader("/nonexistent", man)
+    for _ in range(200):
+        lo = rnd.randrange(numel)
+        hi = min(numel, lo + rnd.choice([1, 7, 245, 5000, 300_000]))
+        got = sorted((e[2], a, b) for e, a, b, *_ in reader._spans("param:w", lo, hi))
+        want = sorted((e[2], max(lo, e[2]), min(hi, e[2] + e[3])) for e in entries
+                      if max(lo, e[2]) < min(hi, e[2] + e[3]))
+        assert got == want, (lo, hi)
