@@ -108,8 +108,22 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
                 f"parameter {i} (shape {tuple(params[i].shape)}) is not a FullyShard parameter but "
                 "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
                 "outside the wrapped blocks) and pass model.parameters()"))
-    return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],
+    return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],  # (names: FullyShard's)
                       options["offload"], options["whole"], optimizer)
+
+
+def _check_no_group_mesh(param_groups: List[dict], err) -> None:
+    """A param group's "device_mesh" (the ranks it would shard over: expert parallelism) is
+    not read yet: refused rather than ignored, which would average every rank's different
+    experts together."""
+    for gi, g in enumerate(param_groups):
+        if "device_mesh" in g:
+            raise ValueError(err(
+                f"param group {gi} has a 'device_mesh': sharding one param group over its own ranks "
+                "(expert parallelism, each rank holding other experts) is not supported yet, and "
+                "ShardedOptimizer would average that group's parameters over every rank as if they "
+                "were copies of one another. Give every rank the same parameters (every expert), or "
+                "keep the expert-parallel parameters out of this optimizer"))
 
 
 def _check_dense(params: List[torch.Tensor], err) -> None:
@@ -196,6 +210,11 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         self.optimizer_class, self.fused_requested = optimizer_class or torch.optim.AdamW, fused
         modules = modules_given(params)      # (before torch reads the generators)
         super().__init__(params, defaults)
+        # each parameter's name where the optimizer was given a module's parameters (or
+        # torch's named parameters): the ranks must hold the same parameter at each place
+        self._names = {id(p): n for m in modules for n, p in m.named_parameters(remove_duplicate=False)}
+        self._names.update((id(p), n) for g in self.param_groups for n, p in zip(g.get("param_names", ()),
+                                                                                  g["params"]))
         if not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (torchrun sets it up)")
@@ -225,7 +244,9 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         if not any(p.requires_grad for p in params):
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        source = _make_source(params, group_of, *self._binding, self._err, weakref.ref(self))
+        _check_no_group_mesh(self.param_groups, self._err)
+        source = _make_source(params, group_of, self._binding[0], dict(self._binding[1], names=[
+            self._names.get(id(p)) for p in params]), self._err, weakref.ref(self))
         known = None                 # a new layout keeps the module the last one found
         if self._buffers is not None:
             self._buffers.release()

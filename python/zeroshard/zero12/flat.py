@@ -130,9 +130,12 @@ def check_params(params: List[torch.Tensor], trainable: List[int], err: Callable
     return device
 
 
-def check_same_across_ranks(params: List[torch.Tensor], group, err: Callable[[str], str]):
-    """Every rank has the same parameters (shape, dtype, requires_grad); collective."""
-    mine = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params]
+def check_same_across_ranks(params: List[torch.Tensor], group, err: Callable[[str], str],
+                            names: Optional[List[Optional[str]]] = None):
+    """Every rank has the same parameters (name where known, shape, dtype, requires_grad);
+    collective."""
+    names = names or [None] * len(params)
+    mine = [(names[i], tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for i, p in enumerate(params)]
     everyone = comm.all_gather_object(mine, group=group, what="setup: same parameters on every rank")
     ref = everyone[0]
     for r, theirs in enumerate(everyone):
@@ -140,10 +143,18 @@ def check_same_across_ranks(params: List[torch.Tensor], group, err: Callable[[st
             raise ValueError(err(f"rank {r} has {len(theirs)} parameters but rank 0 has {len(ref)}; every "
                                  "rank must build the same model"))
         for i, (a, b) in enumerate(zip(theirs, ref)):
-            if a != b:
+            if a[0] is not None and b[0] is not None and a[0] != b[0]:
                 raise ValueError(err(
-                    f"parameter {i} differs across ranks: rank {r} has (shape, dtype, requires_grad) "
-                    f"= {a} but rank 0 has {b}; every rank must build the same model"))
+                    f"parameter {i} is '{a[0]}' on rank {r} but '{b[0]}' on rank 0: the ranks hold different "
+                    "parameters in the same place (an expert-parallel model, each rank with its own experts?). "
+                    "Each parameter's gradient is averaged over the ranks, as DDP does, so different "
+                    "parameters would be mixed. Give every rank the same model; sharding some parameters "
+                    "over their own ranks (expert parallelism) is not supported yet"))
+            if a[1:] != b[1:]:
+                raise ValueError(err(
+                    f"parameter {i} differs across ranks: rank {r} has (shape, dtype, requires_grad) = {a[1:]} "
+                    f"but rank 0 has {b[1:]}{f' (it is {a[0]!r})' if a[0] else ''}; every rank must build the "
+                    "same model"))
 
 
 @dataclass

@@ -81,7 +81,7 @@ class FlatReducer(ShardSource):
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, adam: bool, bucket_bytes: int,
                  reduce_dtype: Optional[torch.dtype], groups: Groups, offload: Offload = NO_OFFLOAD,
-                 overlap_param_gather: bool = False, whole: bool = False):
+                 overlap_param_gather: bool = False, whole: bool = False, names: Optional[List[Optional[str]]] = None):
         super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
@@ -98,7 +98,7 @@ class FlatReducer(ShardSource):
         # stage 2's bucket buffers, recycled ([Note: bucket buffers between steps])
         self.pool = BufferPool(MAX_INFLIGHT_BUCKETS + 1, lambda n, dt: torch.empty(n, dtype=dt, device=self.device))
         self.device = check_params(params, self.trainable, self.err)
-        check_same_across_ranks(params, groups.every, self.err)
+        check_same_across_ranks(params, groups.every, self.err, names)
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         offloaded = offloaded_params(params, self.trainable, offload)
         flat = build_flat(params, group_of, self.trainable, stage=stage, adam=adam, bucket_bytes=bucket_bytes,
