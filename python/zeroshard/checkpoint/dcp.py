@@ -6,8 +6,10 @@ zeroshard shard is a flat element range ([Note: shard sources]). A flat range of
 row-major tensor is a few rectangles (``rectangles``: a partial first row, whole
 rows, a partial last row, recursively; at most 2 x dims - 1 of them), each a
 contiguous run of the range. Each becomes one local shard of a ``ShardedTensor``
-whose data is a view of the rank's own shard memory, so ``dcp.save`` writes
-straight from the shards and ``dcp.load`` reads straight into them, resharding
+whose data is the rank's own shard memory (on the CPU given a storage of exactly
+its bytes, ``_own_storage``, so DCP's writer does not copy it as it copies views),
+so ``dcp.save`` writes straight from the shards and ``dcp.load`` reads straight
+into them, resharding
 from whatever wrote the checkpoint (FSDP2's row chunks, another world size or
 stage): no rank builds a whole tensor. What every rank holds whole (stage-1/2
 parameters without a master, buffers, step counts) is a plain tensor, which DCP
@@ -29,6 +31,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardM
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from .. import comm
+from .dcp_tensor import flat_sharded_tensor
 from .holdings import Holdings
 from .pieces import Piece
 
@@ -61,6 +64,19 @@ def rectangles(shape: tuple, start: int, numel: int) -> List[Tuple[tuple, tuple,
     return out
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (1-D, contiguous) on the CPU as a tensor whose storage is exactly its bytes and
+    is ``t``'s memory (no copy). DCP's FileSystemWriter copies every tensor whose storage is
+    larger than it (a view of a shard is) and holds the copies until the file is written: a
+    second copy of all this rank writes. A tensor that already owns its storage, or is on a
+    GPU (the writer copies it to the host either way), is returned as it is."""
+    t = t.detach()
+    if t.device.type != "cpu" or t.numel() == 0 or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    # (through bytes: numpy has no bfloat16; the array keeps ``t``, so the shard, alive)
+    return torch.from_numpy(t.view(torch.uint8).numpy()).view(t.dtype)
+
+
 def _local_shards(shape: tuple, dtype: torch.dtype, pieces: List[Piece], rank: int) -> List[Shard]:
     """This rank's flat pieces of one tensor of ``shape`` as rectangular shards, views of the pieces."""
     shards = []
@@ -69,7 +85,7 @@ def _local_shards(shape: tuple, dtype: torch.dtype, pieces: List[Piece], rank: i
             n = math.prod(size)
             meta = ShardMetadata(shard_offsets=list(off), shard_sizes=list(size),
                                  placement=f"rank:{rank}/{piece.data.device}")
-            shards.append(Shard(piece.data[pos:pos + n].view(size), meta))
+            shards.append(Shard(_own_storage(piece.data[pos:pos + n]).view(size), meta))
     if not shards and shape:
         # none of it here: an empty shard keeps the key in this rank's plans (DCP drops a
         # ShardedTensor with no local shard), placed past the end so that no chunk shares its offset
@@ -92,7 +108,7 @@ def _sharded_tensors(local: Dict[str, Tuple[tuple, torch.dtype, List[Shard]]], g
                                  memory_format=torch.contiguous_format, pin_memory=False)
         meta = ShardedTensorMetadata(shards_metadata=[m for theirs in everyone for m in theirs[key]],
                                      size=torch.Size(shape), tensor_properties=props)
-        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group)
+        out[key] = flat_sharded_tensor(shards, meta, group)
     return out
 
 

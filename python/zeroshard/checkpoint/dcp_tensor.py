@@ -1,0 +1,81 @@
+"""The ShardedTensor of zeroshard's DCP state dicts, made so that ``dcp.async_save``'s
+staging can copy it (see [Note: DCP adapter] in checkpoint/dcp.py).
+
+torch's default stager (``dcp.async_save``) copies a state dict to host memory with a
+deep copy that treats every tensor as a plain one: it asks for its ``data_ptr()``
+(ShardedTensor refuses: it has no storage of its own), makes ``new_empty`` of it
+(refused too), then copies the object's attributes, its process group among them
+(which cannot be copied). ``FlatShardedTensor`` answers the first two as a tensor
+without storage does (0; an empty shell of its class, whose attributes the stager
+then fills with copies: the local shards' data staged in host memory, the metadata),
+and keeps its process group in a box that copies as itself. It also answers the
+size, shape, dtype and device queries DCP's planner makes of every tensor directly,
+as ShardedTensor's own ops would. Everything else is ShardedTensor's own behaviour.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+
+# what the wrapper tensor answers itself, as ShardedTensor's default ops do, without their
+# deprecation warning and argument walk on each call (DCP asks for them ~1,000 times a load)
+_OWN = {torch.Tensor.size, torch.Tensor.shape.__get__, torch.Tensor.dim, torch.Tensor.dtype.__get__}
+
+
+class _Shared:
+    """A value every copy of its holder shares: a deep copy is the box itself."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class FlatShardedTensor(ShardedTensor):
+    """A ShardedTensor that ``dcp.async_save``'s staging can copy (see the module's doc)."""
+
+    @property
+    def _process_group(self):
+        box = self.__dict__.get("_group_box")
+        return None if box is None else box.value
+
+    @_process_group.setter
+    def _process_group(self, group):
+        self.__dict__["_group_box"] = _Shared(group)
+
+    def hold_group(self, group) -> None:
+        """Keep ``group`` as this tensor's process group (in the box)."""
+        self._process_group = group
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.data_ptr:
+            return 0                  # (no storage of its own: the local shards hold the data)
+        if func is torch.Tensor.new_empty:
+            this = args[0]
+            return torch.Tensor._make_wrapper_subclass(cls, this.size(), dtype=this.dtype, layout=torch.strided,
+                                                       requires_grad=False)
+        if func in _OWN:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func == torch.Tensor.device.__get__ and args[0].local_shards():
+            return args[0].local_shards()[0].tensor.device
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def flat_sharded_tensor(shards: List[Shard], meta: ShardedTensorMetadata, group) -> FlatShardedTensor:
+    """torch's ``ShardedTensor._init_from_local_shards_and_global_metadata`` (which checks
+    the shards against the metadata), as a FlatShardedTensor."""
+    group = group if group is not None else dist.group.WORLD
+    made = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group)
+    vars(made).pop("_process_group", None)      # (the property below holds it from here on)
+    made.__class__ = FlatShardedTensor
+    made.hold_group(group)
+    return made
