@@ -62,9 +62,14 @@ def _counted(name: str, tensors: int):
     calls[(name, tensors)] += 1
 
 
+def _carries_objects(dtype: torch.dtype) -> bool:
+    """Integer and bool tensors (object exchanges), which are replicated; see the Note."""
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
 def _replicate(out: torch.Tensor, inp: torch.Tensor):
-    """``out`` as if every rank had sent ``inp`` (integer and bool tensors only: see the Note)."""
-    if not (out.dtype.is_floating_point or out.dtype.is_complex) and inp.numel():
+    """``out`` as if every rank had sent ``inp`` (``_carries_objects`` tensors only)."""
+    if _carries_objects(out.dtype) and inp.numel():
         out.view(-1, inp.numel()).copy_(inp.reshape(1, -1))
 
 
@@ -84,7 +89,7 @@ class NoopBackend(Backend):
     def allgather(self, outs, ins, opts=None):
         _counted("all_gather", sum(len(o) for o in outs))
         for chunks, inp in zip(outs, ins):
-            for t in chunks if not (inp.dtype.is_floating_point or inp.dtype.is_complex) else ():
+            for t in chunks if _carries_objects(inp.dtype) else ():
                 t.copy_(inp)
         return _Done()
 

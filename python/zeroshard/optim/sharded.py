@@ -108,7 +108,8 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
                 f"parameter {i} (shape {tuple(params[i].shape)}) is not a FullyShard parameter but "
                 "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
                 "outside the wrapped blocks) and pass model.parameters()"))
-    return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],  # (names: FullyShard's)
+    # (options["names"] unused: FullyShard compares its parameters' names across ranks itself)
+    return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],
                       options["offload"], options["whole"], optimizer)
 
 
