@@ -117,6 +117,7 @@ bench: build bench-deps
 	$(PY) benchmarks/adamw.py
 	$(PY) benchmarks/step.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/checkpoint.py --paired 9
 	$(PY) benchmarks/report.py
 
 # The documentation site (mkdocs.yml, docs/) into site/: DOCS_DEPS are installed

@@ -52,7 +52,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 import peers  # noqa: E402
 from cpu_memory import TensorBytes  # noqa: E402
 from machine import machine_info  # noqa: E402
-from report import lost_ms  # noqa: E402
+from report import PAIRED_REFS, lost_ms, paired_ratios, ratio_range  # noqa: E402
 from step import build, free_port, init_dist, reset_peak_rss, rss_mb, train_step  # noqa: E402
 
 VARIANTS = ["fsdp2-3+dcp", "zeroshard-3+dcp", "zeroshard-2+dcp", "zeroshard-3", "zeroshard-2", "zeroshard-3+nosync",
@@ -74,7 +74,7 @@ def save_load(variant, model, opt):
         return (lambda path: model.save_checkpoint(path, tag="bench",
                                                    client_state={"universal_checkpoint_info": {}})), \
             (lambda path: model.load_checkpoint(path, tag="bench"))
-    if variant == "fsdp2-3+dcp":
+    if variant in ("fsdp2-3+dcp", "ddp+dcp"):     # torch's own state-dict helpers
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -222,6 +222,39 @@ def worker(rank, world, port, variant, cfg, args, root, out):
     dist.destroy_process_group()
 
 
+PAIRED = ("fsdp2-3+dcp", "zeroshard-3+dcp", "ddp+dcp", "zeroshard-2+dcp")
+
+
+def paired_worker(rank, world, port, cfg, args, root, out):
+    """The DCP variants side by side in the same processes, on the same data: each repeat
+    saves (then loads) every variant in turn, in an order rotated per repeat, so drift of
+    the machine (disk, page cache, the other core) falls on all of them alike (the ratios:
+    report.paired_ratios)."""
+    init_dist(rank, world, port)
+    data = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
+    built = {}
+    for variant in PAIRED:
+        torch.manual_seed(0)
+        wrapped, opt = build(base(variant), GPT(cfg), torch.float32)
+        train_step(wrapped, opt, data, lambda: None)
+        built[variant] = save_load(variant, wrapped, opt)
+    times = {(v, kind): [] for v in PAIRED for kind in ("save", "load")}
+    for i in range(args.paired):
+        order = PAIRED[i % len(PAIRED):] + PAIRED[:i % len(PAIRED)]
+        for kind in ("save", "load"):
+            for variant in order:
+                fn = built[variant][kind == "load"]
+                path = os.path.join(root, f"paired-{variant}")
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(path)
+                dist.barrier()
+                times[variant, kind].append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put({f"{v} {kind}": t for (v, kind), t in times.items()})
+    dist.destroy_process_group()
+
+
 def resume_worker(rank, world, port, variant, cfg, args, root, out):
     """Loads what ``worker`` saved at another world size (this one), timed end to end:
     zeroshard loads it as it is; DeepSpeed first converts it offline (ds_to_universal,
@@ -281,9 +314,15 @@ def main():
                          "conversion it needs (0: skip)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                    "checkpoint.json"))
+    ap.add_argument("--paired", type=int, default=0,
+                    help="instead: the DCP variants (FSDP2's and zeroshard's) in the same processes, in turn, "
+                         "this many repeats; prints the median per-repeat ratios")
+    ap.add_argument("--runs", type=int, default=3, help="with --paired: this many launches of fresh processes")
     args = ap.parse_args()
     cfg = GPTConfig(layers=args.layers, dim=args.dim)
     ctx = mp.get_context("spawn")
+    if args.paired:
+        return paired(args, cfg, ctx)
     rows = []
     root = tempfile.mkdtemp(prefix="zs-ckpt-bench-")
     variants = args.variants.split(",")
@@ -324,6 +363,33 @@ def main():
         json.dump(dict(date=str(date.today()), world_size=args.world_size, rows=rows, torch=torch.__version__,
                        config=vars(cfg), repeats=args.repeats, backend="CPU gloo", machine=machine_info("cpu"),
                        resume_world_size=args.resume_world_size),
+                  f, indent=1)
+
+
+def paired(args, cfg, ctx) -> None:
+    """--runs launches of paired_worker, each of --paired repeats; writes checkpoint-paired.json."""
+    runs = []
+    for _ in range(args.runs):
+        root = tempfile.mkdtemp(prefix="zs-ckpt-paired-")
+        try:
+            q = ctx.SimpleQueue()
+            mp.start_processes(paired_worker, args=(args.world_size, free_port(), cfg, args, root, q),
+                               nprocs=args.world_size, start_method="spawn")
+            runs.append(q.get())
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"DCP save and load, paired ({args.runs} runs of {args.paired} repeats), world size {args.world_size}, "
+          f"CPU + gloo, {date.today()}; ratios: each run's median of the per-repeat ratios, lowest-highest")
+    print(f"{'variant':<18}{'save ms':>9}{'vs fsdp2':>13}{'vs ddp':>13}{'load ms':>9}{'vs fsdp2':>13}{'vs ddp':>13}")
+    for r in paired_ratios(runs):
+        print(f"{r['variant']:<18}" + "".join(
+            f"{r[kind + '_ms']:>9.1f}" + "".join(f"{ratio_range(r[kind][ref]):>13}" for ref in PAIRED_REFS)
+            for kind in ("save", "load")))
+    path = args.json.replace(".json", "-paired.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(date=str(date.today()), world_size=args.world_size, runs_s=runs, torch=torch.__version__,
+                       config=vars(cfg), repeats=args.paired, backend="CPU gloo", machine=machine_info("cpu")),
                   f, indent=1)
 
 

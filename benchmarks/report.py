@@ -31,6 +31,7 @@ import io
 import json
 import os
 import re
+import statistics
 import sys
 import textwrap
 
@@ -100,12 +101,35 @@ def memory_mb(d: dict, r: dict) -> float:
     return r["tensor_mb"] if _exact(d) else r["peak_mb"]
 
 
+PAIRED_REFS = ("fsdp2-3+dcp", "ddp+dcp")    # the peers of stage 3 and of stages 1/2
+
+
+def paired_ratios(runs: list) -> list:
+    """checkpoint.py --paired: per variant, the median save and load ms over every run's
+    repeats and, per peer in PAIRED_REFS, each run's median of the per-repeat ratios."""
+    out = []
+    for variant in dict.fromkeys(k.rsplit(" ", 1)[0] for k in runs[0]):
+        row = {"variant": variant}
+        for kind in ("save", "load"):
+            row[kind + "_ms"] = 1e3 * statistics.median(t for run in runs for t in run[f"{variant} {kind}"])
+            row[kind] = {ref: [statistics.median(a / b for a, b in zip(run[f"{variant} {kind}"],
+                                                                          run[f"{ref} {kind}"]))
+                               for run in runs] for ref in PAIRED_REFS}
+        out.append(row)
+    return out
+
+
+def ratio_range(ratios: list) -> str:
+    lo, hi = min(ratios), max(ratios)
+    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+
+
 # ---------------------------------------------------------------- reading
 
 def load(out_dir: str) -> dict:
     """{"adamw": data, "step": [(name, data), ...], "checkpoint": data} for the JSONs
     that exist and parse; step.json first, then step_*.json by name."""
-    found = {"adamw": None, "step": [], "checkpoint": None}
+    found = {"adamw": None, "step": [], "checkpoint": None, "paired": None}
     for path in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
         name = os.path.basename(path)
         try:
@@ -120,6 +144,8 @@ def load(out_dir: str) -> dict:
             found["step"].append((name, data))
         elif name == "checkpoint.json" and data.get("rows"):
             found["checkpoint"] = data
+        elif name == "checkpoint-paired.json" and data.get("runs_s"):
+            found["paired"] = data
         else:
             print(f"report: skipping {path} (not a benchmark JSON this script knows, or empty)", file=sys.stderr)
     found["step"].sort(key=lambda nd: (nd[0] != "step.json", nd[0]))
@@ -378,6 +404,8 @@ def tables(found: dict) -> list:
         overview.append(("Training step", name, d))
     if found["checkpoint"]:
         overview.append(("Checkpoint save/load", "checkpoint.json", found["checkpoint"]))
+    if found["paired"]:
+        overview.append(("DCP save/load, paired", "checkpoint-paired.json", found["paired"]))
     if not overview:
         return ["No benchmark JSON in `benchmarks/out/` yet: run `make bench`."]
     lines += _table(["benchmark", "file", "date", "machine", "torch", "commit"],
@@ -481,6 +509,21 @@ def tables(found: dict) -> list:
                             [(r["variant"], f"{r['save_ms']:.1f}", f"{r['durable_ms']:.1f}", f"{r['step_ms']:.1f}",
                               f"{r['step_during_ms']:.1f}", f"{lost_ms(r):.1f}")
                              for r in background], "lrrrrr")
+    d = found["paired"]
+    if d:
+        lines += ["", f"### DCP save and load, paired: `checkpoint-paired.json` ({d.get('date', '?')})", "",
+                  _para(f"The DCP variants above in the same processes, each repeat saving (then loading) every "
+                        f"variant in turn in a rotated order, {d['repeats']} repeats in each of {len(d['runs_s'])} "
+                        f"launches (`checkpoint.py --paired {d['repeats']} --runs {len(d['runs_s'])}`), world size "
+                        f"{d['world_size']}. ms: medians over all repeats; ratios: each launch's median of the "
+                        f"per-repeat ratios, lowest-highest over the launches. FSDP2 is the peer of stage 3; DDP "
+                        f"(whose replicas load whole parameters, as a stage-1/2 load ends with them, all-gathered) "
+                        f"of stages 1/2."), ""]
+        lines += _table(["variant", "save ms"] + [f"vs {ref}" for ref in PAIRED_REFS] + ["load ms"]
+                        + [f"vs {ref}" for ref in PAIRED_REFS],
+                        [(r["variant"], f"{r['save_ms']:.1f}", *(ratio_range(r["save"][ref]) for ref in PAIRED_REFS),
+                          f"{r['load_ms']:.1f}", *(ratio_range(r["load"][ref]) for ref in PAIRED_REFS))
+                         for r in paired_ratios(d["runs_s"])], "lrrrrrr")
     return lines
 
 
@@ -516,7 +559,7 @@ def docs_page(found: dict, plots: dict, extra: str, docs: str) -> str:
     """docs/benchmarks/index.md: every plot, the tables, the hand-kept sections of RESULTS.md.
     plots: {file name: (caption, [(JSON name, its data)] or None)}, in the order they are shown."""
     lines = [DOCS_HEADER, "", "# Benchmarks", ""]
-    sources = [d for _, d in found["step"]] + [d for d in (found["adamw"], found["checkpoint"]) if d]
+    sources = [d for _, d in found["step"]] + [d for d in (found["adamw"], found["checkpoint"], found["paired"]) if d]
     where = one_or_each([machine(d) for d in sources])
     lines += [_para("The figures of the latest `make bench` run: its plots, then its tables"
                     + (f" (all measured on {where})" if where else "") + ", then the GPU run and the latest "

@@ -177,6 +177,24 @@ def test_paired_ratios_get_their_column(tmp_path):
     assert "zeroshard-1 / ddp+zero (ZeRO-1): 0.90x time (0.86x paired)" in sec
 
 
+def test_paired_checkpoint_runs_give_each_launch_its_ratio(tmp_path):
+    # two launches of two repeats: zeroshard's save 0.9x then 1.0x FSDP2's (per-repeat medians)
+    runs = [{"fsdp2-3+dcp save": [0.2, 0.4], "fsdp2-3+dcp load": [0.1, 0.1], "ddp+dcp save": [0.1, 0.2],
+             "ddp+dcp load": [0.2, 0.2], "zeroshard-3+dcp save": [0.18, 0.36], "zeroshard-3+dcp load": [0.05, 0.1]},
+            {"fsdp2-3+dcp save": [0.2, 0.2], "fsdp2-3+dcp load": [0.1, 0.1], "ddp+dcp save": [0.2, 0.2],
+             "ddp+dcp load": [0.2, 0.2], "zeroshard-3+dcp save": [0.2, 0.2], "zeroshard-3+dcp load": [0.1, 0.1]}]
+    rows = {r["variant"]: r for r in report.paired_ratios(runs)}
+    assert [round(x, 6) for x in rows["zeroshard-3+dcp"]["save"]["fsdp2-3+dcp"]] == [0.9, 1.0]
+    assert rows["zeroshard-3+dcp"]["save_ms"] == pytest.approx(200.0)    # the median of all four repeats
+    assert report.ratio_range([0.9, 1.0]) == "0.90-1.00x" and report.ratio_range([0.901, 0.899]) == "0.90x"
+    paired = {"date": "2031-01-02", "world_size": 2, "repeats": 2, "runs_s": runs, "machine": MACHINE}
+    out, results = _setup(tmp_path, files=[("checkpoint.json", CKPT), ("checkpoint-paired.json", paired)])
+    _run(tmp_path, out, results)
+    sec = _section(results.read_text(), report.RESULTS_MARKERS)
+    # load: launch 1's ratios 0.5 and 1.0 (median 0.75), launch 2's 1.0; ranges lowest first
+    assert "| zeroshard-3+dcp | 200.0 | 0.90-1.00x | 1.00-1.80x | 100.0 | 0.75-1.00x | 0.38-0.50x |" in sec
+
+
 def test_hybrid_runs_get_the_replica_traffic_column(tmp_path):
     step = json.loads(json.dumps(STEP))
     step["shard_size"] = 2

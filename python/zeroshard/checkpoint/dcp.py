@@ -88,7 +88,8 @@ def _local_shards(shape: tuple, dtype: torch.dtype, pieces: List[Piece], rank: i
             shards.append(Shard(_own_storage(piece.data[pos:pos + n]).view(size), meta))
     if not shards and shape:
         # none of it here: an empty shard keeps the key in this rank's plans (DCP drops a
-        # ShardedTensor with no local shard), placed past the end so that no chunk shares its offset
+        # ShardedTensor with no local shard), placed past the end so that no chunk shares its
+        # offset; a save writes nothing of it (FlatShardedTensor.__create_write_items__)
         dev = pieces[0].data.device if pieces else torch.device("cpu")
         empty = torch.empty([0] * len(shape), dtype=dtype, device=dev)
         at = [shape[0]] + [0] * (len(shape) - 1)

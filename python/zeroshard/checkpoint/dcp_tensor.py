@@ -10,7 +10,11 @@ without storage does (0; an empty shell of its class, whose attributes the stage
 then fills with copies: the local shards' data staged in host memory, the metadata),
 and keeps its process group in a box that copies as itself. It also answers the
 size, shape, dtype and device queries DCP's planner makes of every tensor directly,
-as ShardedTensor's own ops would. Everything else is ShardedTensor's own behaviour.
+as ShardedTensor's own ops would, and gives DCP's save planner write items for its
+non-empty shards only (``__create_write_items__``): the empty shard a rank that holds
+none of a tensor keeps for the key's sake (checkpoint/dcp.py) costs no write, where DCP's
+writer spends about half a millisecond on every item, empty or not. Everything else is
+ShardedTensor's own behaviour.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 
 # what the wrapper tensor answers itself, as ShardedTensor's default ops do, without their
@@ -55,6 +61,24 @@ class FlatShardedTensor(ShardedTensor):
         constructors set (no sharding spec: DCP does not read it)."""
         self._metadata, self._local_shards, self._sharding_spec = meta, shards, None
         self._process_group, self._init_rrefs, self._sharded_tensor_id, self._remote_shards = group, False, None, {}
+
+    def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
+        """DCP's write items for this rank's shards, as it makes them for any ShardedTensor,
+        leaving out empty ones (a tensor with no element has one, so that its key is written)."""
+        shards = [s for s in self.local_shards() if s.tensor.numel() or not self.metadata().size.numel()]
+        props = self.metadata().tensor_properties
+        properties = TensorProperties(dtype=props.dtype, layout=props.layout, requires_grad=props.requires_grad,
+                                      memory_format=props.memory_format, pin_memory=props.pin_memory)
+        items = []
+        for shard in shards:
+            md = shard.metadata
+            offsets = torch.Size(md.shard_offsets)
+            items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(
+                                       chunk=ChunkStorageMetadata(offsets=offsets,
+                                                                  sizes=torch.Size(md.shard_sizes)),
+                                       properties=properties, size=self.metadata().size)))
+        return items
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
