@@ -21,6 +21,7 @@ EXAMPLES = [
     ("mixed_precision.py", 2, {}),
     ("offload.py", 2, {}),
     ("hybrid.py", 4, {}),
+    ("moe.py", 4, {}),
     ("checkpoints.py", 2, {}),
     ("dcp_interop.py", 2, {}),
     ("llama_zero3.py", 2, {}),

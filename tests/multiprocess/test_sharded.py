@@ -363,12 +363,12 @@ def _bad_inputs():
         (nn.Linear(4, 5 + (rank == 1))).parameters()))
     catch("devices", lambda: zs.ShardedOptimizer(
         [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device="meta"))]))
-    # expert parallelism: each rank holds its own experts (same shapes, other names), or a param
-    # group names its own ranks: refused, not averaged together
+    # expert parallelism: each rank holds its own experts (same shapes, other names) without a
+    # param group naming their ranks: refused, not averaged together; a group's mesh must be 1-D
     experts = nn.ModuleDict({str(2 * i + rank): nn.Linear(4, 4) for i in range(2)})
     catch("experts", lambda: zs.ShardedOptimizer(experts.parameters(), stage=2))
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
     dense = nn.Linear(4, 4)
     catch("group_mesh", lambda: zs.ShardedOptimizer([{"params": dense.parameters()},
                                                      {"params": nn.Linear(3, 3).parameters(), "device_mesh": mesh}]))
@@ -391,8 +391,8 @@ def test_bad_input_gives_clear_errors_on_every_rank(dist_pool):
         assert "parameter 0 differs across ranks: rank 1 has" in msgs["shapes"]
         assert "parameter 1 is on meta but parameter 0 is on cpu" in msgs["devices"]
         assert "parameter 0 is '1.weight' on rank 1 but '0.weight' on rank 0" in msgs["experts"], msgs["experts"]
-        assert "expert-parallel" in msgs["experts"] and "not supported yet" in msgs["experts"]
-        assert "param group 1 has a 'device_mesh'" in msgs["group_mesh"], msgs["group_mesh"]
+        assert "expert-parallel" in msgs["experts"] and "mesh['edp']" in msgs["experts"]
+        assert "param group 1's 'device_mesh' must be a 1-D DeviceMesh" in msgs["group_mesh"], msgs["group_mesh"]
         assert "DistributedDataParallel" in msgs["ddp"] and "reduce them again" in msgs["ddp"]
         assert msgs["step_first"] is None
         assert "step() called before any backward()" in msgs["step_unreduced"]

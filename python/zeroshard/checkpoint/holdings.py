@@ -134,6 +134,7 @@ class Holdings:
         self._finish.append(finish)
 
     def _sharded_optimizer(self, opt, covered: set):
+        opt.refuse_own_ranks("a checkpoint (save_checkpoint, load_checkpoint, dcp_state_dict)")
         whole = opt.whole_tensor_rule
         names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
         if opt.elementwise_rule is not None:    # [Note: elementwise optimizer checkpoints]

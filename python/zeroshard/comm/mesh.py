@@ -11,11 +11,27 @@ all-reduced across its replica group (2Ψ/S elements per rank over the slow
 link, instead of the whole gradient); parameters are all-gathered inside the
 shard group. The per-step statistics (norms, which parameters got a
 gradient) are all-reduced over every rank, each shard counted once.
+
+[Note: param groups over their own ranks] Expert parallelism puts different
+experts on different ranks: the ``ep`` ranks of an expert-parallel group each
+hold other experts, and the ranks holding the same experts form an
+expert-data-parallel group (``edp``, world / ep ranks). A param group whose
+``"device_mesh"`` is such a 1-D mesh (``mesh["edp"]``) is sharded, reduced and
+gathered over that group's ranks only (``ShardGroup``); the rest over the
+optimizer's own group. The groups of the mesh dimension must split the world
+into disjoint groups of equal size (``color``: which one this rank is in, of
+``count``). An expert's gradient is still divided by the whole data-parallel
+size, not its group's: its ep peers' tokens reached it through the
+all-to-all, so the sum over its group already covers the whole batch. The
+per-parameter statistics give each parameter of such a group ``count``
+slots, one per group, so one all-reduce over every rank still serves: each
+rank reads its own group's slot, and the total norm sums every slot (each
+expert counted once).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -33,6 +49,72 @@ class Groups:
     @property
     def replica_rank(self) -> int:
         return 0 if self.replicate is None else dist.get_rank(self.replicate)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardGroup:
+    """The ranks one flat buffer is sharded over ([Note: param groups over their own
+    ranks]): the optimizer's shard group (color 0 of 1) or a param group's own, one of
+    ``count`` disjoint groups of equal size that make up every rank."""
+    group: dist.ProcessGroup
+    world: int
+    rank: int                 # this rank's place in it
+    color: int = 0            # which of the ``count`` groups this rank's is
+    count: int = 1
+
+    @property
+    def own(self) -> bool:
+        """A param group's own ranks, not the optimizer's."""
+        return self.count > 1
+
+
+def shard_group(pg: dist.ProcessGroup) -> ShardGroup:
+    return ShardGroup(pg, dist.get_world_size(pg), dist.get_rank(pg))
+
+
+def param_group_shards(param_groups: List[dict], groups: Groups, who: str) -> List[Optional[ShardGroup]]:
+    """Each param group's own ShardGroup (from its ``"device_mesh"``), or None for the
+    optimizer's; collective over every rank (one exchange, whatever the groups)."""
+    meshes = [g.get("device_mesh") for g in param_groups]
+    if all(m is None for m in meshes):
+        return [None] * len(meshes)
+    who = f"[rank {dist.get_rank()}/{dist.get_world_size()}] {who}"
+    for gi, m in enumerate(meshes):
+        if m is not None and (getattr(m, "ndim", None) != 1 or not hasattr(m, "get_group")):
+            raise ValueError(f"{who}: param group {gi}'s 'device_mesh' must be a 1-D DeviceMesh (the ranks its "
+                             f"parameters shard over, e.g. mesh['edp'] of an (edp, ep) mesh); got {m!r}")
+    if groups.replicate is not None:
+        raise ValueError(f"{who}: a param group with its own 'device_mesh' (expert parallelism) cannot be "
+                         "combined with hybrid sharding (shard_size= or a 2-D device_mesh) yet; drop one of them")
+    pgs = [None if m is None else m.get_group() for m in meshes]
+    mine = [None if pg is None else tuple(dist.get_process_group_ranks(pg)) for pg in pgs]
+    everyone = [mine]
+    if dist.get_world_size(groups.every) > 1:
+        everyone = [None] * dist.get_world_size(groups.every)
+        dist.all_gather_object(everyone, mine, group=groups.every)
+    world = sorted(dist.get_process_group_ranks(groups.every))
+    out: List[Optional[ShardGroup]] = []
+    made: Dict[Any, ShardGroup] = {}       # param groups over one mesh share its ShardGroup
+    for gi, pg in enumerate(pgs):
+        seen = [theirs[gi] if gi < len(theirs) else None for theirs in everyone]
+        if any((s is None) != (pg is None) for s in seen):
+            raise ValueError(f"{who}: param group {gi} has a 'device_mesh' on some ranks but not on others; "
+                             "every rank must build the same param groups")
+        if pg is None:
+            out.append(None)
+            continue
+        distinct = sorted(set(seen))
+        covered = sorted(r for ranks in distinct for r in ranks)
+        if covered != world or len({len(d) for d in distinct}) != 1:
+            raise ValueError(f"{who}: param group {gi}'s 'device_mesh' groups {distinct} do not split the "
+                             f"{len(world)} data-parallel ranks into disjoint groups of one size; build it as one "
+                             "dimension of a DeviceMesh over all of them, e.g. init_device_mesh(device, "
+                             "(world // ep, ep), mesh_dim_names=('edp', 'ep'))['edp']")
+        if pg not in made:
+            made[pg] = ShardGroup(pg, dist.get_world_size(pg), dist.get_rank(pg), distinct.index(mine[gi]),
+                                  len(distinct))
+        out.append(made[pg])
+    return out
 
 
 # shard_size -> (the default group they were made in, shard group, replica group); made

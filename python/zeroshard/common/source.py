@@ -264,6 +264,16 @@ class ShardSource(abc.ABC):
         it may be split."""
         return self.whole_owners.get(i)
 
+    def param_colors(self) -> Optional[List[Tuple[int, int]]]:
+        """Per parameter, (color, count) of the ranks it is sharded over where some param
+        group has its own ([Note: param groups over their own ranks] in comm/mesh.py);
+        None where every parameter shards over ``process_group``."""
+        return None
+
+    def param_process_group(self, i: int) -> dist.ProcessGroup:
+        """The ranks parameter ``i`` is sharded over."""
+        return self.process_group
+
     def notify_grads_ready(self):
         for fn in self.listeners:
             fn()

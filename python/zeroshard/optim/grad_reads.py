@@ -20,6 +20,7 @@ says what the gradient is and how to read it, and never communicates.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 
@@ -38,8 +39,9 @@ def full_gradient(grads, i: int) -> torch.Tensor:
             if j == i and b > a:
                 piece = seg.grad[a:b].to(out.device, torch.float32) * src.grad_scale
                 out[t_off:t_off + b - a] = piece * coef.to(out.device) if coef is not None else piece
-    if src.world_size > 1:
-        comm.all_reduce(out, group=src.process_group, what=f"p.grad read: parameter {i}").wait()
+    group = src.param_process_group(i)    # (a param group's own ranks: its experts')
+    if dist.get_world_size(group) > 1:
+        comm.all_reduce(out, group=group, what=f"p.grad read: parameter {i}").wait()
     return out.view(p.shape)
 
 

@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .. import comm
+from .slots import Slots
 from ..common.source import squared_norms, weak_hook
 from . import norms
 from .grad_reads import full_gradient, read, writes
@@ -90,11 +91,16 @@ class ShardedGrad(torch.Tensor):
 def _norm(grads, g, ord=2, dim=None, keepdim=False, *, dtype=None):
     if dim is not None:
         raise RuntimeError(grads.unsupported(g.index, "a norm over some dimensions"))
-    return grads.norm(g.index, float(ord)).to(dtype or g.dtype)
+    return grads.norm_everywhere(g.index, float(ord)).to(dtype or g.dtype)
 
 
 def _foreach_norm(grads, gs, ord=2, dtype=None):
-    return [grads.norm(g.index, float(ord)).to(dtype or g.dtype) for g in gs]
+    """Per gradient, as torch's clip_grad_norm_ asks before it sums their squares (it
+    takes them one by one, ``_norm``, where foreach is off): a parameter of a param group
+    over its own ranks answers for its place in every such group ([Note: param groups
+    over their own ranks]), so the total counts every expert once and is the same on
+    every rank (``p.grad.full_tensor()`` is this rank's expert's gradient alone)."""
+    return [grads.norm_everywhere(g.index, float(ord)).to(dtype or g.dtype) for g in gs]
 
 
 def _scale(grads, g, factor):
@@ -164,7 +170,7 @@ def scaled_grad(src: torch.Tensor, grad_scale: float, scale: Optional[torch.Tens
     return g.mul_(scale) if scale is not None else g
 
 
-class ReducedGrads:
+class ReducedGrads(norms.NormQueries):
     """The engine's view of the reduced gradient shards: per-parameter pieces,
     the per-step statistics and the ``p.grad`` placeholders; see [Note: sharded
     gradients]."""
@@ -184,7 +190,11 @@ class ReducedGrads:
         self.kept: Dict[int, Optional[torch.Tensor]] = {}   # p.grad the source had before the placeholder
         self.placed: Dict[int, Optional[torch.Tensor]] = {}  # what backward_done put in p.grad
         self.used: List[bool] = [False] * len(params)       # got a gradient on some rank (this step)
-        self._sumsq: Optional[torch.Tensor] = None  # per parameter: squared 2-norm of the averaged gradient
+        self.seen: List[bool] = [False] * len(params)       # ... or, at its place, in another ep group
+        # per statistics slot (optim/slots.py: a parameter's, or one per group of its ranks): squared
+        # 2-norm of the averaged gradient
+        self.slots = Slots(source.param_colors(), len(params), source.device)
+        self._sq: Optional[torch.Tensor] = None
         self.stale: set = set()   # parameters clamped since: their squared norms are taken again when read
         self.coef: Optional[torch.Tensor] = None    # the engine's clip coefficient, folded into the step
         self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
@@ -192,7 +202,8 @@ class ReducedGrads:
         self._inflight = None     # the statistics' all-reduce, until settle() (see backward_done)
         self._trainable = set(trainable)
         self._subsets: Dict[tuple, torch.Tensor] = {}   # flat_index of a subset of the pieces (_index)
-        self._trainable_index = torch.tensor(sorted(trainable), dtype=torch.long, device=source.device)
+        self._trainable_index = torch.tensor(self.slots.own_of(sorted(trainable)), dtype=torch.long,
+                                             device=source.device)
         # on the placeholders' parameters while they are placed (backward_done to clear):
         # a loop that zeroes its gradients after each step runs no hook in backward
         self.hooks: List[torch.utils.hooks.RemovableHandle] = []
@@ -238,28 +249,31 @@ class ReducedGrads:
         collective (~0.4 ms on gloo) off every step's critical path."""
         self.settle()
         self.stale, self.coef, self.pnorms = set(), None, {}
-        n = len(self.params)
-        stats = torch.zeros(2 * n, dtype=torch.float32, device=self.source.device)
-        stats[:n] = self._local_sumsq(after_backward=True)
+        n, S = len(self.params), self.slots.size
+        stats = torch.zeros(2 * S, dtype=torch.float32, device=self.source.device)
+        stats[:S] = self.slots.spread(self._local_sumsq(after_backward=True))
         groups = self.source.groups
         arrived = self.source.arrived()
         known = self._trainable.issubset(arrived)
         if known and len(arrived) == len(self.trainable):
-            stats[n:].index_fill_(0, self._trainable_index, 1.0)   # (the usual step: no host-to-device copy)
+            stats[S:].index_fill_(0, self._trainable_index, 1.0)   # (the usual step: no host-to-device copy)
         elif arrived:
-            stats[n:].index_fill_(0, torch.tensor(arrived, device=stats.device), 1.0)
+            stats[S:].index_fill_(0, torch.tensor(self.slots.own_of(arrived), device=stats.device), 1.0)
         self._inflight = (comm.all_reduce(stats, group=groups.every, what="gradient statistics"), stats, known)
         self.source.comm_elements["all_reduce"] += stats.numel()
         self.maxabs = None
         if known:
-            self.used = [i in self._trainable for i in range(n)]
+            self.used = self.seen = [i in self._trainable for i in range(n)]
         else:
             self.settle()
         for i in self.trainable:
             p = self.params[i]
             if i not in self.placed or p.grad is not self.placed[i]:   # (ZeRO-3: backward re-set it)
                 self.kept[i] = self.source.resting_grad(i, p.grad)
-            self.placed[i] = self.placeholders[i] if self.used[i] else None
+            # (a param group over its own ranks: a p.grad wherever some group's parameter here got a
+            # gradient, so torch's clip_grad_norm_ sums the same parameters on every rank; it steps
+            # where its own did: ``used``)
+            self.placed[i] = self.placeholders[i] if self.seen[i] else None
             p.grad = self.placed[i]
         # on the leaves that require grad now: one frozen since construction takes no gradient
         # (and torch refuses a hook on it); one unfrozen again needs its hook back
@@ -277,17 +291,26 @@ class ReducedGrads:
             handle, stats, known = self._inflight
             self._inflight = None
             handle.wait()
-            n = len(self.params)
-            self._sumsq = stats[:n]
-            if not known:
-                self.used = (stats[n:] > 0).tolist()     # read on the host: which parameters step
+            S = self.slots.size
+            self._sq = stats[:S]
+            if not known:     # read on the host: which parameters step, and which have a p.grad
+                self.used = (self.slots.own(stats[S:]) > 0).tolist()
+                self.seen = self.used if self.slots.identity else (self.slots.summed(stats[S:]) > 0).tolist()
 
     @property
-    def sumsq(self) -> torch.Tensor:
+    def slot_sumsq(self) -> torch.Tensor:
+        """Every slot's squared norm (every distinct parameter's, once: optim/slots.py)."""
         self.settle()
         if self.stale:
             self._retake()
-        return self._sumsq
+        return self._sq
+
+    @property
+    def sumsq(self) -> torch.Tensor:
+        """Per parameter: the squared norm of this rank's parameter there (a view of the
+        slots without param groups over their own ranks; else a copy: write through
+        ``slot_sumsq``)."""
+        return self.slots.own(self.slot_sumsq)
 
     def piece_index(self, ks: List[int]) -> torch.Tensor:
         """``flat_index[ks]``, kept per subset: indexing a device tensor with a list copies
@@ -317,14 +340,14 @@ class ReducedGrads:
 
     def _retake(self):
         """The squared norms again, after clamping (one all-reduce: every rank clamped alike)."""
-        local = self._local_sumsq()
+        local = self.slots.spread(self._local_sumsq())
         comm.all_reduce(local, group=self.source.groups.every, what="gradient statistics after a clamp").wait()
         self.source.comm_elements["all_reduce"] += local.numel()
-        self._sumsq, self.stale = local, set()
+        self._sq, self.stale = local, set()
 
     def nonfinite(self) -> torch.Tensor:
         """One-element bool tensor: some gradient element, on some rank, is inf or NaN."""
-        return (~torch.isfinite(self.sumsq)).any().reshape(1)
+        return (~torch.isfinite(self.slot_sumsq)).any().reshape(1)
 
     def clip_(self, max_norm: float, norm_type: float):
         """Scales every gradient by min(1, max_norm / total norm) (the coefficient the fused
@@ -332,33 +355,6 @@ class ReducedGrads:
         total = self.total_norm(float(norm_type))
         self.scale_all_(torch.clamp(max_norm / (total + 1e-6), max=1.0).float().reshape(()))
         return total.reshape(())
-
-    def total_norm(self, ord: float) -> torch.Tensor:
-        """The norm over every parameter, from the statistics the backward took (the
-        2-norm: no pass over the gradients, no collective); as torch's, the norm of the
-        per-parameter norms of the parameters that have a gradient."""
-        if ord == 2.0:
-            return self.sumsq.sum().sqrt()
-        if ord == math.inf:
-            return self.inf_norms().max()
-        used = [i for i in self.trainable if self.used[i]]
-        every = torch.stack([self.norm(i, ord) for i in used]) if used else torch.zeros(1)
-        return torch.linalg.vector_norm(every, ord)
-
-    def norm(self, i: int, ord: float) -> torch.Tensor:
-        if ord == 2.0:
-            return self.sumsq[i].sqrt()
-        if ord == math.inf:
-            return self.inf_norms()[i]
-        if ord not in self.pnorms:
-            self.pnorms[ord] = norms.p_norms(self, ord)
-        return self.pnorms[ord][i]
-
-    def inf_norms(self) -> torch.Tensor:
-        """Per parameter: the largest absolute gradient element (collective on first use per step)."""
-        if self.maxabs is None:
-            self.maxabs = norms.inf_norms(self)
-        return self.maxabs
 
     # ------------------------------------------------------ in-place updates
     @torch.no_grad()
@@ -373,15 +369,17 @@ class ReducedGrads:
                 else:
                     g.mul_(factor)
         self.pnorms = {}
-        idx = torch.tensor(indices, device=self.sumsq.device)
+        sq = self.slot_sumsq
+        idx = torch.tensor(indices, device=sq.device)
+        at = idx if self.slots.identity else torch.tensor(self.slots.of_params(indices), device=sq.device)
         if not isinstance(factor, torch.Tensor) and factor == 0:
-            self.sumsq[idx] = 0.0           # exact, even where the gradient was inf or NaN
+            sq[at] = 0.0           # exact, even where the gradient was inf or NaN
             if self.maxabs is not None:
                 self.maxabs[idx] = 0.0
             return
         f = factor.to(self.sumsq.device, torch.float32).reshape(()) if isinstance(factor, torch.Tensor) \
-            else torch.tensor(float(factor), device=self.sumsq.device)
-        self.sumsq[idx] = self.sumsq[idx] * (f * f)
+            else torch.tensor(float(factor), device=sq.device)
+        sq[at] = sq[at] * (f * f)
         if self.maxabs is not None:
             self.maxabs[idx] = self.maxabs[idx] * f.abs()
 
@@ -403,7 +401,8 @@ class ReducedGrads:
         """GradScaler's unscale: multiply by ``inv_scale``; ``found_inf`` becomes 1 if
         any of these gradients holds an inf or NaN on any rank."""
         self.scale_(indices, inv_scale)
-        bad = (~torch.isfinite(self.sumsq[torch.tensor(indices, device=self.sumsq.device)])).any()
+        sq = self.slot_sumsq      # (every group's slots: an overflow on any rank skips the step everywhere)
+        bad = (~torch.isfinite(sq[torch.tensor(self.slots.of_params(indices), device=sq.device)])).any()
         found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape)))
 
     def clip_coefficient(self) -> Optional[torch.Tensor]:
@@ -416,7 +415,7 @@ class ReducedGrads:
         """The engine's clip_grad_norm_ folds ``factor`` into its step: keep the statistics in step."""
         self.coef = factor if self.coef is None else self.coef * factor
         self.pnorms = {}
-        self.sumsq.mul_(factor * factor)
+        self.slot_sumsq.mul_(factor * factor)
         if self.maxabs is not None:
             self.maxabs.mul_(factor)
 

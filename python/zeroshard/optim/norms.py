@@ -69,3 +69,47 @@ def _across_ranks(grads, local: torch.Tensor, reduce: str) -> torch.Tensor:
     comm.all_gather(every[rank].view(-1), every.view(-1), group=grads.source.process_group,
                     what=f"gradient norms ({reduce})").wait()
     return getattr(every, reduce)(0)
+
+
+class NormQueries:
+    """ReducedGrads' norms: per parameter and in total, of any order."""
+
+    def total_norm(self, ord: float) -> torch.Tensor:
+        """The norm over every parameter, from the statistics the backward took (the
+        2-norm: no pass over the gradients, no collective); as torch's, the norm of the
+        per-parameter norms of the parameters that have a gradient."""
+        if ord == 2.0:
+            return self.slot_sumsq.sum().sqrt()
+        if not self.slots.identity:
+            raise ValueError(self.err(
+                f"a gradient norm of order {ord:g} over param groups sharded over their own ranks (expert "
+                "parallelism) is not supported yet: use the 2-norm (norm_type=2, clip_grad_norm_'s default)"))
+        if ord == math.inf:
+            return self.inf_norms().max()
+        used = [i for i in self.trainable if self.used[i]]
+        every = torch.stack([self.norm(i, ord) for i in used]) if used else torch.zeros(1)
+        return torch.linalg.vector_norm(every, ord)
+
+    def norm(self, i: int, ord: float) -> torch.Tensor:
+        if ord == 2.0:
+            return self.sumsq[i].sqrt()
+        if ord == math.inf:
+            return self.inf_norms()[i]
+        if ord not in self.pnorms:
+            self.pnorms[ord] = p_norms(self, ord)
+        return self.pnorms[ord][i]
+
+    def norm_everywhere(self, i: int, ord: float) -> torch.Tensor:
+        """``norm(i, ord)``, over parameter ``i``'s place in every group of its ranks where
+        its param group has its own (optim/slots.py): each group's parameter there counted."""
+        if self.slots.identity or self.slots.counts[i] == 1:
+            return self.norm(i, ord)
+        if ord != 2.0:
+            self.total_norm(ord)       # (refused, naming what to do)
+        return self.slot_sumsq[torch.tensor(self.slots.of_params([i]), device=self.source.device)].sum().sqrt()
+
+    def inf_norms(self) -> torch.Tensor:
+        """Per parameter: the largest absolute gradient element (collective on first use per step)."""
+        if self.maxabs is None:
+            self.maxabs = inf_norms(self)
+        return self.maxabs

@@ -136,6 +136,7 @@ class Regrouping:
             raise
 
     def _check_can_relayout(self, what: str) -> None:
+        self.refuse_own_ranks(what)
         if self.whole_tensor_rule is not None:
             raise NotImplementedError(self._err(
                 f"{what} with the whole-tensor optimizer_class {self.optimizer_class.__name__}: each "

@@ -92,13 +92,20 @@ def _adamw_defaults(given: dict, extra: dict) -> dict:
 
 
 def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple, options: dict,
-                 err, optimizer=None) -> ShardSource:
+                 err, optimizer=None, param_groups=()) -> ShardSource:
     """FlatReducer over plain parameters (ZeRO-1/2), UnitSource over FullyShard ones;
     ``groups``: (process_group, shard_size, device_mesh); ``options``: the reducer's;
-    ``optimizer``: a weak reference to the ShardedOptimizer (UnitSource)."""
+    ``optimizer``: a weak reference to the ShardedOptimizer (UnitSource); ``param_groups``:
+    theirs (a group's "device_mesh": [Note: param groups over their own ranks] in comm/mesh.py)."""
     owners = [owner_of(p) for p in params]
     if all(o is None for o in owners):
-        return FlatReducer(params, group_of, groups=mesh.groups(*groups, who="ShardedOptimizer"), **options)
+        made = mesh.groups(*groups, who="ShardedOptimizer")
+        return FlatReducer(params, group_of, groups=made, shards=mesh.param_group_shards(
+            param_groups, made, "ShardedOptimizer"), **options)
+    if any("device_mesh" in g for g in param_groups):
+        raise ValueError(err("a param group's 'device_mesh' (expert parallelism) is for ZeRO-1/2 parameters; "
+                             "FullyShard parameters shard over the FullyShard's own ranks (expert parallelism "
+                             "under FullyShard is not supported yet)"))
     if options["overlap_param_gather"]:
         raise ValueError(err("overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit just before "
                              "use (its prefetch= sets how far ahead)"))
@@ -111,20 +118,6 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
     # (options["names"] unused: FullyShard compares its parameters' names across ranks itself)
     return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],
                       options["offload"], options["whole"], optimizer)
-
-
-def _check_no_group_mesh(param_groups: List[dict], err) -> None:
-    """A param group's "device_mesh" (the ranks it would shard over: expert parallelism) is
-    not read yet: refused rather than ignored, which would average every rank's different
-    experts together."""
-    for gi, g in enumerate(param_groups):
-        if "device_mesh" in g:
-            raise ValueError(err(
-                f"param group {gi} has a 'device_mesh': sharding one param group over its own ranks "
-                "(expert parallelism, each rank holding other experts) is not supported yet, and "
-                "ShardedOptimizer would average that group's parameters over every rank as if they "
-                "were copies of one another. Give every rank the same parameters (every expert), or "
-                "keep the expert-parallel parameters out of this optimizer"))
 
 
 def _check_dense(params: List[torch.Tensor], err) -> None:
@@ -175,7 +168,9 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         whole_tensor: vouch that ``optimizer_class`` needs each parameter whole.
         shard_size: hybrid sharding: shard over groups of this many ranks and
             replicate across them ([Note: hybrid sharding]).
-        device_mesh: hybrid sharding from a 2-D DeviceMesh (replicas, shards).
+        device_mesh: hybrid sharding from a 2-D DeviceMesh (replicas, shards). (A param
+            group's own ``"device_mesh"``, a 1-D mesh, shards that group over those ranks
+            only: expert parallelism at stages 1/2, see docs/experts.md.)
         offload: None, ``"cpu"`` (host memory) or ``"nvme"`` (a file per rank)
             for the optimizer state ([Note: offload]).
         offload_dir: the directory of the ``"nvme"`` files.
@@ -245,9 +240,8 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         if not any(p.requires_grad for p in params):
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        _check_no_group_mesh(self.param_groups, self._err)
         source = _make_source(params, group_of, self._binding[0], dict(self._binding[1], names=[
-            self._names.get(id(p)) for p in params]), self._err, weakref.ref(self))
+            self._names.get(id(p)) for p in params]), self._err, weakref.ref(self), self.param_groups)
         known = None                 # a new layout keeps the module the last one found
         if self._buffers is not None:
             self._buffers.release()
@@ -288,7 +282,8 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
     @property
     def layout(self):
         """ZeRO-1/2: the flat layout (zeroshard.compute_layout's) of the trainable
-        parameters; None for FullyShard parameters."""
+        parameters (with param groups over their own ranks: of the first group of ranks
+        in backward order; the source's ``layouts`` has each); None for FullyShard parameters."""
         return getattr(self._source, "layout", None)
 
     @property

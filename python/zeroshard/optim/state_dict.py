@@ -136,6 +136,17 @@ def load_full(opt, state_dict: dict, rule) -> List[int]:
 class StateDicts:
     """ShardedOptimizer's state-dict methods: torch's names and formats, over sharded state."""
 
+    def refuse_own_ranks(self, what: str) -> None:
+        """Raise where some param group shards over its own ranks ([Note: param groups over
+        their own ranks] in comm/mesh.py) and ``what`` does not handle that yet."""
+        if self._source.param_colors() is not None:
+            raise NotImplementedError(self._err(
+                f"{what} is not supported yet for a ShardedOptimizer with a param group sharded over its own "
+                "ranks ('device_mesh': expert parallelism): the ranks of different expert-parallel groups hold "
+                "different experts under the same names. Save each rank's model and optimizer state yourself "
+                "(e.g. opt.sharded_state_dict() is refused too), or train without the param group's "
+                "'device_mesh'"))
+
     def sharded_state_dict(self) -> dict:
         """This rank's shard of the optimizer state, without communication: fast
         to save (e.g. ``torch.save`` per rank) and exact (stages 1/2 include the
@@ -147,6 +158,7 @@ class StateDicts:
         of the fp32 parameters) on its device: copy them (or save) before the
         next step."""
         require_fused(self, "sharded_state_dict()")
+        self.refuse_own_ranks("sharded_state_dict()")
         return sharded(self, super().state_dict()["param_groups"])
 
     def load_sharded_state_dict(self, sharded: dict):
@@ -156,6 +168,7 @@ class StateDicts:
         differs. Stages 1/2 restore the parameters too (each rank's chunk, then
         an all-gather); stage 3's are the model's: load the model's state first."""
         require_fused(self, "load_sharded_state_dict()")
+        self.refuse_own_ranks("load_sharded_state_dict()")
         self.shards_loaded(load_sharded(self, sharded))
 
     def consolidate_state_dict(self, to: Optional[int] = 0):
@@ -191,6 +204,7 @@ class StateDicts:
 
     def _gather_state(self, to: Optional[int], what: str):
         """The full state dict on rank ``to`` (every rank if None), None elsewhere; collective."""
+        self.refuse_own_ranks(what)
         comm.check_in(what, self, self.process_group,
                       "For a checkpoint written by rank 0 alone, call opt.consolidate_state_dict(to=0) on "
                       "every rank first, then opt.state_dict() on rank 0 needs no communication")
@@ -207,6 +221,7 @@ class StateDicts:
         size), keeping only this rank's shard. Parameters come from the model:
         load the model's state dict first; bf16/fp16 master weights are re-made
         from the parameters."""
+        self.refuse_own_ranks("load_state_dict()")
         self._param_steps = load_full(self, state_dict, self._rule)
         self._source.params_loaded()
         self._consolidated = None

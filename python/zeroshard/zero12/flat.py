@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..comm.mesh import ShardGroup
 from ..offload import Placement, Storage, on_accelerator
 from ..common.reduction import Reduction
 from ..common.source import SUPPORTED
@@ -43,9 +44,10 @@ class FlatBucket:
         self.numel = self.layout.numel                  # padded
         self.shard_numel = self.layout.shard_numel      # each rank's chunk
 
-    def own(self, t: torch.Tensor, rank: int) -> torch.Tensor:
-        """This rank's chunk of a bucket-sized range of a buffer-sized tensor."""
-        start = self.offset + rank * self.shard_numel
+    def own(self, t: torch.Tensor, start: Optional[int] = None) -> torch.Tensor:
+        """This rank's chunk of a bucket-sized range of a buffer-sized tensor (of a
+        bucket-sized tensor: ``start=0``)."""
+        start = (self.offset if start is None else start) + self.buffer.shard.rank * self.shard_numel
         return t[start:start + self.shard_numel]
 
     def shard_of(self, t: torch.Tensor) -> torch.Tensor:
@@ -68,6 +70,7 @@ class FlatBuffer:
     shard_data_numel: int = 0            # elements of real parameters in this rank's shard
     shard_numel: int = 0                 # this rank's shard, padding included
     placement: Placement = Placement.DEVICE   # where master / exp_avg / exp_avg_sq live ([Note: offload])
+    shard: Optional[ShardGroup] = None   # the ranks it is sharded over (comm/mesh.py)
     # host copy of this rank's reduced gradient shard, for state the CPU steps while the
     # gradients are on a device ([Note: offloaded gradients]); else None
     grad_mirror: Optional[torch.Tensor] = None
@@ -131,39 +134,53 @@ def check_params(params: List[torch.Tensor], trainable: List[int], err: Callable
 
 
 def check_same_across_ranks(params: List[torch.Tensor], group, err: Callable[[str], str],
-                            names: Optional[List[Optional[str]]] = None):
+                            names: Optional[List[Optional[str]]] = None, shards: Optional[list] = None):
     """Every rank has the same parameters (name where known, shape, dtype, requires_grad);
-    collective."""
+    collective. ``shards``: each parameter's ShardGroup, where some param group has its
+    own ranks: its parameters' names are compared over those ranks only (the other
+    groups' ranks hold other experts of the same shapes)."""
     names = names or [None] * len(params)
-    mine = [(names[i], tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for i, p in enumerate(params)]
+    own = [s is not None and s.own for s in (shards or [None] * len(params))]
+    _compare([(None if own[i] else names[i], tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+              for i, p in enumerate(params)], group, err)
+    for sg in dict.fromkeys(s for s, o in zip(shards or [], own) if o):
+        _compare([(names[i], tuple(p.shape), str(p.dtype), bool(p.requires_grad)) if shards[i] is sg else None
+                  for i, p in enumerate(params)], sg.group, err)
+
+
+def _compare(mine: list, group, err: Callable[[str], str]) -> None:
     everyone = comm.all_gather_object(mine, group=group, what="setup: same parameters on every rank")
     ref = everyone[0]
     for r, theirs in enumerate(everyone):
+        r = dist.get_global_rank(group, r)
         if len(theirs) != len(ref):
             raise ValueError(err(f"rank {r} has {len(theirs)} parameters but rank 0 has {len(ref)}; every "
                                  "rank must build the same model"))
         for i, (a, b) in enumerate(zip(theirs, ref)):
+            if a is None or b is None:
+                continue
             if a[0] is not None and b[0] is not None and a[0] != b[0]:
                 raise ValueError(err(
-                    f"parameter {i} is '{a[0]}' on rank {r} but '{b[0]}' on rank 0: the ranks hold different "
-                    "parameters in the same place (an expert-parallel model, each rank with its own experts?). "
-                    "Each parameter's gradient is averaged over the ranks, as DDP does, so different "
-                    "parameters would be mixed. Give every rank the same model; sharding some parameters "
-                    "over their own ranks (expert parallelism) is not supported yet"))
+                    f"parameter {i} is '{a[0]}' on rank {r} but '{b[0]}' on rank {dist.get_global_rank(group, 0)}: "
+                    "the ranks hold different parameters in the same place (an expert-parallel model, each rank "
+                    "with its own experts?). Each parameter's gradient is averaged over the ranks, as DDP does, "
+                    "so different parameters would be mixed. Give every rank the same model, or put the "
+                    "expert-parallel parameters in a param group of their own whose 'device_mesh' is the ranks "
+                    "holding the same experts (mesh['edp'] of an (edp, ep) DeviceMesh)"))
             if a[1:] != b[1:]:
                 raise ValueError(err(
                     f"parameter {i} differs across ranks: rank {r} has (shape, dtype, requires_grad) = {a[1:]} "
-                    f"but rank 0 has {b[1:]}{f' (it is {a[0]!r})' if a[0] else ''}; every rank must build the "
-                    "same model"))
+                    f"but rank {dist.get_global_rank(group, 0)} has {b[1:]}{f' (it is {a[0]!r})' if a[0] else ''}; "
+                    "every rank must build the same model"))
 
 
 @dataclass
 class FlatState:
-    """What build_flat made: the layout, its buffers and buckets, where each parameter lives."""
-    layout: object                 # zeroshard.compute_layout's result
+    """What build_flat made: the layouts, their buffers and buckets, where each parameter lives."""
+    layouts: List[object]          # zeroshard.compute_layout's results, one per shard group
     buffers: List[FlatBuffer]
-    buckets: List[FlatBucket]          # by layout bucket index
-    where: Dict[int, tuple]        # param index -> (buffer, offset, layout fragments)
+    buckets: List[FlatBucket]          # every shard group's, numbered in turn
+    where: Dict[int, tuple]        # param index -> (buffer, offset, its Frags)
     launch_order: List[int]        # bucket indices, until the first backward shows the real order
     # whole parameters: index -> the rank whose shard holds all of it ([Note: owner-aligned layout])
     whole_owners: Dict[int, int] = field(default_factory=dict)
@@ -191,83 +208,127 @@ def _warn_padding(laid_out: int, numel: int, world: int):
 
 
 @torch.no_grad()
+@dataclass(frozen=True)
+class Frag:
+    """A layout fragment (a parameter's piece in one bucket), its bucket numbered among
+    every bucket of the reducer (each shard group's layout numbers its own from 0)."""
+    bucket: int
+    tensor_offset: int
+    bucket_offset: int
+    numel: int
+
+
 def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[int], *, stage: int, adam: bool,
-               bucket_bytes: int, device: torch.device, group, src: int, everyone=None,
+               bucket_bytes: int, device: torch.device, shards: list, src: int, everyone,
                storage: Storage, offloaded=frozenset(), whole: bool = False) -> FlatState:
     """Lay the trainable parameters out in flat buffers (reverse registration order,
-    one buffer per (param group, dtype, offloaded or not)) sharded over ``group``,
-    copy global rank ``src``'s values in on every rank of ``everyone`` (default:
-    ``group``), and make every parameter a view of its buffer; frozen parameters
-    are broadcast. The state shards of buffers of ``offloaded`` parameters go
-    where ``storage`` puts offloaded state ([Note: offload] in offload/policy.py).
-    ``whole``: every parameter lies inside one rank's shard, for an optimizer that
-    updates it whole there ([Note: owner-aligned layout] in csrc/layout.h)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    everyone = group if everyone is None else everyone
-    copies = dist.get_world_size(everyone)
+    one buffer per (param group, dtype, offloaded or not)), each param group's sharded
+    over its ShardGroup ``shards[group]`` (one layout per shard group: [Note: param
+    groups over their own ranks] in comm/mesh.py), copy global rank ``src``'s values in
+    on every rank of ``everyone`` (a param group's own ranks: from the first of them),
+    and make every parameter a view of its buffer; frozen parameters are broadcast. The
+    state shards of buffers of ``offloaded`` parameters go where ``storage`` puts
+    offloaded state ([Note: offload] in offload/policy.py). ``whole``: every parameter
+    lies inside one rank's shard, for an optimizer that updates it whole there ([Note:
+    owner-aligned layout] in csrc/layout.h)."""
     order = list(reversed(trainable))        # backward order
-    # whole: a parameter of at most a bucket's bytes lies whole in its owner's shard; a larger
-    # one stays split (optim/whole.py exchanges it), so no bucket passes (world + 1) x the cap
-    kept = {i for i in order if whole and params[i].numel() * params[i].element_size() <= bucket_bytes}
-    keys = [group_of[i] * 16 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) + 8 * (i in kept) for i in order]
-    L = compute_layout([params[i].numel() for i in order], [params[i].dtype for i in order], bucket_bytes,
-                       world, keys=keys, costs=[update_cost(params[i].shape) if i in kept else -1 for i in order])
-    if whole:
-        _warn_padding(sum(lb.numel for lb in L.buffers), sum(params[i].numel() for i in order), world)
-    last = [max(L.fragments[f].tensor for f in lb.fragments) for lb in L.buckets]
-    st = FlatState(L, [], [None] * len(L.buckets), {}, sorted(range(len(L.buckets)), key=lambda b: (last[b], b)),
-                   {order[t]: place.owner for t, place in enumerate(L.tensors) if place.owner >= 0})
-    off = storage.offload.placement
-    places = [off if order[lb.tensors[0]] in offloaded else Placement.DEVICE for lb in L.buffers]
-    storage.reserve_disk(sum(lb.numel // world * (2 * adam + _has_master(params[order[lb.tensors[0]]].dtype, pl,
-                                                                          device))
-                             for lb, pl in zip(L.buffers, places) if pl is Placement.DISK))
-    for bi, lb in enumerate(L.buffers):
-        flat = torch.zeros(lb.numel, dtype=params[order[lb.tensors[0]]].dtype, device=device)
-        for t in lb.tensors:
-            place = L.tensors[t]
-            flat[place.offset:place.offset + place.numel].copy_(params[order[t]].detach().reshape(-1))
-        if copies > 1:
-            dist.broadcast(flat, src=src, group=everyone)
-        buf = _make_buffer(L, (bi, lb, flat), order, group_of[order[lb.tensors[0]]], stage, (world, rank), st,
-                           (storage, places[bi], adam))
-        for t in lb.tensors:
-            place, i = L.tensors[t], order[t]
-            params[i].data = flat[place.offset:place.offset + place.numel].view_as(params[i])
-            st.where[i] = (buf, place.offset, [L.fragments[f] for f in place.fragments])
-            if stage == 1:
-                params[i].grad = None
+    position = {i: k for k, i in enumerate(order)}
+    st = FlatState(layouts=[], buffers=[], buckets=[], where={}, launch_order=[])
+    last: List[int] = []
+    by_shard: Dict[int, list] = {}
+    for i in order:
+        by_shard.setdefault(id(shards[group_of[i]]), []).append(i)
+    for part in by_shard.values():
+        sg = shards[group_of[part[0]]]
+        base = len(st.buckets)
+        L = _lay_out(params, group_of, part, sg.world, bucket_bytes, offloaded, whole)
+        st.layouts.append(L)
+        st.buckets.extend([None] * len(L.buckets))
+        last += [max(position[part[L.fragments[f].tensor]] for f in lb.fragments) for lb in L.buckets]
+        st.whole_owners.update({part[t]: place.owner for t, place in enumerate(L.tensors) if place.owner >= 0})
+        first = src if not sg.own else dist.get_global_rank(sg.group, 0)
+        _fill(L, part, params, group_of, (sg, base, first, everyone if not sg.own else sg.group), st,
+              (stage, adam, device, storage, offloaded))
+    st.launch_order = sorted(range(len(st.buckets)), key=lambda b: (last[b], b))
+    copies = dist.get_world_size(everyone)
     for p in params:   # frozen parameters are not sharded, but all ranks start identical
         if not p.requires_grad and copies > 1:
             dist.broadcast(p.data, src=src, group=everyone)
     return st
 
 
+def _lay_out(params, group_of, part: List[int], world: int, bucket_bytes: int, offloaded, whole: bool):
+    """The layout of one shard group's parameters ``part`` (in backward order)."""
+    # whole: a parameter of at most a bucket's bytes lies whole in its owner's shard; a larger
+    # one stays split (optim/whole.py exchanges it), so no bucket passes (world + 1) x the cap
+    kept = {i for i in part if whole and params[i].numel() * params[i].element_size() <= bucket_bytes}
+    keys = [group_of[i] * 16 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) + 8 * (i in kept) for i in part]
+    L = compute_layout([params[i].numel() for i in part], [params[i].dtype for i in part], bucket_bytes,
+                       world, keys=keys, costs=[update_cost(params[i].shape) if i in kept else -1 for i in part])
+    if whole:
+        _warn_padding(sum(lb.numel for lb in L.buffers), sum(params[i].numel() for i in part), world)
+    return L
+
+
+def _fill(L, part: List[int], params, group_of, where: tuple, st: "FlatState", how: tuple) -> None:
+    """One shard group's flat buffers from its layout ``L``: the values copied in (from
+    global rank ``first`` over ``copy_group``), each parameter a view of its buffer.
+    ``where``: (ShardGroup, the number of buckets before this layout's, first, copy_group)."""
+    (sg, base, first, copy_group), (stage, adam, device, storage, offloaded) = where, how
+    off = storage.offload.placement
+    places = [off if part[lb.tensors[0]] in offloaded else Placement.DEVICE for lb in L.buffers]
+    storage.reserve_disk(sum(lb.numel // sg.world * (2 * adam + _has_master(params[part[lb.tensors[0]]].dtype, pl,
+                                                                             device))
+                             for lb, pl in zip(L.buffers, places) if pl is Placement.DISK))
+    for bi, lb in enumerate(L.buffers):
+        flat = torch.zeros(lb.numel, dtype=params[part[lb.tensors[0]]].dtype, device=device)
+        for t in lb.tensors:
+            place = L.tensors[t]
+            flat[place.offset:place.offset + place.numel].copy_(params[part[t]].detach().reshape(-1))
+        if dist.get_world_size(copy_group) > 1:
+            dist.broadcast(flat, src=first, group=copy_group)
+        buf = _make_buffer(L, (bi, lb, flat), part, group_of[part[lb.tensors[0]]], stage, (sg, base), st,
+                           (storage, places[bi], adam))
+        for t in lb.tensors:
+            place, i = L.tensors[t], part[t]
+            params[i].data = flat[place.offset:place.offset + place.numel].view_as(params[i])
+            st.where[i] = (buf, place.offset, [_frag(L.fragments[f], base) for f in place.fragments])
+            if stage == 1:
+                params[i].grad = None
+
+
+def _frag(f, base: int) -> Frag:
+    return Frag(base + f.bucket, f.tensor_offset, f.bucket_offset, f.numel)
+
+
 def _make_buffer(L, built: tuple, order: List[int], group: int, stage: int, where: tuple, st: FlatState,
                  state: tuple) -> FlatBuffer:
     """One flat buffer's record, its buckets and this rank's shards (``built``: (index,
-    layout buffer, flat tensor); ``where``: (world size, rank); ``state``: (storage,
-    placement, fused AdamW or not: another optimizer keeps its own state, optim/rules.py))."""
-    (bi, lb, flat), (world, rank), (storage, placement, adam) = built, where, state
+    layout buffer, flat tensor); ``order``: the layout's tensors' parameter indices;
+    ``where``: (ShardGroup, the number of buckets before this layout's); ``state``:
+    (storage, placement, fused AdamW or not: another optimizer keeps its own state,
+    optim/rules.py))."""
+    (bi, lb, flat), (sg, base), (storage, placement, adam) = built, where, state
+    world, rank = sg.world, sg.rank
     shard_len, dev = lb.numel // world, flat.device
     moments = [storage.zeros(placement, shard_len) if adam else None for _ in range(2)]
     buf = FlatBuffer(group=group, dtype=flat.dtype, params=flat, master=None,
-                     exp_avg=moments[0], exp_avg_sq=moments[1], placement=placement,
+                     exp_avg=moments[0], exp_avg_sq=moments[1], placement=placement, shard=sg,
                      grad_shard=None,    # stage 2: allocated by the first reduction of a backward
                      grads=torch.zeros(lb.numel, dtype=flat.dtype, device=dev) if stage == 1 else None)
     shard_off = 0
     for b in lb.buckets:
         lbk = L.buckets[b]
-        bucket = FlatBucket(index=b, layout=lbk, buffer=buf, shard_offset=shard_off)
-        bucket.frags = [(order[L.fragments[f].tensor], L.fragments[f]) for f in lbk.fragments]
+        bucket = FlatBucket(index=base + b, layout=lbk, buffer=buf, shard_offset=shard_off)
+        bucket.frags = [(order[L.fragments[f].tensor], _frag(L.fragments[f], base)) for f in lbk.fragments]
         bucket.params = sorted({i for i, _ in bucket.frags})
         shard_off += lbk.shard_numel
         buf.buckets.append(bucket)
-        st.buckets[b] = bucket
+        st.buckets[base + b] = bucket
     if _has_master(flat.dtype, placement, dev):
         buf.master = storage.zeros(placement, shard_len)
         for b in buf.buckets:
-            storage.copy_in(b.shard_of(buf.master), b.own(flat, rank))
+            storage.copy_in(b.shard_of(buf.master), b.own(flat))
     buf.shard_numel = shard_len
     buf.shard_data_numel = sum(pc.numel for pc in L.shard_pieces(rank) if L.tensors[pc.tensor].buffer == bi)
     st.buffers.append(buf)

@@ -81,10 +81,10 @@ class InPlaceFold(_BucketFold):
         per replica by the replica all-reduce; the fold takes the extra copies off."""
         src = self.src
         if self.fill is GradFill.REDUCED:
-            _zero_other_chunks(src.buckets, src.rank)
+            _zero_other_chunks(src.buckets)
             self.fill = GradFill.ACCUMULATE
         if src.groups.replicate is not None and self.kept is None and not self.shard_fresh:
-            self.kept = {b.index: b.own(b.buffer.grads, src.rank).clone() for b in src.buckets}
+            self.kept = {b.index: b.own(b.buffer.grads).clone() for b in src.buckets}
 
     def grad_arrived(self, i: int, p: torch.Tensor):
         view = self.src.grad_view(i)
@@ -104,7 +104,7 @@ class InPlaceFold(_BucketFold):
 
     def reduce_input(self, r: Reduction) -> Tuple[torch.Tensor, torch.Tensor, Optional[List[int]]]:
         b, src = bucket_of(r), self.src
-        buf, rank = b.buffer, src.rank
+        buf, rank = b.buffer, b.buffer.shard.rank
         rdt = src.reduce_dtype_of(buf.dtype)
         whole = buf.grads[b.offset:b.offset + b.numel]
         if self.fill is GradFill.OVERWRITE:   # what no gradient wrote is stale: zero it
@@ -116,7 +116,7 @@ class InPlaceFold(_BucketFold):
 
     def fold(self, r: Reduction):
         b, src = bucket_of(r), self.src
-        own = b.own(b.buffer.grads, src.rank)
+        own = b.own(b.buffer.grads)
         if r.out.data_ptr() != own.data_ptr():
             own.copy_(r.out)
         if self.kept is not None:      # hybrid: counted once per replica (see before_grad)
@@ -157,7 +157,7 @@ class AddToShardFold(_BucketFold):
         # a shard holding nothing yet receives the sum directly; else the sum lands in
         # this rank's chunk of the buffer and the fold adds it
         out = b.shard_of(buf.grad_shard) if self.shard_fresh else \
-            inp[src.rank * b.shard_numel:(src.rank + 1) * b.shard_numel]
+            b.own(inp, start=0)
         return inp, out, None
 
     def fold(self, r: Reduction):
@@ -173,9 +173,10 @@ class AddToShardFold(_BucketFold):
 
 
 @torch.no_grad()
-def _zero_other_chunks(buckets: List[FlatBucket], rank: int) -> None:
-    """Stage 1: zero every bucket's chunks of the gradient buffer but ``rank``'s."""
+def _zero_other_chunks(buckets: List[FlatBucket]) -> None:
+    """Stage 1: zero every bucket's chunks of the gradient buffer but this rank's."""
     for b in buckets:
+        rank = b.buffer.shard.rank
         whole = b.buffer.grads[b.offset:b.offset + b.numel]
         whole[:rank * b.shard_numel].zero_()
         whole[(rank + 1) * b.shard_numel:].zero_()

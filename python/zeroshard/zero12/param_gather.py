@@ -42,11 +42,11 @@ def _settle_all() -> None:
 
 
 class ParamGather:
-    """The all-gathers of one FlatReducer's buckets (see the Note above)."""
+    """The all-gathers of one FlatReducer's buckets, each over its buffer's ranks (see the Note above)."""
 
-    def __init__(self, buffers: list, params: List[torch.Tensor], where: Dict[int, tuple], *, group, rank: int,
+    def __init__(self, buffers: list, params: List[torch.Tensor], where: Dict[int, tuple], *,
                  overlap: bool, comm_elements: dict, hook_factory):
-        self.buffers, self.group, self.rank, self.overlap = buffers, group, rank, overlap
+        self.buffers, self.overlap = buffers, overlap
         self.comm_elements = comm_elements
         # parameter -> the buckets holding its elements (by identity: tensors compare elementwise)
         self.buckets_of = {id(params[i]): sorted({f.bucket for f in frags}) for i, (_, _, frags) in where.items()}
@@ -62,7 +62,7 @@ class ParamGather:
         for buf in self.buffers:
             for b in buf.buckets:
                 region = buf.params[b.offset:b.offset + b.numel]
-                self.pending[b.index] = comm.all_gather(b.own(buf.params, self.rank), region, group=self.group,
+                self.pending[b.index] = comm.all_gather(b.own(buf.params), region, group=buf.shard.group,
                                                         what=f"step {step}, bucket {b.index} all-gather")
                 self.comm_elements["all_gather"] += b.numel
         if not self.overlap:

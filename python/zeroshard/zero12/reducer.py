@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .flat import FlatBucket, build_flat, check_params, check_same_across_ranks, check_views
-from ..comm.mesh import Groups
+from ..comm.mesh import Groups, ShardGroup, shard_group
 from ..offload import NO_OFFLOAD, HostCopies, Offload, Storage, offloaded_params
 from ..common.pool import BufferPool
 from ..common.reduction import MAX_INFLIGHT_BUCKETS, Reduction, ReductionPipeline
@@ -81,7 +81,8 @@ class FlatReducer(ShardSource):
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, adam: bool, bucket_bytes: int,
                  reduce_dtype: Optional[torch.dtype], groups: Groups, offload: Offload = NO_OFFLOAD,
-                 overlap_param_gather: bool = False, whole: bool = False, names: Optional[List[Optional[str]]] = None):
+                 overlap_param_gather: bool = False, whole: bool = False, names: Optional[List[Optional[str]]] = None,
+                 shards: Optional[List[Optional[ShardGroup]]] = None):
         super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
@@ -98,26 +99,38 @@ class FlatReducer(ShardSource):
         # stage 2's bucket buffers, recycled ([Note: bucket buffers between steps])
         self.pool = BufferPool(MAX_INFLIGHT_BUCKETS + 1, lambda n, dt: torch.empty(n, dtype=dt, device=self.device))
         self.device = check_params(params, self.trainable, self.err)
-        check_same_across_ranks(params, groups.every, self.err, names)
+        # each param group's ranks ([Note: param groups over their own ranks] in comm/mesh.py)
+        dense = shard_group(process_group)
+        self.shards = [s or dense for s in (shards or [None] * (max(group_of, default=0) + 1))]
+        self.own_shards = [s for s in dict.fromkeys(self.shards) if s.own]
+        if self.own_shards and whole:
+            raise ValueError(self.err("a whole-tensor optimizer (Muon, Adafactor) over a param group with its own "
+                                      "'device_mesh' is not supported yet; use the fused AdamW or an elementwise "
+                                      "optimizer_class for the expert-parallel parameters"))
+        check_same_across_ranks(params, groups.every, self.err, names, [self.shards[g] for g in group_of])
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         offloaded = offloaded_params(params, self.trainable, offload)
         flat = build_flat(params, group_of, self.trainable, stage=stage, adam=adam, bucket_bytes=bucket_bytes,
-                          device=self.device, group=process_group, src=dist.get_global_rank(groups.every, 0),
+                          device=self.device, shards=self.shards, src=dist.get_global_rank(groups.every, 0),
                           everyone=groups.every, storage=self.storage, offloaded=offloaded, whole=whole)
-        self.layout, self.buffers, self.buckets, self.where = flat.layout, flat.buffers, flat.buckets, flat.where
+        self.buffers, self.buckets, self.where = flat.buffers, flat.buckets, flat.where
+        # the layout of each shard group's parameters (the optimizer's ranks' first)
+        self.layouts = flat.layouts
+        self.layout = flat.layouts[0]
         self.launch_order, self.whole_owners = flat.launch_order, flat.whole_owners
         for b in self.buckets:
-            b.reduction = Reduction(name=f"bucket {b.index}", owner=b, group=process_group,
+            b.reduction = Reduction(name=f"bucket {b.index}", owner=b, group=b.buffer.shard.group,
                                     replicate=groups.replicate)
-        self._gather = ParamGather(self.buffers, params, self.where, group=process_group, rank=self.rank,
-                                   overlap=overlap_param_gather, comm_elements=self.comm_elements,
+        self._gather = ParamGather(self.buffers, params, self.where, overlap=overlap_param_gather, comm_elements=self.comm_elements,
                                    hook_factory=weak_hook)
         self._order_learned = False
         self._arrival: List[int] = []
-        self.grad_scale = 1.0 / (self.world_size * groups.replicas)
+        # 1/N, N every data-parallel rank: a param group over its own ranks too (its sum covers the
+        # whole batch: [Note: param groups over their own ranks])
+        self.grad_scale = 1.0 / dist.get_world_size(groups.every)
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
         self.full_shapes = {i: params[i].shape for i in self.trainable}
-        self.regions, self.segments = _regions_and_segments(self, self.stage, self.rank)
+        self.regions, self.segments = _regions_and_segments(self, self.stage)
         self.host_copies = HostCopies(self.device)    # to the mirrors ([Note: offloaded gradients])
         on_grad = weak_hook(self._on_grad)
         self._hooks = [params[i].register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i, p))
@@ -189,6 +202,14 @@ class FlatReducer(ShardSource):
         self._arrival = []
 
     # ------------------------------------------------------- ShardSource API
+    def param_colors(self) -> Optional[List[tuple]]:
+        if not self.own_shards:
+            return None
+        return [(s.color, s.count) for s in (self.shards[g] for g in self.group_of)]
+
+    def param_process_group(self, i: int) -> dist.ProcessGroup:
+        return self.shards[self.group_of[i]].group
+
     def release(self):
         while self._hooks:
             self._hooks.pop().remove()
@@ -236,7 +257,7 @@ class FlatReducer(ShardSource):
         for buf in self.buffers:
             if buf.master is not None:
                 for b in buf.buckets:
-                    b.own(buf.params, self.rank).copy_(b.shard_of(buf.master))
+                    b.own(buf.params).copy_(b.shard_of(buf.master))
         self.gather_params()     # in place: no transient memory
         self.settle()
 
@@ -246,7 +267,7 @@ class FlatReducer(ShardSource):
         for buf in self.buffers:
             if buf.master is not None:
                 for b in buf.buckets:
-                    self.storage.copy_in(b.shard_of(buf.master), b.own(buf.params, self.rank))
+                    self.storage.copy_in(b.shard_of(buf.master), b.own(buf.params))
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool):
@@ -286,23 +307,21 @@ def _arrival_order(buckets: List[FlatBucket], arrival: List[int], everyone) -> L
     return order
 
 
-def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
+def _regions_and_segments(src: "FlatReducer", stage: int):
     """One region per bucket (what state dicts read) and one segment per bucket
     shard (what a fused call updates), with each parameter's piece of it."""
-    order = list(reversed(src.trainable))
     regions = [
         Region(shard_numel=bk.shard_numel, exp_avg=_shard_of(bk, bk.buffer.exp_avg),
                exp_avg_sq=_shard_of(bk, bk.buffer.exp_avg_sq),
-               frags=[(order[fr.tensor], fr.tensor_offset, fr.bucket_offset, fr.numel)
-                      for fr in (src.layout.fragments[f] for f in bk.layout.fragments)],
-               values=bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params,
-                                                                                                  rank))
+               frags=[(i, fr.tensor_offset, fr.bucket_offset, fr.numel) for i, fr in bk.frags],
+               values=bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params))
         for bk in src.buckets]
     region_of = {bk.index: reg for bk, reg in zip(src.buckets, regions)}
     segments = []
     for buf in src.buffers:     # the host copy the CPU step reads ([Note: offloaded gradients])
         buf.grad_mirror = src.storage.grad_mirror(buf.placement, buf.shard_numel,
                                                   buf.dtype if stage == 1 else src.reduce_dtype_of(buf.dtype))
+        rank = buf.shard.rank
         for b in buf.buckets:
             if stage == 1:     # this rank's reduced chunk of the full gradient buffer
                 start = b.offset + rank * b.shard_numel
@@ -311,9 +330,9 @@ def _regions_and_segments(src: "FlatReducer", stage: int, rank: int):
                 grad = ("grad_shard", (b.shard_offset, b.shard_offset + b.shard_numel))
             low = buf.master is not None
             segments.append(Segment(
-                group=buf.group, param=b.shard_of(buf.master) if low else b.own(buf.params, rank), holder=buf,
+                group=buf.group, param=b.shard_of(buf.master) if low else b.own(buf.params), holder=buf,
                 grad_attr=grad[0], grad_range=grad[1], exp_avg=_shard_of(b, buf.exp_avg),
-                exp_avg_sq=_shard_of(b, buf.exp_avg_sq), out=b.own(buf.params, rank) if low else None,
+                exp_avg_sq=_shard_of(b, buf.exp_avg_sq), out=b.own(buf.params) if low else None,
                 pieces=[(i, sl.start, sl.stop, t_off) for i, t_off, sl in region_of[b.index].owned(rank)],
                 streamed=src.storage.streamed(buf.placement), mirror=_shard_of(b, buf.grad_mirror)))
     return regions, segments

@@ -1,0 +1,175 @@
+"""Mixture of experts with expert parallelism, at ZeRO-1/2: each rank holds its expert-parallel
+rank's experts, and the experts' param group is sharded over the ranks holding the same
+experts (the expert-data-parallel group), the rest over every rank.
+
+    torchrun --nproc-per-node 4 examples/moe.py
+
+On 4 ranks the mesh is (edp 2, ep 2): ranks {0, 1} and {2, 3} are expert-parallel groups
+(rank 0 holds experts 0 and 2, rank 1 experts 1 and 3, and so do ranks 2 and 3), and
+{0, 2}, {1, 3} the expert-data-parallel groups. The model routes each token to its top-2
+experts; each ep group's tokens are gathered on its ranks, each rank runs its own experts
+on those routed to them, and the outputs are summed back (an all-gather dispatcher: the
+model owns its token exchange, zeroshard the sharding). An expert's gradient is summed
+over its edp group and divided by the whole data-parallel size: its ep peers' tokens
+reached it already. The script checks the result against one process training the whole
+model (every expert) on every rank's tokens with torch.optim.AdamW.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
+import zeroshard
+
+IN, OUT, D, H, E, TOKENS, STEPS, EP = 5, 3, 6, 10, 4, 7, 6, 2   # E experts, TOKENS per rank, EP ranks per group
+
+
+class _Gather(torch.autograd.Function):
+    """The ep group's tokens, in rank order (backward: each rank's share of the summed gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        n = g.shape[0] // dist.get_world_size(ctx.group)
+        r = dist.get_rank(ctx.group)
+        return g[r * n:(r + 1) * n], None
+
+
+class _Combine(torch.autograd.Function):
+    """Every ep rank's partial outputs for the group's tokens summed; this rank's tokens' rows."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        n = y.shape[0] // dist.get_world_size(group)
+        r = dist.get_rank(group)
+        return y[r * n:(r + 1) * n].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """Top-k routing over E experts; this rank holds experts i with i % ep == its ep rank."""
+
+    def __init__(self, top_k: int, ep_group=None):
+        super().__init__()
+        self.top_k, self.group = top_k, ep_group
+        ep, r = (1, 0) if ep_group is None else (dist.get_world_size(ep_group), dist.get_rank(ep_group))
+        self.ids = [i for i in range(E) if i % ep == r]
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in self.ids)
+
+    def forward(self, x):
+        weights, chosen = F.softmax(self.router(x), -1).topk(self.top_k, -1)
+        if self.group is not None:
+            x, weights = _Gather.apply(x, self.group), _Gather.apply(weights, self.group)
+            parts = [torch.empty_like(chosen) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(parts, chosen, group=self.group)
+            chosen = torch.cat(parts)
+        out = torch.zeros_like(x)
+        for expert, i in zip(self.experts, self.ids):
+            rows, slot = (chosen == i).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return out if self.group is None else _Combine.apply(out, self.group)
+
+
+class Net(nn.Module):
+    def __init__(self, top_k: int, ep_group=None):
+        super().__init__()
+        self.inp, self.norm, self.head = nn.Linear(IN, D), nn.LayerNorm(D), nn.Linear(D, OUT)
+        self.moe = MoE(top_k, ep_group)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(h + self.moe(self.norm(h)))
+
+
+def batch(step, rank, device):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(TOKENS, IN, generator=g).to(device), torch.randn(TOKENS, OUT, generator=g).to(device)
+
+
+def global_name(model: Net, name: str) -> str:
+    """The whole model's name of this rank's parameter ``name`` (its experts are numbered locally)."""
+    if name.startswith("moe.experts."):
+        j, rest = name[len("moe.experts."):].split(".", 1)
+        name = f"moe.experts.{model.moe.ids[int(j)]}.{rest}"
+    return name
+
+
+def split(model: Net):
+    """(dense parameters, expert parameters)."""
+    named = list(model.named_parameters())
+    return [p for n, p in named if not n.startswith("moe.experts.")], [p for n, p in named
+                                                                        if n.startswith("moe.experts.")]
+
+
+def main():
+    device = _device.setup()
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world % EP == 0, f"run with a multiple of {EP} ranks: torchrun --nproc-per-node 4 ..."
+    mesh = init_device_mesh(device.type, (world // EP, EP), mesh_dim_names=("edp", "ep"))
+
+    torch.manual_seed(0)
+    ref = Net(top_k=2).to(device)           # every expert, in this process: the reference
+    model = Net(top_k=2, ep_group=mesh["ep"].get_group()).to(device)
+    with torch.no_grad():                   # the same values: this rank's experts of the whole model's
+        for name, p in model.named_parameters():
+            p.copy_(ref.get_parameter(global_name(model, name)))
+    dense, experts = split(ref)
+    ref_opt = torch.optim.AdamW([{"params": dense}, {"params": experts}], lr=1e-2)
+    dense, experts = split(model)
+    opt = zeroshard.ShardedOptimizer([{"params": dense},                                   # over every rank
+                                      {"params": experts, "device_mesh": mesh["edp"]}],    # over its edp group
+                                     lr=1e-2, stage=2)
+    for step in range(STEPS):
+        x, y = batch(step, rank, device)
+        F.mse_loss(model(x), y).backward()
+        norm = opt.clip_grad_norm_(1.0)     # every expert counted once, the same on every rank
+        opt.step()
+        opt.zero_grad()
+        xs, ys = zip(*(batch(step, r, device) for r in range(world)))
+        F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    err = max(((p - ref.get_parameter(global_name(model, n))).norm() / p.norm()).item()
+              for n, p in model.named_parameters())
+    rep = opt.memory_report()
+    if rank == 0:
+        print(f"moe: {world} ranks = edp {world // EP} x ep {EP}; rank 0 holds experts {model.moe.ids} and "
+              f"exp_avg for {rep['exp_avg'] // 4:,} of {sum(p.numel() for p in ref.parameters()):,} elements; "
+              f"grad norm {float(norm):.4f} (one process: {float(ref_norm):.4f}); max relative error {err:.1e}")
+    assert err < 1e-5, f"expert parallelism differs from one process: {err}"
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Expert parallelism at stages 1/2: a mixture-of-experts model whose experts are spread
+over the ranks of an expert-parallel group (each rank its own experts, tokens exchanged
+with the other ranks of its ep group), the experts in a param group sharded over their
+expert-data-parallel group (``"device_mesh": mesh["edp"]``), against one process training
+the whole model on the whole batch with torch's AdamW. 4 gloo ranks: edp 2 x ep 2."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zeroshard as zs
+from conftest import get_pool
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
+from moe import E, TOKENS, Net, global_name, split  # (examples/moe.py's model)
+
+STEPS = 3
+
+
+def _data(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(TOKENS, 5, generator=g), torch.randn(TOKENS, 3, generator=g)
+
+
+def _reference(top_k: int, world: int, micro: int, clip, starve: bool):
+    """One process, every expert, every rank's tokens: parameters and clip norms after STEPS."""
+    torch.manual_seed(0)
+    model = Net(top_k)
+    if starve:
+        with torch.no_grad():
+            model.moe.router.weight[E - 1] = -50.0     # the last expert never gets a token
+    dense, experts = split(model)
+    opt = torch.optim.AdamW([{"params": dense}, {"params": experts, "weight_decay": 0.3}], lr=1e-2)
+    norms, first = [], None
+    for step in range(STEPS):
+        for m in range(micro):
+            xs, ys = zip(*(_data(step * micro + m, r) for r in range(world)))
+            (F.mse_loss(model(torch.cat(xs)), torch.cat(ys)) / micro).backward()
+        first = first or {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return model, norms, first
+
+
+def _train(stage: int, top_k: int, ep: int, micro: int = 1, clip=None, starve: bool = False, torch_clip=False):
+    from torch.distributed.device_mesh import init_device_mesh
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    ref, ref_norms, ref_grads = _reference(top_k, world, micro, clip, starve)
+    torch.manual_seed(0)
+    full = Net(top_k)
+    if starve:
+        with torch.no_grad():
+            full.moe.router.weight[E - 1] = -50.0
+    model = Net(top_k, mesh["ep"].get_group())
+    with torch.no_grad():      # the whole model's values: this rank's experts among them
+        for name, p in model.named_parameters():
+            p.copy_(full.get_parameter(global_name(model, name)))
+    dense, experts = split(model)
+    opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "weight_decay": 0.3,
+                                                   "device_mesh": mesh["edp"]}], lr=1e-2, stage=stage)
+    norms, grad_err = [], 0.0
+    for step in range(STEPS):
+        for m in range(micro):
+            x, y = _data(step * micro + m, rank)
+            ctx = opt.no_sync() if m < micro - 1 else torch.enable_grad()
+            with ctx:
+                (F.mse_loss(model(x), y) / micro).backward()
+        for name, p in model.named_parameters() if step == 0 else ():
+            # the averaged gradient one process takes: an expert's summed over its edp group
+            # and divided by the whole data-parallel size (not its group's)
+            want = ref_grads.get(global_name(model, name))
+            if p.grad is not None and want is not None:
+                grad_err = max(grad_err, ((p.grad.full_tensor() - want).norm() / want.norm()).item())
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if torch_clip
+                               else opt.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad()
+    err = 0.0
+    for name, p in model.named_parameters():
+        q = ref.get_parameter(global_name(model, name))
+        err = max(err, ((p - q).norm() / q.norm()).item())
+    moved = [not torch.equal(p, full.get_parameter(n)) for n, p in full.named_parameters()
+             if n.startswith(f"moe.experts.{E - 1}.")]
+    rep = opt.memory_report()
+    n_experts = sum(p.numel() for n, p in ref.named_parameters() if n.startswith("moe.experts."))
+    n_dense = sum(p.numel() for n, p in ref.named_parameters() if not n.startswith("moe.experts."))
+    return dict(err=err, grad_err=grad_err, norms=norms, ref_norms=ref_norms, exp_avg=rep["exp_avg"], psi=(n_dense, n_experts),
+                moved=any(moved), starved_here=(E - 1) in model.moe.ids)
+
+
+def _check(results, clip=None):
+    for r, out in enumerate(results):
+        assert out["err"] < 2e-5 and out["grad_err"] < 1e-5, (r, out["err"], out["grad_err"])
+        if clip:
+            assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["norms"], out["ref_norms"])), out
+    # each expert's state is held once in each ep group's ranks, sharded over its edp group:
+    # over all ranks, exp_avg is 4 bytes per parameter of the whole model, exactly
+    n_dense, n_experts = results[0]["psi"]
+    assert sum(out["exp_avg"] for out in results) == 4 * (n_dense + n_experts)
+
+
+@pytest.mark.parametrize("stage,top_k", [(1, 2), (2, 1), (2, 2)])
+def test_expert_parallel_equals_one_process(stage, top_k):
+    _check(get_pool(4).run(_train, stage, top_k, 2, clip=0.05), clip=0.05)
+
+
+def test_accumulation_torch_clip_and_a_starved_expert():
+    """no_sync() micro-batches; torch's clip_grad_norm_ (every expert counted once, the same
+    on every rank); an expert no rank routes a token to is not stepped, as torch's AdamW
+    skips a parameter without a gradient."""
+    res = get_pool(4).run(_train, 2, 1, 2, micro=2, clip=0.05, starve=True, torch_clip=True)
+    _check(res, clip=0.05)
+    assert not any(out["moved"] for out in res if out["starved_here"])
+
+
+def _skips_everywhere():
+    """GradScaler: a non-finite gradient in an expert held by one ep group skips the step on
+    every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
+    torch.manual_seed(0)
+    model = Net(1, mesh["ep"].get_group())
+    dense, experts = split(model)
+    opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "device_mesh": mesh["edp"]}], lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _data(0, rank)
+    if rank == 3:       # an overflow in one expert's gradient on this rank only (before its reduction)
+        model.moe.experts[0].up.weight.register_hook(lambda g: g * float("inf"))
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale(), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_grad_scaler_skips_on_every_rank():
+    for scale, unchanged in get_pool(4).run(_skips_everywhere):
+        assert scale == 2.0 and unchanged
