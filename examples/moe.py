@@ -11,8 +11,10 @@ experts; each ep group's tokens are gathered on its ranks, each rank runs its ow
 on those routed to them, and the outputs are summed back (an all-gather dispatcher: the
 model owns its token exchange, zeroshard the sharding). An expert's gradient is summed
 over its edp group and divided by the whole data-parallel size: its ep peers' tokens
-reached it already. The script checks the result against one process training the whole
-model (every expert) on every rank's tokens with torch.optim.AdamW.
+reached it already. The script trains it at ZeRO-2 (the experts' param group over the edp
+group) and at ZeRO-3 (FullyShard with expert_modules: each expert a unit over
+the edp group) and checks both against one process training the whole model
+(every expert) on every rank's tokens with torch.optim.AdamW.
 """
 import torch
 import torch.distributed as dist
@@ -74,18 +76,27 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routing over E experts; this rank holds experts i with i % ep == its ep rank."""
+    """Top-k routing over E experts; this rank holds experts i with i % ep == its ep rank.
+    ``call_every_expert``: each expert runs in every forward, on no token where none was
+    routed to it (under FullyShard's expert_modules each expert is gathered when it runs,
+    over its expert-data-parallel ranks, so all of them must run it, as FSDP2 asks too);
+    False skips such an expert (its gradient is then None, as one process's would be).
+    ``unrouted``: experts no token is routed to (none by default)."""
 
-    def __init__(self, top_k: int, ep_group=None):
+    def __init__(self, top_k: int, ep_group=None, call_every_expert: bool = True):
         super().__init__()
-        self.top_k, self.group = top_k, ep_group
+        self.top_k, self.group, self.call_every_expert = top_k, ep_group, call_every_expert
         ep, r = (1, 0) if ep_group is None else (dist.get_world_size(ep_group), dist.get_rank(ep_group))
         self.ids = [i for i in range(E) if i % ep == r]
         self.router = nn.Linear(D, E, bias=False)
         self.experts = nn.ModuleList(Expert() for _ in self.ids)
+        self.unrouted: list = []
 
     def forward(self, x):
-        weights, chosen = F.softmax(self.router(x), -1).topk(self.top_k, -1)
+        logits = self.router(x)
+        if self.unrouted:
+            logits = logits.index_fill(-1, torch.tensor(self.unrouted, device=x.device), float("-inf"))
+        weights, chosen = F.softmax(logits, -1).topk(self.top_k, -1)
         if self.group is not None:
             x, weights = _Gather.apply(x, self.group), _Gather.apply(weights, self.group)
             parts = [torch.empty_like(chosen) for _ in range(dist.get_world_size(self.group))]
@@ -94,16 +105,16 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for expert, i in zip(self.experts, self.ids):
             rows, slot = (chosen == i).nonzero(as_tuple=True)
-            if rows.numel():
+            if rows.numel() or self.call_every_expert:
                 out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
         return out if self.group is None else _Combine.apply(out, self.group)
 
 
 class Net(nn.Module):
-    def __init__(self, top_k: int, ep_group=None):
+    def __init__(self, top_k: int, ep_group=None, call_every_expert: bool = True):
         super().__init__()
         self.inp, self.norm, self.head = nn.Linear(IN, D), nn.LayerNorm(D), nn.Linear(D, OUT)
-        self.moe = MoE(top_k, ep_group)
+        self.moe = MoE(top_k, ep_group, call_every_expert)
 
     def forward(self, x):
         h = self.inp(x)
@@ -130,6 +141,17 @@ def split(model: Net):
                                                                         if n.startswith("moe.experts.")]
 
 
+def train(model, opt, device, rank):
+    """STEPS steps on this rank's tokens, clipped; the last step's gradient norm."""
+    for step in range(STEPS):
+        x, y = batch(step, rank, device)
+        F.mse_loss(model(x), y).backward()
+        norm = opt.clip_grad_norm_(1.0)     # every expert counted once, the same on every rank
+        opt.step()
+        opt.zero_grad()
+    return float(norm)
+
+
 def main():
     device = _device.setup()
     torch.set_num_threads(1)
@@ -139,35 +161,47 @@ def main():
 
     torch.manual_seed(0)
     ref = Net(top_k=2).to(device)           # every expert, in this process: the reference
-    model = Net(top_k=2, ep_group=mesh["ep"].get_group()).to(device)
-    with torch.no_grad():                   # the same values: this rank's experts of the whole model's
-        for name, p in model.named_parameters():
-            p.copy_(ref.get_parameter(global_name(model, name)))
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     dense, experts = split(ref)
     ref_opt = torch.optim.AdamW([{"params": dense}, {"params": experts}], lr=1e-2)
-    dense, experts = split(model)
+    for step in range(STEPS):               # every rank's tokens
+        xs, ys = zip(*(batch(step, r, device) for r in range(world)))
+        F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    def expert_parallel_model():
+        net = Net(top_k=2, ep_group=mesh["ep"].get_group()).to(device)
+        with torch.no_grad():               # the same start: this rank's experts of the whole model's
+            for name, p in net.named_parameters():
+                p.copy_(start[global_name(net, name)])
+        return net
+
+    def error(net, state):
+        return max(((v - ref.get_parameter(global_name(net, n))).norm() / v.norm()).item() for n, v in state.items())
+
+    # ZeRO-2: the experts' param group sharded over its edp group, the rest over every rank
+    net = expert_parallel_model()
+    dense, experts = split(net)
     opt = zeroshard.ShardedOptimizer([{"params": dense},                                   # over every rank
                                       {"params": experts, "device_mesh": mesh["edp"]}],    # over its edp group
                                      lr=1e-2, stage=2)
-    for step in range(STEPS):
-        x, y = batch(step, rank, device)
-        F.mse_loss(model(x), y).backward()
-        norm = opt.clip_grad_norm_(1.0)     # every expert counted once, the same on every rank
-        opt.step()
-        opt.zero_grad()
-        xs, ys = zip(*(batch(step, r, device) for r in range(world)))
-        F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-    err = max(((p - ref.get_parameter(global_name(model, n))).norm() / p.norm()).item()
-              for n, p in model.named_parameters())
-    rep = opt.memory_report()
+    norm2 = train(net, opt, device, rank)
+    err2, rep = error(net, net.state_dict()), opt.memory_report()
+
+    # ZeRO-3: each expert a unit gathered and reduced over its edp group, the rest over every rank
+    net = expert_parallel_model()
+    model = zeroshard.FullyShard(net, expert_modules={Expert: mesh["edp"]})
+    norm3 = train(model, zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2), device, rank)
+    err3 = error(net, model.state_dict())   # (collective: each rank gets its own experts whole)
+
     if rank == 0:
-        print(f"moe: {world} ranks = edp {world // EP} x ep {EP}; rank 0 holds experts {model.moe.ids} and "
-              f"exp_avg for {rep['exp_avg'] // 4:,} of {sum(p.numel() for p in ref.parameters()):,} elements; "
-              f"grad norm {float(norm):.4f} (one process: {float(ref_norm):.4f}); max relative error {err:.1e}")
-    assert err < 1e-5, f"expert parallelism differs from one process: {err}"
+        print(f"moe: {world} ranks = edp {world // EP} x ep {EP}; rank 0 holds experts {net.moe.ids}, and at "
+              f"ZeRO-2 exp_avg for {rep['exp_avg'] // 4:,} of {sum(p.numel() for p in ref.parameters()):,} "
+              f"elements; last grad norm {norm2:.4f} (ZeRO-2), {norm3:.4f} (ZeRO-3), {ref_norm:.4f} (one "
+              f"process); max relative error {max(err2, err3):.1e}")
+    assert err2 < 1e-5 and err3 < 1e-5, f"expert parallelism differs from one process: {err2}, {err3}"
     dist.destroy_process_group()
 
 

@@ -18,7 +18,8 @@ hold other experts, and the ranks holding the same experts form an
 expert-data-parallel group (``edp``, world / ep ranks). A param group whose
 ``"device_mesh"`` is such a 1-D mesh (``mesh["edp"]``) is sharded, reduced and
 gathered over that group's ranks only (``ShardGroup``); the rest over the
-optimizer's own group. The groups of the mesh dimension must split the world
+optimizer's own group. Under FullyShard the same holds for the unit of each
+module of a class in ``expert_modules``. The groups of the mesh dimension must split the world
 into disjoint groups of equal size (``color``: which one this rank is in, of
 ``count``). An expert's gradient is still divided by the whole data-parallel
 size, not its group's: its ep peers' tokens reached it through the
@@ -75,17 +76,24 @@ def shard_group(pg: dist.ProcessGroup) -> ShardGroup:
 def param_group_shards(param_groups: List[dict], groups: Groups, who: str) -> List[Optional[ShardGroup]]:
     """Each param group's own ShardGroup (from its ``"device_mesh"``), or None for the
     optimizer's; collective over every rank (one exchange, whatever the groups)."""
-    meshes = [g.get("device_mesh") for g in param_groups]
+    return mesh_shards([g.get("device_mesh") for g in param_groups], groups, who,
+                       [f"param group {gi}'s 'device_mesh'" for gi in range(len(param_groups))])
+
+
+def mesh_shards(meshes: list, groups: Groups, who: str, labels: List[str]) -> List[Optional[ShardGroup]]:
+    """The ShardGroup of each 1-D mesh in ``meshes`` (None stays None: the front door's own
+    ranks), ``labels`` naming each in errors; collective over every rank (one exchange)."""
     if all(m is None for m in meshes):
         return [None] * len(meshes)
     who = f"[rank {dist.get_rank()}/{dist.get_world_size()}] {who}"
-    for gi, m in enumerate(meshes):
+    for label, m in zip(labels, meshes):
         if m is not None and (getattr(m, "ndim", None) != 1 or not hasattr(m, "get_group")):
-            raise ValueError(f"{who}: param group {gi}'s 'device_mesh' must be a 1-D DeviceMesh (the ranks its "
-                             f"parameters shard over, e.g. mesh['edp'] of an (edp, ep) mesh); got {m!r}")
+            raise ValueError(f"{who}: {label} must be a 1-D DeviceMesh (the ranks its parameters shard "
+                             f"over, e.g. mesh['edp'] of an (edp, ep) mesh); got {m!r}")
     if groups.replicate is not None:
-        raise ValueError(f"{who}: a param group with its own 'device_mesh' (expert parallelism) cannot be "
-                         "combined with hybrid sharding (shard_size= or a 2-D device_mesh) yet; drop one of them")
+        first = next(label for label, m in zip(labels, meshes) if m is not None)
+        raise ValueError(f"{who}: ranks of their own ({first}: expert parallelism) cannot be combined with "
+                         "hybrid sharding (shard_size= or a 2-D device_mesh) yet; drop one of them")
     pgs = [None if m is None else m.get_group() for m in meshes]
     mine = [None if pg is None else tuple(dist.get_process_group_ranks(pg)) for pg in pgs]
     everyone = [mine]
@@ -94,24 +102,24 @@ def param_group_shards(param_groups: List[dict], groups: Groups, who: str) -> Li
         dist.all_gather_object(everyone, mine, group=groups.every)
     world = sorted(dist.get_process_group_ranks(groups.every))
     out: List[Optional[ShardGroup]] = []
-    made: Dict[Any, ShardGroup] = {}       # param groups over one mesh share its ShardGroup
-    for gi, pg in enumerate(pgs):
-        seen = [theirs[gi] if gi < len(theirs) else None for theirs in everyone]
+    made: Dict[Any, ShardGroup] = {}       # entries over one mesh share its ShardGroup
+    for k, pg in enumerate(pgs):
+        seen = [theirs[k] if k < len(theirs) else None for theirs in everyone]
         if any((s is None) != (pg is None) for s in seen):
-            raise ValueError(f"{who}: param group {gi} has a 'device_mesh' on some ranks but not on others; "
-                             "every rank must build the same param groups")
+            raise ValueError(f"{who}: {labels[k]} is given on some ranks but not on others; every rank "
+                             "must build the same")
         if pg is None:
             out.append(None)
             continue
         distinct = sorted(set(seen))
         covered = sorted(r for ranks in distinct for r in ranks)
         if covered != world or len({len(d) for d in distinct}) != 1:
-            raise ValueError(f"{who}: param group {gi}'s 'device_mesh' groups {distinct} do not split the "
-                             f"{len(world)} data-parallel ranks into disjoint groups of one size; build it as one "
-                             "dimension of a DeviceMesh over all of them, e.g. init_device_mesh(device, "
-                             "(world // ep, ep), mesh_dim_names=('edp', 'ep'))['edp']")
+            raise ValueError(f"{who}: {labels[k]}'s groups {distinct} do not split the {len(world)} "
+                             "data-parallel ranks into disjoint groups of one size; build it as one dimension "
+                             "of a DeviceMesh over all of them, e.g. init_device_mesh(device, (world // ep, "
+                             "ep), mesh_dim_names=('edp', 'ep'))['edp']")
         if pg not in made:
-            made[pg] = ShardGroup(pg, dist.get_world_size(pg), dist.get_rank(pg), distinct.index(mine[gi]),
+            made[pg] = ShardGroup(pg, dist.get_world_size(pg), dist.get_rank(pg), distinct.index(mine[k]),
                                   len(distinct))
         out.append(made[pg])
     return out

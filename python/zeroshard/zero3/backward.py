@@ -38,14 +38,15 @@ class UnitBackward:
 
     def __init__(self, units: List[Unit], gatherer: Gatherer, ctx: BackwardContext):
         self.units, self.gatherer, self.err, self._calls = units, gatherer, ctx.err, ctx.calls
-        # the gradient is divided by every rank, the replicas' too
+        # the gradient is divided by every rank, the replicas' too (an expert unit's too: its
+        # group's sum covers the whole batch, [Note: param groups over their own ranks])
         divisor = ctx.world * (dist.get_world_size(ctx.replicate) if ctx.replicate is not None else 1)
         self.fold = DivideIntoShard(device=ctx.device, rank=ctx.rank, reduce_dtype=ctx.reduce_dtype,
                                     divisor=divisor, label=lambda what: gatherer.label(what, phase=False))
         self._pipeline = ReductionPipeline(self.fold, MAX_INFLIGHT_UNITS, ctx.comm_elements)
         self.fold.retire_completed = self._pipeline.retire_completed
         for u in units:
-            u.reduction = Reduction(name=f"unit '{u.name}'", owner=u, group=ctx.group, replicate=ctx.replicate)
+            u.reduction = Reduction(name=f"unit '{u.name}'", owner=u, group=u.ranks.group, replicate=ctx.replicate)
         self.state = GradState.EMPTY
         self.order: List[int] = []   # reverse call order of the non-root units, fixed at backward start
         self._cursor = 0             # how far the backward has come along ``order`` (prefetch)

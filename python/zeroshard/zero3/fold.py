@@ -67,7 +67,7 @@ class DivideIntoShard(FoldPolicy):
         self.flatten(u)        # a unit some gradient never reached: the rest count as zero
         # overwrite the shard unless the user kept gradients from an earlier backward
         u.fresh = u.grad_shard is None
-        return r.buffer, u.own_grad(r.buffer, self.rank), u.reduce_bounds()
+        return r.buffer, u.own_grad(r.buffer, u.ranks.rank), u.reduce_bounds()
 
     def fold(self, r: Reduction):
         """Divide the reduced chunk by every rank and write (or add) it into the fp32 shard."""

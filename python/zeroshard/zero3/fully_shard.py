@@ -146,13 +146,18 @@ class FullyShard(nn.Module, ShardedModel):
         forward_methods: names of methods other than ``forward`` (e.g.
             ``"forward_features"``) that gather their unit wherever a unit's (or
             the root module's) class has one; see ``register_forward_method``.
+        expert_modules: ``{ExpertClass: mesh["edp"]}``: each module of such a class
+            is a unit of its own sharded, gathered and reduced over that 1-D mesh's
+            ranks (expert parallelism: each expert-parallel rank holds other experts;
+            see docs/experts.md and [Note: param groups over their own ranks]).
     """
 
     def __init__(self, module: nn.Module, wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
                  mixed_precision: Optional[MixedPrecision] = None, reshard_after_forward: bool = True,
                  prefetch: int = 1, process_group: Optional[dist.ProcessGroup] = None, *,
                  device: Union[torch.device, str, None] = None, shard_size: Optional[int] = None,
-                 device_mesh=None, offload_params: bool = False, forward_methods: Iterable[str] = ()):
+                 device_mesh=None, offload_params: bool = False, forward_methods: Iterable[str] = (),
+                 expert_modules: Optional[Dict[type, object]] = None):
         super().__init__()
         mp = _check_arguments(module, mixed_precision, prefetch)
         self.module = module
@@ -172,9 +177,13 @@ class FullyShard(nn.Module, ShardedModel):
         self._device = pick_device(module, device, self.process_group, self._err)
         self.offload_params = bool(offload_params)
         host, taken = shard_device(self._device, self.offload_params), claimed(module)
+        experts = dict(expert_modules or {})
+        own = mesh.mesh_shards(list(experts.values()), self.groups, "FullyShard",
+                               [f"expert_modules[{c.__name__}]" for c in experts])
         self._setup = Setup(module=module, device=self._device, group=self.process_group, world=self.world_size,
                             rank=self.rank, src=self._src, param_dtype=self.param_dtype, err=self._err,
-                            everyone=self.groups.every, shard_device=host)
+                            everyone=self.groups.every, shard_device=host,
+                            ranks=mesh.shard_group(self.process_group), experts=dict(zip(experts, own)))
         self._units, self._named = build(self._setup, wrap, FullyShard)
         # built on meta: the non-persistent buffers nothing initialised (load_pretrained sets an HF model's)
         self.uninitialised_buffers: List[str] = list(self._setup.unset_buffers)
@@ -273,6 +282,11 @@ class FullyShard(nn.Module, ShardedModel):
     def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:
         """Every sharded parameter and this rank's regions of them, one per unit (what
         checkpoints read: [Note: shard sources] in common/source.py)."""
+        if any(u.ranks.own for u in self._units):
+            raise NotImplementedError(self._err(
+                "checkpoints (save_checkpoint, load_checkpoint, dcp_state_dict) of a FullyShard with "
+                "expert_modules are not supported yet: the ranks of different expert-parallel groups hold "
+                "different experts under the same names. model.state_dict() gives each rank its own experts"))
         return held_regions(self._units, self.rank)
 
     def no_sync(self):
@@ -340,6 +354,10 @@ class FullyShard(nn.Module, ShardedModel):
     def lay_out_for_owners(self, costs: Dict[int, int], load: List[int], by: object):
         """Each tensor of ``costs`` (sharded parameter id -> cost) inside one rank's chunk, for
         the whole-tensor optimizer whose source is ``by`` ([Note: uneven chunks])."""
+        if any(u.ranks.own for u in self._units):
+            raise ValueError(self._err("a whole-tensor optimizer (Muon, Adafactor) over a FullyShard with "
+                                       "expert_modules is not supported yet; use the fused AdamW or an "
+                                       "elementwise optimizer_class"))
         relayout.lay_out(self._setup, self._units, costs, load, self._backward, self._optimizers, by)
 
     @torch.compiler.disable

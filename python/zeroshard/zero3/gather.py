@@ -39,10 +39,10 @@ class Gatherer:
                 raise RuntimeError(self.err("this FullyShard keeps its shards on meta (device='meta'); "
                                             "it can report memory but not run"))
             u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
-            own = u.own(u.full, self.rank)
+            own = u.own(u.full, u.ranks.rank)
             # (offload_params: from pinned host memory, ordered before the all-gather on the stream)
             own.copy_(u.shard, non_blocking=True)
-            u.gather = comm.all_gather(own, u.full, group=self.group, bounds=u.bounds,
+            u.gather = comm.all_gather(own, u.full, group=u.ranks.group, bounds=u.bounds,
                                        what=self.label(f"unit '{u.name}' all-gather"))
             self.comm_elements["all_gather"] += u.numel
             u.state = UnitState.GATHERING

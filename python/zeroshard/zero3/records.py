@@ -96,6 +96,7 @@ class Unit:
     name: str                     # module path, '' for the root
     module: nn.Module
     params: List[Param]
+    ranks: object = None          # its shards' ranks: a ShardGroup (comm/mesh.py), an expert's own or FullyShard's
     numel: int = 0                # padded flat size (world_size * shard_numel, or bounds[-1])
     shard_numel: int = 0          # this rank's chunk of it
     # rank r's chunk is [bounds[r], bounds[r + 1]) when the unit is laid out for a

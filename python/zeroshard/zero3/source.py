@@ -47,6 +47,7 @@ class UnitSource(ShardSource):
         self.check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in self.owners)
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.full_shapes, self.segments, self.regions = {}, [], []
+        self._ranks: Dict[int, object] = {}     # param index -> its unit's ShardGroup
         group = {id(params[i]): group_of[i] for i in self.trainable}
         index = self._index = {id(p): i for i, p in enumerate(params)}
         if whole:
@@ -70,6 +71,16 @@ class UnitSource(ShardSource):
         if not whole:
             costs = {i: update_cost(s) for i, s in self.full_shapes.items()}
             self.whole_owners = keep_balanced(self.whole_owners, costs, self.world_size)
+
+    def param_colors(self):
+        if not any(sg.own for sg in self._ranks.values()):
+            return None
+        return [(sg.color, sg.count) if (sg := self._ranks.get(i)) is not None else (0, 1)
+                for i in range(len(self._index))]
+
+    def param_process_group(self, i: int):
+        sg = self._ranks.get(i)
+        return sg.group if sg is not None else self.process_group
 
     def _owner_ready(self):
         # the last of the models whose backward this step needed (a released source has no owners)
@@ -117,12 +128,13 @@ class UnitSource(ShardSource):
             return None
         # the fused AdamW's state shards (another optimizer keeps its own: optim/rules.py), over
         # this rank's chunk of the unit's gradients ([Note: frozen parameters] in zero3/wrap.py)
-        lo, hi = u.grad_span(self.rank)
+        lo, hi = u.grad_span(u.ranks.rank)
         st = {n: self.storage.zeros(placement, hi - lo) if self.adam else None
               for n in ("exp_avg", "exp_avg_sq")}
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
-            holder = u.holder(q.offset, q.numel, self.world_size) if q.numel else None
+            self._ranks[index[id(q.sharded)]] = u.ranks
+            holder = u.holder(q.offset, q.numel, self.world_size) if q.numel and not u.ranks.own else None
             if holder is not None:
                 self.whole_owners[index[id(q.sharded)]] = holder     # inside one chunk
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)

@@ -52,7 +52,7 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
     for u in units:
         if not u.params:
             continue
-        lo, hi = u.grad_span(gatherer.rank)     # (frozen parameters past the last trainable: no gradient)
+        lo, hi = u.grad_span(u.ranks.rank)     # (frozen parameters past the last trainable: no gradient)
         grads_on_host += 4 * (hi - lo) if u.grad_to_host and u.trainable else 0
         own = sum(q.local.numel() for q in u.params)
         own_t = sum(q.local.numel() for q in u.trainable)
@@ -97,7 +97,7 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination, keys=Non
         if not any(n in wanted for q in u.params for n in q.names):
             continue
         flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
-        comm.all_gather(u.shard.to(fs.device), flat, group=fs.process_group, bounds=u.bounds,
+        comm.all_gather(u.shard.to(fs.device), flat, group=u.ranks.group, bounds=u.bounds,   # (an expert: its own)
                         what=f"state_dict gather: unit '{u.name}'").wait()
         if not keep:
             continue

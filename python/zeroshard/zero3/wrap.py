@@ -34,6 +34,10 @@ class Setup:
     param_dtype: torch.dtype
     err: Callable[[str], str]      # rank-prefixed error message
     everyone: object               # every rank holding a copy: ``group`` x the replicas (hybrid sharding)
+    ranks: object = None           # ``group`` as a ShardGroup (comm/mesh.py): the units' ranks
+    # expert_modules: module class -> the ShardGroup its instances' units shard over ([Note:
+    # param groups over their own ranks] in comm/mesh.py)
+    experts: dict = field(default_factory=dict)
     shard_device: torch.device     # where the fp32 shards live: ``device``, or host memory (offload_params)
     # a model built on meta: its non-persistent buffers nothing initialised (materialize)
     unset_buffers: List[str] = field(default_factory=list)
@@ -47,6 +51,7 @@ def build(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str,
     units, named = make_units(cfg, wrap, nested)
     check_same_model(cfg, units)
     meta_init = any(p.is_meta for p in cfg.module.parameters())
+    _check_experts(cfg, units, meta_init)
     build_units(cfg, units, meta_init)
     buffers_to_device(cfg)
     if meta_init and cfg.device.type != "meta":
@@ -117,7 +122,7 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
     """The sharding units (root first) and every parameter registration in
     named_parameters() order; ``nested`` is the FullyShard class (refused inside)."""
     pred = _wrap_predicate(cfg.module, wrap)
-    units = [Unit(index=0, name="", module=cfg.module, params=[])]
+    units = [Unit(index=0, name="", module=cfg.module, params=[], ranks=cfg.ranks)]
     owner: Dict[int, Tuple[int, Param]] = {}
     named: List[Tuple[str, Param]] = []   # every registration, in named_parameters() order
 
@@ -156,10 +161,11 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
             if child is None:
                 continue
             cpath = f"{path}.{cname}" if path else cname
-            if pred(child):
+            if pred(child) or isinstance(child, tuple(cfg.experts)):
                 if isinstance(child, nested):
                     raise ValueError(f"'{cpath}' is already a FullyShard; wrap the inner model once")
-                u = Unit(index=len(units), name=cpath, module=child, params=[])
+                u = Unit(index=len(units), name=cpath, module=child, params=[], ranks=next(
+                    (sg for c, sg in cfg.experts.items() if isinstance(child, c)), cfg.ranks))
                 units.append(u)
                 visit(child, cpath, u)
             else:
@@ -172,6 +178,19 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
             if owner_of(p) is not None:
                 raise ValueError(f"parameter '{q.names[0]}' already belongs to a FullyShard")
     return units, named
+
+
+def _check_experts(cfg: "Setup", units: List[Unit], meta_init: bool):
+    """What expert units ([Note: param groups over their own ranks]) do not do yet: refused."""
+    for u in units:
+        if not u.ranks.own:
+            continue
+        if meta_init or any(True for _ in u.module.buffers()) or \
+                any(left_out(p) for p in u.module.parameters()):
+            what = "was built on meta" if meta_init else "holds buffers or integer parameters"
+            raise ValueError(cfg.err(f"expert module '{u.name}' {what}: expert_modules does not initialise a "
+                                     "model built on meta nor keep per-expert buffers yet; build the model with "
+                                     "values and keep buffers out of the experts"))
 
 
 def check_same_model(cfg: "Setup", units: List[Unit]):
@@ -199,12 +218,13 @@ def layout_align(param_dtype: torch.dtype) -> int:
 def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
     """Each unit's layout, fp32 shard (rank 0's values everywhere) and full buffer;
     the modules then hold the sharded parameters."""
-    dev, r, W = cfg.device, cfg.rank, cfg.world
+    dev = cfg.device
     # the root last: by then the other units' full parameters are freed, so its full
     # buffer (allocated below, then released) never sits beside the whole model
     for u in units[1:] + units[:1]:
         if not u.params:
             continue
+        r, W = u.ranks.rank, u.ranks.world
         offsets, u.shard_numel = unit_layout(cfg, u)
         u.numel = u.shard_numel * W
         for q, off in zip(u.params, offsets):
@@ -232,7 +252,7 @@ def unit_layout(cfg: "Setup", u: Unit) -> Tuple[List[int], int]:
     its trainable parameters first ([Note: frozen parameters])."""
     order = sorted(range(len(u.params)), key=lambda k: not u.params[k].requires_grad)
     L = compute_layout([u.params[k].numel for k in order], [_layout_dtype(cfg.param_dtype)] * len(u.params),
-                       _NO_CAP, cfg.world)
+                       _NO_CAP, u.ranks.world)
     assert len(L.buckets) == 1
     offsets = [0] * len(u.params)
     for k, place in zip(order, L.tensors):
@@ -296,10 +316,12 @@ def _fill_shard(cfg: "Setup", u: Unit, lo: int, hi: int):
         cfg.valued.add(id(q))
         if src.device != cfg.device:     # a model partly on meta (an adapter made on CPU)
             src = src.to(cfg.device)
-        if dist.get_world_size(cfg.everyone) > 1:
+        group, first = (cfg.everyone, cfg.src) if not u.ranks.own else \
+            (u.ranks.group, dist.get_global_rank(u.ranks.group, 0))     # (an expert: its edp group's)
+        if dist.get_world_size(group) > 1:
             if not src.is_contiguous():
                 src = src.contiguous()
-            dist.broadcast(src, src=cfg.src, group=cfg.everyone)
+            dist.broadcast(src, src=first, group=group)
         a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
         if a < b:
             u.shard[a - lo:b - lo].copy_(src.reshape(-1)[a - q.offset:b - q.offset])
