@@ -234,36 +234,50 @@ def test_torch_adamw_arguments_are_accepted(dist_pool):
 TRAPS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_rank0_traps.py")
 
 
-def _trap(scenario, tmp_path):
+SCENARIOS = {
+    "eval": ("a FullyShard forward without gradients (evaluation)", "state_dict(to=0)"),
+    "opt_state_dict": ("ShardedOptimizer.state_dict()", "consolidate_state_dict(to=0)"),
+    "save": ("save_checkpoint()", "on every rank"),
+}
+
+
+@pytest.fixture(scope="module")
+def trapped(tmp_path_factory):
+    """Every scenario's two-rank job, launched at once (each mostly waits: for its
+    launch, then for the check-in): {scenario: {rank: its RESULT}} (or the job's output)."""
     import json
-    import os
     import subprocess
     import sys
-    env = dict(os.environ, OMP_NUM_THREADS="1", CHECK_IN_SECONDS="4", ZEROSHARD_RECORD_DIR=str(tmp_path))
+    env = dict(os.environ, OMP_NUM_THREADS="1", CHECK_IN_SECONDS="4")
     env.pop("ZEROSHARD_TIMEOUT", None)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          TRAPS, scenario, str(tmp_path)], capture_output=True, text=True, env=env, timeout=240)
-    out = {}
-    for line in res.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            out[r["rank"]] = r
-    assert sorted(out) == [0, 1], res.stdout[-3000:] + res.stderr[-3000:]
-    return out
+    jobs = {}
+    for scenario in SCENARIOS:
+        d = tmp_path_factory.mktemp(scenario)
+        jobs[scenario] = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TRAPS,
+             scenario, str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(env, ZEROSHARD_RECORD_DIR=str(d)))
+    found = {}
+    for scenario, job in jobs.items():
+        stdout, stderr = job.communicate(timeout=240)
+        out = {}
+        for line in stdout.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                out[r["rank"]] = r
+        found[scenario] = out if sorted(out) == [0, 1] else stdout[-3000:] + stderr[-3000:]
+    return found
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario,names", [
-    ("eval", ("a FullyShard forward without gradients (evaluation)", "state_dict(to=0)")),
-    ("opt_state_dict", ("ShardedOptimizer.state_dict()", "consolidate_state_dict(to=0)")),
-    ("save", ("save_checkpoint()", "on every rank")),
-])
-def test_a_collective_call_on_rank_0_alone_fails_fast_on_every_rank_and_moves_no_data(tmp_path, scenario, names):
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_a_collective_call_on_rank_0_alone_fails_fast_on_every_rank_and_moves_no_data(trapped, scenario):
     """Rank 0 alone makes the call while rank 1 trains on: rank 0 raises at the check-in
     (here scaled to 4 s; 60 s by default) naming the call, the missing rank and the
     fix, having issued no collective the other rank could match (its last record is
     the check-in); rank 1 raises as rank 0 leaves, not at the 30-minute timeout."""
-    out = _trap(scenario, tmp_path)
+    out, names = trapped[scenario], SCENARIOS[scenario]
+    assert isinstance(out, dict), out
     r0, r1 = out[0], out[1]
     assert r0["error"] and r0["error"].startswith("CollectiveTimeout"), r0
     for n in names:
