@@ -153,3 +153,46 @@ def _skips_everywhere():
 def test_grad_scaler_skips_on_every_rank():
     for scale, unchanged in get_pool(4).run(_skips_everywhere):
         assert scale == 2.0 and unchanged
+
+
+def _refusals(tmp):
+    """What expert parallelism does not do yet is refused on every rank, saying so."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
+    msgs = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            msgs[key] = f"{type(e).__name__}: {e}"
+
+    net = Net(1, mesh["ep"].get_group())
+    dense, experts = split(net)
+    opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "device_mesh": mesh["edp"]}], stage=2)
+    catch("save2", lambda: zs.save_checkpoint(os.path.join(tmp, "a"), net, opt))
+    catch("state_dict", opt.state_dict)
+    fresh = split(Net(1, mesh["ep"].get_group()))[1]
+    catch("muon", lambda: zs.ShardedOptimizer([{"params": [p for p in fresh if p.dim() == 2],
+                                                "device_mesh": mesh["edp"]}], optimizer_class=torch.optim.Muon))
+    catch("hybrid", lambda: zs.ShardedOptimizer([{"params": Net(1).parameters(), "device_mesh": mesh["edp"]}],
+                                                shard_size=2))
+    model = zs.FullyShard(Net(1, mesh["ep"].get_group()), expert_modules={Expert: mesh["edp"]})
+    opt3 = zs.ShardedOptimizer(model.parameters())
+    catch("save3", lambda: zs.save_checkpoint(os.path.join(tmp, "b"), model, opt3))
+    net = Net(1, mesh["ep"].get_group())
+    net.moe.experts[0].up.weight.requires_grad_(False)       # frozen when wrapped, unfrozen after
+    model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]})
+    model.moe.experts[0].up.weight.requires_grad_(True)
+    catch("thaw", lambda: model(torch.randn(3, 5)))
+    return msgs
+
+
+def test_what_is_not_supported_yet_is_refused(tmp_path):
+    want = {"save2": ("NotImplementedError", "expert parallelism"), "state_dict": ("NotImplementedError", "own ranks"),
+            "muon": ("whole-tensor optimizer",), "hybrid": ("hybrid sharding",),
+            "save3": ("expert_modules are not supported yet",), "thaw": ("an expert unit over its own ranks",)}
+    for msgs in get_pool(4).run(_refusals, str(tmp_path)):
+        for key, parts in want.items():
+            assert all(part in msgs.get(key, "") for part in parts), (key, msgs.get(key))

@@ -120,7 +120,9 @@ def thaw(cfg: Setup, units: List[Unit], backward, optimizers: Optimizers, by: ob
             continue
         why = ("a forward or backward is running" if backward.active or u.state != UnitState.SHARDED else
                "gradients wait for step()" if backward.state == GradState.READY or u.reduction.buffer is not None
-               else "it is laid out for a whole-tensor optimizer" if u.bounds is not None else None)
+               else "it is laid out for a whole-tensor optimizer" if u.bounds is not None else
+               "it is an expert unit over its own ranks (expert_modules), not laid out again yet" if u.ranks.own
+               else None)
         if why:
             raise RuntimeError(cfg.err(
                 f"parameter '{thawed[0].names[0]}' of FullyShard unit '{u.name}' was frozen when the model was "
