@@ -106,7 +106,7 @@ class NormQueries:
             return self.norm(i, ord)
         if ord != 2.0:
             self.total_norm(ord)       # (refused, naming what to do)
-        return self.slot_sumsq[torch.tensor(self.slots.of_params([i]), device=self.source.device)].sum().sqrt()
+        return self.slots.summed(self.slot_sumsq)[i].sqrt()      # (device ops only: no host copy)
 
     def inf_norms(self) -> torch.Tensor:
         """Per parameter: the largest absolute gradient element (collective on first use per step)."""

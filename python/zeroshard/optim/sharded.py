@@ -104,8 +104,8 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
             param_groups, made, "ShardedOptimizer"), **options)
     if any("device_mesh" in g for g in param_groups):
         raise ValueError(err("a param group's 'device_mesh' (expert parallelism) is for ZeRO-1/2 parameters; "
-                             "FullyShard parameters shard over the FullyShard's own ranks (expert parallelism "
-                             "under FullyShard is not supported yet)"))
+                             "FullyShard parameters shard over the FullyShard's ranks: give the expert modules "
+                             "their own with FullyShard(..., expert_modules={ExpertClass: mesh['edp']})"))
     if options["overlap_param_gather"]:
         raise ValueError(err("overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit just before "
                              "use (its prefetch= sets how far ahead)"))

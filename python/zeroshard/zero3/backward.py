@@ -23,9 +23,7 @@ from .records import Param, Unit, UnitState
 class BackwardContext:
     """What one FullyShard's backward works with besides its units and gatherer."""
     device: torch.device
-    group: dist.ProcessGroup       # the units' shards' ranks
-    rank: int                      # in ``group``
-    world: int
+    world: int                     # FullyShard's shard ranks (x the replicas: the gradients' divisor)
     replicate: Optional[dist.ProcessGroup]   # hybrid sharding's replicas ([Note: hybrid sharding])
     reduce_dtype: torch.dtype
     comm_elements: dict            # elements each kind of collective moved (FullyShard's)
@@ -41,7 +39,7 @@ class UnitBackward:
         # the gradient is divided by every rank, the replicas' too (an expert unit's too: its
         # group's sum covers the whole batch, [Note: param groups over their own ranks])
         divisor = ctx.world * (dist.get_world_size(ctx.replicate) if ctx.replicate is not None else 1)
-        self.fold = DivideIntoShard(device=ctx.device, rank=ctx.rank, reduce_dtype=ctx.reduce_dtype,
+        self.fold = DivideIntoShard(device=ctx.device, reduce_dtype=ctx.reduce_dtype,
                                     divisor=divisor, label=lambda what: gatherer.label(what, phase=False))
         self._pipeline = ReductionPipeline(self.fold, MAX_INFLIGHT_UNITS, ctx.comm_elements)
         self.fold.retire_completed = self._pipeline.retire_completed

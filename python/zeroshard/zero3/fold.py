@@ -22,9 +22,9 @@ class DivideIntoShard(FoldPolicy):
     """The fold of one FullyShard's units; ``divisor``: every rank taking part (replicas
     too), ``label``: names a collective of this FullyShard's current step."""
 
-    def __init__(self, *, device: torch.device, rank: int, reduce_dtype: torch.dtype, divisor: int,
+    def __init__(self, *, device: torch.device, reduce_dtype: torch.dtype, divisor: int,
                  label: Callable[[str], str]):
-        self.device, self.rank, self.reduce_dtype, self.divisor = device, rank, reduce_dtype, divisor
+        self.device, self.reduce_dtype, self.divisor = device, reduce_dtype, divisor
         self._label = label
         self.grad_bytes = 0          # flat gradient buffers alive now
         self.grad_bytes_peak = 0

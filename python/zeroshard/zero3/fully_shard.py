@@ -187,11 +187,11 @@ class FullyShard(nn.Module, ShardedModel):
         self._units, self._named = build(self._setup, wrap, FullyShard)
         # built on meta: the non-persistent buffers nothing initialised (load_pretrained sets an HF model's)
         self.uninitialised_buffers: List[str] = list(self._setup.unset_buffers)
-        self._gatherer = Gatherer(self._units, device=self._device, group=self.process_group, rank=self.rank,
+        self._gatherer = Gatherer(self._units, device=self._device,
                                   prefetch=prefetch, comm_elements=self.comm_elements,
                                   err=self._err)
         self._backward = UnitBackward(self._units, self._gatherer, BackwardContext(
-            device=self._device, group=self.process_group, rank=self.rank, world=self.world_size,
+            device=self._device, world=self.world_size,
             replicate=self.groups.replicate, reduce_dtype=self.reduce_dtype, comm_elements=self.comm_elements,
             calls=lambda: self._forward.take_calls(), err=self._err))
         self._forward = UnitForward(self._units, self._gatherer, self._backward, root=module, mixed_precision=mp,

@@ -14,9 +14,10 @@ from .records import Unit, UnitState
 class Gatherer:
     """Gathers and reshards the units of one FullyShard; counts the gathered memory."""
 
-    def __init__(self, units: List[Unit], *, device: torch.device, group, rank: int, prefetch: int,
-                 comm_elements: dict, err: Callable[[str], str]):
-        self.units, self.device, self.group, self.rank, self.prefetch = units, device, group, rank, prefetch
+    def __init__(self, units: List[Unit], *, device: torch.device, prefetch: int, comm_elements: dict,
+                 err: Callable[[str], str]):
+        # (each unit gathers over its own ranks: ``Unit.ranks``)
+        self.units, self.device, self.prefetch = units, device, prefetch
         self.comm_elements, self.err = comm_elements, err
         self.gathered_bytes = 0      # full parameters of non-root units alive now
         self.gathered_peak = 0
