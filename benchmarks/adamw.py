@@ -8,7 +8,13 @@ For each shard size, on CPU and (when present) CUDA, times one optimizer step of
   torch foreach+cast AdamW(foreach=True) plus the cast                 (34 B/param nominal)
   deepspeed cpu-adam DeepSpeedCPUAdam, fp32 everything (CPU only, when deepspeed is installed:
                      `make bench` installs it; DS_ACCELERATOR=cpu)     (28 B/param)
-and a device copy (read + write bytes) measured in the same run. GB/s are
+and a device copy (read + write bytes) measured in the same run. On CUDA each timed
+sample is --queue calls queued back to back between two events, divided by --queue: a
+training loop's host runs ahead of the device, so one call's host work (packing the
+shard table, the launch) is hidden behind the kernel before it (--queue 1 times single
+calls, the host's work included). --launches adds rows of zeroshard bf16 under other
+launch choices of the CUDA kernel (zs._C.adamw_cuda_launch: cache policy, blocks per
+multiprocessor), e.g. --launches streaming:8,cached:4. GB/s are
 bytes-per-param x params / time under the model above; "of copy" is that
 bandwidth as a fraction of the copy's; "vs ours" is time / zeroshard bf16 time. Times are the best of
 `--repeat` rounds in which every variant runs once, so all see the same load (on a GPU
@@ -88,14 +94,14 @@ def deepspeed_cpu_adam():
         return None
 
 
-def bench_size(device, n, repeat):
+def bench_size(device, n, repeat, queue=1, launches=()):
     """Best seconds per step of every variant at n parameters. All variants are
     built together and timed round-robin when they fit in the device's free
     memory; otherwise (1B parameters on an 80 GB GPU) each is built, timed and
     freed in turn."""
     g = torch.Generator(device=device).manual_seed(0)
 
-    def ours(grad_dtype, with_out):
+    def ours(grad_dtype, with_out, launch=None):
         p = torch.randn(n, device=device, generator=g)
         grad = torch.randn(n, device=device, generator=g).to(grad_dtype)
         m, v = torch.zeros_like(p), torch.zeros_like(p)
@@ -104,7 +110,11 @@ def bench_size(device, n, repeat):
 
         def run():
             step[0] += 1
+            if launch:     # this row's launch choice, then the default back
+                zs._C.adamw_cuda_launch(*launch)
             zs.fused_adamw_([p], [grad], [m], [v], lr=1e-3, weight_decay=0.01, step=step[0], outs=out)
+            if launch:
+                zs._C.adamw_cuda_launch(*default_launch)
         return run
 
     def torch_adamw(cast, **kw):
@@ -126,14 +136,19 @@ def bench_size(device, n, repeat):
               "torch fused": lambda: torch_adamw(False, fused=True),
               "torch fused+cast": lambda: torch_adamw(True, fused=True),
               "torch foreach+cast": lambda: torch_adamw(True, foreach=True)}
+    default_launch = zs._C.adamw_cuda_launch() if device == "cuda" else None
+    for access, blocks in launches if device == "cuda" else ():
+        makers[f"zeroshard bf16 @{access}:{blocks}"] = (
+            lambda a=access, b=blocks: ours(torch.bfloat16, True, (a == "streaming", b)))
     ds = deepspeed_cpu_adam() if device == "cpu" else None
     if ds is not None:
         makers["deepspeed cpu-adam"] = lambda: deepspeed(ds)
-    if device != "cuda" or sum(RESIDENT.values()) * n < 0.9 * torch.cuda.mem_get_info()[0]:
-        return best_times(device, {name: make() for name, make in makers.items()}, repeat)
+    resident = sum(RESIDENT[base_name(name)] for name in makers)
+    if device != "cuda" or resident * n < 0.9 * torch.cuda.mem_get_info()[0]:
+        return best_times(device, {name: make() for name, make in makers.items()}, repeat, queue)
     best = {}
     for name, make in makers.items():
-        best.update(best_times(device, {name: make()}, repeat))
+        best.update(best_times(device, {name: make()}, repeat, queue))
         torch.cuda.empty_cache()
     return best
 
@@ -150,10 +165,18 @@ def main():
     ap.add_argument("--devices", default="cpu,cuda", help="comma-separated; cuda is skipped when absent")
     ap.add_argument("--sizes", default=None, help="comma-separated parameter counts, e.g. 1e6,2.5e8")
     ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--queue", type=int, default=None,
+                    help="calls per timed sample on CUDA, queued back to back (default 4; 1 on CPU)")
+    ap.add_argument("--launches", default="",
+                    help="CUDA: more zeroshard bf16 rows under these launch choices, ACCESS:BLOCKS_PER_SM "
+                         "comma-separated (ACCESS cached or streaming)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "adamw.json"))
     args = ap.parse_args()
 
     devices = [d for d in args.devices.split(",") if d == "cpu" or torch.cuda.is_available()]
+    launches = [(a, int(b)) for a, b in (x.split(":") for x in args.launches.split(",") if x)]
+    if any(a not in ("cached", "streaming") for a, _ in launches):
+        ap.error(f"--launches: ACCESS must be cached or streaming, got {args.launches!r}")
     machine = machine_info("cuda" if "cuda" in devices else "cpu")
     report = {"date": date.today().isoformat(), "commit": machine["commit"], "torch": torch.__version__,
               "machine": machine,
@@ -166,13 +189,16 @@ def main():
         else:
             sizes = [2**20, 2**22, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
         repeat = args.repeat or (7 if device == "cpu" else 20)
-        copy_gbs = copy_bandwidth(device, max(sizes[-1], 2**24) if device == "cuda" else sizes[-1], repeat)
-        print(f"\n{device}: {device_name(device)} | torch {torch.__version__} | commit {report['commit']}")
+        queue = 1 if device == "cpu" else (args.queue or 4)
+        copy_gbs = copy_bandwidth(device, max(sizes[-1], 2**24) if device == "cuda" else sizes[-1], repeat, queue)
+        launch = zs._C.adamw_cuda_launch() if device == "cuda" else None
+        print(f"\n{device}: {device_name(device)} | torch {torch.__version__} | commit {report['commit']}"
+              + (f" | {queue} calls per sample | kernel launch {launch}" if device == "cuda" else ""))
         print(f"device copy (read+write): {copy_gbs:.1f} GB/s")
         print(f"{'params':>12} {'variant':<19} {'ms/step':>9} {'GB/s':>8} {'of copy':>8} {'vs ours':>8}")
         for n in sizes:
             try:
-                rows = bench_size(device, n, repeat)
+                rows = bench_size(device, n, repeat, queue, launches)
             except torch.OutOfMemoryError:
                 print(f"{n:>12,} out of memory: stopping the sweep here")
                 break
@@ -181,10 +207,11 @@ def main():
                     torch.cuda.empty_cache()
             base = rows["zeroshard bf16"]
             for name, t in rows.items():
-                gbs = BYTES[name] * n / t / 1e9
+                gbs = BYTES[base_name(name)] * n / t / 1e9
                 print(f"{n:>12,} {name:<19} {t * 1e3:>9.3f} {gbs:>8.1f} {gbs / copy_gbs:>8.1%} {t / base:>7.2f}x")
                 report["results"].append({"device": device, "device_name": device_name(device),
                                           "params": n, "variant": name, "seconds": t, "gb_per_s": gbs,
+                                          "calls_per_sample": queue,
                                           "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs,
                                           "time_vs_zeroshard_bf16": t / base})
     os.makedirs(os.path.dirname(args.json), exist_ok=True)

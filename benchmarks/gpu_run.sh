@@ -2,8 +2,8 @@
 # One pass on a CUDA machine: build against the machine's own torch, run the
 # GPU tests (and optionally the whole suite), then the CUDA benchmarks.
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
-# arguments: build gpu suite adamw step124 step124z3 trace offload profile lightning
-# example (default: all). Each part runs under its own time limit (PART_LIMIT, seconds; the
+# arguments: build gpu adamw muon offload trace lightning suite step124 step124z3 profile
+# example (default: all, in the order they run). Each part runs under its own time limit (PART_LIMIT, seconds; the
 # suite's SUITE_LIMIT), so one that hangs leaves the rest their time, and none runs past
 # DEADLINE seconds from the start. The suite runs the CPU tests with the GPU hidden
 # (the gpu part runs the GPU tests); SUITE_WORKERS sets its pytest workers and SUITE_ARGS
@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1
 # a process that dies of a signal prints its Python stack (the 2026-11-26 offload part
 # exited after 23 s with no output at all)
 export PYTHONFAULTHANDLER=1
-parts="${*:-build gpu suite adamw step124 step124z3 trace offload profile lightning example}"
+parts="${*:-build gpu adamw muon offload trace lightning suite step124 step124z3 profile example}"
 LIMIT="${PART_LIMIT:-300}"
 # every part ends by DEADLINE seconds after the start (one command's whole budget): a part
 # gets what is left, less 10 s for what follows, and is skipped with under 20 s left
@@ -71,6 +71,42 @@ if go gpu; then
   timeout "$L" $PY -m pytest -m gpu tests/integration/test_gpu.py tests/integration/test_gpu_integrations.py -p no:cacheprovider -q \
     --timeout 300 -rfE 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 fi
+if go adamw; then
+  stamp "adamw benchmark (calls queued as in training; other launch choices of the kernel as extra rows)"
+  timeout "$L" $PY benchmarks/adamw.py --devices cuda --launches ${LAUNCHES:-streaming:8,cached:4,streaming:4,cached:16} \
+    --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | grep -v " @" | tail -40
+  grep " @\|kernel launch" "$OUT/adamw.log"
+  stamp "adamw at 256M, single calls (the host's launch work inside each timed call)"
+  timeout "$L" $PY benchmarks/adamw.py --devices cuda --sizes 2.68435456e8 --queue 1 \
+    --json "$OUT/adamw_single_calls.json" 2>&1 | tail -7
+fi
+GPT2="--world-size 1 --layers 12 --dim 768 --heads 12 --seq 1024 --vocab 50257 --batch 8 --no-comm"
+if go muon; then
+  stamp "Muon: GPT-2 124M steps through zeroshard against torch.optim.Muon (paired, in one process); AdamW rows beside"
+  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --baseline adamw+muon \
+    --variants ${MUON12:-adamw,zeroshard-2,adamw+muon,zeroshard-1+muon,zeroshard-2+muon} \
+    --json "$OUT/muon124.json" 2>&1 | tee "$OUT/muon124.log" | grep -v Warn | tail -9
+  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds 1 \
+    --baseline adamw-amp+muon --variants ${MUON3:-adamw-amp,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
+    --json "$OUT/muon124z3.json" 2>&1 | tee "$OUT/muon124z3.log" | grep -v Warn | tail -8
+fi
+if go offload; then
+  stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"
+  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
+    --variants zeroshard-2,zeroshard-2+cpu,zeroshard-2+nvme --json "$OUT/offload124.json" 2>&1 | tee "$OUT/offload124.log" | tail -7
+  echo "offload part exit status ${PIPESTATUS[0]}"
+fi
+if go trace; then
+  stamp "offload: do the device-to-host gradient copies overlap the backward? (stages 2 and 3, one profiled step)"
+  for st in 2 3; do
+    timeout "$L" $PY benchmarks/offload_trace.py --stage $st --out "$OUT/trace$st" 2>&1 | tee "$OUT/trace$st.log" | tail -4
+  done
+fi
+if go lightning; then
+  stamp "lightning: ZeroShardStrategy against DDPStrategy, FSDPStrategy and DeepSpeedStrategy on one GPU"
+  timeout "$L" torchrun --standalone --nproc-per-node 1 benchmarks/lightning_front_door.py --steps 8 --rounds 3 \
+    --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/lightning.log" | tail -12
+fi
 if go suite "${SUITE_LIMIT:-540}"; then
   stamp "whole suite, the GPU hidden"
   # The CPU tests on the CUDA build, as CI runs them: the GPU hidden, since their
@@ -83,11 +119,6 @@ if go suite "${SUITE_LIMIT:-540}"; then
     -n "${SUITE_WORKERS:-8}" --dist loadfile --timeout 300 -rfE \
     ${SUITE_ARGS:-} 2>&1 | tee "$OUT/pytest_all.log" | tail -25
 fi
-if go adamw; then
-  stamp "adamw benchmark"
-  timeout "$L" $PY benchmarks/adamw.py --devices cuda --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | tail -45
-fi
-GPT2="--world-size 1 --layers 12 --dim 768 --heads 12 --seq 1024 --vocab 50257 --batch 8 --no-comm"
 if go step124; then
   stamp "step GPT-2 124M, bf16 parameters (stages 1/2) against plain bf16 and autocast training; Muon; offload to host"
   timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds ${ROUNDS:-1} \
@@ -100,29 +131,12 @@ if go step124z3; then
     --variants ${STEP124Z3:-adamw-amp,fsdp2-3,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
     --json "$OUT/step124z3.json" 2>&1 | tee "$OUT/step124z3.log" | tail -9
 fi
-if go trace; then
-  stamp "offload: do the device-to-host gradient copies overlap the backward? (stages 2 and 3, one profiled step)"
-  for st in 2 3; do
-    timeout "$L" $PY benchmarks/offload_trace.py --stage $st --out "$OUT/trace$st" 2>&1 | tee "$OUT/trace$st.log" | tail -4
-  done
-fi
-if go offload; then
-  stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"
-  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
-    --variants zeroshard-2,zeroshard-2+cpu,zeroshard-2+nvme --json "$OUT/offload124.json" 2>&1 | tee "$OUT/offload124.log" | tail -7
-  echo "offload part exit status ${PIPESTATUS[0]}"
-fi
 if go profile; then
   stamp "profile: phase times, host-device syncs (with their Python stacks) and top operators"
   timeout "$L" $PY benchmarks/profile_step.py --stack --variants ${PROFILE12:-adamw,zeroshard-2,adamw+muon,zeroshard-2+muon} \
     --out "$OUT/prof" 2>&1 | grep -v Warn
   [ -n "${PROFILE3-x}" ] && timeout "$L" $PY benchmarks/profile_step.py --stack --dtype float32 \
     --variants ${PROFILE3:-adamw-amp,zeroshard-3,zeroshard-3+muon} --out "$OUT/prof" 2>&1 | grep -v Warn
-fi
-if go lightning; then
-  stamp "lightning: ZeroShardStrategy against DDPStrategy, FSDPStrategy and DeepSpeedStrategy on one GPU"
-  timeout "$L" torchrun --standalone --nproc-per-node 1 benchmarks/lightning_front_door.py --steps 8 --rounds 3 \
-    --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/lightning.log" | tail -12
 fi
 if go example; then
   stamp "example: stage 1, then ZeRO-3 with checkpoints resumed as ZeRO-2"

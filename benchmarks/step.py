@@ -437,6 +437,8 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (timing)")
+    ap.add_argument("--baseline", default=None,
+                    help="the variant the ratios are taken against (default: ddp, else adamw, else the first)")
     ap.add_argument("--paired", type=int, default=12,
                     help="steps of every variant taken in turn in one process group (0: skip)")
     ap.add_argument("--batch", type=int, default=8)
@@ -496,13 +498,18 @@ def main():
         return
     for r in rows:
         r["step_ms"] = statistics.median(r["step_ms_rounds"])
-    base = next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
+    base = next((r for r in rows if r["variant"] == args.baseline), None) if args.baseline else \
+        next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
+    if base is None:
+        print(f"--baseline {args.baseline}: that variant has no row (failed or not run); ratios vs {rows[0]['variant']}")
+        base = rows[0]
     if args.device == "cuda":
         for r in rows:
             r["plan_mb"] = planned_peak_mb(r["variant"], cfg, args)
     paired = (spawn(ctx, paired_worker, args.world_size, "paired timing", [r["variant"] for r in rows], cfg, args)
               if args.paired > 0 else None)
     for r in rows if paired else []:
+        r["paired_s"] = paired[r["variant"]]       # every turn's step time (ratios per turn)
         r["paired_ms"] = 1e3 * statistics.median(paired[r["variant"]])
         r["paired_ratio"] = statistics.median(a / b for a, b in zip(paired[r["variant"]], paired[base["variant"]]))
     ours = next((r for r in rows if r["variant"] == "zeroshard-2"), base)

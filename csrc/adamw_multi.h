@@ -58,26 +58,45 @@ AdamWTable adamw_table_at(const void* base, int32_t n, int64_t chunks);
 
 // ---- per-chunk code (host and device) ----
 
-ZS_HD void copy16(void* dst, const void* src) {
+// How the device kernel's 16-byte accesses treat the caches: kCached as plain
+// loads and stores; kStreaming marks them evict-first (ld/st.global.cs: every
+// byte of a step is touched once, so none is worth keeping in L2). The host
+// ignores it (memcpy either way).
+enum class Access : int32_t { kCached = 0, kStreaming = 1 };
+
+// 16 bytes from global memory (src) into registers (dst), or back.
+template <Access A = Access::kCached>
+ZS_HD void load16(void* dst, const void* src) {
 #if defined(__CUDA_ARCH__)
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  *reinterpret_cast<uint4*>(dst) = A == Access::kStreaming ? __ldcs(s) : *s;
+#else
+  std::memcpy(dst, src, 16);
+#endif
+}
+template <Access A = Access::kCached>
+ZS_HD void store16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__)
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  const uint4 v = *reinterpret_cast<const uint4*>(src);
+  if constexpr (A == Access::kStreaming) __stcs(d, v); else *d = v;
 #else
   std::memcpy(dst, src, 16);
 #endif
 }
 
 // kMultiVec elements of kind K at element index i (16-byte aligned) as floats, and back.
-template <ScalarKind K>
+template <ScalarKind K, Access A = Access::kCached>
 ZS_HD void load_vec(const void* base, int64_t i, float (&out)[kMultiVec]) {
   constexpr int kBytes = K == ScalarKind::kFloat32 ? 4 : 2;
   alignas(16) unsigned char tmp[kMultiVec * kBytes];
   const unsigned char* src = static_cast<const unsigned char*>(base) + i * kBytes;
 #pragma unroll
-  for (int k = 0; k < kMultiVec * kBytes / 16; ++k) copy16(tmp + 16 * k, src + 16 * k);
+  for (int k = 0; k < kMultiVec * kBytes / 16; ++k) load16<A>(tmp + 16 * k, src + 16 * k);
 #pragma unroll
   for (int k = 0; k < kMultiVec; ++k) out[k] = load_as_f32(tmp, K, k);
 }
-template <ScalarKind K>
+template <ScalarKind K, Access A = Access::kCached>
 ZS_HD void store_vec(void* base, int64_t i, const float (&in)[kMultiVec]) {
   constexpr int kBytes = K == ScalarKind::kFloat32 ? 4 : 2;
   alignas(16) unsigned char tmp[kMultiVec * kBytes];
@@ -85,7 +104,7 @@ ZS_HD void store_vec(void* base, int64_t i, const float (&in)[kMultiVec]) {
   for (int k = 0; k < kMultiVec; ++k) store_from_f32(tmp, K, k, in[k]);
   unsigned char* dst = static_cast<unsigned char*>(base) + i * kBytes;
 #pragma unroll
-  for (int k = 0; k < kMultiVec * kBytes / 16; ++k) copy16(dst + 16 * k, tmp + 16 * k);
+  for (int k = 0; k < kMultiVec * kBytes / 16; ++k) store16<A>(dst + 16 * k, tmp + 16 * k);
 }
 
 // Elements [begin, end) of one shard, lane `lane` of `lanes` (a block's
@@ -101,7 +120,7 @@ ZS_HD void store_vec(void* base, int64_t i, const float (&in)[kMultiVec]) {
 #define ZS_HD_CALL inline
 #endif
 
-template <ScalarKind GK, ScalarKind OK, bool HasOut>
+template <ScalarKind GK, ScalarKind OK, bool HasOut, Access A = Access::kCached>
 ZS_HD_CALL bool adamw_range_lanes(AdamWShard s, AdamWHyper h, bool vectorized, int64_t begin,
                              int64_t end, int lane, int lanes) {
   bool bad = false;
@@ -111,20 +130,20 @@ ZS_HD_CALL bool adamw_range_lanes(AdamWShard s, AdamWHyper h, bool vectorized, i
     for (int64_t v = lane; v < nvec; v += lanes) {
       const int64_t i = begin + v * kMultiVec;
       float p[kMultiVec], g[kMultiVec], m[kMultiVec], q[kMultiVec];
-      load_vec<ScalarKind::kFloat32>(s.param, i, p);
-      load_vec<GK>(s.grad, i, g);
-      load_vec<ScalarKind::kFloat32>(s.exp_avg, i, m);
-      load_vec<ScalarKind::kFloat32>(s.exp_avg_sq, i, q);
+      load_vec<ScalarKind::kFloat32, A>(s.param, i, p);
+      load_vec<GK, A>(s.grad, i, g);
+      load_vec<ScalarKind::kFloat32, A>(s.exp_avg, i, m);
+      load_vec<ScalarKind::kFloat32, A>(s.exp_avg_sq, i, q);
 #pragma unroll
       for (int k = 0; k < kMultiVec; ++k) {
         g[k] *= h.grad_scale;
         bad |= !is_finite_f32(g[k]);
         adamw_update(p[k], g[k], m[k], q[k], h);
       }
-      store_vec<ScalarKind::kFloat32>(s.param, i, p);
-      store_vec<ScalarKind::kFloat32>(s.exp_avg, i, m);
-      store_vec<ScalarKind::kFloat32>(s.exp_avg_sq, i, q);
-      if constexpr (HasOut) store_vec<OK>(s.out, i, p);
+      store_vec<ScalarKind::kFloat32, A>(s.param, i, p);
+      store_vec<ScalarKind::kFloat32, A>(s.exp_avg, i, m);
+      store_vec<ScalarKind::kFloat32, A>(s.exp_avg_sq, i, q);
+      if constexpr (HasOut) store_vec<OK, A>(s.out, i, p);
     }
     tail = begin + nvec * kMultiVec;
   }
@@ -152,23 +171,24 @@ ZS_HD int32_t segment_of(const AdamWTable& t, int64_t c) {
   return lo;
 }
 
-template <ScalarKind GK>
+template <ScalarKind GK, Access A>
 ZS_HD bool adamw_chunk_out(const AdamWShard& s, const AdamWHyper& h, bool vec, int64_t b, int64_t e,
                            int lane, int lanes) {
-  if (s.out == nullptr) return adamw_range_lanes<GK, ScalarKind::kFloat32, false>(s, h, vec, b, e, lane, lanes);
+  if (s.out == nullptr) return adamw_range_lanes<GK, ScalarKind::kFloat32, false, A>(s, h, vec, b, e, lane, lanes);
   switch (s.out_kind) {
     case ScalarKind::kBFloat16:
-      return adamw_range_lanes<GK, ScalarKind::kBFloat16, true>(s, h, vec, b, e, lane, lanes);
+      return adamw_range_lanes<GK, ScalarKind::kBFloat16, true, A>(s, h, vec, b, e, lane, lanes);
     case ScalarKind::kFloat16:
-      return adamw_range_lanes<GK, ScalarKind::kFloat16, true>(s, h, vec, b, e, lane, lanes);
+      return adamw_range_lanes<GK, ScalarKind::kFloat16, true, A>(s, h, vec, b, e, lane, lanes);
     default:
-      return adamw_range_lanes<GK, ScalarKind::kFloat32, true>(s, h, vec, b, e, lane, lanes);
+      return adamw_range_lanes<GK, ScalarKind::kFloat32, true, A>(s, h, vec, b, e, lane, lanes);
   }
 }
 
 // Lane `lane` of `lanes` of chunk c. `scale` multiplies every set's
 // grad_scale (1 when there is no scale tensor). The dtype switch runs once per
 // chunk and is uniform over a block.
+template <Access A = Access::kCached>
 ZS_HD bool adamw_chunk(const AdamWTable& t, int64_t c, int lane, int lanes, float scale) {
   const AdamWSegment& seg = t.segs[segment_of(t, c)];
   AdamWHyper h = t.hypers[seg.hyper];
@@ -178,11 +198,11 @@ ZS_HD bool adamw_chunk(const AdamWTable& t, int64_t c, int lane, int lanes, floa
   const bool vec = seg.vectorized != 0;
   switch (seg.s.grad_kind) {
     case ScalarKind::kBFloat16:
-      return adamw_chunk_out<ScalarKind::kBFloat16>(seg.s, h, vec, begin, end, lane, lanes);
+      return adamw_chunk_out<ScalarKind::kBFloat16, A>(seg.s, h, vec, begin, end, lane, lanes);
     case ScalarKind::kFloat16:
-      return adamw_chunk_out<ScalarKind::kFloat16>(seg.s, h, vec, begin, end, lane, lanes);
+      return adamw_chunk_out<ScalarKind::kFloat16, A>(seg.s, h, vec, begin, end, lane, lanes);
     default:
-      return adamw_chunk_out<ScalarKind::kFloat32>(seg.s, h, vec, begin, end, lane, lanes);
+      return adamw_chunk_out<ScalarKind::kFloat32, A>(seg.s, h, vec, begin, end, lane, lanes);
   }
 }
 
@@ -191,5 +211,15 @@ ZS_HD bool adamw_chunk(const AdamWTable& t, int64_t c, int lane, int lanes, floa
 // adamw_cuda. Returns an error string, or nullptr. Defined only in CUDA builds.
 const char* adamw_cuda_multi(const AdamWTable& device_table, const float* scale, const int32_t* noop,
                              int32_t* found_inf, void* stream);
+
+// The CUDA kernel's launch choices: its accesses' cache policy and how many
+// blocks per multiprocessor its grid has. Process-wide; set only by
+// benchmarks/adamw.py, which measures each (the defaults are what it chose).
+struct AdamWLaunch {
+  Access access;
+  int32_t blocks_per_sm;
+};
+AdamWLaunch adamw_cuda_launch();
+void set_adamw_cuda_launch(AdamWLaunch launch);
 
 }  // namespace zeroshard

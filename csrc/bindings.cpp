@@ -3,6 +3,9 @@
 // ValueError (std::invalid_argument) naming the offending argument.
 #include <torch/extension.h>
 
+#include <optional>
+
+#include "adamw_multi.h"
 #include "comm.h"
 #include "crc32.h"
 #include "layout.h"
@@ -92,6 +95,19 @@ static void bind_kernels(py::module_& m) {
         py::arg("exp_avg_sqs"), py::arg("outs"), py::arg("hypers"), py::arg("hyper_of"), py::arg("scale"),
         py::arg("noop"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>(),
         "Fused AdamW over flat shards, one launch (csrc/ops.h).");
+#ifdef ZEROSHARD_WITH_CUDA
+  m.def("adamw_cuda_launch", [](std::optional<bool> streaming, std::optional<int32_t> blocks_per_sm) {
+          AdamWLaunch l = adamw_cuda_launch();
+          if (streaming) l.access = *streaming ? Access::kStreaming : Access::kCached;
+          if (blocks_per_sm) {
+            if (*blocks_per_sm < 1) throw py::value_error("blocks_per_sm must be at least 1");
+            l.blocks_per_sm = *blocks_per_sm;
+          }
+          set_adamw_cuda_launch(l);
+          return py::make_tuple(l.access == Access::kStreaming, l.blocks_per_sm);
+        }, py::arg("streaming") = py::none(), py::arg("blocks_per_sm") = py::none(),
+        "The CUDA AdamW's (streaming, blocks_per_sm), after setting those given (csrc/adamw_multi.h).");
+#endif
   // checkpoint checksums
   m.def("crc32", [](py::buffer data, uint32_t crc) {
           const py::buffer_info b = data.request();

@@ -156,8 +156,9 @@ def main():
     device = _device.setup()
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert world % EP == 0, f"run with a multiple of {EP} ranks: torchrun --nproc-per-node 4 ..."
-    mesh = init_device_mesh(device.type, (world // EP, EP), mesh_dim_names=("edp", "ep"))
+    ep = EP if world > 1 else 1             # one rank (one GPU): its ep group of one holds every expert
+    assert world % ep == 0, f"run with a multiple of {EP} ranks: torchrun --nproc-per-node 4 ..."
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
 
     torch.manual_seed(0)
     ref = Net(top_k=2).to(device)           # every expert, in this process: the reference
@@ -197,7 +198,7 @@ def main():
     err3 = error(net, model.state_dict())   # (collective: each rank gets its own experts whole)
 
     if rank == 0:
-        print(f"moe: {world} ranks = edp {world // EP} x ep {EP}; rank 0 holds experts {net.moe.ids}, and at "
+        print(f"moe: {world} ranks = edp {world // ep} x ep {ep}; rank 0 holds experts {net.moe.ids}, and at "
               f"ZeRO-2 exp_avg for {rep['exp_avg'] // 4:,} of {sum(p.numel() for p in ref.parameters()):,} "
               f"elements; last grad norm {norm2:.4f} (ZeRO-2), {norm3:.4f} (ZeRO-3), {ref_norm:.4f} (one "
               f"process); max relative error {max(err2, err3):.1e}")

@@ -4,6 +4,7 @@ python/zeroshard/optim/whole.py). A Muon + AdamW script converted with two
 ShardedOptimizers equals DDP + the same two torch optimizers within DDP's own
 distance from single-process training, at stages 1, 2 and FullyShard, world
 sizes 2, 3 and 4."""
+import copy
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import zeroshard as zs
 from conftest import get_pool
@@ -851,3 +853,53 @@ def test_the_planner_at_fake_world_sizes_holds_each_state_once():
     # torch's Adafactor: a step count per parameter; row and column factors for a matrix; a vector's variance
     want = sum(4 + 4 * (p.shape[0] + p.shape[1] if p.dim() == 2 else p.numel()) for p in model.parameters())
     assert held == want, (held, want)
+
+
+def _one_rank_muon(stage):
+    """Each rank alone (a group of one): Muon through zeroshard against torch.optim.Muon on
+    a copy of the model, the same batches. Returns the largest parameter difference, the
+    Muon steps taken per optimizer step, and whether the gradients were left as they were."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    torch.manual_seed(rank)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    if stage == 3:
+        model = zs.FullyShard(model, wrap={nn.Linear}, process_group=groups[rank])
+    mats = [p for n, p in model.named_parameters() if p.ndim == 2 and "emb" not in n and "head" not in n]
+    ref_mats = [p for n, p in ref.named_parameters() if p.ndim == 2 and "emb" not in n and "head" not in n]
+    kw = dict(lr=0.02, momentum=0.95, weight_decay=0.05, nesterov=True)
+    # buckets of 3000 elements: every matrix whole in one, but more than one bucket's worth
+    st = {} if stage == 3 else dict(stage=stage, bucket_mb=12000 / 2**20)
+    opt = zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, process_group=groups[rank], **kw, **st)
+    ref_opt = torch.optim.Muon(ref_mats, **kw)
+    steps = []
+    hook = register_optimizer_step_pre_hook(
+        lambda o, args, kwargs: steps.append(o) if type(o) is torch.optim.Muon else None)
+    kept = True
+    try:
+        for k, (tok, y) in enumerate(data(seed=11 + rank)):
+            for net, o in ((model, opt), (ref, ref_opt)):
+                F.cross_entropy(net(tok, use_extra=k % 2 == 0), y).backward()
+                before = [p.grad.clone() for p in mats if p.grad is not None] if o is opt else None
+                o.step()
+                if before is not None:
+                    kept &= all(torch.equal(b, p.grad) for b, p in zip(before, [p for p in mats if p.grad is not None]))
+                o.zero_grad()
+    finally:
+        hook.remove()
+    ours = _full(model)
+    err = max((ours[n] - p.detach()).abs().max().item()
+              for n, p in ref.named_parameters() if n in ours and any(p is q for q in ref_mats))
+    return err, len(steps) / (2 * STEPS), kept
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_at_one_rank_muon_steps_once_over_the_gradients_as_they_lie(stage):
+    """At world size 1 without clipping nothing scales the gradients, so torch's Muon reads
+    them where they lie (no copy) and steps every matrix in one call, as torch.optim.Muon
+    does on the plain model: the same parameters to the bit, the gradients untouched."""
+    for err, muon_steps_per_step, kept in get_pool(2).run(_one_rank_muon, stage):   # two ranks, each alone
+        assert err == 0.0, err
+        assert muon_steps_per_step == 1.0, muon_steps_per_step
+        assert kept

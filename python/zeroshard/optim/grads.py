@@ -166,7 +166,8 @@ def scaled_grad(src: torch.Tensor, grad_scale: float, scale: Optional[torch.Tens
     if src.dtype == torch.float32 and src.device == device:
         g = src * grad_scale
     else:
-        g = src.to(device, torch.float32).mul_(grad_scale)
+        g = src.to(device, torch.float32)
+        g = g.mul_(grad_scale) if grad_scale != 1.0 else g
     return g.mul_(scale) if scale is not None else g
 
 

@@ -171,8 +171,12 @@ class WholeTensor:
         if self.inner is not None:          # an LR scheduler changes ours; the instance follows
             for inner_group, gi in zip(self.inner.param_groups, self.group_index):
                 inner_group.update(_hyper(groups[gi]))
-        for batch in self.local:
-            self._step_local([i for i in batch if used[i]], grad_scale, scale)
+        # the gradients are used as they lie where the class only reads them and nothing
+        # scales them (world size 1, no clipping): then nothing is copied, and the class
+        # steps once over every owned parameter instead of once per batch
+        as_they_lie = grad_scale == 1.0 and scale is None and self.cls in WHOLE_TENSOR
+        for batch in [[i for b in self.local for i in b]] if as_they_lie else self.local:
+            self._step_local([i for i in batch if used[i]], grad_scale, scale, as_they_lie)
         for k, w in enumerate(self.windows):
             if any(used[i] for i in w.slots):
                 self._step_window(k, w, used, grad_scale, scale)
@@ -186,22 +190,28 @@ class WholeTensor:
         return pieces[0]
 
     @torch.no_grad()
-    def _step_local(self, stepping: List[int], grad_scale: float, scale: Optional[torch.Tensor]):
-        """Owned parameters that lie whole in this rank's shard: stepped in place."""
+    def _step_local(self, stepping: List[int], grad_scale: float, scale: Optional[torch.Tensor],
+                    as_they_lie: bool = False):
+        """Owned parameters that lie whole in this rank's shard: stepped in place (their
+        gradients handed over as they lie where ``as_they_lie``, else scaled copies)."""
         if not stepping:
             return
         for i in stepping:
             seg, a, b, _ = self.home[i]
             leaf, shape = self.leaves[i], self.shapes[i]
             leaf.data = seg.param[a:b].view(shape)
-            leaf.grad = scaled_grad(seg.grad[a:b].view(shape), grad_scale, scale, leaf.device)
+            g = seg.grad[a:b].view(shape)
+            lies = as_they_lie and g.dtype == torch.float32 and g.device == leaf.device
+            leaf.grad = g if lies else scaled_grad(g, grad_scale, scale, leaf.device)
         self.inner.step(**self.step_kwargs)
         for i in stepping:
-            seg, a, b, _ = self.home[i]
-            self.leaves[i].grad = None
-            self.leaves[i].data = self.leaves[i].new_empty(0)
+            leaf = self.leaves[i]
+            leaf.grad = None
+            leaf.data = self._empty if leaf.device == self._empty.device else leaf.new_empty(0)
+        # round to the low-precision parameters: one copy per run of adjacent pieces
+        for seg, a, b in _runs(self.home[i][:3] for i in stepping):
             if seg.out is not None:
-                seg.out[a:b].copy_(seg.param[a:b])     # round to the low-precision parameter
+                seg.out[a:b].copy_(seg.param[a:b])
 
     @torch.no_grad()
     def _step_window(self, k: int, w: Window, used: List[bool], grad_scale: float,
@@ -353,6 +363,18 @@ def _batches(indices: List[int], numels: Dict[int, int], cap: int) -> List[List[
         out[-1].append(i)
         total += numels[i]
     return out
+
+
+def _runs(pieces) -> List[tuple]:
+    """``(segment, start, stop)`` pieces merged where one ends where the next (of the
+    same segment) starts."""
+    out: List[list] = []
+    for seg, a, b in sorted(pieces, key=lambda p: (id(p[0]), p[1])):
+        if out and out[-1][0] is seg and out[-1][2] == a:
+            out[-1][2] = b
+        else:
+            out.append([seg, a, b])
+    return [tuple(r) for r in out]
 
 
 def _hyper(group: dict) -> dict:
