@@ -43,36 +43,44 @@ BYTES = {"zeroshard bf16": 28, "zeroshard fp32": 28, "torch fused": 28,
          "torch fused+cast": 34, "torch foreach+cast": 34, "deepspeed cpu-adam": 28}
 
 
-def time_once(device, fn):
+def time_once(device, fn, queue=1):
+    """Seconds per call of ``queue`` calls of fn in a row (CUDA: between two events)."""
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(queue):
+            fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3 / queue
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    for _ in range(queue):
+        fn()
+    return (time.perf_counter() - t0) / queue
 
 
-def best_times(device, fns, repeat):
-    """Best seconds per call of each fn, timed round-robin (one call of each per
+def best_times(device, fns, repeat, queue=1):
+    """Best seconds per call of each fn, timed round-robin (one sample of each per
     round, after a warm-up round) so every variant sees the same machine load."""
     for fn in fns.values():
         fn()
     best = {name: float("inf") for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            best[name] = min(best[name], time_once(device, fn))
+            best[name] = min(best[name], time_once(device, fn, queue))
     return best
 
 
-def copy_bandwidth(device, n, repeat):
+def copy_bandwidth(device, n, repeat, queue=1):
     """GB/s of dst.copy_(src) on fp32 buffers of n elements, counting read + write."""
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    return 8 * n / best_times(device, {"copy": lambda: dst.copy_(src)}, repeat)["copy"] / 1e9
+    return 8 * n / best_times(device, {"copy": lambda: dst.copy_(src)}, repeat, queue)["copy"] / 1e9
+
+
+def base_name(name):
+    """A variant's name without its launch choice ("zeroshard bf16 @streaming:8")."""
+    return name.split(" @")[0]
 
 
 # Bytes each variant holds while it runs, per parameter (its tensors plus

@@ -2,7 +2,7 @@
 # One pass on a CUDA machine: build against the machine's own torch, run the
 # GPU tests (and optionally the whole suite), then the CUDA benchmarks.
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
-# arguments: build gpu adamw muon offload trace lightning suite step124 step124z3 profile
+# arguments: build gpu adamw muon offload trace lightning profile suite step124 step124z3
 # example (default: all, in the order they run). Each part runs under its own time limit (PART_LIMIT, seconds; the
 # suite's SUITE_LIMIT), so one that hangs leaves the rest their time, and none runs past
 # DEADLINE seconds from the start. The suite runs the CPU tests with the GPU hidden
@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1
 # a process that dies of a signal prints its Python stack (the 2026-11-26 offload part
 # exited after 23 s with no output at all)
 export PYTHONFAULTHANDLER=1
-parts="${*:-build gpu adamw muon offload trace lightning suite step124 step124z3 profile example}"
+parts="${*:-build gpu adamw muon offload trace lightning profile suite step124 step124z3 example}"
 LIMIT="${PART_LIMIT:-300}"
 # every part ends by DEADLINE seconds after the start (one command's whole budget): a part
 # gets what is left, less 10 s for what follows, and is skipped with under 20 s left
@@ -104,8 +104,15 @@ if go trace; then
 fi
 if go lightning; then
   stamp "lightning: ZeroShardStrategy against DDPStrategy, FSDPStrategy and DeepSpeedStrategy on one GPU"
-  timeout "$L" torchrun --standalone --nproc-per-node 1 benchmarks/lightning_front_door.py --steps 8 --rounds 3 \
+  timeout "$L" $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/lightning_front_door.py --steps 8 --rounds 3 \
     --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/lightning.log" | tail -12
+fi
+if go profile; then
+  stamp "profile: phase times, host-device syncs (with their Python stacks) and top operators"
+  timeout "$L" $PY benchmarks/profile_step.py --stack --variants ${PROFILE12:-adamw,zeroshard-2,adamw+muon,zeroshard-2+muon} \
+    --out "$OUT/prof" 2>&1 | grep -v Warn
+  [ -n "${PROFILE3-x}" ] && timeout "$L" $PY benchmarks/profile_step.py --stack --dtype float32 \
+    --variants ${PROFILE3:-adamw-amp,zeroshard-3,zeroshard-3+muon} --out "$OUT/prof" 2>&1 | grep -v Warn
 fi
 if go suite "${SUITE_LIMIT:-540}"; then
   stamp "whole suite, the GPU hidden"
@@ -130,13 +137,6 @@ if go step124z3; then
   timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds ${ROUNDS:-1} \
     --variants ${STEP124Z3:-adamw-amp,fsdp2-3,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
     --json "$OUT/step124z3.json" 2>&1 | tee "$OUT/step124z3.log" | tail -9
-fi
-if go profile; then
-  stamp "profile: phase times, host-device syncs (with their Python stacks) and top operators"
-  timeout "$L" $PY benchmarks/profile_step.py --stack --variants ${PROFILE12:-adamw,zeroshard-2,adamw+muon,zeroshard-2+muon} \
-    --out "$OUT/prof" 2>&1 | grep -v Warn
-  [ -n "${PROFILE3-x}" ] && timeout "$L" $PY benchmarks/profile_step.py --stack --dtype float32 \
-    --variants ${PROFILE3:-adamw-amp,zeroshard-3,zeroshard-3+muon} --out "$OUT/prof" 2>&1 | grep -v Warn
 fi
 if go example; then
   stamp "example: stage 1, then ZeRO-3 with checkpoints resumed as ZeRO-2"
