@@ -18,8 +18,9 @@
 # Measured on an H100 (2026-11-25): build 56 s, gpu 52 s, adamw 13 s, step124 (7
 # variants) 128 s, step124z3 (4) 82 s, trace 39 s; on an H200 (2026-11-26): build 57 s,
 # gpu 81 s, suite over 240 s with 8 workers (stopped there), adamw 11 s, trace 33 s,
-# example 48 s, profile of 3 variants 36 s. Results go to $OUT; where only a
-# few files may come back, tar the folder.
+# example 48 s, profile of 3 variants 36 s; on an H200 (2026-11-27): build 69 s, gpu over
+# 200 s (stopped there after 33 of 58 tests), adamw with 4 launch rows 25 s, muon (9
+# variants) 226 s. Results go to $OUT; where only a few files may come back, tar the folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out/gpu}"
@@ -68,8 +69,9 @@ if go build; then
 fi
 if go gpu; then
   stamp "pytest -m gpu"
-  timeout "$L" $PY -m pytest -m gpu tests/integration/test_gpu.py tests/integration/test_gpu_integrations.py -p no:cacheprovider -q \
-    --timeout 300 -rfE 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  # -v: a line per test, so a pass stopped at its limit still says which tests ran
+  timeout "$L" $PY -m pytest -m gpu tests/integration/test_gpu.py tests/integration/test_gpu_integrations.py -p no:cacheprovider -v \
+    --timeout 300 -rfE --durations=15 2>&1 | tee "$OUT/pytest_gpu.log" | grep -v " PASSED" | tail -40
 fi
 if go adamw; then
   stamp "adamw benchmark (calls queued as in training; other launch choices of the kernel as extra rows)"

@@ -49,6 +49,47 @@ def phase_ms(model, opt, data, steps):
     return [1e3 * statistics.median(x[i] for x in out) for i in range(3)]
 
 
+def host_ms(model, opt, data, steps):
+    """Without synchronizing: the host's milliseconds in each phase call (forward,
+    backward, step + zero_grad) per step, the wall milliseconds per step over ``steps``
+    steps in a row, and the synchronizing CUDA calls one step makes (torch's sync debug
+    mode: count and where each comes from). Where the host's sum is the wall time, the
+    host bounds the step; where it is less, the device does and the host runs ahead."""
+    import warnings
+    torch.cuda.synchronize()
+    phases = [0.0, 0.0, 0.0]
+    t_start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = model(data[:, :-1], data[:, 1:])
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        for k, d in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+            phases[k] += d
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t_start) / steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(data[:, :-1], data[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    where = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{os.path.basename(w.filename)}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return [1e3 * p / steps for p in phases], 1e3 * wall, where
+
+
 def profile(model, opt, data, steps=2, stack=False) -> str:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     verbose = dict(experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) if stack else {}
@@ -80,6 +121,9 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     ap.add_argument("--stack", action="store_true", help="also the Python stacks the synchronisations come from")
+    ap.add_argument("--host", action="store_true",
+                    help="only the host's time per phase without synchronizing, against the wall time, and "
+                         "the synchronizing calls of a step (no profile)")
     args = ap.parse_args()
     args.prefetch, args.shard_size = 1, None
     device = step.init_dist(0, 1, step.free_port(), cuda=True)
@@ -91,6 +135,14 @@ def main():
         model, opt = step.build(v, step.new_model(cfg, args, device), getattr(torch, args.param_dtype))
         for _ in range(3):
             step.train_step(model, opt, data, torch.cuda.synchronize)
+        if args.host:
+            (f, b, s), wall, where = host_ms(model, opt, data, args.steps)
+            print(f"{v:<20} host: forward {f:.2f} backward {b:.2f} step {s:.2f} = {f + b + s:.2f} ms | "
+                  f"wall {wall:.2f} ms per step | syncs in a step: {where or 'none'}", flush=True)
+            step.settle(opt)
+            del model, opt
+            torch.cuda.empty_cache()
+            continue
         f, b, s = phase_ms(model, opt, data, args.steps)
         print(f"{v:<20} {f:>8.2f} {b:>9.2f} {s:>7.2f} {f + b + s:>7.2f}", flush=True)
         with open(os.path.join(args.out, f"profile_{v}.txt"), "w") as fh:

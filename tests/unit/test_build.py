@@ -28,6 +28,24 @@ def test_ci_builds_the_cuda_kernels():
         assert zs.build_info()["cuda"] in (True, False)
 
 
+def test_the_cuda_adamw_launch_choices_set_and_read_back():
+    """benchmarks/adamw.py measures the CUDA kernel under other launch choices; setting
+    them touches no device. The default is 16 plain-access blocks per multiprocessor."""
+    if not zs.build_info()["cuda"]:
+        assert not hasattr(zs._C, "adamw_cuda_launch")
+        return
+    launch = zs._C.adamw_cuda_launch
+    assert launch() == (False, 16)
+    try:
+        assert launch(True, 4) == (True, 4)
+        assert launch(blocks_per_sm=2) == (True, 2) and launch() == (True, 2)
+        with pytest.raises(ValueError, match="blocks_per_sm must be at least 1"):
+            launch(blocks_per_sm=0)
+    finally:
+        launch(False, 16)
+    assert launch() == (False, 16)
+
+
 def test_public_api():
     for name in ("compute_layout", "fused_adamw_", "reduce_scatter", "all_gather", "all_reduce",
                  "build_info"):
