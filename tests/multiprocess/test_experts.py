@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import zeroshard as zs
 from conftest import get_pool
+from zeroshard.plan import model_state_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
 from moe import E, TOKENS, Expert, Net, global_name, split  # (examples/moe.py's model)
@@ -98,8 +99,8 @@ def _train(stage: int, top_k: int, ep: int, micro: int = 1, clip=None, starve: b
     rep = opt.memory_report()
     n_experts = sum(p.numel() for n, p in ref.named_parameters() if n.startswith("moe.experts."))
     n_dense = sum(p.numel() for n, p in ref.named_parameters() if not n.startswith("moe.experts."))
-    return dict(err=err, grad_err=grad_err, norms=norms, ref_norms=ref_norms, exp_avg=rep["exp_avg"], psi=(n_dense, n_experts),
-                moved=moved, starved_here=(E - 1) in net.moe.ids)
+    return dict(err=err, grad_err=grad_err, norms=norms, ref_norms=ref_norms, rep=rep, psi=(n_dense, n_experts),
+                moved=moved, starved_here=(E - 1) in net.moe.ids, stage=stage, ep=mesh["ep"].size())
 
 
 def _check(results, clip=None):
@@ -110,7 +111,15 @@ def _check(results, clip=None):
     # each expert's state is held once in each ep group's ranks, sharded over its edp group:
     # over all ranks, exp_avg is 4 bytes per parameter of the whole model, exactly
     n_dense, n_experts = results[0]["psi"]
-    assert sum(out["exp_avg"] for out in results) == 4 * (n_dense + n_experts)
+    assert sum(out["rep"]["exp_avg"] for out in results) == 4 * (n_dense + n_experts)
+    # and the planner's formulas (python -m zeroshard.plan --ep --experts) say what the ranks hold
+    # between them, category by category (fp32: params, grads, and exp_avg + exp_avg_sq)
+    world, stage = len(results), results[0]["stage"]
+    plan = model_state_bytes(n_dense + n_experts, world, "fp32", ep=results[0]["ep"], experts=n_experts)
+    row = plan[f"ZeRO-{stage}"]
+    held = {k: sum(out["rep"][k] for out in results) for k in ("params", "grads", "exp_avg", "exp_avg_sq", "master")}
+    assert (held["params"], held["grads"]) == (world * row["params"], world * row["grads"]), (held, row)
+    assert held["exp_avg"] + held["exp_avg_sq"] + held["master"] == world * row["optimizer"], (held, row)
 
 
 @pytest.mark.parametrize("stage,top_k", [(1, 2), (2, 1), (3, 2)])

@@ -61,6 +61,32 @@ def test_hybrid_sharding_formulas_and_the_slow_link(capsys):
     assert bad.value.code == 2 and "--shard-size must divide --world-size (32), got 5" in capsys.readouterr().err
 
 
+def test_expert_parallel_formulas(capsys):
+    """A Mixtral-like 47B model, 45B of it experts, ep 8 over 64 ranks: a rank holds the 2B
+    dense parameters and 45/8 B of experts whole; what a stage shards is 47B/64 per rank
+    (dense over 64 ranks, each expert over its 8 edp ranks). ep 1 is the plain formula. The
+    per-category agreement with memory_report() is tested in test_experts.py."""
+    plain, ep1 = model_state_bytes(47e9, 64, "bf16"), model_state_bytes(47e9, 64, "bf16", ep=1, experts=45e9)
+    assert ep1 == plain
+    r = model_state_bytes(47e9, 64, "bf16", ep=8, experts=45e9)
+    held = 2e9 + 45e9 / 8
+    assert (r["DDP"]["params"], r["DDP"]["optimizer"]) == (2 * held, 12 * held)
+    assert (r["ZeRO-1"]["params"], r["ZeRO-1"]["grads"], r["ZeRO-1"]["optimizer"]) == (2 * held, 2 * held, 12 * 47e9 / 64)
+    assert (r["ZeRO-2"]["grads"], r["ZeRO-2"]["optimizer"]) == (2 * 47e9 / 64, 12 * 47e9 / 64)
+    assert r["ZeRO-3"] == plain["ZeRO-3"]
+    for kw, msg in ((dict(ep=3), "ep must be an int >= 1 dividing the world size"),
+                    (dict(ep=8, experts=50e9), "must be in \\[0, params"),
+                    (dict(ep=8, experts=45e9, shard_size=8), "hybrid sharding")):
+        with pytest.raises(ValueError, match=msg):
+            model_state_bytes(47e9, 64, "bf16", **kw)
+    out = _cli(capsys, "--params", "47e9", "--world-size", "64", "--ep", "8", "--experts", "45e9")
+    assert "45B of them experts over ep 8" in out and out.splitlines()[3].split()[:5] == \
+        ["ZeRO-1", "15.25", "15.25", "8.81", "39.31"]
+    with pytest.raises(SystemExit) as bad:
+        _cli(capsys, "--model", "examples/train_gpt.py:build_model", "--world-size", "4", "--ep", "2")
+    assert bad.value.code == 2 and "--ep and --experts plan with --params" in capsys.readouterr().err
+
+
 def _reports(stage, dtype):
     from test_fully_shard import Block, make_gpt
     model = make_gpt()

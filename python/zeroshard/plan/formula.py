@@ -28,16 +28,38 @@ def _shards(world_size: int, shard_size: Optional[int]) -> int:
     return shard_size
 
 
+def _check_experts(params: float, world_size: int, shard_size: Optional[int], ep: int, experts: float) -> None:
+    if not (isinstance(ep, int) and ep >= 1 and world_size % ep == 0):
+        raise ValueError(f"ep must be an int >= 1 dividing the world size ({world_size}), got {ep!r}")
+    if not 0 <= experts <= params:
+        raise ValueError(f"experts (the expert parameters, every expert once) must be in [0, params = {params:g}], "
+                         f"got {experts:g}")
+    if ep > 1 and shard_size is not None and shard_size < world_size:
+        raise ValueError("expert parallelism (ep > 1) with hybrid sharding (shard_size) is not supported yet")
+
+
 def model_state_bytes(params: float, world_size: int, dtype: str = "bf16",
-                      shard_size: Optional[int] = None) -> Dict[str, Dict[str, float]]:
+                      shard_size: Optional[int] = None, ep: int = 1,
+                      experts: float = 0.0) -> Dict[str, Dict[str, float]]:
     """Per-rank bytes of parameters, gradients and optimizer states for each stage
-    (with hybrid sharding: over ``shard_size`` ranks instead of N)."""
+    (with hybrid sharding: over ``shard_size`` ranks instead of N).
+
+    Expert parallelism ([Mixture of experts](experts.md)): ``experts`` of the
+    ``params`` are experts' (each expert counted once), spread over ``ep`` ranks, so a
+    rank holds the dense ``params - experts`` and ``experts / ep`` of them; the dense
+    state shards over the N ranks and each expert's over its N/ep expert-data-parallel
+    ranks. What a stage keeps whole is a rank's own: (dense + experts/ep) elements;
+    what it shards is dense/N + (experts/ep)/(N/ep) = params/N elements."""
     _check(dtype, world_size)
     if not params > 0:
         raise ValueError(f"params must be > 0, got {params}")
-    p, g, o = (b * params for b in _BYTES[dtype])
+    _check_experts(params, world_size, shard_size, ep, experts)
+    held = params - experts + experts / ep       # the parameters this rank holds whole
+    p, g, o = (b * held for b in _BYTES[dtype])
+    sp, sg, so = (b * params for b in _BYTES[dtype])
     n = _shards(world_size, shard_size)
-    rows = {"DDP": (p, g, o), "ZeRO-1": (p, g, o / n), "ZeRO-2": (p, g / n, o / n), "ZeRO-3": (p / n, g / n, o / n)}
+    rows = {"DDP": (p, g, o), "ZeRO-1": (p, g, so / n), "ZeRO-2": (p, sg / n, so / n),
+            "ZeRO-3": (sp / n, sg / n, so / n)}
     return {s: {"params": a, "grads": b, "optimizer": c, "total": a + b + c} for s, (a, b, c) in rows.items()}
 
 
@@ -86,11 +108,14 @@ def slow_link_bytes(params: float, world_size: int, shard_size: int, dtype: str 
 
 
 def format_table(params: float, world_size: int, dtype: str = "bf16", shard_size: Optional[int] = None,
-                 offload: Optional[str] = None, fraction: float = 1.0) -> str:
-    rows = offloaded_bytes(model_state_bytes(params, world_size, dtype, shard_size), params, world_size, dtype,
-                           shard_size, offload, fraction)
+                 offload: Optional[str] = None, fraction: float = 1.0, ep: int = 1, experts: float = 0.0) -> str:
+    rows = offloaded_bytes(model_state_bytes(params, world_size, dtype, shard_size, ep, experts), params,
+                           world_size, dtype, shard_size, offload, fraction)
     gb = 1e9
     over = "" if shard_size is None else f", sharded over {shard_size} (x{world_size // shard_size} replicas)"
+    if experts:
+        over += (f", {experts / 1e9:g}B of them experts over ep {ep} (a rank holds {1 / ep:.3g} of them; "
+                 f"each expert's state sharded over its {world_size // ep} edp ranks)")
     off = "" if offload is None else f", {fraction:g} of the optimizer state offloaded ({offload})"
     where = "" if offload is None else f"{'device':>9}{'host':>9}{'disk':>9}"
     lines = [f"model state per rank: {params / 1e9:g}B parameters, {world_size} ranks{over}, {dtype}{off} "

@@ -406,6 +406,11 @@ def main(argv: List[str] = None) -> None:
     ap.add_argument("--optimizer", choices=("adamw", "adafactor", "muon"), default="adamw",
                     help="with --model: the fused AdamW (default), torch's Adafactor, or Muon over the "
                          "blocks' 2-D matrices with AdamW over the rest; whole-tensor state counts on its owner")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="with --params: expert-parallel degree (dividing --world-size): a rank holds 1/ep of "
+                         "the experts, each expert's state sharded over its N/ep edp ranks (default 1)")
+    ap.add_argument("--experts", type=float, default=0.0,
+                    help="with --params: how many of the parameters are experts' (every expert once), e.g. 4.5e10")
     ap.add_argument("--transport", choices=("nccl", "gloo"), default="nccl",
                     help="with --model: nccl (GPUs, default) or gloo (CPU processes, whose reduce-scatter "
                          "takes scratch chunks)")
@@ -421,9 +426,15 @@ def main(argv: List[str] = None) -> None:
     if args.model is None:
         if not args.params > 0:
             ap.error("--params must be > 0")
-        print(format_table(args.params, args.world_size, args.dtype, args.shard_size, args.offload,
-                           args.offload_fraction))
+        try:
+            print(format_table(args.params, args.world_size, args.dtype, args.shard_size, args.offload,
+                               args.offload_fraction, args.ep, args.experts))
+        except ValueError as e:
+            ap.error(str(e))
         return
+    if args.ep != 1 or args.experts:
+        ap.error("--ep and --experts plan with --params (the formulas); --model plans a model without "
+                 "expert parallelism for now")
     try:
         build = _load(args.model)
         example = None
