@@ -47,6 +47,28 @@ def llama(seed=0):
                                         pad_token_id=0))
 
 
+def mixtral(seed=0):
+    """A Mixtral (top-2 of 4 experts per layer; transformers 5 holds each layer's experts as
+    3-D parameters)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                                            bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def qwen3_moe(seed=0):
+    """A Qwen3-MoE (top-2 of 4 experts, q/k norms)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24,
+                                              moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                              max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                              pad_token_id=0))
+
+
 def rows(n, seed):
     """Sequences counting up by a random stride from a random start (learnable)."""
     g = torch.Generator().manual_seed(seed)
@@ -381,6 +403,10 @@ def main():
         for stage in (0, 3):
             res[f"llama-{stage}"], _ = run(stage, os.path.join(d, f"llama-{stage}"), model_fn=llama,
                                            save_strategy="no")
+        for name, fn in (("mixtral", mixtral), ("qwen3moe", qwen3_moe)):    # mixtures of experts
+            for stage in (0, 2, 3):
+                res[f"{name}-{stage}"], _ = run(stage, os.path.join(d, f"{name}-{stage}"), model_fn=fn,
+                                                eval_strategy="no", save_strategy="no")
         for optim in ("sgd", "adafactor"):
             for stage in (0, 2):
                 # Llama: no biases (GPT-2's attention key bias has a zero gradient, whose rounding noise

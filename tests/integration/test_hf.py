@@ -78,6 +78,18 @@ def test_llama_at_stage_3_matches_ddp(results):
     assert worst(r["params"], ddp["params"]) <= TOL
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3moe"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_mixtures_of_experts_match_ddp(results, name, stage):
+    """transformers' Mixtral and Qwen3-MoE (every rank holding every expert; the ranks route
+    their tokens to different experts) through ZeroShardTrainer: the Trainer's DDP losses,
+    logged norms and parameters."""
+    r, ddp = results[2][f"{name}-{stage}"], results[2][f"{name}-0"]
+    assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"]), (r["losses"], ddp["losses"])
+    assert worst(r["params"], ddp["params"]) <= TOL
+    assert ddp["losses"][-1] < ddp["losses"][0]
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adafactor"])
 def test_other_optim_arguments_match_ddp(results, optim):
     """``optim="sgd"`` (an elementwise class) and ``"adafactor"`` (transformers' Adafactor,

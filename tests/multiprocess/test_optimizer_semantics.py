@@ -136,6 +136,17 @@ def _sparse():
         zs.FullyShard(nn.Sequential(nn.Embedding(11, 4, sparse=True), nn.Linear(4, 2)))
     except ValueError as e:
         out["fully_shard"] = str(e)
+    # a tensor-parallel model's parameter (a DTensor): refused, never flattened as if whole
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    tp = nn.Linear(4, 6)
+    tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), init_device_mesh("cpu", (2,)), [Shard(0)]))
+    for kind, build in (("dtensor", lambda: zs.ShardedOptimizer(tp.parameters(), lr=0.1, stage=2)),
+                        ("dtensor_fully_shard", lambda: zs.FullyShard(nn.Sequential(tp)))):
+        try:
+            build()
+        except ValueError as e:
+            out[kind] = str(e)
     return out
 
 
@@ -145,6 +156,8 @@ def test_sparse_parameters_and_gradients_are_refused_by_name():
         assert "parameter 0" in r["param"] and "sparse" in r["param"], r
         assert "parameter 0" in r["grad"] and "sparse=False" in r["grad"], r
         assert "'0'" in r["fully_shard"] and "sparse=False" in r["fully_shard"], r
+        assert "parameter 0 (shape (6, 4)) is a DTensor (S(0) over a 1-D mesh)" in r["dtensor"], r
+        assert "parameter '0.weight' is a DTensor" in r["dtensor_fully_shard"], r
     for msg in pool.run(_fused_refuses_step_kwargs):
         assert "keyword arguments ['scale']" in msg, msg
 

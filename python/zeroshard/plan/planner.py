@@ -383,7 +383,18 @@ def format_model_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: List[str] = None) -> None:
+def _formula(ap: argparse.ArgumentParser, args) -> None:
+    """``--params``: the formulas' table."""
+    if not args.params > 0:
+        ap.error("--params must be > 0")
+    try:
+        print(format_table(args.params, args.world_size, args.dtype, args.shard_size, args.offload,
+                           args.offload_fraction, args.ep, args.experts))
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m zeroshard.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
@@ -414,6 +425,11 @@ def main(argv: List[str] = None) -> None:
     ap.add_argument("--transport", choices=("nccl", "gloo"), default="nccl",
                     help="with --model: nccl (GPUs, default) or gloo (CPU processes, whose reduce-scatter "
                          "takes scratch chunks)")
+    return ap
+
+
+def main(argv: List[str] = None) -> None:
+    ap = _parser()
     args = ap.parse_args(argv)
     if not 0 <= args.offload_fraction <= 1:
         ap.error(f"--offload-fraction must be in [0, 1], got {args.offload_fraction}")
@@ -424,14 +440,7 @@ def main(argv: List[str] = None) -> None:
     if args.shard_size is not None and (args.shard_size < 1 or args.world_size % args.shard_size):
         ap.error(f"--shard-size must divide --world-size ({args.world_size}), got {args.shard_size}")
     if args.model is None:
-        if not args.params > 0:
-            ap.error("--params must be > 0")
-        try:
-            print(format_table(args.params, args.world_size, args.dtype, args.shard_size, args.offload,
-                               args.offload_fraction, args.ep, args.experts))
-        except ValueError as e:
-            ap.error(str(e))
-        return
+        return _formula(ap, args)
     if args.ep != 1 or args.experts:
         ap.error("--ep and --experts plan with --params (the formulas); --model plans a model without "
                  "expert parallelism for now")

@@ -17,7 +17,7 @@ from .. import comm
 from ..comm.mesh import ShardGroup
 from ..offload import Placement, Storage, on_accelerator
 from ..common.reduction import Reduction
-from ..common.source import SUPPORTED
+from ..common.source import SUPPORTED, refused_kind
 from ..native.layout import compute_layout, update_cost
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -116,6 +116,9 @@ def check_params(params: List[torch.Tensor], trainable: List[int], err: Callable
     first = trainable[0]
     device = params[first].device
     for i, p in enumerate(params):
+        why = refused_kind(p)
+        if why:
+            raise ValueError(err(f"parameter {i} (shape {tuple(p.shape)}) {why}"))
         if p.device != device:
             raise ValueError(err(f"parameter {i} is on {p.device} but parameter {first} is on {device}; "
                                  "move the whole model to one device before creating the optimizer"))

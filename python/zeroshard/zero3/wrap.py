@@ -14,7 +14,7 @@ import torch.nn as nn
 from .. import comm
 from ..offload import host_empty
 from ..common.claims import claimant
-from ..common.source import SUPPORTED
+from ..common.source import SUPPORTED, refused_kind
 from .param import ShardedParameter
 from .records import Param, Unit, left_out, owner_of
 from ..native.layout import compute_layout
@@ -118,6 +118,14 @@ class Kept:
     sharded: nn.Parameter
 
 
+def _check_param(cfg: "Setup", name: str, p: torch.Tensor) -> None:
+    if p.dtype not in SUPPORTED:
+        raise ValueError(cfg.err(f"parameter '{name}' has dtype {p.dtype}; FullyShard "
+                                 "supports float32, bfloat16 and float16 parameters"))
+    if refused_kind(p):
+        raise ValueError(cfg.err(f"parameter '{name}' {refused_kind(p)}"))
+
+
 def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
     """The sharding units (root first) and every parameter registration in
     named_parameters() order; ``nested`` is the FullyShard class (refused inside)."""
@@ -144,9 +152,7 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
                 owner[id(p)] = (unit.index, q)
                 unit.params.append(q)
                 named[-1] = (name, q)
-                if p.dtype not in SUPPORTED:
-                    raise ValueError(cfg.err(f"parameter '{name}' has dtype {p.dtype}; FullyShard "
-                                               "supports float32, bfloat16 and float16 parameters"))
+                _check_param(cfg, name, p)
             elif seen[0] != unit.index:
                 other = units[seen[0]].name or "<root>"
                 here = unit.name or "<root>"
