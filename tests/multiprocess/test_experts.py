@@ -138,6 +138,56 @@ def test_accumulation_torch_clip_and_a_starved_expert():
     _check(get_pool(4).run(_train, 3, 1, 2, micro=2, clip=0.05, torch_clip=True), clip=0.05)
 
 
+def _muon_over_experts(stage: int):
+    """Muon (fp32 Newton-Schulz) over the experts' matrices in a param group over the edp
+    group, AdamW over the rest, against one process doing the same over the whole model:
+    the largest relative parameter difference, and the Muon state bytes this rank holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from test_whole_tensor import Muon32
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
+
+    def groups(model):
+        dense, experts = split(model)
+        return dense, [p for p in experts if p.dim() == 2], [p for p in experts if p.dim() != 2]
+    torch.manual_seed(0)
+    ref = Net(2)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    dense, mats, vecs = groups(ref)
+    ref_opts = [Muon32(mats, lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(dense + vecs, lr=1e-2)]
+    net = Net(2, mesh["ep"].get_group())
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(start[global_name(net, name)])
+    dense, mats, vecs = groups(net)
+    edp = mesh["edp"]
+    opts = [zs.ShardedOptimizer([{"params": mats, "device_mesh": edp}], optimizer_class=Muon32, whole_tensor=True,
+                                lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw", stage=stage),
+            zs.ShardedOptimizer([{"params": dense}, {"params": vecs, "device_mesh": edp}], lr=1e-2, stage=stage)]
+    for step in range(STEPS):
+        xs, ys = zip(*(_data(step, r) for r in range(world)))
+        F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        F.mse_loss(net(xs[rank]), ys[rank]).backward()
+        for o in ref_opts + opts:
+            o.step()
+            o.zero_grad()
+    err = max(((p - ref.get_parameter(global_name(net, n))).norm() / p.norm()).item()
+              for n, p in net.named_parameters())
+    return err, opts[0].memory_report()["optimizer_state"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_muon_over_an_expert_param_group_equals_one_process(stage):
+    """Each expert matrix's owner is one of its edp group's ranks: every expert is stepped
+    (and holds its momentum) once in the job, and the model ends where one process's does."""
+    res = get_pool(4).run(_muon_over_experts, stage)
+    assert max(err for err, _ in res) < 2e-5, res
+    whole = Net(2)
+    assert sum(b for _, b in res) == 4 * sum(p.numel() for n, p in whole.named_parameters()
+                                             if n.startswith("moe.experts.") and p.dim() == 2)
+
+
 def _skips_everywhere():
     """GradScaler: a non-finite gradient in an expert held by one ep group skips the step on
     every rank."""
@@ -182,14 +232,18 @@ def _refusals(tmp):
     opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "device_mesh": mesh["edp"]}], stage=2)
     catch("save2", lambda: zs.save_checkpoint(os.path.join(tmp, "a"), net, opt))
     catch("state_dict", opt.state_dict)
-    fresh = split(Net(1, mesh["ep"].get_group()))[1]
-    catch("muon", lambda: zs.ShardedOptimizer([{"params": [p for p in fresh if p.dim() == 2],
-                                                "device_mesh": mesh["edp"]}], optimizer_class=torch.optim.Muon))
     catch("hybrid", lambda: zs.ShardedOptimizer([{"params": Net(1).parameters(), "device_mesh": mesh["edp"]}],
                                                 shard_size=2))
     model = zs.FullyShard(Net(1, mesh["ep"].get_group()), expert_modules={Expert: mesh["edp"]})
     opt3 = zs.ShardedOptimizer(model.parameters())
     catch("save3", lambda: zs.save_checkpoint(os.path.join(tmp, "b"), model, opt3))
+    fresh = zs.FullyShard(Net(1, mesh["ep"].get_group()), expert_modules={Expert: mesh["edp"]})
+    catch("muon", lambda: zs.ShardedOptimizer([p for p in fresh.parameters() if p.dim() == 2],
+                                              optimizer_class=torch.optim.Muon))
+    big = split(Net(1, mesh["ep"].get_group()))[1]      # an expert matrix larger than a bucket
+    catch("muon_split", lambda: zs.ShardedOptimizer([{"params": [p for p in big if p.dim() == 2],
+                                                      "device_mesh": mesh["edp"]}], bucket_mb=40 / 2**20,
+                                                    optimizer_class=torch.optim.Muon, stage=2))
     net = Net(1, mesh["ep"].get_group())
     net.moe.experts[0].up.weight.requires_grad_(False)       # frozen when wrapped, unfrozen after
     model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]})
@@ -200,7 +254,8 @@ def _refusals(tmp):
 
 def test_what_is_not_supported_yet_is_refused(tmp_path):
     want = {"save2": ("NotImplementedError", "expert parallelism"), "state_dict": ("NotImplementedError", "own ranks"),
-            "muon": ("whole-tensor optimizer",), "hybrid": ("hybrid sharding",),
+            "muon": ("whole-tensor optimizer", "expert_modules is not supported yet"),
+            "muon_split": ("larger than a bucket", "raise bucket_mb"), "hybrid": ("hybrid sharding",),
             "save3": ("expert_modules are not supported yet",), "thaw": ("an expert unit over its own ranks",)}
     for msgs in get_pool(4).run(_refusals, str(tmp_path)):
         for key, parts in want.items():

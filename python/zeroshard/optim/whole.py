@@ -17,6 +17,11 @@ in the job, there:
   place, and the stage's parameter all-gather carries the result to every
   rank. No collective is added; the bytes sent are AdamW's (but for the
   layout's padding).
+* A param group over its own ranks (an expert-parallel group's ``"device_mesh"``) is
+  laid out over those ranks, so each of its parameters' owner is one of them
+  (``rank_of``): each expert is stepped once in each of its expert-data-parallel
+  groups, by one of that group's ranks. Such a parameter must fit a bucket (the
+  window exchange below runs over the optimizer's ranks only).
 * FullyShard's units are laid out again when this optimizer is built, each
   parameter inside its owner's chunk ([Note: uneven chunks] in
   zero3/relayout.py), and stepped in place there, as at ZeRO-1/2
@@ -49,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from .grads import scaled_grad
@@ -126,8 +132,18 @@ class WholeTensor:
         check_shapes(cls, shapes, err)
         self.shapes = shapes
         # the parameters the layout keeps whole in their owner's shard, and the others
+        # a parameter of a param group over its own ranks (an expert's: [Note: param groups over
+        # their own ranks] in comm/mesh.py) has its owner among those ranks, numbered there
+        self.own_ranks = {i: dist.get_rank(pg) for i in sorted(shapes)
+                          if (pg := source.param_process_group(i)) is not source.process_group}
         self.owners = {i: o for i in sorted(shapes) if (o := source.whole_owner(i)) is not None}
         split = [i for i in sorted(shapes) if i not in self.owners]
+        if any(i in self.own_ranks for i in split):
+            raise ValueError(err(
+                f"parameters {[i for i in split if i in self.own_ranks]} of a param group over its own ranks "
+                f"are larger than a bucket, so the layout cannot keep each whole in one rank's shard, and "
+                f"{cls.__name__} over such a group steps whole tensors only there: raise bucket_mb above the "
+                "largest of them"))
         self.owners.update(zip(split, assign_owners([update_cost(shapes[i]) for i in split], self.world_size,
                                                     self.balance())))    # (on top of the whole ones' load)
         self.windows = plan_windows({i: shapes[i].numel() for i in split}, self.owners, self.world_size,
@@ -141,7 +157,7 @@ class WholeTensor:
         # at most about cap_elements (each batch's scaled gradients are one transient copy)
         numels = {i: shapes[i].numel() for i in shapes}
         whole = [i for i in sorted(shapes) if i not in split]
-        self.home = {i: self._piece(i) for i in whole if self.owners[i] == self.rank}
+        self.home = {i: self._piece(i) for i in whole if self.owners[i] == self.rank_of(i)}
         self.local = _batches(list(self.home), numels, max(1, cap_elements))
         # every rank's batches of parameters whose state travels together (state dicts)
         self.state_batches = [sorted(w.slots) for w in self.windows] + _batches(whole, numels, max(1, cap_elements))
@@ -151,7 +167,7 @@ class WholeTensor:
         self.leaves: Dict[int, torch.Tensor] = {
             i: torch.empty_strided(shapes[i], (0,) * len(shapes[i]), dtype=torch.float32,
                                    device=self.home[i][0].param.device if i in self.home else source.device)
-            for i in shapes if self.owners[i] == self.rank}
+            for i in shapes if self.owners[i] == self.rank_of(i)}
         self.kwargs, self.group_of = kwargs, group_of
         self.step_kwargs: dict = {}     # what the current step() passes to the class's step
         by_group: List[list] = [[] for _ in param_groups]
@@ -180,6 +196,10 @@ class WholeTensor:
         for k, w in enumerate(self.windows):
             if any(used[i] for i in w.slots):
                 self._step_window(k, w, used, grad_scale, scale)
+
+    def rank_of(self, i: int) -> int:
+        """This rank's place among the ranks parameter ``i``'s owner is one of."""
+        return self.own_ranks.get(i, self.rank)
 
     def _piece(self, i: int) -> tuple:
         """The one piece of owned parameter ``i`` the layout kept whole in this rank's shard
@@ -348,7 +368,8 @@ class WholeTensor:
         """Each rank's summed update cost (``update_cost``) of the tensors it owns."""
         load = [0] * self.world_size
         for i, r in self.owners.items():
-            load[r] += update_cost(self.shapes[i])
+            if i not in self.own_ranks:      # (a param group over its own ranks balances there)
+                load[r] += update_cost(self.shapes[i])
         return load
 
 

@@ -103,10 +103,6 @@ class FlatReducer(ShardSource):
         dense = shard_group(process_group)
         self.shards = [s or dense for s in (shards or [None] * (max(group_of, default=0) + 1))]
         self.own_shards = [s for s in dict.fromkeys(self.shards) if s.own]
-        if self.own_shards and whole:
-            raise ValueError(self.err("a whole-tensor optimizer (Muon, Adafactor) over a param group with its own "
-                                      "'device_mesh' is not supported yet; use the fused AdamW or an elementwise "
-                                      "optimizer_class for the expert-parallel parameters"))
         check_same_across_ranks(params, groups.every, self.err, names, [self.shards[g] for g in group_of])
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         offloaded = offloaded_params(params, self.trainable, offload)
