@@ -2,8 +2,8 @@
 # One pass on a CUDA machine: build against the machine's own torch, run the
 # GPU tests (and optionally the whole suite), then the CUDA benchmarks.
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
-# arguments: build gpu adamw muon offload trace lightning profile suite step124 step124z3
-# example (default: all, in the order they run). Each part runs under its own time limit (PART_LIMIT, seconds; the
+# arguments: build gpu adamw muon host offload trace lightning profile suite step124
+# step124z3 example (default: all, in the order they run). Each part runs under its own time limit (PART_LIMIT, seconds; the
 # suite's SUITE_LIMIT), so one that hangs leaves the rest their time, and none runs past
 # DEADLINE seconds from the start. The suite runs the CPU tests with the GPU hidden
 # (the gpu part runs the GPU tests); SUITE_WORKERS sets its pytest workers and SUITE_ARGS
@@ -20,7 +20,9 @@
 # gpu 81 s, suite over 240 s with 8 workers (stopped there), adamw 11 s, trace 33 s,
 # example 48 s, profile of 3 variants 36 s; on an H200 (2026-11-27): build 69 s, gpu over
 # 200 s (stopped there after 33 of 58 tests), adamw with 4 launch rows 25 s, muon (9
-# variants) 226 s. Results go to $OUT; where only a few files may come back, tar the folder.
+# variants) 226 s, profile_step.py --host of 6 variants about 40 s. Give the gpu part 400 s
+# (PART_LIMIT=400 with `build gpu` first; the rest after). Results go to $OUT; where only a
+# few files may come back, tar the folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out/gpu}"
@@ -30,7 +32,7 @@ export PYTHONUNBUFFERED=1
 # a process that dies of a signal prints its Python stack (the 2026-11-26 offload part
 # exited after 23 s with no output at all)
 export PYTHONFAULTHANDLER=1
-parts="${*:-build gpu adamw muon offload trace lightning profile suite step124 step124z3 example}"
+parts="${*:-build gpu adamw muon host offload trace lightning profile suite step124 step124z3 example}"
 LIMIT="${PART_LIMIT:-300}"
 # every part ends by DEADLINE seconds after the start (one command's whole budget): a part
 # gets what is left, less 10 s for what follows, and is skipped with under 20 s left
@@ -91,6 +93,13 @@ if go muon; then
   timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds 1 \
     --baseline adamw-amp+muon --variants ${MUON3:-adamw-amp,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
     --json "$OUT/muon124z3.json" 2>&1 | tee "$OUT/muon124z3.log" | grep -v Warn | tail -8
+fi
+if go host; then
+  stamp "host time per phase, steps in a row and each alone (where a lone step's host waits for the device)"
+  timeout "$L" $PY benchmarks/profile_step.py --host --steps 8 --variants ${HOST12:-adamw,zeroshard-2,adamw+muon,zeroshard-2+muon} \
+    2>&1 | grep "host \|Error" | tee "$OUT/host.log"
+  timeout "$L" $PY benchmarks/profile_step.py --host --steps 8 --dtype float32 \
+    --variants ${HOST3:-adamw-amp+muon,zeroshard-3+muon} 2>&1 | grep "host \|Error" | tee -a "$OUT/host.log"
 fi
 if go offload; then
   stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"

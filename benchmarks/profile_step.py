@@ -49,17 +49,21 @@ def phase_ms(model, opt, data, steps):
     return [1e3 * statistics.median(x[i] for x in out) for i in range(3)]
 
 
-def host_ms(model, opt, data, steps):
+def host_ms(model, opt, data, steps, each=False):
     """Without synchronizing: the host's milliseconds in each phase call (forward,
     backward, step + zero_grad) per step, the wall milliseconds per step over ``steps``
     steps in a row, and the synchronizing CUDA calls one step makes (torch's sync debug
     mode: count and where each comes from). Where the host's sum is the wall time, the
-    host bounds the step; where it is less, the device does and the host runs ahead."""
+    host bounds the step; where it is less, the device does and the host runs ahead.
+    ``each``: the device synchronized after every step, as step.py times a step alone
+    (a phase whose host time grows then waits for the device somewhere inside)."""
     import warnings
     torch.cuda.synchronize()
     phases = [0.0, 0.0, 0.0]
     t_start = time.perf_counter()
     for _ in range(steps):
+        if each:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = model(data[:, :-1], data[:, 1:])
         t1 = time.perf_counter()
@@ -123,7 +127,7 @@ def main():
     ap.add_argument("--stack", action="store_true", help="also the Python stacks the synchronisations come from")
     ap.add_argument("--host", action="store_true",
                     help="only the host's time per phase without synchronizing, against the wall time, and "
-                         "the synchronizing calls of a step (no profile)")
+                         "the synchronizing calls of a step (no profile): steps in a row, then each alone")
     args = ap.parse_args()
     args.prefetch, args.shard_size = 1, None
     device = step.init_dist(0, 1, step.free_port(), cuda=True)
@@ -136,9 +140,11 @@ def main():
         for _ in range(3):
             step.train_step(model, opt, data, torch.cuda.synchronize)
         if args.host:
-            (f, b, s), wall, where = host_ms(model, opt, data, args.steps)
-            print(f"{v:<20} host: forward {f:.2f} backward {b:.2f} step {s:.2f} = {f + b + s:.2f} ms | "
-                  f"wall {wall:.2f} ms per step | syncs in a step: {where or 'none'}", flush=True)
+            for each in (False, True):
+                (f, b, s), wall, where = host_ms(model, opt, data, args.steps, each)
+                print(f"{v:<20} {'alone' if each else 'in a row'}: host forward {f:.2f} backward {b:.2f} step "
+                      f"{s:.2f} = {f + b + s:.2f} ms | wall {wall:.2f} ms per step | syncs in a step: "
+                      f"{where or 'none'}", flush=True)
             step.settle(opt)
             del model, opt
             torch.cuda.empty_cache()
