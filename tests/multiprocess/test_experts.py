@@ -138,10 +138,11 @@ def test_accumulation_torch_clip_and_a_starved_expert():
     _check(get_pool(4).run(_train, 3, 1, 2, micro=2, clip=0.05, torch_clip=True), clip=0.05)
 
 
-def _muon_over_experts(stage: int):
-    """Muon (fp32 Newton-Schulz) over the experts' matrices in a param group over the edp
-    group, AdamW over the rest, against one process doing the same over the whole model:
-    the largest relative parameter difference, and the Muon state bytes this rank holds."""
+def _muon_over_experts(stage: int, adafactor: bool = False):
+    """Muon (fp32 Newton-Schulz; or torch's Adafactor) over the experts' matrices in a param
+    group over the edp group, AdamW over the rest, against one process doing the same over
+    the whole model: the largest relative parameter difference, and the Muon state bytes
+    this rank holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from test_whole_tensor import Muon32
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -154,16 +155,17 @@ def _muon_over_experts(stage: int):
     ref = Net(2)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     dense, mats, vecs = groups(ref)
-    ref_opts = [Muon32(mats, lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw"),
-                torch.optim.AdamW(dense + vecs, lr=1e-2)]
+    cls, kw = (torch.optim.Adafactor, dict(lr=0.01)) if adafactor else \
+        (Muon32, dict(lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw"))
+    ref_opts = [cls(mats, **kw), torch.optim.AdamW(dense + vecs, lr=1e-2)]
     net = Net(2, mesh["ep"].get_group())
     with torch.no_grad():
         for name, p in net.named_parameters():
             p.copy_(start[global_name(net, name)])
     dense, mats, vecs = groups(net)
     edp = mesh["edp"]
-    opts = [zs.ShardedOptimizer([{"params": mats, "device_mesh": edp}], optimizer_class=Muon32, whole_tensor=True,
-                                lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw", stage=stage),
+    opts = [zs.ShardedOptimizer([{"params": mats, "device_mesh": edp}], optimizer_class=cls,
+                                **({} if adafactor else dict(whole_tensor=True)), **kw, stage=stage),
             zs.ShardedOptimizer([{"params": dense}, {"params": vecs, "device_mesh": edp}], lr=1e-2, stage=stage)]
     for step in range(STEPS):
         xs, ys = zip(*(_data(step, r) for r in range(world)))
@@ -177,15 +179,17 @@ def _muon_over_experts(stage: int):
     return err, opts[0].memory_report()["optimizer_state"]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_muon_over_an_expert_param_group_equals_one_process(stage):
+@pytest.mark.parametrize("stage,adafactor", [(1, False), (2, False), (2, True)])
+def test_whole_tensor_optimizers_over_an_expert_param_group_equal_one_process(stage, adafactor):
     """Each expert matrix's owner is one of its edp group's ranks: every expert is stepped
-    (and holds its momentum) once in the job, and the model ends where one process's does."""
-    res = get_pool(4).run(_muon_over_experts, stage)
+    (and holds Muon's momentum) once in the job, and the model ends where one process's does
+    (Muon, and torch's Adafactor)."""
+    res = get_pool(4).run(_muon_over_experts, stage, adafactor)
     assert max(err for err, _ in res) < 2e-5, res
     whole = Net(2)
-    assert sum(b for _, b in res) == 4 * sum(p.numel() for n, p in whole.named_parameters()
-                                             if n.startswith("moe.experts.") and p.dim() == 2)
+    if not adafactor:
+        assert sum(b for _, b in res) == 4 * sum(p.numel() for n, p in whole.named_parameters()
+                                                 if n.startswith("moe.experts.") and p.dim() == 2)
 
 
 def _skips_everywhere():
