@@ -131,11 +131,11 @@ class WholeTensor:
         shapes = dict(source.full_shapes)
         check_shapes(cls, shapes, err)
         self.shapes = shapes
-        # the parameters the layout keeps whole in their owner's shard, and the others
         # a parameter of a param group over its own ranks (an expert's: [Note: param groups over
         # their own ranks] in comm/mesh.py) has its owner among those ranks, numbered there
         self.own_ranks = {i: dist.get_rank(pg) for i in sorted(shapes)
                           if (pg := source.param_process_group(i)) is not source.process_group}
+        # the parameters the layout keeps whole in their owner's shard, and the others
         self.owners = {i: o for i in sorted(shapes) if (o := source.whole_owner(i)) is not None}
         split = [i for i in sorted(shapes) if i not in self.owners]
         if any(i in self.own_ranks for i in split):
