@@ -139,10 +139,10 @@ def test_accumulation_torch_clip_and_a_starved_expert():
 
 
 def _muon_over_experts(stage: int, adafactor: bool = False):
-    """Muon (fp32 Newton-Schulz; or torch's Adafactor) over the experts' matrices in a param
-    group over the edp group, AdamW over the rest, against one process doing the same over
-    the whole model: the largest relative parameter difference, and the Muon state bytes
-    this rank holds."""
+    """Muon (fp32 Newton-Schulz; or torch's Adafactor) over the experts' matrices (in a param
+    group over the edp group; at stage 3 in FullyShard's expert units), AdamW over the rest,
+    against one process doing the same over the whole model: the largest relative parameter
+    difference, and the Muon state bytes this rank holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from test_whole_tensor import Muon32
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -162,28 +162,35 @@ def _muon_over_experts(stage: int, adafactor: bool = False):
     with torch.no_grad():
         for name, p in net.named_parameters():
             p.copy_(start[global_name(net, name)])
-    dense, mats, vecs = groups(net)
-    edp = mesh["edp"]
-    opts = [zs.ShardedOptimizer([{"params": mats, "device_mesh": edp}], optimizer_class=cls,
-                                **({} if adafactor else dict(whole_tensor=True)), **kw, stage=stage),
-            zs.ShardedOptimizer([{"params": dense}, {"params": vecs, "device_mesh": edp}], lr=1e-2, stage=stage)]
+    vouch = {} if adafactor else dict(whole_tensor=True)
+    if stage == 3:      # each expert a unit over its edp group: its parameters carry their ranks
+        model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]})
+        dense, mats, vecs = groups(model)
+        opts = [zs.ShardedOptimizer(mats, optimizer_class=cls, **vouch, **kw),
+                zs.ShardedOptimizer(dense + vecs, lr=1e-2)]
+    else:
+        model, (dense, mats, vecs), edp = net, groups(net), mesh["edp"]
+        opts = [zs.ShardedOptimizer([{"params": mats, "device_mesh": edp}], optimizer_class=cls, **vouch, **kw,
+                                    stage=stage),
+                zs.ShardedOptimizer([{"params": dense}, {"params": vecs, "device_mesh": edp}], lr=1e-2, stage=stage)]
     for step in range(STEPS):
         xs, ys = zip(*(_data(step, r) for r in range(world)))
         F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
-        F.mse_loss(net(xs[rank]), ys[rank]).backward()
+        F.mse_loss(model(xs[rank]), ys[rank]).backward()
         for o in ref_opts + opts:
             o.step()
             o.zero_grad()
     err = max(((p - ref.get_parameter(global_name(net, n))).norm() / p.norm()).item()
-              for n, p in net.named_parameters())
+              for n, p in model.state_dict().items())     # (FullyShard: each rank's own experts, whole)
     return err, opts[0].memory_report()["optimizer_state"]
 
 
-@pytest.mark.parametrize("stage,adafactor", [(1, False), (2, False), (2, True)])
-def test_whole_tensor_optimizers_over_an_expert_param_group_equal_one_process(stage, adafactor):
-    """Each expert matrix's owner is one of its edp group's ranks: every expert is stepped
-    (and holds Muon's momentum) once in the job, and the model ends where one process's does
-    (Muon, and torch's Adafactor)."""
+@pytest.mark.parametrize("stage,adafactor", [(1, False), (2, False), (2, True), (3, False)])
+def test_whole_tensor_optimizers_over_experts_equal_one_process(stage, adafactor):
+    """Each expert matrix's owner is one of its edp group's ranks (stages 1/2: an expert param
+    group; stage 3: FullyShard's expert units laid out again for those owners): every expert
+    is stepped (and holds Muon's momentum) once in the job, and the model ends where one
+    process's does (Muon, and torch's Adafactor)."""
     res = get_pool(4).run(_muon_over_experts, stage, adafactor)
     assert max(err for err, _ in res) < 2e-5, res
     whole = Net(2)
@@ -241,9 +248,6 @@ def _refusals(tmp):
     model = zs.FullyShard(Net(1, mesh["ep"].get_group()), expert_modules={Expert: mesh["edp"]})
     opt3 = zs.ShardedOptimizer(model.parameters())
     catch("save3", lambda: zs.save_checkpoint(os.path.join(tmp, "b"), model, opt3))
-    fresh = zs.FullyShard(Net(1, mesh["ep"].get_group()), expert_modules={Expert: mesh["edp"]})
-    catch("muon", lambda: zs.ShardedOptimizer([p for p in fresh.parameters() if p.dim() == 2],
-                                              optimizer_class=torch.optim.Muon))
     big = split(Net(1, mesh["ep"].get_group()))[1]      # an expert matrix larger than a bucket
     catch("muon_split", lambda: zs.ShardedOptimizer([{"params": [p for p in big if p.dim() == 2],
                                                       "device_mesh": mesh["edp"]}], bucket_mb=40 / 2**20,
@@ -258,7 +262,6 @@ def _refusals(tmp):
 
 def test_what_is_not_supported_yet_is_refused(tmp_path):
     want = {"save2": ("NotImplementedError", "expert parallelism"), "state_dict": ("NotImplementedError", "own ranks"),
-            "muon": ("whole-tensor optimizer", "expert_modules is not supported yet"),
             "muon_split": ("larger than a bucket", "raise bucket_mb"), "hybrid": ("hybrid sharding",),
             "save3": ("expert_modules are not supported yet",), "thaw": ("an expert unit over its own ranks",)}
     for msgs in get_pool(4).run(_refusals, str(tmp_path)):

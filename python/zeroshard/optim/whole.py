@@ -20,8 +20,10 @@ in the job, there:
 * A param group over its own ranks (an expert-parallel group's ``"device_mesh"``) is
   laid out over those ranks, so each of its parameters' owner is one of them
   (``rank_of``): each expert is stepped once in each of its expert-data-parallel
-  groups, by one of that group's ranks. Such a parameter must fit a bucket (the
-  window exchange below runs over the optimizer's ranks only).
+  groups, by one of that group's ranks. At ZeRO-1/2 such a parameter must fit a
+  bucket (the window exchange below runs over the optimizer's ranks only); under
+  FullyShard an expert unit is laid out again over its own ranks, the owners
+  packed among them.
 * FullyShard's units are laid out again when this optimizer is built, each
   parameter inside its owner's chunk ([Note: uneven chunks] in
   zero3/relayout.py), and stepped in place there, as at ZeRO-1/2

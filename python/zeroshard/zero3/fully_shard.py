@@ -354,10 +354,6 @@ class FullyShard(nn.Module, ShardedModel):
     def lay_out_for_owners(self, costs: Dict[int, int], load: List[int], by: object):
         """Each tensor of ``costs`` (sharded parameter id -> cost) inside one rank's chunk, for
         the whole-tensor optimizer whose source is ``by`` ([Note: uneven chunks])."""
-        if any(u.ranks.own for u in self._units):
-            raise ValueError(self._err("a whole-tensor optimizer (Muon, Adafactor) over a FullyShard with "
-                                       "expert_modules is not supported yet; use the fused AdamW or an "
-                                       "elementwise optimizer_class"))
         relayout.lay_out(self._setup, self._units, costs, load, self._backward, self._optimizers, by)
 
     @torch.compiler.disable

@@ -81,18 +81,27 @@ def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], loa
     longest-processing-time packing over all of them on top of ``load`` (each rank's
     cost already owned; updated). ``busy(u)``: why ``u`` cannot move now, or
     None. Returns the units that moved. Collective over ``cfg.group``."""
-    whole = [q for u in units for q in u.params if id(q.sharded) in costs and q.requires_grad and q.numel]
-    owner = dict(zip(map(id, whole), assign_owners([costs[id(q.sharded)] for q in whole], cfg.world, load)))
-    for q in whole:
-        load[owner[id(q)]] += costs[id(q.sharded)]
+    # the owners over each group of ranks the units shard over: every rank for most units,
+    # an expert unit's edp group for its experts (the same packing in every such group;
+    # ``load`` is every rank's, the expert groups' start empty)
+    owner: Dict[int, int] = {}
+    by_ranks: Dict[int, tuple] = {}
+    for u in units:
+        by_ranks.setdefault(id(u.ranks), (u.ranks, []))[1].extend(
+            q for q in u.params if id(q.sharded) in costs and q.requires_grad and q.numel)
+    for ranks, whole in by_ranks.values():
+        room = load if not ranks.own else [0] * ranks.world
+        owner.update(zip(map(id, whole), assign_owners([costs[id(q.sharded)] for q in whole], ranks.world, room)))
+        for q in whole:
+            room[owner[id(q)]] += costs[id(q.sharded)]
     moved = []
     for u in units:
         if not any(id(q) in owner for q in u.params):
             continue
         layout = owner_chunks([q.numel for q in u.params], {k: owner[id(q)] for k, q in enumerate(u.params)
-                                                            if id(q) in owner}, cfg.world, layout_align(cfg.param_dtype),
-                              MIN_FILL)
-        now = [u.span(r)[0] for r in range(cfg.world)] + [u.numel]
+                                                            if id(q) in owner}, u.ranks.world,
+                              layout_align(cfg.param_dtype), MIN_FILL)
+        now = [u.span(r)[0] for r in range(u.ranks.world)] + [u.numel]
         if layout.offsets == [q.offset for q in u.params] and layout.bounds == now:
             continue
         why = busy(u)
@@ -150,10 +159,10 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
     values = None
     if dev.type != "meta":
         values = torch.empty(u.numel, dtype=torch.float32, device=dev)
-        comm.all_gather(u.shard.to(dev), values, group=cfg.group, bounds=u.bounds,
+        comm.all_gather(u.shard.to(dev), values, group=u.ranks.group, bounds=u.bounds,
                         what=f"relayout: unit '{u.name}' values").wait()
     old = [q.offset for q in u.params]
-    lo, hi = bounds[cfg.rank], bounds[cfg.rank + 1]
+    lo, hi = bounds[u.ranks.rank], bounds[u.ranks.rank + 1]
     u.bounds, u.numel, u.shard_numel = list(bounds), bounds[-1], hi - lo
     u.shard = host_or_device_zeros(u.shard_numel, cfg.shard_device, dev)
     u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
@@ -165,6 +174,6 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
             q.local.copy_(values[was + q.tensor_offset:was + q.tensor_offset + n])
         q.sharded.piece = q.local
         q.full.data = u.full[q.offset:q.offset + q.numel].view(q.shape)
-    set_grad_extent(u, cfg.world)      # ([Note: frozen parameters]: over the new offsets)
+    set_grad_extent(u, u.ranks.world)      # ([Note: frozen parameters]: over the new offsets)
     if dev.type != "meta":
         u.full.untyped_storage().resize_(0)

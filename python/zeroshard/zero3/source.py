@@ -70,7 +70,8 @@ class UnitSource(ShardSource):
         # laid out for this optimizer (``whole``), the owners are already the balanced packing's
         if not whole:
             costs = {i: update_cost(s) for i, s in self.full_shapes.items()}
-            self.whole_owners = keep_balanced(self.whole_owners, costs, self.world_size)
+            dense = {i: o for i, o in self.whole_owners.items() if not self._ranks[i].own}
+            self.whole_owners = keep_balanced(dense, costs, self.world_size)
 
     def param_colors(self):
         if not any(sg.own for sg in self._ranks.values()):
@@ -134,7 +135,7 @@ class UnitSource(ShardSource):
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
             self._ranks[index[id(q.sharded)]] = u.ranks
-            holder = u.holder(q.offset, q.numel, self.world_size) if q.numel and not u.ranks.own else None
+            holder = u.holder(q.offset, q.numel, u.ranks.world) if q.numel else None   # (its place in u.ranks)
             if holder is not None:
                 self.whole_owners[index[id(q.sharded)]] = holder     # inside one chunk
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
