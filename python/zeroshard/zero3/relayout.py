@@ -78,12 +78,11 @@ def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], loa
                        busy: Callable[[Unit], Optional[str]]) -> List[Unit]:
     """Lay the units holding any of ``costs``' tensors (id of a sharded parameter ->
     its update cost) out so each lies inside its owner's chunk, the owners chosen by
-    longest-processing-time packing over all of them on top of ``load`` (each rank's
-    cost already owned; updated). ``busy(u)``: why ``u`` cannot move now, or
+    longest-processing-time packing within each group of ranks the units shard over:
+    over every rank on top of ``load`` (each rank's cost already owned; updated), over an
+    expert unit's own ranks from nothing. ``busy(u)``: why ``u`` cannot move now, or
     None. Returns the units that moved. Collective over ``cfg.group``."""
-    # the owners over each group of ranks the units shard over: every rank for most units,
-    # an expert unit's edp group for its experts (the same packing in every such group;
-    # ``load`` is every rank's, the expert groups' start empty)
+    # (each edp group of an expert unit packs the same shapes, so the same way)
     owner: Dict[int, int] = {}
     by_ranks: Dict[int, tuple] = {}
     for u in units:

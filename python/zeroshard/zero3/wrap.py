@@ -122,8 +122,9 @@ def _check_param(cfg: "Setup", name: str, p: torch.Tensor) -> None:
     if p.dtype not in SUPPORTED:
         raise ValueError(cfg.err(f"parameter '{name}' has dtype {p.dtype}; FullyShard "
                                  "supports float32, bfloat16 and float16 parameters"))
-    if refused_kind(p):
-        raise ValueError(cfg.err(f"parameter '{name}' {refused_kind(p)}"))
+    why = refused_kind(p)
+    if why:
+        raise ValueError(cfg.err(f"parameter '{name}' {why}"))
 
 
 def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
