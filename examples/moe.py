@@ -14,8 +14,14 @@ over its edp group and divided by the whole data-parallel size: its ep peers' to
 reached it already. The script trains it at ZeRO-2 (the experts' param group over the edp
 group) and at ZeRO-3 (FullyShard with expert_modules: each expert a unit over
 the edp group) and checks both against one process training the whole model
-(every expert) on every rank's tokens with torch.optim.AdamW.
+(every expert) on every rank's tokens with torch.optim.AdamW. Its checkpoint keeps
+every expert under its name in the whole model (``expert_names``): the export is the
+one process's state dict.
 """
+import os
+import shutil
+import tempfile
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -24,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
+from safetensors.torch import load_file
 
 IN, OUT, D, H, E, TOKENS, STEPS, EP = 5, 3, 6, 10, 4, 7, 6, 2   # E experts, TOKENS per rank, EP ranks per group
 
@@ -191,11 +198,25 @@ def main():
     norm2 = train(net, opt, device, rank)
     err2, rep = error(net, net.state_dict()), opt.memory_report()
 
-    # ZeRO-3: each expert a unit gathered and reduced over its edp group, the rest over every rank
+    # ZeRO-3: each expert a unit gathered and reduced over its edp group, the rest over every rank;
+    # expert_names: each expert parameter's name in the whole model, for checkpoints
     net = expert_parallel_model()
-    model = zeroshard.FullyShard(net, expert_modules={Expert: mesh["edp"]})
-    norm3 = train(model, zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2), device, rank)
+    model = zeroshard.FullyShard(net, expert_modules={Expert: mesh["edp"]},
+                                 expert_names=lambda name: global_name(net, name))
+    opt3 = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2)
+    norm3 = train(model, opt3, device, rank)
     err3 = error(net, model.state_dict())   # (collective: each rank gets its own experts whole)
+
+    # a checkpoint holds every expert once, under its whole-model name: exported, the whole model's
+    where = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)     # (one filesystem: the ranks of one node)
+    zeroshard.save_checkpoint(os.path.join(where[0], "ckpt"), model, opt3)
+    if rank == 0:
+        zeroshard.export_full_state_dict(os.path.join(where[0], "ckpt"), os.path.join(where[0], "moe.safetensors"))
+        whole = load_file(os.path.join(where[0], "moe.safetensors"))
+        assert whole.keys() == ref.state_dict().keys(), "the export is not the whole model's state dict"
+        err3 = max(err3, *(((v - ref.get_parameter(n).cpu()).norm() / v.norm()).item() for n, v in whole.items()))
+        shutil.rmtree(where[0])
 
     if rank == 0:
         print(f"moe: {world} ranks = edp {world // ep} x ep {ep}; rank 0 holds experts {net.moe.ids}, and at "

@@ -27,15 +27,15 @@ def _data(step: int, rank: int):
     return torch.randn(TOKENS, 5, generator=g), torch.randn(TOKENS, 3, generator=g)
 
 
-def _reference(top_k: int, world: int, micro: int, clip, starve: bool):
-    """One process, every expert, every rank's tokens: parameters and clip norms after STEPS."""
+def _reference(top_k: int, world: int, micro: int, clip, starve: bool, steps: int = STEPS):
+    """One process, every expert, every rank's tokens: parameters and clip norms after ``steps``."""
     torch.manual_seed(0)
     model = Net(top_k, call_every_expert=not starve)
     model.moe.unrouted = [E - 1] if starve else []      # the last expert never gets a token
     dense, experts = split(model)
     opt = torch.optim.AdamW([{"params": dense}, {"params": experts, "weight_decay": 0.3}], lr=1e-2)
     norms, first = [], None
-    for step in range(STEPS):
+    for step in range(steps):
         for m in range(micro):
             xs, ys = zip(*(_data(step * micro + m, r) for r in range(world)))
             (F.mse_loss(model(torch.cat(xs)), torch.cat(ys)) / micro).backward()
@@ -199,6 +199,80 @@ def test_whole_tensor_optimizers_over_experts_equal_one_process(stage, adafactor
                                                  if n.startswith("moe.experts.") and p.dim() == 2)
 
 
+def _expert_parallel(stage: int, ep: int, mesh_world: int, decay: float = 0.3):
+    """A fresh model and optimizer at ``stage`` with ``ep`` ranks per expert-parallel group,
+    its experts named as in the whole model (for checkpoints), weight decay ``decay`` on them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (mesh_world // ep, ep), mesh_dim_names=("edp", "ep"))
+    net = Net(2, mesh["ep"].get_group() if ep > 1 else None)
+    if stage == 3:
+        model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]}, expert_names=lambda n: global_name(net, n))
+        dense, experts = split(model)
+        return net, model, zs.ShardedOptimizer([{"params": dense}, {"params": experts, "weight_decay": decay}],
+                                               lr=1e-2)
+    named = [(global_name(net, n), p) for n, p in net.named_parameters()]     # (torch: every group named)
+    dense = [e for e in named if not e[0].startswith("moe.experts.")]
+    experts = [e for e in named if e[0].startswith("moe.experts.")]
+    return net, net, zs.ShardedOptimizer([{"params": dense}, {"params": experts, "weight_decay": decay,
+                                                             "device_mesh": mesh["edp"]}], lr=1e-2, stage=stage)
+
+
+def _steps(model, steps, per_rank: int):
+    """Train ``steps``, this rank's tokens those of ``per_rank`` consecutive ranks of 4."""
+    rank = dist.get_rank()
+    for step in steps:
+        xs, ys = zip(*(_data(step, r) for r in range(rank * per_rank, (rank + 1) * per_rank)))
+        F.mse_loss(model[0](torch.cat(xs)), torch.cat(ys)).backward()
+        model[1].step()
+        model[1].zero_grad()
+
+
+def _error(net, model, ref) -> float:
+    return max(((p - ref.get_parameter(global_name(net, n))).norm() / p.norm()).item()
+               for n, p in model.state_dict().items())
+
+
+def _checkpoint_across_layouts(tmp: str, save: bool, layouts):
+    """Save after one step at stage 2, edp 2 x ep 2 (``save``), then for each (stage, ep) of
+    ``layouts`` load it into a model of that layout over every rank and train the other steps:
+    each ends where one process training the whole model does."""
+    world = dist.get_world_size()
+    ref = _reference(2, 4, 1, None, False)[0]
+    torch.manual_seed(0)
+    path, errors = os.path.join(tmp, "moe"), {}
+    if save:
+        start = Net(2)                          # the reference's start (seed 0)
+        net, model, opt = _expert_parallel(2, 2, world)
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                p.copy_(start.get_parameter(global_name(net, name)))
+        _steps((model, opt), [0], 1)
+        zs.save_checkpoint(path, model, opt)
+    for stage, ep in layouts:
+        net, model, opt = _expert_parallel(stage, ep, world, decay=0.0)    # (the checkpoint's: 0.3)
+        zs.load_checkpoint(path, model, opt)
+        _steps((model, opt), range(1, STEPS), 4 // world)
+        errors[(stage, ep)] = _error(net, model, ref)
+    return errors
+
+
+def test_checkpoints_resume_at_another_expert_parallel_degree_and_world_size(tmp_path):
+    """Saved at edp 2 x ep 2 (stage 2, its expert group's parameters named as in the whole
+    model), loaded and trained on at ep 4 (one expert a rank; FullyShard with expert_names),
+    ep 1 (every expert on every rank; stage 1), and on 2 ranks at ep 2 (stage 3): each ends
+    where one process does; the export is the whole model's state dict."""
+    from safetensors.torch import load_file
+    for errors in get_pool(4).run(_checkpoint_across_layouts, str(tmp_path), True, [(3, 4), (1, 1)]):
+        assert max(errors.values()) < 2e-5, errors
+    for errors in get_pool(2).run(_checkpoint_across_layouts, str(tmp_path), False, [(3, 2)]):
+        assert max(errors.values()) < 2e-5, errors
+    zs.export_full_state_dict(tmp_path / "moe", tmp_path / "full.safetensors")
+    full = load_file(str(tmp_path / "full.safetensors"))
+    want = _reference(2, 4, 1, None, False, steps=1)[0].state_dict()
+    assert set(full) == set(want)        # every expert once, under the whole model's names
+    assert max(((full[n] - w).norm() / w.norm()).item() for n, w in want.items()) < 2e-5
+
+
 def _skips_everywhere():
     """GradScaler: a non-finite gradient in an expert held by one ep group skips the step on
     every rank."""
@@ -241,13 +315,17 @@ def _refusals(tmp):
     net = Net(1, mesh["ep"].get_group())
     dense, experts = split(net)
     opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "device_mesh": mesh["edp"]}], stage=2)
-    catch("save2", lambda: zs.save_checkpoint(os.path.join(tmp, "a"), net, opt))
+    catch("save2", lambda: zs.save_checkpoint(os.path.join(tmp, "a"), net, opt))     # (experts not named)
+    catch("model_only", lambda: zs.save_checkpoint(os.path.join(tmp, "c"), net))
     catch("state_dict", opt.state_dict)
     catch("hybrid", lambda: zs.ShardedOptimizer([{"params": Net(1).parameters(), "device_mesh": mesh["edp"]}],
                                                 shard_size=2))
     model = zs.FullyShard(Net(1, mesh["ep"].get_group()), expert_modules={Expert: mesh["edp"]})
     opt3 = zs.ShardedOptimizer(model.parameters())
     catch("save3", lambda: zs.save_checkpoint(os.path.join(tmp, "b"), model, opt3))
+    net = Net(1, mesh["ep"].get_group())
+    named = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]}, expert_names=lambda n: global_name(net, n))
+    catch("dcp", lambda: zs.checkpoint.dcp_state_dict(named, zs.ShardedOptimizer(named.parameters())))
     big = split(Net(1, mesh["ep"].get_group()))[1]      # an expert matrix larger than a bucket
     catch("muon_split", lambda: zs.ShardedOptimizer([{"params": [p for p in big if p.dim() == 2],
                                                       "device_mesh": mesh["edp"]}], bucket_mb=40 / 2**20,
@@ -261,9 +339,9 @@ def _refusals(tmp):
 
 
 def test_what_is_not_supported_yet_is_refused(tmp_path):
-    want = {"save2": ("NotImplementedError", "expert parallelism"), "state_dict": ("NotImplementedError", "own ranks"),
+    want = {"save2": ("moe.experts.0.up.weight", "(whole_model_name, p)"), "model_only": ("Pass that optimizer",), "state_dict": ("NotImplementedError", "own ranks"),
             "muon_split": ("larger than a bucket", "raise bucket_mb"), "hybrid": ("hybrid sharding",),
-            "save3": ("expert_modules are not supported yet",), "thaw": ("an expert unit over its own ranks",)}
+            "save3": ("moe.experts.0.up.weight", "expert_names=fn"), "dcp": ("not supported yet", "save_checkpoint"), "thaw": ("an expert unit over its own ranks",)}
     for msgs in get_pool(4).run(_refusals, str(tmp_path)):
         for key, parts in want.items():
             assert all(part in msgs.get(key, "") for part in parts), (key, msgs.get(key))

@@ -154,11 +154,12 @@ def find_checkpoint(path: str) -> str:
     return path
 
 
-def _check_match(h: Holdings, man: dict, path: str, with_optimizer: bool):
+def _check_match(h: Holdings, man: dict, path: str, with_optimizer: bool, elsewhere: set):
+    """``elsewhere``: the experts' tensors other ranks hold ([Note: expert checkpoints])."""
     tensors, where = man["tensors"], f"the checkpoint {path}"
     if with_optimizer and man["param_groups"] is None:
         raise CheckpointError(f"{where} was saved without an optimizer; pass optimizer=None to load the model only")
-    for key, s in h.specs.items():
+    for key, s in {**h.specs, **h.local_specs}.items():
         t = tensors.get(key)
         if t is None and key.startswith(("exp_avg:", "exp_avg_sq:")):
             continue          # saved before that parameter had optimizer state: it starts at zero
@@ -167,7 +168,7 @@ def _check_match(h: Holdings, man: dict, path: str, with_optimizer: bool):
         if list(t["shape"]) != list(s.shape):
             raise CheckpointError(f"{where}: tensor '{key}' has shape {tuple(t['shape'])} but the model's is "
                                   f"{tuple(s.shape)}; it is a checkpoint of another model")
-    extra = [k for k in tensors if k.startswith(("param:", "buffer:")) and k not in h.specs]
+    extra = [k for k in tensors if k.startswith(("param:", "buffer:")) and k not in h.specs and k not in elsewhere]
     if extra:
         raise CheckpointError(f"{where} has tensors the model lacks, e.g. '{extra[0]}' ({len(extra)} in all); "
                               "it is a checkpoint of another model")
@@ -193,8 +194,9 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     h = Holdings(model, optimizer, for_load=True)    # same outcome on every rank
     _check_in(h, "load_checkpoint()")
     peers = Peers(h.group)
+    elsewhere = h.everyones_expert_keys()
     man = peers.run(lambda: files.read_manifest(path))
-    peers.run(lambda: (_check_match(h, man, path, optimizer is not None), h.adopt(man)))
+    peers.run(lambda: (_check_match(h, man, path, optimizer is not None, elsewhere), h.adopt(man)))
     reader = files.Reader(path, man)
     files.stats["bytes_read"] = 0
 

@@ -32,6 +32,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 
 from .. import comm
 from .dcp_tensor import flat_sharded_tensor
+from .files import CheckpointError
 from .holdings import Holdings
 from .pieces import Piece
 
@@ -125,6 +126,7 @@ def dcp_state_dict(model: nn.Module, optimizer=None, *, options=None) -> Tuple[d
     (the other ranks' dicts are empty), as ``get_state_dict`` does for FSDP2."""
     fresh = _fresh(model, optimizer)      # no state yet: what a load fills, from the class
     holdings = Holdings(model, optimizer, for_load=fresh is not None)
+    _refuse_experts(holdings, "dcp_state_dict()")
     if fresh is not None:
         holdings.adopt(fresh)
     rank = dist.get_rank(holdings.group) if holdings.group is not None else 0
@@ -192,6 +194,15 @@ def _gathered(model_sd: dict, state: dict, groups: list, group, rank0_only: bool
     if not keep:
         return {}, {"state": {}, "param_groups": groups}
     return model_out, {"state": state_out, "param_groups": groups}
+
+
+def _refuse_experts(holdings: Holdings, what: str) -> None:
+    """Expert parallelism goes through zeroshard's own checkpoints for now ([Note: expert
+    checkpoints] in checkpoint/holdings.py); the same outcome on every rank."""
+    if holdings.has_experts:
+        raise CheckpointError(f"{what} of an expert-parallel model (parameters sharded over their own ranks) is "
+                              "not supported yet: save and load it with zeroshard.save_checkpoint / "
+                              "load_checkpoint, which keep every expert under its whole-model name")
 
 
 def _optimizers(optimizer) -> list:
@@ -284,6 +295,7 @@ def load_dcp_state_dict(model: nn.Module, optimizer=None, *, model_state_dict: d
     ``broadcast_from_rank0=True`` only rank 0's dicts hold values (full tensors), each
     broadcast in turn, as ``set_state_dict`` takes them for FSDP2."""
     holdings = Holdings(model, optimizer, for_load=True)
+    _refuse_experts(holdings, "load_dcp_state_dict()")
     optim_state_dict = optim_state_dict or {"state": {}, "param_groups": []}
     if options is not None and options.broadcast_from_rank0:
         model_state_dict, optim_state_dict = _from_rank0(model_state_dict, optim_state_dict, holdings.group)

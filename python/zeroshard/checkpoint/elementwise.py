@@ -29,35 +29,40 @@ from .files import parse_dtype
 from .pieces import Piece, Spec
 
 
-def elementwise_save(opt, rule, names: List[str]) -> Tuple[Dict[str, Spec], List[Piece]]:
-    """The specs and this rank's pieces of ``rule``'s state (collective: the scalars and
-    which keys each parameter has are gathered over the optimizer's ranks)."""
+def elementwise_save(opt, rule, names: List[str], places: Dict[int, int]
+                     ) -> Tuple[Dict[str, Spec], Dict[str, Spec], List[Piece]]:
+    """The specs (the same on every rank, and this rank's alone: its experts') and this
+    rank's pieces of ``rule``'s state (collective: the scalars and which keys each
+    parameter has are gathered over the optimizer's ranks, by name). ``places``: each
+    expert parameter's place among its own ranks ([Note: expert checkpoints] in
+    checkpoint/holdings.py; the first writes its scalars)."""
     keys = rule.elementwise_keys
-    mine: Dict[int, dict] = {}       # param -> {key: None (per element) or its scalar value}
+    mine: Dict[str, dict] = {}       # param name -> {key: None (per element) or its scalar value}
     for (i, t_off) in rule.piece_leaves():
         for k, v in (rule.piece_state(i, t_off) or {}).items():
             if k in keys and isinstance(v, torch.Tensor):
-                mine.setdefault(i, {})[k] = None
+                mine.setdefault(names[i], {})[k] = None
             elif k not in keys and v is not None:
-                mine.setdefault(i, {})[k] = torch.as_tensor(v).detach().cpu().clone()
-    every: Dict[int, dict] = {}
+                mine.setdefault(names[i], {})[k] = torch.as_tensor(v).detach().cpu().clone()
+    every: Dict[str, dict] = {}
     for theirs in comm.all_gather_object(mine, group=opt.process_group, what="save_checkpoint: optimizer state"):
-        for i, d in theirs.items():
-            every.setdefault(i, {}).update(d)
-    specs, pieces = {}, []
-    for i, d in every.items():
-        for k, v in d.items():
-            key = f"{k}:{names[i]}"
+        for name, d in theirs.items():
+            every.setdefault(name, {}).update(d)
+    specs, local, pieces = {}, {}, []
+    for i, name in enumerate(names):
+        for k, v in every.get(name, {}).items():
+            key, to = f"{k}:{name}", local if i in places else specs
             if v is None:
-                specs[key] = Spec(tuple(opt.full_shape(i)), torch.float32, torch.float32, opt.param_steps[i])
+                to[key] = Spec(tuple(opt.full_shape(i)), torch.float32, torch.float32, opt.param_steps[i])
             else:
-                specs[key] = Spec(tuple(v.shape), v.dtype, v.dtype, opt.param_steps[i])
-                pieces.append(Piece(key, 0, v.reshape(-1), True))
+                to[key] = Spec(tuple(v.shape), v.dtype, v.dtype, opt.param_steps[i])
+                if places.get(i, 0) == 0:
+                    pieces.append(Piece(key, 0, v.reshape(-1), i not in places))
     for (i, t_off) in rule.piece_leaves():
         for k, v in (rule.piece_state(i, t_off) or {}).items():
             if k in keys and isinstance(v, torch.Tensor):
                 pieces.append(Piece(f"{k}:{names[i]}", t_off, v.detach().reshape(-1), False))
-    return specs, pieces
+    return specs, local, pieces
 
 
 class ElementwiseLoad:

@@ -2,7 +2,24 @@
 tensors (Spec) and this rank's element ranges of them (Piece), read from
 the regions a sharded model (FullyShard) and a ShardedOptimizer describe
 ([Note: shard sources] in common/source.py), or from a plain model and
-torch AdamW."""
+torch AdamW.
+
+[Note: expert checkpoints] An expert-parallel model's ranks hold different experts
+under the same names (rank 1's ``moe.experts.0`` is the whole model's expert 1),
+each sharded over its own ranks (its expert-data-parallel group). A checkpoint
+keeps every expert under its name in the whole model, which the user gives
+(a param group's named parameters at stages 1/2, FullyShard's ``expert_names``):
+* its tensors are known to its own ranks only, so their specs are each rank's
+  (``local_specs``, merged by the committer) and each group of ranks writes its
+  experts' pieces, by the rank's place among them (``Region.place``); an expert
+  parameter every rank of its group holds whole (not sharded) is written by the
+  first of them;
+* param groups list each rank's names; the manifest's lists every rank's;
+* a load reads each expert wherever the new layout puts it: at another world
+  size, stage or expert-parallel degree (the experts regrouped), or into the
+  whole model, and ``export_full_state_dict`` writes the whole model's state
+  dict. Every expert of the checkpoint must be some rank's (checked).
+"""
 from __future__ import annotations
 
 import json
@@ -12,9 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import comm
 from .files import CheckpointError
 from .elementwise import ElementwiseLoad, elementwise_save
 from .pieces import Piece, Spec
+from ..common.claims import claimant
 from ..common.source import ShardedModel
 
 _SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
@@ -50,16 +69,18 @@ class Holdings:
                 self.aliases[name] = self.names[id(p)]
             else:
                 self.names[id(p)] = name
+        # [Note: expert checkpoints] id(parameter) -> its place among its own ranks, for the
+        # parameters sharded over their own ranks (experts; their names are the whole model's)
+        self.parallel: Dict[int, int] = {}
+        held, regions = fs.held_regions() if fs is not None else ([], [])
+        # some parameters shard over their own ranks (the same on every rank)
+        self.has_experts = (any(o.source.param_colors() is not None for o in sharded)
+                            or any(reg.place is not None for reg in regions))
+        if fs is None and not sharded:
+            _refuse_unnamed_experts(inner)
         covered = set()
         if fs is not None:
-            held, regions = fs.held_regions()
-            for h in held:
-                self.specs["param:" + self.names[id(h.param)]] = Spec(tuple(h.shape), torch.float32, h.dtype)
-                covered.add(id(h.param))
-            for reg in regions:
-                for i, start, sl in reg.owned(self.rank):
-                    self.pieces.append(Piece("param:" + self.names[id(held[i].param)], start, reg.values[sl], False))
-            self._finish.append(lambda man: fs.shards_loaded())
+            self._sharded_model(fs, held, regions, covered)
         self._later: List[Callable[[dict], None]] = []   # load: pieces known from the manifest only
         if sharded_opt is not None:
             for opt in sharded:
@@ -72,11 +93,24 @@ class Holdings:
         for p in (inner.parameters() if fs is None else ()):
             if id(p) not in covered:
                 name = self.names[id(p)]
-                self.specs["param:" + name] = Spec(tuple(p.shape), p.dtype, p.dtype)
-                self._whole("param:" + name, p)
+                self._spec("param:" + name, Spec(tuple(p.shape), p.dtype, p.dtype), p)
+                self._whole("param:" + name, p, self.parallel.get(id(p)))
+        if self.parallel:
+            _refuse_expert_buffers(inner, self.parallel)
         for name, b in _persistent_buffers(inner):
             self.specs["buffer:" + name] = Spec(tuple(b.shape), b.dtype, b.dtype)
             self._whole("buffer:" + name, b)
+
+    def _sharded_model(self, fs, held, regions, covered: set):
+        """A FullyShard's parameters: its regions' fp32 shards."""
+        self._name_experts(held, regions)
+        for h in held:
+            self._spec("param:" + self.names[id(h.param)], Spec(tuple(h.shape), torch.float32, h.dtype), h.param)
+            covered.add(id(h.param))
+        for reg in regions:
+            for i, start, sl in reg.owned(self._place(reg)):
+                self.pieces.append(Piece("param:" + self.names[id(held[i].param)], start, reg.values[sl], False))
+        self._finish.append(lambda man: fs.shards_loaded())
 
     def _set_group(self, fs, sharded_opt):
         """The process group the checkpoint is written over, and the replicas of hybrid sharding."""
@@ -100,12 +134,56 @@ class Holdings:
                                   "model; pass the model whose parameters the optimizer updates")
         return name
 
-    def _whole(self, key: str, t: torch.Tensor):
+    def _whole(self, key: str, t: torch.Tensor, place: Optional[int] = None):
+        """A tensor every rank holds whole (rank 0 writes it), or with ``place``, every rank
+        of an expert's own ranks (the first of them writes it: [Note: expert checkpoints])."""
         t = t.detach()
-        if t.is_contiguous():
-            self.pieces.append(Piece(key, 0, t.view(-1), True))
-        else:
-            self.pieces.append(Piece(key, 0, t.reshape(-1).clone(), True, writeback=t))
+        if place is not None and place != 0 and not self.for_load:
+            return
+        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
+        self.pieces.append(Piece(key, 0, flat, place is None, writeback=None if t.is_contiguous() else t))
+
+    def _spec(self, key: str, spec: Spec, p: torch.Tensor):
+        """The tensor ``key`` of parameter ``p``: the same on every rank, or an expert's,
+        which only its own ranks know of ([Note: expert checkpoints])."""
+        (self.local_specs if id(p) in self.parallel else self.specs)[key] = spec
+
+    def _place(self, reg) -> int:
+        """This rank's place among the ranks region ``reg`` is sharded over."""
+        return self.rank if reg.place is None else reg.place
+
+    def _name_experts(self, held, regions):
+        """FullyShard: the expert units' parameters go under their whole-model names."""
+        for reg in regions:
+            for i, *_ in reg.frags if reg.place is not None else ():
+                h = held[i]
+                if h.whole_name is None:
+                    raise CheckpointError(
+                        f"parameter '{self.names[id(h.param)]}' is an expert's (FullyShard's expert_modules): "
+                        "the ranks of different expert-parallel groups hold different experts under the same "
+                        "names, so a checkpoint needs each one's name in the whole model. Pass "
+                        "FullyShard(..., expert_names=fn), fn mapping a name in this rank's model to the whole "
+                        "model's (see docs/experts.md)")
+                self.names[id(h.param)], self.parallel[id(h.param)] = h.whole_name, reg.place
+
+    def _name_group_experts(self, opt):
+        """ZeRO-1/2: the parameters of a param group over its own ranks go under the names
+        the group gives them (torch's named parameters: ``param_names``)."""
+        colors = opt.source.param_colors()
+        given = {id(p): n for g in opt.param_groups for n, p in zip(g.get("param_names", ()), g["params"])}
+        for i, p in enumerate(opt.params):
+            if colors is None or colors[i][1] == 1 or id(p) in self.parallel:
+                continue
+            if id(p) not in given:
+                raise CheckpointError(
+                    f"parameter '{self.names.get(id(p), i)}' is in param group {opt.group_of(i)}, sharded over its "
+                    "own ranks ('device_mesh': expert parallelism): the ranks of different expert-parallel "
+                    "groups hold different experts under the same names, so a checkpoint needs each one's name "
+                    "in the whole model. Name the optimizer's parameters (torch's named parameters, every "
+                    "group), the experts' with their names in the whole model: {'params': [(whole_model_name, "
+                    "p), ...], 'device_mesh': mesh['edp']} (see docs/experts.md)")
+            self.names[id(p)] = given[id(p)]
+            self.parallel[id(p)] = dist.get_rank(opt.source.param_process_group(i))
 
     def _groups(self, opt, group_names: List[List[str]]):
         """Record opt's param groups (hyperparameters and parameter names) for a
@@ -134,7 +212,7 @@ class Holdings:
         self._finish.append(finish)
 
     def _sharded_optimizer(self, opt, covered: set):
-        opt.refuse_own_ranks("a checkpoint (save_checkpoint, load_checkpoint, dcp_state_dict)")
+        self._name_group_experts(opt)
         whole = opt.whole_tensor_rule
         names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
         if opt.elementwise_rule is not None:    # [Note: elementwise optimizer checkpoints]
@@ -144,17 +222,17 @@ class Holdings:
         for i in opt.trainable if opt.fused else ():
             step = opt.param_steps[i]
             for kind in ("exp_avg", "exp_avg_sq"):
-                self.specs[f"{kind}:{names[i]}"] = Spec(tuple(opt.full_shape(i)), torch.float32, torch.float32,
-                                                          step)
+                self._spec(f"{kind}:{names[i]}", Spec(tuple(opt.full_shape(i)), torch.float32, torch.float32,
+                                                       step), opt.params[i])
         if whole is not None:
             self._whole_tensor_state(opt, whole, names)
         for reg in opt.regions:
             if reg.values is not None and not reg.model_owned:     # (ZeRO-3: the model's, saved above)
                 for i, *_ in reg.frags:
                     p = opt.params[i]
-                    self.specs["param:" + names[i]] = Spec(tuple(p.shape), reg.values.dtype, p.dtype)
+                    self._spec("param:" + names[i], Spec(tuple(p.shape), reg.values.dtype, p.dtype), p)
                     covered.add(id(p))
-            for i, start, sl in reg.owned(self.rank):
+            for i, start, sl in reg.owned(self._place(reg)):
                 if reg.values is not None and not reg.model_owned:
                     self.pieces.append(Piece("param:" + names[i], start, reg.values[sl], False))
                 for kind in ("exp_avg", "exp_avg_sq") if opt.fused else ():
@@ -171,8 +249,10 @@ class Holdings:
     def _elementwise_state(self, opt, rule, names: List[str]):
         """An elementwise optimizer_class's state; see [Note: elementwise optimizer checkpoints]."""
         if not self.for_load:
-            specs, pieces = elementwise_save(opt, rule, names)
+            places = {i: self.parallel[id(p)] for i, p in enumerate(opt.params) if id(p) in self.parallel}
+            specs, local, pieces = elementwise_save(opt, rule, names, places)
             self.specs.update(specs)
+            self.local_specs.update(local)
             self.pieces.extend(pieces)
             return
         load = ElementwiseLoad(opt, rule, names)
@@ -202,6 +282,15 @@ class Holdings:
                     self.pieces.append(Piece(key, 0, data.view(-1), False))
         self._later.append(adopt)
         self._finish.append(lambda man: rule.set_owned_states(loaded))
+
+    def everyones_expert_keys(self) -> set:
+        """The experts' parameter keys of every rank (collective over the checkpoint's group
+        where some parameter is an expert's; this rank's alone elsewhere)."""
+        mine = sorted(k for k in self.local_specs if k.startswith("param:"))
+        if not self.has_experts or self.group is None or self.world == 1:
+            return set(mine)
+        every = comm.all_gather_object(mine, group=self.group, what="load_checkpoint: the experts each rank holds")
+        return {k for theirs in every for k in theirs}
 
     def adopt(self, man: dict):
         """A load: add the pieces only the manifest names (whole-tensor optimizer states)."""
@@ -257,6 +346,32 @@ def _check_fused_can_run(man: dict, names: set) -> None:
                 f"the checkpoint's optimizer ran with {' and '.join(f'{k}=True' for k in asked)}, which the "
                 f"fused AdamW does not run: build the ShardedOptimizer with {', '.join(f'{k}=True' for k in asked)} "
                 "(it then runs torch.optim.AdamW over its pieces) before loading it")
+
+
+def _refuse_unnamed_experts(model: nn.Module) -> None:
+    """A plain model saved or loaded without its ShardedOptimizer, whose param groups over
+    their own ranks hold experts: only the optimizer knows their whole-model names."""
+    for name, p in model.named_parameters():
+        opt = claimant(p)
+        if opt is not None and opt.source.param_colors() is not None:
+            raise CheckpointError(
+                f"parameter '{name}' is in a ShardedOptimizer param group sharded over its own ranks (expert "
+                "parallelism): the ranks of different expert-parallel groups hold different experts under the "
+                "same names. Pass that optimizer too (save_checkpoint(path, model, opt)): its param groups name "
+                "the experts in the whole model")
+
+
+def _refuse_expert_buffers(model: nn.Module, parallel: Dict[int, int]) -> None:
+    """An expert module's persistent buffers: the ranks hold different experts' under one name."""
+    for mname, m in model.named_modules():
+        params = list(m.parameters())
+        if params and all(id(p) in parallel for p in params):
+            for bname, _ in _persistent_buffers(m):
+                if "." not in bname:
+                    raise CheckpointError(
+                        f"buffer '{mname}.{bname}' belongs to an expert module (its parameters are sharded over "
+                        "their own ranks): checkpoints do not keep experts' buffers apart yet. Register it with "
+                        "persistent=False (and set it in the module's code), or keep it outside the expert")
 
 
 def _persistent_buffers(module: nn.Module):

@@ -195,14 +195,15 @@ def _write(h: Holdings, tmp: str, taken: Taken, sync: bool):
         files.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), taken.extra, sync)
         listing[f"extra{h.rank}.pt"] = {"size": len(taken.extra), "crc32": zlib.crc32(taken.extra)}
     with open(os.path.join(tmp, f"{INDEX}{h.rank}"), "wb") as f:
-        pickle.dump((entries, listing, dict(h.local_specs)), f)
+        pickle.dump((entries, listing, dict(h.local_specs), h.groups), f)
 
 
 INDEX = "index-of-rank"   # (a save's own file, read by the committer and deleted before the commit)
 
 
 def _indexes(tmp: str, world: int) -> list:
-    """Each writing rank's (manifest entries, files, whole-tensor states it alone holds), from
+    """Each writing rank's (manifest entries, files, the tensors it alone holds (whole-tensor
+    states, its experts'), its param groups), from
     the index files in ``tmp``, which are then deleted. The writers leave them there instead of
     sending them to the committer: an exchange would hand every rank every rank's entries,
     bytes growing as the square of the world size; here only the committer reads them."""
@@ -219,20 +220,20 @@ def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync:
     """The committer: write the manifest, then make ``tmp`` the checkpoint at ``path`` atomically."""
     parent, name = os.path.split(path)
     specs = dict(h.specs)
-    for *_, local in written:       # what one rank alone holds (whole-tensor optimizer states)
+    for _, _, local, _ in written:   # what some ranks alone hold (whole-tensor states, experts)
         specs.update(local)
     tensors = {k: {"shape": list(s.shape), "dtype": files.dtype_name(s.dtype),
                    "model_dtype": files.dtype_name(s.model_dtype), "step": s.step, "entries": []}
                for k, s in specs.items()}
     listing = {}
-    for entries, fl, _ in written:
+    for entries, fl, _, _ in written:
         listing.update(fl)
         for key, e in entries:
             tensors[key]["entries"].append(e)
     for t in tensors.values():
         t["entries"].sort(key=lambda e: e[2])
     body = {"world_size": h.world, "stage": h.stage, "block_bytes": files.BLOCK, "tensors": tensors,
-            "aliases": h.aliases, "param_groups": h.groups, "files": listing, "extra": taken.extra is not None,
+            "aliases": h.aliases, "param_groups": _merged_groups([w[3] for w in written]), "files": listing, "extra": taken.extra is not None,
             "torch_version": torch.__version__}
     files.write_bytes(os.path.join(tmp, files.MANIFEST), files.manifest_bytes(body), sync)
     files.fsync_dir(tmp, sync)
@@ -247,6 +248,20 @@ def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync:
         files.fsync_dir(parent, sync)
         shutil.rmtree(old)
     files.fsync_dir(parent, sync)
+
+
+def _merged_groups(every: list) -> Optional[list]:
+    """The param groups of the manifest: each rank's lists the names of its parameters, the
+    same on every rank but for the experts' ([Note: expert checkpoints] in
+    checkpoint/holdings.py); each group lists every rank's, in rank order, once."""
+    if every[0] is None:
+        return None
+    out = [{"params": list(g["params"]), "hyper": g["hyper"]} for g in every[0]]
+    for theirs in every[1:]:
+        for g, t in zip(out, theirs or ()):
+            seen = set(g["params"])
+            g["params"] += [n for n in t["params"] if n not in seen]
+    return out
 
 
 _discards: List[threading.Thread] = []   # deleting replaced checkpoints (see [Note: checkpoint format])

@@ -184,6 +184,10 @@ class Region:
     # chunks of different lengths (a unit laid out for a whole-tensor optimizer): rank r's
     # is [bounds[r], bounds[r + 1]) and shard_numel this rank's length; None: equal chunks
     bounds: Optional[List[int]] = None
+    # this rank's place among the ranks the region is sharded over, where those are its own
+    # (an expert param group's or expert unit's, [Note: param groups over their own ranks]
+    # in comm/mesh.py); None: the optimizer's or model's ranks, where the rank is theirs
+    place: Optional[int] = None
 
     def span(self, rank: int) -> Tuple[int, int]:
         """Rank ``rank``'s chunk of the region: [start, end)."""
@@ -205,10 +209,13 @@ class Region:
 @dataclass(frozen=True)
 class HeldParam:
     """A parameter of a sharded model as checkpoints see it: the object the model yields
-    (its name is the model's for it), its full shape and the model's dtype for it."""
+    (its name is the model's for it), its full shape and the model's dtype for it.
+    ``whole_name``: an expert's parameter, its name in the whole (non-parallel) model,
+    where the model was told it (FullyShard's ``expert_names``); None otherwise."""
     param: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
+    whole_name: Optional[str] = None
 
 
 class ShardedModel(abc.ABC):

@@ -313,6 +313,9 @@ def _regions_and_segments(src: "FlatReducer", stage: int):
                values=bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params))
         for bk in src.buckets]
     region_of = {bk.index: reg for bk, reg in zip(src.buckets, regions)}
+    for buf in src.buffers:       # a param group's own ranks: the region's chunks are theirs
+        for b in buf.buckets if buf.shard.own else ():
+            region_of[b.index].place = buf.shard.rank
     segments = []
     for buf in src.buffers:     # the host copy the CPU step reads ([Note: offloaded gradients])
         buf.grad_mirror = src.storage.grad_mirror(buf.placement, buf.shard_numel,

@@ -150,6 +150,12 @@ class FullyShard(nn.Module, ShardedModel):
             is a unit of its own sharded, gathered and reduced over that 1-D mesh's
             ranks (expert parallelism: each expert-parallel rank holds other experts;
             see docs/experts.md and [Note: param groups over their own ranks]).
+        expert_names: for checkpoints of such a model: given an expert parameter's
+            name in ``module`` (``"moe.experts.1.up.weight"``), its name in the whole
+            non-parallel model (``"moe.experts.3.up.weight"`` where this rank's second
+            expert is the fourth): checkpoints keep every expert under its whole-model
+            name, so they load at another expert-parallel degree and export as the
+            non-parallel model's state dict.
     """
 
     def __init__(self, module: nn.Module, wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
@@ -157,7 +163,8 @@ class FullyShard(nn.Module, ShardedModel):
                  prefetch: int = 1, process_group: Optional[dist.ProcessGroup] = None, *,
                  device: Union[torch.device, str, None] = None, shard_size: Optional[int] = None,
                  device_mesh=None, offload_params: bool = False, forward_methods: Iterable[str] = (),
-                 expert_modules: Optional[Dict[type, object]] = None):
+                 expert_modules: Optional[Dict[type, object]] = None,
+                 expert_names: Optional[Callable[[str], str]] = None):
         super().__init__()
         mp = _check_arguments(module, mixed_precision, prefetch)
         self.module = module
@@ -178,6 +185,9 @@ class FullyShard(nn.Module, ShardedModel):
         self.offload_params = bool(offload_params)
         host, taken = shard_device(self._device, self.offload_params), claimed(module)
         experts = dict(expert_modules or {})
+        if expert_names is not None and not callable(expert_names):
+            raise TypeError(f"expert_names must be a function of a parameter's name, got {type(expert_names).__name__}")
+        self._expert_names = expert_names
         own = mesh.mesh_shards(list(experts.values()), self.groups, "FullyShard",
                                [f"expert_modules[{c.__name__}]" for c in experts])
         self._setup = Setup(module=module, device=self._device, group=self.process_group, world=self.world_size,
@@ -282,12 +292,7 @@ class FullyShard(nn.Module, ShardedModel):
     def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:
         """Every sharded parameter and this rank's regions of them, one per unit (what
         checkpoints read: [Note: shard sources] in common/source.py)."""
-        if any(u.ranks.own for u in self._units):
-            raise NotImplementedError(self._err(
-                "checkpoints (save_checkpoint, load_checkpoint, dcp_state_dict) of a FullyShard with "
-                "expert_modules are not supported yet: the ranks of different expert-parallel groups hold "
-                "different experts under the same names. model.state_dict() gives each rank its own experts"))
-        return held_regions(self._units, self.rank)
+        return held_regions(self._units, self._expert_names)
 
     def no_sync(self):
         """Accumulate gradients locally (full size, in reduce_dtype) without

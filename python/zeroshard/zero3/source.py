@@ -141,7 +141,8 @@ class UnitSource(ShardSource):
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
         self.regions.append(Region(shard_numel=hi - lo, exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"],
                                    frags=[(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine],
-                                   values=u.shard[:hi - lo], model_owned=True, bounds=u.reduce_bounds()))
+                                   values=u.shard[:hi - lo], model_owned=True, bounds=u.reduce_bounds(),
+                                   place=u.ranks.rank if u.ranks.own else None))
         # runs of consecutive pieces with one param group (padding between them is harmless:
         # zero parameters with zero gradients stay zero)
         pieces = sorted((q for q in u.params if q.local.numel() > 0), key=lambda q: q.shard_offset)

@@ -2,7 +2,7 @@
 (``units``, ``module``, ``device``, ``process_group``, ``invalidate``)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -13,17 +13,21 @@ from ..common.source import HeldParam, Region, add_locations, empty_report
 from .records import Unit
 
 
-def held_regions(units: List[Unit], rank: int) -> Tuple[List[HeldParam], List[Region]]:
-    """FullyShard.held_regions: each unit's fp32 shard is a region over its parameters."""
+def held_regions(units: List[Unit], expert_names: Optional[Callable[[str], str]] = None
+                 ) -> Tuple[List[HeldParam], List[Region]]:
+    """FullyShard.held_regions: each unit's fp32 shard is a region over its parameters; an
+    expert unit's ([Note: param groups over their own ranks] in comm/mesh.py) over its own
+    ranks, its parameters under their names in the whole model where ``expert_names`` says."""
     params, regions = [], []
     for u in units:
         frags = []
         for q in u.params:
             frags.append((len(params), 0, q.offset, q.numel))
-            params.append(HeldParam(q.sharded, q.shape, q.dtype))
+            whole = expert_names(q.names[0]) if u.ranks.own and expert_names is not None else None
+            params.append(HeldParam(q.sharded, q.shape, q.dtype, whole))
         if frags:
             regions.append(Region(shard_numel=u.shard_numel, frags=frags, values=u.shard, model_owned=True,
-                                  bounds=u.bounds))
+                                  bounds=u.bounds, place=u.ranks.rank if u.ranks.own else None))
     return params, regions
 
 
