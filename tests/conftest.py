@@ -15,6 +15,17 @@ from _dist import DistPool  # noqa: E402
 _pools: dict = {}
 
 
+class Refusals(dict):
+    """What each call raised, by key (type and message): ``catch(key, fn)`` runs fn and keeps
+    a ValueError, NotImplementedError or RuntimeError it raises (the refusals tests read)."""
+
+    def catch(self, key, fn):
+        try:
+            fn()
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            self[key] = f"{type(e).__name__}: {e}"
+
+
 def get_pool(world_size: int) -> DistPool:
     if world_size not in _pools:
         _pools[world_size] = DistPool(world_size)

@@ -22,6 +22,7 @@ EXAMPLES = [
     ("offload.py", 2, {}),
     ("hybrid.py", 4, {}),
     ("moe.py", 4, {}),
+    ("tensor_parallel.py", 4, {}),
     ("checkpoints.py", 2, {}),
     ("dcp_interop.py", 2, {}),
     ("llama_zero3.py", 2, {}),

@@ -242,10 +242,11 @@ def test_cuda_training_example(stage, tmp_path):
 
 
 # every example that starts through examples/_device.py, on one GPU (a rank per GPU: NCCL on cuda:0)
-# (dcp_interop: DCP save and load of device shards; moe: expert groups of one rank; finetune: LoRA)
+# (dcp_interop: DCP save and load of device shards; moe: expert groups of one rank; finetune: LoRA;
+# tensor_parallel: DTensor parameters over a tp mesh of one rank)
 GPU_EXAMPLES = ["quickstart", "fully_shard", "fully_shard_habits", "optimizers", "uneven_inputs", "muon",
                 "mixed_precision", "offload", "checkpoints", "llama_zero3", "deepspeed_config", "lightning_gpt",
-                "dcp_interop", "moe", "finetune"]
+                "dcp_interop", "moe", "finetune", "tensor_parallel"]
 
 
 @pytest.mark.parametrize("name", GPU_EXAMPLES)

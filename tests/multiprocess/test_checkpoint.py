@@ -551,11 +551,11 @@ def _memory(stage, path):
     model(x).sum().backward()
     opt.step()
     persistent = opt.memory_report()["total"]
-    seen = len(zs.flight_record())
+    seen = {(r["group"], r["seq"]) for r in zs.flight_record()}     # (a ring: the newest records)
     save = _peak_extra(lambda: zs.save_checkpoint(path, model, opt))
     # what each rank sent in the save's exchanges (float64 words; its entries go through a file)
-    sent = [r["numel"] * 8 // dist.get_world_size() for r in zs.flight_record()[seen:]
-            if "checkpoint outcome exchange (object bytes)" in (r["what"] or "")]
+    sent = [r["numel"] * 8 // dist.get_world_size() for r in zs.flight_record()
+            if (r["group"], r["seq"]) not in seen and "checkpoint outcome exchange (object bytes)" in (r["what"] or "")]
     load = _peak_extra(lambda: zs.load_checkpoint(path, model, opt))
     states = [t for reg in opt.regions for t in (reg.exp_avg, reg.exp_avg_sq)]
     meter = _peak_extra(lambda: [t.clone() for t in states])  # the meter sees a copy of the states

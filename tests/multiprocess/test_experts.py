@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zeroshard as zs
-from conftest import get_pool
+from conftest import Refusals, get_pool
 from zeroshard.plan import model_state_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
@@ -304,14 +304,8 @@ def _refusals(tmp):
     from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
-    msgs = {}
-
-    def catch(key, fn):
-        try:
-            fn()
-        except (ValueError, NotImplementedError, RuntimeError) as e:
-            msgs[key] = f"{type(e).__name__}: {e}"
-
+    msgs = Refusals()
+    catch = msgs.catch
     net = Net(1, mesh["ep"].get_group())
     dense, experts = split(net)
     opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "device_mesh": mesh["edp"]}], stage=2)

@@ -168,9 +168,9 @@ def _bad(kind):
         zs.ShardedOptimizer(model.parameters(), shard_size=3)
     elif kind == "with process_group":
         zs.ShardedOptimizer(model.parameters(), shard_size=2, process_group=dist.group.WORLD)
-    elif kind == "1-D mesh":
+    elif kind == "3-D mesh":
         from torch.distributed.device_mesh import init_device_mesh
-        zs.ShardedOptimizer(model.parameters(), device_mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        zs.ShardedOptimizer(model.parameters(), device_mesh=init_device_mesh("cpu", (1, 2, dist.get_world_size() // 2)))
     elif kind == "fully shard":
         zs.FullyShard(model, shard_size=5)
 
@@ -179,7 +179,7 @@ def _bad(kind):
     ("not dividing", r"\[rank \d/4\] ShardedOptimizer: shard_size must be a positive integer dividing the world "
                      r"size \(4\), got 3"),
     ("with process_group", "pass process_group or shard_size, not both"),
-    ("1-D mesh", "device_mesh must be 2-D"),
+    ("3-D mesh", r"device_mesh must be 1-D \(the ranks to shard over\) or 2-D"),
     ("fully shard", r"FullyShard: shard_size must be a positive integer dividing the world size \(4\), got 5"),
 ])
 def test_hybrid_misuse_is_a_clear_error(kind, match):

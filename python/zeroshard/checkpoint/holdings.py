@@ -72,6 +72,7 @@ class Holdings:
         # [Note: expert checkpoints] id(parameter) -> its place among its own ranks, for the
         # parameters sharded over their own ranks (experts; their names are the whole model's)
         self.parallel: Dict[int, int] = {}
+        _refuse_tensor_parallel(sharded)
         held, regions = fs.held_regions() if fs is not None else ([], [])
         # some parameters shard over their own ranks (the same on every rank)
         self.has_experts = (any(o.source.param_colors() is not None for o in sharded)
@@ -346,6 +347,12 @@ def _check_fused_can_run(man: dict, names: set) -> None:
                 f"the checkpoint's optimizer ran with {' and '.join(f'{k}=True' for k in asked)}, which the "
                 f"fused AdamW does not run: build the ShardedOptimizer with {', '.join(f'{k}=True' for k in asked)} "
                 "(it then runs torch.optim.AdamW over its pieces) before loading it")
+
+
+def _refuse_tensor_parallel(sharded: list) -> None:
+    if any(o.source.tensor_parallel() is not None for o in sharded):
+        raise CheckpointError("checkpoints of tensor-parallel (DTensor) parameters are not supported yet "
+                              "(save_checkpoint, load_checkpoint, dcp_state_dict): docs/tensor-parallel.md")
 
 
 def _refuse_unnamed_experts(model: nn.Module) -> None:

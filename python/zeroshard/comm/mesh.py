@@ -137,9 +137,17 @@ def groups(process_group: Optional[dist.ProcessGroup], shard_size: Optional[int]
         if process_group is not None or shard_size is not None:
             raise ValueError(f"{who}: pass device_mesh alone (its dimensions already say which ranks shard "
                              "and which replicate), not with process_group or shard_size")
+        if device_mesh.ndim == 1:     # (as FSDP2's: shard over its ranks; mesh["dp"] beside a tp axis)
+            pg = device_mesh.get_group()
+            return Groups(pg, None, pg)
         if device_mesh.ndim != 2:
-            raise ValueError(f"{who}: device_mesh must be 2-D, (replicate, shard) as FSDP2's HSDP takes it; "
-                             f"got a {device_mesh.ndim}-D mesh of shape {tuple(device_mesh.shape)}")
+            raise ValueError(f"{who}: device_mesh must be 1-D (the ranks to shard over) or 2-D, (replicate, "
+                             f"shard) as FSDP2's HSDP takes it; got a {device_mesh.ndim}-D mesh of shape "
+                             f"{tuple(device_mesh.shape)}")
+        if device_mesh.size() != dist.get_world_size():
+            raise ValueError(f"{who}: a 2-D device_mesh (hybrid sharding) must span every rank; this one spans "
+                             f"{device_mesh.size()} of {dist.get_world_size()} (hybrid sharding beside a "
+                             "tensor-parallel axis is not supported yet)")
         shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
         return Groups(shard, replicate if dist.get_world_size(replicate) > 1 else None, dist.group.WORLD)
     if shard_size is None:

@@ -25,24 +25,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..comm.mesh import Groups
 from ..offload import Placement, Storage, placement_of
 from ..native.layout import chunk_span
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
-
-
-def refused_kind(p: torch.Tensor) -> Optional[str]:
-    """Why a parameter cannot be sharded as it is (None: it can): a DTensor, the parameter
-    of a tensor- or expert-parallel model (``parallelize_module``, transformers' tp_plan
-    and ep_plan), whose local piece zeroshard would flatten as if it were the whole."""
-    if isinstance(p, DTensor):
-        return (f"is a DTensor ({', '.join(map(str, p.placements))} over a {p.device_mesh.ndim}-D mesh): "
-                "zeroshard shards plain tensors and does not combine with tensor or expert parallelism "
-                "through DTensor yet; give it a model whose parameters are plain tensors")
-    return None
 
 # memory_report()'s persistent categories, bytes on this rank; "total" is their sum. Every
 # report (ZeRO-1/2, FullyShard) and the planner use this one schema.
@@ -287,6 +275,10 @@ class ShardSource(abc.ABC):
         """Per parameter, (color, count) of the ranks it is sharded over where some param
         group has its own ([Note: param groups over their own ranks] in comm/mesh.py);
         None where every parameter shards over ``process_group``."""
+        return None
+
+    def tensor_parallel(self):
+        """The DTensor parameters' TensorParallel (common/tensor_parallel.py), None without."""
         return None
 
     def param_process_group(self, i: int) -> dist.ProcessGroup:

@@ -32,7 +32,8 @@ def full_gradient(grads, i: int) -> torch.Tensor:
     comm.check_in(f"reading p.grad of parameter {i}", src, src.process_group,
                   f"p.grad of parameter {i} (shape {tuple(p.shape)}) is sharded over the ranks: read it on every "
                   "rank (each reads its own p.grad, as under DDP), or inside opt.no_sync() for the local values")
-    out = torch.zeros(p.numel(), dtype=torch.float32, device=src.device)
+    shape = src.full_shapes[i]       # (a DTensor parameter's local piece)
+    out = torch.zeros(shape.numel(), dtype=torch.float32, device=src.device)
     coef = grads.coef
     for seg in src.segments:
         for j, a, b, t_off in seg.pieces:
@@ -42,7 +43,8 @@ def full_gradient(grads, i: int) -> torch.Tensor:
     group = src.param_process_group(i)    # (a param group's own ranks: its experts')
     if dist.get_world_size(group) > 1:
         comm.all_reduce(out, group=group, what=f"p.grad read: parameter {i}").wait()
-    return out.view(p.shape)
+    tp = src.tensor_parallel()        # (gathered over tp: the whole gradient)
+    return out.view(shape) if tp is None else tp.full(i, out.view(shape))
 
 
 def read(func, args, kwargs, placeholder: type):

@@ -171,6 +171,13 @@ def scaled_grad(src: torch.Tensor, grad_scale: float, scale: Optional[torch.Tens
     return g.mul_(scale) if scale is not None else g
 
 
+def _over_tp(tp, stats: torch.Tensor, source) -> None:
+    """Statistics summed over dp, then over tp (tensor-parallel parameters)."""
+    if tp is not None and tp.size > 1:
+        comm.all_reduce(stats, group=tp.group, what="gradient statistics over tp").wait()
+        source.comm_elements["all_reduce"] += stats.numel()
+
+
 class ReducedGrads(norms.NormQueries):
     """The engine's view of the reduced gradient shards: per-parameter pieces,
     the per-step statistics and the ``p.grad`` placeholders; see [Note: sharded
@@ -195,6 +202,9 @@ class ReducedGrads(norms.NormQueries):
         # per statistics slot (optim/slots.py: a parameter's, or one per group of its ranks): squared
         # 2-norm of the averaged gradient
         self.slots = Slots(source.param_colors(), len(params), source.device)
+        # tensor-parallel: statistics summed over tp too, a replicated parameter counted on tp rank 0
+        self.tp = source.tensor_parallel()       # ([Note: tensor-parallel parameters])
+        self._uncounted = torch.tensor(self.tp.uncounted() if self.tp else [], dtype=torch.long, device=source.device)
         self._sq: Optional[torch.Tensor] = None
         self.stale: set = set()   # parameters clamped since: their squared norms are taken again when read
         self.coef: Optional[torch.Tensor] = None    # the engine's clip coefficient, folded into the step
@@ -292,6 +302,7 @@ class ReducedGrads(norms.NormQueries):
             handle, stats, known = self._inflight
             self._inflight = None
             handle.wait()
+            _over_tp(self.tp, stats, self.source)
             S = self.slots.size
             self._sq = stats[:S]
             if not known:     # read on the host: which parameters step, and which have a p.grad
@@ -337,13 +348,14 @@ class ReducedGrads(norms.NormQueries):
             local *= self.coef.to(local.device).square()
         if self.source.groups.replica_rank != 0:
             local.zero_()
-        return local
+        return local.index_fill_(0, self._uncounted, 0.0) if self._uncounted.numel() else local
 
     def _retake(self):
         """The squared norms again, after clamping (one all-reduce: every rank clamped alike)."""
         local = self.slots.spread(self._local_sumsq())
         comm.all_reduce(local, group=self.source.groups.every, what="gradient statistics after a clamp").wait()
         self.source.comm_elements["all_reduce"] += local.numel()
+        _over_tp(self.tp, local, self.source)
         self._sq, self.stale = local, set()
 
     def nonfinite(self) -> torch.Tensor:

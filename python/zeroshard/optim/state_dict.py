@@ -138,7 +138,12 @@ class StateDicts:
 
     def refuse_own_ranks(self, what: str) -> None:
         """Raise where some param group shards over its own ranks ([Note: param groups over
-        their own ranks] in comm/mesh.py) and ``what`` does not handle that yet."""
+        their own ranks] in comm/mesh.py), or some parameter is tensor-parallel, and ``what``
+        does not handle that yet."""
+        if self._source.tensor_parallel() is not None:
+            raise NotImplementedError(self._err(
+                f"{what} is not supported yet for tensor-parallel (DTensor) parameters: save and load them "
+                "per rank yourself for now (docs/tensor-parallel.md)"))
         if self._source.param_colors() is not None:
             raise NotImplementedError(self._err(
                 f"{what} is not supported yet for a ShardedOptimizer with a param group sharded over its own "

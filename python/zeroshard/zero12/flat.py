@@ -17,7 +17,8 @@ from .. import comm
 from ..comm.mesh import ShardGroup
 from ..offload import Placement, Storage, on_accelerator
 from ..common.reduction import Reduction
-from ..common.source import SUPPORTED, refused_kind
+from ..common.source import SUPPORTED
+from ..common.tensor_parallel import local_tensor, point_at
 from ..native.layout import compute_layout, update_cost
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -87,7 +88,9 @@ def check_views(params: List[torch.Tensor], trainable: List[int], where: dict, e
     for i in trainable:
         p, (buf, offset, _) = params[i], where[i]
         flat = buf.params
-        if p.data_ptr() != flat.data_ptr() + offset * flat.element_size():   # (a new dtype or device: new memory)
+        with torch.no_grad():
+            ptr = local_tensor(p).data_ptr()
+        if ptr != flat.data_ptr() + offset * flat.element_size():   # (a new dtype or device: new memory)
             raise RuntimeError(err(
                 f"parameter {i} (shape {tuple(p.shape)}, now {p.dtype} on {p.device}) is no longer the view of "
                 f"the flat {flat.dtype} buffer on {flat.device} that ShardedOptimizer made it: its data was "
@@ -116,9 +119,6 @@ def check_params(params: List[torch.Tensor], trainable: List[int], err: Callable
     first = trainable[0]
     device = params[first].device
     for i, p in enumerate(params):
-        why = refused_kind(p)
-        if why:
-            raise ValueError(err(f"parameter {i} (shape {tuple(p.shape)}) {why}"))
         if p.device != device:
             raise ValueError(err(f"parameter {i} is on {p.device} but parameter {first} is on {device}; "
                                  "move the whole model to one device before creating the optimizer"))
@@ -233,7 +233,10 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
     state shards of buffers of ``offloaded`` parameters go where ``storage`` puts
     offloaded state ([Note: offload] in offload/policy.py). ``whole``: every parameter
     lies inside one rank's shard, for an optimizer that updates it whole there ([Note:
-    owner-aligned layout] in csrc/layout.h)."""
+    owner-aligned layout] in csrc/layout.h). A DTensor parameter's local piece is laid out
+    ([Note: tensor-parallel parameters] in common/tensor_parallel.py)."""
+    with torch.no_grad():
+        pieces = [local_tensor(p) for p in params]
     order = list(reversed(trainable))        # backward order
     position = {i: k for k, i in enumerate(order)}
     st = FlatState(layouts=[], buffers=[], buckets=[], where={}, launch_order=[])
@@ -244,19 +247,19 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
     for part in by_shard.values():
         sg = shards[group_of[part[0]]]
         base = len(st.buckets)
-        L = _lay_out(params, group_of, part, sg.world, bucket_bytes, offloaded, whole)
+        L = _lay_out(pieces, group_of, part, sg.world, bucket_bytes, offloaded, whole)
         st.layouts.append(L)
         st.buckets.extend([None] * len(L.buckets))
         last += [max(position[part[L.fragments[f].tensor]] for f in lb.fragments) for lb in L.buckets]
         st.whole_owners.update({part[t]: place.owner for t, place in enumerate(L.tensors) if place.owner >= 0})
         first = src if not sg.own else dist.get_global_rank(sg.group, 0)
-        _fill(L, part, params, group_of, (sg, base, first, everyone if not sg.own else sg.group), st,
+        _fill(L, part, (params, pieces), group_of, (sg, base, first, everyone if not sg.own else sg.group), st,
               (stage, adam, device, storage, offloaded))
     st.launch_order = sorted(range(len(st.buckets)), key=lambda b: (last[b], b))
     copies = dist.get_world_size(everyone)
-    for p in params:   # frozen parameters are not sharded, but all ranks start identical
+    for p, piece in zip(params, pieces):   # frozen parameters are not sharded, but all ranks start identical
         if not p.requires_grad and copies > 1:
-            dist.broadcast(p.data, src=src, group=everyone)
+            dist.broadcast(piece, src=src, group=everyone)
     return st
 
 
@@ -273,28 +276,30 @@ def _lay_out(params, group_of, part: List[int], world: int, bucket_bytes: int, o
     return L
 
 
-def _fill(L, part: List[int], params, group_of, where: tuple, st: "FlatState", how: tuple) -> None:
+def _fill(L, part: List[int], tensors: tuple, group_of, where: tuple, st: "FlatState", how: tuple) -> None:
     """One shard group's flat buffers from its layout ``L``: the values copied in (from
     global rank ``first`` over ``copy_group``), each parameter a view of its buffer.
-    ``where``: (ShardGroup, the number of buckets before this layout's, first, copy_group)."""
+    ``tensors``: (the parameters, their local pieces); ``where``: (ShardGroup, the number
+    of buckets before this layout's, first, copy_group)."""
     (sg, base, first, copy_group), (stage, adam, device, storage, offloaded) = where, how
+    params, pieces = tensors
     off = storage.offload.placement
     places = [off if part[lb.tensors[0]] in offloaded else Placement.DEVICE for lb in L.buffers]
-    storage.reserve_disk(sum(lb.numel // sg.world * (2 * adam + _has_master(params[part[lb.tensors[0]]].dtype, pl,
+    storage.reserve_disk(sum(lb.numel // sg.world * (2 * adam + _has_master(pieces[part[lb.tensors[0]]].dtype, pl,
                                                                              device))
                              for lb, pl in zip(L.buffers, places) if pl is Placement.DISK))
     for bi, lb in enumerate(L.buffers):
-        flat = torch.zeros(lb.numel, dtype=params[part[lb.tensors[0]]].dtype, device=device)
+        flat = torch.zeros(lb.numel, dtype=pieces[part[lb.tensors[0]]].dtype, device=device)
         for t in lb.tensors:
             place = L.tensors[t]
-            flat[place.offset:place.offset + place.numel].copy_(params[part[t]].detach().reshape(-1))
+            flat[place.offset:place.offset + place.numel].copy_(pieces[part[t]].detach().reshape(-1))
         if dist.get_world_size(copy_group) > 1:
             dist.broadcast(flat, src=first, group=copy_group)
         buf = _make_buffer(L, (bi, lb, flat), part, group_of[part[lb.tensors[0]]], stage, (sg, base), st,
                            (storage, places[bi], adam))
         for t in lb.tensors:
             place, i = L.tensors[t], part[t]
-            params[i].data = flat[place.offset:place.offset + place.numel].view_as(params[i])
+            point_at(params[i], flat[place.offset:place.offset + place.numel].view(pieces[i].shape))
             st.where[i] = (buf, place.offset, [_frag(L.fragments[f], base) for f in place.fragments])
             if stage == 1:
                 params[i].grad = None

@@ -10,6 +10,7 @@ import torch
 
 from .flat import FlatBucket
 from ..common.reduction import FoldPolicy, Reduction
+from ..common.tensor_parallel import local_tensor
 from ..native.layout import fill_flat, gaps
 
 
@@ -87,10 +88,10 @@ class InPlaceFold(_BucketFold):
             self.kept = {b.index: b.own(b.buffer.grads).clone() for b in src.buckets}
 
     def grad_arrived(self, i: int, p: torch.Tensor):
-        view = self.src.grad_view(i)
-        if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)   # p.grad was replaced or re-created: it holds the total
-            p.grad = view
+        view, grad = self.src.grad_view(i), local_tensor(p.grad)
+        if grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)   # p.grad was replaced or re-created: it holds the total
+            p.grad = self.src.grad_for(i, view)
 
     def synced(self):
         super().synced()
@@ -143,7 +144,7 @@ class AddToShardFold(_BucketFold):
         rdt = src.reduce_dtype_of(buf.dtype)
         inp = r.buffer = src.pool.acquire(b.numel, rdt)   # (uninitialised: every element is written)
         # gradients that never arrived on this rank count as zero, as does padding
-        fill_flat(inp, [(f.bucket_offset, src.params[i].grad.detach().reshape(-1)[
+        fill_flat(inp, [(f.bucket_offset, local_tensor(src.params[i].grad).detach().reshape(-1)[
             f.tensor_offset:f.tensor_offset + f.numel]) for i, f in b.frags if src.params[i].grad is not None])
         for i, _ in b.frags:
             self.copies_left[i] -= 1

@@ -57,6 +57,7 @@ from .folds import AddToShardFold, InPlaceFold
 from .param_gather import ParamGather
 from ..common.source import (GradState, Region, Segment, ShardSource, add_locations, check_dense_grad, empty_report,
                              weak_hook)
+from ..common.tensor_parallel import TensorParallel, local_tensor, settle
 
 # [Note: bucket buffers between steps] Stage 2 copies each bucket's gradients
 # into a pooled buffer (at most MAX_INFLIGHT_BUCKETS + 1 kept free). On CUDA the pool
@@ -98,11 +99,15 @@ class FlatReducer(ShardSource):
         self._pipeline = ReductionPipeline(self.fold, MAX_INFLIGHT_BUCKETS, self.comm_elements)
         # stage 2's bucket buffers, recycled ([Note: bucket buffers between steps])
         self.pool = BufferPool(MAX_INFLIGHT_BUCKETS + 1, lambda n, dt: torch.empty(n, dtype=dt, device=self.device))
+        # DTensor parameters: their local pieces are sharded ([Note: tensor-parallel parameters])
+        self.tp = TensorParallel.of(params, groups.every, self.err)
         self.device = check_params(params, self.trainable, self.err)
         # each param group's ranks ([Note: param groups over their own ranks] in comm/mesh.py)
         dense = shard_group(process_group)
         self.shards = [s or dense for s in (shards or [None] * (max(group_of, default=0) + 1))]
         self.own_shards = [s for s in dict.fromkeys(self.shards) if s.own]
+        if self.tp is not None:
+            _check_tensor_parallel(self.tp, self.own_shards, whole, self.err)
         check_same_across_ranks(params, groups.every, self.err, names, [self.shards[g] for g in group_of])
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         offloaded = offloaded_params(params, self.trainable, offload)
@@ -125,7 +130,8 @@ class FlatReducer(ShardSource):
         # whole batch: [Note: param groups over their own ranks])
         self.grad_scale = 1.0 / dist.get_world_size(groups.every)
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
-        self.full_shapes = {i: params[i].shape for i in self.trainable}
+        with torch.no_grad():       # (a DTensor's: its local piece's)
+            self.full_shapes = {i: local_tensor(params[i]).shape for i in self.trainable}
         self.regions, self.segments = _regions_and_segments(self, self.stage)
         self.host_copies = HostCopies(self.device)    # to the mirrors ([Note: offloaded gradients])
         on_grad = weak_hook(self._on_grad)
@@ -158,6 +164,8 @@ class FlatReducer(ShardSource):
 
     def _on_grad(self, i: int, p: torch.Tensor):
         check_dense_grad(p.grad, f"parameter {i} (shape {tuple(p.shape)})", self.err)
+        if self.tp is not None:
+            settle(p)
         if self._state != GradState.BACKWARD:
             self._start_backward()
         self.arrived_since_zero.add(i)
@@ -199,12 +207,22 @@ class FlatReducer(ShardSource):
 
     # ------------------------------------------------------- ShardSource API
     def param_colors(self) -> Optional[List[tuple]]:
+        if self.tp is not None:
+            return self.tp.colors(len(self.params))
         if not self.own_shards:
             return None
         return [(s.color, s.count) for s in (self.shards[g] for g in self.group_of)]
 
     def param_process_group(self, i: int) -> dist.ProcessGroup:
         return self.shards[self.group_of[i]].group
+
+    def tensor_parallel(self) -> Optional[TensorParallel]:
+        return self.tp
+
+    def grad_for(self, i: int, local: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """What ``p.grad`` of parameter ``i`` holds for the local gradient ``local`` (a
+        DTensor parameter's: the DTensor over it)."""
+        return local if self.tp is None else self.tp.grad(i, local)
 
     def release(self):
         while self._hooks:
@@ -225,12 +243,13 @@ class FlatReducer(ShardSource):
     def resting_grad(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Stage 1: the reduced gradient lives in the parameter's view of the buffer even
         where this rank gave it none, so a backward accumulating onto it adds there."""
-        return self.grad_view(i) if self.stage == 1 and grad is None else grad
+        return self.grad_for(i, self.grad_view(i)) if self.stage == 1 and grad is None else grad
 
     def grad_view(self, i: int) -> torch.Tensor:
         """Stage 1: parameter ``i``'s view of its flat buffer's full gradient."""
         buf, offset, _ = self.where[i]
-        return buf.grads[offset:offset + self.params[i].numel()].view_as(self.params[i])
+        shape = self.full_shapes[i]
+        return buf.grads[offset:offset + shape.numel()].view(shape)
 
     def step_done(self, updated: bool):
         if updated:
@@ -280,7 +299,7 @@ class FlatReducer(ShardSource):
         for i in self.trainable:
             p = self.params[i]
             if self.stage == 1 and not set_to_none:
-                p.grad = self.grad_view(i)
+                p.grad = self.grad_for(i, self.grad_view(i))
             else:
                 p.grad = None
         self.fold.zeroed(set_to_none)
@@ -337,6 +356,15 @@ def _regions_and_segments(src: "FlatReducer", stage: int):
     return regions, segments
 
 
+def _check_tensor_parallel(tp: TensorParallel, own_shards: list, whole: bool, err) -> None:
+    """What tensor-parallel parameters do not combine with yet, refused by name."""
+    if own_shards:
+        raise ValueError(err("a param group over its own ranks ('device_mesh': expert parallelism) together with "
+                             "tensor-parallel (DTensor) parameters is not supported yet"))
+    if whole:
+        tp.refuse_whole(err)
+
+
 def _shard_of(b: FlatBucket, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else b.shard_of(t)
 
@@ -345,7 +373,7 @@ def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
     """Bytes by category (see ShardedOptimizer.memory_report)."""
     rep = empty_report()
     for buf in src.buffers:
-        full = sum(src.params[i].numel() for i in src.trainable if src.where[i][0] is buf)
+        full = sum(src.full_shapes[i].numel() for i in src.trainable if src.where[i][0] is buf)
         item = buf.params.element_size()
         mine, shard_len = buf.shard_data_numel, buf.shard_numel
         rep["params"] += full * item

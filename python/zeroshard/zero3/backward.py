@@ -16,6 +16,7 @@ from .fold import DivideIntoShard, expose_grads
 from .gather import Gatherer
 from ..common.reduction import MAX_INFLIGHT_UNITS, Reduction, ReductionPipeline
 from ..common.source import GradState, check_dense_grad
+from ..common.tensor_parallel import settle
 from .records import Param, Unit, UnitState
 
 
@@ -102,6 +103,8 @@ class UnitBackward:
                 "(kept on a module or a global, or inside an object). Return every tensor the loss depends on "
                 "from the unit's forward, in a tuple, list, dict, namedtuple or dataclass"))
         check_dense_grad(q.full.grad, f"'{q.names[0]}'", self.err)
+        if q.placed is not None:        # [Note: tensor-parallel parameters]
+            settle(q.full)
         if u.reduction.buffer is not None:   # accumulating into an existing flat buffer: add as they come
             self.fold.move_grad(u, q)
         q.got_grad = True

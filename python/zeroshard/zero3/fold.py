@@ -11,6 +11,7 @@ import torch
 
 from ..common.reduction import FoldPolicy, Reduction
 from ..common.source import squared_norms
+from ..common.tensor_parallel import local_tensor
 from ..native.layout import fill_flat
 from ..offload import HostCopies
 from .param import ShardedTensor
@@ -40,7 +41,7 @@ class DivideIntoShard(FoldPolicy):
     def move_grad(u: Unit, q: Param):
         """Add ``q``'s gradient into the unit's flat buffer (accumulating) and free it."""
         flat = u.reduction.buffer
-        flat[q.offset:q.offset + q.numel].add_(q.full.grad.reshape(-1))
+        flat[q.offset:q.offset + q.numel].add_(local_tensor(q.full.grad).reshape(-1))
         q.full.grad = None
 
     def flatten(self, u: Unit):
@@ -58,7 +59,8 @@ class DivideIntoShard(FoldPolicy):
         self.grad_bytes += r.buffer.numel() * r.buffer.element_size()
         self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes)
         # one pass: gradients copied in; padding and gradients that never arrived are zero
-        fill_flat(r.buffer, [(q.offset, q.full.grad.reshape(-1)) for q in u.trainable if q.full.grad is not None])
+        fill_flat(r.buffer, [(q.offset, local_tensor(q.full.grad).reshape(-1)) for q in u.trainable
+                             if q.full.grad is not None])
         for q in u.trainable:
             q.full.grad = None
 
@@ -123,4 +125,4 @@ def expose_grads(u: Unit):
     same = u.grad_shard.device == u.shard.device
     for q in u.trainable:
         piece = u.grad_shard[q.shard_offset:q.shard_offset + q.local.numel()]
-        q.sharded.grad = ShardedTensor(piece, q.shape, q.names[0]) if same and q.got_grad else None
+        q.sharded.grad = ShardedTensor(piece, q.full_shape, q.names[0]) if same and q.got_grad else None

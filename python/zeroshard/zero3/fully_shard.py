@@ -81,6 +81,7 @@ from . import relayout
 from .. import comm
 from .gather import Gatherer
 from ..common.source import SUPPORTED, GradState, HeldParam, Region, ShardedModel
+from ..common.tensor_parallel import check_model
 from .records import MixedPrecision, Optimizers, Unit, UnitState, register_owner
 from .backward import BackwardContext, UnitBackward
 from .forward import UnitForward
@@ -103,6 +104,12 @@ def _check_arguments(module, mixed_precision, prefetch) -> MixedPrecision:
     _check_dtype(mp.param_dtype, "mixed_precision.param_dtype")
     _check_dtype(mp.reduce_dtype, "mixed_precision.reduce_dtype")
     return mp
+
+
+def _check_expert_names(fn):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"expert_names must be a function of a parameter's name, got {type(fn).__name__}")
+    return fn
 
 
 def _check_dtype(dt, what):
@@ -185,9 +192,8 @@ class FullyShard(nn.Module, ShardedModel):
         self.offload_params = bool(offload_params)
         host, taken = shard_device(self._device, self.offload_params), claimed(module)
         experts = dict(expert_modules or {})
-        if expert_names is not None and not callable(expert_names):
-            raise TypeError(f"expert_names must be a function of a parameter's name, got {type(expert_names).__name__}")
-        self._expert_names = expert_names
+        check_model(module, self.groups.every, bool(experts), self._err)    # DTensor parameters: tensor parallel
+        self._expert_names = _check_expert_names(expert_names)
         own = mesh.mesh_shards(list(experts.values()), self.groups, "FullyShard",
                                [f"expert_modules[{c.__name__}]" for c in experts])
         self._setup = Setup(module=module, device=self._device, group=self.process_group, world=self.world_size,
@@ -292,6 +298,10 @@ class FullyShard(nn.Module, ShardedModel):
     def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:
         """Every sharded parameter and this rank's regions of them, one per unit (what
         checkpoints read: [Note: shard sources] in common/source.py)."""
+        if any(q.placed is not None for u in self._units for q in u.params):
+            raise NotImplementedError(self._err(
+                "checkpoints (save_checkpoint, load_checkpoint, dcp_state_dict) of tensor-parallel (DTensor) "
+                "parameters are not supported yet: model.state_dict() gives the whole model's tensors"))
         return held_regions(self._units, self._expert_names)
 
     def no_sync(self):

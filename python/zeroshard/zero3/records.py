@@ -76,10 +76,18 @@ class Param:
     tensor_offset: int = 0              # where the piece starts in the flattened parameter
     arrived: bool = False               # gradient arrived in this backward
     got_grad: bool = False              # a gradient arrived since zero_grad(set_to_none=True)
+    # a DTensor parameter's placements over its tp mesh (``shape`` is then its local piece's:
+    # [Note: tensor-parallel parameters] in common/tensor_parallel.py); None otherwise
+    placed: Optional[object] = None
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    @property
+    def full_shape(self) -> torch.Size:
+        """The parameter's shape as the model sees it (a DTensor's: global)."""
+        return self.shape if self.placed is None else self.placed.shape
 
 
 class UnitState(enum.Enum):

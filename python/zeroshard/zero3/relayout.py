@@ -46,6 +46,7 @@ import torch
 from .. import comm
 from ..native.layout import assign_owners, owner_chunks
 from ..common.source import GradState
+from ..common.tensor_parallel import point_at
 from .records import Optimizers, Unit, UnitState
 from .wrap import Setup, host_or_device_zeros, layout_align, place_piece, set_grad_extent, unit_layout
 
@@ -172,7 +173,7 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
         if values is not None and n:
             q.local.copy_(values[was + q.tensor_offset:was + q.tensor_offset + n])
         q.sharded.piece = q.local
-        q.full.data = u.full[q.offset:q.offset + q.numel].view(q.shape)
+        point_at(q.full, u.full[q.offset:q.offset + q.numel].view(q.shape))
     set_grad_extent(u, u.ranks.world)      # ([Note: frozen parameters]: over the new offsets)
     if dev.type != "meta":
         u.full.untyped_storage().resize_(0)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .. import comm
 from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
 from ..common.source import Region, Segment, ShardSource, weak_hook
+from ..common.tensor_parallel import TensorParallel
 from ..native.layout import keep_balanced, update_cost
 
 
@@ -50,6 +51,12 @@ class UnitSource(ShardSource):
         self._ranks: Dict[int, object] = {}     # param index -> its unit's ShardGroup
         group = {id(params[i]): group_of[i] for i in self.trainable}
         index = self._index = {id(p): i for i, p in enumerate(params)}
+        # tensor-parallel parameters ([Note: tensor-parallel parameters] in common/tensor_parallel.py)
+        placed = {index[id(q.sharded)]: q.placed for fs in self.owners for u in fs.units for q in u.params
+                  if q.placed is not None and id(q.sharded) in index}
+        self.tp = TensorParallel(placed, next(iter(placed.values())).mesh.get_group()) if placed else None
+        if self.tp is not None and whole:
+            self.tp.refuse_whole(self.err)
         if whole:
             load = [0] * self.world_size
             for fs in self.owners:
@@ -73,7 +80,12 @@ class UnitSource(ShardSource):
             dense = {i: o for i, o in self.whole_owners.items() if not self._ranks[i].own}
             self.whole_owners = keep_balanced(dense, costs, self.world_size)
 
+    def tensor_parallel(self):
+        return self.tp
+
     def param_colors(self):
+        if self.tp is not None:
+            return self.tp.colors(len(self._index))
         if not any(sg.own for sg in self._ranks.values()):
             return None
         return [(sg.color, sg.count) if (sg := self._ranks.get(i)) is not None else (0, 1)
@@ -225,3 +237,4 @@ class UnitSource(ShardSource):
 
     def params_loaded(self):
         """The units' shards are the master weights: nothing derives from them here."""
+

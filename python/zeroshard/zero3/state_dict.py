@@ -11,6 +11,7 @@ import torch.nn as nn
 from .. import comm
 from ..common.source import HeldParam, Region, add_locations, empty_report
 from .records import Unit
+from ..common.tensor_parallel import local_piece
 
 
 def held_regions(units: List[Unit], expert_names: Optional[Callable[[str], str]] = None
@@ -103,13 +104,16 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination, keys=Non
         flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
         comm.all_gather(u.shard.to(fs.device), flat, group=u.ranks.group, bounds=u.bounds,   # (an expert: its own)
                         what=f"state_dict gather: unit '{u.name}'").wait()
-        if not keep:
+        if not keep and all(q.placed is None for q in u.params):
             continue
-        flat = flat.cpu()
         for q in u.params:
-            t = flat[q.offset:q.offset + q.numel].view(q.shape).to(q.dtype).clone()
-            for n in q.names:
-                values[n] = t
+            t = flat[q.offset:q.offset + q.numel].view(q.shape)
+            if q.placed is not None:     # a DTensor parameter: its whole tensor, gathered over tp
+                t = q.placed.wrap(t).full_tensor()
+            if keep:
+                t = t.to("cpu", q.dtype).clone()
+                for n in q.names:
+                    values[n] = t
     if not keep:
         return None
     out = destination if destination is not None else {}
@@ -136,6 +140,8 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
             src = next((state_dict[n] for n in q.names if n in state_dict), None)
             if src is None:
                 continue
+            if q.placed is not None and src.shape == q.full_shape:     # the whole tensor: this rank's tp piece
+                src = local_piece(src.to(fs.device), q.placed)
             if src.numel() != q.numel:
                 raise ValueError(comm.on_rank(fs, f"state dict entry '{q.names[0]}' has shape {tuple(src.shape)} "
                                      f"but the parameter has shape {tuple(q.shape)}"))

@@ -14,7 +14,8 @@ import torch.nn as nn
 from .. import comm
 from ..offload import host_empty
 from ..common.claims import claimant
-from ..common.source import SUPPORTED, refused_kind
+from ..common.source import SUPPORTED
+from ..common.tensor_parallel import compute_param, local_tensor, placed_of, refused
 from .param import ShardedParameter
 from .records import Param, Unit, left_out, owner_of
 from ..native.layout import compute_layout
@@ -122,9 +123,9 @@ def _check_param(cfg: "Setup", name: str, p: torch.Tensor) -> None:
     if p.dtype not in SUPPORTED:
         raise ValueError(cfg.err(f"parameter '{name}' has dtype {p.dtype}; FullyShard "
                                  "supports float32, bfloat16 and float16 parameters"))
-    why = refused_kind(p)
+    why = refused(p)
     if why:
-        raise ValueError(cfg.err(f"parameter '{name}' {why}"))
+        raise ValueError(cfg.err(f"parameter '{name}' is a DTensor {why}"))
 
 
 def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple[str, Param]]]:
@@ -148,8 +149,8 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
             if seen is None or seen[0] == unit.index:
                 named.append((name, seen[1] if seen else None))
             if seen is None:
-                q = Param(names=[name], slots=[(mod, attr)], shape=p.shape, dtype=p.dtype,
-                           requires_grad=p.requires_grad)
+                q = Param(names=[name], slots=[(mod, attr)], shape=local_tensor(p.detach()).shape, dtype=p.dtype,
+                          requires_grad=p.requires_grad, placed=placed_of(p))
                 owner[id(p)] = (unit.index, q)
                 unit.params.append(q)
                 named[-1] = (name, q)
@@ -244,10 +245,8 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
         u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
         for q in u.params:
             place_piece(u, q, lo, hi)
-            q.sharded = ShardedParameter(q.local, q.shape, q.names[0], requires_grad=q.requires_grad)
-            q.full = nn.Parameter(torch.empty(0, dtype=cfg.param_dtype, device=dev),
-                                  requires_grad=q.requires_grad)
-            q.full.data = u.full[q.offset:q.offset + q.numel].view(q.shape)
+            q.sharded = ShardedParameter(q.local, q.full_shape, q.names[0], requires_grad=q.requires_grad)
+            q.full = compute_param(u.full[q.offset:q.offset + q.numel].view(q.shape), q.placed, q.requires_grad)
             for mod, attr in q.slots:
                 mod._parameters[attr] = q.sharded
         if dev.type != "meta":
@@ -317,7 +316,7 @@ def _fill_shard(cfg: "Setup", u: Unit, lo: int, hi: int):
     wrapped its full parameters are all still alive, and a copy of the largest unit
     beside them would be the peak of the whole run (GPT-2's embedding: 154 MB)."""
     for q in u.params:
-        src = q.slots[0][0]._parameters[q.slots[0][1]].detach()
+        src = local_tensor(q.slots[0][0]._parameters[q.slots[0][1]].detach())
         if src.is_meta:                  # a model built on meta: materialize initialises it
             continue
         cfg.valued.add(id(q))

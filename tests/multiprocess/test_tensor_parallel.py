@@ -1,0 +1,134 @@
+"""Tensor parallelism (DTensor parameters over mesh["tp"]) with ZeRO-1/2/3 over mesh["dp"]: a
+small GPT parallelized with torch's parallel styles and sequence parallelism
+(examples/tensor_parallel.py's), against one process training the whole model on every dp
+rank's batch with torch's AdamW. 4 gloo ranks: dp 2 x tp 2."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard as zs
+from conftest import Refusals, get_pool
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
+from tensor_parallel import GPT, Block, batch, loss_of, parallelize  # (examples/tensor_parallel.py's model)
+
+STEPS = 3
+
+
+def _reference(dp: int, micro: int, clip):
+    """One process, the whole model, every dp rank's batch: parameters and clip norms."""
+    torch.manual_seed(0)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms = []
+    for step in range(STEPS):
+        for m in range(micro):
+            xs, ys = zip(*(batch(step * micro + m, d, "cpu") for d in range(dp)))
+            (loss_of(model, torch.cat(xs), torch.cat(ys)) / micro).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)))
+        opt.step()
+        opt.zero_grad()
+    return model, norms
+
+
+def _train(stage: int, micro: int = 1, clip=None, torch_clip: bool = False, bucket_mb: float = 25,
+           dtype=torch.float32):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref, ref_norms = _reference(2, micro, clip)
+    torch.manual_seed(0)
+    model = parallelize(GPT(), mesh["tp"]).to(dtype)
+    if stage == 3:     # each block a unit: its tp pieces sharded over dp, gathered for its compute
+        model = zs.FullyShard(model, wrap={Block}, device_mesh=mesh["dp"],
+                              mixed_precision=zs.MixedPrecision(param_dtype=dtype) if dtype != torch.float32 else None)
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+    else:
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, device_mesh=mesh["dp"],
+                                  bucket_mb=bucket_mb)
+    norms, dp_rank = [], mesh["dp"].get_local_rank()
+    for step in range(STEPS):
+        for m in range(micro):
+            with opt.no_sync() if m < micro - 1 else torch.enable_grad():
+                (loss_of(model, *batch(step * micro + m, dp_rank, "cpu")) / micro).backward()
+        if torch_clip:       # torch's own, over DTensor parameters of two meshes' worth of sharding
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        else:
+            norms.append(float(opt.clip_grad_norm_(clip or math.inf)))
+        opt.step()
+        opt.zero_grad()
+    # (the whole model's tensors: gathered over tp; FullyShard's state_dict over dp and tp)
+    whole = model.state_dict() if stage == 3 else {n: p.full_tensor() for n, p in model.named_parameters()}
+    err = max(((whole[n].float() - p).norm() / p.norm()).item() for n, p in ref.named_parameters())
+    rep = opt.memory_report()
+    return dict(err=err, norms=norms, ref_norms=ref_norms, exp_avg=rep["exp_avg"],
+                psi=sum(p.numel() for p in ref.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_over_dp_of_a_tensor_parallel_model_equals_one_process(stage):
+    """Sequence parallelism (Partial norm gradients), a vocab-sharded embedding (37 rows over 2 tp
+    ranks: 19 and 18), clipping at every step: parameters and norms as one process's."""
+    for out in get_pool(4).run(_train, stage, 1, 0.5, False, 25):
+        assert out["err"] < 2e-5, out["err"]
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["norms"], out["ref_norms"])), out
+
+
+def test_accumulation_torch_clip_split_buckets_and_bf16():
+    """no_sync() micro-batches with torch's clip_grad_norm_ over the DTensor parameters (the
+    global norm, every element once: FSDP2 + TP raises here), at stage 2 with buckets of 2 KB
+    that split tensors and at stage 3; then bf16 parameters (fp32 masters) within bf16's
+    rounding."""
+    for args in ((2, 2, 0.5, True, 2 / 1024), (3, 2, 0.5, True)):
+        for out in get_pool(4).run(_train, *args):
+            assert out["err"] < 2e-5, (args, out["err"])
+            assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["norms"], out["ref_norms"])), out
+    for out in get_pool(4).run(_train, 1, 1, None, False, 25, torch.bfloat16):
+        assert out["err"] < 3e-2, out["err"]
+        assert all(math.isclose(a, b, rel_tol=3e-2) for a, b in zip(out["norms"], out["ref_norms"])), out
+
+
+def _skips_and_refusals(tmp: str):
+    """GradScaler skips everywhere on an overflow on one rank; what is not supported yet is
+    refused, saying so."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = parallelize(GPT(), mesh["tp"])
+    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2, device_mesh=mesh["dp"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = [p.full_tensor() for p in model.parameters()]
+    if dist.get_rank() == 3:      # an overflow in one tp piece on one rank (dp 1, tp 1), before reduction
+        model.blocks[0].up.weight.register_hook(lambda g: g * float("inf"))
+    scaler.scale(loss_of(model, *batch(0, mesh["dp"].get_local_rank(), "cpu"))).backward()
+    scaler.step(opt)
+    scaler.update()
+    skipped = scaler.get_scale() == 2.0 and all(torch.equal(a, p.full_tensor())
+                                                 for a, p in zip(before, model.parameters()))
+    msgs = Refusals()
+    catch = msgs.catch
+    catch("save", lambda: zs.save_checkpoint(os.path.join(tmp, "tp"), model, opt))
+    catch("state_dict", opt.state_dict)
+    catch("fully_shard", lambda: zs.FullyShard(parallelize(GPT(), mesh["tp"])))     # (over every rank)
+    model3 = zs.FullyShard(parallelize(GPT(), mesh["tp"]), wrap={Block}, device_mesh=mesh["dp"])
+    catch("save3", lambda: zs.save_checkpoint(os.path.join(tmp, "tp3"), model3, zs.ShardedOptimizer(model3.parameters())))
+    catch("model_only3", lambda: zs.save_checkpoint(os.path.join(tmp, "tp3m"), model3))
+    catch("world", lambda: zs.ShardedOptimizer(parallelize(GPT(), mesh["tp"]).parameters()))
+    mats = [p for p in parallelize(GPT(), mesh["tp"]).parameters() if p.dim() == 2]
+    catch("muon", lambda: zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, device_mesh=mesh["dp"],
+                                              stage=2))
+    return skipped, dict(msgs)
+
+
+def test_grad_scaler_skips_everywhere_and_what_is_not_supported_yet_is_refused(tmp_path):
+    want = {"save": ("CheckpointError", "tensor-parallel"), "state_dict": ("tensor-parallel",),
+            "fully_shard": ("share ranks", "FullyShard(model, device_mesh=mesh['dp'])"),
+            "save3": ("CheckpointError", "tensor-parallel"), "model_only3": ("tensor-parallel", "not supported yet"),
+            "world": ("share ranks", "device_mesh=mesh['dp']"), "muon": ("whole-tensor optimizer", "tp pieces")}
+    for skipped, msgs in get_pool(4).run(_skips_and_refusals, str(tmp_path)):
+        assert skipped
+        for key, parts in want.items():
+            assert all(part in msgs.get(key, "") for part in parts), (key, msgs.get(key))
