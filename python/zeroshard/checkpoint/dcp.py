@@ -197,12 +197,13 @@ def _gathered(model_sd: dict, state: dict, groups: list, group, rank0_only: bool
 
 
 def _refuse_experts(holdings: Holdings, what: str) -> None:
-    """Expert parallelism goes through zeroshard's own checkpoints for now ([Note: expert
-    checkpoints] in checkpoint/holdings.py); the same outcome on every rank."""
-    if holdings.has_experts:
-        raise CheckpointError(f"{what} of an expert-parallel model (parameters sharded over their own ranks) is "
-                              "not supported yet: save and load it with zeroshard.save_checkpoint / "
-                              "load_checkpoint, which keep every expert under its whole-model name")
+    """Expert and tensor parallelism go through zeroshard's own checkpoints for now ([Note:
+    expert checkpoints], [Note: tensor-parallel checkpoints] in checkpoint/parallel.py); the
+    same outcome on every rank."""
+    if holdings.has_experts or holdings.placed:
+        raise CheckpointError(f"{what} of an expert- or tensor-parallel model is not supported yet: save and "
+                              "load it with zeroshard.save_checkpoint / load_checkpoint, which keep every "
+                              "expert and tensor under its whole-model name")
 
 
 def _optimizers(optimizer) -> list:

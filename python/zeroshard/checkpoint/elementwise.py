@@ -35,7 +35,7 @@ def elementwise_save(opt, rule, names: List[str], places: Dict[int, int]
     rank's pieces of ``rule``'s state (collective: the scalars and which keys each
     parameter has are gathered over the optimizer's ranks, by name). ``places``: each
     expert parameter's place among its own ranks ([Note: expert checkpoints] in
-    checkpoint/holdings.py; the first writes its scalars)."""
+    checkpoint/parallel.py; the first writes its scalars)."""
     keys = rule.elementwise_keys
     mine: Dict[str, dict] = {}       # param name -> {key: None (per element) or its scalar value}
     for (i, t_off) in rule.piece_leaves():

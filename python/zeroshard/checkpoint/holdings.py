@@ -3,22 +3,6 @@ tensors (Spec) and this rank's element ranges of them (Piece), read from
 the regions a sharded model (FullyShard) and a ShardedOptimizer describe
 ([Note: shard sources] in common/source.py), or from a plain model and
 torch AdamW.
-
-[Note: expert checkpoints] An expert-parallel model's ranks hold different experts
-under the same names (rank 1's ``moe.experts.0`` is the whole model's expert 1),
-each sharded over its own ranks (its expert-data-parallel group). A checkpoint
-keeps every expert under its name in the whole model, which the user gives
-(a param group's named parameters at stages 1/2, FullyShard's ``expert_names``):
-* its tensors are known to its own ranks only, so their specs are each rank's
-  (``local_specs``, merged by the committer) and each group of ranks writes its
-  experts' pieces, by the rank's place among them (``Region.place``); an expert
-  parameter every rank of its group holds whole (not sharded) is written by the
-  first of them;
-* param groups list each rank's names; the manifest's lists every rank's;
-* a load reads each expert wherever the new layout puts it: at another world
-  size, stage or expert-parallel degree (the experts regrouped), or into the
-  whole model, and ``export_full_state_dict`` writes the whole model's state
-  dict. Every expert of the checkpoint must be some rank's (checked).
 """
 from __future__ import annotations
 
@@ -32,9 +16,11 @@ import torch.nn as nn
 from .. import comm
 from .files import CheckpointError
 from .elementwise import ElementwiseLoad, elementwise_save
+from .parallel import (expert_colors, name_experts, name_group_experts, refuse_expert_buffers,
+                       refuse_unnamed_experts, tp_placements)
 from .pieces import Piece, Spec
-from ..common.claims import claimant
 from ..common.source import ShardedModel
+from ..common.tensor_parallel import placed_of
 
 _SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
 
@@ -69,16 +55,16 @@ class Holdings:
                 self.aliases[name] = self.names[id(p)]
             else:
                 self.names[id(p)] = name
-        # [Note: expert checkpoints] id(parameter) -> its place among its own ranks, for the
-        # parameters sharded over their own ranks (experts; their names are the whole model's)
+        # id(parameter) -> its place among its own ranks, for the parameters sharded over their
+        # own ranks (experts, under the whole model's names: [Note: expert checkpoints] in checkpoint/parallel.py)
         self.parallel: Dict[int, int] = {}
-        _refuse_tensor_parallel(sharded)
         held, regions = fs.held_regions() if fs is not None else ([], [])
+        self._tensor_parallel(held, sharded)
         # some parameters shard over their own ranks (the same on every rank)
-        self.has_experts = (any(o.source.param_colors() is not None for o in sharded)
+        self.has_experts = (any(expert_colors(o) is not None for o in sharded)
                             or any(reg.place is not None for reg in regions))
         if fs is None and not sharded:
-            _refuse_unnamed_experts(inner)
+            refuse_unnamed_experts(inner)
         covered = set()
         if fs is not None:
             self._sharded_model(fs, held, regions, covered)
@@ -91,27 +77,61 @@ class Holdings:
                 raise CheckpointError("FullyShard parameters are updated by zeroshard.ShardedOptimizer; "
                                       f"got {type(optimizer).__name__}")
             self._torch_adamw(optimizer, for_load)
-        for p in (inner.parameters() if fs is None else ()):
+        self._unsharded(inner, covered if fs is None else None)
+
+    def _unsharded(self, inner: nn.Module, covered: Optional[set]):
+        """What no region holds: the parameters not in ``covered`` (None: none, a FullyShard
+        holds them all) and the persistent buffers, each whole."""
+        for p in (inner.parameters() if covered is not None else ()):
+            if id(p) not in covered and (id(p) in self.placed or placed_of(p) is not None):
+                raise CheckpointError(f"parameter '{self.names[id(p)]}' is tensor-parallel (a DTensor) but no "
+                                      "ShardedOptimizer steps it (frozen, or the model saved without its optimizer): "
+                                      "checkpoints of those are not supported yet")
             if id(p) not in covered:
                 name = self.names[id(p)]
                 self._spec("param:" + name, Spec(tuple(p.shape), p.dtype, p.dtype), p)
                 self._whole("param:" + name, p, self.parallel.get(id(p)))
         if self.parallel:
-            _refuse_expert_buffers(inner, self.parallel)
+            refuse_expert_buffers(inner, self.parallel)
         for name, b in _persistent_buffers(inner):
             self.specs["buffer:" + name] = Spec(tuple(b.shape), b.dtype, b.dtype)
             self._whole("buffer:" + name, b)
 
     def _sharded_model(self, fs, held, regions, covered: set):
         """A FullyShard's parameters: its regions' fp32 shards."""
-        self._name_experts(held, regions)
+        name_experts(self.names, self.parallel, held, regions)
         for h in held:
             self._spec("param:" + self.names[id(h.param)], Spec(tuple(h.shape), torch.float32, h.dtype), h.param)
             covered.add(id(h.param))
         for reg in regions:
             for i, start, sl in reg.owned(self._place(reg)):
-                self.pieces.append(Piece("param:" + self.names[id(held[i].param)], start, reg.values[sl], False))
+                self._piece("param:" + self.names[id(held[i].param)], held[i].param, start, reg.values[sl])
         self._finish.append(lambda man: fs.shards_loaded())
+
+    def _tensor_parallel(self, held, sharded: list):
+        """Tensor-parallel parameters ([Note: tensor-parallel checkpoints] in checkpoint/parallel.py):
+        their placements, and the checkpoint written over every rank."""
+        self.placed = tp_placements(held, sharded)
+        self.tp_rank = 0
+        if self.placed:
+            mesh = next(iter(self.placed.values())).mesh
+            if self.world * mesh.size() != dist.get_world_size():
+                raise CheckpointError(f"a checkpoint of a tensor-parallel model is written over every rank: its "
+                                      f"dp ({self.world}) x tp ({mesh.size()}) mesh must span the "
+                                      f"{dist.get_world_size()} ranks")
+            self.group, self.world, self.rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+            self.tp_rank = mesh.get_local_rank()
+
+    def _piece(self, key: str, p: torch.Tensor, start: int, data: torch.Tensor):
+        """Elements ``start ..`` of parameter ``p``'s (flattened) tensor ``key``: of its local
+        piece where it is tensor-parallel ([Note: tensor-parallel checkpoints])."""
+        pl = self.placed.get(id(p))
+        if pl is None or not pl.sharded:
+            if not self.placed or self.tp_rank == 0 or self.for_load:    # (replicated over tp: tp rank 0's)
+                self.pieces.append(Piece(key, start, data, False))
+            return
+        for at, off, n in pl.runs(start, data.numel()):
+            self.pieces.append(Piece(key, at, data[off:off + n], False))
 
     def _set_group(self, fs, sharded_opt):
         """The process group the checkpoint is written over, and the replicas of hybrid sharding."""
@@ -127,6 +147,7 @@ class Holdings:
         else:
             self.group = dist.group.WORLD if dist.is_initialized() else None
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
+        self.shard_rank = dist.get_rank(self.group) if self.group is not None else 0
 
     def _name_of(self, p: torch.Tensor, i: int) -> str:
         name = self.names.get(id(p))
@@ -151,40 +172,7 @@ class Holdings:
 
     def _place(self, reg) -> int:
         """This rank's place among the ranks region ``reg`` is sharded over."""
-        return self.rank if reg.place is None else reg.place
-
-    def _name_experts(self, held, regions):
-        """FullyShard: the expert units' parameters go under their whole-model names."""
-        for reg in regions:
-            for i, *_ in reg.frags if reg.place is not None else ():
-                h = held[i]
-                if h.whole_name is None:
-                    raise CheckpointError(
-                        f"parameter '{self.names[id(h.param)]}' is an expert's (FullyShard's expert_modules): "
-                        "the ranks of different expert-parallel groups hold different experts under the same "
-                        "names, so a checkpoint needs each one's name in the whole model. Pass "
-                        "FullyShard(..., expert_names=fn), fn mapping a name in this rank's model to the whole "
-                        "model's (see docs/experts.md)")
-                self.names[id(h.param)], self.parallel[id(h.param)] = h.whole_name, reg.place
-
-    def _name_group_experts(self, opt):
-        """ZeRO-1/2: the parameters of a param group over its own ranks go under the names
-        the group gives them (torch's named parameters: ``param_names``)."""
-        colors = opt.source.param_colors()
-        given = {id(p): n for g in opt.param_groups for n, p in zip(g.get("param_names", ()), g["params"])}
-        for i, p in enumerate(opt.params):
-            if colors is None or colors[i][1] == 1 or id(p) in self.parallel:
-                continue
-            if id(p) not in given:
-                raise CheckpointError(
-                    f"parameter '{self.names.get(id(p), i)}' is in param group {opt.group_of(i)}, sharded over its "
-                    "own ranks ('device_mesh': expert parallelism): the ranks of different expert-parallel "
-                    "groups hold different experts under the same names, so a checkpoint needs each one's name "
-                    "in the whole model. Name the optimizer's parameters (torch's named parameters, every "
-                    "group), the experts' with their names in the whole model: {'params': [(whole_model_name, "
-                    "p), ...], 'device_mesh': mesh['edp']} (see docs/experts.md)")
-            self.names[id(p)] = given[id(p)]
-            self.parallel[id(p)] = dist.get_rank(opt.source.param_process_group(i))
+        return self.shard_rank if reg.place is None else reg.place
 
     def _groups(self, opt, group_names: List[List[str]]):
         """Record opt's param groups (hyperparameters and parameter names) for a
@@ -213,7 +201,7 @@ class Holdings:
         self._finish.append(finish)
 
     def _sharded_optimizer(self, opt, covered: set):
-        self._name_group_experts(opt)
+        name_group_experts(self.names, self.parallel, opt)
         whole = opt.whole_tensor_rule
         names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
         if opt.elementwise_rule is not None:    # [Note: elementwise optimizer checkpoints]
@@ -221,10 +209,10 @@ class Holdings:
         if opt.fused and self.for_load:
             self._later.append(lambda man: _check_fused_can_run(man, set(names)))
         for i in opt.trainable if opt.fused else ():
-            step = opt.param_steps[i]
+            step, pl = opt.param_steps[i], self.placed.get(id(opt.params[i]))
+            shape = tuple(opt.full_shape(i) if pl is None else pl.shape)     # (a DTensor's: global)
             for kind in ("exp_avg", "exp_avg_sq"):
-                self._spec(f"{kind}:{names[i]}", Spec(tuple(opt.full_shape(i)), torch.float32, torch.float32,
-                                                       step), opt.params[i])
+                self._spec(f"{kind}:{names[i]}", Spec(shape, torch.float32, torch.float32, step), opt.params[i])
         if whole is not None:
             self._whole_tensor_state(opt, whole, names)
         for reg in opt.regions:
@@ -235,9 +223,9 @@ class Holdings:
                     covered.add(id(p))
             for i, start, sl in reg.owned(self._place(reg)):
                 if reg.values is not None and not reg.model_owned:
-                    self.pieces.append(Piece("param:" + names[i], start, reg.values[sl], False))
+                    self._piece("param:" + names[i], opt.params[i], start, reg.values[sl])
                 for kind in ("exp_avg", "exp_avg_sq") if opt.fused else ():
-                    self.pieces.append(Piece(f"{kind}:{names[i]}", start, getattr(reg, kind)[sl], False))
+                    self._piece(f"{kind}:{names[i]}", opt.params[i], start, getattr(reg, kind)[sl])
         group_names = [[n for i, n in enumerate(names) if opt.group_of(i) == gi]
                        for gi in range(len(opt.param_groups))]
         self._groups(opt, group_names)
@@ -347,38 +335,6 @@ def _check_fused_can_run(man: dict, names: set) -> None:
                 f"the checkpoint's optimizer ran with {' and '.join(f'{k}=True' for k in asked)}, which the "
                 f"fused AdamW does not run: build the ShardedOptimizer with {', '.join(f'{k}=True' for k in asked)} "
                 "(it then runs torch.optim.AdamW over its pieces) before loading it")
-
-
-def _refuse_tensor_parallel(sharded: list) -> None:
-    if any(o.source.tensor_parallel() is not None for o in sharded):
-        raise CheckpointError("checkpoints of tensor-parallel (DTensor) parameters are not supported yet "
-                              "(save_checkpoint, load_checkpoint, dcp_state_dict): docs/tensor-parallel.md")
-
-
-def _refuse_unnamed_experts(model: nn.Module) -> None:
-    """A plain model saved or loaded without its ShardedOptimizer, whose param groups over
-    their own ranks hold experts: only the optimizer knows their whole-model names."""
-    for name, p in model.named_parameters():
-        opt = claimant(p)
-        if opt is not None and opt.source.param_colors() is not None:
-            raise CheckpointError(
-                f"parameter '{name}' is in a ShardedOptimizer param group sharded over its own ranks (expert "
-                "parallelism): the ranks of different expert-parallel groups hold different experts under the "
-                "same names. Pass that optimizer too (save_checkpoint(path, model, opt)): its param groups name "
-                "the experts in the whole model")
-
-
-def _refuse_expert_buffers(model: nn.Module, parallel: Dict[int, int]) -> None:
-    """An expert module's persistent buffers: the ranks hold different experts' under one name."""
-    for mname, m in model.named_modules():
-        params = list(m.parameters())
-        if params and all(id(p) in parallel for p in params):
-            for bname, _ in _persistent_buffers(m):
-                if "." not in bname:
-                    raise CheckpointError(
-                        f"buffer '{mname}.{bname}' belongs to an expert module (its parameters are sharded over "
-                        "their own ranks): checkpoints do not keep experts' buffers apart yet. Register it with "
-                        "persistent=False (and set it in the module's code), or keep it outside the expert")
 
 
 def _persistent_buffers(module: nn.Module):

@@ -253,7 +253,7 @@ def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync:
 def _merged_groups(every: list) -> Optional[list]:
     """The param groups of the manifest: each rank's lists the names of its parameters, the
     same on every rank but for the experts' ([Note: expert checkpoints] in
-    checkpoint/holdings.py); each group lists every rank's, in rank order, once."""
+    checkpoint/parallel.py); each group lists every rank's, in rank order, once."""
     if every[0] is None:
         return None
     out = [{"params": list(g["params"]), "hyper": g["hyper"]} for g in every[0]]

@@ -199,11 +199,14 @@ class HeldParam:
     """A parameter of a sharded model as checkpoints see it: the object the model yields
     (its name is the model's for it), its full shape and the model's dtype for it.
     ``whole_name``: an expert's parameter, its name in the whole (non-parallel) model,
-    where the model was told it (FullyShard's ``expert_names``); None otherwise."""
+    where the model was told it (FullyShard's ``expert_names``); None otherwise. ``placed``:
+    a tensor-parallel parameter's placements (its regions hold its local piece, ``shape``
+    is the global one); None otherwise."""
     param: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
     whole_name: Optional[str] = None
+    placed: Optional[object] = None
 
 
 class ShardedModel(abc.ABC):

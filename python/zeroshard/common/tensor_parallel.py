@@ -30,6 +30,7 @@ whole (global) averaged gradient, gathered over both axes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -126,6 +127,27 @@ class Placed:
     def sharded(self) -> bool:
         """Each tp rank holds another piece (else every one holds the whole)."""
         return any(isinstance(pl, Shard) for pl in self.placements)
+
+    def runs(self, start: int, n: int) -> List[Tuple[int, int, int]]:
+        """Elements ``start .. start+n`` of this rank's flattened local piece as ranges of the
+        flattened global tensor: (global start, offset from ``start``, length), in order
+        (torch's chunks: ceil(size / tp) along the sharded dimension, the last ones shorter)."""
+        dims = [pl.dim for pl in self.placements if isinstance(pl, Shard)]
+        if not dims:
+            return [(start, 0, n)] if n else []
+        d, g = dims[0], list(self.shape)
+        size, rank = self.mesh.size(), self.mesh.get_local_rank()
+        chunk = -(-g[d] // size)
+        lo = min(rank * chunk, g[d])
+        local = g[:d] + [max(0, min(g[d], lo + chunk) - lo)] + g[d + 1:]
+        block, inner = math.prod(local[d:]), math.prod(g[d + 1:])
+        out, at = [], start
+        while at < start + n:
+            outer, k = divmod(at, block)
+            length = min(block - k, start + n - at)
+            out.append((outer * math.prod(g[d:]) + lo * inner + k, at - start, length))
+            at += length
+        return out
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """``local`` as this parameter's DTensor (no communication, no copy)."""

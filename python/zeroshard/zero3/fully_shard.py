@@ -298,10 +298,6 @@ class FullyShard(nn.Module, ShardedModel):
     def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:
         """Every sharded parameter and this rank's regions of them, one per unit (what
         checkpoints read: [Note: shard sources] in common/source.py)."""
-        if any(q.placed is not None for u in self._units for q in u.params):
-            raise NotImplementedError(self._err(
-                "checkpoints (save_checkpoint, load_checkpoint, dcp_state_dict) of tensor-parallel (DTensor) "
-                "parameters are not supported yet: model.state_dict() gives the whole model's tensors"))
         return held_regions(self._units, self._expert_names)
 
     def no_sync(self):

@@ -25,7 +25,7 @@ def held_regions(units: List[Unit], expert_names: Optional[Callable[[str], str]]
         for q in u.params:
             frags.append((len(params), 0, q.offset, q.numel))
             whole = expert_names(q.names[0]) if u.ranks.own and expert_names is not None else None
-            params.append(HeldParam(q.sharded, q.shape, q.dtype, whole))
+            params.append(HeldParam(q.sharded, q.full_shape, q.dtype, whole, q.placed))
         if frags:
             regions.append(Region(shard_numel=u.shard_numel, frags=frags, values=u.shard, model_owned=True,
                                   bounds=u.bounds, place=u.ranks.rank if u.ranks.own else None))
