@@ -21,25 +21,19 @@ model's own token exchange over its ep group included).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from datetime import date
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
 import moe  # noqa: E402  (examples/moe.py's model)
-from comm_count import GroupCount  # noqa: E402
-from machine import machine_info  # noqa: E402
-from step import free_port, init_dist  # noqa: E402
+from paired import arguments, print_rows, save_json, spawn, time_variants  # noqa: E402
+from step import init_dist  # noqa: E402
 
 VARIANTS = ("fsdp2-3+ep", "zeroshard-3+ep", "zeroshard-3")
 EP = 2
@@ -88,21 +82,7 @@ def worker(rank, world, port, args, out):
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.tokens, args.dim, generator=g), torch.randn(args.tokens, args.dim, generator=g)
     built = {v: build(v, mesh, world_mesh) for v in VARIANTS}
-    for v in VARIANTS:              # warm up
-        step(*built[v], x, y)
-    times = {v: [] for v in VARIANTS}
-    for i in range(args.repeats):
-        for v in VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(*built[v], x, y)
-            dist.barrier()
-            times[v].append(time.perf_counter() - t0)
-    sent = {}
-    for v in VARIANTS:
-        with GroupCount(world, None) as by_group:
-            step(*built[v], x, y)
-        sent[v] = {group: g["sent"] for group, g in by_group.groups.items()}
+    times, sent = time_variants(built, args.repeats, lambda model, opt: step(model, opt, x, y), world)
     model, opt = built["zeroshard-3+ep"]
     rep = opt.memory_report()
     local_experts = sum(p.numel() for n, p in model.named_parameters() if n.startswith("moe.experts."))
@@ -115,37 +95,17 @@ def worker(rank, world, port, args, out):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                                                   "experts.json"))
-    args = ap.parse_args()
-    q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(worker, args=(args.world_size, free_port(), args, q), nprocs=args.world_size,
-                       start_method="spawn")
-    res = q.get()
-    times, ref = res["times_s"], res["times_s"]["fsdp2-3+ep"]
+    args = arguments(__doc__, "experts.json", dim=256, hidden=1024, experts=8, tokens=256)
+    res = spawn(worker, args.world_size, args)
     n, ep = args.world_size, EP
     print(f"MoE step, world size {n} (edp {n // ep} x ep {ep}), {args.experts} experts of {args.dim}x{args.hidden}, "
           f"{args.tokens} tokens per rank, CPU + gloo, {date.today()}; {args.repeats} paired repeats")
-    print(f"{'variant':<16}{'step ms':>9}{'vs fsdp2+ep':>13}   sent per step (MB, by group)")
-    for v in VARIANTS:
-        ratio = statistics.median(a / b for a, b in zip(times[v], ref))
-        groups = ", ".join(f"{g}: {b / 2**20:.1f}" for g, b in sorted(res["sent"][v].items()))
-        print(f"{v:<16}{1e3 * statistics.median(times[v]):>9.1f}{ratio:>12.2f}x   {groups}")
+    print_rows(res["times_s"], res["sent"], "fsdp2-3+ep")
     rep, psi_e = res["memory_report"], res["expert_params_per_ep_rank"]
     expert_state = 16 * res["expert_elements_here"]
     print(f"zeroshard-3+ep expert state on rank 0: {expert_state:,} B; 16 Psi_e / (N / ep) = "
           f"{16 * psi_e // (n // ep):,} B (Psi_e = {psi_e:,} per ep rank); memory_report total {rep['total']:,} B")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(dict(date=str(date.today()), world_size=n, ep=ep, config=vars(args), torch=torch.__version__,
-                       machine=machine_info("cpu"), **res), f, indent=1)
+    save_json(args, res, ep=ep)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,28 @@ def test_expert_parallel_formulas(capsys):
         ["ZeRO-1", "15.25", "15.25", "8.81", "39.31"]
     with pytest.raises(SystemExit) as bad:
         _cli(capsys, "--model", "examples/train_gpt.py:build_model", "--world-size", "4", "--ep", "2")
-    assert bad.value.code == 2 and "--ep and --experts plan with --params" in capsys.readouterr().err
+    assert bad.value.code == 2 and "--ep, --experts, --tp and --replicated plan with --params" in \
+        capsys.readouterr().err
+
+
+def test_tensor_parallel_formulas(capsys):
+    """7B over 16 ranks as dp 4 x tp 4, 1M of it replicated over tp: a rank holds (7B - 1M)/4 + 1M
+    whole and a stage shards that over its 4 dp ranks; all of it split, ZeRO-3 is 16 x 7B / 16
+    bytes (fp32 AdamW: 4 + 4 + 8). tp 1 is the plain formula. The per-category agreement with
+    memory_report() is tested in test_tensor_parallel.py."""
+    assert model_state_bytes(7e9, 16, "bf16", tp=1) == model_state_bytes(7e9, 16, "bf16")
+    held = (7e9 - 1e6) / 4 + 1e6
+    r = model_state_bytes(7e9, 16, "bf16", tp=4, replicated=1e6)
+    assert (r["DDP"]["params"], r["ZeRO-1"]["optimizer"], r["ZeRO-3"]["total"]) == (2 * held, 12 * held / 4,
+                                                                                  16 * held / 4)
+    assert model_state_bytes(7e9, 16, "fp32", tp=4)["ZeRO-3"]["total"] == 16 * 7e9 / 16
+    for kw, msg in ((dict(tp=3), "tp must be an int >= 1 dividing the world size"),
+                    (dict(tp=4, replicated=8e9), "must be in \\[0, params"),
+                    (dict(tp=4, ep=2, experts=1e9), "not supported yet")):
+        with pytest.raises(ValueError, match=msg):
+            model_state_bytes(7e9, 16, "bf16", **kw)
+    out = _cli(capsys, "--params", "7e9", "--world-size", "16", "--tp", "4", "--replicated", "1e6")
+    assert "tensor-parallel over tp 4" in out and out.splitlines()[5].split()[:2] == ["ZeRO-3", "0.88"]
 
 
 def _reports(stage, dtype):

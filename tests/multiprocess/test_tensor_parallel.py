@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import zeroshard as zs
 from conftest import Refusals, get_pool
+from zeroshard.plan import model_state_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
 from tensor_parallel import GPT, Block, batch, loss_of, parallelize  # (examples/tensor_parallel.py's model)
@@ -63,9 +64,22 @@ def _train(stage: int, micro: int = 1, clip=None, torch_clip: bool = False, buck
     # (the whole model's tensors: gathered over tp; FullyShard's state_dict over dp and tp)
     whole = model.state_dict() if stage == 3 else {n: p.full_tensor() for n, p in model.named_parameters()}
     err = max(((whole[n].float() - p).norm() / p.norm()).item() for n, p in ref.named_parameters())
-    rep = opt.memory_report()
-    return dict(err=err, norms=norms, ref_norms=ref_norms, exp_avg=rep["exp_avg"],
-                psi=sum(p.numel() for p in ref.parameters()))
+    from torch.distributed.tensor import Shard
+    tp_sharded = sum(p.numel() for p in parallelize(GPT(), mesh["tp"]).parameters()
+                     if any(isinstance(pl, Shard) for pl in p.placements))
+    return dict(err=err, norms=norms, ref_norms=ref_norms, rep=opt.memory_report(), stage=stage,
+                psi=(tp_sharded, sum(p.numel() for p in ref.parameters()) - tp_sharded))
+
+
+def _check_plan(results):
+    """The planner's formulas (python -m zeroshard.plan --tp --replicated) say what the ranks
+    hold between them, category by category (fp32: params, grads, exp_avg + exp_avg_sq)."""
+    psi_s, psi_r = results[0]["psi"]
+    world, stage = len(results), results[0]["stage"]
+    row = model_state_bytes(psi_s + psi_r, world, "fp32", tp=2, replicated=psi_r)[f"ZeRO-{stage}"]
+    held = {k: sum(out["rep"][k] for out in results) for k in ("params", "grads", "exp_avg", "exp_avg_sq", "master")}
+    assert (held["params"], held["grads"]) == (world * row["params"], world * row["grads"]), (held, row)
+    assert held["exp_avg"] + held["exp_avg_sq"] + held["master"] == world * row["optimizer"], (held, row)
 
 
 def _built(stage: int, tp: int, seed: int = 1):
@@ -136,10 +150,13 @@ def test_checkpoints_resume_at_another_stage_and_tensor_parallel_degree(tmp_path
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_over_dp_of_a_tensor_parallel_model_equals_one_process(stage):
     """Sequence parallelism (Partial norm gradients), a vocab-sharded embedding (37 rows over 2 tp
-    ranks: 19 and 18), clipping at every step: parameters and norms as one process's."""
-    for out in get_pool(4).run(_train, stage, 1, 0.5, False, 25):
+    ranks: 19 and 18), clipping at every step: parameters and norms as one process's; the state
+    the ranks hold as the planner's --tp formulas say."""
+    results = get_pool(4).run(_train, stage, 1, 0.5, False, 25)
+    for out in results:
         assert out["err"] < 2e-5, out["err"]
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["norms"], out["ref_norms"])), out
+    _check_plan(results)
 
 
 def test_accumulation_torch_clip_split_buckets_and_bf16():

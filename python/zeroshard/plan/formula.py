@@ -38,9 +38,29 @@ def _check_experts(params: float, world_size: int, shard_size: Optional[int], ep
         raise ValueError("expert parallelism (ep > 1) with hybrid sharding (shard_size) is not supported yet")
 
 
+def _check_tensor_parallel(params: float, world_size: int, shard_size: Optional[int], ep: int, tp: int,
+                           replicated: float) -> None:
+    if not (isinstance(tp, int) and tp >= 1 and world_size % tp == 0):
+        raise ValueError(f"tp must be an int >= 1 dividing the world size ({world_size}), got {tp!r}")
+    if not 0 <= replicated <= params:
+        raise ValueError(f"replicated (the parameters every tp rank holds whole) must be in [0, params = "
+                         f"{params:g}], got {replicated:g}")
+    if tp > 1 and (ep > 1 or (shard_size is not None and shard_size < world_size)):
+        raise ValueError("tensor parallelism (tp > 1) with expert parallelism or hybrid sharding is not supported yet")
+
+
+def held_and_sharded(params: float, world_size: int, shard_size: Optional[int] = None, ep: int = 1,
+                     experts: float = 0.0, tp: int = 1, replicated: float = 0.0) -> tuple:
+    """(elements a rank holds whole, elements a stage shards over the ranks, those ranks)."""
+    if tp > 1:     # each tp rank its piece of the tp-sharded parameters, sharded over its dp ranks
+        held = (params - replicated) / tp + replicated
+        return held, held, world_size // tp
+    return params - experts + experts / ep, params, _shards(world_size, shard_size)
+
+
 def model_state_bytes(params: float, world_size: int, dtype: str = "bf16",
                       shard_size: Optional[int] = None, ep: int = 1,
-                      experts: float = 0.0) -> Dict[str, Dict[str, float]]:
+                      experts: float = 0.0, tp: int = 1, replicated: float = 0.0) -> Dict[str, Dict[str, float]]:
     """Per-rank bytes of parameters, gradients and optimizer states for each stage
     (with hybrid sharding: over ``shard_size`` ranks instead of N).
 
@@ -49,15 +69,20 @@ def model_state_bytes(params: float, world_size: int, dtype: str = "bf16",
     rank holds the dense ``params - experts`` and ``experts / ep`` of them; the dense
     state shards over the N ranks and each expert's over its N/ep expert-data-parallel
     ranks. What a stage keeps whole is a rank's own: (dense + experts/ep) elements;
-    what it shards is dense/N + (experts/ep)/(N/ep) = params/N elements."""
+    what it shards is dense/N + (experts/ep)/(N/ep) = params/N elements.
+
+    Tensor parallelism ([Tensor parallelism](tensor-parallel.md)): the N ranks are dp x
+    ``tp``; each holds 1/tp of the parameters tp shards and all ``replicated`` ones (norms,
+    row-parallel biases), and a stage shards what it holds over its N/tp dp ranks: at
+    ZeRO-3, 16 (params - replicated) / N + 16 replicated / (N / tp) bytes with AdamW."""
     _check(dtype, world_size)
     if not params > 0:
         raise ValueError(f"params must be > 0, got {params}")
     _check_experts(params, world_size, shard_size, ep, experts)
-    held = params - experts + experts / ep       # the parameters this rank holds whole
+    _check_tensor_parallel(params, world_size, shard_size, ep, tp, replicated)
+    held, spread, n = held_and_sharded(params, world_size, shard_size, ep, experts, tp, replicated)
     p, g, o = (b * held for b in _BYTES[dtype])
-    sp, sg, so = (b * params for b in _BYTES[dtype])
-    n = _shards(world_size, shard_size)
+    sp, sg, so = (b * spread for b in _BYTES[dtype])
     rows = {"DDP": (p, g, o), "ZeRO-1": (p, g, so / n), "ZeRO-2": (p, sg / n, so / n),
             "ZeRO-3": (sp / n, sg / n, so / n)}
     return {s: {"params": a, "grads": b, "optimizer": c, "total": a + b + c} for s, (a, b, c) in rows.items()}
@@ -108,14 +133,20 @@ def slow_link_bytes(params: float, world_size: int, shard_size: int, dtype: str 
 
 
 def format_table(params: float, world_size: int, dtype: str = "bf16", shard_size: Optional[int] = None,
-                 offload: Optional[str] = None, fraction: float = 1.0, ep: int = 1, experts: float = 0.0) -> str:
-    rows = offloaded_bytes(model_state_bytes(params, world_size, dtype, shard_size, ep, experts), params,
-                           world_size, dtype, shard_size, offload, fraction)
+                 offload: Optional[str] = None, fraction: float = 1.0, ep: int = 1, experts: float = 0.0,
+                 tp: int = 1, replicated: float = 0.0) -> str:
+    _, spread, n = held_and_sharded(params, world_size, shard_size, ep, experts, tp, replicated)
+    over_ranks = (params, world_size) if tp == 1 else (spread, n)     # (tp: a rank's piece over its dp ranks)
+    rows = offloaded_bytes(model_state_bytes(params, world_size, dtype, shard_size, ep, experts, tp, replicated),
+                           *over_ranks, dtype, shard_size, offload, fraction)
     gb = 1e9
     over = "" if shard_size is None else f", sharded over {shard_size} (x{world_size // shard_size} replicas)"
     if experts:
         over += (f", {experts / 1e9:g}B of them experts over ep {ep} (a rank holds {1 / ep:.3g} of them; "
                  f"each expert's state sharded over its {world_size // ep} edp ranks)")
+    if tp > 1:
+        over += (f", tensor-parallel over tp {tp} ({replicated / 1e9:g}B of them replicated over tp; each rank's "
+                 f"piece sharded over its {world_size // tp} dp ranks)")
     off = "" if offload is None else f", {fraction:g} of the optimizer state offloaded ({offload})"
     where = "" if offload is None else f"{'device':>9}{'host':>9}{'disk':>9}"
     lines = [f"model state per rank: {params / 1e9:g}B parameters, {world_size} ranks{over}, {dtype}{off} "

@@ -389,7 +389,7 @@ def _formula(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--params must be > 0")
     try:
         print(format_table(args.params, args.world_size, args.dtype, args.shard_size, args.offload,
-                           args.offload_fraction, args.ep, args.experts))
+                           args.offload_fraction, args.ep, args.experts, args.tp, args.replicated))
     except ValueError as e:
         ap.error(str(e))
 
@@ -422,6 +422,12 @@ def _parser() -> argparse.ArgumentParser:
                          "the experts, each expert's state sharded over its N/ep edp ranks (default 1)")
     ap.add_argument("--experts", type=float, default=0.0,
                     help="with --params: how many of the parameters are experts' (every expert once), e.g. 4.5e10")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="with --params: tensor-parallel degree (dividing --world-size = dp x tp): a rank holds "
+                         "1/tp of the tp-sharded parameters, its piece's state sharded over its N/tp dp ranks")
+    ap.add_argument("--replicated", type=float, default=0.0,
+                    help="with --tp: how many of the parameters every tp rank holds whole (norms, row-parallel "
+                         "biases; default 0)")
     ap.add_argument("--transport", choices=("nccl", "gloo"), default="nccl",
                     help="with --model: nccl (GPUs, default) or gloo (CPU processes, whose reduce-scatter "
                          "takes scratch chunks)")
@@ -441,9 +447,9 @@ def main(argv: List[str] = None) -> None:
         ap.error(f"--shard-size must divide --world-size ({args.world_size}), got {args.shard_size}")
     if args.model is None:
         return _formula(ap, args)
-    if args.ep != 1 or args.experts:
-        ap.error("--ep and --experts plan with --params (the formulas); --model plans a model without "
-                 "expert parallelism for now")
+    if args.ep != 1 or args.experts or args.tp != 1 or args.replicated:
+        ap.error("--ep, --experts, --tp and --replicated plan with --params (the formulas); --model plans a "
+                 "model without expert or tensor parallelism for now")
     try:
         build = _load(args.model)
         example = None

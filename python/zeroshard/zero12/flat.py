@@ -210,7 +210,6 @@ def _warn_padding(laid_out: int, numel: int, world: int):
             "inside each) or use FullyShard, whose uneven chunks need no padding.", ResourceWarning, stacklevel=4)
 
 
-@torch.no_grad()
 @dataclass(frozen=True)
 class Frag:
     """A layout fragment (a parameter's piece in one bucket), its bucket numbered among
