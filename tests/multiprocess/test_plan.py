@@ -264,22 +264,20 @@ def test_wrapping_copies_no_unit_beside_the_whole_model(dist_pool):
         assert 0 < rise < root, (rise, root)
 
 
-def test_model_cli(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--model",
-                          os.path.join(EXAMPLES, "train_gpt.py") + ":build_model", "--world-size", "4",
-                          "--input", os.path.join(EXAMPLES, "train_gpt.py") + ":example_batch", "--batch", "4"],
-                         capture_output=True, text=True, check=True).stdout
+def test_model_cli(capsys):
+    """--model in this process (the module itself runs in test_cli_prints_the_table_and_rejects_bad_input)."""
+    model = os.path.join(EXAMPLES, "train_gpt.py") + ":build_model"
+    out = _cli(capsys, "--model", model, "--world-size", "4",
+               "--input", os.path.join(EXAMPLES, "train_gpt.py") + ":example_batch", "--batch", "4")
     assert "largest unit 'blocks.0'" in out and "ZeRO-3" in out
     # hybrid: 8 ranks as 4 replicas of 2 shards hold, per rank, what 2 ranks do
-    model = os.path.join(EXAMPLES, "train_gpt.py") + ":build_model"
-    plans = [subprocess.run([sys.executable, "-m", "zeroshard.plan", "--model", model] + args,
-                            capture_output=True, text=True, check=True).stdout
+    plans = [_cli(capsys, "--model", model, *args)
              for args in (["--world-size", "8", "--shard-size", "2"], ["--world-size", "2"])]
     assert plans[0].startswith("hybrid sharding: 8 ranks = 4 replicas x 2 shards")
     assert plans[0].split("\n", 1)[1] == plans[1]
-    bad = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--model", "no_such_module:f",
-                          "--world-size", "2"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "no_such_module" in bad.stderr
+    with pytest.raises(SystemExit) as bad:
+        _cli(capsys, "--model", "no_such_module:f", "--world-size", "2")
+    assert bad.value.code != 0 and "no_such_module" in capsys.readouterr().err
 
 
 def test_meta_optimizer_plans_but_does_not_step():

@@ -114,7 +114,11 @@ def _load(spec: str):
         sys.modules[name] = module          # so dataclasses and pickling see it
         spec_.loader.exec_module(module)
     else:
-        module = importlib.import_module(mod_name)
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise ValueError(f"{spec!r}: cannot import {mod_name!r} ({e}); give module:function importable from "
+                             "here, or path/to/file.py:function") from e
     if not hasattr(module, fn):
         raise ValueError(f"{spec!r}: {mod_name} has no attribute {fn!r}")
     return getattr(module, fn)
