@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
-V, D, HD, LAYERS, T, B, STEPS, TP = 37, 16, 4, 2, 6, 3, 5, 2   # vocab, width, head dim, layers, tokens, batch
+V, D, HD, LAYERS, T, B, STEPS, TP = 37, 16, 4, 2, 6, 3, 3, 2   # vocab, width, head dim, layers, tokens, batch
 
 
 class Attention(nn.Module):
@@ -67,15 +67,17 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def parallelize(model: GPT, tp_mesh) -> GPT:
+def parallelize(model: GPT, tp_mesh, loss_parallel: bool = False) -> GPT:
     """Megatron's plan with sequence parallelism: the residual stream is split over the
     tokens between the tp ranks (the norms run on their share), every matrix over its
-    columns (q, k, v, up, head) or rows (out, down, embed)."""
+    columns (q, k, v, up, head) or rows (out, down, embed). ``loss_parallel``: the logits
+    stay split over the vocabulary (a DTensor) for torch's loss_parallel()."""
     seq = Shard(1)
     parallelize_module(model, tp_mesh, {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "norm": SequenceParallel(use_local_output=True),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        "head": ColwiseParallel(input_layouts=seq, use_local_output=False) if loss_parallel else
+        ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
     })
     for block in model.blocks:
         parallelize_module(block, tp_mesh, {

@@ -48,8 +48,9 @@ def _train(stage, shard_size, clip, mesh, micro=1):
                 norms=norms)
 
 
-@FLAT
-@pytest.mark.parametrize("stage,micro", [(1, 1), (2, 1), (2, 2)])
+# (3 replicas of 2 shards at stage 2 with accumulation; the rest on 2 x 2, whose pool is warm)
+@pytest.mark.parametrize("hybrid,stage,micro", [((4, 2), 1, 1), ((4, 2), 2, 1), ((4, 2), 2, 2), ((6, 2), 2, 2)],
+                         ids=["world4-shard2-1-1", "world4-shard2-2-1", "world4-shard2-2-2", "world6-shard2-2-2"])
 def test_hybrid_equals_single_process_adamw(hybrid, stage, micro):
     pool, shard = _pool_and_shard(hybrid)
     res = pool.run(_train, stage, shard, None, False, micro)

@@ -20,11 +20,15 @@ from tensor_parallel import GPT, Block, batch, loss_of, parallelize  # (examples
 STEPS = 3
 
 
-def _reference(dp: int, micro: int, clip, steps: int = STEPS):
+SGD = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)    # (an elementwise optimizer_class)
+
+
+def _reference(dp: int, micro: int, clip, steps: int = STEPS, sgd: bool = False):
     """One process, the whole model, every dp rank's batch: parameters and clip norms."""
     torch.manual_seed(0)
     model = GPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if sgd else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
     norms = []
     for step in range(steps):
         for m in range(micro):
@@ -37,23 +41,27 @@ def _reference(dp: int, micro: int, clip, steps: int = STEPS):
 
 
 def _train(stage: int, micro: int = 1, clip=None, torch_clip: bool = False, bucket_mb: float = 25,
-           dtype=torch.float32):
+           dtype=torch.float32, sgd: bool = False, vocab_parallel: bool = False):
+    """``sgd``: torch's SGD with momentum through optimizer_class; ``vocab_parallel``: the
+    logits split over the vocabulary, the loss under torch's loss_parallel()."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ref, ref_norms = _reference(2, micro, clip)
+    ref, ref_norms = _reference(2, micro, clip, sgd=sgd)
     torch.manual_seed(0)
-    model = parallelize(GPT(), mesh["tp"]).to(dtype)
+    model = parallelize(GPT(), mesh["tp"], loss_parallel=vocab_parallel).to(dtype)
+    kw = SGD if sgd else dict(lr=1e-2)
     if stage == 3:     # each block a unit: its tp pieces sharded over dp, gathered for its compute
         model = zs.FullyShard(model, wrap={Block}, device_mesh=mesh["dp"],
                               mixed_precision=zs.MixedPrecision(param_dtype=dtype) if dtype != torch.float32 else None)
-        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
+        opt = zs.ShardedOptimizer(model.parameters(), **kw)
     else:
-        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, device_mesh=mesh["dp"],
-                                  bucket_mb=bucket_mb)
+        opt = zs.ShardedOptimizer(model.parameters(), stage=stage, device_mesh=mesh["dp"], bucket_mb=bucket_mb, **kw)
     norms, dp_rank = [], mesh["dp"].get_local_rank()
     for step in range(STEPS):
         for m in range(micro):
-            with opt.no_sync() if m < micro - 1 else torch.enable_grad():
+            with opt.no_sync() if m < micro - 1 else torch.enable_grad(), \
+                    loss_parallel() if vocab_parallel else torch.enable_grad():
                 (loss_of(model, *batch(step * micro + m, dp_rank, "cpu")) / micro).backward()
         if torch_clip:       # torch's own, over DTensor parameters of two meshes' worth of sharding
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -159,12 +167,13 @@ def test_zero_over_dp_of_a_tensor_parallel_model_equals_one_process(stage):
     _check_plan(results)
 
 
-def test_accumulation_torch_clip_split_buckets_and_bf16():
+def test_accumulation_loss_parallel_torch_clip_sgd_and_bf16():
     """no_sync() micro-batches with torch's clip_grad_norm_ over the DTensor parameters (the
     global norm, every element once: FSDP2 + TP raises here), at stage 2 with buckets of 2 KB
-    that split tensors and at stage 3; then bf16 parameters (fp32 masters) within bf16's
-    rounding."""
-    for args in ((2, 2, 0.5, True, 2 / 1024), (3, 2, 0.5, True)):
+    that split tensors and torch's SGD with momentum as the optimizer_class, and at stage 3
+    with loss parallelism (the logits split over the vocabulary); then bf16 parameters (fp32
+    masters) within bf16's rounding."""
+    for args in ((2, 2, 0.5, True, 2 / 1024, torch.float32, True), (3, 2, 0.5, True, 25, torch.float32, False, True)):
         for out in get_pool(4).run(_train, *args):
             assert out["err"] < 2e-5, (args, out["err"])
             assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["norms"], out["ref_norms"])), out
