@@ -15,7 +15,7 @@ from conftest import Refusals, get_pool
 from zeroshard.plan import model_state_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
-from tensor_parallel import GPT, Block, batch, loss_of, parallelize  # (examples/tensor_parallel.py's model)
+from tensor_parallel import GPT, V, Block, batch, loss_of, parallelize  # (examples/tensor_parallel.py's model)
 
 STEPS = 3
 
@@ -226,6 +226,26 @@ def test_grad_scaler_skips_everywhere_and_what_is_not_supported_yet_is_refused(t
         assert skipped
         for key, parts in want.items():
             assert all(part in msgs.get(key, "") for part in parts), (key, msgs.get(key))
+
+
+def _norm_with_a_plain_parameter():
+    """A plain parameter beside the DTensors (the same on every tp rank): the total norm counts it
+    once, as the norm of the gradients read whole says. (our norm, the whole gradients' norm)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model, scale = parallelize(GPT(), mesh["tp"]), torch.nn.Parameter(torch.full((V,), 1.5))
+    params = list(model.parameters()) + [scale]
+    opt = zs.ShardedOptimizer(params, lr=1e-2, stage=2, device_mesh=mesh["dp"])
+    x, y = batch(0, mesh["dp"].get_local_rank(), "cpu")
+    torch.nn.functional.cross_entropy((model(x) * scale).reshape(-1, V), y.reshape(-1)).backward()
+    whole = torch.stack([p.grad.full_tensor().norm() for p in params]).norm()     # (collective reads)
+    return float(opt.clip_grad_norm_(math.inf)), float(whole)
+
+
+def test_a_plain_parameter_beside_the_dtensors_is_counted_once():
+    for ours, whole in get_pool(4).run(_norm_with_a_plain_parameter):
+        assert math.isclose(ours, whole, rel_tol=1e-5), (ours, whole)
 
 
 def _runs_cover_the_local_pieces():

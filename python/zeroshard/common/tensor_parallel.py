@@ -159,8 +159,8 @@ class TensorParallel:
     """The DTensor parameters of a ShardedOptimizer: their placements over the one tp
     mesh they share, and what sharding their local pieces needs."""
 
-    def __init__(self, placed: Dict[int, Placed], group: dist.ProcessGroup):
-        self.placed = placed
+    def __init__(self, placed: Dict[int, Placed], group: dist.ProcessGroup, n: int):
+        self.placed, self.n = placed, n     # (``n``: the optimizer's parameters, DTensors or not)
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
@@ -180,7 +180,7 @@ class TensorParallel:
         if not placed:
             return None
         check_disjoint(mesh.get_group(), dp_group, err, "ShardedOptimizer(..., device_mesh=mesh['dp'])")
-        return TensorParallel(placed, mesh.get_group())
+        return TensorParallel(placed, mesh.get_group(), len(params))
 
     # --------------------------------------------------------------- tensors
     def grad(self, i: int, local: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -194,16 +194,16 @@ class TensorParallel:
         return local if placed is None else placed.wrap(local).full_tensor()
 
     # ------------------------------------------------------------ statistics
-    def colors(self, n: int) -> List[Tuple[int, int]]:
+    def colors(self) -> List[Tuple[int, int]]:
         """Per parameter, (color, count) of its statistics slots: a tp-sharded one one slot
         per tp place (its color this rank's), any other one."""
-        return [(self.rank, self.size) if (pl := self.placed.get(i)) is not None and pl.sharded else (0, 1)
-                for i in range(n)]
+        return [(self.rank, self.size) if self.sharded(i) else (0, 1) for i in range(self.n)]
 
     def uncounted(self) -> List[int]:
-        """The parameters whose statistics this rank leaves to tp rank 0: the replicated
-        ones (every tp rank holds the same reduced gradient)."""
-        return [] if self.rank == 0 else [i for i, pl in self.placed.items() if not pl.sharded]
+        """The parameters whose statistics this rank leaves to tp rank 0: every one tp does
+        not split (a replicated DTensor or a plain tensor: every tp rank holds the same
+        reduced gradient)."""
+        return [] if self.rank == 0 else [i for i in range(self.n) if not self.sharded(i)]
 
     def refuse_whole(self, err: Callable[[str], str]) -> None:
         """A whole-tensor optimizer (Muon, Adafactor) over tp-sharded matrices: not yet."""

@@ -208,7 +208,7 @@ class FlatReducer(ShardSource):
     # ------------------------------------------------------- ShardSource API
     def param_colors(self) -> Optional[List[tuple]]:
         if self.tp is not None:
-            return self.tp.colors(len(self.params))
+            return self.tp.colors()
         if not self.own_shards:
             return None
         return [(s.color, s.count) for s in (self.shards[g] for g in self.group_of)]

@@ -54,7 +54,7 @@ class UnitSource(ShardSource):
         # tensor-parallel parameters ([Note: tensor-parallel parameters] in common/tensor_parallel.py)
         placed = {index[id(q.sharded)]: q.placed for fs in self.owners for u in fs.units for q in u.params
                   if q.placed is not None and id(q.sharded) in index}
-        self.tp = TensorParallel(placed, next(iter(placed.values())).mesh.get_group()) if placed else None
+        self.tp = TensorParallel(placed, next(iter(placed.values())).mesh.get_group(), len(params)) if placed else None
         if self.tp is not None and whole:
             self.tp.refuse_whole(self.err)
         if whole:
@@ -85,7 +85,7 @@ class UnitSource(ShardSource):
 
     def param_colors(self):
         if self.tp is not None:
-            return self.tp.colors(len(self._index))
+            return self.tp.colors()
         if not any(sg.own for sg in self._ranks.values()):
             return None
         return [(sg.color, sg.count) if (sg := self._ranks.get(i)) is not None else (0, 1)
