@@ -45,6 +45,11 @@ def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_ptr(t: torch.Tensor) -> int:
+    """Where a tensor's data (a DTensor's local piece) starts, without an autograd node."""
+    return t.detach().to_local().data_ptr() if isinstance(t, DTensor) else t.data_ptr()
+
+
 def placed_of(p: torch.Tensor) -> Optional["Placed"]:
     """How a DTensor parameter lies over its tp mesh (None for a plain tensor)."""
     return Placed(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride())) if isinstance(p, DTensor) else None

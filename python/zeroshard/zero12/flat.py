@@ -18,7 +18,7 @@ from ..comm.mesh import ShardGroup
 from ..offload import Placement, Storage, on_accelerator
 from ..common.reduction import Reduction
 from ..common.source import SUPPORTED
-from ..common.tensor_parallel import local_tensor, point_at
+from ..common.tensor_parallel import local_ptr, local_tensor, point_at
 from ..native.layout import compute_layout, update_cost
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -88,9 +88,7 @@ def check_views(params: List[torch.Tensor], trainable: List[int], where: dict, e
     for i in trainable:
         p, (buf, offset, _) = params[i], where[i]
         flat = buf.params
-        with torch.no_grad():
-            ptr = local_tensor(p).data_ptr()
-        if ptr != flat.data_ptr() + offset * flat.element_size():   # (a new dtype or device: new memory)
+        if local_ptr(p) != flat.data_ptr() + offset * flat.element_size():   # (a new dtype or device: new memory)
             raise RuntimeError(err(
                 f"parameter {i} (shape {tuple(p.shape)}, now {p.dtype} on {p.device}) is no longer the view of "
                 f"the flat {flat.dtype} buffer on {flat.device} that ShardedOptimizer made it: its data was "
