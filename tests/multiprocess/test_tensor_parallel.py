@@ -90,30 +90,40 @@ def _check_plan(results):
     assert held["exp_avg"] + held["exp_avg_sq"] + held["master"] == world * row["optimizer"], (held, row)
 
 
-def _built(stage: int, tp: int, seed: int = 1):
+def _built(stage: int, tp: int, seed: int = 1, replicas: int = 0):
     """A fresh model (tensor-parallel over ``tp`` ranks of the world; dp the rest) and its
     optimizer at ``stage``; this rank's dp place; the whole model's tensors (collective).
-    ``seed`` 0: the reference's start; another: values a load must replace."""
+    ``seed`` 0: the reference's start; another: values a load must replace. ``replicas``:
+    hybrid sharding on the dp axis, a (replicate, shard) mesh of that many replicas."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    dp = dist.get_world_size() // tp
+    if replicas:
+        mesh = init_device_mesh("cpu", (replicas, dp // replicas, tp), mesh_dim_names=("rep", "shard", "tp"))
+        dp_mesh = mesh["rep", "shard"]
+        dp_rank = mesh["rep"].get_local_rank() * (dp // replicas) + mesh["shard"].get_local_rank()
+    else:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        dp_mesh, dp_rank = mesh["dp"], mesh["dp"].get_local_rank()
     torch.manual_seed(seed)
     model = parallelize(GPT(), mesh["tp"]) if tp > 1 else GPT()
     if stage == 3:
-        model = zs.FullyShard(model, wrap={Block}, device_mesh=mesh["dp"])
+        model = zs.FullyShard(model, wrap={Block}, device_mesh=dp_mesh)
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
     else:
-        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, device_mesh=mesh["dp"])
+        opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, device_mesh=dp_mesh)
 
     def whole():
         if stage == 3:
             return model.state_dict()
         return {n: p.full_tensor() if tp > 1 else p.detach() for n, p in model.named_parameters()}
-    return model, opt, mesh["dp"].get_local_rank(), whole
+    return model, opt, dp_rank, whole
 
 
-def _steps(model, opt, dp_rank: int, steps):
+def _steps(model, opt, dp_rank: int, steps, clip=None):
     for step in steps:
         loss_of(model, *batch(step, dp_rank, "cpu")).backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
 
@@ -138,6 +148,30 @@ def _across_tp_degrees(tmp: str, phase: str):
     got = whole()
     errors.append(max(((got[n].float() - p).norm() / p.norm()).item() for n, p in ref.named_parameters()))
     return errors
+
+
+def _hybrid(tmp: str):
+    """Hybrid sharding on the dp axis of dp 2 x tp 2: stage 3 over 2 replicas of one rank each
+    (the replicas all-reduce the shards), stage 1 over one replica of 2 ranks; stage 2 over 2
+    replicas saved after a step and resumed at stage 3 without hybrid sharding. The largest
+    relative difference from one process of each (clipping at 0.5: the global norm)."""
+    ref, errors = _reference(2, 1, 0.5)[0], []
+    for stage, replicas in ((3, 2), (1, 1), (2, 2)):
+        model, opt, dp_rank, whole = _built(stage, 2, seed=0, replicas=replicas)
+        _steps(model, opt, dp_rank, range(STEPS) if stage != 2 else [0], clip=0.5)
+        if stage == 2:
+            zs.save_checkpoint(os.path.join(tmp, "hybrid"), model, opt)
+            model, opt, dp_rank, whole = _built(3, 2)
+            zs.load_checkpoint(os.path.join(tmp, "hybrid"), model, opt)
+            _steps(model, opt, dp_rank, range(1, STEPS), clip=0.5)
+        got = whole()
+        errors.append(max(((got[n].float() - p).norm() / p.norm()).item() for n, p in ref.named_parameters()))
+    return errors
+
+
+def test_hybrid_sharding_on_the_dp_axis_beside_tensor_parallelism(tmp_path):
+    for errors in get_pool(4).run(_hybrid, str(tmp_path)):
+        assert max(errors) < 2e-5, errors
 
 
 def test_checkpoints_resume_at_another_stage_and_tensor_parallel_degree(tmp_path):

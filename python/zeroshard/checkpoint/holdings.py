@@ -112,25 +112,26 @@ class Holdings:
         """Tensor-parallel parameters ([Note: tensor-parallel checkpoints] in checkpoint/parallel.py):
         their placements, and the checkpoint written over every rank."""
         self.placed = tp_placements(held, sharded)
-        self.tp_rank = 0
+        self.tp_rank, self.dp_replica = 0, 0
         if self.placed:
             mesh = next(iter(self.placed.values())).mesh
-            if self.world * mesh.size() != dist.get_world_size():
+            if self.world * self.replicas * mesh.size() != dist.get_world_size():
                 raise CheckpointError(f"a checkpoint of a tensor-parallel model is written over every rank: its "
-                                      f"dp ({self.world}) x tp ({mesh.size()}) mesh must span the "
+                                      f"dp ({self.world * self.replicas}) x tp ({mesh.size()}) mesh must span the "
                                       f"{dist.get_world_size()} ranks")
             self.group, self.world, self.rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-            self.tp_rank = mesh.get_local_rank()
+            self.tp_rank = mesh.get_local_rank()     # (hybrid on dp: the first replica writes)
+            self.dp_replica, self.every, self.replicas, self.replica_rank = self.replica_rank, None, 1, 0
 
     def _piece(self, key: str, p: torch.Tensor, start: int, data: torch.Tensor):
         """Elements ``start ..`` of parameter ``p``'s (flattened) tensor ``key``: of its local
         piece where it is tensor-parallel ([Note: tensor-parallel checkpoints])."""
         pl = self.placed.get(id(p))
         if pl is None or not pl.sharded:
-            if not self.placed or self.tp_rank == 0 or self.for_load:    # (replicated over tp: tp rank 0's)
+            if not self.placed or (self.tp_rank == 0 == self.dp_replica) or self.for_load:   # (tp rank 0's)
                 self.pieces.append(Piece(key, start, data, False))
             return
-        for at, off, n in pl.runs(start, data.numel()):
+        for at, off, n in pl.runs(start, data.numel()) if self.for_load or not self.dp_replica else ():
             self.pieces.append(Piece(key, at, data[off:off + n], False))
 
     def _set_group(self, fs, sharded_opt):

@@ -10,7 +10,10 @@ are reduce-scattered inside the shard group, then each rank's shard is
 all-reduced across its replica group (2Ψ/S elements per rank over the slow
 link, instead of the whole gradient); parameters are all-gathered inside the
 shard group. The per-step statistics (norms, which parameters got a
-gradient) are all-reduced over every rank, each shard counted once.
+gradient) are all-reduced over every rank, each shard counted once. Beside a
+tensor-parallel axis the 2-D mesh is the dp dimensions of a (replicate, shard,
+tp) mesh: "every rank" is then the dp ranks of this tp place (``_plane``), and
+the statistics go on over tp ([Note: tensor-parallel parameters]).
 
 [Note: param groups over their own ranks] Expert parallelism puts different
 experts on different ranks: the ``ep`` ranks of an expert-parallel group each
@@ -144,12 +147,9 @@ def groups(process_group: Optional[dist.ProcessGroup], shard_size: Optional[int]
             raise ValueError(f"{who}: device_mesh must be 1-D (the ranks to shard over) or 2-D, (replicate, "
                              f"shard) as FSDP2's HSDP takes it; got a {device_mesh.ndim}-D mesh of shape "
                              f"{tuple(device_mesh.shape)}")
-        if device_mesh.size() != dist.get_world_size():
-            raise ValueError(f"{who}: a 2-D device_mesh (hybrid sharding) must span every rank; this one spans "
-                             f"{device_mesh.size()} of {dist.get_world_size()} (hybrid sharding beside a "
-                             "tensor-parallel axis is not supported yet)")
         shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
-        return Groups(shard, replicate if dist.get_world_size(replicate) > 1 else None, dist.group.WORLD)
+        every = dist.group.WORLD if device_mesh.size() == dist.get_world_size() else _plane(device_mesh, who)
+        return Groups(shard, replicate if dist.get_world_size(replicate) > 1 else None, every)
     if shard_size is None:
         pg = process_group if process_group is not None else dist.group.WORLD
         return Groups(pg, None, pg)
@@ -167,6 +167,32 @@ def groups(process_group: Optional[dist.ProcessGroup], shard_size: Optional[int]
         made = _made[shard_size] = (dist.group.WORLD, *_make(shard_size, world))
     _, shard, replicate = made
     return Groups(shard, replicate if world // shard_size > 1 else None, dist.group.WORLD)
+
+
+# the ranks of each 2-D mesh that spans part of the world -> (the default group, their group)
+_planes: Dict[Tuple[Tuple[int, ...], ...], Tuple[Any, dist.ProcessGroup]] = {}
+
+
+def _plane(device_mesh, who: str) -> dist.ProcessGroup:
+    """The group of a 2-D mesh's ranks where it spans part of the world (mesh["rep", "shard"]
+    of a (rep, shard, tp) mesh: the data-parallel ranks of this tp place), what the
+    statistics reduce over. Every rank names its plane; each distinct one is made, in one
+    order on every rank (collective over the world, once per layout)."""
+    mine = tuple(sorted(int(r) for r in device_mesh.mesh.flatten().tolist()))
+    planes = [None] * dist.get_world_size()
+    dist.all_gather_object(planes, mine)
+    distinct = tuple(sorted(set(planes)))
+    covered = sorted(r for plane in distinct for r in plane)
+    if covered != list(range(dist.get_world_size())):
+        raise ValueError(f"{who}: the 2-D device_mesh's ranks {list(mine)} and the other ranks' do not split the "
+                         f"world into disjoint groups ({list(distinct)}); build it as two dimensions of one "
+                         "DeviceMesh over every rank, e.g. init_device_mesh(device, (rep, shard, tp), "
+                         "mesh_dim_names=('rep', 'shard', 'tp'))['rep', 'shard']")
+    made = _planes.get(distinct)
+    if made is None or made[0] is not dist.group.WORLD:
+        groups_made = [dist.new_group(list(plane)) for plane in distinct]
+        made = _planes[distinct] = (dist.group.WORLD, groups_made[distinct.index(mine)])
+    return made[1]
 
 
 def _make(size: int, world: int) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
