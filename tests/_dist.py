@@ -146,20 +146,30 @@ def torchrun_jobs(tmp_path_factory, name: str, job: str, timeout: float) -> dict
     """{world size: rank 0's results} of ``job`` launched with torchrun at world sizes 2
     and then 3; the world-3 launch gets the world-2 directory as its second argument (to
     resume what world 2 saved). Each writes ``results-w<world>.pt`` into its directory."""
+    out = {}
+    for world in (2, 3):
+        out[world] = torchrun_job(tmp_path_factory, f"{name}-w{world}", job, world, [] if world == 2 else
+                                  [out[2]["dir"]], f"results-w{world}.pt", timeout)
+    return out
+
+
+def torchrun_job(tmp_path_factory, name: str, job: str, world: int, args: list, results: str,
+                 timeout: float) -> dict:
+    """Rank 0's results of ``job`` launched with torchrun at ``world`` ranks as ``job [--flags]
+    DIR [args]``, DIR a fresh directory where rank 0 writes the file ``results``."""
     import subprocess
 
     import torch
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = {}
-    for world in (2, 3):
-        d = tmp_path_factory.mktemp(f"{name}-w{world}")
-        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(d))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), job,
-               str(d)] + ([out[2]["dir"]] if world == 3 else [])
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=timeout)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-        out[world] = torch.load(os.path.join(d, f"results-w{world}.pt"), weights_only=False)
-        out[world]["dir"] = str(d)
+    d = tmp_path_factory.mktemp(name)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(d))
+    flags = [a for a in args if a.startswith("--")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), job,
+           *flags, str(d), *[a for a in args if not a.startswith("--")]]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    out = torch.load(os.path.join(d, results), weights_only=False)
+    out["dir"] = str(d)
     return out
 
 

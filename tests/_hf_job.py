@@ -5,6 +5,7 @@ runs, in one process group. Rank 0 writes results-w<world>.pt into the output
 directory; the parent compares.
 
     torchrun --nproc-per-node 2 tests/_hf_job.py OUT [CHECKPOINT_FROM_WORLD_2]
+    torchrun --nproc-per-node 4 tests/_hf_job.py --tp OUT        # tp_size=2 over dp 2: results-tp.pt
     torchrun --nproc-per-node 1 tests/_hf_job.py --device OUT    # on the GPU when there is one
 
 ``--device``: world size 1 on the machine's accelerator (NCCL; gloo and the CPU without
@@ -130,9 +131,11 @@ def arguments(out, **kw):
 
 
 def full_params(trainer, stage):
+    """The whole model's tensors (tensor-parallel ones gathered over tp: collective)."""
+    from torch.distributed.tensor import DTensor
     runner = trainer.zeroshard_model if stage else trainer.model
     sd = runner.state_dict()
-    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in sd.items()}
 
 
 def run(stage, out, model_fn=gpt2, resume=None, trainer_cls=None, hook=None, **kw):
@@ -358,9 +361,40 @@ def main_device(d):
     dist.destroy_process_group()
 
 
+def main_tp(d):
+    """World size 4: the Llama's own tp_plan over tp_size=2 ranks, zeroshard over the dp 2 at
+    stages 1-3 (world 2's DDP run, llama-0, is the reference); the stage-3 run's step-2
+    checkpoint resumed at stage 2; what is not supported refused."""
+    from torch.distributed.tensor import DTensor
+    dist.init_process_group("gloo")
+    res = {}
+    for stage in (1, 2, 3):
+        res[f"tp-{stage}"], t = run(stage, os.path.join(d, f"tp-{stage}"), model_fn=llama,
+                                    zeroshard=dict(stage=stage, tp_size=2))
+        res[f"tp-{stage}"]["tp"] = t.zeroshard_mesh["tp"].size()
+        if stage != 3:     # (at stage 3 the DTensors exist while a unit computes)
+            res[f"tp-{stage}"]["dtensors"] = sum(isinstance(p, DTensor) for p in t.model.parameters())
+    res["tp-resume"], _ = run(2, os.path.join(d, "tp-resume"), model_fn=llama, zeroshard=dict(stage=2, tp_size=2),
+                              resume=os.path.join(d, "tp-3", "checkpoint-2"))
+    refused = {}
+    for name, fn, tp in (("no-plan", gpt2, 2), ("styles", qwen3_moe, 2), ("world", llama, 3)):
+        try:
+            ZeroT(model=fn(), args=arguments(os.path.join(d, "refused"), eval_strategy="no"),
+                  zeroshard=dict(stage=2, tp_size=tp))
+        except ValueError as e:
+            refused[name] = str(e)
+    res["tp-refused"] = refused
+    if dist.get_rank() == 0:
+        torch.save(res, os.path.join(d, "results-tp.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main():
     if sys.argv[1] == "--device":
         return main_device(sys.argv[2])
+    if sys.argv[1] == "--tp":
+        return main_tp(sys.argv[2])
     d = sys.argv[1]
     from_w2 = sys.argv[2] if len(sys.argv) > 2 else None
     dist.init_process_group("gloo")

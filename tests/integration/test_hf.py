@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from _dist import close, torchrun_jobs, worst
+from _dist import close, torchrun_job, torchrun_jobs, worst
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -32,6 +32,12 @@ TOL = 1e-5
 def results(tmp_path_factory):
     """{world size: rank 0's results} of the job at world sizes 2 and 3 (3 resumes 2's checkpoint)."""
     return torchrun_jobs(tmp_path_factory, "hf", JOB, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    """Rank 0's results of the job's tensor-parallel runs on 4 ranks (tp_size=2 over dp 2)."""
+    return torchrun_job(tmp_path_factory, "hf-tp", JOB, 4, ["--tp"], "results-tp.pt", timeout=400)
 
 
 def logits(folder_or_params, model_name="gpt2"):
@@ -76,6 +82,30 @@ def test_llama_at_stage_3_matches_ddp(results):
     r, ddp = results[2]["llama-3"], results[2]["llama-0"]
     assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"])
     assert worst(r["params"], ddp["params"]) <= TOL
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_models_own_tp_plan_at_tp_size_2_equals_ddp(results, tp_results, stage):
+    """zeroshard=dict(stage=s, tp_size=2) on 4 ranks: the Llama's own tp_plan (transformers'
+    styles; 16 DTensor parameters) over 2 ranks, zeroshard over the dp 2, against the Trainer's
+    DDP on 2 ranks on the same batches: rank 0's losses (it sees dp rank 0's batches), the
+    logged norms, evaluation losses and parameters. The stage-3 run's step-2 checkpoint resumed
+    at stage 2 ends where that run did; its final save_model folder loads in one process."""
+    r, ddp = tp_results[f"tp-{stage}"], results[2]["llama-0"]
+    assert r["tp"] == 2 and r.get("dtensors", 16) == 16
+    assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"]), (r["losses"], ddp["losses"])
+    assert close(r["eval"], ddp["eval"]) and len(r["eval"]) == 2
+    assert worst(r["params"], ddp["params"]) <= TOL
+    if stage == 3:
+        assert worst(tp_results["tp-resume"]["params"], r["params"]) <= TOL
+        assert (logits(r["final"]) - logits(ddp["params"], "llama")).abs().max() < 1e-4
+
+
+def test_tp_size_refuses_what_it_does_not_train(tp_results):
+    msgs = tp_results["tp-refused"]
+    assert "GPT2LMHeadModel has no tensor-parallel plan" in msgs["no-plan"]
+    assert "'moe_tp_experts' style" in msgs["styles"] and "tp_size=1" in msgs["styles"]
+    assert "tp_size=3 must divide the world size (4)" in msgs["world"]
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3moe"])
@@ -235,7 +265,8 @@ def test_misuse_is_refused_with_a_clear_error(tmp_path):
                        (dict(stage=1, offload_params=True), "offload_params=True"),
                        (dict(offload="disk"), "offload='disk'"),
                        (dict(stage=2, mixed_precision="bf16"), "mixed_precision= sets stage 3"),
-                       (dict(stage=3, mixed_precision="int8"), "mixed_precision='int8'")):
+                       (dict(stage=3, mixed_precision="int8"), "mixed_precision='int8'"),
+                       (dict(tp_size=0), "tp_size=0"), (dict(tp_size=2, shard_size=2), "not supported yet")):
         with pytest.raises((ValueError, TypeError), match=words):
             ZeroShardTrainer(model=_hf_job.gpt2(), args=args, zeroshard=bad)
     with pytest.raises(TypeError, match="takes a dict"):

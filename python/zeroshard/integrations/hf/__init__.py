@@ -24,7 +24,7 @@ ACCELERATE = (Version("1.15"), Version("1.16"))
 TRAINER_METHODS = ("_prepare_for_training", "create_optimizer", "create_scheduler", "_wrap_model", "training_step",
                    "save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
                    "_load_optimizer_and_scheduler", "_load_best_model", "_load_scaler", "_clip_grad_norm",
-                   "_get_grad_norm", "_move_model_to_device")
+                   "_get_grad_norm", "_move_model_to_device", "_get_dataloader", "get_tp_size")
 
 
 def _check_versions() -> None:

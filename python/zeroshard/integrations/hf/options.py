@@ -36,6 +36,9 @@ class Options:
     bucket_mb: stages 1/2: the reduce-scatter bucket size.
     reshard_after_forward, prefetch: stage 3: ``FullyShard``'s.
     max_shard_size: the largest safetensors file a save writes (``save_pretrained``'s).
+    tp_size: tensor parallelism: the model's own ``tp_plan`` applied over this many ranks
+        (transformers' parallel styles), zeroshard over the rest ([Note: Hugging Face
+        tensor parallelism] in integrations/hf/tensor_parallel.py).
     mixed_precision: stage 3's gather and reduce dtypes: ``"bf16"`` / ``"fp16"`` (units
         gathered in that dtype, gradients reduced in fp32), ``"fp32"``, or a
         ``zeroshard.MixedPrecision``; None: what the Trainer's arguments ask for
@@ -54,6 +57,7 @@ class Options:
     prefetch: int = 1
     max_shard_size: Any = DEFAULT_MAX_SHARD_SIZE
     mixed_precision: Any = None
+    tp_size: int = 1
 
     @classmethod
     def parse(cls, given, where: str) -> "Options":
@@ -83,18 +87,27 @@ class Options:
                              f"stage={self.stage} use offload='cpu' (the optimizer state)")
         if self.offload not in (None, "cpu", "nvme"):
             raise ValueError(f"{where}: offload={self.offload!r}; None, 'cpu' or 'nvme'")
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            raise ValueError(f"{where}: zeroshard tp_size={self.tp_size!r}; a positive integer (1: no tensor "
+                             "parallelism)")
+        if self.tp_size > 1 and (self.shard_size is not None or self.offload or self.offload_params):
+            raise ValueError(f"{where}: zeroshard tp_size={self.tp_size} with shard_size= or offload is not "
+                             "supported yet; drop one of them")
         if self.mixed_precision is not None:
             if self.stage != 3:
                 raise ValueError(f"{where}: mixed_precision= sets stage 3's gather dtype; at stage={self.stage} the "
                                  "parameters are not gathered (use the Trainer's bf16=True: autocast)")
             precision(self.mixed_precision, where)
 
-    def optimizer_kwargs(self) -> dict:
-        """The ShardedOptimizer's sharding keywords."""
+    def optimizer_kwargs(self, dp_mesh=None) -> dict:
+        """The ShardedOptimizer's sharding keywords; ``dp_mesh``: the ranks stages 1/2 shard
+        over beside a tp axis."""
         kw = dict(offload=self.offload, offload_dir=self.offload_dir, offload_fraction=self.offload_fraction,
                   shard_size=self.shard_size)
         if self.stage != 3:
             kw.update(stage=self.stage, bucket_mb=self.bucket_mb)
+            if dp_mesh is not None:
+                kw["device_mesh"] = dp_mesh
         return kw
 
     def gather_precision(self, asked: Optional[str], where: str) -> "zeroshard.MixedPrecision":
@@ -103,11 +116,12 @@ class Options:
         return precision(self.mixed_precision if self.mixed_precision is not None else asked, where)
 
     def fully_shard(self, model: nn.Module, asked: Optional[str] = None,
-                    where: str = "zeroshard") -> "zeroshard.FullyShard":
+                    where: str = "zeroshard", dp_mesh=None) -> "zeroshard.FullyShard":
+        """Stage 3's FullyShard of ``model``; ``dp_mesh``: the ranks it shards over beside a tp axis."""
         return zeroshard.FullyShard(model, wrap=units(model, self.wrap), shard_size=self.shard_size,
                                     mixed_precision=self.gather_precision(asked, where),
                                     reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
-                                    offload_params=self.offload_params)
+                                    offload_params=self.offload_params, device_mesh=dp_mesh)
 
 
 # the dtypes a run's precision names gather in; gradients reduce in fp32 (as FSDP's and DeepSpeed's)

@@ -24,6 +24,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 import zeroshard
 from zeroshard.checkpoint import full_state_dict_meta, read_full_state_dict
 
+from .tensor_parallel import full_state_dict, is_tensor_parallel
+
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 # the scratch checkpoint a stage-3 save_model writes and exports from
@@ -91,8 +93,9 @@ def save_pretrained(model: nn.Module, out_dir: str, *, is_main_process: bool,
     process streams it into the Hugging Face files and removes it."""
     out_dir = os.fspath(out_dir)
     if not isinstance(model, zeroshard.FullyShard):
+        whole = full_state_dict(model) if is_tensor_parallel(model) else None   # (collective over tp)
         if is_main_process:
-            model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+            model.save_pretrained(out_dir, max_shard_size=max_shard_size, state_dict=whole)
         return
     if is_peft(model.module):
         return save_adapter(model, out_dir, is_main_process=is_main_process)

@@ -38,6 +38,7 @@ from zeroshard import comm
 
 from .. import convert
 from . import pretrained
+from . import tensor_parallel
 from .options import SHARDED_DIR, Options
 
 OPTIMIZER_NAME = "optimizer.pt"
@@ -55,8 +56,39 @@ class ZeroShardTrainerMixin:
         self.sharded_optimizer: Optional["zeroshard.ShardedOptimizer"] = None
         self.zeroshard_model: Optional[torch.nn.Module] = None   # what trains: the model, or its FullyShard
         args, kwargs = self._adopt(args, kwargs)
+        self._tp_replaced: dict = {}    # tensor parallelism: id(parameter replaced) -> (its name, it)
+        self.zeroshard_mesh = None      # tensor parallelism: the (dp_shard, tp) mesh
         super().__init__(*args, **kwargs)
         self._check_setup()
+        if self.zeroshard_options.tp_size > 1:
+            self._tensor_parallel()
+
+    def _tensor_parallel(self) -> None:
+        """[Note: Hugging Face tensor parallelism]: the model's plan over the tp ranks."""
+        where = type(self).__name__
+        if self.zeroshard_model is not None:
+            raise ValueError(f"{where}: zeroshard tp_size={self.zeroshard_options.tp_size} applies the model's "
+                             "tensor-parallel plan to the plain model; pass it unwrapped (not from_pretrained's)")
+        self.zeroshard_mesh = tensor_parallel.mesh(self.args, self.zeroshard_options.tp_size,
+                                                   self.accelerator.device.type, where)
+        before = {id(p): (n, p) for n, p in self.model.named_parameters()}
+        tensor_parallel.parallelize(self.model, self.zeroshard_mesh["tp"], where)
+        self._tp_replaced = before
+
+    def _dp_mesh(self):
+        """Beside a tp axis, the ranks zeroshard shards over (None: all of them)."""
+        return self.zeroshard_mesh["dp_shard"] if self.zeroshard_mesh is not None else None
+
+    def get_tp_size(self) -> int:
+        """The ranks of a tp group share a batch: the Trainer's token counts and loss scale."""
+        return self.zeroshard_options.tp_size if self.zeroshard_mesh is not None else super().get_tp_size()
+
+    def _get_dataloader(self, *args, **kwargs):
+        """With tp_size, the ranks of a tp group get the same batches."""
+        if self.zeroshard_mesh is None:
+            return super()._get_dataloader(*args, **kwargs)
+        with tensor_parallel.data_follow(self.accelerator, self.zeroshard_mesh):
+            return super()._get_dataloader(*args, **kwargs)
 
     def _adopt(self, args: tuple, kwargs: dict):
         """A model wrapped before the trainer (``from_pretrained`` at stage 3): the trainer
@@ -116,15 +148,19 @@ class ZeroShardTrainerMixin:
         if self.sharded_optimizer is not None:
             return self.sharded_optimizer
         plain = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        runner, pieces = self.model, None
+        names = {i: n for i, (n, _) in self._tp_replaced.items()}      # (an optimizer built before the plan)
+        names.update({id(p): n for n, p in self.model.named_parameters()})
+        runner, pieces, dp_mesh = self.model, None, self._dp_mesh()
         if self.zeroshard_options.stage == 3:
             runner = self.zeroshard_model if self.zeroshard_model is not None else \
-                self.zeroshard_options.fully_shard(self.model, self._asked_precision(), type(self).__name__)
+                self.zeroshard_options.fully_shard(self.model, self._asked_precision(), type(self).__name__, dp_mesh)
             pieces = dict(runner.named_parameters())
-        sharded = convert.to_sharded(plain, self.zeroshard_options.optimizer_kwargs(), pieces, names)
+        elif self._tp_replaced:
+            pieces = dict(self.model.named_parameters())
+        sharded = convert.to_sharded(plain, self.zeroshard_options.optimizer_kwargs(dp_mesh), pieces, names)
         convert.move_schedulers([self.lr_scheduler], plain, sharded)
         self.sharded_optimizer, self.zeroshard_model, self.optimizer = sharded, runner, sharded
+        self._tp_replaced = {}
         return sharded
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
@@ -183,14 +219,16 @@ class ZeroShardTrainerMixin:
         files and no rank holds the whole model). Inside a checkpoint the sharded
         model and optimizer state are written first and the files come from them."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.sharded_optimizer is None or not isinstance(self.zeroshard_model, zeroshard.FullyShard):
+        whole = isinstance(self.zeroshard_model, zeroshard.FullyShard) or self.zeroshard_options.tp_size > 1
+        if self.sharded_optimizer is None or not whole:
             if self.sharded_optimizer is not None:
                 self.sharded_optimizer.wait_params()
             return super().save_model(output_dir, _internal_call)
         fs = self.zeroshard_model
-        comm.check_in(f"{type(self).__name__}.save_model()", fs, fs.process_group,
-                      hint="At stage 3 no rank holds the whole model: call trainer.save_model() on every rank, as "
-                           "Trainer scripts do (rank 0 writes the files)")
+        comm.check_in(f"{type(self).__name__}.save_model()", self.sharded_optimizer,
+                      fs.process_group if isinstance(fs, zeroshard.FullyShard) else None,
+                      hint="At stage 3 or with tp_size no rank holds the whole model: call trainer.save_model() on "
+                           "every rank, as Trainer scripts do (rank 0 writes the files)")
         if _internal_call:
             checkpoint = self._save_sharded(output_dir, with_optimizer=not self.args.save_only_model)
             if pretrained.is_peft(self.model):      # the adapter, as peft's save_pretrained writes it
