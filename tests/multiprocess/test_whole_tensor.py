@@ -177,8 +177,11 @@ def _compare(stage, variant, accumulate, cls=torch.optim.Muon, options=None):
 
 def _check(results, world, floor=1e-5, replicas=1):
     for rank, (err, ddp_noise, rep) in enumerate(results):
-        # torch's Newton-Schulz runs in bf16: reduction order alone moves its result
-        assert err <= max(2 * ddp_noise, floor), (rank, world, err, ddp_noise)
+        # torch's Newton-Schulz runs in bf16: reduction order alone moves its result, by an
+        # amount that varies with the order and the machine's bf16 kernels (torch's own runs
+        # spread up to 5e-4, ours 1.3e-3 from DDP on an AVX2-only CPU); exactness is the fp32
+        # tests' (test_muon_in_fp32_equals_ddp_to_fp32_rounding: 2e-6)
+        assert err <= max(3 * ddp_noise, floor), (rank, world, err, ddp_noise)
     # the momentum lives on owners only: summed over the ranks it is every matrix once
     # (once per replica of the state, with hybrid sharding)
     total = sum(rep["optimizer_state"] for *_, rep in results)
