@@ -364,7 +364,9 @@ def main_device(d):
 def main_tp(d):
     """World size 4: the Llama's own tp_plan over tp_size=2 ranks, zeroshard over the dp 2 at
     stages 1-3 (world 2's DDP run, llama-0, is the reference); the stage-3 run's step-2
-    checkpoint resumed at stage 2; what is not supported refused."""
+    checkpoint resumed at stage 2; the Qwen3-MoE's own ep_plan over ep_size=2 at stage 2
+    against the Trainer's DDP at world 4, its checkpoint resumed at stage 1; what is not
+    supported refused."""
     from torch.distributed.tensor import DTensor
     dist.init_process_group("gloo")
     res = {}
@@ -376,6 +378,14 @@ def main_tp(d):
             res[f"tp-{stage}"]["dtensors"] = sum(isinstance(p, DTensor) for p in t.model.parameters())
     res["tp-resume"], _ = run(2, os.path.join(d, "tp-resume"), model_fn=llama, zeroshard=dict(stage=2, tp_size=2),
                               resume=os.path.join(d, "tp-3", "checkpoint-2"))
+    # expert parallelism: the Qwen3-MoE's own ep_plan over 2 ranks (each its own batch, the tokens
+    # exchanged all-to-all), the experts sharded over the 2 ranks holding the same ones
+    no_eval = dict(model_fn=qwen3_moe, eval_strategy="no")
+    res["ep-0"], _ = run(0, os.path.join(d, "ep-0"), save_strategy="no", **no_eval)
+    res["ep-2"], t = run(2, os.path.join(d, "ep-2"), zeroshard=dict(stage=2, ep_size=2), **no_eval)
+    res["ep-2"]["experts"] = sum(isinstance(p, DTensor) for p in t.model.parameters())
+    res["ep-resume"], _ = run(1, os.path.join(d, "ep-resume"), zeroshard=dict(stage=1, ep_size=2), save_strategy="no",
+                              resume=os.path.join(d, "ep-2", "checkpoint-2"), **no_eval)
     refused = {}
     for name, fn, tp in (("no-plan", gpt2, 2), ("styles", qwen3_moe, 2), ("world", llama, 3)):
         try:
@@ -383,6 +393,11 @@ def main_tp(d):
                   zeroshard=dict(stage=2, tp_size=tp))
         except ValueError as e:
             refused[name] = str(e)
+    try:
+        ZeroT(model=llama(), args=arguments(os.path.join(d, "refused"), eval_strategy="no"),
+              zeroshard=dict(stage=2, ep_size=2))
+    except ValueError as e:
+        refused["no-ep-plan"] = str(e)
     res["tp-refused"] = refused
     if dist.get_rank() == 0:
         torch.save(res, os.path.join(d, "results-tp.pt"))

@@ -101,11 +101,29 @@ def test_the_models_own_tp_plan_at_tp_size_2_equals_ddp(results, tp_results, sta
         assert (logits(r["final"]) - logits(ddp["params"], "llama")).abs().max() < 1e-4
 
 
+def test_the_models_own_ep_plan_at_ep_size_2_equals_ddp(tp_results):
+    """zeroshard=dict(stage=2, ep_size=2) on 4 ranks: the Qwen3-MoE's own ep_plan (each layer's
+    experts a DTensor split over 2 ranks, the tokens exchanged all-to-all), the experts
+    sharded over the 2 ranks holding the same ones and the rest over all 4, against the
+    Trainer's DDP on the same 4 ranks: the losses, logged norms and parameters; its step-2
+    checkpoint resumed at stage 1 ends where it did; its final folder holds the whole
+    experts, as DDP's."""
+    r, ddp = tp_results["ep-2"], tp_results["ep-0"]
+    assert r["experts"] == 4
+    assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"]), (r["losses"], ddp["losses"])
+    assert worst(r["params"], ddp["params"]) <= TOL and ddp["losses"][-1] < ddp["losses"][0]
+    assert worst(tp_results["ep-resume"]["params"], r["params"]) <= TOL
+    from transformers import AutoModelForCausalLM      # (the files hold the hub's per-expert tensors)
+    loaded = AutoModelForCausalLM.from_pretrained(r["final"]).state_dict()
+    assert worst(loaded, ddp["params"]) <= TOL and loaded["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+
+
 def test_tp_size_refuses_what_it_does_not_train(tp_results):
     msgs = tp_results["tp-refused"]
-    assert "GPT2LMHeadModel has no tensor-parallel plan" in msgs["no-plan"]
+    assert "GPT2LMHeadModel has no tp_plan" in msgs["no-plan"]
     assert "'moe_tp_experts' style" in msgs["styles"] and "tp_size=1" in msgs["styles"]
     assert "tp_size=3 must divide the world size (4)" in msgs["world"]
+    assert "LlamaForCausalLM has no ep_plan" in msgs["no-ep-plan"]
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3moe"])
@@ -266,7 +284,8 @@ def test_misuse_is_refused_with_a_clear_error(tmp_path):
                        (dict(offload="disk"), "offload='disk'"),
                        (dict(stage=2, mixed_precision="bf16"), "mixed_precision= sets stage 3"),
                        (dict(stage=3, mixed_precision="int8"), "mixed_precision='int8'"),
-                       (dict(tp_size=0), "tp_size=0"), (dict(tp_size=2, shard_size=2), "not supported yet")):
+                       (dict(tp_size=0), "tp_size=0"), (dict(tp_size=2, shard_size=2), "not supported yet"),
+                       (dict(stage=3, ep_size=2), "stages 1 and 2")):
         with pytest.raises((ValueError, TypeError), match=words):
             ZeroShardTrainer(model=_hf_job.gpt2(), args=args, zeroshard=bad)
     with pytest.raises(TypeError, match="takes a dict"):

@@ -113,8 +113,9 @@ class Holdings:
         their placements, and the checkpoint written over every rank."""
         self.placed = tp_placements(held, sharded)
         self.tp_rank, self.dp_replica = 0, 0
-        if self.placed:
-            mesh = next(iter(self.placed.values())).mesh
+        tp = [pl for pl in self.placed.values() if not pl.expert]     # (experts: by their own ranks)
+        if tp:
+            mesh = tp[0].mesh
             if self.world * self.replicas * mesh.size() != dist.get_world_size():
                 raise CheckpointError(f"a checkpoint of a tensor-parallel model is written over every rank: its "
                                       f"dp ({self.world * self.replicas}) x tp ({mesh.size()}) mesh must span the "
@@ -128,7 +129,7 @@ class Holdings:
         piece where it is tensor-parallel ([Note: tensor-parallel checkpoints])."""
         pl = self.placed.get(id(p))
         if pl is None or not pl.sharded:
-            if not self.placed or (self.tp_rank == 0 == self.dp_replica) or self.for_load:   # (tp rank 0's)
+            if self.tp_rank == 0 == self.dp_replica or self.for_load:    # (replicated over tp: tp rank 0's)
                 self.pieces.append(Piece(key, start, data, False))
             return
         for at, off, n in pl.runs(start, data.numel()) if self.for_load or not self.dp_replica else ():

@@ -44,6 +44,7 @@ def tp_placements(held, sharded: list) -> Dict[int, object]:
     for o in sharded:
         tp = o.source.tensor_parallel()
         placed.update({id(o.params[i]): pl for i, pl in (tp.placed.items() if tp is not None else ())})
+        placed.update({id(o.params[i]): pl for i, pl in o.source.expert_placements().items()})
         if tp is not None and (o.whole_tensor_rule is not None or o.elementwise_rule is not None):
             raise CheckpointError("checkpoints of tensor-parallel parameters hold the fused AdamW's state; "
                                   f"{o.optimizer_class.__name__}'s is not supported yet")
@@ -69,10 +70,10 @@ def name_experts(names: Dict[int, str], parallel: Dict[int, int], held, regions)
 def name_group_experts(names: Dict[int, str], parallel: Dict[int, int], opt) -> None:
     """ZeRO-1/2: the parameters of a param group over its own ranks go under the names
     the group gives them (torch's named parameters: ``param_names``)."""
-    colors = expert_colors(opt)
+    colors, dtensors = expert_colors(opt), opt.source.expert_placements()
     given = {id(p): n for g in opt.param_groups for n, p in zip(g.get("param_names", ()), g["params"])}
     for i, p in enumerate(opt.params):
-        if colors is None or colors[i][1] == 1 or id(p) in parallel:
+        if colors is None or colors[i][1] == 1 or id(p) in parallel or i in dtensors:   # (DTensors: global)
             continue
         if id(p) not in given:
             raise CheckpointError(

@@ -284,6 +284,11 @@ class ShardSource(abc.ABC):
         """The DTensor parameters' TensorParallel (common/tensor_parallel.py), None without."""
         return None
 
+    def expert_placements(self) -> dict:
+        """Parameter index -> Placed of the experts that are DTensors over an ep mesh
+        ([Note: expert DTensors] in common/tensor_parallel.py)."""
+        return {}
+
     def param_process_group(self, i: int) -> dist.ProcessGroup:
         """The ranks parameter ``i`` is sharded over."""
         return self.process_group

@@ -30,6 +30,7 @@ whole (global) averaged gradient, gathered over both axes.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -127,6 +128,7 @@ class Placed:
     placements: Tuple[object, ...]
     shape: torch.Size                  # the global shape
     stride: Tuple[int, ...]
+    expert: bool = False               # an expert over an ep mesh ([Note: expert DTensors]), not tp
 
     @property
     def sharded(self) -> bool:
@@ -170,9 +172,10 @@ class TensorParallel:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
     @staticmethod
-    def of(params: List[torch.Tensor], dp_group: dist.ProcessGroup,
+    def of(params: List[Optional[torch.Tensor]], dp_group: dist.ProcessGroup,
            err: Callable[[str], str]) -> Optional["TensorParallel"]:
-        """The tensor-parallel parameters among ``params`` (None: none is a DTensor), checked."""
+        """The tensor-parallel parameters among ``params`` (None: none is a DTensor; a None
+        entry is left out), checked."""
         placed, mesh = {}, None
         for i, p in enumerate(params):
             if not isinstance(p, DTensor):
@@ -223,6 +226,32 @@ class TensorParallel:
     def sharded(self, i: int) -> bool:
         pl = self.placed.get(i)
         return pl is not None and pl.sharded
+
+
+def expert_placements(params: List[torch.Tensor], own: set, groups: List[dist.ProcessGroup],
+                      err: Callable[[str], str]) -> Dict[int, Placed]:
+    """[Note: expert DTensors] An expert-parallel model whose experts are DTensors over the
+    ep dimension of an (edp, ep) mesh (transformers' ``ep_plan``: each layer's experts one
+    tensor ``Shard(0)`` over ep, each rank computing on its local experts) has them in a
+    param group over mesh["edp"]: its local pieces are what this rank holds of the experts,
+    sharded and reduced over edp as any expert's ([Note: param groups over their own
+    ranks] in comm/mesh.py); their gradients are DTensors of the same placements, and a
+    checkpoint writes each piece as the ranges of the global tensor it covers. Returns
+    parameter index -> Placed for those among ``params`` (``own``: the indices in such
+    groups, ``groups[i]``: parameter i's ranks), checked."""
+    out: Dict[int, Placed] = {}
+    for i in sorted(own):
+        p = params[i]
+        if not isinstance(p, DTensor):
+            continue
+        pl = placed_of(p)
+        if p.device_mesh.ndim != 1 or any(type(x) is not Shard for x in p.placements):
+            raise ValueError(err(f"parameter {i} (shape {tuple(p.shape)}) is a DTensor with placements {p.placements} "
+                                 "in a param group over its own ranks: an expert there is a Shard DTensor over one "
+                                 "mesh dimension (mesh['ep']) or a plain tensor"))
+        check_disjoint(p.device_mesh.get_group(), groups[i], err, "{'params': experts, 'device_mesh': mesh['edp']}")
+        out[i] = dataclasses.replace(pl, expert=True)
+    return out
 
 
 def refused(p: DTensor, mesh=None) -> Optional[str]:

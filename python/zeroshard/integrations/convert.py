@@ -31,15 +31,18 @@ def _whole_tensor_elsewhere(cls) -> bool:
 
 
 def to_sharded(opt: torch.optim.Optimizer, options: dict, pieces: Optional[Dict[str, torch.Tensor]] = None,
-               names: Optional[Dict[int, str]] = None) -> "zeroshard.ShardedOptimizer":
+               names: Optional[Dict[int, str]] = None, experts_mesh=None) -> "zeroshard.ShardedOptimizer":
     """A ShardedOptimizer reproducing ``opt``: its class, defaults and param groups.
     ``pieces`` (stage 3): name -> FullyShard piece, and ``names``: id of a plain
     parameter -> its name, taken before the wrap. Group entries an LR scheduler
     added (``initial_lr``, ``max_lr``, ...) are carried over too. ``options``: the
-    ShardedOptimizer's sharding keywords."""
+    ShardedOptimizer's sharding keywords. ``experts_mesh``: the groups of expert DTensors
+    (an ep_plan's) shard over it ([Note: expert DTensors])."""
     cls, defaults, groups = client_optimizer(opt)
     if pieces is not None:
         groups = [dict(g, params=[pieces[names[id(p)]] for p in g["params"]]) for g in groups]
+    if experts_mesh is not None:
+        groups = [_over_experts(g, gi, experts_mesh) for gi, g in enumerate(groups)]
     kwargs = dict(options, optimizer_class=cls) if cls is not None else dict(options)
     if cls is not None and _whole_tensor_elsewhere(cls):
         kwargs["whole_tensor"] = True
@@ -49,6 +52,15 @@ def to_sharded(opt: torch.optim.Optimizer, options: dict, pieces: Optional[Dict[
             if key != "params" and key not in opt.defaults and key not in new:
                 new[key] = value
     return sharded
+
+
+def _over_experts(group: dict, gi: int, mesh) -> dict:
+    from torch.distributed.tensor import DTensor
+    experts = [isinstance(p, DTensor) for p in group["params"]]
+    if any(experts) and not all(experts):
+        raise ValueError(f"param group {gi} holds expert-parallel (DTensor) and other parameters together; the "
+                         "experts shard over their own ranks: give them param groups of their own")
+    return dict(group, device_mesh=mesh) if any(experts) else group
 
 
 def move_schedulers(schedulers: Iterable, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:

@@ -57,7 +57,7 @@ from .folds import AddToShardFold, InPlaceFold
 from .param_gather import ParamGather
 from ..common.source import (GradState, Region, Segment, ShardSource, add_locations, check_dense_grad, empty_report,
                              weak_hook)
-from ..common.tensor_parallel import TensorParallel, local_tensor, settle
+from ..common.tensor_parallel import TensorParallel, expert_placements, local_tensor, settle
 
 # [Note: bucket buffers between steps] Stage 2 copies each bucket's gradients
 # into a pooled buffer (at most MAX_INFLIGHT_BUCKETS + 1 kept free). On CUDA the pool
@@ -99,15 +99,16 @@ class FlatReducer(ShardSource):
         self._pipeline = ReductionPipeline(self.fold, MAX_INFLIGHT_BUCKETS, self.comm_elements)
         # stage 2's bucket buffers, recycled ([Note: bucket buffers between steps])
         self.pool = BufferPool(MAX_INFLIGHT_BUCKETS + 1, lambda n, dt: torch.empty(n, dtype=dt, device=self.device))
-        # DTensor parameters: their local pieces are sharded ([Note: tensor-parallel parameters])
-        self.tp = TensorParallel.of(params, groups.every, self.err)
-        self.device = check_params(params, self.trainable, self.err)
         # each param group's ranks ([Note: param groups over their own ranks] in comm/mesh.py)
         dense = shard_group(process_group)
         self.shards = [s or dense for s in (shards or [None] * (max(group_of, default=0) + 1))]
         self.own_shards = [s for s in dict.fromkeys(self.shards) if s.own]
-        if self.tp is not None:
-            _check_tensor_parallel(self.tp, self.own_shards, whole, self.err)
+        # DTensors: local pieces sharded ([Note: tensor-parallel parameters], [Note: expert DTensors])
+        own = {i for i, g in enumerate(group_of) if self.shards[g].own}
+        self.tp = TensorParallel.of([None if i in own else p for i, p in enumerate(params)], groups.every, self.err)
+        self.experts_placed = expert_placements(params, own, [self.shards[g].group for g in group_of], self.err)
+        self.device = check_params(params, self.trainable, self.err)
+        _check_tensor_parallel(self.tp, self.own_shards, whole, self.err)
         check_same_across_ranks(params, groups.every, self.err, names, [self.shards[g] for g in group_of])
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         offloaded = offloaded_params(params, self.trainable, offload)
@@ -219,9 +220,15 @@ class FlatReducer(ShardSource):
     def tensor_parallel(self) -> Optional[TensorParallel]:
         return self.tp
 
+    def expert_placements(self) -> Dict[int, object]:
+        return self.experts_placed
+
     def grad_for(self, i: int, local: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """What ``p.grad`` of parameter ``i`` holds for the local gradient ``local`` (a
         DTensor parameter's: the DTensor over it)."""
+        placed = self.experts_placed.get(i)
+        if placed is not None and local is not None:
+            return placed.wrap(local)
         return local if self.tp is None else self.tp.grad(i, local)
 
     def release(self):
@@ -356,8 +363,10 @@ def _regions_and_segments(src: "FlatReducer", stage: int):
     return regions, segments
 
 
-def _check_tensor_parallel(tp: TensorParallel, own_shards: list, whole: bool, err) -> None:
+def _check_tensor_parallel(tp: Optional[TensorParallel], own_shards: list, whole: bool, err) -> None:
     """What tensor-parallel parameters do not combine with yet, refused by name."""
+    if tp is None:
+        return
     if own_shards:
         raise ValueError(err("a param group over its own ranks ('device_mesh': expert parallelism) together with "
                              "tensor-parallel (DTensor) parameters is not supported yet"))

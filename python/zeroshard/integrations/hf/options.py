@@ -39,6 +39,9 @@ class Options:
     tp_size: tensor parallelism: the model's own ``tp_plan`` applied over this many ranks
         (transformers' parallel styles), zeroshard over the rest ([Note: Hugging Face
         tensor parallelism] in integrations/hf/tensor_parallel.py).
+    ep_size: expert parallelism: the model's own ``ep_plan`` over this many ranks (each
+        holding 1/ep_size of every layer's experts, tokens exchanged all-to-all),
+        the experts sharded over the world / ep_size ranks holding the same ones.
     mixed_precision: stage 3's gather and reduce dtypes: ``"bf16"`` / ``"fp16"`` (units
         gathered in that dtype, gradients reduced in fp32), ``"fp32"``, or a
         ``zeroshard.MixedPrecision``; None: what the Trainer's arguments ask for
@@ -58,6 +61,7 @@ class Options:
     max_shard_size: Any = DEFAULT_MAX_SHARD_SIZE
     mixed_precision: Any = None
     tp_size: int = 1
+    ep_size: int = 1
 
     @classmethod
     def parse(cls, given, where: str) -> "Options":
@@ -87,12 +91,16 @@ class Options:
                              f"stage={self.stage} use offload='cpu' (the optimizer state)")
         if self.offload not in (None, "cpu", "nvme"):
             raise ValueError(f"{where}: offload={self.offload!r}; None, 'cpu' or 'nvme'")
-        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
-            raise ValueError(f"{where}: zeroshard tp_size={self.tp_size!r}; a positive integer (1: no tensor "
-                             "parallelism)")
-        if self.tp_size > 1 and (self.shard_size is not None or self.offload or self.offload_params):
-            raise ValueError(f"{where}: zeroshard tp_size={self.tp_size} with shard_size= or offload is not "
-                             "supported yet; drop one of them")
+        for key in ("tp_size", "ep_size"):
+            size = getattr(self, key)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{where}: zeroshard {key}={size!r}; a positive integer (1: none)")
+            if size > 1 and (self.shard_size is not None or self.offload or self.offload_params):
+                raise ValueError(f"{where}: zeroshard {key}={size} with shard_size= or offload is not "
+                                 "supported yet; drop one of them")
+        if self.ep_size > 1 and (self.stage == 3 or self.tp_size > 1):
+            raise ValueError(f"{where}: zeroshard ep_size={self.ep_size} trains at stages 1 and 2 without tp_size "
+                             f"for now (got stage={self.stage}, tp_size={self.tp_size})")
         if self.mixed_precision is not None:
             if self.stage != 3:
                 raise ValueError(f"{where}: mixed_precision= sets stage 3's gather dtype; at stage={self.stage} the "

@@ -30,6 +30,8 @@ import torch.nn as nn
 # of their own, expert styles) are refused by name
 STYLES = {"colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_rep", "rowwise_split_input",
           "embedding_rowwise", "embedding_colwise", "replicate"}
+# the ep_plan styles: experts Shard(0) over ep, tokens exchanged all-to-all
+EP_STYLES = {"grouped_gemm", "ep_dispatch_experts"}
 
 
 def mesh(args, tp: int, device_type: str, where: str):
@@ -58,15 +60,16 @@ def data_follow(accelerator, mesh):
         state.device_mesh = before
 
 
-def expanded_plan(model: nn.Module, where: str) -> Dict[str, str]:
-    """The model's ``tp_plan`` with its layer wildcards expanded: each parameter the plan
-    names (by its own rule or its module's) and each module it hooks, as transformers
-    applies it."""
+def expanded_plan(model: nn.Module, where: str, kind: str = "tp") -> Dict[str, str]:
+    """The model's ``tp_plan`` (``kind`` "ep": its ``ep_plan``) with its layer wildcards
+    expanded: each parameter the plan names (by its own rule or its module's) and each
+    module it hooks, as transformers applies it."""
     from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
-    plan = dict(getattr(model, "tp_plan", None) or {})
+    plan = dict(getattr(model, f"{kind}_plan", None) or {})
+    allowed = STYLES if kind == "tp" else EP_STYLES
     if not plan:
-        raise ValueError(f"{where}: zeroshard tp_size > 1, but {type(model).__name__} has no tensor-parallel plan "
-                         "(its config's base_model_tp_plan is empty); train it with tp_size=1")
+        raise ValueError(f"{where}: zeroshard {kind}_size > 1, but {type(model).__name__} has no {kind}_plan (its "
+                         f"config's base_model_{kind}_plan is empty); train it with {kind}_size=1")
     out: Dict[str, str] = {}
     for mname, module in model.named_modules():
         mstyle = plan.get(replace_layer_number_by_wildcard(mname))
@@ -77,12 +80,12 @@ def expanded_plan(model: nn.Module, where: str) -> Dict[str, str]:
                 out[name] = style
         if mstyle is not None:
             out[mname] = mstyle
-    refused = sorted((name, style) for name, style in out.items() if style not in STYLES)
+    refused = sorted((name, style) for name, style in out.items() if style not in allowed)
     if refused:
         name, style = refused[0]
-        raise ValueError(f"{where}: {type(model).__name__}'s tp_plan shards '{name}' with transformers' "
-                         f"'{style}' style, which zeroshard does not train yet (it does {sorted(STYLES)}); "
-                         "train this model with tp_size=1")
+        raise ValueError(f"{where}: {type(model).__name__}'s {kind}_plan shards '{name}' with transformers' "
+                         f"'{style}' style, which zeroshard does not train yet (it does {sorted(allowed)}); "
+                         f"train this model with {kind}_size=1")
     return out
 
 
@@ -94,6 +97,22 @@ def parallelize(model: nn.Module, tp_mesh, where: str) -> Dict[int, str]:
     before = {id(p): n for n, p in model.named_parameters()}
     apply_tensor_parallelism(model, tp_mesh, plan)
     return before
+
+
+def expert_parallelize(model: nn.Module, ep: int, device_type: str, where: str):
+    """Apply the model's ``ep_plan`` over the ep dimension of an (edp, ep) mesh of the world
+    (every rank its own batch; the tokens exchanged all-to-all); returns the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % ep:
+        raise ValueError(f"{where}: zeroshard ep_size={ep} must divide the world size ({world}); the experts are "
+                         "split over ep_size ranks and sharded over the rest")
+    plan = expanded_plan(model, where, "ep")
+    # (a tp dimension of one rank: transformers' dispatch asks for the ranks sharing a batch)
+    mesh = init_device_mesh(device_type, (world // ep, ep, 1), mesh_dim_names=("edp", "ep", "tp"))
+    apply_expert_parallelism(model, mesh["ep"], mesh["tp"], plan, ep_implementation="all_to_all")
+    return mesh
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -58,10 +58,16 @@ class ZeroShardTrainerMixin:
         args, kwargs = self._adopt(args, kwargs)
         self._tp_replaced: dict = {}    # tensor parallelism: id(parameter replaced) -> (its name, it)
         self.zeroshard_mesh = None      # tensor parallelism: the (dp_shard, tp) mesh
+        self.zeroshard_experts_mesh = None   # expert parallelism: the (edp, ep, tp of 1) mesh
         super().__init__(*args, **kwargs)
         self._check_setup()
         if self.zeroshard_options.tp_size > 1:
             self._tensor_parallel()
+        if self.zeroshard_options.ep_size > 1:    # [Note: expert DTensors]
+            before = {id(p): (n, p) for n, p in self.model.named_parameters()}
+            self.zeroshard_experts_mesh = tensor_parallel.expert_parallelize(
+                self.model, self.zeroshard_options.ep_size, self.accelerator.device.type, type(self).__name__)
+            self._tp_replaced = before
 
     def _tensor_parallel(self) -> None:
         """[Note: Hugging Face tensor parallelism]: the model's plan over the tp ranks."""
@@ -157,7 +163,8 @@ class ZeroShardTrainerMixin:
             pieces = dict(runner.named_parameters())
         elif self._tp_replaced:
             pieces = dict(self.model.named_parameters())
-        sharded = convert.to_sharded(plain, self.zeroshard_options.optimizer_kwargs(dp_mesh), pieces, names)
+        experts = self.zeroshard_experts_mesh["edp"] if self.zeroshard_experts_mesh is not None else None
+        sharded = convert.to_sharded(plain, self.zeroshard_options.optimizer_kwargs(dp_mesh), pieces, names, experts)
         convert.move_schedulers([self.lr_scheduler], plain, sharded)
         self.sharded_optimizer, self.zeroshard_model, self.optimizer = sharded, runner, sharded
         self._tp_replaced = {}
@@ -219,7 +226,8 @@ class ZeroShardTrainerMixin:
         files and no rank holds the whole model). Inside a checkpoint the sharded
         model and optimizer state are written first and the files come from them."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        whole = isinstance(self.zeroshard_model, zeroshard.FullyShard) or self.zeroshard_options.tp_size > 1
+        whole = isinstance(self.zeroshard_model, zeroshard.FullyShard) or self.zeroshard_options.tp_size > 1 or \
+            self.zeroshard_options.ep_size > 1
         if self.sharded_optimizer is None or not whole:
             if self.sharded_optimizer is not None:
                 self.sharded_optimizer.wait_params()
