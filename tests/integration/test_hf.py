@@ -290,6 +290,8 @@ def test_misuse_is_refused_with_a_clear_error(tmp_path):
             ZeroShardTrainer(model=_hf_job.gpt2(), args=args, zeroshard=bad)
     with pytest.raises(TypeError, match="takes a dict"):
         Options.parse(2, "ZeroShardTrainer")
+    with pytest.raises(ValueError, match="tp_size=2 is ZeroShardTrainer's"):      # (prepare, from_pretrained)
+        Options.parse(dict(tp_size=2), "prepare").trainer_only("prepare")
 
 
 def test_versions_outside_the_tested_range_are_refused(monkeypatch):

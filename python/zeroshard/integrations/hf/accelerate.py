@@ -105,6 +105,7 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.o
     returned is the one to call (a FullyShard at stage 3; save it with
     ``zeroshard.integrations.hf.save_pretrained``)."""
     opts = Options.parse(options, "zeroshard.integrations.hf.prepare")
+    opts.trainer_only("zeroshard.integrations.hf.prepare")
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         raise ValueError(f"prepare: this Accelerator is configured for {accelerator.distributed_type.value}; "
                          "zeroshard shards the run itself: launch without a DeepSpeed/FSDP config")

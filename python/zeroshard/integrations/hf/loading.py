@@ -45,6 +45,7 @@ def from_pretrained(auto_class, name_or_path: str, *, zeroshard: Optional[dict] 
     initialisation on CPU (the global RNG: seed first) while the base stays on meta
     until its shards are read; the base model is frozen, as peft leaves it."""
     opts = Options.parse(zeroshard, "from_pretrained")
+    opts.trainer_only("from_pretrained")
     hub = {k: kwargs.pop(k) for k in _HUB_KEYS if k in kwargs}
     folder = _folder(name_or_path, hub)
     dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))

@@ -107,6 +107,13 @@ class Options:
                                  "parameters are not gathered (use the Trainer's bf16=True: autocast)")
             precision(self.mixed_precision, where)
 
+    def trainer_only(self, where: str) -> None:
+        """tp_size / ep_size parallelize the model inside ZeroShardTrainer; elsewhere refused."""
+        for key in ("tp_size", "ep_size"):
+            if getattr(self, key) > 1:
+                raise ValueError(f"{where}: zeroshard {key}={getattr(self, key)} is ZeroShardTrainer's (it applies "
+                                 f"the model's own plan); here parallelize the model yourself, or leave {key} out")
+
     def optimizer_kwargs(self, dp_mesh=None) -> dict:
         """The ShardedOptimizer's sharding keywords; ``dp_mesh``: the ranks stages 1/2 shard
         over beside a tp axis."""
