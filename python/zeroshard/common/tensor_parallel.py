@@ -30,9 +30,8 @@ whole (global) averaged gradient, gathered over both axes.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -250,7 +249,7 @@ def expert_placements(params: List[torch.Tensor], own: set, groups: List[dist.Pr
                                  "in a param group over its own ranks: an expert there is a Shard DTensor over one "
                                  "mesh dimension (mesh['ep']) or a plain tensor"))
         check_disjoint(p.device_mesh.get_group(), groups[i], err, "{'params': experts, 'device_mesh': mesh['edp']}")
-        out[i] = dataclasses.replace(pl, expert=True)
+        out[i] = replace(pl, expert=True)
     return out
 
 

@@ -34,13 +34,19 @@ STYLES = {"colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise
 EP_STYLES = {"grouped_gemm", "ep_dispatch_experts"}
 
 
+def _world(key: str, size: int, what: str, where: str) -> int:
+    """The world size, which ``size`` (the ``key`` option) must divide."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % size:
+        raise ValueError(f"{where}: zeroshard {key}={size} must divide the world size ({world}); {what}")
+    return world
+
+
 def mesh(args, tp: int, device_type: str, where: str):
     """The (dp_shard, tp) mesh over every rank (collective)."""
     from torch.distributed.device_mesh import init_device_mesh
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world % tp:
-        raise ValueError(f"{where}: zeroshard tp_size={tp} must divide the world size ({world}); tp_size is the "
-                         "number of ranks each matrix is split over, zeroshard shards over the rest")
+    world = _world("tp_size", tp, "tp_size is the number of ranks each matrix is split over, zeroshard shards "
+                   "over the rest", where)
     if getattr(args, "parallelism_config", None) is not None:
         raise ValueError(f"{where}: TrainingArguments(parallelism_config=...) with zeroshard tp_size={tp}: "
                          "zeroshard lays out the (dp_shard, tp) ranks itself; leave parallelism_config out")
@@ -89,14 +95,10 @@ def expanded_plan(model: nn.Module, where: str, kind: str = "tp") -> Dict[str, s
     return out
 
 
-def parallelize(model: nn.Module, tp_mesh, where: str) -> Dict[int, str]:
-    """Apply the model's plan over ``tp_mesh`` in place; returns id(replaced parameter) ->
-    its name, for an optimizer built over the parameters before."""
+def parallelize(model: nn.Module, tp_mesh, where: str) -> None:
+    """Apply the model's plan over ``tp_mesh`` in place."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-    plan = expanded_plan(model, where)
-    before = {id(p): n for n, p in model.named_parameters()}
-    apply_tensor_parallelism(model, tp_mesh, plan)
-    return before
+    apply_tensor_parallelism(model, tp_mesh, expanded_plan(model, where))
 
 
 def expert_parallelize(model: nn.Module, ep: int, device_type: str, where: str):
@@ -104,10 +106,7 @@ def expert_parallelize(model: nn.Module, ep: int, device_type: str, where: str):
     (every rank its own batch; the tokens exchanged all-to-all); returns the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.expert_parallel import apply_expert_parallelism
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world % ep:
-        raise ValueError(f"{where}: zeroshard ep_size={ep} must divide the world size ({world}); the experts are "
-                         "split over ep_size ranks and sharded over the rest")
+    world = _world("ep_size", ep, "the experts are split over ep_size ranks and sharded over the rest", where)
     plan = expanded_plan(model, where, "ep")
     # (a tp dimension of one rank: transformers' dispatch asks for the ranks sharing a batch)
     mesh = init_device_mesh(device_type, (world // ep, ep, 1), mesh_dim_names=("edp", "ep", "tp"))

@@ -56,18 +56,19 @@ class ZeroShardTrainerMixin:
         self.sharded_optimizer: Optional["zeroshard.ShardedOptimizer"] = None
         self.zeroshard_model: Optional[torch.nn.Module] = None   # what trains: the model, or its FullyShard
         args, kwargs = self._adopt(args, kwargs)
-        self._tp_replaced: dict = {}    # tensor parallelism: id(parameter replaced) -> (its name, it)
+        self._replaced: dict = {}       # tp/ep plans: id(parameter replaced) -> (its name, it)
         self.zeroshard_mesh = None      # tensor parallelism: the (dp_shard, tp) mesh
         self.zeroshard_experts_mesh = None   # expert parallelism: the (edp, ep, tp of 1) mesh
         super().__init__(*args, **kwargs)
         self._check_setup()
-        if self.zeroshard_options.tp_size > 1:
-            self._tensor_parallel()
-        if self.zeroshard_options.ep_size > 1:    # [Note: expert DTensors]
+        if self.zeroshard_options.tp_size > 1 or self.zeroshard_options.ep_size > 1:
             before = {id(p): (n, p) for n, p in self.model.named_parameters()}
-            self.zeroshard_experts_mesh = tensor_parallel.expert_parallelize(
-                self.model, self.zeroshard_options.ep_size, self.accelerator.device.type, type(self).__name__)
-            self._tp_replaced = before
+            if self.zeroshard_options.tp_size > 1:
+                self._tensor_parallel()
+            else:          # [Note: expert DTensors]
+                self.zeroshard_experts_mesh = tensor_parallel.expert_parallelize(
+                    self.model, self.zeroshard_options.ep_size, self.accelerator.device.type, type(self).__name__)
+            self._replaced = before
 
     def _tensor_parallel(self) -> None:
         """[Note: Hugging Face tensor parallelism]: the model's plan over the tp ranks."""
@@ -77,9 +78,7 @@ class ZeroShardTrainerMixin:
                              "tensor-parallel plan to the plain model; pass it unwrapped (not from_pretrained's)")
         self.zeroshard_mesh = tensor_parallel.mesh(self.args, self.zeroshard_options.tp_size,
                                                    self.accelerator.device.type, where)
-        before = {id(p): (n, p) for n, p in self.model.named_parameters()}
         tensor_parallel.parallelize(self.model, self.zeroshard_mesh["tp"], where)
-        self._tp_replaced = before
 
     def _dp_mesh(self):
         """Beside a tp axis, the ranks zeroshard shards over (None: all of them)."""
@@ -154,20 +153,20 @@ class ZeroShardTrainerMixin:
         if self.sharded_optimizer is not None:
             return self.sharded_optimizer
         plain = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
-        names = {i: n for i, (n, _) in self._tp_replaced.items()}      # (an optimizer built before the plan)
+        names = {i: n for i, (n, _) in self._replaced.items()}      # (an optimizer built before the plan)
         names.update({id(p): n for n, p in self.model.named_parameters()})
         runner, pieces, dp_mesh = self.model, None, self._dp_mesh()
         if self.zeroshard_options.stage == 3:
             runner = self.zeroshard_model if self.zeroshard_model is not None else \
                 self.zeroshard_options.fully_shard(self.model, self._asked_precision(), type(self).__name__, dp_mesh)
             pieces = dict(runner.named_parameters())
-        elif self._tp_replaced:
+        elif self._replaced:
             pieces = dict(self.model.named_parameters())
         experts = self.zeroshard_experts_mesh["edp"] if self.zeroshard_experts_mesh is not None else None
         sharded = convert.to_sharded(plain, self.zeroshard_options.optimizer_kwargs(dp_mesh), pieces, names, experts)
         convert.move_schedulers([self.lr_scheduler], plain, sharded)
         self.sharded_optimizer, self.zeroshard_model, self.optimizer = sharded, runner, sharded
-        self._tp_replaced = {}
+        self._replaced = {}
         return sharded
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
