@@ -2,7 +2,7 @@
 # One pass on a CUDA machine: build against the machine's own torch, run the
 # GPU tests (and optionally the whole suite), then the CUDA benchmarks.
 # Logs and JSON go to $OUT (default benchmarks/out/gpu). Parts are chosen by
-# arguments: build gpu adamw muon host offload trace lightning profile suite step124
+# arguments: build gpu alone host adamw muon offload trace lightning profile suite step124
 # step124z3 example (default: all, in the order they run). Each part runs under its own time limit (PART_LIMIT, seconds; the
 # suite's SUITE_LIMIT), so one that hangs leaves the rest their time, and none runs past
 # DEADLINE seconds from the start. The suite runs the CPU tests with the GPU hidden
@@ -32,7 +32,7 @@ export PYTHONUNBUFFERED=1
 # a process that dies of a signal prints its Python stack (the 2026-11-26 offload part
 # exited after 23 s with no output at all)
 export PYTHONFAULTHANDLER=1
-parts="${*:-build gpu adamw muon host offload trace lightning profile suite step124 step124z3 example}"
+parts="${*:-build gpu alone host adamw muon offload trace lightning profile suite step124 step124z3 example}"
 LIMIT="${PART_LIMIT:-300}"
 # every part ends by DEADLINE seconds after the start (one command's whole budget): a part
 # gets what is left, less 10 s for what follows, and is skipped with under 20 s left
@@ -71,13 +71,32 @@ if go build; then
 fi
 if go gpu; then
   stamp "pytest -m gpu"
-  # -v: a line per test, so a pass stopped at its limit still says which tests ran
+  # -v: a line per test, so a pass stopped at its limit still says which tests ran. Several
+  # pytest workers share the one GPU (GPU_WORKERS): most of the part's time is the examples'
+  # and integrations' torchrun processes starting, which the 16 cores run side by side
   timeout "$L" $PY -m pytest -m gpu tests/integration/test_gpu.py tests/integration/test_gpu_integrations.py -p no:cacheprovider -v \
-    --timeout 300 -rfE --durations=15 2>&1 | tee "$OUT/pytest_gpu.log" | grep -v " PASSED" | tail -40
+    -n "${GPU_WORKERS:-6}" --dist load --timeout 300 -rfE --durations=25 2>&1 | tee "$OUT/pytest_gpu.log" \
+    | grep -v " PASSED" | tail -60
+fi
+if go alone; then
+  stamp "Muon: one step timed alone under the profiler, per variant (where its wall time goes; traces gzipped)"
+  timeout "$L" $PY benchmarks/profile_step.py --alone --variants ${ALONE12:-adamw+muon,zeroshard-1+muon,zeroshard-2+muon} \
+    --out "$OUT/alone" 2>&1 | grep -v "Warn\|^ *warnings\|variant " | tee "$OUT/alone.log"
+  timeout "$L" $PY benchmarks/profile_step.py --alone --dtype float32 --variants ${ALONE3:-adamw-amp+muon,zeroshard-3+muon} \
+    --out "$OUT/alone" 2>&1 | grep -v "Warn\|^ *warnings\|variant " | tee -a "$OUT/alone.log"
+fi
+if go host; then
+  stamp "host time per phase, steps in a row and each alone (where a lone step's host waits for the device)"
+  timeout "$L" $PY benchmarks/profile_step.py --host --steps 8 \
+    --variants ${HOST12:-adamw,zeroshard-2,adamw+muon,zeroshard-1+muon,zeroshard-2+muon} 2>&1 | grep "host \|Error" | tee "$OUT/host.log"
+  timeout "$L" $PY benchmarks/profile_step.py --host --steps 8 --dtype float32 \
+    --variants ${HOST3:-adamw-amp+muon,zeroshard-3+muon} 2>&1 | grep "host \|Error" | tee -a "$OUT/host.log"
 fi
 if go adamw; then
   stamp "adamw benchmark (calls queued as in training; other launch choices of the kernel as extra rows)"
-  timeout "$L" $PY benchmarks/adamw.py --devices cuda --launches ${LAUNCHES:-streaming:8,cached:4,streaming:4,cached:16} \
+  # ADAMW_SIZES: only those sizes; LAUNCHES=none: no launch-choice rows
+  timeout "$L" $PY benchmarks/adamw.py --devices cuda ${ADAMW_SIZES:+--sizes $ADAMW_SIZES} \
+    --launches "$( [ "${LAUNCHES:-}" = none ] || echo "${LAUNCHES:-streaming:8,cached:4,streaming:4,cached:16}" )" \
     --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | grep -v " @" | tail -40
   grep " @\|kernel launch" "$OUT/adamw.log"
   stamp "adamw at 256M, single calls (the host's launch work inside each timed call)"
@@ -93,13 +112,6 @@ if go muon; then
   timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds 1 \
     --baseline adamw-amp+muon --variants ${MUON3:-adamw-amp,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
     --json "$OUT/muon124z3.json" 2>&1 | tee "$OUT/muon124z3.log" | grep -v Warn | tail -8
-fi
-if go host; then
-  stamp "host time per phase, steps in a row and each alone (where a lone step's host waits for the device)"
-  timeout "$L" $PY benchmarks/profile_step.py --host --steps 8 --variants ${HOST12:-adamw,zeroshard-2,adamw+muon,zeroshard-2+muon} \
-    2>&1 | grep "host \|Error" | tee "$OUT/host.log"
-  timeout "$L" $PY benchmarks/profile_step.py --host --steps 8 --dtype float32 \
-    --variants ${HOST3:-adamw-amp+muon,zeroshard-3+muon} 2>&1 | grep "host \|Error" | tee -a "$OUT/host.log"
 fi
 if go offload; then
   stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"

@@ -14,6 +14,8 @@ from). Writes --out/profile_<variant>.txt and prints the phase table.
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import os
 import statistics
 import sys
@@ -94,6 +96,85 @@ def host_ms(model, opt, data, steps, each=False):
     return [1e3 * p / steps for p in phases], 1e3 * wall, where
 
 
+def alone_trace(model, opt, data, path):
+    """One step timed alone as step.py times it (the device idle at its start,
+    synchronized at its end) under the profiler, its phases marked; the Chrome trace
+    written gzipped to ``path``; returns it."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    raw = path[:-len(".gz")]
+    with torch.profiler.profile(activities=acts) as prof:
+        torch.cuda.synchronize()
+        with torch.profiler.record_function("forward"):
+            loss = model(data[:, :-1], data[:, 1:])
+        with torch.profiler.record_function("backward"):
+            loss.backward()
+        with torch.profiler.record_function("step"):
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(raw)
+    with open(raw) as f:
+        trace = json.load(f)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        dst.write(src.read())
+    os.remove(raw)
+    return trace
+
+
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _union_us(spans) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def timeline(trace: dict, gaps: int = 6) -> str:
+    """Where a step timed alone spends its wall time, from its Chrome trace: per phase
+    (forward, backward, step), the host's span and the device work its calls launched
+    (matched by correlation id): when that work ran, relative to the step's start, and
+    how busy it kept the device; then the device's longest idle gaps, each with the
+    phase that launched the work ending it. A device tail (work still running after the
+    host's last call) or gaps while the host runs show what a step alone pays and steps
+    in a row hide."""
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    spans = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in ev
+             if e.get("cat") == "user_annotation" and e["name"] in ("forward", "backward", "step")}
+    if len(spans) < 3:
+        return "timeline: the trace lacks the forward/backward/step ranges"
+    t0, host_end = spans["forward"][0], spans["step"][1]
+    launched_in = {}
+    for e in ev:
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launched_in[e["args"]["correlation"]] = next(
+                (ph for ph, (a, b) in spans.items() if a <= e["ts"] <= b), "outside")
+    work = sorted((e for e in ev if e.get("cat") in DEVICE_WORK), key=lambda e: e["ts"])
+    lines = []
+    for ph, (a, b) in spans.items():
+        mine = [(e["ts"], e["ts"] + e["dur"]) for e in work
+                if launched_in.get(e.get("args", {}).get("correlation")) == ph]
+        dev = (f"device {(min(x for x, _ in mine) - t0) / 1e3:7.2f} -> {(max(y for _, y in mine) - t0) / 1e3:7.2f} "
+               f"ms, busy {_union_us(mine) / 1e3:6.2f} ms in {len(mine)} calls") if mine else "no device work"
+        lines.append(f"  {ph:<9} host {(a - t0) / 1e3:7.2f} -> {(b - t0) / 1e3:7.2f} ms | {dev}")
+    if work:
+        end = max(e["ts"] + e["dur"] for e in work)
+        lines.append(f"  wall {(end - t0) / 1e3:.2f} ms: host done at {(host_end - t0) / 1e3:.2f}, device tail "
+                     f"{(end - host_end) / 1e3:.2f} ms; device busy {_union_us([(e['ts'], e['ts'] + e['dur']) for e in work]) / 1e3:.2f} ms")
+        idle, reach = [], work[0]["ts"]
+        for e in work:
+            if e["ts"] > reach:
+                idle.append((e["ts"] - reach, reach, e))
+            reach = max(reach, e["ts"] + e["dur"])
+        for gap, at, e in sorted(idle, key=lambda g: -g[0])[:gaps]:
+            lines.append(f"  idle {gap / 1e3:6.2f} ms from {(at - t0) / 1e3:7.2f} ms, until {e['name'][:60]} "
+                         f"(launched in {launched_in.get(e.get('args', {}).get('correlation'), '?')})")
+    return "\n".join(lines)
+
+
 def profile(model, opt, data, steps=2, stack=False) -> str:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     verbose = dict(experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) if stack else {}
@@ -128,6 +209,9 @@ def main():
     ap.add_argument("--host", action="store_true",
                     help="only the host's time per phase without synchronizing, against the wall time, and "
                          "the synchronizing calls of a step (no profile): steps in a row, then each alone")
+    ap.add_argument("--alone", action="store_true",
+                    help="only a profiled step timed alone per variant: its timeline (where the wall time goes) "
+                         "printed, its Chrome trace written gzipped to --out/alone_<variant>.json.gz")
     args = ap.parse_args()
     args.prefetch, args.shard_size = 1, None
     device = step.init_dist(0, 1, step.free_port(), cuda=True)
@@ -139,12 +223,16 @@ def main():
         model, opt = step.build(v, step.new_model(cfg, args, device), getattr(torch, args.param_dtype))
         for _ in range(3):
             step.train_step(model, opt, data, torch.cuda.synchronize)
-        if args.host:
+        if args.alone:
+            trace = alone_trace(model, opt, data, os.path.join(args.out, f"alone_{v}.json.gz"))
+            print(f"{v}: one step timed alone\n{timeline(trace)}", flush=True)
+        elif args.host:
             for each in (False, True):
                 (f, b, s), wall, where = host_ms(model, opt, data, args.steps, each)
                 print(f"{v:<20} {'alone' if each else 'in a row'}: host forward {f:.2f} backward {b:.2f} step "
                       f"{s:.2f} = {f + b + s:.2f} ms | wall {wall:.2f} ms per step | syncs in a step: "
                       f"{where or 'none'}", flush=True)
+        if args.alone or args.host:
             step.settle(opt)
             del model, opt
             torch.cuda.empty_cache()

@@ -1,4 +1,6 @@
 """CUDA-only checks: skipped cleanly without a GPU (conftest marks them)."""
+import os
+
 import pytest
 import torch
 
@@ -54,7 +56,9 @@ def nccl_world1():
     import torch.distributed as dist
     if dist.is_initialized():
         pytest.skip("a process group already exists")
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1,
+    # a port of each pytest-xdist worker's own: the GPU tests run several processes on one GPU
+    port = 29533 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
     yield
     dist.destroy_process_group()
