@@ -70,6 +70,7 @@ def train(engine, first, last):
     for step in range(first, last):
         for micro in range(engine.gradient_accumulation_steps()):
             x, y = micro_batch(step, micro, engine.train_micro_batch_size_per_gpu())
+            x, y = x.to(engine.device), y.to(engine.device)     # (the GPU the engine put the model on)
             loss = F.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()

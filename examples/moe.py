@@ -187,7 +187,9 @@ def main():
         return net
 
     def error(net, state):
-        return max(((v - ref.get_parameter(global_name(net, n))).norm() / v.norm()).item() for n, v in state.items())
+        # (FullyShard's state_dict() is on the CPU, as torch's full state dicts are)
+        return max(((v.to(device) - ref.get_parameter(global_name(net, n))).norm() / v.norm()).item()
+                   for n, v in state.items())
 
     # ZeRO-2: the experts' param group sharded over its edp group, the rest over every rank
     net = expert_parallel_model()

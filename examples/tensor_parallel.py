@@ -127,7 +127,7 @@ def main():
         return norm
 
     def error(whole):
-        return max(((whole[n] - p).norm() / p.norm()).item() for n, p in ref.named_parameters())
+        return max(((whole[n].to(p.device) - p).norm() / p.norm()).item() for n, p in ref.named_parameters())
 
     # ZeRO-2 over the dp axis: the local pieces' optimizer state and gradients sharded over mesh["dp"]
     model = GPT().to(device)

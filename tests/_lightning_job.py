@@ -88,12 +88,15 @@ class RankOverflow(LitGPT):
 
 class Record(Callback):
     """The logged (rank-averaged) loss, the learning rate and zeroshard's reduce-scattered
-    elements so far after every micro-batch, and the logged validation loss of every epoch."""
+    elements so far after every micro-batch, the logged validation loss of every epoch, and
+    the device the parameters trained on (Lightning's teardown moves a DDPStrategy's module
+    to the CPU after fit)."""
 
     def __init__(self):
-        self.losses, self.lrs, self.val, self.reduced = [], [], [], []
+        self.losses, self.lrs, self.val, self.reduced, self.device = [], [], [], [], None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.device = str(next(module.parameters()).device)
         self.losses.append(trainer.callback_metrics["train_loss"].item())
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
         opt = getattr(trainer.strategy, "sharded_optimizer", None)    # stages 1/2 count there, FullyShard itself
@@ -141,7 +144,7 @@ def run(strategy, ckpt_dir=None, ckpt_path=None, cls=LitGPT, seed=0, predict=Tru
     trainer.fit(model, train, val, ckpt_path=ckpt_path)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     result = dict(losses=rec.losses, lrs=rec.lrs, val=rec.val, reduced=rec.reduced, params=full_params(trainer),
-                  steps=trainer.global_step, device=str(next(trainer.lightning_module.parameters()).device),
+                  steps=trainer.global_step, device=rec.device,
                   scale=None if scaler is None else scaler.get_scale(), gathers=unit_gather_dtypes(t0))
     if predict:
         result["predictions"] = torch.cat(trainer.predict(model, val))

@@ -343,9 +343,13 @@ def _bf16_against_deepspeed():
     deepspeed = ds_setup()
     bf16 = base(3, bf16={"enabled": True})
     t0 = time.time()
-    ours = params_of(train(zeroshard.initialize, bf16)[0])
-    gathers = unit_gather_dtypes(t0)
-    theirs = params_of(train(deepspeed.initialize, bf16)[0], deepspeed=True)
+    engine = train(zeroshard.initialize, bf16)[0]
+    ours, gathers = params_of(engine), unit_gather_dtypes(t0)
+    theirs_engine = train(deepspeed.initialize, bf16)[0]
+    theirs = params_of(theirs_engine, deepspeed=True)
+    # where a script sends its inputs (x.to(engine.device)) and which GPU is its own
+    assert (str(engine.device), engine.local_rank) == (str(theirs_engine.device), theirs_engine.local_rank), \
+        (engine.device, engine.local_rank, theirs_engine.device, theirs_engine.local_rank)
     fp32 = params_of(train(deepspeed.initialize, base(3))[0], deepspeed=True)
     far = lambda a: max((a[k].float() - fp32[k]).abs().max().item() for k in fp32)   # noqa: E731
     return gathers, far(ours), far(theirs)

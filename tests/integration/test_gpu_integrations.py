@@ -13,10 +13,13 @@ def test_cuda_hugging_face_trainer_matches_its_own_training(tmp_path):
     stages 1-3 give its losses, logged grad_norm and final parameters within 1e-5. Under bf16
     autocast the fp32 updates' last-bit differences (zeroshard's fused AdamW and torch's
     round alike only to an ulp) change which bf16 values the weights round to, so the runs
-    drift apart: zeroshard's bf16 parameters stay within half of the distance between the
-    Trainer's own bf16 and fp32 runs (a wrong precision path lands at that distance or
-    beyond). The CPU tests' tenth of it held on the CPU (0.05) and not on the 2026-11-26
-    H200 run (0.30: 8.9e-4 against 2.9e-3)."""
+    drift apart: stage 2 (fp32 parameters under autocast, as the Trainer's DDP) stays within
+    half of the distance between the Trainer's own bf16 and fp32 runs (a wrong precision
+    path lands at that distance or beyond; the CPU tests' tenth held on the CPU, 0.05, and not
+    on the 2026-11-26 H200 run, 0.30). Stage 3 gathers its units in bf16, as FSDP2 does
+    under bf16 (norms and embeddings compute in bf16 too): as in the CPU test, its run is as
+    far from the fp32 run as the Trainer's bf16 run is, within 1.5x (on the 2026-11-27 H200
+    it was 1.6x the noise from the Trainer's bf16 run, which the old bound of half failed)."""
     pytest.importorskip("transformers")
     from _dist import close, worst
     r = _device_job("_hf_job.py", tmp_path)
@@ -28,9 +31,14 @@ def test_cuda_hugging_face_trainer_matches_its_own_training(tmp_path):
     assert ref["losses"][-1] < ref["losses"][0]
     noise = worst(r["bf16-0"]["params"], ref["params"])
     assert noise > 1e-4
+    near = worst(r["bf16-2"]["params"], r["bf16-0"]["params"])
+    assert near <= 0.5 * noise, (near, noise)
+    assert r["bf16-3"]["gathers"] == ["bfloat16"] and r["fp32-3"]["gathers"] == ["float32"]
+    far = worst(r["bf16-3"]["params"], ref["params"])
+    assert far <= 1.5 * noise, (far, noise)
+    print(f"bf16 on {torch.cuda.get_device_name()}: the Trainer's bf16 run {noise:.2e} from its fp32 run; "
+          f"stage 2 {near:.2e} from the Trainer's bf16 run; stage 3 {far:.2e} from the fp32 run")
     for stage in (2, 3):
-        ours = worst(r[f"bf16-{stage}"]["params"], r["bf16-0"]["params"])
-        assert ours <= 0.5 * noise, (stage, ours, noise)
         assert close(r[f"bf16-{stage}"]["losses"], r["bf16-0"]["losses"], 1e-2), stage
 
 

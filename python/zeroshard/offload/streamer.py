@@ -90,7 +90,16 @@ class Streamer:
     def _staged(self, t: torch.Tensor) -> bool:
         return self.disk is not None and self.disk.holds(t)
 
+    @staticmethod
+    def _free(slot) -> None:
+        """Wait until the device has read what the last window copied out of ``slot``
+        (its non-blocking host-to-device copies): only then may it be written again."""
+        done = slot.pop("read", None)
+        if done is not None:
+            done.synchronize()
+
     def _load(self, chunk, slot) -> None:
+        self._free(slot)
         (p, _, m, v, _), a, b = chunk
         for key, t in (("p", p), ("m", m), ("v", v)):
             if self._staged(t):
@@ -105,6 +114,7 @@ class Streamer:
     def _compute(self, chunk, slot, hyper: dict, step: int) -> None:
         (p, g, m, v, out), a, b = chunk
         n = b - a
+        self._free(slot)
         host = {}
         for key, t in (("p", p), ("m", m), ("v", v)):
             if self._staged(t):
@@ -121,4 +131,10 @@ class Streamer:
             p[a:b].copy_(host["p"], non_blocking=True)
         if out is not None and not host_out:
             out[a:b].copy_(host["p"], non_blocking=True)
+        in_slot = self._staged(p) or p.device.type != "cpu"     # host["p"] is the window buffer's
+        if in_slot and (p.device.type != "cpu" or (out is not None and not host_out)):
+            # the copies above read the window buffer after this call returns, while the
+            # I/O thread may already load a later window into it: it waits for this event
+            slot["read"] = torch.cuda.Event()
+            slot["read"].record()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Optional
 
@@ -26,6 +27,14 @@ import torch.nn as nn
 from . import checkpoints
 from .config import Config
 from .loss_scaler import LossScaler
+
+
+def _device_of(runner: nn.Module) -> torch.device:
+    """The device the engine's model computes on (FullyShard's, else its parameters')."""
+    if isinstance(getattr(runner, "device", None), torch.device):
+        return runner.device
+    p = next(runner.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 class DeepSpeedEngine(nn.Module):
@@ -43,6 +52,8 @@ class DeepSpeedEngine(nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = _device_of(runner)        # where inputs go: x.to(engine.device), as with DeepSpeed
         self._boundary: Optional[bool] = None                 # set_gradient_accumulation_boundary()
         self._step_applied = False
         self._grad_norm: Optional[float] = None

@@ -12,6 +12,7 @@ from typing import Optional
 
 import accelerate
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from transformers import AutoConfig, GenerationConfig
 
@@ -63,25 +64,32 @@ def from_pretrained(auto_class, name_or_path: str, *, zeroshard: Optional[dict] 
     if getattr(model, "can_generate", lambda: False)() and os.path.isfile(os.path.join(folder, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(folder)
     key_map, adapter = None, set()
+    home = _home(opts.stage)
     if peft_config is not None:
-        model, key_map, adapter = _with_adapter(model, peft_config, opts.stage)
+        model, key_map, adapter = _with_adapter(model, peft_config, opts.stage, home)
     runner = model
     if opts.stage == 3:
         with warnings.catch_warnings():     # the weights come next: FullyShard's meta-init notes do not apply
             warnings.simplefilter("ignore")
             runner = opts.fully_shard(model, None, "from_pretrained")
-    device = None if opts.stage == 3 else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    result = load_pretrained(runner, folder, strict=False, key_map=key_map, device=device)
+    result = load_pretrained(runner, folder, strict=False, key_map=key_map, device=None if opts.stage == 3 else home)
     _report(model, folder, result, adapter)
     return runner
 
 
-def _with_adapter(model: nn.Module, peft_config, stage: int):
+def _home(stage: int) -> torch.device:
+    """Where the loaded model computes: this rank's GPU where there is one (at stage 3 with
+    NCCL only, where FullyShard puts a model built on meta), else the CPU."""
+    gpu = torch.cuda.is_available() and (stage < 3 or dist.get_backend() not in ("gloo", "fake"))
+    return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+
+
+def _with_adapter(model: nn.Module, peft_config, stage: int, home: torch.device):
     """``get_peft_model`` over the model on meta: (the peft model, its names -> the
     files' names, the adapter's parameter names). peft puts a new adapter on its base
-    layer's device (meta); its layers are made again on CPU and initialised by peft's
-    ``reset_lora_parameters``, in module order."""
+    layer's device (meta); its layers are made again on CPU, initialised by peft's
+    ``reset_lora_parameters``, in module order (the same values on every machine), and
+    moved to ``home``, where the base model's weights will be."""
     import peft
     base = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     base.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
@@ -104,6 +112,10 @@ def _with_adapter(model: nn.Module, peft_config, stage: int):
                 if part is not None and name in part and any(p.is_meta for p in part[name].parameters()):
                     part[name] = part[name].to_empty(device="cpu")
             reset(name, init)
+            for layer in mod.adapter_layer_names:
+                part = getattr(mod, layer, None)
+                if part is not None and name in part and not any(p.is_meta for p in part[name].parameters()):
+                    part[name] = part[name].to(home)
     meta = sorted(n for n in adapter if dict(wrapped.named_parameters())[n].is_meta)
     if meta:
         raise ValueError(f"from_pretrained(peft_config=...): the adapter parameters {meta[:4]} were left on meta "
