@@ -88,7 +88,7 @@ def make_engine(stage):
 
 def full_params(engine):
     sd = engine.module_state_dict()
-    return {k: v.float().clone() for k, v in sd.items() if k in dict(Net().named_parameters())}
+    return {k: v.to("cpu", torch.float32, copy=True) for k, v in sd.items() if k in dict(Net().named_parameters())}
 
 
 def main():
