@@ -20,8 +20,9 @@
 # gpu 81 s, suite over 240 s with 8 workers (stopped there), adamw 11 s, trace 33 s,
 # example 48 s, profile of 3 variants 36 s; on an H200 (2026-11-27): build 69 s, gpu over
 # 200 s (stopped there after 33 of 58 tests), adamw with 4 launch rows 25 s, muon (9
-# variants) 226 s, profile_step.py --host of 6 variants about 40 s. Give the gpu part 400 s
-# (PART_LIMIT=400 with `build gpu` first; the rest after). Results go to $OUT; where only a
+# variants) 226 s, profile_step.py --host of 6 variants about 40 s; later that day: gpu (59
+# tests) 140 s with 6 workers, 99 s with 12, alone 38 s, host 47 s, adamw (3 sizes, no launch
+# rows) 30 s, trace 29 s, lightning 50 s. The gpu part fits 160 s with GPU_WORKERS=12. Results go to $OUT; where only a
 # few files may come back, tar the folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
