@@ -41,6 +41,7 @@ gradients after each step runs none of them.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -192,6 +193,7 @@ class ReducedGrads(norms.NormQueries):
                 self.pieces[i].append((seg, a, b))
         # the same pieces in one list, and their parameter indices (fixed: built once)
         self.flat = [(seg, a, b) for pieces in self.pieces.values() for seg, a, b in pieces]
+        self._segments = list({id(seg): seg for seg, _, _ in self.flat}.values())
         self.flat_index = torch.tensor([i for i, pieces in self.pieces.items() for _ in pieces],
                                        dtype=torch.long, device=source.device)
         self.placeholders = {i: ShardedGrad(params[i], i, self) for i in trainable}
@@ -215,9 +217,11 @@ class ReducedGrads(norms.NormQueries):
         self._subsets: Dict[tuple, torch.Tensor] = {}   # flat_index of a subset of the pieces (_index)
         self._trainable_index = torch.tensor(self.slots.own_of(sorted(trainable)), dtype=torch.long,
                                              device=source.device)
-        # on the placeholders' parameters while they are placed (backward_done to clear):
-        # a loop that zeroes its gradients after each step runs no hook in backward
+        # on the trainable leaves, kept from one backward to the next (registering and removing
+        # one per parameter every step cost more host time than the no-op call a loop that zeroes
+        # its gradients after each step makes); removed with this object
         self.hooks: List[torch.utils.hooks.RemovableHandle] = []
+        weakref.finalize(self, _remove_all, self.hooks)
         self._leaves = [i for i in trainable if params[i].grad_fn is None]
         self._hooked: List[int] = []    # the leaves self.hooks are on
         source.listeners.append(weak_hook(self.backward_done))
@@ -290,9 +294,10 @@ class ReducedGrads(norms.NormQueries):
         # (and torch refuses a hook on it); one unfrozen again needs its hook back
         want = [i for i in self._leaves if self.params[i].requires_grad]
         if want != self._hooked:
-            self._remove_hooks()
+            _remove_all(self.hooks)
             hook = weak_hook(self._before_accumulate)
-            self.hooks, self._hooked = [self.params[i].register_hook(hook) for i in want], want
+            self.hooks.extend(self.params[i].register_hook(hook) for i in want)
+            self._hooked = want
 
     def settle(self):
         """Wait for the statistics' all-reduce, if one is in flight. ``used`` is then
@@ -340,7 +345,7 @@ class ReducedGrads(norms.NormQueries):
         gradient shards to host memory stand for those pieces (a pass over host memory on
         the CPU was half of a ZeRO-3 offload backward's host time on an H200)."""
         taken = None
-        if after_backward:
+        if after_backward and any(seg.norms_attr is not None for seg in self._segments):
             taken = [seg.sumsq_before_copy(a, b) for seg, a, b in self.flat]
             taken = taken if any(t is not None for t in taken) else None
         local = self.local_values(squared_norms, taken) * self.source.grad_scale ** 2
@@ -434,7 +439,8 @@ class ReducedGrads(norms.NormQueries):
 
     # ------------------------------------------------------------ placeholders
     def _before_accumulate(self, grad):
-        """Runs before autograd accumulates into ``p.grad``: a new backward begins."""
+        """Runs before autograd accumulates into ``p.grad``: a new backward begins (with
+        the placeholders still placed: no zero_grad since the last one)."""
         if self.placed:
             self.clear(from_backward=True)
         return None
@@ -449,8 +455,6 @@ class ReducedGrads(norms.NormQueries):
             if self.params[i].grad is self.placed[i]:
                 self.params[i].grad = g
         placed, self.kept, self.placed = self.placed, {}, {}
-        if not from_backward:    # (not from inside one of the hooks: autograd is running them)
-            self._remove_hooks()
         if gone and from_backward:
             if len(gone) < sum(g is not None for g in placed.values()):
                 raise RuntimeError(self.err(
@@ -458,11 +462,6 @@ class ReducedGrads(norms.NormQueries):
                     "but not of the others: their sharded gradients cannot be cleared one by one; call "
                     "opt.zero_grad() (or model.zero_grad()) to clear every gradient"))
             self.source.zero_grad(set_to_none=True)   # model.zero_grad() cleared every gradient
-
-    def _remove_hooks(self):
-        for h in self.hooks:
-            h.remove()
-        self.hooks, self._hooked = [], []
 
     def unsupported(self, i: int, what: str) -> str:
         shape = tuple(self.params[i].shape)
@@ -475,3 +474,8 @@ class ReducedGrads(norms.NormQueries):
             "the full gradient on every rank. For another in-place change, write it into "
             "p.grad.full_tensor() (a gathered copy), or change the gradients inside opt.no_sync() "
             "(local, unreduced)")
+
+
+def _remove_all(hooks: list) -> None:
+    while hooks:
+        hooks.pop().remove()

@@ -144,8 +144,8 @@ class AddToShardFold(_BucketFold):
         rdt = src.reduce_dtype_of(buf.dtype)
         inp = r.buffer = src.pool.acquire(b.numel, rdt)   # (uninitialised: every element is written)
         # gradients that never arrived on this rank count as zero, as does padding
-        fill_flat(inp, [(f.bucket_offset, local_tensor(src.params[i].grad).detach().reshape(-1)[
-            f.tensor_offset:f.tensor_offset + f.numel]) for i, f in b.frags if src.params[i].grad is not None])
+        fill_flat(inp, [(f.bucket_offset, _flat_range(src.params[i].grad, f.tensor_offset, f.numel))
+                        for i, f in b.frags if src.params[i].grad is not None])
         for i, _ in b.frags:
             self.copies_left[i] -= 1
             if self.copies_left[i] == 0:
@@ -171,6 +171,16 @@ class AddToShardFold(_BucketFold):
         src.pool.release(r.buffer)
         r.buffer = None
 
+
+
+def _flat_range(grad: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """Elements [start, start + numel) of the gradient, flattened (a DTensor's local piece's);
+    as few new tensor objects as can be: this runs once per parameter every backward."""
+    g = local_tensor(grad)
+    if g.requires_grad:        # (a create_graph backward)
+        g = g.detach()
+    g = g.reshape(-1) if g.dim() != 1 else g
+    return g if start == 0 and numel == g.numel() else g[start:start + numel]
 
 
 @torch.no_grad()
