@@ -10,6 +10,10 @@ and the host-device synchronisations (cudaStreamSynchronize, cudaDeviceSynchroni
 cudaMemcpy, aten::item / _local_scalar_dense) counted per step, since each stalls the
 host until the device catches up (--stack: with the Python frames each is called
 from). Writes --out/profile_<variant>.txt and prints the phase table.
+--host: the host's time per phase without synchronizing, against the wall time.
+--alone: one step timed alone under the profiler, its timeline printed (per phase the
+host's span and the device work it launched; the device's tail and longest idle gaps)
+and its Chrome trace written gzipped.
 """
 from __future__ import annotations
 
