@@ -114,23 +114,27 @@ def summarise(trace: dict) -> dict:
     return out
 
 
-def profiled_step(model, opt, data):
-    """One step under the profiler, the device synchronized between phases; the trace."""
+def profiled_step(model, opt, data, sync_phases: bool = True):
+    """One step under the profiler, its phases marked, the device idle at its start and
+    synchronized at its end (``sync_phases``: also between phases); (the trace, the path
+    of its JSON file, the caller's to remove)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
+    sync = torch.cuda.synchronize if sync_phases else (lambda: None)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         torch.cuda.synchronize()
         with torch.profiler.record_function("forward"):
             loss = model(data[:, :-1], data[:, 1:])
-            torch.cuda.synchronize()
+            sync()
         with torch.profiler.record_function("backward"):
             loss.backward()
-            torch.cuda.synchronize()
+            sync()
         with torch.profiler.record_function("step"):
             opt.step()
             opt.zero_grad()
-            torch.cuda.synchronize()
+            sync()
+        torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     with open(path) as f:
         trace = json.load(f)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import offload_trace  # noqa: E402
 import step  # noqa: E402
 from gpt import GPTConfig  # noqa: E402
 
@@ -104,37 +105,14 @@ def alone_trace(model, opt, data, path):
     """One step timed alone as step.py times it (the device idle at its start,
     synchronized at its end) under the profiler, its phases marked; the Chrome trace
     written gzipped to ``path``; returns it."""
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    raw = path[:-len(".gz")]
-    with torch.profiler.profile(activities=acts) as prof:
-        torch.cuda.synchronize()
-        with torch.profiler.record_function("forward"):
-            loss = model(data[:, :-1], data[:, 1:])
-        with torch.profiler.record_function("backward"):
-            loss.backward()
-        with torch.profiler.record_function("step"):
-            opt.step()
-            opt.zero_grad()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(raw)
-    with open(raw) as f:
-        trace = json.load(f)
+    trace, raw = offload_trace.profiled_step(model, opt, data, sync_phases=False)
     with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-        dst.write(src.read())
+        shutil.copyfileobj(src, dst)
     os.remove(raw)
     return trace
 
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def _union_us(spans) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def timeline(trace: dict, gaps: int = 6) -> str:
@@ -162,12 +140,13 @@ def timeline(trace: dict, gaps: int = 6) -> str:
         mine = [(e["ts"], e["ts"] + e["dur"]) for e in work
                 if launched_in.get(e.get("args", {}).get("correlation")) == ph]
         dev = (f"device {(min(x for x, _ in mine) - t0) / 1e3:7.2f} -> {(max(y for _, y in mine) - t0) / 1e3:7.2f} "
-               f"ms, busy {_union_us(mine) / 1e3:6.2f} ms in {len(mine)} calls") if mine else "no device work"
+               f"ms, busy {offload_trace.union_ms(mine):6.2f} ms in {len(mine)} calls") if mine else "no device work"
         lines.append(f"  {ph:<9} host {(a - t0) / 1e3:7.2f} -> {(b - t0) / 1e3:7.2f} ms | {dev}")
     if work:
         end = max(e["ts"] + e["dur"] for e in work)
+        busy = offload_trace.union_ms([(e["ts"], e["ts"] + e["dur"]) for e in work])
         lines.append(f"  wall {(end - t0) / 1e3:.2f} ms: host done at {(host_end - t0) / 1e3:.2f}, device tail "
-                     f"{(end - host_end) / 1e3:.2f} ms; device busy {_union_us([(e['ts'], e['ts'] + e['dur']) for e in work]) / 1e3:.2f} ms")
+                     f"{(end - host_end) / 1e3:.2f} ms; device busy {busy:.2f} ms")
         idle, reach = [], work[0]["ts"]
         for e in work:
             if e["ts"] > reach:

@@ -70,6 +70,12 @@ def weak_hook(method):
     return hook
 
 
+def remove_hooks(hooks: list) -> None:
+    """Remove every handle in ``hooks`` (emptying the list, which a weakref.finalize may hold)."""
+    while hooks:
+        hooks.pop().remove()
+
+
 class GradState(enum.Enum):
     """Where a gradient source stands between two steps (both sources use it)."""
     EMPTY = "empty"        # no reduced gradients to step on: after a step, zero_grad, or a no_sync() backward
@@ -77,11 +83,12 @@ class GradState(enum.Enum):
     READY = "ready"        # a backward outside no_sync() finished: the shards hold the reduced gradients
 
 
-def check_dense_grad(grad: torch.Tensor, what: str, err: Callable[[str], str]) -> None:
-    """Refuse a sparse gradient of parameter ``what`` (e.g. from ``nn.Embedding(sparse=True)``)."""
+def check_dense_grad(grad: torch.Tensor, what: Callable[[], str], err: Callable[[str], str]) -> None:
+    """Refuse a sparse gradient of parameter ``what()`` (e.g. from ``nn.Embedding(sparse=True)``);
+    the name is made only then: this runs once per parameter every backward."""
     if grad.layout != torch.strided:
         raise RuntimeError(err(
-            f"{what} got a sparse gradient ({grad.layout}): zeroshard reduces dense gradients in flat "
+            f"{what()} got a sparse gradient ({grad.layout}): zeroshard reduces dense gradients in flat "
             "buffers. Build its module with sparse=False (nn.Embedding, nn.EmbeddingBag), or keep the "
             "parameter out of the optimizer"))
 

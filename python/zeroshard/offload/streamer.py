@@ -114,7 +114,6 @@ class Streamer:
     def _compute(self, chunk, slot, hyper: dict, step: int) -> None:
         (p, g, m, v, out), a, b = chunk
         n = b - a
-        self._free(slot)
         host = {}
         for key, t in (("p", p), ("m", m), ("v", v)):
             if self._staged(t):

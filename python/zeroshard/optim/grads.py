@@ -48,7 +48,7 @@ import torch
 
 from .. import comm
 from .slots import Slots
-from ..common.source import squared_norms, weak_hook
+from ..common.source import remove_hooks, squared_norms, weak_hook
 from . import norms
 from .grad_reads import full_gradient, read, writes
 
@@ -221,7 +221,7 @@ class ReducedGrads(norms.NormQueries):
         # one per parameter every step cost more host time than the no-op call a loop that zeroes
         # its gradients after each step makes); removed with this object
         self.hooks: List[torch.utils.hooks.RemovableHandle] = []
-        weakref.finalize(self, _remove_all, self.hooks)
+        weakref.finalize(self, remove_hooks, self.hooks)
         self._leaves = [i for i in trainable if params[i].grad_fn is None]
         self._hooked: List[int] = []    # the leaves self.hooks are on
         source.listeners.append(weak_hook(self.backward_done))
@@ -294,7 +294,7 @@ class ReducedGrads(norms.NormQueries):
         # (and torch refuses a hook on it); one unfrozen again needs its hook back
         want = [i for i in self._leaves if self.params[i].requires_grad]
         if want != self._hooked:
-            _remove_all(self.hooks)
+            remove_hooks(self.hooks)
             hook = weak_hook(self._before_accumulate)
             self.hooks.extend(self.params[i].register_hook(hook) for i in want)
             self._hooked = want
@@ -474,8 +474,3 @@ class ReducedGrads(norms.NormQueries):
             "the full gradient on every rank. For another in-place change, write it into "
             "p.grad.full_tensor() (a gathered copy), or change the gradients inside opt.no_sync() "
             "(local, unreduced)")
-
-
-def _remove_all(hooks: list) -> None:
-    while hooks:
-        hooks.pop().remove()

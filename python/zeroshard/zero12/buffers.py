@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..common.source import weak_hook
+from ..common.source import remove_hooks, weak_hook
 
 
 class BufferSync:
@@ -45,7 +45,7 @@ class BufferSync:
         self.module = None
         self.hooks = [nn.modules.module.register_module_forward_pre_hook(weak_hook(self._find))]
         # an optimizer dropped before its first forward leaves no global hook behind
-        weakref.finalize(self, _remove_all, self.hooks)
+        weakref.finalize(self, remove_hooks, self.hooks)
 
     def _find(self, module: nn.Module, args):
         if self.module is not None or not any(id(p) in self.ids for p in module.parameters()):
@@ -87,7 +87,7 @@ class BufferSync:
 
     def release(self):
         """Remove the hooks (the optimizer is rebound, or the search is over)."""
-        _remove_all(self.hooks)
+        remove_hooks(self.hooks)
 
 
 def sync_buffers(modules: List[nn.Module], group: dist.ProcessGroup, src: int) -> None:
@@ -128,8 +128,3 @@ def modules_given(params) -> List[nn.Module]:
             if isinstance(module, nn.Module):
                 found.append(module)
     return found
-
-
-def _remove_all(hooks: list) -> None:
-    while hooks:
-        hooks.pop().remove()

@@ -164,8 +164,7 @@ class FlatReducer(ShardSource):
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_grad(self, i: int, p: torch.Tensor):
-        if p.grad.layout != torch.strided:     # (the message built only then: this runs per parameter)
-            check_dense_grad(p.grad, f"parameter {i} (shape {tuple(p.shape)})", self.err)
+        check_dense_grad(p.grad, lambda: f"parameter {i} (shape {tuple(p.shape)})", self.err)
         if self.tp is not None:
             settle(p)
         if self._state != GradState.BACKWARD:

@@ -102,8 +102,7 @@ class UnitBackward:
                 f"({u.state.value}): the backward reached the unit through a tensor its output hooks did not see "
                 "(kept on a module or a global, or inside an object). Return every tensor the loss depends on "
                 "from the unit's forward, in a tuple, list, dict, namedtuple or dataclass"))
-        if q.full.grad.layout != torch.strided:     # (the message built only then: per parameter)
-            check_dense_grad(q.full.grad, f"'{q.names[0]}'", self.err)
+        check_dense_grad(q.full.grad, lambda: f"'{q.names[0]}'", self.err)
         if q.placed is not None:        # [Note: tensor-parallel parameters]
             settle(q.full)
         if u.reduction.buffer is not None:   # accumulating into an existing flat buffer: add as they come
