@@ -1,12 +1,15 @@
-"""The documentation's examples (examples/*.py, one per page), each launched with torchrun on CPU
-processes: each must exit 0 (each ends with its own check, an assert that fails if its feature
-breaks) and print its summary line."""
+"""The documentation's examples (examples/*.py, one per page), each launched on CPU processes as
+torchrun launches it (tests/_launch.py: the ranks forked from a process that imported torch
+once, in torchrun's environment): each must exit 0 (each ends with its own check, an assert
+that fails if its feature breaks) and print its summary line. One of them also runs under
+torchrun itself, as its page says to launch it."""
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+from _launch import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,15 +43,27 @@ EXAMPLES = [
                          ids=[s[:-3] + ("-debug" if e else "") for s, _, e in EXAMPLES])
 def test_example(script, ranks, env, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path), **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           os.path.join(ROOT, "examples", script)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    code, out, err = launch(os.path.join(ROOT, "examples", script), ranks, [], env, ROOT, timeout=240)
+    _check(script, env, code, out, err)
+
+
+def _check(script, env, code, out, err):
+    assert code == 0, out[-3000:] + err[-3000:]
     name = script[:-3]
-    assert re.search(rf"^{name}: ", res.stdout, re.MULTILINE), res.stdout[-3000:]
+    assert re.search(rf"^{name}: ", out, re.MULTILINE), out[-3000:]
     if name == "hangs":
         kind = "CollectiveMismatch" if env.get("ZEROSHARD_DEBUG") == "1" else "CollectiveTimeout"
-        assert f"rank 0 caught zeroshard.{kind}" in res.stdout, res.stdout[-3000:]
+        assert f"rank 0 caught zeroshard.{kind}" in out, out[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_under_torchrun(tmp_path):
+    """The quickstart as its page launches it: torchrun --standalone --nproc-per-node 2."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "quickstart.py")]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    _check("quickstart.py", env, res.returncode, res.stdout, res.stderr)
 
 
 def test_plan_memory_runs_without_torchrun(tmp_path):

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
+from _launch import run_text
 from _dist import Timeline, piece_of
 
 BATCH = 12          # divisible by 2 and 3: every rank gets an equal slice
@@ -206,10 +207,9 @@ print(repr((psi, opt.memory_report())))
 @pytest.mark.parametrize("n", [8, 64])
 def test_memory_formulas_at_large_world_with_fake_process_group(n):
     for stage in (1, 2):
-        out = subprocess.run([sys.executable, "-c", _FAKE_SCRIPT, str(n), str(stage)], capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-3000:]
-        psi, rep = eval(out.stdout.strip().splitlines()[-1])
+        code, out, err = run_text(_FAKE_SCRIPT, [str(n), str(stage)], timeout=120)
+        assert code == 0, err[-3000:]
+        psi, rep = eval(out.strip().splitlines()[-1])
         assert rep["params"] == 2 * psi                             # bf16, full
         assert rep["grads"] == (2 * psi if stage == 1 else rep["grads"])
         # the last rank owns psi/n elements up to padding: 12/n bytes of master + states
