@@ -14,8 +14,9 @@ script reads from the environment when it runs is set before it starts, and noth
 torch or zeroshard reads the launch's variables at import.
 
 The agent itself (its rendezvous, the shared store, restarts) is what this launcher leaves
-out; the tests of those (train_gpt's, the chaos and restart tests, the jobs of the Hugging
-Face, Lightning and DDP-script tests) launch with torchrun itself.
+out; the tests that involve it (train_gpt's, the chaos and restart tests, the GPT script's
+rank-0 traps, the Hugging Face and Lightning jobs, the quickstart's torchrun run) launch
+with torchrun itself.
 """
 from __future__ import annotations
 
