@@ -21,7 +21,7 @@ import time
 import traceback
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -67,7 +67,7 @@ class DistPool:
 
     def _start(self):
         ctx = mp.get_context("spawn")
-        port = self._port = _free_port()
+        port = self._port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [

@@ -23,11 +23,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
+
+from _dist import free_port
 
 _server: Optional[subprocess.Popen] = None
 
@@ -69,12 +70,6 @@ def run_text(text: str, args: List[str], timeout: float) -> Tuple[int, str, str]
         return launch(path, 1, args, dict(os.environ), os.getcwd(), timeout)
     finally:
         os.unlink(path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_env(job: dict, rank: int, port: int) -> Dict[str, str]:
@@ -120,7 +115,7 @@ def _serve():
         job = json.loads(line)
         fd_out, out_file = tempfile.mkstemp(suffix=".out")
         fd_err, err_file = tempfile.mkstemp(suffix=".err")
-        port, pids = _free_port(), []
+        port, pids = free_port(), []
         sys.stdout.flush()
         for rank in range(job["ranks"]):
             pid = os.fork()
