@@ -159,6 +159,11 @@ class UnitBackward:
         self.state = GradState.EMPTY
         self.gatherer.steps_done += bool(updated)
 
+    def set_divide_factor(self, factor: float):
+        """Each reduced gradient is the sum over every rank (the replicas' too) divided by
+        ``factor`` from the next reduction on (FullyShard.set_gradient_divide_factor)."""
+        self.fold.divisor = factor
+
     def zero_grad(self, set_to_none: bool):
         """Free (``set_to_none``) or zero the gradient shards; see FullyShard.zero_grad."""
         for u in self.units:

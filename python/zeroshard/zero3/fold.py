@@ -21,9 +21,10 @@ from .wrap import host_or_device_empty
 
 class DivideIntoShard(FoldPolicy):
     """The fold of one FullyShard's units; ``divisor``: every rank taking part (replicas
-    too), ``label``: names a collective of this FullyShard's current step."""
+    too), or the factor ``set_gradient_divide_factor`` set; ``label``: names a collective
+    of this FullyShard's current step."""
 
-    def __init__(self, *, device: torch.device, reduce_dtype: torch.dtype, divisor: int,
+    def __init__(self, *, device: torch.device, reduce_dtype: torch.dtype, divisor: float,
                  label: Callable[[str], str]):
         self.device, self.reduce_dtype, self.divisor = device, reduce_dtype, divisor
         self._label = label

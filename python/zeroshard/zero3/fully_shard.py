@@ -42,7 +42,8 @@
   accumulating under ``no_sync``, gradients are added as they arrive). The
   buffer (which ends with the last trainable parameter: [Note: frozen
   parameters] in zero3/wrap.py) is reduce-scattered (SUM) in place; the
-  result, divided by the world size, is written (or added, when
+  result, divided by the world size (or by ``set_gradient_divide_factor``'s
+  factor, as FSDP2's), is written (or added, when
   accumulating) into the fp32 gradient shard. Reduce-scatters are issued in
   one fixed order on every rank (the reverse order of the units' first calls
   since the last backward, root last: [Note: units called directly] in
@@ -68,6 +69,8 @@ from __future__ import annotations
 
 __all__ = ["FullyShard", "MixedPrecision", "UnitState", "register_forward_method"]
 
+import math
+import numbers
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -304,6 +307,18 @@ class FullyShard(nn.Module, ShardedModel):
         """Accumulate gradients locally (full size, in reduce_dtype) without
         communication; the next backward outside this context reduces them all."""
         return self._backward.no_sync()
+
+    def set_gradient_divide_factor(self, factor: float):
+        """FSDP2's ``set_gradient_divide_factor``: from the next reduction on, each gradient is
+        the sum over every rank (the replicas' too, under hybrid sharding) divided by ``factor``
+        (by default the number of those ranks: the mean); ``1.0`` gives the sum (torchtitan,
+        normalising the loss by the global token count). ``p.grad``, the optimizer's statistics
+        and clipping see that gradient. It applies to every unit of this model."""
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < math.inf:
+            raise ValueError(self._err(f"set_gradient_divide_factor takes a positive, finite number, got {factor!r}"))
+        if self._backward.active:
+            raise RuntimeError(self._err("set_gradient_divide_factor() called during backward; call it before"))
+        self._backward.set_divide_factor(float(factor))
 
     # --------------------------------------------------------------- forward
     # -------------------------------------------------------------- backward
