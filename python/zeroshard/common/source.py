@@ -129,6 +129,11 @@ class Segment:
         reductions and freed by zero_grad(set_to_none=True)."""
         return getattr(self.holder, self.grad_attr)[self.grad_range[0]:self.grad_range[1]]
 
+    @property
+    def has_grad(self) -> bool:
+        """Whether the gradient tensor is allocated (no backward since zero_grad(set_to_none=True): not)."""
+        return getattr(self.holder, self.grad_attr) is not None
+
     def sumsq_before_copy(self, a: int, b: int) -> Optional[torch.Tensor]:
         """The squared norm of the gradient's range [a, b) (one piece), as taken on the
         device before its copy to host memory this backward; None if it was not."""
@@ -345,6 +350,17 @@ class ShardSource(abc.ABC):
         [Note: sharded gradients] are cleared (the next backward accumulates there);
         ``grad``: what it held at the end of the backward."""
         return grad
+
+    def at_rest(self, i: int, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` (not None) is what ``p.grad`` of parameter ``i`` holds between
+        steps by the source's doing (else the script assigned it: [Note: gradients set by the
+        script] in optim/hand_grads.py)."""
+        return False
+
+    def allocate_grads(self) -> None:
+        """Zeroed gradient shards where none are held (gradients assigned by hand with no
+        backward since zero_grad(set_to_none=True) are written into them)."""
+        raise NotImplementedError(f"{type(self).__name__} holds no gradient shards to allocate")
 
     def lay_out_trainable(self) -> None:
         """Before the optimizer binds a new source over these parameters ([Note: new

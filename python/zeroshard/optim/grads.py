@@ -77,7 +77,7 @@ class ShardedGrad(torch.Tensor):
             return read(func, args, kwargs, ShardedGrad)
         owner = first if isinstance(first, ShardedGrad) else next(
             (a for a in args if isinstance(a, ShardedGrad)), first)
-        raise RuntimeError(owner.grads.unsupported(owner.index, str(func)))
+        raise RuntimeError(unsupported(owner.grads, owner.index, str(func)))
 
     def full_tensor(self) -> torch.Tensor:
         """The full averaged gradient, as DDP's ``p.grad`` holds it (collective: every rank
@@ -91,7 +91,7 @@ class ShardedGrad(torch.Tensor):
 
 def _norm(grads, g, ord=2, dim=None, keepdim=False, *, dtype=None):
     if dim is not None:
-        raise RuntimeError(grads.unsupported(g.index, "a norm over some dimensions"))
+        raise RuntimeError(unsupported(grads, g.index, "a norm over some dimensions"))
     return grads.norm_everywhere(g.index, float(ord)).to(dtype or g.dtype)
 
 
@@ -224,6 +224,9 @@ class ReducedGrads(norms.NormQueries):
         weakref.finalize(self, remove_hooks, self.hooks)
         self._leaves = [i for i in trainable if params[i].grad_fn is None]
         self._hooked: List[int] = []    # the leaves self.hooks are on
+        # what the script set in p.grad, taken ([Note: gradients set by the script] in optim/hand_grads.py)
+        self.by_hand = False           # gradients assigned with no backward since zero_grad: a step steps
+        self.uncounted_hand = None     # parameters whose gradient no statistic counts (set to None), or None
         source.listeners.append(weak_hook(self.backward_done))
 
     # ----------------------------------------------------------- statistics
@@ -264,6 +267,7 @@ class ReducedGrads(norms.NormQueries):
         collective (~0.4 ms on gloo) off every step's critical path."""
         self.settle()
         self.stale, self.coef, self.pnorms = set(), None, {}
+        self.by_hand, self.uncounted_hand = False, None
         n, S = len(self.params), self.slots.size
         stats = torch.zeros(2 * S, dtype=torch.float32, device=self.source.device)
         stats[:S] = self.slots.spread(self._local_sumsq(after_backward=True))
@@ -290,8 +294,12 @@ class ReducedGrads(norms.NormQueries):
             # where its own did: ``used``)
             self.placed[i] = self.placeholders[i] if self.seen[i] else None
             p.grad = self.placed[i]
-        # on the leaves that require grad now: one frozen since construction takes no gradient
-        # (and torch refuses a hook on it); one unfrozen again needs its hook back
+        self.hook_leaves()
+
+    def hook_leaves(self):
+        """The hook that gives ``p.grad`` back before the next backward accumulates, on the
+        leaves that require grad now: one frozen since construction takes no gradient (and
+        torch refuses a hook on it); one unfrozen again needs its hook back."""
         want = [i for i in self._leaves if self.params[i].requires_grad]
         if want != self._hooked:
             remove_hooks(self.hooks)
@@ -349,6 +357,8 @@ class ReducedGrads(norms.NormQueries):
             taken = [seg.sumsq_before_copy(a, b) for seg, a, b in self.flat]
             taken = taken if any(t is not None for t in taken) else None
         local = self.local_values(squared_norms, taken) * self.source.grad_scale ** 2
+        if self.uncounted_hand is not None:
+            local.index_fill_(0, self.uncounted_hand, 0.0)
         if self.coef is not None:
             local *= self.coef.to(local.device).square()
         if self.source.groups.replica_rank != 0:
@@ -450,6 +460,7 @@ class ReducedGrads(norms.NormQueries):
         (the next backward accumulates there, or zero_grad frees it)."""
         self.settle()
         self.coef = None
+        self.by_hand, self.uncounted_hand = False, None
         gone = [i for i, g in self.placed.items() if g is not None and self.params[i].grad is not g]
         for i, g in self.kept.items():
             if self.params[i].grad is self.placed[i]:
@@ -463,14 +474,15 @@ class ReducedGrads(norms.NormQueries):
                     "opt.zero_grad() (or model.zero_grad()) to clear every gradient"))
             self.source.zero_grad(set_to_none=True)   # model.zero_grad() cleared every gradient
 
-    def unsupported(self, i: int, what: str) -> str:
-        shape = tuple(self.params[i].shape)
-        return self.err(
-            f"{what} on p.grad of parameter {i} (shape {shape}): after backward its averaged gradient is "
-            "sharded over the ranks (p.grad is a zeroshard ShardedGrad with no data of its own). What works "
-            "on it: torch.nn.utils.clip_grad_norm_ (or opt.clip_grad_norm_), torch.amp.GradScaler, "
-            "torch.nn.utils.clip_grad_value_ (clamp_), p.grad.norm() (any order), mul_/div_ by a "
-            "number, zero_(); and any read (comparisons, clone(), abs(), isfinite, ...), which gathers "
-            "the full gradient on every rank. For another in-place change, write it into "
-            "p.grad.full_tensor() (a gathered copy), or change the gradients inside opt.no_sync() "
-            "(local, unreduced)")
+
+def unsupported(grads, i: int, what: str) -> str:
+    shape = tuple(grads.params[i].shape)
+    return grads.err(
+        f"{what} on p.grad of parameter {i} (shape {shape}): after backward its averaged gradient is "
+        "sharded over the ranks (p.grad is a zeroshard ShardedGrad with no data of its own). What works "
+        "on it: torch.nn.utils.clip_grad_norm_ (or opt.clip_grad_norm_), torch.amp.GradScaler, "
+        "torch.nn.utils.clip_grad_value_ (clamp_), p.grad.norm() (any order), mul_/div_ by a "
+        "number, zero_(); and any read (comparisons, clone(), abs(), isfinite, ...), which gathers "
+        "the full gradient on every rank. For another change, assign the new gradient to p.grad on every "
+        "rank (p.grad = p.grad.full_tensor() + ...: it is then the parameter's averaged gradient), or change "
+        "the gradients inside opt.no_sync() (local, unreduced)")

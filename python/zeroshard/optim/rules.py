@@ -76,7 +76,7 @@ class FusedAdamW:
         self.storage = storage
 
     def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
-               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None):
+               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None, closure=None):
         """Every range of the step in one kernel call (one launch on CUDA, one
         parallel loop on CPU), one hyperparameter set per (param group, step
         count); offloaded ranges then go window by window through the streamer."""
@@ -184,21 +184,22 @@ class TorchElementwise:
         return self._elementwise
 
     def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
-               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None):
-        for gi, group in enumerate(groups):
-            if self.inner is not None and gi in self.group_index:
-                self._update_group(gi, group, used, grad_scale, scale, step_kwargs or {})
-
-    def _update_group(self, gi: int, group: dict, used: List[bool], grad_scale: float,
-                      scale: Optional[torch.Tensor], step_kwargs: dict):
-        inner_group = self.inner.param_groups[self.group_index.index(gi)]
-        inner_group.update(_hyper(group))        # an LR scheduler changes ours; the instance follows
-        mine = [(i, piece) for (i, _), piece in self.pieces.items() if piece[0].group == gi]
-        for i, (seg, a, b, leaf) in mine:
+               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None, closure=None):
+        """One call of the class's ``step`` over every param group, with ``closure`` (None: not
+        passed) and ``step_kwargs`` as given; keys the class set in its param groups during
+        the step are copied to ours (as torch's ZeroRedundancyOptimizer does)."""
+        if self.inner is None:
+            return
+        for inner_group, gi in zip(self.inner.param_groups, self.group_index):
+            inner_group.update(_hyper(groups[gi]))    # an LR scheduler changes ours; the instance follows
+        for (i, _), (seg, a, b, leaf) in self.pieces.items():
             if used[i]:     # None: the class skips it, as torch's optimizers skip a None gradient
                 leaf.grad = scaled_grad(seg.grad[a:b], grad_scale, scale, leaf.device)
-        self.inner.step(**step_kwargs)
-        for i, (seg, a, b, leaf) in mine:
+        args = () if closure is None else (closure,)
+        self.inner.step(*args, **(step_kwargs or {}))
+        for inner_group, gi in zip(self.inner.param_groups, self.group_index):
+            groups[gi].update(_hyper(inner_group))
+        for (i, _), (seg, a, b, leaf) in self.pieces.items():
             leaf.grad = None
             if used[i] and seg.out is not None:
                 seg.out[a:b].copy_(leaf)           # round to the low-precision parameter

@@ -23,6 +23,7 @@ from .state_dict import StateDicts
 from .. import comm
 from ..common.claims import check_unclaimed, claim
 from .grads import ReducedGrads
+from . import hand_grads
 from .join import Joinable, JoinableOptimizer
 from .regroup import Regrouping, refuse_unaveraged
 from ..zero12.buffers import BufferSync, modules_given, sync_buffers
@@ -130,16 +131,33 @@ def _check_dense(params: List[torch.Tensor], err) -> None:
                 "sparse=True), or keep it out of the optimizer"))
 
 
-def _check_ready(device: torch.device, source: ShardSource, what: str, err) -> None:
+def _check_ready(device: torch.device, source: ShardSource, what: str, err, by_hand: bool = False) -> None:
     if device.type == "meta":
         raise RuntimeError(err(
             f"{what} on parameters on the meta device: they have no data (an optimizer over meta "
             "parameters is for planning, as zeroshard.plan does); build or materialize the model "
             "on CPU or CUDA to train"))
-    if not source.grads_ready():
+    if not (source.grads_ready() or by_hand):
         raise RuntimeError(err(
             f"{what} called before any backward() since the last step (or only under no_sync()); "
             "run loss.backward() outside no_sync() first"))
+
+
+def _run_closure(closure, kwargs: dict, fused: bool, err):
+    """(the loss, the closure ``optimizer_class``'s step gets): a callable closure runs here,
+    first, as torch's optimizers run it, and the class is given one returning its loss (its
+    step may call it: no second backward); one that is not callable goes to the class
+    untouched, as torch's ZeroRedundancyOptimizer passes it, as do ``kwargs``."""
+    if fused and kwargs:
+        raise TypeError(err(f"step() got keyword arguments {sorted(kwargs)}: the fused AdamW's step takes only "
+                            "a closure (they go to optimizer_class's step when one is set)"))
+    if callable(closure):
+        with torch.enable_grad():
+            loss = closure()
+        return loss, (lambda: loss)
+    if closure is not None and fused:
+        raise TypeError(err(f"step(closure={closure!r}): the closure must be callable (it re-evaluates the loss)"))
+    return None, closure
 
 
 class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOptimizer):
@@ -332,32 +350,28 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         """Clip by the global norm of the averaged gradient, over every shard of
         every rank; returns that norm (the same on all ranks). The scale is
         applied inside the fused step."""
-        _check_ready(self.device, self._source, "clip_grad_norm_", self._err)
+        hand_grads.take(self._grads)
+        _check_ready(self.device, self._source, "clip_grad_norm_", self._err, self._grads.by_hand)
         return self._grads.clip_(max_norm, norm_type)   # the coefficient lives with these gradients
 
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
-        """One optimizer step over this rank's shards. ``closure`` re-evaluates the loss (run
-        first, as torch's); other keyword arguments go to ``optimizer_class``'s ``step``. A
-        step with no gradient anywhere (no backward since ``zero_grad()``) does nothing, as
-        torch's optimizers skip parameters without a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        """One optimizer step over this rank's shards. ``closure`` re-evaluates the loss
+        (``_run_closure``); keyword arguments go to ``optimizer_class``'s ``step``. A step with
+        no gradient anywhere does nothing, as torch's optimizers skip parameters without a
+        gradient; ``p.grad`` set to None or assigned by the script is what it uses ([Note:
+        gradients set by the script] in optim/hand_grads.py)."""
+        loss, given = _run_closure(closure, kwargs, self._rule.fused, self._err)
         self._join_notified = False      # the next collective begins another iteration
-        if self._rule.fused and kwargs:
-            raise TypeError(self._err(f"step() got keyword arguments {sorted(kwargs)}: the fused AdamW's step "
-                                      "takes only a closure (they go to optimizer_class's step when one is set)"))
         if self._no_gradient_anywhere():
             return loss
-        _check_ready(self.device, self._source, "step()", self._err)
+        _check_ready(self.device, self._source, "step()", self._err, self._grads.by_hand)
         refuse_unaveraged(self._params, self._frozen, self._err)
         self.last_step_skipped = False
         if self._source.check_finite:    # every rank agrees: the statistics are summed over the ranks
             self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
         if not self.last_step_skipped:
-            self._update(kwargs)
+            self._update(kwargs, given)
         self._grads.settle()     # (its all-reduce ran during the update: see ReducedGrads.backward_done)
         self._source.step_done(updated=not self.last_step_skipped)
         if not self.last_step_skipped:
@@ -376,14 +390,18 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
 
     def _no_gradient_anywhere(self) -> bool:
         """No backward has given any parameter a gradient since ``zero_grad()`` (on any rank:
-        a backward is collective), and none is running."""
+        a backward is collective), none is running, and the script assigned none ([Note:
+        gradients set by the script] in optim/hand_grads.py: taken here)."""
         src = self._source
-        return self.device.type != "meta" and not (src.grads_ready() or src.in_backward() or src.arrived())
+        if self.device.type == "meta" or hand_grads.take(self._grads) or self._grads.by_hand:
+            return False
+        return not (src.grads_ready() or src.in_backward() or src.arrived())
 
-    def _update(self, step_kwargs: dict):
+    def _update(self, step_kwargs: dict, closure=None):
         used = self._grads.used
         self._rule.update(self._source.segments, self.param_groups, used, self._param_steps,
-                          self._source.grad_scale, self._grads.clip_coefficient(), step_kwargs=step_kwargs)
+                          self._source.grad_scale, self._grads.clip_coefficient(), step_kwargs=step_kwargs,
+                          closure=closure)
         for i in self._trainable:
             if used[i]:
                 self._param_steps[i] += 1

@@ -184,8 +184,8 @@ class WholeTensor:
             leaf.data = leaf.new_empty(0)
 
     def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
-               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None):
-        self.step_kwargs = step_kwargs or {}
+               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None, closure=None):
+        self.step_kwargs = dict(step_kwargs or {}, **({} if closure is None else {"closure": closure}))
         if self.inner is not None:          # an LR scheduler changes ours; the instance follows
             for inner_group, gi in zip(self.inner.param_groups, self.group_index):
                 inner_group.update(_hyper(groups[gi]))

@@ -252,6 +252,24 @@ class FlatReducer(ShardSource):
         where this rank gave it none, so a backward accumulating onto it adds there."""
         return self.grad_for(i, self.grad_view(i)) if self.stage == 1 and grad is None else grad
 
+    def at_rest(self, i: int, grad: torch.Tensor) -> bool:
+        """Stage 1: the parameter's view of the flat buffer (zero_grad(set_to_none=False) leaves it)."""
+        if self.stage != 1:
+            return False
+        view, mine = self.grad_view(i), local_tensor(grad)
+        return mine.data_ptr() == view.data_ptr() and mine.shape == view.shape
+
+    @torch.no_grad()
+    def allocate_grads(self):
+        for buf in self.buffers:     # (stage 1's full buffer is always held)
+            if self.stage == 2 and buf.grad_shard is None:
+                shard, buf.spare_shard = buf.spare_shard, None
+                if shard is None:
+                    shard = torch.empty(buf.shard_numel, dtype=self.reduce_dtype_of(buf.dtype), device=self.device)
+                buf.grad_shard = shard.zero_()
+            if buf.grad_mirror is not None:
+                buf.grad_mirror.zero_()
+
     def grad_view(self, i: int) -> torch.Tensor:
         """Stage 1: parameter ``i``'s view of its flat buffer's full gradient."""
         buf, offset, _ = self.where[i]

@@ -18,6 +18,7 @@ from .. import comm
 from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
 from ..common.source import Region, Segment, ShardSource, weak_hook
 from ..common.tensor_parallel import TensorParallel
+from .param import ShardedTensor
 from ..native.layout import keep_balanced, update_cost
 
 
@@ -210,6 +211,19 @@ class UnitSource(ShardSource):
     def arrived(self) -> List[int]:
         return sorted(self._index[id(q.sharded)] for fs in self.owners for u in fs.units for q in u.trainable
                       if q.got_grad and id(q.sharded) in self._index)
+
+    def at_rest(self, i: int, grad: torch.Tensor) -> bool:
+        """Between steps a FullyShard parameter's p.grad is its gradient shard's ShardedTensor."""
+        return isinstance(grad, ShardedTensor)
+
+    @torch.no_grad()
+    def allocate_grads(self):
+        for fs in self.owners:
+            for u in fs.units:
+                if u.grad_shard is None and u.trainable:
+                    lo, hi = u.grad_span(u.ranks.rank)
+                    where = torch.device("cpu") if u.grad_to_host else u.shard.device
+                    u.grad_shard = torch.zeros(hi - lo, dtype=torch.float32, device=where)
 
     def step_done(self, updated: bool):
         for fs in self.owners:      # gathered copies are stale; the next forward gathers
