@@ -512,10 +512,10 @@ def _bf16(stage):
                 if p.grad is not None:
                     g = p.grad.float()
                     master[nm].grad = g if master[nm].grad is None else master[nm].grad + g
-        for nm in names:            # (stage 1 holds the reduced gradient in the parameters' dtype)
+        for nm in names:            # (stage 1 holds the averaged gradient in the parameters' dtype)
             if master[nm].grad is not None:
-                g = master[nm].grad.to(torch.bfloat16).float() if stage == 1 else master[nm].grad
-                master[nm].grad = g / world
+                g = master[nm].grad / world
+                master[nm].grad = g.to(torch.bfloat16).float() if stage == 1 else g
         ref_muon.step()
         ref_adamw.step()
     ours = {nm: p.detach().float() for nm, p in model.named_parameters()}

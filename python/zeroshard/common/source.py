@@ -21,7 +21,7 @@ import contextlib
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -100,13 +100,29 @@ def squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square()
 
 
+class GradHolder(Protocol):
+    """What holds a segment's gradient: a ZeRO-1/2 flat buffer, a ZeRO-3 unit.
+
+    [Note: one meaning for a gradient] Whatever the stage, the gradient a segment
+    reads is the *averaged* gradient: the mean over every rank it was reduced over
+    (replicas included), in the reduce dtype, as DDP's ``p.grad`` holds it
+    (FullyShard's ``set_gradient_divide_factor`` changes the divisor, as FSDP2's).
+    Each fold divides as it writes (zero12/folds.py, zero3/fold.py), so the update
+    rules, the statistics, ``p.grad`` reads and anything later (a quantized
+    reduction's error feedback, a gradient shard written to disk) take it as it is:
+    no scale travels with it."""
+    reduced_grads: Optional[torch.Tensor]   # the averaged gradient (None: not allocated)
+    grad_sumsq: Optional[dict]              # see Segment.norms_taken
+
+
 @dataclass(kw_only=True)
 class Segment:
     """A flat range updated by one fused AdamW call."""
     group: int                 # param group index
     param: torch.Tensor        # fp32 master (or fp32 parameter) shard range
-    holder: object             # the record whose attribute ``grad_attr`` holds the gradient tensor
-    grad_attr: str             # "grads" / "grad_shard": allocated and freed as backward and zero_grad go
+    # the record holding the averaged gradient (a GradHolder: its ``reduced_grads``, allocated and
+    # freed as backward and zero_grad go, [Note: one meaning for a gradient]), and the range in it
+    holder: "GradHolder"
     grad_range: tuple          # (start, stop) in that tensor
     exp_avg: Optional[torch.Tensor] = None      # the fused AdamW's state (None for another optimizer_class)
     exp_avg_sq: Optional[torch.Tensor] = None
@@ -118,26 +134,26 @@ class Segment:
     # ZeRO-1/2, state the CPU steps: the host copy of the gradient, refreshed as backward
     # reduces it, that the step reads ([Note: offloaded gradients] in offload/copies.py)
     mirror: Optional[torch.Tensor] = None
-    # ZeRO-3, gradient shards in host memory: the holder's attribute that maps a piece's
-    # offset in the shard to its squared norm, taken on the device before the copy to
-    # host (None, or the attribute None: not taken this backward)
-    norms_attr: Optional[str] = None
+    # ZeRO-3, gradient shards in host memory: the holder's ``grad_sumsq`` maps a piece's offset
+    # in the shard to its squared norm, taken on the device before the copy to host (None: not
+    # taken this backward)
+    norms_taken: bool = False
 
     @property
     def grad(self) -> torch.Tensor:
         """Looked up at each use: gradient shards are allocated by backward's
         reductions and freed by zero_grad(set_to_none=True)."""
-        return getattr(self.holder, self.grad_attr)[self.grad_range[0]:self.grad_range[1]]
+        return self.holder.reduced_grads[self.grad_range[0]:self.grad_range[1]]
 
     @property
     def has_grad(self) -> bool:
         """Whether the gradient tensor is allocated (no backward since zero_grad(set_to_none=True): not)."""
-        return getattr(self.holder, self.grad_attr) is not None
+        return self.holder.reduced_grads is not None
 
     def sumsq_before_copy(self, a: int, b: int) -> Optional[torch.Tensor]:
         """The squared norm of the gradient's range [a, b) (one piece), as taken on the
         device before its copy to host memory this backward; None if it was not."""
-        taken = None if self.norms_attr is None else getattr(self.holder, self.norms_attr)
+        taken = self.holder.grad_sumsq if self.norms_taken else None
         return None if taken is None else taken.get(self.grad_range[0] + a)
 
     def grad_views(self, a: int, b: int) -> List[torch.Tensor]:
@@ -247,9 +263,8 @@ class ShardSource(abc.ABC):
     """A gradient source the update engine steps over; see [Note: shard sources].
 
     Set by the constructor: ``segments``, ``regions``, ``full_shapes`` (param
-    index -> full shape, trainable parameters only), ``grad_scale`` (the
-    kernel multiplies gradients by it: 1/N for summed reductions),
-    ``check_finite`` (fp16 anywhere: the step checks for inf/NaN first),
+    index -> full shape, trainable parameters only; the segments' gradients
+    are averaged: [Note: one meaning for a gradient]), ``check_finite`` (fp16 anywhere: the step checks for inf/NaN first),
     ``stage``, ``device``, ``process_group`` (the group the state is sharded
     over), ``world_size``, ``rank`` (in it), ``groups`` (with the replica
     and statistics groups of hybrid sharding; see [Note: hybrid sharding] in
@@ -257,7 +272,6 @@ class ShardSource(abc.ABC):
     segments: List[Segment]
     regions: List[Region]
     full_shapes: Dict[int, torch.Size]
-    grad_scale: float
     check_finite: bool
     stage: int
     device: torch.device

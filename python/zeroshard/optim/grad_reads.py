@@ -38,7 +38,7 @@ def full_gradient(grads, i: int) -> torch.Tensor:
     for seg in src.segments:
         for j, a, b, t_off in seg.pieces:
             if j == i and b > a:
-                piece = seg.grad[a:b].to(out.device, torch.float32) * src.grad_scale
+                piece = seg.grad[a:b].to(out.device, torch.float32)
                 out[t_off:t_off + b - a] = piece * coef.to(out.device) if coef is not None else piece
     group = src.param_process_group(i)    # (a param group's own ranks: its experts')
     if dist.get_world_size(group) > 1:

@@ -160,15 +160,12 @@ _HANDLERS: Dict[object, Callable] = {
 }
 
 
-def scaled_grad(src: torch.Tensor, grad_scale: float, scale: Optional[torch.Tensor],
-                device: torch.device) -> torch.Tensor:
-    """One transient fp32 copy of the averaged gradient ``src`` on ``device``, times
-    ``grad_scale`` (and the clipping coefficient ``scale``), made in one pass."""
+def scaled_grad(src: torch.Tensor, scale: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One transient fp32 copy of the averaged gradient ``src`` on ``device`` (times the
+    clipping coefficient ``scale``), made in one pass."""
     if src.dtype == torch.float32 and src.device == device:
-        g = src * grad_scale
-    else:
-        g = src.to(device, torch.float32)
-        g = g.mul_(grad_scale) if grad_scale != 1.0 else g
+        return src * scale.to(device) if scale is not None else src.clone()
+    g = src.to(device, torch.float32)
     return g.mul_(scale) if scale is not None else g
 
 
@@ -347,16 +344,16 @@ class ReducedGrads(norms.NormQueries):
 
     def _local_sumsq(self, after_backward: bool = False) -> torch.Tensor:
         """This rank's part of each parameter's squared norm, as the step will apply the
-        gradient (the source's grad_scale, the engine's pending clip); summed over the ranks
+        gradient (the engine's pending clip); summed over the ranks
         it is the statistic. Hybrid: the replicas' shards are equal, so one replica counts.
         ``after_backward``: the squared norms the source took on the device before copying
         gradient shards to host memory stand for those pieces (a pass over host memory on
         the CPU was half of a ZeRO-3 offload backward's host time on an H200)."""
         taken = None
-        if after_backward and any(seg.norms_attr is not None for seg in self._segments):
+        if after_backward and any(seg.norms_taken for seg in self._segments):
             taken = [seg.sumsq_before_copy(a, b) for seg, a, b in self.flat]
             taken = taken if any(t is not None for t in taken) else None
-        local = self.local_values(squared_norms, taken) * self.source.grad_scale ** 2
+        local = self.local_values(squared_norms, taken)
         if self.uncounted_hand is not None:
             local.index_fill_(0, self.uncounted_hand, 0.0)
         if self.coef is not None:
@@ -415,9 +412,9 @@ class ReducedGrads(norms.NormQueries):
     def clamp_(self, indices: List[int], lo, hi):
         """``torch.nn.utils.clip_grad_value_``: clamp the averaged gradients of ``indices``
         elementwise to [lo, hi]. The pieces hold them divided by the source's
-        grad_scale and the engine's pending clip coefficient, so the bounds are too;
+        pending clip coefficient, so the bounds are too;
         the norms are taken again, in one all-reduce, when next read."""
-        scale = self.source.grad_scale if self.coef is None else self.coef * self.source.grad_scale
+        scale = 1.0 if self.coef is None else self.coef
         for i in indices:
             for g in (g for seg, a, b in self.pieces[i] for g in seg.grad_views(a, b)):
                 s = scale.to(g.device) if isinstance(scale, torch.Tensor) else scale

@@ -12,8 +12,9 @@ optim/grads.py), so before the engine first reads the gradients of a step
 (``step()``, its ``clip_grad_norm_``) each trainable parameter's ``p.grad``
 is compared with what was placed there:
 
-* the placeholder (or, with no backward since ``zero_grad()``, what the
-  source keeps there between steps): nothing to do;
+* the placeholder (or, with no synced backward since ``zero_grad()``, what
+  the source keeps there between steps, or the local gradient a backward
+  under ``no_sync()`` accumulated): nothing to do;
 * None where a placeholder was: the parameter is skipped this step, and its
   gradient counts in no statistic (the clipping norm, the non-finite check);
 * any other tensor: it is the parameter's averaged gradient. This rank's
@@ -50,6 +51,7 @@ def touched(grads) -> Tuple[List[int], Dict[int, torch.Tensor]]:
     p.grad}) since the placeholders were placed (or, without them, since zero_grad)."""
     dropped, assigned = [], {}
     src = grads.source
+    backward = None       # what autograd accumulated since zero_grad (inside no_sync(): not the script's)
     for i in grads.trainable:
         g = grads.params[i].grad
         if i in grads.placed:
@@ -61,7 +63,9 @@ def touched(grads) -> Tuple[List[int], Dict[int, torch.Tensor]]:
             else:
                 assigned[i] = g
         elif g is not None and not src.at_rest(i, g):
-            assigned[i] = g
+            backward = set(src.arrived()) if backward is None else backward
+            if i not in backward:
+                assigned[i] = g
     return dropped, assigned
 
 
@@ -119,7 +123,7 @@ def _refuse(grads, dropped: List[int], assigned: Dict[int, torch.Tensor]) -> Non
 @torch.no_grad()
 def _write(grads, assigned: Dict[int, torch.Tensor]) -> None:
     """This rank's pieces of each assigned gradient into the shards, divided by what the
-    step multiplies them by (the source's grad_scale, the engine's pending clip)."""
+    step multiplies them by (the engine's pending clip)."""
     src = grads.source
     if any(not seg.has_grad for seg in src.segments):
         src.allocate_grads()
@@ -131,10 +135,8 @@ def _write(grads, assigned: Dict[int, torch.Tensor]) -> None:
                 continue
             piece = g.detach().reshape(-1)[t_off:t_off + b - a]
             for view in seg.grad_views(a, b):
-                vals = piece.to(view.device, torch.float32) / src.grad_scale
-                if coef is not None:
-                    vals = vals / coef.to(view.device)
-                view.copy_(vals)
+                vals = piece.to(view.device, torch.float32)
+                view.copy_(vals / coef.to(view.device) if coef is not None else vals)
 
 
 def take(grads) -> bool:

@@ -5,9 +5,8 @@ order torch's ``vector_norm`` takes is computed here when first asked for in a s
 from this rank's pieces and one small collective: inf and -inf from each rank's
 largest or smallest absolute element (gathered), 0 from the count of non-zero
 elements and any other order p from the sum of ``|g|^p`` (summed over the ranks,
-one replica counting under hybrid sharding). Each piece holds its gradient divided
-by the source's ``grad_scale`` and the engine's pending clip coefficient, so those
-scale the result.
+one replica counting under hybrid sharding). Each piece holds its averaged gradient
+divided by the engine's pending clip coefficient, which scales the result.
 """
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ import torch
 from .. import comm
 
 
-def _scale(grads) -> torch.Tensor:
-    s = abs(grads.source.grad_scale)
-    return s if grads.coef is None else grads.coef.abs().to(grads.source.device) * s
+def _scale(grads):
+    return 1.0 if grads.coef is None else grads.coef.abs().to(grads.source.device)
 
 
 def inf_norms(grads) -> torch.Tensor:

@@ -75,12 +75,12 @@ class FusedAdamW:
     def __init__(self, storage=None):
         self.storage = storage
 
-    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
+    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int],
                scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None, closure=None):
         """Every range of the step in one kernel call (one launch on CUDA, one
         parallel loop on CPU), one hyperparameter set per (param group, step
         count); offloaded ranges then go window by window through the streamer."""
-        hypers = [_adamw_hyper(group, grad_scale) for group in groups]
+        hypers = [_adamw_hyper(group) for group in groups]
         sets: List[dict] = []
         index: Dict[tuple, int] = {}
         which, parts, streamed = [], [], {}
@@ -139,13 +139,12 @@ class FusedAdamW:
                     getattr(reg, name)[sl].copy_(st[name].reshape(-1)[start:start + sl.stop - sl.start])
 
 
-def _adamw_hyper(group: dict, grad_scale: float) -> dict:
+def _adamw_hyper(group: dict) -> dict:
     if group.get("amsgrad") or group.get("maximize"):
         raise NotImplementedError("amsgrad and maximize are not supported by the fused AdamW; pass "
                                   "optimizer_class=torch.optim.AdamW with them to run torch's")
     beta1, beta2 = group["betas"]
-    return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                grad_scale=grad_scale)
+    return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
 
 
 class TorchElementwise:
@@ -183,7 +182,7 @@ class TorchElementwise:
                 self._elementwise = {k for k, each in probe_state(self.cls, self.kwargs).items() if each}
         return self._elementwise
 
-    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
+    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int],
                scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None, closure=None):
         """One call of the class's ``step`` over every param group, with ``closure`` (None: not
         passed) and ``step_kwargs`` as given; keys the class set in its param groups during
@@ -194,7 +193,7 @@ class TorchElementwise:
             inner_group.update(_hyper(groups[gi]))    # an LR scheduler changes ours; the instance follows
         for (i, _), (seg, a, b, leaf) in self.pieces.items():
             if used[i]:     # None: the class skips it, as torch's optimizers skip a None gradient
-                leaf.grad = scaled_grad(seg.grad[a:b], grad_scale, scale, leaf.device)
+                leaf.grad = scaled_grad(seg.grad[a:b], scale, leaf.device)
         args = () if closure is None else (closure,)
         self.inner.step(*args, **(step_kwargs or {}))
         for inner_group, gi in zip(self.inner.param_groups, self.group_index):

@@ -400,8 +400,7 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
     def _update(self, step_kwargs: dict, closure=None):
         used = self._grads.used
         self._rule.update(self._source.segments, self.param_groups, used, self._param_steps,
-                          self._source.grad_scale, self._grads.clip_coefficient(), step_kwargs=step_kwargs,
-                          closure=closure)
+                          self._grads.clip_coefficient(), step_kwargs=step_kwargs, closure=closure)
         for i in self._trainable:
             if used[i]:
                 self._param_steps[i] += 1

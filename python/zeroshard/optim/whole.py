@@ -183,21 +183,21 @@ class WholeTensor:
         for leaf in self.leaves.values():
             leaf.data = leaf.new_empty(0)
 
-    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int], grad_scale: float,
+    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int],
                scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None, closure=None):
         self.step_kwargs = dict(step_kwargs or {}, **({} if closure is None else {"closure": closure}))
         if self.inner is not None:          # an LR scheduler changes ours; the instance follows
             for inner_group, gi in zip(self.inner.param_groups, self.group_index):
                 inner_group.update(_hyper(groups[gi]))
         # the gradients are used as they lie where the class only reads them and nothing
-        # scales them (world size 1, no clipping): then nothing is copied, and the class
+        # scales them (no clipping: they are averaged already): then nothing is copied, and the class
         # steps once over every owned parameter instead of once per batch
-        as_they_lie = grad_scale == 1.0 and scale is None and self.cls in WHOLE_TENSOR
+        as_they_lie = scale is None and self.cls in WHOLE_TENSOR
         for batch in [[i for b in self.local for i in b]] if as_they_lie else self.local:
-            self._step_local([i for i in batch if used[i]], grad_scale, scale, as_they_lie)
+            self._step_local([i for i in batch if used[i]], scale, as_they_lie)
         for k, w in enumerate(self.windows):
             if any(used[i] for i in w.slots):
-                self._step_window(k, w, used, grad_scale, scale)
+                self._step_window(k, w, used, scale)
 
     def rank_of(self, i: int) -> int:
         """This rank's place among the ranks parameter ``i``'s owner is one of."""
@@ -212,7 +212,7 @@ class WholeTensor:
         return pieces[0]
 
     @torch.no_grad()
-    def _step_local(self, stepping: List[int], grad_scale: float, scale: Optional[torch.Tensor],
+    def _step_local(self, stepping: List[int], scale: Optional[torch.Tensor],
                     as_they_lie: bool = False):
         """Owned parameters that lie whole in this rank's shard: stepped in place (their
         gradients handed over as they lie where ``as_they_lie``, else scaled copies)."""
@@ -224,7 +224,7 @@ class WholeTensor:
             leaf.data = seg.param[a:b].view(shape)
             g = seg.grad[a:b].view(shape)
             lies = as_they_lie and g.dtype == torch.float32 and g.device == leaf.device
-            leaf.grad = g if lies else scaled_grad(g, grad_scale, scale, leaf.device)
+            leaf.grad = g if lies else scaled_grad(g, scale, leaf.device)
         self.inner.step(**self.step_kwargs)
         for i in stepping:
             leaf = self.leaves[i]
@@ -236,8 +236,7 @@ class WholeTensor:
                 seg.out[a:b].copy_(seg.param[a:b])
 
     @torch.no_grad()
-    def _step_window(self, k: int, w: Window, used: List[bool], grad_scale: float,
-                     scale: Optional[torch.Tensor]):
+    def _step_window(self, k: int, w: Window, used: List[bool], scale: Optional[torch.Tensor]):
         n, dev, pg = self.world_size, self.source.device, self.source.process_group
         buf = torch.zeros(n * w.chunk, dtype=torch.float32, device=dev)
         for i, (owner, off) in w.slots.items():
@@ -254,7 +253,7 @@ class WholeTensor:
         for i in stepping:
             off, numel, leaf = w.slots[i][1], self.shapes[i].numel(), self.leaves[i]
             leaf.data = mine[off:off + numel].view(self.shapes[i])
-            g = mine[w.values + off:w.values + off + numel].view(self.shapes[i]).mul_(grad_scale)
+            g = mine[w.values + off:w.values + off + numel].view(self.shapes[i])
             leaf.grad = g.mul_(scale) if scale is not None else g
         if stepping:
             self.inner.step(**self.step_kwargs)

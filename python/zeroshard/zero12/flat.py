@@ -78,6 +78,13 @@ class FlatBuffer:
     # stage 2 on CPU: the storage of the shard zero_grad(set_to_none=True) dropped, which the
     # next backward's first reduction takes ([Note: bucket buffers between steps] in zero12/reducer.py)
     spare_shard: Optional[torch.Tensor] = None
+    grad_sumsq = None      # (no norms taken before a host copy: that is a ZeRO-3 unit's)
+
+    @property
+    def reduced_grads(self) -> Optional[torch.Tensor]:
+        """Where a step reads the averaged gradient ([Note: one meaning for a gradient]): stage
+        1's full buffer (this rank's chunks of it), stage 2's shard."""
+        return self.grads if self.grads is not None else self.grad_shard
 
 
 def check_views(params: List[torch.Tensor], trainable: List[int], where: dict, err: Callable[[str], str]):

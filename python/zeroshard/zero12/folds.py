@@ -20,12 +20,13 @@ from ..native.layout import fill_flat, gaps
 # the reducer's gradient hook copies it into the parameter's view, overwriting
 # whatever was there; a bucket's launch zeroes only what no gradient reached
 # (padding, parameters unused on this rank). A synced backward leaves it
-# REDUCED: this rank's chunks hold the sums, the other ranks' chunks what the
-# in-place reduce-scatter left there. Only a backward that adds to it without
-# a zero_grad in between (gradients accumulated across synced backwards) needs
-# those zeroed, which the reducer's hook before each gradient does before the
-# first gradient is added; zero_grad(set_to_none=False) zeroes the whole
-# buffer. So the common loop (backward, step, zero_grad) writes every element
+# REDUCED: this rank's chunks hold the averages (the sums divided by N: [Note:
+# one meaning for a gradient] in common/source.py), the other ranks' chunks
+# what the in-place reduce-scatter left there. Only a backward that adds to it
+# without a zero_grad in between (gradients accumulated across synced
+# backwards) needs those zeroed, and this rank's chunks multiplied back into
+# sums, which the reducer's hook before each gradient does before the first
+# gradient is added; zero_grad(set_to_none=False) zeroes the whole buffer. So the common loop (backward, step, zero_grad) writes every element
 # once per step, as DDP does, instead of zeroing the buffer and then adding to
 # it (12 MB of memset a step at 3M parameters).
 class GradFill(enum.Enum):
@@ -83,6 +84,8 @@ class InPlaceFold(_BucketFold):
         src = self.src
         if self.fill is GradFill.REDUCED:
             _zero_other_chunks(src.buckets)
+            for b in src.buckets:      # the averages back to sums, which this backward adds to
+                b.own(b.buffer.grads).mul_(src.divisor)
             self.fill = GradFill.ACCUMULATE
         if src.groups.replicate is not None and self.kept is None and not self.shard_fresh:
             self.kept = {b.index: b.own(b.buffer.grads).clone() for b in src.buckets}
@@ -118,10 +121,12 @@ class InPlaceFold(_BucketFold):
     def fold(self, r: Reduction):
         b, src = bucket_of(r), self.src
         own = b.own(b.buffer.grads)
-        if r.out.data_ptr() != own.data_ptr():
-            own.copy_(r.out)
         if self.kept is not None:      # hybrid: counted once per replica (see before_grad)
-            own.sub_(self.kept[b.index], alpha=src.groups.replicas - 1)
+            r.out.sub_(self.kept[b.index].to(r.out.dtype), alpha=src.groups.replicas - 1)
+        if r.out.data_ptr() != own.data_ptr():   # (reduced in reduce_dtype: divided there, rounded once)
+            own.copy_(r.out.div_(src.divisor))
+        else:
+            own.div_(src.divisor)
         if b.buffer.grad_mirror is not None:
             src.host_copies.copy(b.shard_of(b.buffer.grad_mirror), own)
 
@@ -165,7 +170,9 @@ class AddToShardFold(_BucketFold):
         b, src = bucket_of(r), self.src
         shard = b.shard_of(b.buffer.grad_shard)
         if r.out.data_ptr() != shard.data_ptr():
-            shard.add_(r.out)
+            shard.add_(r.out.div_(src.divisor))      # (the buffer's chunk: scratch)
+        else:
+            shard.div_(src.divisor)
         if b.buffer.grad_mirror is not None:
             src.host_copies.copy(b.shard_of(b.buffer.grad_mirror), shard)
         src.pool.release(r.buffer)

@@ -6,8 +6,10 @@
   (param group, dtype), cut into buckets of at most ``bucket_mb``
   (zeroshard.compute_layout). Every parameter becomes a view into its flat
   buffer, so the all-gather after the step writes the parameters in place.
-* Reductions are SUM; the 1/N average (and the clipping coefficient) are
-  folded into the fused AdamW kernel's gradient scale, so no extra pass runs.
+* Reductions are SUM; each bucket's fold divides this rank's chunk by N as it
+  writes it, so the shards hold the averaged gradient ([Note: one meaning for
+  a gradient] in common/source.py); the clipping coefficient is folded into
+  the fused AdamW kernel.
 * Stage 1 keeps a persistent full gradient buffer; ``p.grad`` are views into
   it and autograd accumulates there. Each bucket is reduce-scattered in place
   (this rank's chunk receives the sum over ranks); what the other ranks'
@@ -127,9 +129,9 @@ class FlatReducer(ShardSource):
                                    hook_factory=weak_hook)
         self._order_learned = False
         self._arrival: List[int] = []
-        # 1/N, N every data-parallel rank: a param group over its own ranks too (its sum covers the
-        # whole batch: [Note: param groups over their own ranks])
-        self.grad_scale = 1.0 / dist.get_world_size(groups.every)
+        # the folds divide the sums by N, every data-parallel rank ([Note: one meaning for a gradient]),
+        # for a param group over its own ranks too ([Note: param groups over their own ranks])
+        self.divisor = dist.get_world_size(groups.every)
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
         with torch.no_grad():       # (a DTensor's: its local piece's)
             self.full_shapes = {i: local_tensor(params[i]).shape for i in self.trainable}
@@ -366,15 +368,12 @@ def _regions_and_segments(src: "FlatReducer", stage: int):
                                                   buf.dtype if stage == 1 else src.reduce_dtype_of(buf.dtype))
         rank = buf.shard.rank
         for b in buf.buckets:
-            if stage == 1:     # this rank's reduced chunk of the full gradient buffer
-                start = b.offset + rank * b.shard_numel
-                grad = ("grads", (start, start + b.shard_numel))
-            else:
-                grad = ("grad_shard", (b.shard_offset, b.shard_offset + b.shard_numel))
+            # stage 1: this rank's reduced chunk of the full gradient buffer; stage 2: the shard
+            start = b.offset + rank * b.shard_numel if stage == 1 else b.shard_offset
             low = buf.master is not None
             segments.append(Segment(
                 group=buf.group, param=b.shard_of(buf.master) if low else b.own(buf.params), holder=buf,
-                grad_attr=grad[0], grad_range=grad[1], exp_avg=_shard_of(b, buf.exp_avg),
+                grad_range=(start, start + b.shard_numel), exp_avg=_shard_of(b, buf.exp_avg),
                 exp_avg_sq=_shard_of(b, buf.exp_avg_sq), out=b.own(buf.params) if low else None,
                 pieces=[(i, sl.start, sl.stop, t_off) for i, t_off, sl in region_of[b.index].owned(rank)],
                 streamed=src.storage.streamed(buf.placement), mirror=_shard_of(b, buf.grad_mirror)))

@@ -136,6 +136,15 @@ class Unit:
     # with frozen parameters is done with its backward only then ([Note: frozen parameters])
     input_waits: int = 0
     hooks: list = field(default_factory=list)
+    # gathered() blocks holding it gathered ([Note: gathered blocks] in zero3/gathered.py), and
+    # the copy of its full parameters one made in another dtype: (flat buffer, parameters)
+    held: int = 0
+    copy: Optional[tuple] = None
+
+    @property
+    def reduced_grads(self) -> Optional[torch.Tensor]:
+        """The averaged gradient shard a step reads ([Note: one meaning for a gradient])."""
+        return self.grad_shard
 
     @property
     def is_root(self) -> bool:

@@ -45,7 +45,6 @@ class UnitSource(ShardSource):
         self._check(groups, reduce_dtype)
         self.process_group, self.device, self.stage = first.process_group, first.device, 3
         self.groups = first.groups
-        self.grad_scale = 1.0    # FullyShard divides by N as it folds the reduction into the shard
         self.check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in self.owners)
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.full_shapes, self.segments, self.regions = {}, [], []
@@ -167,9 +166,9 @@ class UnitSource(ShardSource):
             pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.local.numel(),
                        q.tensor_offset) for q in run]
             ea, eas = (None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"]))
-            self.segments.append(Segment(group=g, param=u.shard[a:b], holder=u, grad_attr="grad_shard",
+            self.segments.append(Segment(group=g, param=u.shard[a:b], holder=u,
                                          grad_range=(a, b), exp_avg=ea, exp_avg_sq=eas, pieces=pieces,
-                                         streamed=self.storage.streamed(placement), norms_attr="grad_sumsq"))
+                                         streamed=self.storage.streamed(placement), norms_taken=True))
         return {n: t for n, t in st.items() if t is not None}
 
     # ------------------------------------------- a relayout by another optimizer
