@@ -40,13 +40,30 @@ $(VENV)/.deps: $(PY) Makefile
 	$(PIP) install -q $(DEV_DEPS)
 	@touch $@
 
-$(VENV)/.built: $(VENV)/.deps $(SOURCES)
+$(VENV)/.built: $(VENV)/.deps $(SOURCES) | sysdeps
 	$(PIP) install -q --no-build-isolation --no-deps .
 	@touch $@
 
 build: $(VENV)/.built
 
-test-cpp:
+# The system library the build links: liburing (the offload I/O engine's io_uring queue,
+# csrc/io_engine.h). Installed with apt-get where it is missing and make runs as root;
+# elsewhere the command to run is printed and make stops.
+.PHONY: sysdeps
+LIBURING_CHECK := printf '\#include <liburing.h>\nint main(void) { struct io_uring r; return io_uring_queue_init(1, &r, 0); }\n' | \
+  $(CC) -x c - -o /dev/null -luring 2>/dev/null
+sysdeps:
+	@$(LIBURING_CHECK) || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing liburing-dev (io_uring, for the offload I/O engine)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q liburing-dev >/dev/null 2>&1 || { \
+	      apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q liburing-dev >/dev/null; }; \
+	  fi; \
+	  $(LIBURING_CHECK) || { \
+	    echo "zeroshard needs liburing (io_uring): install it with 'sudo apt-get install liburing-dev' (Debian, Ubuntu) or 'sudo dnf install liburing-devel' (Fedora), then run make again" >&2; \
+	    exit 1; }; }
+
+test-cpp: sysdeps
 	cmake -S . -B build/core-tests -DZEROSHARD_CORE_TESTS_ONLY=ON -DCMAKE_BUILD_TYPE=Release > /dev/null
 	cmake --build build/core-tests -j 2
 	cd build/core-tests && ctest --output-on-failure

@@ -3,11 +3,14 @@
 // ValueError (std::invalid_argument) naming the offending argument.
 #include <torch/extension.h>
 
+#include <map>
 #include <optional>
 
 #include "adamw_multi.h"
+#include "checks.h"
 #include "comm.h"
 #include "crc32.h"
+#include "io_engine.h"
 #include "layout.h"
 #include "ops.h"
 
@@ -148,10 +151,38 @@ static void bind_collectives(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(), "All-reduce (csrc/comm.h).");
 }
 
+static void bind_io_engine(py::module_& m) {
+  py::register_local_exception<IoError>(m, "IoError", PyExc_OSError);
+  py::class_<IoEngine>(m, "IoEngine", py::module_local(), "Direct reads and writes of one file (csrc/io_engine.h).")
+      .def(py::init([](const std::string& path, const std::string& backend, int depth, int64_t piece_bytes) {
+             const std::map<std::string, IoBackend> kinds{
+                 {"auto", IoBackend::kAuto}, {"io_uring", IoBackend::kUring}, {"aio", IoBackend::kAio}};
+             if (!kinds.count(backend)) throw py::value_error("backend must be 'auto', 'io_uring' or 'aio', got '" + backend + "'");
+             return std::make_unique<IoEngine>(path, kinds.at(backend), depth, piece_bytes);
+           }), py::arg("path"), py::arg("backend") = "auto", py::arg("depth") = 8, py::arg("piece_bytes") = 1 << 20,
+           py::call_guard<py::gil_scoped_release>())
+      .def("submit", [](IoEngine& e, bool write, const at::Tensor& t, int64_t offset) {
+             if (!t.device().is_cpu()) value_error("the tensor is on ", t.device(), "; the engine moves host memory");
+             check_contiguous(t, "the tensor");
+             void* data = t.data_ptr();
+             const py::gil_scoped_release unlocked;
+             return e.submit(write, offset, static_cast<int64_t>(t.nbytes()), data);
+           }, py::arg("write"), py::arg("tensor"), py::arg("offset"),
+           "Starts moving the tensor's bytes from (read) or to (write) the file at `offset`; returns a ticket.")
+      .def("wait", &IoEngine::wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>(),
+           "Blocks until the ticket's bytes have moved; raises IoError (an OSError) naming file, offset, errno.")
+      .def("check", &IoEngine::check, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>(),
+           "Raises IoError if the file was deleted or is shorter than `nbytes`.")
+      .def_property_readonly("path", &IoEngine::path).def_property_readonly("backend", &IoEngine::backend)
+      .def_property_readonly("fallback", &IoEngine::fallback).def_property_readonly("depth", &IoEngine::depth)
+      .def_property_readonly("size", &IoEngine::size);
+}
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "zeroshard C++/CUDA core: layout math, fused AdamW, collectives";
+  m.doc() = "zeroshard C++/CUDA core: layout math, fused AdamW, collectives, the I/O engine";
   bind_build_info(m);
   bind_layout(m);
   bind_kernels(m);
   bind_collectives(m);
+  bind_io_engine(m);
 }

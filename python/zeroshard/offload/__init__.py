@@ -8,11 +8,13 @@ them ([Note: offload] in ``offload/policy.py``):
 * ``storage``   allocating shards on the device, in host memory or in the rank's
                 file, and what a placement implies ([Note: offload params]);
 * ``disk``      the rank's state file (``offload="nvme"``);
+* ``io_engine`` its reads and writes by direct I/O, several in flight (the C++
+                core's I/O engine, [Note: I/O engine] in csrc/io_engine.h);
 * ``copies``    gradients copied to host memory as backward reduces them
                 ([Note: offloaded gradients]);
 * ``streamer``  the windowed, double-buffered CPU step over streamed ranges.
 
-May import: ``native`` (the CPU AdamW kernel). The other parts use it through
+May import: ``native`` (the CPU AdamW kernel, the I/O engine). The other parts use it through
 the names below.
 """
 from .copies import HostCopies

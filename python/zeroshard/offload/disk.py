@@ -1,5 +1,7 @@
 """One rank's optimizer-state file for ``offload="nvme"``: allocated in full up front,
-mapped shared, read and written by offset ([Note: offload] in offload/policy.py)."""
+read and written by offset through the I/O engine (O_DIRECT: [Note: I/O engine] in
+csrc/io_engine.h), and mapped shared for state dicts and checkpoints ([Note: offload]
+in offload/policy.py)."""
 from __future__ import annotations
 
 import os
@@ -9,11 +11,13 @@ from typing import Callable
 
 import torch
 
+from .io_engine import IoEngine, IoError, IoHandle, congruent_start
 from .policy import check_directory
 
 
 class DiskFile:
-    """One rank's state file: allocated in full, mapped shared, read and written by offset."""
+    """One rank's state file: allocated in full, read and written by offset through the I/O
+    engine, mapped shared for state dicts and checkpoints (region by region)."""
 
     def __init__(self, directory: str, rank: int, numel: int, err: Callable[[str], str]):
         check_directory(directory)
@@ -32,6 +36,12 @@ class DiskFile:
             self._cleanup()
             raise ValueError(err(f"cannot allocate {nbytes / 2**30:.2f} GiB for the offloaded optimizer state in "
                                  f"{directory!r}: {e.strerror}; free space or use another directory")) from None
+        try:
+            self.engine = IoEngine(self.path)
+        except IoError as e:
+            self._cleanup()
+            raise ValueError(err(f"offload_dir {directory!r}: {e}")) from None
+        self.size = nbytes
         self.mapped = torch.from_file(self.path, shared=True, size=max(1, numel), dtype=torch.float32)
         self.used = 0
 
@@ -44,27 +54,28 @@ class DiskFile:
     def holds(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.untyped_storage().data_ptr() == self.mapped.untyped_storage().data_ptr()
 
-    def read(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst`` (contiguous fp32 host tensor) := ``src`` (a mapped view), by pread."""
-        _transfer(os.preadv, self.fd, dst, 4 * src.storage_offset())
+    def read(self, dst: torch.Tensor, src: torch.Tensor) -> IoHandle:
+        """Starts ``dst`` (contiguous fp32 host tensor) := ``src`` (a mapped view), by the engine."""
+        return self.engine.read(dst, 4 * src.storage_offset())
 
-    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst`` (a mapped view) := ``src`` (contiguous fp32 host tensor), by pwrite."""
-        _transfer(os.pwritev, self.fd, src, 4 * dst.storage_offset())
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> IoHandle:
+        """Starts ``dst`` (a mapped view) := ``src`` (contiguous fp32 host tensor), by the engine."""
+        return self.engine.write(src, 4 * dst.storage_offset())
+
+    def check(self) -> None:
+        """Raises IoError, naming the file, if it was deleted or truncated while the job ran."""
+        self.engine.check(self.size)
+
+    @staticmethod
+    def window(buf: torch.Tensor, view: torch.Tensor, n: int) -> torch.Tensor:
+        """``n`` elements of ``buf`` (with a block to spare) placed for moving ``view``'s bytes:
+        congruent with its file offset, so whole blocks move without a copy."""
+        k = congruent_start(buf, 4 * view.storage_offset())
+        return buf[k:k + n]
 
     @property
     def nbytes(self) -> int:
         return os.fstat(self.fd).st_size
-
-
-def _transfer(op, fd: int, t: torch.Tensor, offset: int) -> None:
-    view = memoryview(t.numpy()).cast("B")
-    done = 0
-    while done < len(view):     # short reads and writes continue where they stopped
-        n = op(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise OSError(f"offload file I/O stopped at byte {offset + done} (end of file or disk error)")
-        done += n
 
 
 def _close(fd: int, path: str) -> None:

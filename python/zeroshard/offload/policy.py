@@ -14,8 +14,10 @@ branch inside them:
   one file per rank under ``offload_dir``, allocated in full up front
   (posix_fallocate: a full disk is an error at construction, never a crash
   mid-step) and mapped shared, so state dicts and checkpoints read and write
-  it like any tensor, one region at a time, through the page cache. The file
-  is deleted when the optimizer is.
+  it like any tensor, one region at a time, through the page cache; the
+  streamed step reads and writes it by O_DIRECT through the file's I/O engine
+  ([Note: I/O engine] in csrc/io_engine.h), never through the mapping. The
+  file is deleted when the optimizer is.
 * Stepping. A segment is *streamed* when its state is on disk, or in host
   memory while its gradients are on CUDA; the update rule runs the others as
   before. ``Streamer.update`` steps streamed ranges in windows (at most
@@ -23,7 +25,10 @@ branch inside them:
   most a quarter of what one call steps): while window k is updated by
   zeroshard's CPU AdamW kernel (multi-threaded), two I/O threads read window
   k+1's state from the file into the other buffer and write window k-1's
-  back (double buffering), so host memory holds two windows, not the shard;
+  back (double buffering; a window's tensors in flight together, each placed
+  congruent with its bytes in the file), so host memory holds two windows,
+  not the shard; a file deleted or truncated under the job is an error
+  naming it;
   only the tensors that are staged (on disk or on the device) get a buffer. Gradients
   come from host copies made during backward ([Note: offloaded gradients]); a
   gradient still on the device is copied per window; an fp32 parameter on CUDA (ZeRO-3's

@@ -65,13 +65,13 @@ class Storage:
         return t
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst`` := ``src`` without touching a mapped ``dst``'s pages (pwrite, window by window)."""
+        """``dst`` := ``src`` without touching a mapped ``dst``'s pages (the I/O engine, window by window)."""
         if self.disk is None or not self.disk.holds(dst):
             dst.copy_(src)
             return
         w = window_elements()
         for a in range(0, dst.numel(), w):
-            self.disk.write(dst[a:a + w], src[a:a + w].to("cpu", torch.float32).contiguous())
+            self.disk.write(dst[a:a + w], src[a:a + w].to("cpu", torch.float32).contiguous()).wait()
 
     def streamed(self, placement: Placement) -> bool:
         """Whether state in ``placement`` is stepped by the Streamer (see [Note: offload])."""

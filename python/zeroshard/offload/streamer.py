@@ -1,6 +1,7 @@
 """The windowed, double-buffered CPU step over streamed ranges ([Note: offload] in
-offload/policy.py): two I/O threads move the next and the last window while
-zeroshard's CPU AdamW updates the current one."""
+offload/policy.py): two I/O threads move the next and the last window, through the
+file's I/O engine ([Note: I/O engine] in csrc/io_engine.h), while zeroshard's CPU
+AdamW updates the current one."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -11,6 +12,7 @@ import torch
 
 from ..native.kernels import fused_adamw_
 from .disk import DiskFile
+from .io_engine import BLOCK
 
 # elements per state tensor in one window of the streamed step (two windows of
 # four fp32 tensors: 64 MiB by default); ZEROSHARD_OFFLOAD_WINDOW_MB sets the total
@@ -39,6 +41,7 @@ class Streamer:
         while len(self.slots) <= s:
             self.slots.append({})
         slot = self.slots[s]
+        n += BLOCK // 4     # a block to spare: each transfer's window sits congruent with its file offset
         for k in keys:
             if k not in slot or slot[k].numel() < n:
                 slot[k] = torch.empty(n, pin_memory=pin)
@@ -54,6 +57,8 @@ class Streamer:
 
     def update(self, parts: list, hyper: dict, step: int) -> None:
         """AdamW on each (param, grad, exp_avg, exp_avg_sq, out) range of ``parts``."""
+        if self.disk is not None:
+            self.disk.check()       # deleted or truncated under the job: an error naming it
         total = sum(part[0].numel() for part in parts)
         # windows of at most a quarter of what this call steps: the two buffers together
         # hold at most half of it, however small the shard is against the window
@@ -90,6 +95,11 @@ class Streamer:
     def _staged(self, t: torch.Tensor) -> bool:
         return self.disk is not None and self.disk.holds(t)
 
+    def _window(self, slot, key: str, t: torch.Tensor, a: int, n: int) -> torch.Tensor:
+        """Where window buffer ``slot`` holds ``t[a:a + n]``: for a staged tensor, placed
+        congruent with its bytes in the file (no copy through a bounce buffer)."""
+        return self.disk.window(slot[key], t[a:], n) if self._staged(t) else slot[key][:n]
+
     @staticmethod
     def _free(slot) -> None:
         """Wait until the device has read what the last window copied out of ``slot``
@@ -101,15 +111,13 @@ class Streamer:
     def _load(self, chunk, slot) -> None:
         self._free(slot)
         (p, _, m, v, _), a, b = chunk
-        for key, t in (("p", p), ("m", m), ("v", v)):
-            if self._staged(t):
-                self.disk.read(slot[key][:b - a], t[a:b])
+        _wait_all([self.disk.read(self._window(slot, key, t, a, b - a), t[a:b])
+                   for key, t in (("p", p), ("m", m), ("v", v)) if self._staged(t)])
 
     def _store(self, chunk, slot) -> None:
         (p, _, m, v, _), a, b = chunk
-        for key, t in (("p", p), ("m", m), ("v", v)):
-            if self._staged(t):
-                self.disk.write(t[a:b], slot[key][:b - a])
+        _wait_all([self.disk.write(t[a:b], self._window(slot, key, t, a, b - a))
+                   for key, t in (("p", p), ("m", m), ("v", v)) if self._staged(t)])
 
     def _compute(self, chunk, slot, hyper: dict, step: int) -> None:
         (p, g, m, v, out), a, b = chunk
@@ -117,7 +125,7 @@ class Streamer:
         host = {}
         for key, t in (("p", p), ("m", m), ("v", v)):
             if self._staged(t):
-                host[key] = slot[key][:n]
+                host[key] = self._window(slot, key, t, a, n)
             elif t.device.type != "cpu":        # ZeRO-3's fp32 unit shard on CUDA: in and back out
                 host[key] = slot[key][:n].copy_(t[a:b])
             else:
@@ -137,3 +145,15 @@ class Streamer:
             slot["read"] = torch.cuda.Event()
             slot["read"].record()
 
+
+def _wait_all(handles) -> None:
+    """Waits for every handle (all of a window's requests are in flight together), then
+    raises the first error."""
+    errors = []
+    for h in handles:
+        try:
+            h.wait()
+        except OSError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
