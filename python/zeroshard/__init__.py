@@ -8,7 +8,9 @@ and flat-buffer collectives (:func:`reduce_scatter`, :func:`all_gather`,
 :func:`all_reduce`). Checkpoints that resume at any world size and stage:
 :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`export_full_state_dict`, and
 :func:`resume` at the start of a script; :func:`load_pretrained` reads published
-safetensors weights straight into shards; :func:`init_distributed` creates the
+safetensors weights straight into shards; :func:`full_tensors` streams a sharded model's
+whole tensors, one unit at a time (for an inference engine's ``load_weights``);
+:func:`init_distributed` creates the
 process group so that torchrun's restarts come up.
 When collectives hang or fail: :func:`flight_record`, :func:`set_timeout`,
 :class:`CollectiveTimeout`, :class:`CollectiveError`, :class:`CollectiveMismatch`.
@@ -24,6 +26,7 @@ from .checkpoint import (CheckpointError, export_full_state_dict, load_checkpoin
 from .comm.launch import init_distributed
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .zero3.fully_shard import FullyShard, MixedPrecision, register_forward_method
+from .zero3.stream import full_tensors
 from .native.kernels import fused_adamw_, fused_adamw_multi_
 from .native.layout import Layout, compute_layout
 from .optim.sharded import ShardedOptimizer
@@ -62,5 +65,5 @@ __all__ = [
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "fused_adamw_multi_", "reduce_scatter", "ShardedOptimizer", "flight_record",
     "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout", "initialize",
-    "init_distributed", "resume", "register_forward_method",
+    "init_distributed", "resume", "register_forward_method", "full_tensors",
 ]

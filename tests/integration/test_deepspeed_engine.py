@@ -363,3 +363,48 @@ def test_bf16_config_gathers_every_unit_in_bf16_at_stage_3():
         assert gathers == ["bfloat16"]
         assert 0 < theirs and ours <= 1.5 * theirs, (ours, theirs)
         print(f"bf16 stage 3 from DeepSpeed's fp32 run: zeroshard {ours:.2e}, DeepSpeed {theirs:.2e}")
+
+
+# ------------------------------------------------- DeepSpeed's user-facing helpers
+# (the rank-side code: tests/_ds_helpers_job.py; the same calls on a DeepSpeed and a zeroshard engine)
+def _helpers_all_stages(root):
+    import _ds_helpers_job as job
+    return dict({s: job.helpers(s) for s in (1, 2, 3)}, clients=job.client_optimizers(),
+                second={s: job.second_initialize(s, root) for s in (2, 3)})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore")
+def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
+    """GatheredParameters(modifier_rank=last) edits every rank's parameters and fp32 master
+    (DeepSpeed's at stage 3, and its master set alike); deepspeed.utils' getters read what
+    DeepSpeed's read and its setters (full and local: parameter, gradient, optimizer state)
+    change the next step as DeepSpeed's do; engine attributes are the module's; torch's Adam
+    and an untested class with CPU offload, LRRangeTest and a second initialize over the same
+    model train as DeepSpeed does; load_state_dict_from_zero_checkpoint fills a plain model as
+    DeepSpeed's does from its own checkpoint."""
+    ranks = dist_pool.run(_helpers_all_stages, str(tmp_path), timeout=240)
+    res = ranks[0]
+    for stage in (1, 2, 3):
+        ds, zs = res[stage]["ds"], res[stage]["zs"]
+        assert ds["attrs"] == zs["attrs"] == ("tagged-net", 13, "ModuleList"), stage
+        _close(ds["target"], zs["edited"], 1e-6)             # the modifier rank's edit, on rank 0 too
+        if stage == 3:
+            _close(ds["edited"], zs["edited"], 1e-6)         # DeepSpeed's own GatheredParameters, gathered
+        for key in ("after_edit", "after_set", "final"):
+            _close(ds[key], zs[key], 1e-5)
+        for key in ("grads", "values", "exp_avg"):
+            _close(ds["read"][key], zs["read"][key], 1e-6)
+        _close(ds["read"]["exp_avg_sq"], zs["read"]["exp_avg_sq"], 1e-9)
+    for r in ranks[1:]:       # every rank holds the edited, then trained, parameters
+        _close(r[3]["zs"]["final"], res[3]["zs"]["final"], 0.0)
+    for name, ((p1, lr1), (p2, lr2)) in ((k, v) for k, v in res["clients"].items() if k != "refused"):
+        _close(p1, p2, 1e-5)
+        assert lr1 == lr2, (name, lr1, lr2)
+    theirs, ours = res["clients"]["refused"]
+    assert "zero_allow_untested_optimizer" in theirs and "zero_allow_untested_optimizer" in ours, (theirs, ours)
+    for stage, r in res["second"].items():
+        _close(r["ds"], r["zs"], 1e-5)
+        _close(r["ds-loaded"], r["zs-loaded"], 1e-5)
+        _close(r["zs-loaded"], r["zs"], 0.0)
+        assert "destroyed engine" in r["first"] and "destroyed engine" in r["destroyed"], stage

@@ -51,3 +51,9 @@ def check_unclaimed(opt, params: List[torch.Tensor], err) -> None:
                 "both would reduce and update it. Give each optimizer its own parameters (e.g. Muon "
                 "over the hidden matrices, AdamW over the rest), or drop the first optimizer (del opt) "
                 "before building a new one over the same model"))
+
+
+def unclaim(opt) -> None:
+    """Drop ``opt``'s claims: it let go of its parameters (``ShardedOptimizer.release``)."""
+    for i in [i for i, (_, ref) in _CLAIMS.items() if ref() is opt]:
+        _CLAIMS.pop(i, None)

@@ -33,7 +33,8 @@ from typing import Callable, Dict, List
 import torch
 
 from .. import comm
-from ..common.claims import check_unclaimed, claim
+from ..common.claims import check_unclaimed, claim, unclaim
+from ..common.source import remove_hooks
 from .rules import gather_scalars
 
 
@@ -186,6 +187,22 @@ class Regrouping:
         self._source.release()
         self._bind()
         claim(self, self._params)
+
+    def release(self) -> None:
+        """Let go of the parameters: their gradients cleared, every hook removed (the source's,
+        the placeholders', the module buffers' broadcast) and the claim on them dropped, so
+        another ShardedOptimizer (or FullyShard) may take them: DeepSpeed's ``engine.destroy()``
+        and a second ``zeroshard.initialize`` over the same model. Do not step it afterwards."""
+        if self._source.in_backward():
+            raise RuntimeError(self._err("release() during backward; call it after the step"))
+        self._grads.clear()
+        self._source.zero_grad(set_to_none=True)
+        remove_hooks(self._grads.hooks)
+        self._source.release()
+        if self._buffers is not None:
+            self._buffers.release()
+            self._buffers = None
+        unclaim(self)
 
     def units_relaid(self) -> None:
         """The FullyShard units this optimizer steps were laid out again: for a whole-tensor

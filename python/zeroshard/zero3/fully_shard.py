@@ -83,6 +83,7 @@ from .state_dict import full_state_dict, held_regions, load_full_state_dict, mem
 from . import relayout
 from .. import comm
 from .gather import Gatherer
+from .gathered import gathered_block
 from ..common.source import SUPPORTED, GradState, HeldParam, Region, ShardedModel
 from ..common.tensor_parallel import check_model
 from .records import MixedPrecision, Optimizers, Unit, UnitState, register_owner
@@ -292,8 +293,22 @@ class FullyShard(nn.Module, ShardedModel):
         return self._forward.around_root(self.module, args, kwargs)
 
     def invalidate(self):
-        """Drop every gathered copy (the shards changed)."""
+        """Drop every gathered copy (the shards changed); the units a ``gathered()`` block
+        holds are gathered again from the shards."""
         self._gatherer.reshard_all()
+        self._gatherer.refresh_held()
+
+    def gathered(self, dtype: Optional[torch.dtype] = None, units=None, *, modifier_rank: Optional[int] = None):
+        """``with model.gathered():`` keeps the units (all, or those holding the parameters of
+        ``units``: modules and parameters of the model) gathered until the block ends, in
+        ``dtype`` if given (a copy; the fp32 shards untouched) or the gather dtype (training
+        inside works as outside); resharded on exit, also on an exception. Refused before
+        gathering if the device has no room for them. ``modifier_rank=r``: on exit, rank r's
+        values become every rank's fp32 shards (gathered in float32). Collective. See
+        [Note: gathered blocks] in zero3/gathered.py."""
+        return gathered_block(self._units, self._gatherer, dtype=dtype, gather_dtype=self.param_dtype,
+                              chosen=units, every=self.groups.every, modifier_rank=modifier_rank, who=self,
+                              err=self._err)
 
     def shards_loaded(self):
         self.invalidate()

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Callable, List
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
+from ..common.tensor_parallel import compute_param
 from .records import Unit, UnitState
 
 
@@ -58,8 +60,9 @@ class Gatherer:
             _swap(u, gathered=True)
 
     def reshard(self, u: Unit):
-        """Free ``u``'s full parameters; the modules hold the shards again."""
-        if u.state == UnitState.SHARDED:
+        """Free ``u``'s full parameters; the modules hold the shards again. A unit a
+        gathered() block holds stays gathered ([Note: gathered blocks] in zero3/gathered.py)."""
+        if u.state == UnitState.SHARDED or u.held:
             return
         if u.state == UnitState.GATHERING:
             u.gather.wait()
@@ -91,6 +94,87 @@ class Gatherer:
     def reset_peaks(self):
         self.gathered_peak, self.alive_peak = self.gathered_bytes, self.alive()
 
+    # ------------------------------------------------------- gathered() blocks
+    def hold(self, u: Unit, dtype: torch.dtype):
+        """Gather ``u`` and keep it gathered until ``release`` ([Note: gathered blocks] in
+        zero3/gathered.py): in the gather dtype, its full parameters; in another ``dtype``, a
+        copy made from the shards whose parameters take no gradient."""
+        if u.copy is not None and u.copy[0].dtype != dtype or u.copy is None and u.held and dtype != u.full.dtype:
+            have = u.copy[0].dtype if u.copy is not None else u.full.dtype
+            raise RuntimeError(self.err(
+                f"unit '{u.name}' is held gathered in {have} by an enclosing gathered() block and asked for "
+                f"in {dtype} by this one: nest gathered() blocks with one dtype"))
+        if dtype == u.full.dtype:
+            self.gather(u)
+        elif u.copy is None:
+            if u.state != UnitState.SHARDED:
+                raise RuntimeError(self.err(
+                    f"gathered(dtype={dtype}) while unit '{u.name}' is gathered for a forward or backward in "
+                    f"progress (in {u.full.dtype}): enter the block before the forward or after the backward, "
+                    "or leave dtype unset"))
+            flat = torch.empty(u.numel, dtype=dtype, device=self.device)
+            self._fill(u, flat, f"unit '{u.name}' all-gather in {dtype} (gathered())")
+            params = [compute_param(flat[q.offset:q.offset + q.numel].view(q.shape), q.placed,
+                                    q.sharded.requires_grad) for q in u.params]
+            for q, p in zip(u.params, params):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda _, q=q: self._no_grad_on_copy(q, dtype))
+            u.copy, u.state = (flat, params), UnitState.GATHERED
+            _swap(u, gathered=True)
+            if not u.is_root:
+                self.gathered_bytes += flat.numel() * flat.element_size()
+                self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
+                self.alive_peak = max(self.alive_peak, self.alive())
+        u.held += 1
+
+    def release(self, u: Unit, reshard: bool):
+        """One block stops holding ``u``: after the last, its copy is dropped, or (``reshard``:
+        the block gathered it) it is resharded; a unit a forward or backward in progress had
+        gathered stays gathered for them."""
+        u.held -= 1
+        if u.held:
+            return
+        if u.copy is not None:
+            flat = u.copy[0]
+            if not u.is_root:
+                self.gathered_bytes -= flat.numel() * flat.element_size()
+            u.copy, u.state = None, UnitState.SHARDED
+            _swap(u, gathered=False)
+        elif reshard:
+            self.reshard(u)
+
+    def full_buffer(self, u: Unit) -> torch.Tensor:
+        """The flat buffer ``u``'s modules compute on while it is gathered."""
+        return u.copy[0] if u.copy is not None else u.full
+
+    @torch.no_grad()
+    def refresh_held(self):
+        """The shards changed (a step, a load): the units gathered() blocks hold are gathered again."""
+        for u in self.units:
+            if u.held:
+                self._fill(u, self.full_buffer(u), f"unit '{u.name}' all-gather (gathered(), the shards changed)")
+
+    @torch.no_grad()
+    def adopt(self, u: Unit, src: int, group):
+        """The values of held unit ``u`` on global rank ``src`` become every rank's: broadcast
+        over ``group`` (every rank of the model), each rank's chunk copied into its fp32 shard."""
+        flat = self.full_buffer(u)
+        dist.broadcast(flat, src=src, group=group)
+        own = u.own(flat, u.ranks.rank)
+        u.shard[:own.numel()].copy_(own)
+
+    def _fill(self, u: Unit, flat: torch.Tensor, what: str):
+        own = u.own(flat, u.ranks.rank)
+        own.copy_(u.shard[:own.numel()])
+        comm.all_gather(own, flat, group=u.ranks.group, bounds=u.bounds, what=self.label(what)).wait()
+        self.comm_elements["all_gather"] += u.numel
+
+    def _no_grad_on_copy(self, q, dtype: torch.dtype):
+        raise RuntimeError(self.err(
+            f"a gradient reached parameter '{q.names[0]}' as gathered in {dtype} by gathered(dtype=...): that "
+            "copy takes no gradients (its shards stay as they are). Run the backward outside the block, or "
+            "gather without dtype= (the gather dtype) to train inside it"))
+
 
 def _swap(u: Unit, gathered: bool):
     """Point every module slot of ``u``'s parameters at the full (gathered) or sharded parameter.
@@ -99,8 +183,9 @@ def _swap(u: Unit, gathered: bool):
     a parameter no forward used, and one unfrozen again trains. (One frozen when wrapped has
     no gradient path until its optimizer's zero_grad() lays its unit out again:
     relayout.thaw.)"""
-    for q in u.params:
-        if gathered and q.requires_grad and q.full.requires_grad != q.sharded.requires_grad:
+    copies = u.copy[1] if u.copy is not None else [None] * len(u.params)
+    for q, copy in zip(u.params, copies):
+        if gathered and copy is None and q.requires_grad and q.full.requires_grad != q.sharded.requires_grad:
             q.full.requires_grad_(q.sharded.requires_grad)
         for mod, attr in q.slots:
-            mod._parameters[attr] = q.full if gathered else q.sharded
+            mod._parameters[attr] = (q.full if copy is None else copy) if gathered else q.sharded

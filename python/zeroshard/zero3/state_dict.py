@@ -132,7 +132,6 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
     if strict and (missing or unexpected):
         raise RuntimeError(comm.on_rank(fs, f"state dict mismatch: missing keys {missing}, unexpected keys "
                                f"{unexpected}; it must be the unwrapped model's state dict"))
-    fs.invalidate()
     param_names = set()
     for u in fs.units:
         for q in u.params:
@@ -150,4 +149,5 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
     for k, v in template.items():
         if k not in param_names and k in state_dict and isinstance(v, torch.Tensor):
             v.copy_(state_dict[k])
+    fs.invalidate()       # (after the copy: units a gathered() block holds are gathered from the new shards)
     return nn.modules.module._IncompatibleKeys(missing, unexpected)

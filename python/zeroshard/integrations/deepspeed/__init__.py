@@ -4,8 +4,11 @@ zeroshard's objects from it (``build``) and returns an engine with
 DeepSpeed's calls (``engine``; ``checkpoints``: DeepSpeed's tags and
 ``latest`` file over zeroshard checkpoints), with DeepSpeed's fp16 loss scale
 (``loss_scaler``) and learning-rate schedules (``lr_schedules``);
-``zero_to_fp32`` reads a checkpoint back as one fp32 state dict. DeepSpeed
-itself is never imported. See docs/deepspeed.md.
+``zero_to_fp32`` reads a checkpoint back as one fp32 state dict. DeepSpeed's
+user-facing helpers under the same names: ``zero.GatheredParameters`` and
+``utils``' ``safe_*`` getters and setters (``live``: which engine holds a
+parameter), so ``from zeroshard.integrations import deepspeed`` stands in for
+``import deepspeed``. DeepSpeed itself is never imported. See docs/deepspeed.md.
 
 May import: the public API only (``zeroshard``, ``zeroshard.checkpoint``,
 ``zeroshard.comm``, ``zeroshard.plan``).
@@ -16,11 +19,11 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from . import build
+from . import build, lr_schedules, utils, zero, zero_to_fp32
 from .config import Config, load, parse
 from .engine import DeepSpeedEngine
 
-__all__ = ["initialize", "DeepSpeedEngine", "Config", "parse"]
+__all__ = ["initialize", "DeepSpeedEngine", "Config", "parse", "zero", "utils", "lr_schedules", "zero_to_fp32"]
 
 
 def initialize(args: Any = None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -72,13 +75,14 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
                          "or args.deepspeed_config")
     build.refuse_unsupported(model, mpu)
     build.init_distributed(dist_init_required)
-    cfg = parse(config, dist.get_world_size())
-    model = build.prepare_model(model, cfg)
+    cfg, raw = parse(config, dist.get_world_size()), load(config)
+    wrapped = build.take_over(model, cfg)         # a second initialize over the same model
+    model = build.prepare_model(model, cfg) if wrapped is None else model
     spec = build.optimizer_spec(model, cfg, optimizer, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}     # a tied parameter: its first name
-    runner = build.wrap_model(model, cfg)
-    opt = build.make_optimizer(spec, names, runner, cfg)
+    runner = build.wrap_model(model, cfg, wrapped)
+    opt = build.make_optimizer(spec, names, runner, cfg, bool(raw.get("zero_allow_untested_optimizer", False)))
     sched = build.make_scheduler(lr_scheduler, cfg, opt)
     loader = build.make_dataloader(training_data, collate_fn, cfg)
-    engine = DeepSpeedEngine(model, runner, opt, sched, cfg, load(config), loader)
+    engine = DeepSpeedEngine(model, runner, opt, sched, cfg, raw, loader)
     return engine, opt, loader, sched

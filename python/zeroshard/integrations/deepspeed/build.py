@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import zeroshard
 
-from . import lr_schedules
+from . import live, lr_schedules
 from .config import Config
 
 # torch optimizer hyperparameters that only choose an implementation (not the math)
@@ -84,6 +84,31 @@ def refuse_unsupported(model: nn.Module, mpu) -> None:
             "(FullyShard) initialise it one unit at a time (docs/fully-shard.md)")
 
 
+def take_over(model: nn.Module, cfg: Config) -> Optional[nn.Module]:
+    """A second ``initialize`` over the same model, as DeepSpeed allows: the engine training it
+    is destroyed (its optimizer lets go of the parameters) and, where an earlier stage-3 engine
+    wrapped the model, its FullyShard is returned to be reused (it must shard as this config
+    asks); None otherwise."""
+    earlier = live.over(model)
+    if earlier is not None:
+        earlier.destroy()
+    fs = live.wrapped(model)
+    if fs is None:
+        return None
+    low = DTYPE["fp16"] if cfg.fp16.enabled else DTYPE["bf16"] if cfg.bf16 else torch.float32
+    offload = cfg.zero.offload_param.device != "none"
+    had = (fs.param_dtype, fs.reduce_dtype, fs.offload_params)
+    want = (low, reduce_dtype(cfg) or low, offload)
+    if cfg.zero.stage != 3 or had != want:
+        raise NotImplementedError(
+            f"zeroshard.initialize over a model an earlier stage-3 engine sharded (FullyShard: gathered in "
+            f"{had[0]}, reduced in {had[1]}, offload_param {had[2]}): the new engine reuses that sharding, so "
+            f"its config must ask for stage 3 with the same fp16/bf16, communication_data_type and "
+            f"offload_param (it asks for stage {cfg.zero.stage}, {want[0]}, {want[1]}, offload_param {want[2]}); "
+            "or build a fresh model and load the first engine's checkpoint into it")
+    return fs
+
+
 def prepare_model(model: nn.Module, cfg: Config) -> nn.Module:
     """DeepSpeed's conversions: the model to fp16/bf16 when enabled, and onto this rank's GPU
     (unless ``DS_ACCELERATOR=cpu``, as DeepSpeed's accelerator is then the CPU)."""
@@ -117,20 +142,22 @@ def reduce_dtype(cfg: Config) -> Optional[torch.dtype]:
     return torch.float32 if cfg.fp16.enabled else None
 
 
-def wrap_model(model: nn.Module, cfg: Config) -> nn.Module:
+def wrap_model(model: nn.Module, cfg: Config, reuse: Optional[nn.Module] = None) -> nn.Module:
     """Stage 3: ``FullyShard`` (gathered in the model's fp16/bf16, reduced in
     ``reduce_dtype(cfg)``, fp32 shards; ``offload_param``:
-    ``offload_params=True``); other stages: the model itself."""
+    ``offload_params=True``), or ``reuse`` (``take_over``'s); other stages: the model itself."""
     if cfg.zero.stage != 3:
         return model
+    if reuse is not None:
+        return reuse
     low = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16 else None
     reduce = reduce_dtype(cfg)
     mp = zeroshard.MixedPrecision(param_dtype=low, reduce_dtype=reduce) if (low or reduce) else None
     if cfg.zero.offload_param.device == "nvme":
         warnings.warn("zero_optimization.offload_param.device \"nvme\": zeroshard keeps offloaded parameters in host "
                       "memory (the optimizer state still goes to offload_optimizer's nvme_path)", stacklevel=4)
-    return zeroshard.FullyShard(model, wrap=block_units(model), mixed_precision=mp,
-                                offload_params=cfg.zero.offload_param.device != "none")
+    return live.wrapped(model, zeroshard.FullyShard(model, wrap=block_units(model), mixed_precision=mp,
+                                                    offload_params=cfg.zero.offload_param.device != "none"))
 
 
 def _groups(model_parameters, model: nn.Module) -> list:
@@ -175,7 +202,10 @@ def client_optimizer(opt: torch.optim.Optimizer):
     """(optimizer_class or None, defaults, groups) reproducing a client's torch optimizer."""
     cls = type(opt)
     groups = [dict(g) for g in opt.param_groups]
-    fused = cls is torch.optim.AdamW and not any(g.get("amsgrad") or g.get("maximize") for g in groups)
+    # torch's Adam with no weight decay (or decoupled: AdamW's) is AdamW: the fused kernel, offloadable
+    adamw = cls is torch.optim.AdamW or cls is torch.optim.Adam and all(
+        g.get("decoupled_weight_decay") or not g.get("weight_decay") for g in groups)
+    fused = adamw and not any(g.get("amsgrad") or g.get("maximize") for g in groups)
     keep = ADAM_KEYS if fused else set(opt.defaults) - IMPLEMENTATION_KEYS - {"params"}
     groups = [dict({k: g[k] for k in keep if k in g}, params=list(g["params"])) for g in groups]
     defaults = {k: opt.defaults[k] for k in keep if k in opt.defaults}
@@ -199,9 +229,30 @@ def optimizer_spec(model: nn.Module, cfg: Config, optimizer, model_parameters):
     return cls, kwargs, _groups(model_parameters, model)
 
 
-def make_optimizer(spec, names: dict, runner: nn.Module, cfg: Config):
+def _untested(cls, allowed: bool, offload: str) -> dict:
+    """ShardedOptimizer options for a client ``optimizer_class`` (not the fused AdamW): one that
+    is not torch's own runs elementwise on each rank's pieces once the config allows untested
+    optimizers (DeepSpeed runs it on its flat partitions alike), and is refused otherwise; its
+    state stays with the parameters (offload steps the fused AdamW's only)."""
+    options = {}
+    if getattr(torch.optim, cls.__name__, None) is not cls:
+        if not allowed:
+            raise ValueError(f"the client optimizer {cls.__module__}.{cls.__name__} is not one ZeRO is tested with: "
+                             "add \"zero_allow_untested_optimizer\": true to the DeepSpeed config (as DeepSpeed asks) "
+                             "to run it; zeroshard then steps it elementwise on each rank's pieces of every "
+                             "parameter, as DeepSpeed steps it on its flat partitions")
+        options["elementwise"] = True
+    if offload != "none" and on_cuda():
+        warnings.warn(f"zero_optimization.offload_optimizer with {cls.__name__}: zeroshard offloads the state of "
+                      "its fused AdamW only (Adam/AdamW without L2 decay); this optimizer's state stays on the GPU",
+                      stacklevel=4)
+    return options
+
+
+def make_optimizer(spec, names: dict, runner: nn.Module, cfg: Config, allow_untested: bool = False):
     """The ShardedOptimizer for ``spec`` over the model the engine calls; at stage 3 each
-    parameter is replaced by its FullyShard piece (``names``: id -> name, taken before wrapping)."""
+    parameter is replaced by its FullyShard piece (``names``: id -> name, taken before wrapping).
+    ``allow_untested``: the config's ``zero_allow_untested_optimizer``."""
     if spec is None:
         return None
     cls, kwargs, groups = spec
@@ -218,7 +269,8 @@ def make_optimizer(spec, names: dict, runner: nn.Module, cfg: Config):
         options.update(stage=max(1, zero.stage), reduce_dtype=reduce,
                        bucket_mb=zero.reduce_bucket_size * item / 2**20 if zero.reduce_bucket_size else 25)
     if cls is not None:
-        options.update(optimizer_class=cls)
+        options.update(optimizer_class=cls, offload=None, offload_fraction=1.0, offload_dir=None,
+                       **_untested(cls, allow_untested, off.device))
     return zeroshard.ShardedOptimizer(groups, **kwargs, **options)
 
 

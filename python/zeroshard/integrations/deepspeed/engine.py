@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoints
+from . import checkpoints, live
 from .config import Config
 from .loss_scaler import LossScaler
 
@@ -37,7 +37,7 @@ def _device_of(runner: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-class DeepSpeedEngine(nn.Module):
+class DeepSpeedEngine(live.Tracked, nn.Module):
     """What ``zeroshard.initialize`` returns first: call it as the model, then
     ``engine.backward(loss)`` and ``engine.step()`` after every micro-batch."""
 
@@ -58,6 +58,7 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         self._grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.track()                        # (live.Tracked: destroy(), the helpers' lookups)
 
     # ------------------------------------------------------------- config
     def train_batch_size(self) -> int:
@@ -114,6 +115,7 @@ class DeepSpeedEngine(nn.Module):
 
     # ---------------------------------------------------------- training
     def forward(self, *inputs, **kwargs):
+        self._check_alive("engine(...)")
         with self._timed("forward"):
             return self.runner(*inputs, **kwargs)
 
@@ -129,6 +131,7 @@ class DeepSpeedEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """``loss / gradient_accumulation_steps`` (returned), times the fp16 scale, backward."""
+        self._check_alive("engine.backward()")
         if self.optimizer is None:
             raise RuntimeError("engine.backward() needs an optimizer (none in the config, none passed)")
         if scale_wrt_gas:
@@ -141,6 +144,7 @@ class DeepSpeedEngine(nn.Module):
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """Count a micro-step; at the accumulation boundary, update (see the module docstring)."""
+        self._check_alive("engine.step()")
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer (none in the config, none passed)")
         self._step_applied = False

@@ -1,6 +1,6 @@
 """DeepSpeed's learning-rate schedules (its ``scheduler`` config section), with
-its arguments, defaults and formulas: WarmupLR, WarmupDecayLR, WarmupCosineLR
-and OneCycle. Like DeepSpeed's, each writes ``lr`` (OneCycle also ``betas``)
+its arguments, defaults and formulas: WarmupLR, WarmupDecayLR, WarmupCosineLR,
+OneCycle and LRRangeTest. Like DeepSpeed's, each writes ``lr`` (OneCycle also ``betas``)
 into the optimizer's param groups, is stepped once per optimizer step that was
 applied, and keeps ``last_batch_iteration`` as its whole state.
 """
@@ -227,7 +227,30 @@ class OneCycle(_Schedule):
                 group["betas"] = betas
 
 
-SCHEDULES = {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)}
+class LRRangeTest(_Schedule):
+    """The learning-rate range test: ``lr_range_test_min_lr * (1 + lr_range_test_step_rate *
+    k / lr_range_test_step_size)`` after k steps (``k // step_size`` with
+    ``lr_range_test_staircase``), growing without bound."""
+
+    def __init__(self, optimizer, lr_range_test_min_lr=1e-3, lr_range_test_step_size: int = 2000,
+                 lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False,
+                 last_batch_iteration: int = -1):
+        if not isinstance(lr_range_test_step_size, int) or lr_range_test_step_size <= 0:
+            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size!r}")
+        super().__init__(optimizer, last_batch_iteration)
+        self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size, self.step_rate = lr_range_test_step_size, lr_range_test_step_rate
+        self.staircase = bool(lr_range_test_staircase)
+        if last_batch_iteration == -1:
+            self._write(self.min_lrs)
+
+    def get_lr(self) -> List[float]:
+        k = (self.last_batch_iteration + 1) / self.step_size
+        grow = 1 + self.step_rate * (math.floor(k) if self.staircase else k)
+        return [lr * grow for lr in self.min_lrs]
+
+
+SCHEDULES = {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 
 def from_config(kind: str, params: dict, optimizer):

@@ -48,6 +48,16 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] 
                                                                   dtype=torch.float32))
 
 
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag: Optional[str] = None):
+    """As DeepSpeed's: ``model`` moved to the CPU and loaded (``strict=False``) with the fp32
+    state dict of ``checkpoint_dir/tag`` (default: the tag in ``latest``); returns it. The
+    plain model it fills is no longer an engine's (build a new engine to train it again)."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state_dict, strict=False)
+    return model
+
+
 def _shard_bytes(size) -> int:
     if isinstance(size, int):
         return size
