@@ -126,3 +126,162 @@ def _bad_factors():
             said.append(str(e))
     return said
 
+
+
+# ------------------------------------------------------------- initialisation
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wqkv = nn.Linear(D, 3 * D, bias=False)
+        self.wo = nn.Linear(D, D)
+
+    def init_weights(self, std):
+        nn.init.trunc_normal_(self.wqkv.weight, mean=0.0, std=0.02)       # torchtitan's
+        nn.init.trunc_normal_(self.wo.weight, std=std, a=-std / 4, b=std / 4)    # (nn.init's narrow branch)
+        nn.init.zeros_(self.wo.bias)
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.norm, self.ff = Attention(), nn.LayerNorm(D), nn.Linear(D, 2 * D)
+
+    def init_weights(self, std):
+        self.norm.reset_parameters()
+        self.attn.init_weights(std)
+        nn.init.xavier_uniform_(self.ff.weight)
+        nn.init.constant_(self.ff.bias, 0.1)
+        with torch.no_grad():
+            self.ff.weight.mul_(0.5)
+
+    def forward(self, h):
+        return h + torch.tanh(self.ff(self.norm(h)))[..., :D] + self.attn.wo(self.attn.wqkv(h)[..., :D])
+
+
+class Titan(nn.Module):
+    """torchtitan's shape of initialisation: the model's init_weights() after wrapping, a
+    buffer it computes, nothing in __init__ that survives meta."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, D)
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+        self.out = nn.Linear(D, 257, bias=False)
+        self.register_buffer("freqs", torch.empty(D), persistent=False)
+
+    def init_weights(self):
+        nn.init.normal_(self.emb.weight)
+        for layer in self.layers:
+            layer.init_weights(0.02 / math.sqrt(2))
+        nn.init.trunc_normal_(self.out.weight, std=0.02, a=-0.04, b=0.04)    # (nn.init's rejection loop)
+        self.freqs = torch.arange(1.0, D + 1) ** -0.5
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+def _titan_on_meta(fully_shard):
+    with torch.device("meta"):
+        model = Titan()
+    return fully_shard(model)
+
+
+def _fsdp2_initialised():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def wrap(m):
+        for layer in m.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+    net = _titan_on_meta(wrap)
+    net.to_empty(device="cpu")
+    torch.manual_seed(1)
+    net.init_weights()
+    return {k: v.full_tensor() for k, v in net.state_dict().items()}
+
+
+def _warnings(fn):
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in seen if "own initialisation" in str(w.message)]
+
+
+def _initialise():
+    out = {}
+    torch.manual_seed(0)
+    ref = Titan()
+    torch.manual_seed(1)
+    ref.init_weights()
+    want = ref.state_dict()
+    # FSDP2's idiom: on meta, wrap, to_empty, the model's init_weights()
+    model = _titan_on_meta(lambda m: zs.FullyShard(m, wrap={Layer}))
+    before = model.emb.weight.to_local().clone(), model.freqs.clone()
+    model.to_empty(device="cpu")
+    out["to_empty_kept"] = torch.equal(model.emb.weight.to_local(), before[0]) and torch.equal(model.freqs, before[1])
+    torch.manual_seed(1)
+    model.init_weights()
+    got = model.state_dict()
+    out["differ"] = [k for k in want if not torch.equal(got[k], want[k])]
+    out["std"] = {k: got[k].std().item() for k in ("layers.0.attn.wqkv.weight", "out.weight")}
+    ref2 = _fsdp2_initialised()
+    out["fsdp2_std"] = {k: ref2[k].std().item() for k in out["std"]}
+    x = torch.tensor([[1, 2, 3]])
+    out["warned_after_init"] = _warnings(lambda: model(x))
+    with torch.no_grad():                        # elementwise on the pieces (no whole value kept)
+        model.layers[1].ff.weight.mul_(2.0)
+    out["doubled"] = torch.equal(model.state_dict()["layers.1.ff.weight"], 2 * want["layers.1.ff.weight"])
+    # what needs a parameter whole is refused naming its module and the way
+    wo = model.layers[0].attn.wo.weight
+    try:
+        nn.init.orthogonal_(wo)
+    except RuntimeError as e:
+        out["orthogonal"] = str(e)
+    torch.manual_seed(2)
+    w = nn.init.orthogonal_(torch.empty(wo.shape))
+    with torch.no_grad():
+        wo.copy_(w)                                  # (the way it names)
+    out["copied"] = torch.equal(model.state_dict()["layers.0.attn.wo.weight"], w)
+    try:
+        model.to_empty(device="meta")
+    except ValueError as e:
+        out["to_empty_elsewhere"] = str(e)
+    # wrapped on meta, its own initialisation never run: a warning at the first forward
+    lost = _titan_on_meta(lambda m: zs.FullyShard(m, wrap={Layer}))
+    out["warned_lost"] = _warnings(lambda: lost(x))
+    loaded = _titan_on_meta(lambda m: zs.FullyShard(m, wrap={Layer}))
+    loaded.load_state_dict(want)
+    out["warned_loaded"] = _warnings(lambda: loaded(x))
+    # a seed per rank would give each piece its own stream: refused
+    torch.manual_seed(dist.get_rank())
+    try:
+        _titan_on_meta(lambda m: zs.FullyShard(m, wrap={Layer})).init_weights()
+    except RuntimeError as e:
+        out["seeds"] = str(e)
+    return out
+
+
+def test_fsdp2s_initialisation_idiom_gives_one_process_values_at_any_world_size(dist_pool):
+    """Wrapping on meta ran only reset_parameters(): torchtitan's init_weights() was replaced
+    by torch's defaults without a word, to_empty() emptied the buffers and nn.init's
+    trunc_normal_ on a sharded parameter raised. Now to_empty() keeps shards and buffers, the
+    model's init_weights() after wrapping gives exactly the values it gives in one process
+    with the same seed (so the same at 2 and 3 ranks; trunc_normal_'s std 0.02, as FSDP2's), a
+    model whose own initialisation never ran warns at its first forward, and what needs a
+    parameter whole is refused naming its module and the way."""
+    for r in dist_pool.run(_initialise):
+        assert r["to_empty_kept"] and r["differ"] == [] and r["doubled"] and r["copied"], r
+        # trunc_normal_(std=0.02) at +-2 std has std 0.02 x 0.8796 (a normal's cut at 2 sigma)
+        for k, want in (("layers.0.attn.wqkv.weight", 0.02), ("out.weight", 0.02 * 0.8796)):
+            assert abs(r["std"][k] - want) < 0.1 * want and abs(r["fsdp2_std"][k] - want) < 0.1 * want, r
+        assert "module 'layers.0.attn.wo'" in r["orthogonal"] and "p.copy_(w)" in r["orthogonal"], r["orthogonal"]
+        assert "device=meta to FullyShard" in r["to_empty_elsewhere"], r
+        assert len(r["warned_lost"]) == 1 and "Titan.init_weights" in r["warned_lost"][0], r["warned_lost"]
+        assert r["warned_after_init"] == [] and r["warned_loaded"] == [], r
+        assert "random generators differ" in r["seeds"] and "torch.manual_seed(seed) on every rank" in r["seeds"], r

@@ -5,6 +5,8 @@ common/reduction.py) with ZeRO-3's fold (zero3/fold.py). See [Note: fully
 shard policy] in zero3/fully_shard.py."""
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -162,7 +164,11 @@ class UnitBackward:
     def set_divide_factor(self, factor: float):
         """Each reduced gradient is the sum over every rank (the replicas' too) divided by
         ``factor`` from the next reduction on (FullyShard.set_gradient_divide_factor)."""
-        self.fold.divisor = factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < math.inf:
+            raise ValueError(self.err(f"set_gradient_divide_factor takes a positive, finite number, got {factor!r}"))
+        if self.active:
+            raise RuntimeError(self.err("set_gradient_divide_factor() called during backward; call it before"))
+        self.fold.divisor = float(factor)
 
     def zero_grad(self, set_to_none: bool):
         """Free (``set_to_none``) or zero the gradient shards; see FullyShard.zero_grad."""

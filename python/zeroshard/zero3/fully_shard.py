@@ -69,8 +69,6 @@ from __future__ import annotations
 
 __all__ = ["FullyShard", "MixedPrecision", "UnitState", "register_forward_method"]
 
-import math
-import numbers
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -87,6 +85,7 @@ from .gathered import gathered_block
 from ..common.source import SUPPORTED, GradState, HeldParam, Region, ShardedModel
 from ..common.tensor_parallel import check_model
 from .records import MixedPrecision, Optimizers, Unit, UnitState, register_owner
+from .param_init import InitWatch, check_to_empty
 from .backward import BackwardContext, UnitBackward
 from .forward import UnitForward
 
@@ -204,6 +203,7 @@ class FullyShard(nn.Module, ShardedModel):
                             rank=self.rank, src=self._src, param_dtype=self.param_dtype, err=self._err,
                             everyone=self.groups.every, shard_device=host,
                             ranks=mesh.shard_group(self.process_group), experts=dict(zip(experts, own)))
+        self.init_watch = InitWatch(module, self._device)    # [Note: initialising sharded parameters]
         self._units, self._named = build(self._setup, wrap, FullyShard)
         # built on meta: the non-persistent buffers nothing initialised (load_pretrained sets an HF model's)
         self.uninitialised_buffers: List[str] = list(self._setup.unset_buffers)
@@ -281,11 +281,17 @@ class FullyShard(nn.Module, ShardedModel):
                     mod._buffers[name] = fn(b)
         return self
 
+    def to_empty(self, *, device: Union[torch.device, str], recurse: bool = True):
+        """FSDP2's after wrapping: shards and buffers kept ([Note: initialising sharded parameters])."""
+        check_to_empty(device, self._device, self._err)
+        return self
+
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         yield from self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     # ---------------------------------------------------------------- gather
     def forward(self, *args, **kwargs):
+        self.init_watch.before_forward()
         if any(p.requires_grad for p in self._frozen_when_wrapped):    # unfrozen since: laid out again
             self.lay_out_trainable(by=None)
         for fn in self.forward_listeners:     # before the root's gather (torch's Join counts first)
@@ -311,6 +317,7 @@ class FullyShard(nn.Module, ShardedModel):
                               err=self._err)
 
     def shards_loaded(self):
+        self.init_watch.values_given()
         self.invalidate()
 
     def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:
@@ -324,16 +331,8 @@ class FullyShard(nn.Module, ShardedModel):
         return self._backward.no_sync()
 
     def set_gradient_divide_factor(self, factor: float):
-        """FSDP2's ``set_gradient_divide_factor``: from the next reduction on, each gradient is
-        the sum over every rank (the replicas' too, under hybrid sharding) divided by ``factor``
-        (by default the number of those ranks: the mean); ``1.0`` gives the sum (torchtitan,
-        normalising the loss by the global token count). ``p.grad``, the optimizer's statistics
-        and clipping see that gradient. It applies to every unit of this model."""
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < math.inf:
-            raise ValueError(self._err(f"set_gradient_divide_factor takes a positive, finite number, got {factor!r}"))
-        if self._backward.active:
-            raise RuntimeError(self._err("set_gradient_divide_factor() called during backward; call it before"))
-        self._backward.set_divide_factor(float(factor))
+        """FSDP2's: each gradient is the sum over every rank (replicas too) over ``factor`` (1.0: the sum)."""
+        self._backward.set_divide_factor(factor)
 
     # --------------------------------------------------------------- forward
     # -------------------------------------------------------------- backward
@@ -422,6 +421,7 @@ class FullyShard(nn.Module, ShardedModel):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (of the unwrapped model, from any world size):
         each rank copies its own pieces; no communication."""
+        self.init_watch.values_given()
         return load_full_state_dict(self, state_dict, strict)
 
 

@@ -172,7 +172,7 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
         n = q.local.numel()
         if values is not None and n:
             q.local.copy_(values[was + q.tensor_offset:was + q.tensor_offset + n])
-        q.sharded.piece = q.local
+        q.sharded.place(q.local, q.tensor_offset)
         point_at(q.full, u.full[q.offset:q.offset + q.numel].view(q.shape))
     set_grad_extent(u, u.ranks.world)      # ([Note: frozen parameters]: over the new offsets)
     if dev.type != "meta":

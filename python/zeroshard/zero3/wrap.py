@@ -245,7 +245,8 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
         u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
         for q in u.params:
             place_piece(u, q, lo, hi)
-            q.sharded = ShardedParameter(q.local, q.full_shape, q.names[0], requires_grad=q.requires_grad)
+            q.sharded = ShardedParameter(q.local, q.full_shape, q.names[0], requires_grad=q.requires_grad,
+                                         start=q.tensor_offset, whole=q.placed is None and not u.ranks.own)
             q.full = compute_param(u.full[q.offset:q.offset + q.numel].view(q.shape), q.placed, q.requires_grad)
             for mod, attr in q.slots:
                 mod._parameters[attr] = q.sharded
