@@ -23,9 +23,10 @@ from typing import Optional, Tuple
 # top level: honoured
 TOP_HONOURED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization",
-                "steps_per_print", "wall_clock_breakdown", "communication_data_type", "dataloader_drop_last"}
+                "steps_per_print", "wall_clock_breakdown", "communication_data_type", "dataloader_drop_last",
+                "zero_allow_untested_optimizer"}   # (read by initialize: a client optimizer DeepSpeed does not know)
 # top level: DeepSpeed's own machinery, no counterpart (accepted with one warning)
-TOP_TUNING = {"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown",
+TOP_TUNING = {"zero_force_ds_cpu_optimizer", "memory_breakdown",
               "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op", "disable_allgather",
               "dump_state", "disable_python_gc", "activation_checkpointing", "flops_profiler", "tensorboard",
               "wandb", "csv_monitor", "comet", "comms_logger", "aio", "checkpoint", "timers", "log_level",
