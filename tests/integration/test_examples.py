@@ -29,6 +29,7 @@ EXAMPLES = [
     ("checkpoints.py", 2, {}),
     ("dcp_interop.py", 2, {}),
     ("llama_zero3.py", 2, {}),
+    ("generation.py", 2, {}),
     ("finetune.py", 2, {}),
     ("deepspeed_config.py", 2, {}),
     ("lightning_gpt.py", 2, {}),

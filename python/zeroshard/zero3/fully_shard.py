@@ -78,6 +78,7 @@ import torch.nn as nn
 from ..comm import mesh
 from .wrap import Setup, build, claimed, hand_over, pick_device, shard_device
 from .state_dict import full_state_dict, held_regions, load_full_state_dict, memory_report
+from .generation import gathered_generate
 from . import relayout
 from .. import comm
 from .gather import Gatherer
@@ -167,6 +168,9 @@ class FullyShard(nn.Module, ShardedModel):
             name, so they load at another expert-parallel degree and export as the
             non-parallel model's state dict.
     """
+    # model.generate(...) gathers every unit once per call; False: per token, as forwards do
+    # ([Note: generation in one gather] in zero3/generation.py)
+    generate_gathered: bool = True
 
     def __init__(self, module: nn.Module, wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
                  mixed_precision: Optional[MixedPrecision] = None, reshard_after_forward: bool = True,
@@ -246,7 +250,8 @@ class FullyShard(nn.Module, ShardedModel):
         except AttributeError:
             if name == "module":
                 raise
-            return getattr(self._modules["module"], name)
+            found = getattr(self._modules["module"], name)
+            return gathered_generate(self, found) if name == "generate" else found
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The sharded parameters (the full shapes; their data this rank's pieces), under

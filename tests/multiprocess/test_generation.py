@@ -1,0 +1,64 @@
+"""Generation at ZeRO-3: a Hugging Face model's generate() on a FullyShard model gathers each
+unit once per call (not once per token), with the unsharded model's tokens for greedy,
+sampled and beam-search decoding; a generate that raises leaves nothing gathered; and the
+model's whole tensors stream (zeroshard.full_tensors) into an unsharded copy that computes
+the same logits."""
+import torch
+
+import zeroshard as zs
+from zeroshard.zero3.fully_shard import UnitState
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(0)
+    return plain, zs.FullyShard(LlamaForCausalLM(cfg).eval(), wrap={LlamaDecoderLayer}), LlamaForCausalLM(cfg)
+
+
+def _count(fn):
+    n0 = len(zs.flight_record())
+    out = fn()
+    kinds = [r["kind"] for r in zs.flight_record()[n0:]]
+    return out, kinds.count("all_gather")
+
+
+def _generate():
+    plain, model, fresh = _llama()
+    prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    res = {}
+    for name, kw in (("greedy", dict(do_sample=False)), ("beams", dict(do_sample=False, num_beams=2)),
+                     ("sampled", dict(do_sample=True, top_k=20, temperature=0.9))):
+        kw = dict(kw, max_new_tokens=12, pad_token_id=0)
+        torch.manual_seed(5)        # (the same seed on every rank: the same tokens everywhere)
+        ours, gathers = _count(lambda: model.generate(prompt, **kw))
+        torch.manual_seed(5)
+        res[name] = (torch.equal(ours, plain.generate(prompt, **kw)), gathers)
+    model.generate_gathered = False           # today's per-token gathering, kept as an option
+    res["per_token"] = _count(lambda: model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))[1]
+    model.generate_gathered = True
+    try:
+        model.generate(prompt, max_new_tokens=3, num_beams=2, num_return_sequences=5)   # more than beams
+        res["raised"] = False
+    except ValueError:
+        res["raised"] = True
+    res["resharded"] = all(u.state is UnitState.SHARDED for u in model.units)
+    fresh.load_state_dict({k: v.float() for k, v in zs.full_tensors(model, dtype=None)})
+    with torch.no_grad():
+        res["logits"] = (fresh(prompt).logits - plain(prompt).logits).abs().max().item()
+    return res
+
+
+def test_generate_gathers_each_unit_once_per_call_with_the_unsharded_models_tokens(dist_pool):
+    for res in dist_pool.run(_generate):
+        units = 5          # four decoder layers and the root
+        for name in ("greedy", "beams", "sampled"):
+            same, gathers = res[name]
+            assert same and gathers == units, (name, res[name])
+        assert res["per_token"] >= 12 * units, res["per_token"]     # every unit, every token
+        assert res["raised"] and res["resharded"], res
+        assert res["logits"] == 0.0, res["logits"]
