@@ -643,3 +643,73 @@ def _backward_that_raises():
 
 def test_a_backward_that_raises_does_not_wedge_the_model(dist_pool):
     assert dist_pool.run(_backward_that_raises) == [0] * dist_pool.world_size
+
+
+# -------------------------------------------------------------- gathered() blocks
+def _gathered_blocks():
+    """[Note: gathered blocks]: forwards inside a block gather nothing; a bf16 copy of one unit;
+    nothing left gathered after the block, an exception, or a refusal; training inside equals
+    one process; modifier_rank's edit reaches every rank."""
+    import zeroshard.zero3.gathered as gathered_module
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, plain = wrapped(), make_gpt()
+    (x, y), = batches(1)[0]
+    out, m = {}, model.module
+    held = lambda: model.memory_report()["gathered"]      # noqa: E731
+    with model.gathered(), torch.no_grad():
+        before = model.comm_elements["all_gather"]
+        outs = [model(x) for _ in range(3)]
+        out["inside"] = dict(gathered=held(), gathers=model.comm_elements["all_gather"] - before,
+                             forward=max((o - plain(x)).abs().max().item() for o in outs),
+                             weight=(m.blocks[1].fc.weight - plain.blocks[1].fc.weight).abs().max().item())
+    with model.gathered(dtype=torch.bfloat16, units=[m.blocks[1]]):
+        w = m.blocks[1].fc.weight
+        out["copy"] = (w.dtype, torch.equal(w, plain.blocks[1].fc.weight.to(torch.bfloat16)),
+                       type(m.blocks[0].fc.weight).__name__)
+    try:
+        with model.gathered():
+            raise KeyError("inside the block")
+    except KeyError:
+        pass
+    out["after"] = (held(), type(m.blocks[1].fc.weight).__name__, type(m.head.weight).__name__)
+    opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
+    with model.gathered():
+        train(model, opt, 3)
+        inside = m.blocks[0].fc.weight.detach().clone()
+    sd = model.state_dict()
+    out["train_err"] = max_err(sd, reference(3)[0].state_dict())
+    out["inside_current"] = torch.equal(inside, sd["blocks.0.fc.weight"])
+    with model.gathered(units=[m.head], modifier_rank=world - 1):
+        if rank == world - 1:
+            m.head.weight.data.mul_(0.5)
+    out["modified"] = (model.state_dict()["head.weight"] - sd["head.weight"] * 0.5).abs().max().item()
+    free, gathered_module.free_bytes = gathered_module.free_bytes, lambda device: 1000
+    try:
+        with model.gathered():
+            out["refused"] = None
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    finally:
+        gathered_module.free_bytes = free
+    out["after_refusal"] = held()
+    try:           # (last: the backward it stops leaves this model mid-step)
+        with model.gathered(dtype=torch.bfloat16):
+            loss_fn(model(local(x, rank, world)), local(y, rank, world)).backward()
+        out["copy_backward"] = None
+    except RuntimeError as e:
+        out["copy_backward"] = str(e)
+    return out
+
+
+def test_gathered_blocks(dist_pool):
+    for r in dist_pool.run(_gathered_blocks):
+        inside = r["inside"]
+        assert inside["gathered"] > 0 and inside["gathers"] == 0, inside
+        assert inside["forward"] <= 1e-6 and inside["weight"] == 0.0, inside
+        assert r["copy"] == (torch.bfloat16, True, "ShardedParameter"), r["copy"]
+        assert r["after"] == (0, "ShardedParameter", "ShardedParameter"), r["after"]
+        assert r["train_err"] <= 1e-5 and r["inside_current"], r
+        assert r["modified"] <= 1e-7, r
+        assert "bytes" in r["refused"] and "units=" in r["refused"] and r["after_refusal"] == 0, r["refused"]
+        assert "gathered(dtype=...)" in r["copy_backward"] and "takes no gradients" in r["copy_backward"], \
+            r["copy_backward"]
