@@ -9,6 +9,8 @@ What an RL post-training loop (generate, score, train) does at ZeRO-3 (docs/gene
   time, to whatever loads weights by name (here an unsharded copy of the model, as an
   inference engine's ``load_weights`` would take them).
 """
+import time
+
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -31,9 +33,9 @@ def main():
         # 1. Generate: one gather of every unit for the whole call (greedy here; a sampler
         #    seeded alike on every rank works the same way).
         model.eval()
-        before = len(zeroshard.flight_record())
+        began = time.time()      # (the flight record: this rank's last collectives, with their start times)
         completions = model.generate(prompts, max_new_tokens=16, do_sample=False, pad_token_id=0)
-        gathers = sum(r["kind"] == "all_gather" for r in zeroshard.flight_record()[before:])
+        gathers = sum(r["kind"] == "all_gather" and r["start"] >= began for r in zeroshard.flight_record())
         assert gathers == len(model.units), gathers      # per call, not per token
         # 2. Score and train on the completions (a stand-in for a policy-gradient loss).
         model.train()
