@@ -187,6 +187,24 @@ def helpers(stage):
     return out
 
 
+def bf16_edit():
+    """GatheredParameters(modifier_rank=last) on bf16 parameters: DeepSpeed's at stage 3 (its
+    edit, gathered), zeroshard's at stage 2, where the fp32 master is made again from the edited
+    parameters (what safe_get_full_fp32_param reads)."""
+    ds = ds_setup()
+    out = {}
+    for who, stage in (("ds", 3), ("zs", 2)):
+        init, gp, utils = _api(ds if who == "ds" else None)
+        engine = _engine(init, base(stage, bf16={"enabled": True}))
+        with gp([_named(engine)["blocks.0.weight"]], modifier_rank=dist.get_world_size() - 1):
+            if dist.get_rank() == dist.get_world_size() - 1:
+                engine.module.blocks[0].weight.data.mul_(0.5).add_(0.25)
+        out[who] = _gathered_values(engine, gp, ["blocks.0.weight"])
+        if who == "zs":
+            out["master"] = full_params(engine, utils)["blocks.0.weight"]
+    return out
+
+
 def _client_pair(init, stage, optimizer, scheduler=None, **extra):
     cfg = base(stage, zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}},
                zero_force_ds_cpu_optimizer=False, **extra)

@@ -370,7 +370,7 @@ def test_bf16_config_gathers_every_unit_in_bf16_at_stage_3():
 def _helpers_all_stages(root):
     import _ds_helpers_job as job
     return dict({s: job.helpers(s) for s in (1, 2, 3)}, clients=job.client_optimizers(),
-                second={s: job.second_initialize(s, root) for s in (2, 3)})
+                second={s: job.second_initialize(s, root) for s in (2, 3)}, bf16=job.bf16_edit())
 
 
 @pytest.mark.timeout(300)
@@ -408,3 +408,7 @@ def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
         _close(r["ds-loaded"], r["zs-loaded"], 1e-5)
         _close(r["zs-loaded"], r["zs"], 0.0)
         assert "destroyed engine" in r["first"] and "destroyed engine" in r["destroyed"], stage
+    for r in ranks:             # bf16: the same edit as DeepSpeed's, and the fp32 master made from it
+        bf16 = r["bf16"]
+        _close(bf16["ds"], bf16["zs"], 0.0)
+        assert torch.equal(bf16["master"], bf16["zs"]["blocks.0.weight"].float())
