@@ -14,7 +14,8 @@ whole tensors, one unit at a time (for an inference engine's ``load_weights``);
 process group so that torchrun's restarts come up.
 When collectives hang or fail: :func:`flight_record`, :func:`set_timeout`,
 :class:`CollectiveTimeout`, :class:`CollectiveError`, :class:`CollectiveMismatch`.
-DeepSpeed scripts and configs: :func:`initialize` (imported on first use).
+DeepSpeed scripts and configs: :func:`initialize`, and ``zero.Init`` (DeepSpeed's
+``zero.Init``: a model sharded as it is built), imported on first use.
 """
 from __future__ import annotations
 
@@ -35,11 +36,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``zeroshard.initialize`` (DeepSpeed's front door, docs/deepspeed.md) is imported on
-    first use, so ``import zeroshard`` does not load the integration."""
+    """``zeroshard.initialize`` and ``zeroshard.zero`` (DeepSpeed's front door and its
+    ``deepspeed.zero``, docs/deepspeed.md) are imported on first use, so ``import zeroshard``
+    does not load the integration."""
     if name == "initialize":
         from .integrations.deepspeed import initialize
         return initialize
+    if name == "zero":
+        from .integrations.deepspeed import zero
+        return zero
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
 
 
@@ -64,6 +69,6 @@ __all__ = [
     "CheckpointError", "export_full_state_dict", "load_checkpoint", "load_pretrained", "save_checkpoint", "CommHandle", "Layout",
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "fused_adamw_multi_", "reduce_scatter", "ShardedOptimizer", "flight_record",
-    "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout", "initialize",
+    "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout", "initialize", "zero",
     "init_distributed", "resume", "register_forward_method", "full_tensors",
 ]

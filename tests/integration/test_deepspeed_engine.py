@@ -412,3 +412,72 @@ def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
         bf16 = r["bf16"]
         _close(bf16["ds"], bf16["zs"], 0.0)
         assert torch.equal(bf16["master"], bf16["zs"]["blocks.0.weight"].float())
+
+
+# ------------------------------------------ the front door never changes numbers silently
+# (the rank-side code: tests/_ds_front_door_job.py)
+def _front_door():
+    import _ds_front_door_job as job
+    return job.front_door()
+
+
+def _refused_alike(refused: dict):
+    """Each case DeepSpeed refuses, zeroshard refuses too, naming the option."""
+    names = {"sum-stage3": ("gradient_allreduce_op", "gradient_allreduce_op"),
+             "prescale-stage2": ("pre-scale", "prescale_gradients"),
+             "predivide-stage3": ("gradient_predivide_factor", "gradient_predivide_factor"),
+             "fp16-plain-backward": ("Loss scaling is required", "engine.scale(loss)")}
+    assert refused.keys() == names.keys()
+    for case, (theirs, ours) in refused.items():
+        assert theirs and names[case][0] in theirs, (case, theirs)
+        assert ours and names[case][1] in ours, (case, ours)
+
+
+def _zero_init_alike(z: dict, world: int):
+    """zeroshard.zero.Init against deepspeed.zero.Init on tests/_ds_front_door_job.Filled."""
+    for stage in (3, 2):
+        r = z[stage]
+        _close(z["theirs"], r["params"], 1e-5)                        # trained alike (DeepSpeed: stage 3)
+        assert r["meta"] and r["whole"] / world <= r["held"] <= r["whole"] / world + 9, (r["held"], r["whole"])
+        for name, value in r["first"].items():                        # what the parent's apply set: kept
+            assert (value == z["plain"][name]).all() == (name != "out.weight"), name
+        assert not (r["first"]["out.weight"] == 0.1).any()            # its direct write: lost, as DeepSpeed's
+        said = [s for s in r["said"] if "zero.Init" in s]
+        assert len(said) == 1 and "Filled.__init__" in said[0] and "'out.weight" in said[0], r["said"]
+    lost = [s for s in z["meta_said"] if "built on the meta device" in s]
+    assert len(lost) == 1 and "'out.weight'" in lost[0] and "'inp.weight'" in lost[0], z["meta_said"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore")
+def test_the_front_door_never_changes_numbers_silently(dist_pool):
+    """Against DeepSpeed on the same model and data (SGD without clipping, so a factor on the
+    gradients shows): gradient_allreduce_op "sum" at stages 1 and 2; prescale_gradients and
+    gradient_predivide_factor where DeepSpeed runs them; the script's own loss.backward() with 4
+    accumulation steps at stages 1-3 (engine.scale(loss).backward() with fp16): DeepSpeed's
+    losses, parameters and grad norms. Where DeepSpeed refuses, zeroshard refuses, naming the
+    option. DeepSpeed's ZeRO-3 with a predivide factor equal to the world size (zeroshard
+    refuses it) has a grad norm world-size times smaller than its mean's; a parameter nothing
+    uses is stepped with a zero gradient at stages 0-3 (weight decay moves it), as DeepSpeed
+    does; with ignore_unused_parameters false and offload, an error naming it. A model built under
+    zeroshard.zero.Init trains as under deepspeed.zero.Init, each rank holding a 1/world share
+    once built; built on meta, the parameters whose initialisation is lost are named."""
+    world = dist_pool.world_size
+    res = dist_pool.run(_front_door, timeout=240)[0]
+    compared = [k for k in res if k.startswith(("sum", "prescale", "predivide", "direct", "fp16", "unused-stage"))]
+    assert len(compared) == 13
+    for name in compared:
+        ds, zs = res[name]
+        tol = 2e-3 if name.startswith("fp16") else 1e-5
+        _close(ds["params"], zs["params"], tol)
+        if name != "unused-stage0":                                     # (DeepSpeed's stage 0 keeps no norm)
+            assert abs(ds["norm"] - zs["norm"]) <= tol * ds["norm"], (name, ds["norm"], zs["norm"])
+        assert max(abs(a - b) for a, b in zip(ds["losses"], zs["losses"])) <= tol, name
+    factor_world, mean = res["ds-stage3-factor"]
+    assert abs(mean / factor_world - world) <= 1e-4, (factor_world, mean)
+    moved = [(res[f"unused-stage{st}"][0]["params"]["extra.weight"] - res["unused-initial"]).abs().max().item()
+             for st in range(4)]
+    assert min(moved) > 1e-6, moved
+    assert "'extra.weight'" in res["unused-refused"][0] and "ignore_unused_parameters" in res["unused-refused"][0]
+    _refused_alike(res["refused"])
+    _zero_init_alike(res["zero_init"], world)

@@ -177,9 +177,66 @@ def test_zero_init_and_model_parallelism_are_refused_with_a_pointer():
     with pytest.raises(NotImplementedError, match="model .tensor/pipeline. parallelism"):
         build.refuse_unsupported(model, mpu=object())
     model.weight.ds_id = 0
-    with pytest.raises(NotImplementedError, match="torch.device\\(\"meta\"\\)"):
+    with pytest.raises(NotImplementedError, match="build it under zeroshard.zero.Init instead"):
         build.refuse_unsupported(model, None)
     assert zeroshard.initialize is zeroshard.integrations.deepspeed.initialize
+
+
+def test_zero_init_takes_deepspeeds_arguments_and_refuses_what_it_cannot_honour():
+    """The parameters' dtype from the config (or dtype=), as DeepSpeed's; DeepSpeed's
+    arguments zeroshard cannot honour are refused, named. (Its behaviour, against
+    deepspeed.zero.Init: test_deepspeed_engine.py's front-door test.)"""
+    from zeroshard.integrations.deepspeed import zero_init
+    assert zeroshard.zero.Init is zero_init.Init
+    with pytest.raises(ValueError, match="needs config_dict_or_path="):
+        zero_init.Init()
+    assert zero_init.Init(config_dict_or_path={"bf16": {"enabled": True}}).dtype == torch.bfloat16
+    assert zero_init.Init(config={"fp16": {"enabled": True}}).dtype == torch.float16
+    assert zero_init.Init(config_dict_or_path={"fp16": {"enabled": True}}, dtype=torch.float32).dtype == torch.float32
+    assert zero_init.Init(enabled=False).dtype is None
+    for kw in (dict(module=nn.Linear(2, 2)), dict(mpu=object()), dict(zero_quantized_weights=True),
+               dict(remote_device="nvme"), dict(param_swapper=object())):
+        with pytest.raises(NotImplementedError, match=f"Init\\({list(kw)[0]}="):
+            zero_init.Init(config_dict_or_path={}, **kw)
+
+
+def test_gradient_reduction_options_are_honoured_or_refused_as_deepspeed_refuses_them():
+    """gradient_allreduce_op "sum" (stages 0-2) and "mean"; prescale_gradients and
+    gradient_predivide_factor, the mean wherever DeepSpeed runs them; refused where DeepSpeed
+    refuses them (with reduce_scatter at stages 2-3, "sum" at stage 3) and where its ZeRO-3
+    divides twice (a factor equal to the world size); ignore_unused_parameters read. Against
+    DeepSpeed itself: test_deepspeed_engine.py's front-door test."""
+    four = dict(train_batch_size=4)
+    assert parse(four).gradient_allreduce_op == "mean"
+    summed = parse(dict(four, gradient_allreduce_op="SUM", zero_optimization={"stage": 2}))
+    assert summed.gradient_allreduce_op == "sum"
+    with pytest.raises(ValueError, match="gradient_allreduce_op: expected \"mean\" or \"sum\", got 'max'"):
+        parse(dict(four, gradient_allreduce_op="max"))
+    with pytest.raises(ValueError, match="gradient_allreduce_op \"sum\" at zero_optimization.stage 3"):
+        parse(dict(four, gradient_allreduce_op="sum", zero_optimization={"stage": 3}))
+    for stage, zero in ((0, {}), (1, {}), (2, {"reduce_scatter": False}), (3, {"reduce_scatter": False})):
+        zero = dict(zero, stage=stage)
+        parse(dict(four, prescale_gradients=True, gradient_predivide_factor=4.0, zero_optimization=zero))
+        parse(dict(four, gradient_predivide_factor=4.0, zero_optimization=zero))
+    for stage in (2, 3):
+        for key, value in (("prescale_gradients", True), ("gradient_predivide_factor", 2.0)):
+            with pytest.raises(ValueError, match=f"{key} at zero_optimization.stage {stage} with reduce_scatter"):
+                parse(dict(four, **{key: value}, zero_optimization={"stage": stage}))
+    parse(dict(four, gradient_allreduce_op="sum", prescale_gradients=True, zero_optimization={"stage": 2}))
+    with pytest.raises(ValueError, match="gradient_predivide_factor 2 equal to the world size at zero_optimization.st"):
+        parse(dict(four, gradient_predivide_factor=2.0, zero_optimization={"stage": 3, "reduce_scatter": False}), 2)
+    with pytest.raises(ValueError, match="prescale_gradients: expected a bool, got 'yes'"):
+        parse(dict(four, prescale_gradients="yes"))
+    with pytest.raises(ValueError, match="gradient_predivide_factor: expected a number > 0"):
+        parse(dict(four, gradient_predivide_factor=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # honoured: not in the warning's list
+        cfg = config.parse(dict(four, gradient_allreduce_op="mean", prescale_gradients=False,
+                                gradient_predivide_factor=1.0,
+                                zero_optimization={"stage": 2, "ignore_unused_parameters": False}), 2)
+    assert cfg.zero.ignore_unused_parameters is False and parse(four).zero.ignore_unused_parameters is True
+    with pytest.raises(ValueError, match="zero_optimization.ignore_unused_parameters: expected a bool"):
+        parse(dict(four, zero_optimization={"stage": 2, "ignore_unused_parameters": 0}))
 
 
 # -------------------------------------------- against DeepSpeed's own classes

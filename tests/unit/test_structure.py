@@ -46,7 +46,8 @@ TORCH_INTERNALS = {"_execution_engine", "_parameters", "_buffers", "_modules", "
                    "_disabled_torch_function_impl", "_foreach_mul_", "_foreach_zero_",
                    "_amp_foreach_non_finite_check_and_unscale_", "_foreach_clamp_min_", "_foreach_norm", "_foreach_copy_", "_foreach_clamp_max_", "_to_copy", "_get_backend", "_timeout",
                    "_schema",   # (an aten op's schema: whether it writes its arguments, for p.grad reads)
-                   "_init_from_local_shards_and_global_metadata"}   # (DCP state dicts: one layout exchange)
+                   "_init_from_local_shards_and_global_metadata",   # (DCP state dicts: one layout exchange)
+                   "_version"}   # (a tensor's in-place write counter: construction code that wrote a sharded parameter)
 
 # Known exceptions, each of which must still be over its limit (so the list
 # cannot go stale): none.

@@ -8,7 +8,9 @@ DeepSpeed's calls (``engine``; ``checkpoints``: DeepSpeed's tags and
 user-facing helpers under the same names: ``zero.GatheredParameters`` and
 ``utils``' ``safe_*`` getters and setters (``live``: which engine holds a
 parameter), so ``from zeroshard.integrations import deepspeed`` stands in for
-``import deepspeed``. DeepSpeed itself is never imported. See docs/deepspeed.md.
+``import deepspeed``; ``zero.Init`` (``zero_init``) builds a model sharded as it
+is constructed, as ``deepspeed.zero.Init``. DeepSpeed itself is never imported.
+See docs/deepspeed.md.
 
 May import: the public API only (``zeroshard``, ``zeroshard.checkpoint``,
 ``zeroshard.comm``, ``zeroshard.plan``).
@@ -19,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from . import build, lr_schedules, utils, zero, zero_to_fp32
+from . import build, lr_schedules, utils, zero, zero_init, zero_to_fp32
 from .config import Config, load, parse
 from .engine import DeepSpeedEngine
 
@@ -77,10 +79,10 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     build.init_distributed(dist_init_required)
     cfg, raw = parse(config, dist.get_world_size()), load(config)
     wrapped = build.take_over(model, cfg)         # a second initialize over the same model
-    model = build.prepare_model(model, cfg) if wrapped is None else model
+    model = zero_init.prepare_model(model, cfg) if wrapped is None else model
     spec = build.optimizer_spec(model, cfg, optimizer, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}     # a tied parameter: its first name
-    runner = build.wrap_model(model, cfg, wrapped)
+    runner = zero_init.wrap_model(model, cfg, wrapped)
     opt = build.make_optimizer(spec, names, runner, cfg, bool(raw.get("zero_allow_untested_optimizer", False)))
     sched = build.make_scheduler(lr_scheduler, cfg, opt)
     loader = build.make_dataloader(training_data, collate_fn, cfg)

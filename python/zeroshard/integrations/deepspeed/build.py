@@ -79,9 +79,9 @@ def refuse_unsupported(model: nn.Module, mpu) -> None:
                                       "no expert parallelism")
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise NotImplementedError(
-            "the model was built under deepspeed.zero.Init (its parameters are DeepSpeed-partitioned): zeroshard "
-            "has no zero.Init; build the model under torch.device(\"meta\") instead and let stage 3 "
-            "(FullyShard) initialise it one unit at a time (docs/fully-shard.md)")
+            "the model was built under deepspeed.zero.Init (its parameters are DeepSpeed-partitioned): build it "
+            "under zeroshard.zero.Init instead (the same arguments; each module's parameters are sharded as it "
+            "is built), and zeroshard.initialize takes it at any stage")
 
 
 def take_over(model: nn.Module, cfg: Config) -> Optional[nn.Module]:

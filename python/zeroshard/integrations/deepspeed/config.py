@@ -24,10 +24,10 @@ from typing import Optional, Tuple
 TOP_HONOURED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization",
                 "steps_per_print", "wall_clock_breakdown", "communication_data_type", "dataloader_drop_last",
+                "gradient_allreduce_op", "prescale_gradients", "gradient_predivide_factor",
                 "zero_allow_untested_optimizer"}   # (read by initialize: a client optimizer DeepSpeed does not know)
 # top level: DeepSpeed's own machinery, no counterpart (accepted with one warning)
-TOP_TUNING = {"zero_force_ds_cpu_optimizer", "memory_breakdown",
-              "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op", "disable_allgather",
+TOP_TUNING = {"zero_force_ds_cpu_optimizer", "memory_breakdown", "disable_allgather",
               "dump_state", "disable_python_gc", "activation_checkpointing", "flops_profiler", "tensorboard",
               "wandb", "csv_monitor", "comet", "comms_logger", "aio", "checkpoint", "timers", "log_level",
               "data_types", "seq_parallel_communication_data_type", "sparse_gradients", "graph_harvesting",
@@ -49,8 +49,10 @@ TOP_FEATURES = {
 ZERO_HONOURED = {"stage", "reduce_bucket_size", "contiguous_gradients", "overlap_comm", "offload_optimizer",
                  "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
                  "ignore_unused_parameters"}
-ZERO_TUNING = {"reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
-               "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size",
+# (reduce_scatter is read for the reduction options DeepSpeed refuses with it: _reduction)
+ZERO_TUNING = {"reduce_scatter", "use_multi_rank_bucket_allreduce",
+               "allgather_partitions", "allgather_bucket_size", "compute_grad_norm", "load_from_fp32_weights",
+               "elastic_checkpoint", "sub_group_size",
                "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
                "param_persistence_threshold", "stage3_model_persistence_threshold", "model_persistence_threshold",
                "stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance",
@@ -116,6 +118,7 @@ class Zero:
     overlap_comm: Optional[bool] = None
     offload_optimizer: OffloadSection = OffloadSection()
     offload_param: OffloadSection = OffloadSection()
+    ignore_unused_parameters: bool = True     # False: a parameter without a gradient stops the step (engine.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,6 +134,7 @@ class Config:
     scheduler: Optional[Tuple[str, dict]] = None
     zero: Zero = Zero()
     communication_data_type: Optional[str] = None   # torch dtype name
+    gradient_allreduce_op: str = "mean"     # "sum": the gradients summed over the ranks, not averaged
     steps_per_print: Optional[int] = None
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False
@@ -241,7 +245,8 @@ def _zero(d, unused: list) -> Zero:
         unused.append("zero_optimization.reduce_bucket_size (stage 3 reduces one unit at a time)")
     return Zero(stage=stage, reduce_bucket_size=_num(d, "reduce_bucket_size", None, int, "zero_optimization.", 1),
                 contiguous_gradients=bool(d.get("contiguous_gradients", True)), overlap_comm=d.get("overlap_comm"),
-                offload_optimizer=opt, offload_param=par)
+                offload_optimizer=opt, offload_param=par,
+                ignore_unused_parameters=_num(d, "ignore_unused_parameters", True, bool, "zero_optimization."))
 
 
 def _precision(raw: dict, unused: list) -> Tuple[LossScaling, bool]:
@@ -308,6 +313,41 @@ def _section(raw: dict, name: str) -> Optional[Tuple[str, dict]]:
     return str(d["type"]), dict(params)
 
 
+def _reduction(raw: dict, zero: Zero, world: int) -> str:
+    """``gradient_allreduce_op`` ("mean" or "sum"), checked with ``prescale_gradients`` and
+    ``gradient_predivide_factor`` as DeepSpeed 0.19 applies them. Pre-scaling and a predivide
+    factor f only move the division (1/N before the sum, or 1/f before and f/N after it): the
+    mean either way, which zeroshard computes. Where DeepSpeed refuses a combination, or gives
+    something other than the mean, it is refused here too (docs/deepspeed.md lists each)."""
+    op = raw.get("gradient_allreduce_op", "mean")
+    op = op.lower() if isinstance(op, str) else op
+    if op not in ("mean", "sum"):
+        raise ValueError(f"DeepSpeed config gradient_allreduce_op: expected \"mean\" or \"sum\", "
+                         f"got {raw['gradient_allreduce_op']!r}")
+    prescale = _num(raw, "prescale_gradients", False, bool, "")
+    factor = _num(raw, "gradient_predivide_factor", 1.0, float, "")
+    if not factor > 0:
+        raise ValueError(f"DeepSpeed config gradient_predivide_factor: expected a number > 0, got {factor}")
+    scatter = (raw.get("zero_optimization") or {}).get("reduce_scatter", True)
+    if op == "sum":
+        if zero.stage == 3:
+            raise ValueError("DeepSpeed config gradient_allreduce_op \"sum\" at zero_optimization.stage 3: "
+                             "DeepSpeed 0.19 refuses it too (ZeRO-3 averages); use \"mean\", or stage 1 or 2")
+        return op          # (DeepSpeed then ignores prescale_gradients and gradient_predivide_factor)
+    moved = [k for k, on in (("prescale_gradients", prescale), ("gradient_predivide_factor", factor != 1.0)) if on]
+    if moved and scatter and zero.stage in (2, 3):
+        raise ValueError(f"DeepSpeed config {' and '.join(moved)} at zero_optimization.stage {zero.stage} with "
+                         "reduce_scatter (true unless set): DeepSpeed 0.19 refuses this combination too (an "
+                         f"assertion in its ZeRO-{zero.stage} optimizer); remove {' and '.join(moved)}, or set "
+                         "zero_optimization.reduce_scatter false (both then average)")
+    if zero.stage == 3 and not prescale and factor == world != 1:
+        raise ValueError(f"DeepSpeed config gradient_predivide_factor {factor:g} equal to the world size at "
+                         "zero_optimization.stage 3: DeepSpeed 0.19's ZeRO-3 then divides by the world size twice "
+                         f"(gradients {world} times smaller than the mean) where zeroshard would average; "
+                         "refused rather than differ: use 1.0")
+    return op
+
+
 def parse(config, world_size: int, warn: bool = True) -> Config:
     """Read and check ``config`` (dict or JSON path) for ``world_size`` ranks; warns once,
     listing every tuning key that has no counterpart in zeroshard."""
@@ -326,11 +366,12 @@ def parse(config, world_size: int, warn: bool = True) -> Config:
     comm = raw.get("communication_data_type")
     if comm is not None and str(comm).lower() not in DTYPES:
         raise ValueError(f"DeepSpeed config communication_data_type: expected one of {sorted(DTYPES)}, got {comm!r}")
+    zero = _zero(raw.get("zero_optimization"), unused)
     cfg = Config(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
                  gradient_clipping=_num(raw, "gradient_clipping", 1.0, float, "", 0), fp16=scaling, bf16=bf16,
-                 optimizer=_section(raw, "optimizer"), scheduler=_section(raw, "scheduler"),
-                 zero=_zero(raw.get("zero_optimization"), unused),
+                 optimizer=_section(raw, "optimizer"), scheduler=_section(raw, "scheduler"), zero=zero,
                  communication_data_type=DTYPES[str(comm).lower()] if comm is not None else None,
+                 gradient_allreduce_op=_reduction(raw, zero, world_size),
                  steps_per_print=_num(raw, "steps_per_print", None, int, "", 1),
                  wall_clock_breakdown=bool(raw.get("wall_clock_breakdown", False)),
                  dataloader_drop_last=bool(raw.get("dataloader_drop_last", False)), unused=tuple(unused))

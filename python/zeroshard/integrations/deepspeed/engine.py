@@ -4,13 +4,20 @@ The engine holds the user's model, the model it calls (``FullyShard`` at
 stage 3, else the model itself), a ``ShardedOptimizer``, the schedule and the
 fp16 loss scale, and keeps DeepSpeed's counters. It adds nothing to the
 training math: ``backward`` divides the loss by the accumulation steps (and
-multiplies it by the fp16 scale) and calls ``loss.backward()``; at each
-accumulation boundary ``step`` unscales, clips with
+multiplies it by the fp16 scale) and calls ``loss.backward()``; a script's own
+``loss.backward()`` is divided the same way, by a hook on the gradient of each
+tensor the engine's forward returned, as DeepSpeed 0.19's engine does (with
+fp16, the loss must come from ``engine.scale(loss)``). At each accumulation
+boundary ``step`` unscales (and, with ``gradient_allreduce_op: "sum"``,
+multiplies the averaged gradients by the world size), clips with
 ``ShardedOptimizer.clip_grad_norm_``, steps, zeroes the gradients and steps
 the schedule, skipping a step whose gradients hold an inf or NaN on any rank,
-as DeepSpeed does. Micro-batches before the boundary run under ``no_sync()``
-at stages 0 and 1 (one reduction per step, as DeepSpeed's ZeRO-1) and are
-reduced each time at stages 2 and 3 (so the gradients stay sharded).
+as DeepSpeed does. A parameter no rank gave a gradient gets a zero one, as
+DeepSpeed gives it (its weight decay and momentum still move it), unless
+``ignore_unused_parameters`` asks for an error.
+Micro-batches before the boundary run under ``no_sync()`` at stages 0 and 1
+(one reduction per step, as DeepSpeed's ZeRO-1) and are reduced each time at
+stages 2 and 3 (so the gradients stay sharded).
 """
 from __future__ import annotations
 
@@ -37,6 +44,20 @@ def _device_of(runner: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def hook_outputs(out, hook) -> None:
+    """``hook`` on the gradient of every tensor with a grad_fn in a forward's output, looking
+    into tuples, lists and dicts (a Hugging Face ModelOutput is one), as DeepSpeed's engine does."""
+    if isinstance(out, torch.Tensor):
+        if out.grad_fn is not None:
+            out.register_hook(hook)
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            hook_outputs(item, hook)
+    elif isinstance(out, dict):
+        for item in out.values():
+            hook_outputs(item, hook)
+
+
 class DeepSpeedEngine(live.Tracked, nn.Module):
     """What ``zeroshard.initialize`` returns first: call it as the model, then
     ``engine.backward(loss)`` and ``engine.step()`` after every micro-batch."""
@@ -57,6 +78,9 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
         self._boundary: Optional[bool] = None                 # set_gradient_accumulation_boundary()
         self._step_applied = False
         self._grad_norm: Optional[float] = None
+        self._in_engine_backward = 0        # engine.backward() running: its loss is divided already
+        self._scaled_by_user = False        # engine.scale(loss) since the last forward
+        self._names = {id(p): n for n, p in runner.named_parameters()}
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.track()                        # (live.Tracked: destroy(), the helpers' lookups)
 
@@ -116,8 +140,30 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
     # ---------------------------------------------------------- training
     def forward(self, *inputs, **kwargs):
         self._check_alive("engine(...)")
+        self._scaled_by_user = False
         with self._timed("forward"):
-            return self.runner(*inputs, **kwargs)
+            out = self.runner(*inputs, **kwargs)
+        hook_outputs(out, self._output_grad)
+        return out
+
+    def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """An output's gradient: in a backward the script started itself (``loss.backward()``),
+        divided by the accumulation steps, as DeepSpeed's engine divides it."""
+        if self._in_engine_backward:
+            return grad
+        if self.loss_scaler.scale != 1.0 and not self._scaled_by_user:
+            raise RuntimeError("loss.backward() with fp16 loss scaling on a loss the scale was not applied to: "
+                               "call engine.scale(loss).backward(), or engine.backward(loss) (DeepSpeed 0.19 "
+                               "refuses it too with dynamic scaling, and with a static loss_scale divides the "
+                               "gradients by a scale the loss never had)")
+        gas = self.gradient_accumulation_steps()
+        return grad / gas if gas != 1 else grad
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for the script's own backward
+        (``engine.scale(loss).backward()``), as DeepSpeed's ``engine.scale``."""
+        self._scaled_by_user = True
+        return loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -138,8 +184,12 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
         local = self.cfg.zero.stage <= 1 and not self.is_gradient_accumulation_boundary()
-        with self._timed("backward"), (self.optimizer.no_sync() if local else contextlib.nullcontext()):
-            scaled.backward(retain_graph=retain_graph)
+        self._in_engine_backward += 1
+        try:
+            with self._timed("backward"), (self.optimizer.no_sync() if local else contextlib.nullcontext()):
+                scaled.backward(retain_graph=retain_graph)
+        finally:
+            self._in_engine_backward -= 1
         return loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
@@ -154,10 +204,13 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs) -> None:
-        opt, scale = self.optimizer, self.loss_scaler.scale
-        if scale != 1.0:
+        opt = self.optimizer
+        self._zero_unused()
+        # the fp16 unscale and, for gradient_allreduce_op "sum", the sum over the ranks from their mean
+        factor = (self.world_size if self.cfg.gradient_allreduce_op == "sum" else 1) / self.loss_scaler.scale
+        if factor != 1.0:
             grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, 1.0 / scale)
+            torch._foreach_mul_(grads, factor)
         clip = self.cfg.gradient_clipping
         norm = float(opt.clip_grad_norm_(clip if clip > 0 else math.inf))
         overflow = not math.isfinite(norm)
@@ -176,6 +229,26 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._report()
+
+    def _zero_unused(self) -> None:
+        """Trainable parameters no rank gave a gradient since the last step. DeepSpeed steps them
+        with a zero gradient (its ZeRO optimizers' flat partitions hold zeros there; at stage 0
+        its engine makes zero gradients before reducing), so weight decay and momentum still
+        move them and they count as stepped: here each gets a zero gradient (``p.grad`` set by
+        hand: [Note: gradients set by the script]). With ``ignore_unused_parameters`` false
+        DeepSpeed stops at them at stages 1-2 with optimizer offload, and so does zeroshard."""
+        zero = self.cfg.zero
+        idle = [(self._names.get(id(p), f"#{i}"), p) for g in self.optimizer.param_groups
+                for i, p in enumerate(g["params"]) if p.requires_grad and p.grad is None]
+        if idle and not zero.ignore_unused_parameters and zero.stage in (1, 2) and \
+                zero.offload_optimizer.device != "none":
+            raise RuntimeError(
+                f"zeroshard.initialize: parameters {[n for n, _ in idle[:8]]}{' ...' if len(idle) > 8 else ''} got "
+                "no gradient on any rank since the last step, and zero_optimization.ignore_unused_parameters is "
+                "false (with offload_optimizer at stage 1-2 DeepSpeed stops there too); set it true to step them "
+                "with a zero gradient, as DeepSpeed then does, or use them in the loss")
+        for _, p in idle:
+            p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
 
     def _sync_hyperparameters(self) -> None:
         """A client schedule bound to the client's own optimizer writes its param groups:
