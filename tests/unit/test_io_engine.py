@@ -18,9 +18,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SIZE = 3 * 2**20 + 1234            # not a whole number of blocks
 
 
+def on_disk() -> tempfile.TemporaryDirectory:
+    """A temporary directory on the repository's disk (its build folder)."""
+    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
+    return tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "build"))
+
+
 @pytest.fixture
 def workdir():
-    with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "build")) as d:
+    with on_disk() as d:
         yield d
 
 
