@@ -58,7 +58,7 @@ std::string direct_open_error(const std::string& path, int err, int64_t fs_magic
 }
 
 IoEngine::IoEngine(const std::string& path, IoBackend backend, int depth, int64_t piece_bytes)
-    : path_(path), piece_bytes_(piece_bytes), depth_(depth) {
+    : path_(path), pid_(getpid()), piece_bytes_(piece_bytes), depth_(depth) {
   if (depth < 1 || depth > 1024) throw std::invalid_argument("depth must be in [1, 1024], got " + std::to_string(depth));
   if (piece_bytes < kBlock || piece_bytes % kBlock != 0 || piece_bytes > (int64_t{1} << 30))
     throw std::invalid_argument("piece_bytes must be a multiple of 4096 of at most 1 GiB, got " +
@@ -92,7 +92,7 @@ IoEngine::IoEngine(const std::string& path, IoBackend backend, int depth, int64_
 IoEngine::~IoEngine() {
   {
     std::unique_lock<std::mutex> lk(mu_);
-    while (in_flight_ > 0) {
+    while (in_flight_ > 0 && getpid() == pid_) {   // a forked child must not reap its parent's completions
       if (reaping_) {
         cv_.wait(lk);
         continue;
@@ -110,7 +110,14 @@ IoEngine::~IoEngine() {
   ::close(plain_fd_);
 }
 
+void IoEngine::check_process() const {
+  if (getpid() != pid_)
+    throw std::logic_error(path_ + ": this I/O engine was opened by process " + std::to_string(pid_) +
+                           "; a forked child cannot use it (its queue is the parent's): open another in the child");
+}
+
 uint64_t IoEngine::submit(bool write, int64_t offset, int64_t nbytes, void* buf) {
+  check_process();
   if (offset < 0 || nbytes < 0 || offset + nbytes > size_ || (buf == nullptr && nbytes > 0))
     throw std::invalid_argument(path_ + ": bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
                                 ") are outside the file (" + std::to_string(size_) + " bytes) or have no memory");
@@ -145,6 +152,7 @@ void IoEngine::tail_write(int64_t off, int64_t end, const char* buf, Ticket& t) 
 }
 
 void IoEngine::wait(uint64_t ticket) {
+  check_process();
   std::unique_lock<std::mutex> lk(mu_);
   auto it = tickets_.find(ticket);
   if (it == tickets_.end()) throw std::invalid_argument("ticket " + std::to_string(ticket) + " is unknown or was waited for");

@@ -66,7 +66,7 @@ class IoEngine {
   // engine never grows it) for direct I/O.
   IoEngine(const std::string& path, IoBackend backend = IoBackend::kAuto, int depth = 8,
            int64_t piece_bytes = int64_t{1} << 20);
-  ~IoEngine();   // waits for the requests in flight
+  ~IoEngine();   // waits for the requests in flight (in the process that opened it)
   IoEngine(const IoEngine&) = delete;
   IoEngine& operator=(const IoEngine&) = delete;
 
@@ -118,7 +118,10 @@ class IoEngine {
   void reap_once(std::unique_lock<std::mutex>& lk);
   void tail_write(int64_t off, int64_t end, const char* buf, Ticket& t);
 
+  void check_process() const;
+
   std::string path_, fallback_;
+  int pid_;                            // the process that opened it: a forked child may not use it
   int dio_fd_ = -1, plain_fd_ = -1;
   int64_t size_ = 0, piece_bytes_;
   int depth_;

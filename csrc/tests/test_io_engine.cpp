@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -158,6 +159,27 @@ TEST(IoEngine, BadRangesAndArguments) {
     EXPECT_EQ(err.err, ENOENT);
     EXPECT_NE(std::string(err.what()).find(".missing for direct I/O"), std::string::npos);
   }
+}
+
+TEST(IoEngine, AForkedChildRefusesTheParentsQueue) {
+  TestFile f("fork", 8192);
+  IoEngine e(f.path);
+  char buf[16];
+  const pid_t pid = fork();
+  if (pid == 0) {
+    int code = 1;
+    try {
+      e.submit(false, 0, 16, buf);
+    } catch (const std::logic_error& err) {
+      code = std::string(err.what()).find("a forked child cannot use it") != std::string::npos ? 0 : 2;
+    }
+    _exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  e.wait(e.submit(false, 0, 16, buf));   // the parent's engine goes on
+  EXPECT_EQ(0, std::memcmp(buf, f.bytes.data(), 16));
 }
 
 TEST(IoEngine, ARefusedDirectOpenNamesTheFilesystemAndTheFix) {
