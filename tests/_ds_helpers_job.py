@@ -291,3 +291,38 @@ def _refusal_runtime(fn):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def frozen_checkpoint(stage, root):
+    """save_checkpoint(exclude_frozen_parameters=True) with blocks.0 frozen, then a fresh model
+    (other initial values) loaded with load_module_strict=False and trained one more step, on
+    both; the strict load of such a checkpoint refused by both."""
+    ds = ds_setup()
+    cfg = base(stage)
+    out = {}
+    for who in ("ds", "zs"):
+        init, gp, utils = _api(ds if who == "ds" else None)
+        models = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            m = Tagged()
+            m.blocks[0].requires_grad_(False)
+            models.append(m)
+        first = _engine(init, cfg, model=models[0])
+        _steps(first, 0, 2)
+        first.save_checkpoint(f"{root}/frozen-{who}{stage}", exclude_frozen_parameters=True)
+        fresh = {n: p.detach().clone() for n, p in models[1].named_parameters()}
+        second = _engine(init, cfg, model=models[1])
+        try:
+            second.load_checkpoint(f"{root}/frozen-{who}{stage}")
+            out[f"{who}-strict"] = None
+        except Exception as e:  # noqa: BLE001 - each library's own refusal
+            out[f"{who}-strict"] = f"{type(e).__name__}: {e}"
+        second.load_checkpoint(f"{root}/frozen-{who}{stage}", load_module_strict=False)
+        _steps(second, 2, 1)
+        frozen = ["blocks.0.weight", "blocks.0.bias"]
+        out[who] = {n: utils.safe_get_full_fp32_param(p).clone() for n, p in _named(second).items()
+                    if n not in frozen}
+        out[who].update(_gathered_values(second, gp, frozen))
+        out[f"{who}-fresh"] = {n: fresh[n] for n in frozen}
+    return out

@@ -370,7 +370,8 @@ def test_bf16_config_gathers_every_unit_in_bf16_at_stage_3():
 def _helpers_all_stages(root):
     import _ds_helpers_job as job
     return dict({s: job.helpers(s) for s in (1, 2, 3)}, clients=job.client_optimizers(),
-                second={s: job.second_initialize(s, root) for s in (2, 3)}, bf16=job.bf16_edit())
+                second={s: job.second_initialize(s, root) for s in (2, 3)}, bf16=job.bf16_edit(),
+                frozen={s: job.frozen_checkpoint(s, root) for s in (1, 3)})
 
 
 @pytest.mark.timeout(300)
@@ -408,6 +409,10 @@ def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
         _close(r["ds-loaded"], r["zs-loaded"], 1e-5)
         _close(r["zs-loaded"], r["zs"], 0.0)
         assert "destroyed engine" in r["first"] and "destroyed engine" in r["destroyed"], stage
+    for stage, r in res["frozen"].items():    # exclude_frozen_parameters, load_module_strict=False
+        _close(r["ds"], r["zs"], 1e-5)
+        _close(r["zs-fresh"], {n: r["zs"][n] for n in r["zs-fresh"]}, 0.0)    # the loading model's own values
+        assert r["ds-strict"] is not None and "blocks.0.weight" in r["zs-strict"], (stage, r["zs-strict"])
     for r in ranks:             # bf16: the same edit as DeepSpeed's, and the fp32 master made from it
         bf16 = r["bf16"]
         _close(bf16["ds"], bf16["zs"], 0.0)

@@ -76,12 +76,12 @@ from . import files
 from .. import comm
 from . import save
 from .files import CheckpointError
-from .holdings import Holdings, optimizers_of
+from .holdings import Holdings, leave_out_frozen, optimizers_of
 from .peers import Peers
 
 # ------------------------------------------------------------------------ API
 def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *, sync_files: bool = True,
-                    background: bool = False) -> Optional[concurrent.futures.Future]:
+                    background: bool = False, exclude_frozen: bool = False) -> Optional[concurrent.futures.Future]:
     """Save ``model`` (and ``optimizer``) to the directory ``path``: every rank
     writes what it owns, concurrently, and the directory appears complete or not
     at all (see [Note: checkpoint format] in checkpoint/api.py).
@@ -115,12 +115,19 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *
     ``torch.distributed.destroy_process_group()``. It costs host memory for a
     copy of what this rank writes until the write ends (see [Note: background
     save] in checkpoint/save.py). Returns None without ``background``.
+
+    ``exclude_frozen`` (DeepSpeed's ``exclude_frozen_parameters``): leave out the
+    parameters that do not require grad (a LoRA run's base model); such a
+    checkpoint loads with ``load_checkpoint(..., strict=False)``, which keeps the
+    model's own values for them.
     """
     path = os.path.abspath(os.fspath(path))
     save.wait()                                   # one save in flight per process
     for opt in optimizers_of(optimizer):
         getattr(opt, "wait_params", lambda: None)()   # overlap_param_gather: complete parameters
     h = Holdings(model, optimizer, for_load=False)   # same outcome on every rank
+    if exclude_frozen:
+        leave_out_frozen(h, model)
     _check_in(h, "save_checkpoint()")
     return save.save(h, path, extra, sync_files, background)
 
@@ -154,7 +161,7 @@ def find_checkpoint(path: str) -> str:
     return path
 
 
-def _check_match(h: Holdings, man: dict, path: str, with_optimizer: bool, elsewhere: set):
+def _check_match(h: Holdings, man: dict, path: str, with_optimizer: bool, elsewhere: set, strict: bool = True):
     """``elsewhere``: the experts' tensors other ranks hold ([Note: expert checkpoints])."""
     tensors, where = man["tensors"], f"the checkpoint {path}"
     if with_optimizer and man["param_groups"] is None:
@@ -163,6 +170,8 @@ def _check_match(h: Holdings, man: dict, path: str, with_optimizer: bool, elsewh
         t = tensors.get(key)
         if t is None and key.startswith(("exp_avg:", "exp_avg_sq:")):
             continue          # saved before that parameter had optimizer state: it starts at zero
+        if t is None and not strict and key.startswith("param:"):
+            continue          # (strict=False: saved without it, exclude_frozen; it keeps the model's value)
         if t is None:
             raise CheckpointError(f"{where} has no tensor '{key}'; it is a checkpoint of another model")
         if list(t["shape"]) != list(s.shape):
@@ -174,7 +183,7 @@ def _check_match(h: Holdings, man: dict, path: str, with_optimizer: bool, elsewh
                               "it is a checkpoint of another model")
 
 
-def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
+def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = True) -> Any:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and
     ``optimizer``), whatever world size and stage saved it; returns the ``extra``
     this rank saved (rank r < saved world size: its own; otherwise rank 0's; None
@@ -186,6 +195,9 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     :class:`CheckpointError` on every rank, naming the file and tensor, before
     anything is modified; a corrupt block is found while reading, so the model
     then holds a mix of old and loaded values: load another checkpoint.
+    ``strict=False``: parameters the checkpoint lacks (saved with
+    ``exclude_frozen=True``) keep the model's values; a tensor the model lacks is
+    still refused.
     """
     save.wait()                                   # a background save, maybe of this path
     path = find_checkpoint(os.path.abspath(os.fspath(path)))
@@ -196,7 +208,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
     peers = Peers(h.group)
     elsewhere = h.everyones_expert_keys()
     man = peers.run(lambda: files.read_manifest(path))
-    peers.run(lambda: (_check_match(h, man, path, optimizer is not None, elsewhere), h.adopt(man)))
+    peers.run(lambda: (_check_match(h, man, path, optimizer is not None, elsewhere, strict), h.adopt(man)))
     reader = files.Reader(path, man)
     files.stats["bytes_read"] = 0
 
@@ -207,7 +219,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None) -> Any:
             for p in h.pieces:
                 if p.key in man["tensors"]:
                     reader.read(p.key, p.start, p.data)
-                else:
+                elif strict or not p.key.startswith("param:"):
                     p.data.zero_()
             if not man["extra"]:
                 return None

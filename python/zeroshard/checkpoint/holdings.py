@@ -327,6 +327,15 @@ class Holdings:
             f(man)
 
 
+def leave_out_frozen(h: Holdings, model: nn.Module) -> None:
+    """Leave ``model``'s parameters that do not require grad out of ``h`` (save_checkpoint(
+    exclude_frozen=True), DeepSpeed's exclude_frozen_parameters), and the names tied to them."""
+    frozen = {"param:" + h.names[id(p)] for p in model.parameters() if not p.requires_grad and id(p) in h.names}
+    h.specs = {k: s for k, s in h.specs.items() if k not in frozen}
+    h.pieces = [p for p in h.pieces if p.key not in frozen]
+    h.aliases = {a: c for a, c in h.aliases.items() if "param:" + c not in frozen}
+
+
 def _check_fused_can_run(man: dict, names: set) -> None:
     """A checkpoint whose param groups ask for what the fused AdamW does not run is refused
     before anything is read (its optimizer was built with amsgrad or maximize)."""

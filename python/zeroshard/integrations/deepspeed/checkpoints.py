@@ -43,9 +43,6 @@ def _write_latest(root: str, tag: str) -> None:
 
 
 def save(engine, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool) -> bool:
-    if exclude_frozen:
-        raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True): zeroshard checkpoints hold "
-                                  "every parameter; leave it False")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     root = os.fspath(save_dir)
     os.makedirs(root, exist_ok=True)
@@ -54,7 +51,8 @@ def save(engine, save_dir, tag, client_state: dict, save_latest: bool, exclude_f
              "micro_steps": engine.micro_steps, "loss_scaler": engine.loss_scaler.state_dict(),
              "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
              "zero_stage": engine.zero_optimization_stage(), "world_size": engine.world_size}
-    zeroshard.save_checkpoint(os.path.join(root, tag), engine.runner, engine.optimizer, extra=extra)
+    zeroshard.save_checkpoint(os.path.join(root, tag), engine.runner, engine.optimizer, extra=extra,
+                              exclude_frozen=exclude_frozen)
     if save_latest and engine.global_rank == 0:
         _write_latest(root, tag)
     dist.barrier()
@@ -63,16 +61,17 @@ def save(engine, save_dir, tag, client_state: dict, save_latest: bool, exclude_f
 
 def load(engine, load_dir, tag, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
          load_module_only: bool, custom_load_fn):
-    if custom_load_fn is not None or not strict:
-        raise NotImplementedError("load_checkpoint(custom_load_fn=... or load_module_strict=False): a zeroshard "
-                                  "checkpoint loads only into the model it was saved from")
+    if custom_load_fn is not None:
+        raise NotImplementedError("load_checkpoint(custom_load_fn=...): a zeroshard checkpoint loads only into "
+                                  "the model it was saved from")
     path = tag_dir(load_dir, tag)
     if path is None or not os.path.isdir(path):
         warnings.warn(f"load_checkpoint: no checkpoint at {path or os.path.join(os.fspath(load_dir), LATEST)}; "
                       "nothing loaded (as DeepSpeed, returning (None, None))", stacklevel=3)
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    extra = zeroshard.load_checkpoint(path, engine.runner, engine.optimizer if with_optimizer else None)
+    extra = zeroshard.load_checkpoint(path, engine.runner, engine.optimizer if with_optimizer else None,
+                                      strict=strict)
     if not with_optimizer and engine.optimizer is not None:
         _refresh_master(engine)
     extra = extra if isinstance(extra, dict) and extra.get("format") == FORMAT else {"client_state": extra}
