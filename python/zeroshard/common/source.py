@@ -223,6 +223,16 @@ class Region:
 
 
 @dataclass(frozen=True)
+class Rebind:
+    """What a source over model-owned shards (ZeRO-3's) reports to whoever bound it (an
+    optimizer) when the model lays those shards out again for another party:
+    ``blocker()``: why that may not happen now, or None; ``relaid()``: it happened, bind
+    anew. The model side calls these and knows nothing of who answers."""
+    blocker: Callable[[], Optional[str]]
+    relaid: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class HeldParam:
     """A parameter of a sharded model as checkpoints see it: the object the model yields
     (its name is the model's for it), its full shape and the model's dtype for it.

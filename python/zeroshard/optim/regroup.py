@@ -28,12 +28,12 @@ is refused there (build another ShardedOptimizer for it).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from .. import comm
-from ..common.claims import check_unclaimed, claim, unclaim
+from ..common.claims import check_unclaimed, unclaim
 from ..common.source import remove_hooks
 from .rules import gather_scalars
 
@@ -162,7 +162,6 @@ class Regrouping:
         self._param_steps = [old_steps[i] if i < len(old_steps) else 0 for i in range(len(self._params))]
         self._source.shards_loaded()
         self._consolidated = None
-        claim(self, self._params)
 
     def lay_out_unfrozen(self) -> bool:
         """zero_grad(): lay out the parameters unfrozen since the last layout, if any
@@ -173,20 +172,25 @@ class Regrouping:
         self._relayout()
         return True
 
-    def params_wrapped(self, replaced: Dict[int, torch.Tensor]) -> None:
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the parameters this optimizer steps (a claimant's answer:
+        [Note: construction order] in common/claims.py)."""
+        return id(p) in self._held
+
+    def params_replaced(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """FullyShard wrapped the model whose parameters this optimizer was built over
-        (DDP's order: the optimizer, then the wrap): ``replaced`` maps each plain
-        parameter's id to its sharded one, which this optimizer then steps as
+        (DDP's order: the optimizer, then the wrap): each (plain, sharded) pair names the
+        sharded parameter that replaced a plain one, which this optimizer then steps as
         ZeRO-3, in the same param groups. See [Note: construction order]."""
         if any(self._param_steps) or self._source.in_backward() or self._source.grads_ready():
             raise RuntimeError(self._err(
                 "FullyShard wrapped parameters of a ShardedOptimizer that has already run a backward or a "
                 "step: wrap the model before training (the optimizer may be built before or after)"))
+        replaced = {id(plain): sharded for plain, sharded in pairs}
         for g in self.param_groups:
             g["params"] = [replaced.get(id(p), p) for p in g["params"]]
         self._source.release()
         self._bind()
-        claim(self, self._params)
 
     def release(self) -> None:
         """Let go of the parameters: their gradients cleared, every hook removed (the source's,

@@ -30,7 +30,7 @@ from ..zero12.buffers import BufferSync, modules_given, sync_buffers
 from ..zero12.reducer import FlatReducer
 from .rules import FusedAdamW, TorchElementwise, add_group_keys, check_class, probe_defaults
 from .whole import WholeTensor
-from ..common.source import SUPPORTED, Region, ShardSource, weak_hook
+from ..common.source import SUPPORTED, Rebind, Region, ShardSource, weak_hook
 from ..zero3.source import UnitSource
 from ..zero3.records import left_out, owner_of
 
@@ -93,10 +93,10 @@ def _adamw_defaults(given: dict, extra: dict) -> dict:
 
 
 def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple, options: dict,
-                 err, optimizer=None, param_groups=()) -> ShardSource:
+                 err, rebind: Optional[Rebind] = None, param_groups=()) -> ShardSource:
     """FlatReducer over plain parameters (ZeRO-1/2), UnitSource over FullyShard ones;
     ``groups``: (process_group, shard_size, device_mesh); ``options``: the reducer's;
-    ``optimizer``: a weak reference to the ShardedOptimizer (UnitSource); ``param_groups``:
+    ``rebind``: the ShardedOptimizer's answers to a relayout (UnitSource); ``param_groups``:
     theirs (a group's "device_mesh": [Note: param groups over their own ranks] in comm/mesh.py)."""
     owners = [owner_of(p) for p in params]
     if all(o is None for o in owners):
@@ -118,7 +118,23 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
                 "outside the wrapped blocks) and pass model.parameters()"))
     # (options["names"] unused: FullyShard compares its parameters' names across ranks itself)
     return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],
-                      options["offload"], options["whole"], optimizer)
+                      options["offload"], options["whole"], rebind)
+
+
+def _rebind(ref: "weakref.ref[ShardedOptimizer]") -> Rebind:
+    """The optimizer's answers when FullyShard lays its units out again for another party
+    (while the optimizer ``ref`` lives): refused once it has stepped, else it binds anew."""
+    def blocker() -> Optional[str]:
+        opt = ref()
+        if opt is not None and any(opt.param_steps):
+            return "another ShardedOptimizer over it has already stepped (or loaded a state)"
+        return None
+
+    def relaid() -> None:
+        opt = ref()
+        if opt is not None:
+            opt.units_relaid()
+    return Rebind(blocker, relaid)
 
 
 def _check_dense(params: List[torch.Tensor], err) -> None:
@@ -247,7 +263,7 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         self._bind()
         if self._buffers is not None:    # equal from here on, as DDP's constructor makes them
             sync_buffers(modules, self._source.groups.every, self._buffers.src)
-        claim(self, self._params)       # FullyShard, wrapping these later, hands over its own
+        claim(self)       # FullyShard, wrapping these later, hands over its own
         Joinable.__init__(self)         # torch's Join ([Note: uneven inputs] in optim/join.py)
         self._join_notified = False     # this iteration took part in Join's count
 
@@ -259,12 +275,13 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         if not any(p.requires_grad for p in params):
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
         source = _make_source(params, group_of, self._binding[0], dict(self._binding[1], names=[
-            self._names.get(id(p)) for p in params]), self._err, weakref.ref(self), self.param_groups)
+            self._names.get(id(p)) for p in params]), self._err, _rebind(weakref.ref(self)), self.param_groups)
         known = None                 # a new layout keeps the module the last one found
         if self._buffers is not None:
             self._buffers.release()
             known, self._buffers = self._buffers.module, None
         self._params, self._group_of, self._source = params, group_of, source
+        self._held = {id(p) for p in params}     # (what ``holds`` answers from)
         self._trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
         self._param_steps = [0] * len(params)   # each parameter's own step count, as torch's

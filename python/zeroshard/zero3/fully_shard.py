@@ -85,7 +85,7 @@ from .gather import Gatherer
 from .gathered import gathered_block
 from ..common.source import SUPPORTED, GradState, HeldParam, Region, ShardedModel
 from ..common.tensor_parallel import check_model
-from .records import MixedPrecision, Optimizers, Unit, UnitState, register_owner
+from .records import MixedPrecision, Steppers, Unit, UnitState, register_owner
 from .param_init import InitWatch, check_to_empty
 from .backward import BackwardContext, UnitBackward
 from .forward import UnitForward
@@ -193,7 +193,7 @@ class FullyShard(nn.Module, ShardedModel):
         self.rank = dist.get_rank(self.process_group)
         self._src = dist.get_global_rank(self.groups.every, 0)
         self.comm_elements = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
-        self._optimizers = Optimizers()    # optimizers' sources (weakly) and state shards by unit
+        self._steppers = Steppers()    # the sources stepping the shards (weakly), their state shards by unit
 
         self._device = pick_device(module, device, self.process_group, self._err)
         self.offload_params = bool(offload_params)
@@ -344,18 +344,18 @@ class FullyShard(nn.Module, ShardedModel):
     def zero_grad(self, set_to_none: bool = True, by: Optional[object] = None):
         """``set_to_none=True`` (the default) frees the gradient shards (the next backward
         allocates them); ``False`` zeroes them in place (None stays None, as in torch).
-        ``by``: the optimizer asking (see ``Optimizers.defer_zero``)."""
+        ``by``: the stepper asking (see ``Steppers.defer_zero``)."""
         if self._backward.active:
             raise RuntimeError(self._err("zero_grad() called during backward"))
-        if not self._optimizers.defer_zero(by, set_to_none, self.grads_ready()):
+        if not self._steppers.defer_zero(by, set_to_none, self.grads_ready()):
             self._backward.zero_grad(set_to_none)
-            self._optimizers.clear_steps()
+            self._steppers.clear_steps()
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
         """Bytes held on this rank, by category and by location (device, host,
         disk); see zero3/state_dict.py's memory_report for each key."""
-        return memory_report(self._units, self._optimizers.states_by_unit(), self.param_dtype, self._gatherer,
+        return memory_report(self._units, self._steppers.states_by_unit(), self.param_dtype, self._gatherer,
                                         self._backward, reset_peak, self.offload_params)
 
     # ------------------------------------------- what an optimizer's source uses
@@ -377,12 +377,12 @@ class FullyShard(nn.Module, ShardedModel):
         return self._backward.active
 
     def step_done(self, updated: bool = True, by: Optional[object] = None):
-        """The shards were stepped (``updated``) or skipped by optimizer ``by``: drop gathered
-        copies; consume the gradients once every optimizer over the model has stepped."""
+        """The shards were stepped (``updated``) or skipped by stepper ``by``: drop gathered
+        copies; consume the gradients once every stepper over the model has stepped."""
         self.invalidate()
-        if self._optimizers.all_stepped(by):
+        if self._steppers.all_stepped(by):
             self._backward.step_done(updated)
-            deferred = self._optimizers.take_deferred_zero()
+            deferred = self._steppers.take_deferred_zero()
             if deferred is not None:
                 self._backward.zero_grad(deferred)
 
@@ -392,20 +392,20 @@ class FullyShard(nn.Module, ShardedModel):
         self._backward.listeners.append(fn)
 
     @property
-    def optimizers(self) -> Optimizers:
-        """The optimizers' sources over this model and their state shards, by unit."""
-        return self._optimizers
+    def steppers(self) -> Steppers:
+        """The sources stepping this model's shards and their state shards, by unit."""
+        return self._steppers
 
     def lay_out_for_owners(self, costs: Dict[int, int], load: List[int], by: object):
         """Each tensor of ``costs`` (sharded parameter id -> cost) inside one rank's chunk, for
-        the whole-tensor optimizer whose source is ``by`` ([Note: uneven chunks])."""
-        relayout.lay_out(self._setup, self._units, costs, load, self._backward, self._optimizers, by)
+        the whole-tensor update of stepper ``by`` ([Note: uneven chunks])."""
+        relayout.lay_out(self._setup, self._units, costs, load, self._backward, self._steppers, by)
 
     @torch.compiler.disable
     def lay_out_trainable(self, by: object):
         """Lay out again the units holding parameters frozen at wrapping and unfrozen since, so
-        they take gradients, for the optimizer whose source is ``by`` (collective)."""
-        for u, q in relayout.thaw(self._setup, self._units, self._backward, self._optimizers, by):
+        they take gradients, for stepper ``by`` (collective)."""
+        for u, q in relayout.thaw(self._setup, self._units, self._backward, self._steppers, by):
             self._forward.watch_grad(u, q)
         self._frozen_when_wrapped = [p for p in self._frozen_when_wrapped if not p.requires_grad]
 

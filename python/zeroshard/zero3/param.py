@@ -100,6 +100,7 @@ class ShardedParameter(nn.Parameter):
         # ``start``: where the piece begins in the flattened full tensor; ``whole``: the pieces
         # are ranges of the one full tensor (False: a tensor-parallel or an expert parameter)
         t.piece, t.param_name, t.start, t.whole = local, name, start, whole
+        t.owner_ref = None      # a weak reference to the FullyShard that made it (records.register_owner)
         return t
 
     def to_local(self) -> torch.Tensor:

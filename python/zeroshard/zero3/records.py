@@ -1,13 +1,12 @@
-"""FullyShard's records: MixedPrecision, a parameter (Param) and a sharding
-unit (Unit) with its state, and the registry mapping a sharded parameter to
-the FullyShard that made it (what ShardedOptimizer looks up)."""
+"""FullyShard's records: MixedPrecision, a parameter (Param), a sharding unit
+(Unit) with its state, and the parties stepping its shards (Steppers)."""
 from __future__ import annotations
 
 import enum
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -16,10 +15,6 @@ from .. import comm
 from ..common.reduction import Reduction
 from ..native.layout import chunk_span
 
-# sharded parameter id -> (weakref to it, weakref to its FullyShard)
-_OWNERS: Dict[int, tuple] = {}
-
-
 def left_out(p: torch.Tensor) -> bool:
     """An integer or bool parameter (a step counter, a mask): FullyShard leaves it out of
     sharding, on its module, as a buffer (it takes no gradient)."""
@@ -27,9 +22,9 @@ def left_out(p: torch.Tensor) -> bool:
 
 
 def owner_of(p: torch.Tensor):
-    """The FullyShard that made parameter ``p``, else None."""
-    e = _OWNERS.get(id(p))
-    return e[1]() if e is not None and e[0]() is p else None
+    """The FullyShard that made parameter ``p`` (a ShardedParameter's ``owner_ref``), else None."""
+    ref = getattr(p, "owner_ref", None)
+    return ref() if isinstance(ref, weakref.ref) else None
 
 
 @dataclass(frozen=True)
@@ -191,24 +186,31 @@ class Unit:
 
 
 def register_owner(fs, units: List[Unit]):
-    """Record ``fs`` as the owner of its units' sharded parameters (weakly), until fs is collected."""
+    """Record ``fs`` (weakly) as the owner of its units' sharded parameters."""
     fs_ref = weakref.ref(fs)
     for u in units:
         for q in u.params:
-            _OWNERS[id(q.sharded)] = (weakref.ref(q.sharded), fs_ref)
-    weakref.finalize(fs, _forget, [id(q.sharded) for u in units for q in u.params])
+            q.sharded.owner_ref = fs_ref
 
 
-def _forget(ids):
-    for i in ids:
-        _OWNERS.pop(i, None)
+class Stepper(Protocol):
+    """What FullyShard asks of a party stepping its shards (the ZeRO-3 source an
+    optimizer binds: zero3/source.py) when a unit is laid out again."""
+
+    def relayout_blocker(self) -> Optional[str]:
+        """Why the units it steps may not be laid out again now, or None."""
+
+    def relaid(self) -> None:
+        """The units it steps were laid out again: whoever bound it binds anew."""
 
 
-class Optimizers:
-    """The ShardedOptimizers over a FullyShard model's parameters (held weakly): their
-    state shards by unit index, which memory_report counts while each lives, and
-    which of them have stepped since the backward (with several, e.g. Muon over the
-    matrices and AdamW over the rest, the gradients are consumed once each has)."""
+class Steppers:
+    """The parties stepping a FullyShard model's shards (the sources optimizers bind
+    over its units, held weakly): their state shards by unit index, which
+    memory_report counts while each lives, and which of them have stepped since the
+    backward (with several, e.g. Muon over the matrices and AdamW over the rest, the
+    gradients are consumed once each has). FullyShard tells them of a relayout through
+    the ``Stepper`` protocol and knows nothing else of them."""
 
     def __init__(self):
         self._entries: List[tuple] = []
@@ -222,7 +224,7 @@ class Optimizers:
         self._entries = [(ref, st) for ref, st in self._entries if ref() is not None and ref() is not owner]
 
     def over(self, unit_indices: set) -> list:
-        """The live optimizers (their sources) with state over any of these units."""
+        """The live steppers with state over any of these units."""
         return [o for ref, st in self._entries if (o := ref()) is not None and unit_indices & set(st)]
 
     def states_by_unit(self) -> Dict[int, Dict[str, torch.Tensor]]:
@@ -233,7 +235,7 @@ class Optimizers:
         return out
 
     def live(self) -> list:
-        """The live optimizers' sources, in registration order."""
+        """The live steppers, in registration order."""
         return [ref() for ref, _ in self._entries if ref() is not None]
 
     def all_stepped(self, by: Optional[object]) -> bool:

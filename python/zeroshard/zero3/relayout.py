@@ -47,7 +47,7 @@ from .. import comm
 from ..native.layout import assign_owners, owner_chunks
 from ..common.source import GradState
 from ..common.tensor_parallel import point_at
-from .records import Optimizers, Unit, UnitState
+from .records import Steppers, Unit, UnitState
 from .wrap import Setup, host_or_device_zeros, layout_align, place_piece, set_grad_extent, unit_layout
 
 # The least a chunk holding the unit's other tensors is filled to (elements): with many more
@@ -58,20 +58,20 @@ MIN_FILL = 1 << 16
 
 
 def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int], backward,
-            optimizers: Optimizers, by: object):
+            steppers: Steppers, by: object):
     """``lay_out_for_owners`` for a FullyShard (its UnitBackward ``backward``) and the
-    whole-tensor optimizer whose source is ``by``; the other optimizers (their sources)
-    over moved units are bound again."""
+    whole-tensor update of stepper ``by``; the other steppers over moved units are told
+    (``Stepper.relaid``: their optimizers bind again)."""
     def busy(u: Unit) -> Optional[str]:
         if backward.active or u.state != UnitState.SHARDED:
             return "a forward or backward is running"
         if backward.gatherer.steps_done or u.grad_shard is not None or u.reduction.buffer is not None:
             return "the model has already trained (it holds gradients, or it has stepped)"
-        return next((why for o in optimizers.over({u.index}) if o is not by and (why := o.relayout_blocker())), None)
+        return next((why for s in steppers.over({u.index}) if s is not by and (why := s.relayout_blocker())), None)
     moved = lay_out_for_owners(cfg, units, costs, load, busy)
-    for o in optimizers.over({u.index for u in moved}):
-        if o is not by:
-            o.relaid()
+    for s in steppers.over({u.index for u in moved}):
+        if s is not by:
+            s.relaid()
 
 
 @torch.no_grad()
@@ -115,12 +115,12 @@ def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], loa
     return moved
 
 
-def thaw(cfg: Setup, units: List[Unit], backward, optimizers: Optimizers, by: object) -> List[tuple]:
+def thaw(cfg: Setup, units: List[Unit], backward, steppers: Steppers, by: object) -> List[tuple]:
     """Lay out again, in equal chunks with their trainable parameters first, the units holding
     parameters frozen at wrapping and unfrozen since (``requires_grad_(True)`` on the sharded
     parameter), values kept, so those parameters take gradients ([Note: frozen parameters]
-    in zero3/wrap.py); the optimizers over them but the one whose source is ``by`` are bound
-    again, their state carried over ([Note: new parameters] in optim/regroup.py). Returns
+    in zero3/wrap.py); the steppers over them but ``by`` are told (their optimizers bind
+    again, their state carried over: [Note: new parameters] in optim/regroup.py). Returns
     the (unit, parameter record) of each parameter thawed. Collective over ``cfg.group``."""
     moved, thawed_all = [], []
     for u in units:
@@ -147,9 +147,9 @@ def thaw(cfg: Setup, units: List[Unit], backward, optimizers: Optimizers, by: ob
         set_grad_extent(u, cfg.world)
         moved.append(u)
         thawed_all += [(u, q) for q in thawed]
-    for o in optimizers.live() if moved else ():   # (any may hold the thawed ones, frozen; each binds anew)
-        if o is not by:
-            o.relaid()
+    for s in steppers.live() if moved else ():   # (any may hold the thawed ones, frozen; each binds anew)
+        if s is not by:
+            s.relaid()
     return thawed_all
 
 

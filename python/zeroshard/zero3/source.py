@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
-from ..common.source import Region, Segment, ShardSource, weak_hook
+from ..common.source import Rebind, Region, Segment, ShardSource, weak_hook
 from ..common.tensor_parallel import TensorParallel
 from .param import ShardedTensor
 from ..native.layout import keep_balanced, update_cost
@@ -28,14 +28,14 @@ class UnitSource(ShardSource):
 
     def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, groups: tuple,
                  reduce_dtype, adam: bool = True, offload: Offload = NO_OFFLOAD, whole: bool = False,
-                 optimizer: Optional[Callable[[], object]] = None):
+                 rebind: Optional[Rebind] = None):
         """``groups``: the optimizer's (process_group, shard_size, device_mesh) arguments;
         ``offload``: where the state shards of which units go ([Note: offload]);
         ``whole``: a whole-tensor optimizer's (each of its tensors is laid inside one
-        rank's chunk first: [Note: uneven chunks] in zero3/relayout.py); ``optimizer``:
-        a weak reference to the ShardedOptimizer over this source."""
+        rank's chunk first: [Note: uneven chunks] in zero3/relayout.py); ``rebind``: what
+        to report when another party has the units laid out again."""
         super().__init__()
-        self._optimizer = optimizer
+        self._rebind = rebind
         self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
         for fs in owners:       # (None: an integer parameter FullyShard left out of sharding)
             if fs is not None and all(fs is not o for o in self.owners):
@@ -70,7 +70,7 @@ class UnitSource(ShardSource):
                 st = self._add_unit(u, group, index, placed.get(id(u), Placement.DEVICE))
                 if st is not None:
                     states[u.index] = st
-            fs.optimizers.register(self, states)
+            fs.steppers.register(self, states)
             fs.add_grads_ready_listener(weak_hook(self._owner_ready))
         # a parameter inside one rank's chunk is whole there by chance of the units' layout: a
         # rank holding too much of the update cost so gives some back (they are exchanged);
@@ -171,33 +171,25 @@ class UnitSource(ShardSource):
                                          streamed=self.storage.streamed(placement), norms_taken=True))
         return {n: t for n, t in st.items() if t is not None}
 
-    # ------------------------------------------- a relayout by another optimizer
-    def _live_optimizer(self):
-        """The ShardedOptimizer over this source, if it is still alive."""
-        return self._optimizer() if self._optimizer is not None else None
-
+    # ------------------------------------------- a relayout by another party
     def relayout_blocker(self) -> Optional[str]:
         """Why the units under this source cannot be laid out again, or None."""
-        opt = self._live_optimizer()
-        if opt is not None and any(opt.param_steps):
-            return "another ShardedOptimizer over it has already stepped (or loaded a state)"
-        return None
+        return self._rebind.blocker() if self._rebind is not None else None
 
     def lay_out_trainable(self):
         for fs in self.owners:
             fs.lay_out_trainable(by=self)
 
     def relaid(self):
-        """The units were laid out again: the optimizer binds a new source over them."""
-        opt = self._live_optimizer()
-        if opt is not None:
-            opt.units_relaid()
+        """The units were laid out again: whoever bound this source binds a new one."""
+        if self._rebind is not None:
+            self._rebind.relaid()
 
     def release(self):
         """Inert from now on (until collected: its hooks are weak): no state counted, no
         statistics taken after a backward (the optimizer bound a new source)."""
         for fs in self.owners:
-            fs.optimizers.unregister(self)
+            fs.steppers.unregister(self)
         self.owners = []
 
     # ------------------------------------------------------- ShardSource API

@@ -473,21 +473,23 @@ def _first_difference(a: list, b: list) -> str:
 
 
 def claimed(module: nn.Module) -> List[tuple]:
-    """(name, parameter, optimizer) for each parameter of ``module`` a ShardedOptimizer
-    was built over before the wrap ([Note: construction order] in common/claims.py)."""
+    """(name, parameter, claimant) for each parameter of ``module`` a claimant (a
+    ShardedOptimizer) was built over before the wrap ([Note: construction order] in
+    common/claims.py)."""
     found = [(n, p, claimant(p)) for n, p in module.named_parameters(remove_duplicate=False)]
     return [c for c in found if c[2] is not None]
 
 
 def hand_over(found: List[tuple], named: List[Tuple[str, Param]], err: Callable[[str], str]) -> None:
-    """Give each optimizer in ``found`` the sharded parameters in place of the plain ones."""
+    """Tell each claimant in ``found`` which sharded parameters replaced its plain ones."""
     sharded = {n: q.sharded for n, q in named}
-    by_opt: Dict[int, tuple] = {}
-    for name, p, opt in found:
-        by_opt.setdefault(id(opt), (opt, {}))[1][id(p)] = sharded[name]
-    for opt, replaced in by_opt.values():
+    claimants: list = []
+    for _, _, c in found:
+        if all(c is not k for k in claimants):
+            claimants.append(c)
+    for c in claimants:
         try:
-            opt.params_wrapped(replaced)
+            c.params_replaced([(p, sharded[name]) for name, p, k in found if k is c])
         except (ValueError, RuntimeError) as e:
             raise type(e)(err(
                 "a ShardedOptimizer was built over this model's parameters before FullyShard wrapped it "
