@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.mesh import Groups
-from ..offload import Placement, Storage, placement_of
+from ..offload import Placement, Storage
 from ..native.layout import chunk_span
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
@@ -44,13 +44,12 @@ def empty_report() -> Dict[str, int]:
     return dict.fromkeys(PERSISTENT, 0)
 
 
-def add_locations(rep: Dict[str, int], state_tensors) -> Dict[str, int]:
+def add_locations(rep: Dict[str, int], placed) -> Dict[str, int]:
     """Sets ``rep``'s LOCATIONS from its ``total`` and the state tensors (all of them,
-    padding included) that were placed off the device."""
+    padding included) with where each was placed: (tensor, Placement) pairs."""
     for loc in LOCATIONS:
         rep[loc] = 0
-    for t in state_tensors:
-        where = placement_of(t)
+    for t, where in placed:
         if where is not Placement.DEVICE:
             rep[where.value] += t.numel() * t.element_size()
     rep["device"] = rep["total"] - rep["host"] - rep["disk"]

@@ -23,21 +23,10 @@ import contextvars
 from typing import Callable, Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .disk import DiskFile
 from .policy import Offload, Placement
 from .streamer import Streamer, window_elements
-
-
-# the state tensors Storage placed off the device (a weak map: a freed tensor leaves it)
-# (by identity: tensors compare elementwise)
-_PLACED = WeakIdKeyDictionary()
-
-
-def placement_of(t: torch.Tensor) -> Placement:
-    """Where Storage put ``t`` (DEVICE for a tensor it did not place)."""
-    return _PLACED.get(t, Placement.DEVICE)
 
 
 class Storage:
@@ -56,13 +45,8 @@ class Storage:
 
     def zeros(self, placement: Placement, n: int) -> torch.Tensor:
         if placement is Placement.DEVICE or self.device.type == "meta":
-            t = torch.zeros(n, device=self.device)
-            if placement is not Placement.DEVICE:
-                _PLACED[t] = placement
-            return t
-        t = self.disk.take(n) if placement is Placement.DISK else host_zeros(n, self.device)
-        _PLACED[t] = placement
-        return t
+            return torch.zeros(n, device=self.device)
+        return self.disk.take(n) if placement is Placement.DISK else host_zeros(n, self.device)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst`` := ``src`` without touching a mapped ``dst``'s pages (the I/O engine, window by window)."""
@@ -87,10 +71,8 @@ class Storage:
         """ZeRO-1/2: the host copy of a buffer's reduced gradient shard, or None."""
         if not self.grads_to_host(placement):
             return None
-        t = (torch.zeros(n, dtype=dtype, device="meta") if self.device.type == "meta"
-             else host_zeros(n, self.device, dtype))
-        _PLACED[t] = Placement.HOST
-        return t
+        return (torch.zeros(n, dtype=dtype, device="meta") if self.device.type == "meta"
+                else host_zeros(n, self.device, dtype))
 
     def streamer_for_step(self) -> "Streamer":
         if self.streamer is None:

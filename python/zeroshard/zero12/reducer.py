@@ -52,7 +52,7 @@ import torch.distributed as dist
 from .. import comm
 from .flat import FlatBucket, build_flat, check_params, check_same_across_ranks, check_views
 from ..comm.mesh import Groups, ShardGroup, shard_group
-from ..offload import NO_OFFLOAD, HostCopies, Offload, Storage, offloaded_params
+from ..offload import NO_OFFLOAD, HostCopies, Offload, Placement, Storage, offloaded_params
 from ..common.pool import BufferPool
 from ..common.reduction import MAX_INFLIGHT_BUCKETS, Reduction, ReductionPipeline
 from .folds import AddToShardFold, InPlaceFold
@@ -419,8 +419,9 @@ def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
                 rep[name] += mine * 4
                 rep["padding"] += (shard_len - mine) * 4
     rep["total"] = sum(rep.values())
-    add_locations(rep, [t for buf in src.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_mirror)
-                        if t is not None])
+    add_locations(rep, [(t, buf.placement) for buf in src.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq)
+                        if t is not None] + [(buf.grad_mirror, Placement.HOST) for buf in src.buffers
+                                             if buf.grad_mirror is not None])
     rep["comm_buffers"] = src.pool.live
     rep["comm_buffers_peak"] = src.pool.peak
     if reset_peak:

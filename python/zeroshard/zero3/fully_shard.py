@@ -355,7 +355,7 @@ class FullyShard(nn.Module, ShardedModel):
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
         """Bytes held on this rank, by category and by location (device, host,
         disk); see zero3/state_dict.py's memory_report for each key."""
-        return memory_report(self._units, self._steppers.states_by_unit(), self.param_dtype, self._gatherer,
+        return memory_report(self._units, self._steppers, self.param_dtype, self._gatherer,
                                         self._backward, reset_peak, self.offload_params)
 
     # ------------------------------------------- what an optimizer's source uses

@@ -14,6 +14,7 @@ import torch.nn as nn
 from .. import comm
 from ..common.reduction import Reduction
 from ..native.layout import chunk_span
+from ..offload import Placement
 
 def left_out(p: torch.Tensor) -> bool:
     """An integer or bool parameter (a step counter, a mask): FullyShard leaves it out of
@@ -217,26 +218,32 @@ class Steppers:
         self._stepped: set = set()
         self._deferred_zero: Optional[bool] = None   # set_to_none of a zero_grad() held back
 
-    def register(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]]):
-        self._entries.append((weakref.ref(owner), states))
+    def register(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]], places: Dict[int, Placement]):
+        """``owner``'s state shards by unit index, and where each unit's live (``places``)."""
+        self._entries.append((weakref.ref(owner), states, places))
 
     def unregister(self, owner: object):
-        self._entries = [(ref, st) for ref, st in self._entries if ref() is not None and ref() is not owner]
+        self._entries = [e for e in self._entries if e[0]() is not None and e[0]() is not owner]
 
     def over(self, unit_indices: set) -> list:
         """The live steppers with state over any of these units."""
-        return [o for ref, st in self._entries if (o := ref()) is not None and unit_indices & set(st)]
+        return [o for ref, st, _ in self._entries if (o := ref()) is not None and unit_indices & set(st)]
 
     def states_by_unit(self) -> Dict[int, Dict[str, torch.Tensor]]:
         out: Dict[int, Dict[str, torch.Tensor]] = {}
-        for ref, states in self._entries:
+        for ref, states, _ in self._entries:
             if ref() is not None:       # (an optimizer with its own state registers none)
                 out.update({k: v for k, v in states.items() if v})
         return out
 
+    def placed(self) -> List[Tuple[torch.Tensor, Placement]]:
+        """Each live state shard with where it lives."""
+        return [(t, places[k]) for ref, states, places in self._entries if ref() is not None
+                for k, st in states.items() for t in st.values()]
+
     def live(self) -> list:
         """The live steppers, in registration order."""
-        return [ref() for ref, _ in self._entries if ref() is not None]
+        return [e[0]() for e in self._entries if e[0]() is not None]
 
     def all_stepped(self, by: Optional[object]) -> bool:
         """Records that ``by`` stepped; whether every live one has (then starts over)."""

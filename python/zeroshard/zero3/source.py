@@ -65,12 +65,13 @@ class UnitSource(ShardSource):
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         placed = self._placements(offload, group)
         for fs in self.owners:
-            states = {}
+            states, places = {}, {}
             for u in fs.units:
-                st = self._add_unit(u, group, index, placed.get(id(u), Placement.DEVICE))
+                places[u.index] = placed.get(id(u), Placement.DEVICE)
+                st = self._add_unit(u, group, index, places[u.index])
                 if st is not None:
                     states[u.index] = st
-            fs.steppers.register(self, states)
+            fs.steppers.register(self, states, places)
             fs.add_grads_ready_listener(weak_hook(self._owner_ready))
         # a parameter inside one rank's chunk is whole there by chance of the units' layout: a
         # rank holding too much of the update cost so gives some back (they are exchanged);

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..common.source import HeldParam, Region, add_locations, empty_report
-from .records import Unit
+from .records import Steppers, Unit
 from ..common.tensor_parallel import local_piece
 
 
@@ -32,7 +32,7 @@ def held_regions(units: List[Unit], expert_names: Optional[Callable[[str], str]]
     return params, regions
 
 
-def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]], param_dtype: torch.dtype,
+def memory_report(units: List[Unit], steppers: Steppers, param_dtype: torch.dtype,
                   gatherer, backward, reset_peak: bool, shards_on_host: bool = False) -> Dict[str, int]:
     """FullyShard.memory_report. ``states``: an optimizer's state shards by unit index;
     ``shards_on_host``: offload_params (the shards and gradient shards are host bytes);
@@ -52,7 +52,7 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
     non-root unit's full bytes), ``grad_buffers`` / ``grad_buffers_peak`` (flat
     gradient buffers of backward). Peaks count since construction or the last
     call with ``reset_peak=True``."""
-    rep = empty_report()
+    rep, states = empty_report(), steppers.states_by_unit()
     grads_on_host = 0    # gradient shards kept in host memory ([Note: offloaded gradients])
     for u in units:
         if not u.params:
@@ -68,7 +68,7 @@ def memory_report(units: List[Unit], states: Dict[int, Dict[str, torch.Tensor]],
             rep[name] += 4 * own_t
             rep["padding"] += t.numel() * t.element_size() - 4 * own_t
     rep["total"] = sum(rep.values())
-    add_locations(rep, [t for st in states.values() for t in st.values()])
+    add_locations(rep, steppers.placed())
     if shards_on_host:   # the states of offloaded shards are never on the device ([Note: offload params])
         rep["host"], rep["device"] = rep["host"] + rep["device"], 0
     else:

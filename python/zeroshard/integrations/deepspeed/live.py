@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
-_WRAPPED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # id(model) -> its FullyShard
+# model -> a weak reference to the FullyShard that wrapped it (its hooks keep that alive)
+_WRAPPED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _SERIAL = itertools.count()
 
 
@@ -106,9 +107,10 @@ def over(model: nn.Module):
 def wrapped(model: nn.Module, fs: Optional[nn.Module] = None):
     """Record (``fs``) or look up the FullyShard a stage-3 engine wrapped ``model`` in."""
     if fs is not None:
-        _WRAPPED[id(model)] = fs
+        _WRAPPED[model] = weakref.ref(fs)
         return fs
-    fs = _WRAPPED.get(id(model))
+    ref = _WRAPPED.get(model)
+    fs = ref() if ref is not None else None
     return fs if fs is not None and fs.module is model else None
 
 

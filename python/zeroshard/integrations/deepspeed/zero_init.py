@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import warnings
 import weakref
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,11 +53,16 @@ class Chunk:
     built_by: str            # the class whose __init__ made it (for messages)
 
 
-# id(parameter) -> (the parameter, its chunk), while it is sharded
-_CHUNKS: Dict[int, Tuple[nn.Parameter, Chunk]] = {}
+class ChunkedParameter(nn.Parameter):
+    """A parameter sharded as built: a meta tensor of its shape and dtype, the same object
+    the module holds (``torch.utils.swap_tensors`` turned it into this class); ``chunk``:
+    this rank's piece of its values."""
+    chunk: Chunk
+
+
 # module -> {attribute: sharded parameter} of its own (and modules with buffers: {}), until wrapped
 _HOLDERS: "weakref.WeakKeyDictionary[nn.Module, Dict[str, nn.Parameter]]" = weakref.WeakKeyDictionary()
-_STATE: dict = {"depth": 0, "dtype": torch.float32, "entered": set(), "patched": {}, "apply": None,
+_STATE: dict = {"depth": 0, "dtype": torch.float32, "entered": [], "patched": {}, "apply": None,
                 "subclass": None}
 
 
@@ -74,22 +79,23 @@ def _comm_device() -> torch.device:
 
 
 @torch.no_grad()
-def _shard(p: nn.Parameter, built_by: str) -> None:
-    """Keep this rank's chunk of rank 0's values of ``p``; ``p`` becomes a meta tensor."""
+def _shard(p: nn.Parameter, built_by: str, old: Optional[Chunk] = None) -> None:
+    """Keep this rank's chunk of rank 0's values of ``p``; ``p`` becomes a meta tensor, a
+    ChunkedParameter (``old``: its chunk before it was gathered whole)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     flat = p.detach().reshape(-1).to(_comm_device(), _wire(p.dtype), copy=True)
     if world > 1:
         dist.broadcast(flat, src=0)
-    old = _CHUNKS.get(id(p))
-    dtype = _STATE["dtype"] if old is None and p.dtype in DTYPES else (old[1].local.dtype if old else p.dtype)
+    dtype = _STATE["dtype"] if old is None and p.dtype in DTYPES else (old.local.dtype if old else p.dtype)
     size = -(-flat.numel() // world)
     local = torch.zeros(size, dtype=dtype, device=p.device)
     piece = flat[rank * size:(rank + 1) * size]
     local[:piece.numel()].copy_(piece)
-    placeholder = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
-    placeholder.__dict__.update(p.__dict__)          # (swap_tensors swaps the Python attributes too)
+    placeholder = ChunkedParameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
+    placeholder.__dict__.update(p.__dict__)          # (swap_tensors swaps the Python attributes and class too)
+    placeholder.chunk = Chunk(local, flat.numel(), 0, old.built_by if old else built_by)
     torch.utils.swap_tensors(p, placeholder)
-    _CHUNKS[id(p)] = (p, Chunk(local, flat.numel(), p._version, old[1].built_by if old else built_by))
+    p.chunk.version = p._version
 
 
 @torch.no_grad()
@@ -104,18 +110,19 @@ def _gather(chunk: Chunk, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _unshard(p: nn.Parameter) -> None:
-    """``p`` whole again, from the chunks (collective); its chunk is kept."""
-    chunk = _CHUNKS[id(p)][1]
+def _unshard(p: ChunkedParameter) -> Chunk:
+    """``p`` whole again (a plain parameter), from the chunks (collective); returns its chunk."""
+    chunk = p.chunk
     full = nn.Parameter(_gather(chunk, chunk.local.device).view(p.shape).to(p.dtype), requires_grad=p.requires_grad)
-    full.__dict__.update(p.__dict__)
+    full.__dict__.update({k: v for k, v in p.__dict__.items() if k != "chunk"})
     torch.utils.swap_tensors(p, full)
+    return chunk
 
 
 def held_numel(model: nn.Module) -> Tuple[int, int]:
     """(elements this rank holds of ``model``'s sharded parameters, their whole size)."""
-    seen = {id(p): p for p in model.parameters() if id(p) in _CHUNKS}
-    return (sum(_CHUNKS[i][1].local.numel() for i in seen), sum(_CHUNKS[i][1].numel for i in seen))
+    chunks = [p.chunk for p in model.parameters() if isinstance(p, ChunkedParameter)]   # (each once)
+    return sum(c.local.numel() for c in chunks), sum(c.numel for c in chunks)
 
 
 # ------------------------------------------------- the construction hooks
@@ -126,8 +133,8 @@ def _restore(module: nn.Module) -> None:
     with torch.no_grad():
         for name, p in _HOLDERS.get(module, {}).items():
             target = module._parameters.get(name)
-            if target is not None and not target.is_meta and id(p) in _CHUNKS:
-                target.copy_(_gather(_CHUNKS[id(p)][1], target.device).view(target.shape))
+            if target is not None and not target.is_meta and isinstance(p, ChunkedParameter):
+                target.copy_(_gather(p.chunk, target.device).view(target.shape))
 
 
 def _built(module: nn.Module) -> None:
@@ -135,9 +142,9 @@ def _built(module: nn.Module) -> None:
     and warn about writes its ``__init__`` made to parameters sharded before."""
     own = {}
     for name, p in module._parameters.items():
-        if p is None or not p.is_floating_point() or (p.is_meta and id(p) not in _CHUNKS):
+        if p is None or not p.is_floating_point() or (p.is_meta and not isinstance(p, ChunkedParameter)):
             continue             # (integers stay whole, as FullyShard keeps them; meta was asked for)
-        if id(p) not in _CHUNKS:
+        if not isinstance(p, ChunkedParameter):
             _shard(p, type(module).__name__)
         own[name] = p
     if own or any(b is not None for b in module._buffers.values()):
@@ -151,10 +158,9 @@ def _warn_writes(named, who: str) -> None:
     pairs) written since they were sharded: the write went to a meta tensor."""
     moved = []
     for name, p in named:
-        entry = _CHUNKS.get(id(p))
-        if entry is not None and p._version != entry[1].version:
-            moved.append(f"{name} (made by {entry[1].built_by})")
-            entry[1].version = p._version
+        if isinstance(p, ChunkedParameter) and p._version != p.chunk.version:
+            moved.append(f"{name} (made by {p.chunk.built_by})")
+            p.chunk.version = p._version
     if moved:
         warnings.warn(
             f"zeroshard.zero.Init: {who} wrote {moved} after their modules were built, when they were already "
@@ -166,14 +172,15 @@ def _warn_writes(named, who: str) -> None:
 def _shard_after(init):
     @functools.wraps(init)
     def wrapper(module, *args, **kwargs):
-        entered = _STATE["entered"]
-        outermost = id(module) not in entered
-        entered.add(id(module))
+        entered = _STATE["entered"]      # the modules whose __init__ is running, outermost first
+        outermost = all(m is not module for m in entered)
+        if outermost:
+            entered.append(module)
         try:
             init(module, *args, **kwargs)
         finally:
             if outermost:
-                entered.discard(id(module))
+                entered[:] = [m for m in entered if m is not module]
         if outermost:
             _built(module)
     return wrapper
@@ -187,14 +194,13 @@ def _gathering(fn):
 
     @functools.wraps(fn)
     def run(module):
-        own = [p for p in module._parameters.values() if p is not None and id(p) in _CHUNKS and p.is_meta]
-        for p in own:
-            _unshard(p)
+        own = [p for p in module._parameters.values() if isinstance(p, ChunkedParameter) and p.is_meta]
+        chunks = [_unshard(p) for p in own]
         try:
             fn(module)
         finally:
-            for p in own:
-                _shard(p, type(module).__name__)
+            for p, chunk in zip(own, chunks):
+                _shard(p, type(module).__name__, chunk)
     run.zs_gathering = True
     return run
 
@@ -238,7 +244,7 @@ def _unpatch() -> None:
     else:
         nn.Module.__init_subclass__ = _STATE["subclass"]
     nn.Module.apply = _STATE["apply"]
-    _STATE["entered"] = set()
+    _STATE["entered"] = []
 
 
 def _dtype(cfg, dtype):
@@ -302,7 +308,8 @@ class Init:
             if _STATE["depth"] == 0:
                 _unpatch()
                 if kind is None:
-                    _warn_writes(((f"a parameter of shape {tuple(p.shape)}", p) for p, _ in list(_CHUNKS.values())),
+                    _warn_writes(((f"a parameter of shape {tuple(p.shape)}", p) for own in list(_HOLDERS.values())
+                                  for p in own.values()),
                                  "code in the zero.Init block")
         return False
 
@@ -325,12 +332,12 @@ def wrap_model(model: nn.Module, cfg, *more):
 def before_wrap(model: nn.Module, stage: int) -> None:
     """In ``zeroshard.initialize``, before the model is converted and wrapped: warn about
     writes since construction; below stage 3, every sharded parameter whole again."""
-    if not any(id(p) in _CHUNKS for p in model.parameters()):
+    if not any(isinstance(p, ChunkedParameter) for p in model.parameters()):
         warn_lost_meta_init(model)
         return
     _warn_writes(model.named_parameters(), "code after the zero.Init block")
     if stage != 3:
-        for p in {id(p): p for p in model.parameters() if id(p) in _CHUNKS}.values():
+        for p in [p for p in model.parameters() if isinstance(p, ChunkedParameter)]:
             _unshard(p)
         release(model)
 
@@ -338,8 +345,7 @@ def before_wrap(model: nn.Module, stage: int) -> None:
 def release(model: nn.Module) -> None:
     """Forget ``model``'s chunks and holders (after FullyShard rebuilt it from them)."""
     for mod in model.modules():
-        for p in _HOLDERS.pop(mod, {}).values():
-            _CHUNKS.pop(id(p), None)
+        _HOLDERS.pop(mod, None)
         mod.__dict__.pop("reset_parameters", None)
 
 
