@@ -24,7 +24,7 @@ DEV_DEPS := "scikit-build-core>=0.10" "pytest>=7" pytest-timeout hypothesis ninj
 
 SOURCES := $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null) CMakeLists.txt pyproject.toml
 
-.PHONY: all demo test test-cpp test-py build bench bench-deps clean
+.PHONY: all demo test test-cpp test-py build bench bench-quick bench-deps clean
 
 all: build
 
@@ -130,12 +130,16 @@ bench-deps: $(VENV)/.deps
 	@$(PY) -c "import deepspeed" 2>/dev/null || { $(PIP) install -q --no-deps $(BENCH_DEPS) && \
 	  $(PIP) install -q $(BENCH_DEPS_OF_DS); }
 
+# The benchmark set (benchmarks/__main__.py's SET: adamw, step, checkpoint, checkpoint
+# --paired 9), then the report: plots, docs/benchmarks/index.md and benchmarks/RESULTS.md
+# from the JSON in benchmarks/out/. One benchmark: `$(PY) -m benchmarks NAME [options]`
+# (`--list` names them). bench-quick runs the set at small sizes into a temporary
+# directory: a check that the runner works, not figures.
 bench: build bench-deps
-	$(PY) benchmarks/adamw.py
-	$(PY) benchmarks/step.py
-	$(PY) benchmarks/checkpoint.py
-	$(PY) benchmarks/checkpoint.py --paired 9
-	$(PY) benchmarks/report.py
+	$(PY) -m benchmarks all
+
+bench-quick: build
+	$(PY) -m benchmarks all --quick
 
 # The documentation site (mkdocs.yml, docs/) into site/: DOCS_DEPS are installed
 # into .venv when missing (or at other versions); --strict fails on any warning.

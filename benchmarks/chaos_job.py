@@ -1,4 +1,5 @@
-"""The training job of the chaos run (benchmarks/chaos.py launches it under torchrun).
+"""The training job of the chaos run: `python -m benchmarks chaos` (benchmarks/specs/chaos.py)
+launches it under torchrun.
 
 The example GPT (``examples/train_gpt.py``, tiny) at ZeRO-3 on CPU with gloo,
 started with ``zeroshard.init_distributed`` and ``zeroshard.resume``. The data

@@ -1,4 +1,4 @@
-"""What one training step sends, counted two ways on rank 0 (benchmarks/step.py).
+"""What one training step sends, counted two ways on rank 0 (the step benchmark's).
 
 By backend kind (``count_comm``'s first result): the profiler's events of the
 backend ("gloo:all_reduce", "nccl:_all_gather_base", ...), so what the transport

@@ -1,11 +1,9 @@
 """The benchmarks' GPT: the training example's model (examples/train_gpt.py:
 token + position embeddings, pre-norm blocks of causal self-attention and
 MLP, tied output head), with the benchmarks' default sizes."""
-import os
-import sys
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from benchmarks import harness  # noqa: F401  (puts examples/ on sys.path)
 from train_gpt import GPT, Block, GPTConfig as _ExampleConfig  # noqa: E402
 
 

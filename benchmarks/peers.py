@@ -1,4 +1,4 @@
-"""DeepSpeed as a same-run peer of benchmarks/step.py (benchmark only, never a
+"""DeepSpeed as a same-run peer in the step benchmarks (benchmark only, never a
 runtime dependency of zeroshard: `make bench` installs it; without it these
 variants are skipped with a message).
 
@@ -7,7 +7,7 @@ torch.optim.AdamW) and "deepspeed-2+cpu" (ZeRO-Offload: the optimizer state in
 host memory, stepped by DeepSpeedCPUAdam), with buckets of zeroshard's default
 size (DeepSpeed's own defaults allocate 2 GB buckets whatever the model). DeepSpeed runs on CPU with gloo
 through its CPU accelerator (DS_ACCELERATOR=cpu); its engine takes the backward
-and the step (``engine.backward(loss)``, ``engine.step()``), which step.py's
+and the step (``engine.backward(loss)``, ``engine.step()``), which the step benchmark's
 train_step calls when the "optimizer" it is given has a ``backward``.
 """
 from __future__ import annotations
@@ -45,10 +45,10 @@ def runnable(variants: list) -> list:
 def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dtype, lr: float,
                     universal: bool = False, optimizer: dict | None = None):
     """(engine, engine): the engine is both the model to call and the "optimizer". The
-    micro-batch size its config requires is bookkeeping (step.py feeds its own batch).
+    micro-batch size its config requires is bookkeeping (the step benchmark feeds its own batch).
     ``universal``: the engine loads universal checkpoints (made by ``to_universal``).
     ``optimizer``: the config's "optimizer" entry (DeepSpeed builds it) in place of a
-    client torch.optim.AdamW (benchmarks/muon.py: ``{"type": "Muon", ...}``)."""
+    client torch.optim.AdamW (benchmarks/specs/muon.py: ``{"type": "Muon", ...}``)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch.distributed as dist

@@ -12,14 +12,14 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import chaos  # noqa: E402
+sys.path.insert(0, ROOT)
+from benchmarks.specs import chaos  # noqa: E402
 
 
 def _chaos(tmp_path, kills, kind, phases):
     args = chaos.parse(["--kills", str(kills), "--kills-per-run", str(kills), "--kinds", kind, "--restarts", "2",
                         "--phases", ",".join(phases), "--in-order", "--driver-delay", "2",
-                        "--work", str(tmp_path), "--out", ""])
+                        "--work", str(tmp_path), "--json", ""])
     s = chaos.run_all(args)
     assert s["runs"] == 1 and s["runs_ok"] == 1, s["runs_detail"]
     assert s["kills"] == kills and all(s["by_phase"][p] == phases.count(p) for p in phases), s["by_phase"]

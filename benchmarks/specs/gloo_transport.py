@@ -1,7 +1,7 @@
 """zeroshard's point-to-point transport on gloo against gloo's own collectives, paired.
 
-    python benchmarks/gloo_transport.py                       # 2 and 3 ranks, 13.8 MB and 1 MB
-    python benchmarks/gloo_transport.py --world-sizes 2 --mb 13.8 --turns 40
+    python -m benchmarks gloo_transport                       # 2 and 3 ranks, 13.8 MB and 1 MB
+    python -m benchmarks gloo_transport --world-sizes 2 --mb 13.8 --turns 40
 
 What csrc/gloo_p2p.{h,cpp} ([Note: gloo algorithms]) is kept for has to be
 measured against what c10d would run without it, in the same process group and
@@ -21,21 +21,14 @@ scratch each zeroshard reduce-scatter holds in flight. Rank 0 prints.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.harness import opt, paired_ratio, paired_times, spawn
 
 
 def _timed(fn) -> float:
@@ -88,7 +81,7 @@ def _cases(numel: int, world: int):
             "rs gloo all_reduce": gloo_ar, "copy": copy_only, "ag zeroshard": zs_ag, "ag gloo": gloo_ag}
 
 
-def _worker(rank: int, world: int, port: int, args, out):
+def _worker(rank: int, world: int, port: int, out, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -97,14 +90,7 @@ def _worker(rank: int, world: int, port: int, args, out):
         for mb in args.mb:
             numel = int(mb * 2**20 / 4) // world * world
             cases = _cases(numel, world)
-            names = list(cases)
-            times = {k: [] for k in names}
-            for turn in range(args.warmup + args.turns):
-                order = names[turn % len(names):] + names[:turn % len(names)]
-                for k in order:
-                    t = _timed(cases[k])
-                    if turn >= args.warmup:
-                        times[k].append(t)
+            times = paired_times(cases, args.turns, args.warmup, timer=_timed)
             if rank == 0:
                 n = numel // world
                 scratch = {s: zs.comm.reduce_scatter_scratch_bytes(n, 4, world, in_place=s == "in place",
@@ -115,34 +101,24 @@ def _worker(rank: int, world: int, port: int, args, out):
         dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-sizes", default="2,3")
-    ap.add_argument("--mb", default="13.8,1", help="buffer sizes in MB (fp32)")
-    ap.add_argument("--turns", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    args = ap.parse_args()
+OPTIONS = [opt("--world-sizes", default="2,3"),
+           opt("--mb", default="13.8,1", help="buffer sizes in MB (fp32)"),
+           opt("--turns", type=int, default=30),
+           opt("--warmup", type=int, default=3)]
+
+
+def run(args):
     args.mb = [float(x) for x in args.mb.split(",")]
-    ctx = mp.get_context("spawn")
+    results = []
     for world in (int(w) for w in args.world_sizes.split(",")):
-        q = ctx.SimpleQueue()
-        port = _port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, args, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for _ in args.mb:
-            world_, mb, times, scratch = q.get()
+        for world_, mb, times, scratch in spawn(_worker, world, args, every=True):
             print(f"\nworld size {world_}, {mb} MB fp32 buffer, {args.turns} turns (median ms; ratio: median per turn "
                   "over gloo's own in the same turn)")
             for k, ts in times.items():
                 base = times["ag gloo" if k.startswith("ag") else "rs gloo"]
-                ratio = statistics.median(a / b for a, b in zip(ts, base)) if k != "copy" else float("nan")
+                ratio = paired_ratio(ts, base) if k != "copy" else float("nan")
                 print(f"  {k:22s} {1e3 * statistics.median(ts):8.2f} ms   x{ratio:5.2f}")
             print(f"  reduce-scatter scratch in flight: {scratch['kept']} B (input kept), {scratch['scratch']} B "
                   f"(input_is_scratch), {scratch['in place']} B (in place, input_is_scratch)")
-        for p in procs:
-            p.join()
-
-
-if __name__ == "__main__":
-    main()
+            results.append(dict(world=world_, mb=mb, times_s=times, scratch_bytes=scratch))
+    return dict(turns=args.turns, warmup=args.warmup, results=results)

@@ -13,12 +13,10 @@ master). Measured in the same run:
                       offload (the CPU kernel over state in memory) for comparison
 "GB/s" for the step is (bytes read + bytes written) / step time.
 
-    python benchmarks/offload.py [--params 32e6] [--dir /tmp] [--steps 5]
+    python -m benchmarks offload [--params 32e6] [--dir /tmp] [--steps 5]
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -30,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard as zs
-from machine import machine_info
+from benchmarks.harness import machine_info, opt
 
 BLOCK = 8 * 2**20
 
@@ -81,13 +79,12 @@ def step_seconds(params: int, offload, directory: str, steps: int) -> float:
     return statistics.median(times[1:]), sum(p.numel() for p in model.parameters())
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=32e6)
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the offload file goes")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "offload.json"))
-    args = ap.parse_args()
+OPTIONS = [opt("--params", type=float, default=32e6),
+           opt("--dir", default=tempfile.gettempdir(), help="where the offload file goes"),
+           opt("--steps", type=int, default=5)]
+
+
+def run(args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29571"))
     dist.init_process_group("gloo", rank=0, world_size=1)
     nvme, n = step_seconds(int(args.params), "nvme", args.dir, args.steps)
@@ -106,12 +103,7 @@ def main():
     print(f"step with the state in memory: {memory * 1e3:.1f} ms")
     print(f"step with offload='nvme':      {nvme * 1e3:.1f} ms = {row['nvme_gb_per_s']:.2f} GB/s read + written "
           f"({nvme / memory:.2f}x the in-memory step)")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"date": date.today().isoformat(), "machine": machine_info("cpu"), "torch": torch.__version__,
-                   "dir": args.dir, **row}, f, indent=1)
     dist.destroy_process_group()
+    return {"date": date.today().isoformat(), "machine": machine_info("cpu"), "torch": torch.__version__,
+            "dir": args.dir, **row}
 
-
-if __name__ == "__main__":
-    main()

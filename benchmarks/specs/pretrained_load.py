@@ -1,6 +1,6 @@
 """Loading a published model into a ZeRO-3 run: each rank's peak host memory, and the time.
 
-    python benchmarks/pretrained_load.py [--worlds 2 4] [--layers 16] [--hidden 1280] [--files bf16 fp32]
+    python -m benchmarks pretrained_load [--worlds 2 4] [--layers 16] [--hidden 1280] [--files bf16 fp32]
 
 A Llama-architecture model (501M parameters with the defaults: 2.0 GB in fp32) is
 saved with ``save_pretrained`` (files of at most 300 MB) in bf16, as models are
@@ -34,12 +34,12 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import date
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.harness import git_commit, machine_info, opt, run_env, torchrun, write_json
+
 METHODS = ("from_pretrained", "rank-0 broadcast", "zeroshard")
 READ_BUFFER = 64 << 20
 MARGIN = 200 << 20
@@ -133,19 +133,17 @@ def child(method: str, folder: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=1280)
-    ap.add_argument("--files", nargs="+", default=["bf16", "fp32"], help="the saved weights' dtypes")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+OPTIONS = [opt("--worlds", type=int, nargs="+", default=[2, 4]),
+           opt("--layers", type=int, default=16),
+           opt("--hidden", type=int, default=1280),
+           opt("--files", nargs="+", default=["bf16", "fp32"], help="the saved weights' dtypes"),
+           opt("--child", nargs=3, help=argparse.SUPPRESS)]
+
+
+def run(args):
     if args.child:
         child(*args.child)
         return 0
-    sys.path.insert(0, HERE)
-    from machine import git_commit, machine_info
     work = tempfile.mkdtemp()
     results = []
     for files in args.files:
@@ -158,21 +156,17 @@ def main() -> int:
                 results[-1]["files"] = files
     record = dict(date=str(date.today()), commit=git_commit(), machine=machine_info("cpu"), params=params,
                   model_mb=size / 2**20, rows=results)
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "pretrained_load.json"), "w") as f:
-        json.dump(record, f, indent=1)
     ok = all(r["growth_mb"] <= r["bound_mb"] for r in results if r["method"] == "zeroshard")
     print(f"model {size / 2**20:.0f} MB fp32; zeroshard within its bound everywhere: {ok}")
+    write_json(args.json, record)
     return 0 if ok else 1
 
 
 def measure(method: str, world: int, folder: str, work: str, size: int) -> dict:
     """One torchrun launch of ``method`` at ``world`` ranks: its row."""
     out = os.path.join(work, f"{method}-{world}.json".replace(" ", "_"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           os.path.abspath(__file__), "--child", method, folder, out]
-    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(torchrun(world, "pretrained_load", "--child", method, folder, out), check=True,
+                   env=run_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(out) as f:
         ranks = json.load(f)
     r = dict(world=world, method=method, growth_mb=max(x["growth"] for x in ranks) / 2**20,
@@ -185,6 +179,3 @@ def measure(method: str, world: int, folder: str, work: str, size: int) -> dict:
           f"shard {r['shard_mb']:5.0f} MB, bound {r['bound_mb']:5.0f} MB", flush=True)
     return r
 
-
-if __name__ == "__main__":
-    sys.exit(main())

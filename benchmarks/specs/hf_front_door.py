@@ -2,7 +2,7 @@
 memory. The Trainer, its arguments and the data are the same for every row but the
 one argument that picks the sharding:
 
-    python benchmarks/hf_front_door.py [--world 2] [--steps 6] [--rounds 3] [--batch 4]
+    python -m benchmarks hf_front_door [--world 2] [--steps 6] [--rounds 3] [--batch 4]
 
 Rows: the Trainer's own DDP; ``ZeroShardTrainer(zeroshard=dict(stage=2))`` and
 ``stage=3``; FSDP2 (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2,
@@ -38,7 +38,8 @@ from datetime import date
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.harness import machine_info, opt, run_env, torchrun
+
 ROWS = {"trainer ddp": {}, "zeroshard stage 2": {"zeroshard": 2}, "zeroshard stage 3": {"zeroshard": 3},
         "fsdp2 full_shard": {"fsdp": True}, "fsdp2 sharded model": {"fully_shard": True},
         "deepspeed stage 2": {"deepspeed": 2},
@@ -102,8 +103,7 @@ def trainer_for(row: dict, steps: int, batch: int, out: str, callbacks=()):
 def worker(name: str, args) -> None:
     """One row under torchrun: a 2-step train() under the memory count, then the timed one."""
     from transformers import TrainerCallback
-    sys.path.insert(0, HERE)
-    from cpu_memory import TensorBytes
+    from benchmarks.cpu_memory import TensorBytes
 
     class Steps(TrainerCallback):
         def __init__(self):
@@ -138,11 +138,10 @@ def worker(name: str, args) -> None:
 def launch(name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as d:
         result = os.path.join(d, "result.json")
-        env = dict(os.environ, DS_ACCELERATOR="cpu" if not torch.cuda.is_available() else "cuda",
-                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.world)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world),
-               os.path.abspath(__file__), "--row", name, "--result", result, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--batch", str(args.batch)]
+        env = run_env(DS_ACCELERATOR="cpu" if not torch.cuda.is_available() else "cuda",
+                      OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.world)))
+        cmd = torchrun(args.world, "hf_front_door", "--row", name, "--result", result, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--batch", str(args.batch))
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
         if not os.path.isfile(result):
             raise RuntimeError(f"{name}: no result\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
@@ -150,16 +149,16 @@ def launch(name: str, args) -> dict:
             return json.load(f)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--row", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+OPTIONS = [opt("--world", type=int, default=2),
+           opt("--steps", type=int, default=6),
+           opt("--warmup", type=int, default=2),
+           opt("--rounds", type=int, default=3),
+           opt("--batch", type=int, default=4),
+           opt("--row", help=argparse.SUPPRESS),
+           opt("--result", help=argparse.SUPPRESS)]
+
+
+def run(args):
     if args.row:
         return worker(args.row, args)
     runnable = [n for n in ROWS if torch.cuda.is_available() or n not in CUDA_ONLY]
@@ -191,14 +190,5 @@ def main():
         lines.append(f"| {name} | {r['step_ms']:.1f} | {r['vs_ddp']:.2f}x | {r['spread'][0]:.2f}-"
                      f"{r['spread'][1]:.2f}x | {r['tensor_mb']:.1f} |")
     print("\n".join(lines))
-    sys.path.insert(0, HERE)
-    from machine import machine_info
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "hf_front_door.json"), "w") as f:
-        json.dump({"header": head, "machine": machine_info("cuda" if torch.cuda.is_available() else "cpu"),
-                   "args": {k: v for k, v in vars(args).items() if k not in ("row", "result")}, "rows": rows},
-                  f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return {"header": head, "machine": machine_info("cuda" if torch.cuda.is_available() else "cpu"),
+            "args": {k: v for k, v in vars(args).items() if k not in ("row", "result", "json")}, "rows": rows}

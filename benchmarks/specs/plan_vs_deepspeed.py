@@ -1,6 +1,6 @@
 """The memory planner against DeepSpeed's estimators and against measured peaks.
 
-    python benchmarks/plan_vs_deepspeed.py [--world-size 8] [--seq 128] [--batch 2]
+    python -m benchmarks plan_vs_deepspeed [--world-size 8] [--seq 128] [--batch 2]
 
 For the example's GPT (examples/train_gpt.py, "tiny") and a GPT-2 124M-shaped
 model (12 layers, dim 768, 12 heads, vocab 50257; the sequence shortened to
@@ -23,26 +23,20 @@ its columns read "-".
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import os
-import sys
 from datetime import date
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-import peers  # noqa: E402
-import train_gpt  # noqa: E402
-from cpu_memory import TensorBytes  # noqa: E402
-from machine import machine_info  # noqa: E402
-from step import init_dist, spawn  # noqa: E402
+
+from benchmarks import peers
+from benchmarks.cpu_memory import TensorBytes
+from benchmarks.harness import init_dist, machine_info, opt, spawn
+import train_gpt  # (examples/train_gpt.py, on the path the harness sets)
 
 MODELS = {"example GPT (tiny)": ("tiny", dict()),
           "GPT-2 124M shape": ("124m", dict(vocab=50257))}
@@ -103,22 +97,21 @@ def deepspeed_estimates(build, world: int) -> dict:
     return {2: z2, 3: z3}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=2, help="training steps measured (the first allocates "
-                                                          "DeepSpeed's optimizer state)")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--json", default=os.path.join(HERE, "out", "plan_vs_deepspeed.json"))
-    ap.add_argument("--merge", action="store_true", help="keep the rows of other models already in --json")
-    args = ap.parse_args()
+OPTIONS = [opt("--world-size", type=int, default=8),
+           opt("--seq", type=int, default=128),
+           opt("--batch", type=int, default=2),
+           opt("--steps", type=int, default=2, help="training steps measured (the first allocates "
+               "DeepSpeed's optimizer state)"),
+           opt("--models", default=",".join(MODELS)),
+           opt("--merge", action="store_true", help="keep the rows of other models already in --json")]
+
+
+def run(args):
     from zeroshard.plan import plan_model
     libs = ["zeroshard"] + (["deepspeed"] if not peers.available() else [])
     if len(libs) == 1:
         print(f"DeepSpeed not importable ({peers.available()}): its columns are '-' (`make bench-deps`)")
-    ctx, rows = mp.get_context("spawn"), []
+    rows = []
     for name in args.models.split(","):
         build = _build(name, args.seq)
         plan = plan_model(build, args.world_size, "bf16", wrap={train_gpt.Block},
@@ -126,8 +119,8 @@ def main():
         ds = deepspeed_estimates(build, args.world_size)
         for stage in (2, 3):
             st = plan["stages"][f"ZeRO-{stage}"]
-            peaks = {lib: spawn(ctx, measure, args.world_size, f"{name} {lib} ZeRO-{stage}", lib, stage, name,
-                                args.seq, args.batch, args.steps) for lib in libs}
+            peaks = {lib: spawn(measure, args.world_size, lib, stage, name, args.seq, args.batch, args.steps,
+                                what=f"{name} {lib} ZeRO-{stage}", skip_failed=True) for lib in libs}
             rows.append(dict(model=name, params=plan["params"], stage=stage, seq=args.seq, batch=args.batch,
                              steps=args.steps, ds_estimate=ds.get(stage),
                              ds_peak=peaks.get("deepspeed"), plan_state=st["model_state"], plan_peak=st["peak"],
@@ -137,11 +130,8 @@ def main():
         with open(args.json) as f:
             rows = [r for r in json.load(f)["rows"] if r["model"] not in args.models.split(",")] + rows
     print(table(rows, args))
-    path = args.json
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"),
-                       world_size=args.world_size, seq=args.seq, batch=args.batch, rows=rows), f, indent=1)
+    return dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"),
+                world_size=args.world_size, seq=args.seq, batch=args.batch, rows=rows)
 
 
 def table(rows: list, args) -> str:
@@ -161,6 +151,3 @@ def table(rows: list, args) -> str:
                      f"{mb(r['plan_peak'])} | {mb(r['peak'])} | {ratio(r['plan_peak'], r['peak'])} |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    main()

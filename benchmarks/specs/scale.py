@@ -1,8 +1,8 @@
 """Thousands of ranks, rehearsed on one machine: what grows with the world size N in
 zeroshard's own host work (issue 57).
 
-    python benchmarks/scale.py [--worlds 8,64,512,4096] [--variants ...] [--steps 12]
-    python benchmarks/scale.py --plot-only          # table and plot from the JSON
+    python -m benchmarks scale [--worlds 8,64,512,4096] [--variants ...] [--steps 12]
+    python -m benchmarks scale --plot-only          # table and plot from the JSON
 
 One process plays rank 0 of N over the no-op process group ([Note: no-op process group]
 in python/zeroshard/comm/noop.py): every collective returns at once, so what is timed is
@@ -37,15 +37,14 @@ Writes benchmarks/out/scale.json and benchmarks/out/scale.png; prints a markdown
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "out")
+from benchmarks.harness import command, machine_info, opt, run_env, write_json
+
 D, BLOCKS, BATCH, SHARD = 264, 8, 4, 8
 VARIANTS = ["zeroshard-1", "zeroshard-2", "zeroshard-3", "hybrid-2", "hybrid-3", "muon-2", "muon-3",
             "muon-hybrid-2", "muon-hybrid-3", "zeroshard-3/fake-pg"]
@@ -254,21 +253,19 @@ def plot(d: dict, path: str):
     fig.savefig(path, dpi=110)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worlds", default="8,64,512,4096")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--one", nargs=2, metavar=("VARIANT", "N"))
-    ap.add_argument("--plot-only", action="store_true")
-    a = ap.parse_args()
-    path = os.path.join(OUT, "scale.json")
-    if a.one:
+OPTIONS = [opt("--worlds", default="8,64,512,4096"),
+           opt("--variants", default=",".join(VARIANTS)),
+           opt("--steps", type=int, default=12),
+           opt("--one", nargs=2, metavar=("VARIANT", "N")),
+           opt("--plot-only", action="store_true")]
+
+
+def run(a):
+    path = a.json
+    if a.one:                  # one point, in a process of its own: its JSON on stdout
         print(json.dumps(run_one(a.one[0], int(a.one[1]), a.steps)))
-        return
+        return None
     if not a.plot_only:
-        sys.path.insert(0, HERE)
-        from machine import machine_info     # benchmarks/machine.py
         worlds = [int(w) for w in a.worlds.split(",")]
         points = []
         for v in a.variants.split(","):
@@ -277,8 +274,8 @@ def main():
                     w = 2 * SHARD
                 if v.endswith("fake-pg") and w not in (worlds[0], worlds[-1]):
                     continue
-                got = subprocess.run([sys.executable, __file__, "--one", v, str(w), "--steps", str(a.steps)],
-                                     capture_output=True, text=True)
+                got = subprocess.run(command("scale", "--one", v, str(w), "--steps", str(a.steps)),
+                                     capture_output=True, text=True, env=run_env())
                 if got.returncode:
                     sys.exit(f"{v} at N={w} failed:\n{got.stderr[-3000:]}")
                 points.append(json.loads(got.stdout.strip().splitlines()[-1]))
@@ -291,14 +288,10 @@ def main():
         info = machine_info()
         d = {"date": time.strftime("%Y-%m-%d"), "commit": info["commit"], "machine": info["description"],
              "torch": info["torch"], "points": points, "pure": pure}
-        os.makedirs(OUT, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(d, f, indent=1)
+        write_json(path, d)
     with open(path) as f:
         d = json.load(f)
-    plot(d, os.path.join(OUT, "scale.png"))
+    plot(d, os.path.join(os.path.dirname(path), "scale.png"))
     print(table(d))
+    return None
 
-
-if __name__ == "__main__":
-    main()

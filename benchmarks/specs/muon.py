@@ -1,13 +1,13 @@
 """Muon on sharded state (issue 39): Muon over the hidden matrices and AdamW over the
 rest, at each ZeRO stage, against DDP + torch.optim.Muon + torch.optim.AdamW.
 
-    python benchmarks/muon.py [--sizes 25M,100M] [--worlds 2,3,4] [--steps 3] [--warmup 1]
-    python benchmarks/muon.py --sizes 100M --worlds 4 --steps 1 --batch-variants 1 \
+    python -m benchmarks muon [--sizes 25M,100M] [--worlds 2,3,4] [--steps 3] [--warmup 1]
+    python -m benchmarks muon --sizes 100M --worlds 4 --steps 1 --batch-variants 1 \
         --variants zeroshard-1,zeroshard-2,zeroshard-3,deepspeed-1,deepspeed-2,deepspeed-3   # in chunks
-    python benchmarks/muon.py --ns-fp32 --sizes 3M --variants zeroshard-1,zeroshard-2,zeroshard-3,fsdp2
-    python benchmarks/muon.py --plot-only                       # table and plot from the JSON
+    python -m benchmarks muon --ns-fp32 --sizes 3M --variants zeroshard-1,zeroshard-2,zeroshard-3,fsdp2
+    python -m benchmarks muon --plot-only                       # table and plot from the JSON
 
-The model is benchmarks/sweep.py's GPT at 25M and 100M parameters (batch 2 x seq 64 per
+The model is the sweep's GPT at 25M and 100M parameters (batch 2 x seq 64 per
 rank, fp32, CPU gloo). Muon (lr 0.02, momentum 0.95) takes the 2-D weights inside the
 blocks (qkv, proj, fc, out); AdamW (lr 3e-4, weight decay 0.1) the embeddings (the head is
 tied to them), norms and biases. Variants:
@@ -15,7 +15,7 @@ tied to them), norms and biases. Variants:
                  matrix's Newton-Schulz (the baseline)
   zeroshard-1/2  two zeroshard.ShardedOptimizer(stage=1/2), Muon's through optimizer_class=
   zeroshard-3    zeroshard.FullyShard(wrap={Block}) and the same two optimizers
-  fsdp2          FSDP2 fully_shard per block + root (step.py's fsdp2-3) + torch.optim.Muon
+  fsdp2          FSDP2 fully_shard per block + root (the step benchmark's fsdp2-3) + torch.optim.Muon
                  and torch.optim.AdamW over its DTensor parameters
   deepspeed-1/2/3  DeepSpeed's Muon ({"type": "Muon"}, its MuonWithAuxAdam; its default
                  Newton-Schulz, "gram") at ZeRO-1/2/3, tagged (use_muon) with the same split
@@ -31,7 +31,7 @@ Per variant, on rank 0:
   step ms      median of the whole step (forward, backward, barrier, steps, zero_grad);
                "vs DDP" is the median over turns of its time over DDP's in the same turn
                (target <= 0.95x)
-  comm MB      what rank 0 sends in one more step, counted as step.py does
+  comm MB      what rank 0 sends in one more step, counted as the step benchmark does
                (benchmarks/comm_count.py: the backend's events, ring model); "vs AdamW" is
                it over the same stage with AdamW over every parameter (target <= 1.10x)
   update err   max over parameters of |p - p_DDP| / |p_DDP - p_0| (Frobenius) after the
@@ -54,7 +54,6 @@ that the 100M copies fit in its 23 GB at world sizes 3 and 4).
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -65,20 +64,15 @@ from datetime import date
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peers  # noqa: E402
-import step  # noqa: E402
-from comm_count import count_comm  # noqa: E402
-from gpt import Block, GPTConfig  # noqa: E402
-from machine import git_commit, machine_info  # noqa: E402
-from sweep import SIZES  # noqa: E402
+from benchmarks import peers, training
+from benchmarks.comm_count import count_comm
+from benchmarks.gpt import Block, GPTConfig
+from benchmarks.harness import ROOT, git_commit, machine_info, opt, spawn
+from benchmarks.specs.sweep import SIZES
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-JSON = os.path.join(HERE, "out", "muon.json")
 VARIANTS = ["zeroshard-1", "zeroshard-2", "zeroshard-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3"]
-MUON, ADAMW, split = step.MUON, step.ADAMW, step.muon_split
+MUON, ADAMW, split = training.MUON, training.ADAMW, training.muon_split
 DS_MUON = {"type": "Muon", "params": {"muon_lr": MUON["lr"], "momentum": MUON["momentum"], "adam_lr": ADAMW["lr"],
                                       "weight_decay": ADAMW["weight_decay"]}}
 TARGETS = dict(opt=1.2, step=0.95, comm=1.10, balance=0.15)
@@ -97,7 +91,7 @@ def muon_class(ns_fp32: bool):
     update with Newton-Schulz in fp32: a reference whose only noise is fp32 rounding)."""
     if not ns_fp32:
         return torch.optim.Muon
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_whole_tensor import Muon32
     return Muon32
 
@@ -116,11 +110,11 @@ def build(variant, model, muon=torch.optim.Muon):
     if name == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     elif name == "fsdp2":
-        wrapped, _ = step.build("fsdp2-3", model, torch.float32)
+        wrapped, _ = training.build("fsdp2-3", model, torch.float32)
     elif name == "zeroshard-3":
         wrapped = zs.FullyShard(model, wrap={Block})
     stage = None if name in ("ddp", "fsdp2") else int(name[-1])
-    return wrapped, step.muon_optimizers(wrapped, stage, muon, fused=name == "ddp", only_adamw=bool(only_adamw))
+    return wrapped, training.muon_optimizers(wrapped, stage, muon, fused=name == "ddp", only_adamw=bool(only_adamw))
 
 
 def train(wrapped, opts, data):
@@ -173,7 +167,7 @@ def measure_batch(batch, cfg, args, data, p0, world):
     built, failed = {}, {}
     for v in ["ddp"] + batch:
         try:
-            built[v] = build(v, step.new_model(cfg, args, data.device), muon_class(args.ns_fp32))
+            built[v] = build(v, training.new_model(cfg, args, data.device), muon_class(args.ns_fp32))
         except Exception as e:  # noqa: BLE001 - a peer that cannot run here: reported, not fatal
             failed[v] = dict(variant=v, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             if rank == 0:
@@ -221,7 +215,7 @@ def release_memory():
 
 
 def comm_mb(built, data, world):
-    """MB rank 0 sends in one step (step.py's "comm MB"); None on the other ranks."""
+    """MB rank 0 sends in one step (the step benchmark's "comm MB"); None on the other ranks."""
     if dist.get_rank() != 0:
         train(*built, data)
         return None
@@ -230,8 +224,8 @@ def comm_mb(built, data, world):
 
 
 def worker(rank, world, port, q, cfg, args):
-    _, data, _ = step.setup(rank, world, port, cfg, args)
-    p0 = {n: p.detach().clone() for n, p in step.new_model(cfg, args, data.device).named_parameters()} \
+    _, data, _ = training.setup(rank, world, port, cfg, args)
+    p0 = {n: p.detach().clone() for n, p in training.new_model(cfg, args, data.device).named_parameters()} \
         if rank == 0 else None
     rows = {}
     variants = peers.runnable(args.variants)
@@ -247,7 +241,7 @@ def worker(rank, world, port, q, cfg, args):
     p0 = None
     for v in (v for v in variants if v.startswith("zeroshard")):      # the same stage with AdamW only
         release_memory()
-        built = build(v + "+adamw", step.new_model(cfg, args, data.device))
+        built = build(v + "+adamw", training.new_model(cfg, args, data.device))
         train(*built, data)
         sent = comm_mb(built, data, world)
         if rank == 0 and sent is not None and rows[v].get("comm_mb"):
@@ -340,43 +334,44 @@ def report(d: dict, png) -> None:
         plot(d, png)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="25M,100M")
-    ap.add_argument("--worlds", default="2,3,4")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--steps", type=int, default=3, help="timed steps of every variant")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--batch-variants", type=int, default=4,
-                    help="variants built together next to one DDP (fewer: less memory, more DDP steps)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--plot-only", action="store_true")
-    ap.add_argument("--ns-fp32", action="store_true",
-                    help="the torch-Muon variants with Newton-Schulz in fp32 (checks their update against DDP's "
-                         "to fp32 rounding; writes --json, default benchmarks/out/muon_ns_fp32.json)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--keep-other-variants", action="store_true",
-                    help="at the points this run takes, keep the JSON's rows of the variants it does not run "
-                         "(each row keeps the commit it was measured at and its own paired DDP)")
-    args = ap.parse_args()
-    path = args.json or (JSON.replace(".json", "_ns_fp32.json") if args.ns_fp32 else JSON)
+OPTIONS = [opt("--sizes", default="25M,100M"),
+           opt("--worlds", default="2,3,4"),
+           opt("--variants", default=",".join(VARIANTS)),
+           opt("--steps", type=int, default=3, help="timed steps of every variant"),
+           opt("--warmup", type=int, default=1),
+           opt("--batch-variants", type=int, default=4,
+               help="variants built together next to one DDP (fewer: less memory, more DDP steps)"),
+           opt("--batch", type=int, default=2),
+           opt("--plot-only", action="store_true"),
+           opt("--ns-fp32", action="store_true",
+               help="the torch-Muon variants with Newton-Schulz in fp32 (checks their update against DDP's "
+               "to fp32 rounding; writes --json, default benchmarks/out/muon_ns_fp32.json)"),
+           opt("--keep-other-variants", action="store_true",
+               help="at the points this run takes, keep the JSON's rows of the variants it does not run "
+               "(each row keeps the commit it was measured at and its own paired DDP)")]
+
+
+def run(args):
+    if args.ns_fp32 and os.path.basename(args.json) == "muon.json":
+        args.json = args.json.replace(".json", "_ns_fp32.json")
+    path = args.json
     png = None if args.ns_fp32 else path.replace(".json", ".png")
     if args.plot_only:
         with open(path) as f:
             report(json.load(f), png)
-        return
+        return None
     args.variants = args.variants.split(",")
-    args.device, args.dtype = "cpu", "float32"     # (step.setup's and step.new_model's)
-    ctx, points, t0 = mp.get_context("spawn"), [], time.time()
-    command = " ".join(["python benchmarks/muon.py"] + sys.argv[1:])
+    args.device, args.dtype = "cpu", "float32"     # (training.setup's and training.new_model's)
+    points, t0 = [], time.time()
+    command = " ".join(["python -m benchmarks"] + sys.argv[1:])
     for size in args.sizes.split(","):
         layers, dim = SIZES[size]
         cfg = GPTConfig(layers=layers, dim=dim, heads=4)
         for world in map(int, args.worlds.split(",")):
-            rows = step.spawn(ctx, worker, world, f"{size} world {world}", cfg, args)
+            rows = spawn(worker, world, cfg, args, what=f"{size} world {world}", skip_failed=True)
             if rows is None:
                 continue
-            n = sum(p.numel() for p in step.new_model(cfg, args, torch.device("cpu")).parameters())
+            n = sum(p.numel() for p in training.new_model(cfg, args, torch.device("cpu")).parameters())
             balance = next((r["balance"] for r in rows.values() if r.get("balance")), None)
             commit = git_commit()
             points.append(dict(size=size, params=n, world=world, balance=balance, steps=args.steps,
@@ -397,11 +392,6 @@ def main():
         done = {(p["size"], p["world"]) for p in points}
         out["points"] = [p for k, p in old.items() if k not in done] + points
     out["points"].sort(key=lambda p: (list(SIZES).index(p["size"]), p["world"]))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
     report(out, png)
+    return out
 
-
-if __name__ == "__main__":
-    main()

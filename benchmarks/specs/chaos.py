@@ -24,11 +24,10 @@ the final parameters and AdamW state against an uninterrupted run's at the
 run's final world size (exactly equal in fixed runs; within ``--tolerance``
 across world-size changes, where the reduction order differs).
 
-    python benchmarks/chaos.py --kills 100            # writes benchmarks/out/chaos.json
+    python -m benchmarks chaos --kills 100            # writes benchmarks/out/chaos.json
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -43,9 +42,11 @@ from datetime import date
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-JOB = os.path.join(HERE, "chaos_job.py")
+from benchmarks import harness
+from benchmarks.harness import opt
+
+JOB = os.path.join(harness.HERE, "chaos_job.py")
+ROOT = harness.ROOT
 SELF_PHASES = ["forward", "backward", "step", "save", "background save", "load"]
 PHASES = SELF_PHASES + ["driver"]
 
@@ -255,8 +256,7 @@ def final_state(ckpt: str) -> dict:
     """A checkpoint's parameters and AdamW state, loaded into the plain example GPT and
     torch.optim.AdamW (no process group): {"param:name" / "exp_avg:name" / ...: tensor}."""
     import zeroshard as zs
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from train_gpt import build_model
+    from train_gpt import build_model   # (examples/, on the path the harness sets)
     model = build_model("tiny", vocab=64)
     opt = torch.optim.AdamW(model.parameters())
     zs.load_checkpoint(ckpt, model, opt)
@@ -371,32 +371,32 @@ def table(s: dict, args) -> str:
     return "\n".join(lines), all(d for *_, d in rows)
 
 
+JSON = "chaos.json"   # --json '': none
+OPTIONS = [opt("--kills", type=int, default=100, help="kills in all (runs are added until reached)"),
+           opt("--kills-per-run", type=int, default=8),
+           opt("--restarts", type=int, default=3, help="torchrun --max-restarts of each launch"),
+           opt("--steps", type=int, default=24),
+           opt("--every", type=int, default=4, help="checkpoint interval (steps)"),
+           opt("--tolerance", type=float, default=1e-3,
+               help="largest relative difference across world-size changes (fp32 reduction order)"),
+           opt("--phases", default=",".join(PHASES), help="the kills' phases, each in turn (shuffled "
+               "per round unless --in-order)"),
+           opt("--in-order", action="store_true", help="the phases exactly in the order given"),
+           opt("--watchdog", type=float, default=60, help="ZEROSHARD_TIMEOUT of the job (seconds)"),
+           opt("--kinds", default="fixed2,changing,fixed3,changing", help="run kinds, in turn"),
+           opt("--driver-delay", type=float, default=3.5, help="the driver kills within this many seconds "
+               "of an attempt's ranks starting (import, rendezvous, resume, the first steps)"),
+           opt("--seed", type=int, default=0),
+           opt("--launch-timeout", type=float, default=600),
+           opt("--work", default=None, help="where runs go (default: a temporary directory, removed)")]
+
+
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kills", type=int, default=100, help="kills in all (runs are added until reached)")
-    ap.add_argument("--kills-per-run", type=int, default=8)
-    ap.add_argument("--restarts", type=int, default=3, help="torchrun --max-restarts of each launch")
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--every", type=int, default=4, help="checkpoint interval (steps)")
-    ap.add_argument("--tolerance", type=float, default=1e-3,
-                    help="largest relative difference across world-size changes (fp32 reduction order)")
-    ap.add_argument("--phases", default=",".join(PHASES), help="the kills' phases, each in turn (shuffled "
-                    "per round unless --in-order)")
-    ap.add_argument("--in-order", action="store_true", help="the phases exactly in the order given")
-    ap.add_argument("--watchdog", type=float, default=60, help="ZEROSHARD_TIMEOUT of the job (seconds)")
-    ap.add_argument("--kinds", default="fixed2,changing,fixed3,changing", help="run kinds, in turn")
-    ap.add_argument("--driver-delay", type=float, default=3.5, help="the driver kills within this many seconds "
-                    "of an attempt's ranks starting (import, rendezvous, resume, the first steps)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--launch-timeout", type=float, default=600)
-    ap.add_argument("--work", default=None, help="where runs go (default: a temporary directory, removed)")
-    ap.add_argument("--out", default=os.path.join(HERE, "out", "chaos.json"), help="the JSON ('': none)")
-    return ap.parse_args(argv)
+    return harness.parse("chaos", argv)
 
 
-def main(argv=None):
-    args = parse(argv)
-    return report(run_all(args), args)
+def run(args) -> int:
+    return 0 if report(run_all(args), args) else 1
 
 
 def run_all(args):
@@ -424,13 +424,10 @@ def run_all(args):
 def report(s: dict, args) -> bool:
     text, ok = table(s, args)
     print(f"\nchaos: {s['kills']} kills over {s['runs']} runs in {s['wall_s']:.0f} s\n{text}")
-    if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
+    if args.json:
+        os.makedirs(os.path.dirname(args.json), exist_ok=True)
+        with open(args.json, "w") as f:
             json.dump(dict(date=str(date.today()), torch=torch.__version__, args=vars(args), at_target=ok,
                            table=text, **s), f, indent=1, default=str)
     return ok
 
-
-if __name__ == "__main__":
-    sys.exit(0 if main() else 1)

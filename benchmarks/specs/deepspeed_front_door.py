@@ -1,7 +1,7 @@
 """The same DeepSpeed script and config under deepspeed.initialize and zeroshard.initialize:
 step time and peak memory, stages 1-3 and the offload variants, in one run.
 
-    python benchmarks/deepspeed_front_door.py [--world-size 2] [--steps 8] [--batch 8]
+    python -m benchmarks deepspeed_front_door [--world-size 2] [--steps 8] [--batch 8]
 
 The script is a DeepSpeed training loop (``engine(x)``, ``engine.backward(loss)``,
 ``engine.step()``) over the benchmarks' GPT (benchmarks/gpt.py); the config is one dict
@@ -14,7 +14,7 @@ DeepSpeed accepts torch's AdamW for the offloaded step. DeepSpeed runs on CPU wi
 DS_ACCELERATOR=cpu; its NVMe offload needs its compiled ``async_io`` op, so the nvme
 variant runs zeroshard alone.
 
-As benchmarks/step.py measures them: "step ms" is the median over the timed steps on
+As the step benchmark measures them: "step ms" is the median over the timed steps on
 rank 0, DeepSpeed's and zeroshard's steps taken in turn in one process group (so both see
 the same machine load; "zs/ds" is the median of the per-turn ratios); "tensor MB" is
 rank 0's exact peak of live tensor bytes over what the built model holds (the CPU
@@ -23,12 +23,9 @@ Writes benchmarks/out/deepspeed_front_door.json and prints the table.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -36,13 +33,10 @@ from datetime import date
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_memory import TensorBytes  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
-from machine import machine_info  # noqa: E402
-from step import free_port, spawn  # noqa: E402
+from benchmarks.cpu_memory import TensorBytes
+from benchmarks.gpt import GPT, GPTConfig
+from benchmarks.harness import opt, spawn
 
 BUCKET = 25 * 2**20 // 4     # elements: 25 MiB of fp32, zeroshard's default bucket
 
@@ -156,27 +150,20 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8)
-    args = parser.parse_args()
-    rows = spawn(mp.get_context("spawn"), worker, args.world_size, "deepspeed_front_door", args)
+OPTIONS = [opt("--world-size", type=int, default=2),
+           opt("--steps", type=int, default=8),
+           opt("--warmup", type=int, default=2),
+           opt("--batch", type=int, default=8)]
+
+
+def run(args):
+    rows = spawn(worker, args.world_size, args, what="deepspeed_front_door", skip_failed=True)
     if rows is None:
-        sys.exit(1)
+        return 1
     cfg = GPTConfig()
     n = sum(p.numel() for p in GPT(cfg).parameters())
     head = (f"GPT {n / 1e6:.2f}M params, float32, world size {args.world_size}, CPU gloo, batch {args.batch} "
             f"x seq {cfg.seq} per rank; {date.today()}")
     print(head)
     print(table(rows))
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "deepspeed_front_door.json"), "w") as f:
-        json.dump({"header": head, "machine": machine_info(), "args": vars(args), "rows": rows}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return {"header": head, "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}

@@ -1,7 +1,9 @@
 """One LightningModule under Lightning's Trainer with different strategies: step time and
 peak memory, in one torchrun launch.
 
-    torchrun --nproc-per-node 2 benchmarks/lightning_front_door.py [--steps 8] [--rounds 3] [--batch 8]
+    torchrun --nproc-per-node 2 -m benchmarks lightning_front_door [--steps 8] [--rounds 3] [--batch 8]
+
+(from the repository's root, or with it on PYTHONPATH)
 
 The module is the benchmarks' GPT (benchmarks/gpt.py) with AdamW (lr 3e-4, weight decay
 0.1), clipping at 1.0, one micro-batch per step; the Trainer is the same for every row
@@ -28,15 +30,12 @@ turns round by round in one process group, so they see the same machine load, an
 machine). "tensor MB" (CPU) is rank 0's exact peak of live tensor bytes over the built
 module during a fit of two steps (the CPU allocator's count, benchmarks/cpu_memory.py);
 on CUDA, torch.cuda.max_memory_allocated over the same.
-Writes lightning_front_door.json into --out (benchmarks/out) and prints the table.
+Writes benchmarks/out/lightning_front_door.json (--json) and prints the table.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
 import warnings
 from datetime import date
@@ -52,11 +51,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zeroshard.integrations.lightning  # noqa: F401  registers strategy="zeroshard..."
-from cpu_memory import TensorBytes
-from gpt import GPT, Block, GPTConfig
-from machine import machine_info
+from benchmarks.cpu_memory import TensorBytes
+from benchmarks.gpt import GPT, Block, GPTConfig
+from benchmarks.harness import machine_info, opt
 
 
 class LitGPT(L.LightningModule):
@@ -179,21 +177,19 @@ def table(rows: dict) -> str:
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
-                        help="folder of lightning_front_door.json (a GPU run writes its own)")
-    args = parser.parse_args()
+OPTIONS = [opt("--steps", type=int, default=8),
+           opt("--warmup", type=int, default=2),
+           opt("--rounds", type=int, default=3),
+           opt("--batch", type=int, default=8)]
+
+
+def run(args):
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     rows = measure(strategies(cuda), args, cuda)
     if int(os.environ["RANK"]) != 0:
-        return
+        return None
     cfg = GPTConfig()
     n = sum(p.numel() for p in GPT(cfg).parameters())
     head = (f"GPT {n / 1e6:.2f}M params, float32, world size {os.environ['WORLD_SIZE']}, "
@@ -201,12 +197,5 @@ def main():
             f"lightning {L.__version__}; {date.today()}")
     print(head)
     print(table(rows))
-    out = args.out
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "lightning_front_door.json"), "w") as f:
-        json.dump({"header": head, "machine": machine_info("cuda" if cuda else "cpu"), "args": vars(args),
-                   "rows": rows}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return {"header": head, "machine": machine_info("cuda" if cuda else "cpu"),
+            "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}

@@ -1,8 +1,8 @@
 """Where does a variant's step time go? Phase times and a profile, CUDA, world size 1.
 
-    python benchmarks/profile_step.py --variants adamw,zeroshard-2 [--dtype bfloat16] [--out DIR]
+    python -m benchmarks profile_step --variants adamw,zeroshard-2 [--dtype bfloat16] [--out DIR]
 
-Each variant of benchmarks/step.py is built on GPT-2 124M (batch 8, sequence 1024) in one
+Each variant of the step benchmark is built on GPT-2 124M (batch 8, sequence 1024) in one
 process, and after three warm-up steps takes --steps steps with the device synchronized
 between the forward, the backward and the optimizer step: the median milliseconds of each
 phase. Then two steps run under torch.profiler: the operators with the most host time,
@@ -17,21 +17,19 @@ and its Chrome trace written gzipped.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import os
 import shutil
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import offload_trace  # noqa: E402
-import step  # noqa: E402
-from gpt import GPTConfig  # noqa: E402
+from benchmarks import training
+from benchmarks.gpt import GPTConfig
+from benchmarks.harness import OUT, free_port, init_dist, opt
+from benchmarks.specs import offload_trace
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize",
          "aten::item", "aten::_local_scalar_dense")
@@ -62,7 +60,7 @@ def host_ms(model, opt, data, steps, each=False):
     steps in a row, and the synchronizing CUDA calls one step makes (torch's sync debug
     mode: count and where each comes from). Where the host's sum is the wall time, the
     host bounds the step; where it is less, the device does and the host runs ahead.
-    ``each``: the device synchronized after every step, as step.py times a step alone
+    ``each``: the device synchronized after every step, as the step benchmark times a step alone
     (a phase whose host time grows then waits for the device somewhere inside)."""
     import warnings
     torch.cuda.synchronize()
@@ -102,7 +100,7 @@ def host_ms(model, opt, data, steps, each=False):
 
 
 def alone_trace(model, opt, data, path):
-    """One step timed alone as step.py times it (the device idle at its start,
+    """One step timed alone as the step benchmark times it (the device idle at its start,
     synchronized at its end) under the profiler, its phases marked; the Chrome trace
     written gzipped to ``path``; returns it."""
     trace, raw = offload_trace.profiled_step(model, opt, data, sync_phases=False)
@@ -180,32 +178,35 @@ def profile(model, opt, data, steps=2, stack=False) -> str:
             + avg.table(sort_by="self_device_time_total", row_limit=20))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="adamw,zeroshard-2")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
-    ap.add_argument("--stack", action="store_true", help="also the Python stacks the synchronisations come from")
-    ap.add_argument("--host", action="store_true",
-                    help="only the host's time per phase without synchronizing, against the wall time, and "
-                         "the synchronizing calls of a step (no profile): steps in a row, then each alone")
-    ap.add_argument("--alone", action="store_true",
-                    help="only a profiled step timed alone per variant: its timeline (where the wall time goes) "
-                         "printed, its Chrome trace written gzipped to --out/alone_<variant>.json.gz")
-    args = ap.parse_args()
+OPTIONS = [opt("--variants", default="adamw,zeroshard-2"),
+           opt("--dtype", choices=["float32", "bfloat16"], default="bfloat16"),
+           opt("--param-dtype", choices=["float32", "bfloat16"], default="bfloat16"),
+           opt("--steps", type=int, default=10),
+           opt("--batch", type=int, default=8),
+           opt("--out", default=OUT, help="where the profiles and traces go"),
+           opt("--stack", action="store_true", help="also the Python stacks the synchronisations come from"),
+           opt("--host", action="store_true",
+               help="only the host's time per phase without synchronizing, against the wall time, and "
+               "the synchronizing calls of a step (no profile): steps in a row, then each alone"),
+           opt("--alone", action="store_true",
+               help="only a profiled step timed alone per variant: its timeline (where the wall time goes) "
+               "printed, its Chrome trace written gzipped to --out/alone_<variant>.json.gz")]
+
+
+JSON = None     # it writes profiles and traces into --out
+
+
+def run(args):
     args.prefetch, args.shard_size = 1, None
-    device = step.init_dist(0, 1, step.free_port(), cuda=True)
+    device = init_dist(0, 1, free_port(), cuda=True)
     cfg = GPTConfig(layers=12, dim=768, heads=12, seq=1024, vocab=50257)
     data = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), device=device)
     os.makedirs(args.out, exist_ok=True)
     print(f"{'variant':<20} {'forward':>8} {'backward':>9} {'step':>7} {'total':>7}  (ms, {args.dtype})")
     for v in args.variants.split(","):
-        model, opt = step.build(v, step.new_model(cfg, args, device), getattr(torch, args.param_dtype))
+        model, opt = training.build(v, training.new_model(cfg, args, device), getattr(torch, args.param_dtype))
         for _ in range(3):
-            step.train_step(model, opt, data, torch.cuda.synchronize)
+            training.train_step(model, opt, data, torch.cuda.synchronize)
         if args.alone:
             trace = alone_trace(model, opt, data, os.path.join(args.out, f"alone_{v}.json.gz"))
             print(f"{v}: one step timed alone\n{timeline(trace)}", flush=True)
@@ -216,7 +217,7 @@ def main():
                       f"{s:.2f} = {f + b + s:.2f} ms | wall {wall:.2f} ms per step | syncs in a step: "
                       f"{where or 'none'}", flush=True)
         if args.alone or args.host:
-            step.settle(opt)
+            training.settle(opt)
             del model, opt
             torch.cuda.empty_cache()
             continue
@@ -224,11 +225,8 @@ def main():
         print(f"{v:<20} {f:>8.2f} {b:>9.2f} {s:>7.2f} {f + b + s:>7.2f}", flush=True)
         with open(os.path.join(args.out, f"profile_{v}.txt"), "w") as fh:
             fh.write(f"{v}: forward {f:.2f} ms, backward {b:.2f} ms, step {s:.2f} ms\n\n" + profile(model, opt, data, stack=args.stack))
-        step.settle(opt)
+        training.settle(opt)
         del model, opt
         torch.cuda.empty_cache()
     dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    main()

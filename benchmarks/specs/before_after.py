@@ -1,12 +1,12 @@
 """Step time of two (or more) builds of zeroshard in one process group, turn by turn.
 
-    python benchmarks/before_after.py --build 33842ae --build 7bd72aa    # commits, built here
-    python benchmarks/before_after.py --package old=/path/to/site --stages 1,3 --paired 100
+    python -m benchmarks before_after --build 33842ae --build 7bd72aa    # commits, built here
+    python -m benchmarks before_after --package old=/path/to/site --stages 1,3 --paired 100
 
-Separate runs of `step.py` on a shared machine spread by several percent, more
+Separate runs of `python -m benchmarks step` on a shared machine spread by several percent, more
 than most changes one wants to judge. Here every build is imported into the
 same worker processes under its own name (`zs_<name>`; the installed package
-is "head"), every stage of every build is set up on its own copy of step.py's
+is "head"), every stage of every build is set up on its own copy of the step benchmark's
 default GPT (3.4M parameters, world size 2 unless --world-size, gloo) next to DDP + fused AdamW,
 and their steps are taken in turn (order rotated each turn). The result is
 the median over turns of each build's step time over the first build's *in
@@ -21,7 +21,6 @@ the worktree's copy. The first build listed is the baseline.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
@@ -32,13 +31,10 @@ import tempfile
 import types
 
 import torch
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import step as S  # noqa: E402
-
-ROOT = os.path.dirname(HERE)
+from benchmarks import training
+from benchmarks.gpt import GPTConfig
+from benchmarks.harness import ROOT, opt, paired_ratio, spawn
 
 
 def build_commit(commit: str, cache: str) -> str:
@@ -77,7 +73,7 @@ def load(packages: dict) -> None:
 
 
 class Builder:
-    """step.build() with the named build's module: variants "ddp" and "<build>:<stage>"
+    """training.build() with the named build's module: variants "ddp" and "<build>:<stage>"
     (picklable: it travels to the spawned workers, which import the builds first)."""
 
     def __init__(self, packages: dict):
@@ -86,42 +82,43 @@ class Builder:
     def __call__(self, variant: str, model):
         load(self.packages)
         if variant == "ddp":
-            return S.build(variant, model, torch.float32)
+            return training.build(variant, model, torch.float32)
         name, stage = variant.rsplit(":", 1)
         zs = sys.modules[f"zs_{name}"] if self.packages[name] else None   # None: the installed one
-        return S.build(f"zeroshard-{stage}", model, torch.float32, zs=zs)
+        return training.build(f"zeroshard-{stage}", model, torch.float32, zs=zs)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build", action="append", default=[], help="a commit to build and compare (repeatable)")
-    ap.add_argument("--package", action="append", default=[],
-                    help="name=DIR: a build installed in DIR (DIR/zeroshard); repeatable")
-    ap.add_argument("--no-head", action="store_true", help="leave out the installed package")
-    ap.add_argument("--stages", default="1,2,3")
-    ap.add_argument("--paired", type=int, default=80, help="turns measured")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=4, help="GPT blocks (step.py's default; 8 with --dim 512: 25.8M)")
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per rank (the sweep's: 2)")
-    ap.add_argument("--world-size", type=int, default=2, help="ranks (on this machine's cores: oversubscribed past 2)")
-    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "zeroshard-builds"))
-    args = ap.parse_args()
+OPTIONS = [opt("--build", action="append", default=[], help="a commit to build and compare (repeatable)"),
+           opt("--package", action="append", default=[],
+               help="name=DIR: a build installed in DIR (DIR/zeroshard); repeatable"),
+           opt("--no-head", action="store_true", help="leave out the installed package"),
+           opt("--stages", default="1,2,3"),
+           opt("--paired", type=int, default=80, help="turns measured"),
+           opt("--warmup", type=int, default=3),
+           opt("--layers", type=int, default=4, help="GPT blocks (the step benchmark's default; 8 with --dim 512: 25.8M)"),
+           opt("--dim", type=int, default=256),
+           opt("--batch", type=int, default=8, help="sequences per rank (the sweep's: 2)"),
+           opt("--world-size", type=int, default=2, help="ranks (on this machine's cores: oversubscribed past 2)"),
+           opt("--cache", default=os.path.join(tempfile.gettempdir(), "zeroshard-builds"))]
+
+
+def check(args):
+    if len(args.build) + len(args.package) + (not args.no_head) < 2:
+        return "give at least two builds (--build / --package, and the installed one unless --no-head)"
+    return None
+
+
+def run(args):
     packages = {c: build_commit(c, args.cache) for c in args.build}
     packages.update(dict(p.split("=", 1) for p in args.package))
     if not args.no_head:
         packages["head"] = None
-    if len(packages) < 2:
-        ap.error("give at least two builds (--build / --package, and the installed one unless --no-head)")
     stages = args.stages.split(",")
     names = list(packages)
     variants = ["ddp"] + [f"{n}:{s}" for s in stages for n in names]
-    cfg = S.GPTConfig(layers=args.layers, dim=args.dim, heads=4, seq=64, vocab=1021)
+    cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=4, seq=64, vocab=1021)
     run = types.SimpleNamespace(batch=args.batch, warmup=args.warmup, paired=args.paired, device="cpu", dtype="float32")
-    times = S.spawn(mp.get_context("spawn"), S.paired_worker, args.world_size, "before/after", variants, cfg, run,
-                    Builder(packages))
-    if times is None:
-        sys.exit(1)
+    times = spawn(training.paired_worker, args.world_size, variants, cfg, run, Builder(packages), what="before/after")
     n, base = len(times["ddp"]), names[0]
     print(f"{n} turns; median per-turn ratio (and mean) of each build's step time over {base}'s, and over DDP's")
     print(f"| stage | build | step ms | vs DDP | vs {base} (median) | (mean) |")
@@ -131,10 +128,8 @@ def main():
         for name in names:
             a = times[f"{name}:{s}"]
             per = [a[i] / b[i] for i in range(n)]
-            ddp = statistics.median(a[i] / times["ddp"][i] for i in range(n))
+            ddp = paired_ratio(a, times["ddp"])
             print(f"| {s} | {name} | {1e3 * statistics.median(a):.2f} | {ddp:.3f}x | "
                   f"{statistics.median(per):.3f} | {statistics.mean(per):.3f} |")
-
-
-if __name__ == "__main__":
-    main()
+    return dict(builds=dict(packages), stages=stages, turns=n, batch=args.batch,
+                world_size=args.world_size, times_s=times)

@@ -1,6 +1,6 @@
 """Generation at ZeRO-3 against the unsharded model, in one run (docs/generation.md).
 
-    python benchmarks/generation.py [--tokens 64] [--layers 4] [--dim 256] [--rounds 5]
+    python -m benchmarks generation [--tokens 64] [--layers 4] [--dim 256] [--rounds 5]
 
 Two gloo ranks on this machine. Each rank holds an unsharded copy of a Llama-shaped
 model and the same model under FullyShard (one unit per decoder layer); every
@@ -15,20 +15,17 @@ the gather dtype. Writes benchmarks/out/generation.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.harness import opt, spawn
 
 
-def _worker(rank: int, world: int, port: int, args, out: dict):
+def _worker(rank: int, world: int, port: int, out, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -70,30 +67,23 @@ def _worker(rank: int, world: int, port: int, args, out: dict):
     dtype_bytes = model.param_dtype.itemsize
     params = sum(p.numel() for p in plain.parameters())
     if rank == 0:
-        out.update(world=world, tokens=args.tokens, layers=args.layers, dim=args.dim, params=params,
-                   units=len(model.units), rounds=args.rounds,
-                   ms={k: 1e3 * statistics.median(v) for k, v in times.items()},
-                   all_gathers=gathers, same_tokens=same,
-                   gathered_bytes=rep["gathered_peak"] + rep["root_gathered"],
-                   model_bytes_in_gather_dtype=params * dtype_bytes)
+        out.put(dict(world=world, tokens=args.tokens, layers=args.layers, dim=args.dim, params=params,
+                     units=len(model.units), rounds=args.rounds,
+                     ms={k: 1e3 * statistics.median(v) for k, v in times.items()},
+                     all_gathers=gathers, same_tokens=same,
+                     gathered_bytes=rep["gathered_peak"] + rep["root_gathered"],
+                     model_bytes_in_gather_dtype=params * dtype_bytes))
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(_worker, args=(2, port, args, out), nprocs=2)
-    res = dict(out)
+OPTIONS = [opt("--tokens", type=int, default=64),
+           opt("--layers", type=int, default=4),
+           opt("--dim", type=int, default=256),
+           opt("--rounds", type=int, default=5)]
+
+
+def run(args):
+    res = spawn(_worker, 2, args)
     base = res["ms"]["unsharded"]
     print(f"{res['params'] / 1e6:.2f}M parameters, {res['units']} units, {res['tokens']} new tokens, batch 4, "
           f"{res['world']} ranks, median of {res['rounds']} rounds")
@@ -103,10 +93,5 @@ def main():
         print(f"| {name} | {ms:.1f} | {ms / base:.2f}x | {res['all_gathers'][name]} | {res['same_tokens'][name]} |")
     print(f"held gathered during the call: {res['gathered_bytes']} bytes; the model's parameters in the gather "
           f"dtype: {res['model_bytes_in_gather_dtype']} bytes")
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "generation.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    return res
 
-
-if __name__ == "__main__":
-    main()

@@ -21,14 +21,12 @@ bandwidth as a fraction of the copy's; "vs ours" is time / zeroshard bf16 time. 
 whose free memory cannot hold every variant at once, each variant's rounds
 run alone).
 
-    python benchmarks/adamw.py            # full size sweep
-    python benchmarks/adamw.py --quick    # a few sizes (what `make demo` runs)
+    python -m benchmarks adamw            # full size sweep
+    python -m benchmarks adamw --quick    # a few sizes
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import platform
 import time
@@ -37,7 +35,7 @@ from datetime import date
 import torch
 
 import zeroshard as zs
-from machine import machine_info
+from benchmarks.harness import machine_info, opt
 
 BYTES = {"zeroshard bf16": 28, "zeroshard fp32": 28, "torch fused": 28,
          "torch fused+cast": 34, "torch foreach+cast": 34, "deepspeed cpu-adam": 28}
@@ -167,24 +165,26 @@ def device_name(device):
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a few sizes only")
-    ap.add_argument("--devices", default="cpu,cuda", help="comma-separated; cuda is skipped when absent")
-    ap.add_argument("--sizes", default=None, help="comma-separated parameter counts, e.g. 1e6,2.5e8")
-    ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--queue", type=int, default=None,
-                    help="calls per timed sample on CUDA, queued back to back (default 4; 1 on CPU)")
-    ap.add_argument("--launches", default="",
-                    help="CUDA: more zeroshard bf16 rows under these launch choices, ACCESS:BLOCKS_PER_SM "
-                         "comma-separated (ACCESS cached or streaming)")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "adamw.json"))
-    args = ap.parse_args()
+OPTIONS = [opt("--quick", action="store_true", help="a few sizes only"),
+           opt("--devices", default="cpu,cuda", help="comma-separated; cuda is skipped when absent"),
+           opt("--sizes", default=None, help="comma-separated parameter counts, e.g. 1e6,2.5e8"),
+           opt("--repeat", type=int, default=None),
+           opt("--queue", type=int, default=None,
+               help="calls per timed sample on CUDA, queued back to back (default 4; 1 on CPU)"),
+           opt("--launches", default="",
+               help="CUDA: more zeroshard bf16 rows under these launch choices, ACCESS:BLOCKS_PER_SM "
+               "comma-separated (ACCESS cached or streaming)")]
 
+
+def check(args):
+    if any(x.split(":")[0] not in ("cached", "streaming") for x in args.launches.split(",") if x):
+        return f"--launches: ACCESS must be cached or streaming, got {args.launches!r}"
+    return None
+
+
+def run(args):
     devices = [d for d in args.devices.split(",") if d == "cpu" or torch.cuda.is_available()]
     launches = [(a, int(b)) for a, b in (x.split(":") for x in args.launches.split(",") if x)]
-    if any(a not in ("cached", "streaming") for a, _ in launches):
-        ap.error(f"--launches: ACCESS must be cached or streaming, got {args.launches!r}")
     machine = machine_info("cuda" if "cuda" in devices else "cpu")
     report = {"date": date.today().isoformat(), "commit": machine["commit"], "torch": torch.__version__,
               "machine": machine,
@@ -222,11 +222,5 @@ def main():
                                           "calls_per_sample": queue,
                                           "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs,
                                           "time_vs_zeroshard_bf16": t / base})
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {args.json}")
+    return report
 
-
-if __name__ == "__main__":
-    main()

@@ -27,17 +27,16 @@ peak resident memory over what it held before the call (save, load), and
 was live before it, a background save's write included (the CPU allocator's
 exact count, benchmarks/cpu_memory.py, in one more untimed save).
 
-    python benchmarks/checkpoint.py [--world-size 2] [--layers 4 --dim 512] [--repeats 3]
+    python -m benchmarks checkpoint [--world-size 2] [--layers 4 --dim 512] [--repeats 3]
+    python -m benchmarks checkpoint --paired 9 [--runs 3]     # checkpoint-paired.json
 """
 from __future__ import annotations
 
-import argparse
+import functools
 import glob
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import Future
@@ -45,15 +44,13 @@ from datetime import date
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig  # noqa: E402
-import peers  # noqa: E402
-from cpu_memory import TensorBytes  # noqa: E402
-from machine import machine_info  # noqa: E402
-from report import PAIRED_REFS, lost_ms, paired_ratios, ratio_range  # noqa: E402
-from step import build, free_port, init_dist, reset_peak_rss, rss_mb, train_step  # noqa: E402
+from benchmarks import peers
+from benchmarks.cpu_memory import TensorBytes
+from benchmarks.gpt import GPT, GPTConfig
+from benchmarks.harness import barrier_timer, init_dist, machine_info, opt, rotated, spawn
+from benchmarks.report import PAIRED_REFS, lost_ms, paired_ratios, ratio_range
+from benchmarks.training import build, reset_peak_rss, rss_mb, train_step
 
 VARIANTS = ["fsdp2-3+dcp", "zeroshard-3+dcp", "zeroshard-2+dcp", "zeroshard-3", "zeroshard-2", "zeroshard-3+nosync",
             "zeroshard-2+nosync", "zeroshard-3+background", "zeroshard-2+background", "deepspeed-3", "deepspeed-2"]
@@ -61,7 +58,7 @@ SUFFIXES = ("+dcp", "+nosync", "+background")
 
 
 def base(variant: str) -> str:
-    """The variant's model and optimizer (step.py's name)."""
+    """The variant's model and optimizer (the step benchmark's name)."""
     for s in SUFFIXES:
         variant = variant.removesuffix(s)
     return variant
@@ -187,7 +184,7 @@ def settle(done) -> None:
         done.result()
 
 
-def worker(rank, world, port, variant, cfg, args, root, out):
+def worker(rank, world, port, out, variant, cfg, args, root):
     init_dist(rank, world, port)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -225,7 +222,7 @@ def worker(rank, world, port, variant, cfg, args, root, out):
 PAIRED = ("fsdp2-3+dcp", "zeroshard-3+dcp", "ddp+dcp", "zeroshard-2+dcp")
 
 
-def paired_worker(rank, world, port, cfg, args, root, out):
+def paired_worker(rank, world, port, out, cfg, args, root):
     """The DCP variants side by side in the same processes, on the same data: each repeat
     saves (then loads) every variant in turn, in an order rotated per repeat, so drift of
     the machine (disk, page cache, the other core) falls on all of them alike (the ratios:
@@ -238,24 +235,18 @@ def paired_worker(rank, world, port, cfg, args, root, out):
         wrapped, opt = build(base(variant), GPT(cfg), torch.float32)
         train_step(wrapped, opt, data, lambda: None)
         built[variant] = save_load(variant, wrapped, opt)
-    times = {(v, kind): [] for v in PAIRED for kind in ("save", "load")}
-    for i in range(args.paired):
-        order = PAIRED[i % len(PAIRED):] + PAIRED[:i % len(PAIRED)]
+    times = {f"{v} {kind}": [] for v in PAIRED for kind in ("save", "load")}
+    for i in range(args.paired):    # each repeat: every save in turn, then every load (the order rotated)
         for kind in ("save", "load"):
-            for variant in order:
-                fn = built[variant][kind == "load"]
-                path = os.path.join(root, f"paired-{variant}")
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn(path)
-                dist.barrier()
-                times[variant, kind].append(time.perf_counter() - t0)
+            for v in rotated(list(PAIRED), i):
+                fn = functools.partial(built[v][kind == "load"], os.path.join(root, f"paired-{v}"))
+                times[f"{v} {kind}"].append(barrier_timer(fn))
     if rank == 0:
-        out.put({f"{v} {kind}": t for (v, kind), t in times.items()})
+        out.put(times)
     dist.destroy_process_group()
 
 
-def resume_worker(rank, world, port, variant, cfg, args, root, out):
+def resume_worker(rank, world, port, out, variant, cfg, args, root):
     """Loads what ``worker`` saved at another world size (this one), timed end to end:
     zeroshard loads it as it is; DeepSpeed first converts it offline (ds_to_universal,
     on rank 0) and loads the universal checkpoint; FSDP2 + DCP loads it as it is."""
@@ -302,41 +293,34 @@ def _written_by(name: str, r: int) -> bool:
     return r == 0 and (name in ("manifest.json", ".metadata", "latest") or name.startswith("mp_rank_"))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--resume-world-size", type=int, default=3,
-                    help="also load each checkpoint at this world size, timed end to end with any offline "
-                         "conversion it needs (0: skip)")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                                                   "checkpoint.json"))
-    ap.add_argument("--paired", type=int, default=0,
-                    help="instead: the DCP variants (FSDP2's and zeroshard's) in the same processes, in turn, "
-                         "this many repeats; prints the median per-repeat ratios")
-    ap.add_argument("--runs", type=int, default=3, help="with --paired: this many launches of fresh processes")
-    args = ap.parse_args()
+OPTIONS = [opt("--world-size", type=int, default=2),
+           opt("--layers", type=int, default=4),
+           opt("--dim", type=int, default=512),
+           opt("--repeats", type=int, default=3),
+           opt("--variants", default=",".join(VARIANTS)),
+           opt("--resume-world-size", type=int, default=3,
+               help="also load each checkpoint at this world size, timed end to end with any offline "
+               "conversion it needs (0: skip)"),
+           opt("--paired", type=int, default=0,
+               help="instead: the DCP variants (FSDP2's and zeroshard's) in the same processes, in turn, "
+               "this many repeats; prints the median per-repeat ratios"),
+           opt("--runs", type=int, default=3, help="with --paired: this many launches of fresh processes")]
+
+
+def run(args):
     cfg = GPTConfig(layers=args.layers, dim=args.dim)
-    ctx = mp.get_context("spawn")
     if args.paired:
-        return paired(args, cfg, ctx)
+        return paired(args, cfg)
     rows = []
     root = tempfile.mkdtemp(prefix="zs-ckpt-bench-")
     variants = args.variants.split(",")
     variants = peers.runnable(variants)
     try:
         for variant in variants:
-            q = ctx.SimpleQueue()
-            mp.start_processes(worker, args=(args.world_size, free_port(), variant, cfg, args, root, q),
-                               nprocs=args.world_size, start_method="spawn")
-            rows.append(q.get())
+            rows.append(spawn(worker, args.world_size, variant, cfg, args, root, what=variant))
             if args.resume_world_size:      # load at another world size, end to end
-                mp.start_processes(resume_worker, args=(args.resume_world_size, free_port(), variant, cfg, args,
-                                                        root, q), nprocs=args.resume_world_size, start_method="spawn")
-                rows[-1]["resume_ms"] = q.get()
+                rows[-1]["resume_ms"] = spawn(resume_worker, args.resume_world_size, variant, cfg, args, root,
+                                              what=f"{variant} at {args.resume_world_size}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ref = next((r for r in rows if r["variant"] == "fsdp2-3+dcp"), None)
@@ -358,24 +342,18 @@ def main():
             print(f"{r['variant']}: the call blocks {r['save_ms']:.1f} ms; durable (result()) after "
                   f"{r['durable_ms']:.1f} ms; a training step while it writes {r['step_during_ms']:.1f} ms, "
                   f"{r['step_ms']:.1f} ms alone: training loses {lost_ms(r):.1f} ms to the save")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(dict(date=str(date.today()), world_size=args.world_size, rows=rows, torch=torch.__version__,
-                       config=vars(cfg), repeats=args.repeats, backend="CPU gloo", machine=machine_info("cpu"),
-                       resume_world_size=args.resume_world_size),
-                  f, indent=1)
+    return dict(date=str(date.today()), world_size=args.world_size, rows=rows, torch=torch.__version__,
+                config=vars(cfg), repeats=args.repeats, backend="CPU gloo", machine=machine_info("cpu"),
+                resume_world_size=args.resume_world_size)
 
 
-def paired(args, cfg, ctx) -> None:
-    """--runs launches of paired_worker, each of --paired repeats; writes checkpoint-paired.json."""
+def paired(args, cfg) -> dict:
+    """--runs launches of paired_worker, each of --paired repeats: checkpoint-paired.json's data."""
     runs = []
     for _ in range(args.runs):
         root = tempfile.mkdtemp(prefix="zs-ckpt-paired-")
         try:
-            q = ctx.SimpleQueue()
-            mp.start_processes(paired_worker, args=(args.world_size, free_port(), cfg, args, root, q),
-                               nprocs=args.world_size, start_method="spawn")
-            runs.append(q.get())
+            runs.append(spawn(paired_worker, args.world_size, cfg, args, root, what="paired"))
         finally:
             shutil.rmtree(root, ignore_errors=True)
     print(f"DCP save and load, paired ({args.runs} runs of {args.paired} repeats), world size {args.world_size}, "
@@ -385,13 +363,7 @@ def paired(args, cfg, ctx) -> None:
         print(f"{r['variant']:<18}" + "".join(
             f"{r[kind + '_ms']:>9.1f}" + "".join(f"{ratio_range(r[kind][ref]):>13}" for ref in PAIRED_REFS)
             for kind in ("save", "load")))
-    path = args.json.replace(".json", "-paired.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(dict(date=str(date.today()), world_size=args.world_size, runs_s=runs, torch=torch.__version__,
-                       config=vars(cfg), repeats=args.paired, backend="CPU gloo", machine=machine_info("cpu")),
-                  f, indent=1)
+    args.json = args.json.replace(".json", "-paired.json")
+    return dict(date=str(date.today()), world_size=args.world_size, runs_s=runs, torch=torch.__version__,
+                config=vars(cfg), repeats=args.paired, backend="CPU gloo", machine=machine_info("cpu"))
 
-
-if __name__ == "__main__":
-    main()

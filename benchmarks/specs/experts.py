@@ -17,23 +17,18 @@ expert parameters a rank's ep position holds; "sent" is what rank 0 sends in one
 process group, under the ring model (benchmarks/comm_count.py's c10d count; the
 model's own token exchange over its ep group included).
 
-    python benchmarks/experts.py [--repeats 9] [--dim 256 --hidden 1024 --experts 8 --tokens 256]
+    python -m benchmarks experts [--repeats 9] [--dim 256 --hidden 1024 --experts 8 --tokens 256]
 """
 from __future__ import annotations
 
-import os
-import sys
 from datetime import date
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
-import moe  # noqa: E402  (examples/moe.py's model)
-from paired import arguments, print_rows, save_json, spawn, time_variants  # noqa: E402
-from step import init_dist  # noqa: E402
+from benchmarks.harness import init_dist, print_rows, sized_options, spawn, time_variants
+import moe  # (examples/moe.py's model, on the path the harness sets)
 
 VARIANTS = ("fsdp2-3+ep", "zeroshard-3+ep", "zeroshard-3")
 EP = 2
@@ -73,7 +68,7 @@ def step(model, opt, x, y):
     opt.zero_grad()
 
 
-def worker(rank, world, port, args, out):
+def worker(rank, world, port, out, args):
     init_dist(rank, world, port)
     _sized(args)
     from torch.distributed.device_mesh import init_device_mesh
@@ -94,8 +89,10 @@ def worker(rank, world, port, args, out):
     dist.destroy_process_group()
 
 
-def main():
-    args = arguments(__doc__, "experts.json", dim=256, hidden=1024, experts=8, tokens=256)
+OPTIONS = sized_options(dim=256, hidden=1024, experts=8, tokens=256)
+
+
+def run(args):
     res = spawn(worker, args.world_size, args)
     n, ep = args.world_size, EP
     print(f"MoE step, world size {n} (edp {n // ep} x ep {ep}), {args.experts} experts of {args.dim}x{args.hidden}, "
@@ -105,8 +102,5 @@ def main():
     expert_state = 16 * res["expert_elements_here"]
     print(f"zeroshard-3+ep expert state on rank 0: {expert_state:,} B; 16 Psi_e / (N / ep) = "
           f"{16 * psi_e // (n // ep):,} B (Psi_e = {psi_e:,} per ep rank); memory_report total {rep['total']:,} B")
-    save_json(args, res, ep=ep)
+    return dict(world_size=args.world_size, ep=ep, config={k: v for k, v in vars(args).items() if k != "json"}, **res)
 
-
-if __name__ == "__main__":
-    main()

@@ -17,22 +17,17 @@ Psi_s the tp-sharded parameters and Psi_r the replicated ones (norms, row-parall
 biases), elements rounded to the shards' padding; "sent" is what rank 0 sends in one
 step, by process group, under the ring model (benchmarks/comm_count.py's c10d count).
 
-    python benchmarks/tensor_parallel_step.py [--repeats 9] [--dim 256 --layers 4 --vocab 2048 --tokens 128]
+    python -m benchmarks tensor_parallel_step [--repeats 9] [--dim 256 --layers 4 --vocab 2048 --tokens 128]
 """
 from __future__ import annotations
 
-import os
-import sys
 from datetime import date
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
-import tensor_parallel as tpx  # noqa: E402  (examples/tensor_parallel.py's model)
-from paired import arguments, print_rows, save_json, spawn, time_variants  # noqa: E402
-from step import init_dist  # noqa: E402
+from benchmarks.harness import init_dist, print_rows, sized_options, spawn, time_variants
+import tensor_parallel as tpx  # (examples/tensor_parallel.py's model, on the path the harness sets)
 
 VARIANTS = ("fsdp2-3+tp", "zeroshard-3+tp", "ddp+tp", "zeroshard-3")
 TP = 2
@@ -81,7 +76,7 @@ def _split(model) -> tuple:
     return sharded, sum(p.numel() for p in model.parameters()) - sharded
 
 
-def worker(rank, world, port, args, out):
+def worker(rank, world, port, out, args):
     init_dist(rank, world, port)
     _sized(args)
     from torch.distributed.device_mesh import init_device_mesh
@@ -102,8 +97,11 @@ def worker(rank, world, port, args, out):
     dist.destroy_process_group()
 
 
-def main():
-    args = arguments(__doc__, "tensor_parallel.json", dim=256, layers=4, vocab=2048, tokens=128, batch=4)
+JSON = "tensor_parallel.json"
+OPTIONS = sized_options(dim=256, layers=4, vocab=2048, tokens=128, batch=4)
+
+
+def run(args):
     res = spawn(worker, args.world_size, args)
     n, tp = args.world_size, TP
     dp = n // tp
@@ -120,8 +118,5 @@ def main():
     print(f"dp-axis elements all-gathered and reduce-scattered per step: {el['zeroshard-3+tp']:,} with tp {tp}, "
           f"{el['zeroshard-3']:,} under pure data parallelism (zeroshard-3): {el['zeroshard-3+tp'] / el['zeroshard-3']:.3f} "
           f"(1/tp = {1 / tp:.3f})")
-    save_json(args, res, tp=tp)
+    return dict(world_size=args.world_size, tp=tp, config={k: v for k, v in vars(args).items() if k != "json"}, **res)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Do offload's device-to-host gradient copies overlap the backward? One profiled step.
 
-    python benchmarks/offload_trace.py [--stage 2] [--offload cpu] [--out DIR]    # CUDA only
+    python -m benchmarks offload_trace [--stage 2] [--offload cpu] [--out DIR]    # CUDA only
 
 GPT-2 124M (benchmarks/gpt.py: 12 layers, 768 wide, sequence 1024, vocabulary 50257),
 batch 8, bf16 parameters, world size 1 with NCCL, ShardedOptimizer(stage, offload=...) or
@@ -27,20 +27,17 @@ trace beside it (offload_trace.json.gz; chrome://tracing or ui.perfetto.dev).
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step  # noqa: E402
-from gpt import GPT, Block, GPTConfig  # noqa: E402
+from benchmarks.gpt import GPT, Block, GPTConfig
+from benchmarks.harness import free_port, init_dist, opt
 
 
 def union_ms(spans) -> float:
@@ -141,15 +138,14 @@ def profiled_step(model, opt, data, sync_phases: bool = True):
     return trace, path
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
-    ap.add_argument("--offload", choices=["cpu", "nvme"], default="cpu")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
-    args = ap.parse_args()
+OPTIONS = [opt("--stage", type=int, choices=[1, 2, 3], default=2),
+           opt("--offload", choices=["cpu", "nvme"], default="cpu"),
+           opt("--batch", type=int, default=8)]
+
+
+def run(args):
     import zeroshard as zs
-    device = step.init_dist(0, 1, step.free_port(), cuda=True)
+    device = init_dist(0, 1, free_port(), cuda=True)
     cfg = GPTConfig(layers=12, dim=768, heads=12, seq=1024, vocab=50257)
     torch.manual_seed(0)
     model = GPT(cfg).to(device=device, dtype=torch.bfloat16)
@@ -168,12 +164,10 @@ def main():
     trace, path = profiled_step(model, opt, data)
     summary = dict(stage=args.stage, offload=args.offload, batch=args.batch, device=torch.cuda.get_device_name(),
                    torch=torch.__version__, **summarise(trace), copies=per_copy(trace))
-    os.makedirs(args.out, exist_ok=True)
-    with open(path, "rb") as src, gzip.open(os.path.join(args.out, "offload_trace.json.gz"), "wb") as dst:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(path, "rb") as src, gzip.open(args.json + ".gz", "wb") as dst:     # the Chrome trace beside it
         shutil.copyfileobj(src, dst)
     os.remove(path)
-    with open(os.path.join(args.out, "offload_trace.json"), "w") as f:
-        json.dump(summary, f, indent=1)
     b, s = summary["backward"], summary["step"]
     print(f"offload={args.offload} stage {args.stage}, GPT-2 124M, batch {args.batch}, {summary['device']}")
     print(f"backward: {b['kernel_ms']:.1f} ms of kernels; {b['d2h']} device-to-host copies, {b['d2h_mb']:.1f} MB, "
@@ -184,7 +178,5 @@ def main():
     print(f"step: {s['kernel_ms']:.1f} ms of kernels; {s['d2h']} device-to-host copies ({s['d2h_mb']:.1f} MB), "
           f"{s['h2d']} host-to-device ({s['h2d_mb']:.1f} MB)")
     dist.destroy_process_group()
+    return summary
 
-
-if __name__ == "__main__":
-    main()

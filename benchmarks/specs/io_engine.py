@@ -19,12 +19,10 @@ are. Writes end with fdatasync (in the time) for every variant. GB/s are medians
 rounds; each engine variant's ratio is to the raw loop over the same memory. Written to
 benchmarks/out/io_engine.json.
 
-    python benchmarks/io_engine.py [--dir /var/tmp] [--gib 1] [--rounds 3]
+    python -m benchmarks io_engine [--dir /var/tmp] [--gib 1] [--rounds 3]
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -33,7 +31,7 @@ from datetime import date
 
 import torch
 
-from machine import machine_info
+from benchmarks.harness import machine_info, opt
 from zeroshard.offload.io_engine import IoEngine, congruent_start
 
 
@@ -85,18 +83,19 @@ def aligned(n: int) -> torch.Tensor:
     return t[k:k + n].random_(0, 256)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/var/tmp", help="a directory on a local disk")
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--block-mb", type=int, default=4, help="the raw loop's request size")
-    ap.add_argument("--window-mb", type=int, default=8, help="the engine's window (one transfer)")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "io_engine.json"))
-    args = ap.parse_args()
+OPTIONS = [opt("--dir", default="/var/tmp", help="a directory on a local disk"),
+           opt("--gib", type=float, default=1.0),
+           opt("--rounds", type=int, default=3),
+           opt("--block-mb", type=int, default=4, help="the raw loop's request size"),
+           opt("--window-mb", type=int, default=8, help="the engine's window (one transfer)")]
+
+
+def check(args):
+    return "--block-mb must divide --window-mb" if (args.window_mb << 20) % (args.block_mb << 20) else None
+
+
+def run(args):
     window, block = args.window_mb << 20, args.block_mb << 20
-    if window % block:
-        ap.error("--block-mb must divide --window-mb")
     nbytes = int(args.gib * 2**30) // window * window
     fd, path = tempfile.mkstemp(dir=args.dir, prefix="zeroshard-io-bench-")
     try:
@@ -133,11 +132,5 @@ def main():
         print(f"{w:5}: " + " | ".join(f"{v} {gbs[f'{v}_{w}_gb_per_s']:.2f} GB/s ({row[f'{v}_{w}_vs_{ref}']:.2f}x {ref})"
                                       for v, ref in PAIRS) +
               f" | raw {gbs[f'raw_{w}_gb_per_s']:.2f}, raw-1buf {gbs[f'raw-1buf_{w}_gb_per_s']:.2f} GB/s")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"date": date.today().isoformat(), "machine": machine_info("cpu"), "torch": torch.__version__,
-                   **row}, f, indent=1)
+    return {"date": date.today().isoformat(), "machine": machine_info("cpu"), "torch": torch.__version__, **row}
 
-
-if __name__ == "__main__":
-    main()

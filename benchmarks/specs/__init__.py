@@ -1,0 +1,1 @@
+"""One module per benchmark, run as ``python -m benchmarks NAME`` (see benchmarks/harness.py)."""
