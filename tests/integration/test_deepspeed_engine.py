@@ -13,8 +13,6 @@ collectives op is marked unavailable (gloo is used), and its accelerator is told
 (the CPU accelerator refuses fp16 on CPUs without AVX512-FP16, though torch runs it).
 """
 import copy
-import json
-import math
 import os
 import subprocess
 import sys
@@ -23,64 +21,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import zeroshard
-from _ds_configs import CIFAR, MEGATRON_Z3, QANET, SEED_000, SEED_003, SEED_003_NVME
+from support.ds import Net, base, batch, ds_setup, params_of
+from support.ds_configs import CIFAR, MEGATRON_Z3, QANET, SEED_000, SEED_003, SEED_003_NVME
+from support.launch import launch
 
 STEPS = 6
-SCHEDULE = {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 3,
-                                                "warmup_max_lr": 1e-2, "warmup_type": "linear"}}
-ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.1, "torch_adam": True}}
-
-
-def base(stage, **extra):
-    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
-           "optimizer": copy.deepcopy(ADAMW), "scheduler": copy.deepcopy(SCHEDULE),
-           "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
-    cfg.update(extra)
-    return cfg
-
-
-class Net(nn.Module):
-    """Awkward sizes (7, 13) so shards are padded; blocks in a ModuleList become stage-3 units."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(7, 13)
-        self.blocks = nn.ModuleList([nn.Linear(13, 13) for _ in range(2)])
-        self.out = nn.Linear(13, 1)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        for b in self.blocks:
-            h = torch.tanh(b(h))
-        return self.out(h)
-
-
-def batch(step, micro, rank, world, n, inject=()):
-    """This rank's micro-batch: a slice of one global batch per step (the same global batch
-    at any world size). ``inject``: steps whose rank-0 input holds an inf."""
-    g = torch.Generator().manual_seed(step)
-    total = n * world * 64
-    x, y = torch.randn(total, 7, generator=g), torch.randn(total, 1, generator=g)
-    i = (micro * world + rank) * n
-    x, y = x[i:i + n].clone(), y[i:i + n]
-    if step in inject and rank == 0 and micro == 0:
-        x[0, 0] = math.inf
-    return x, y
-
-
-def ds_setup():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    type(get_accelerator()).is_fp16_supported = lambda self: True
-    return deepspeed
-
-
 def train(init, cfg, steps=STEPS, inject=(), optimizer=None, start=None):
     """Build with ``init`` (or continue ``start``), train ``steps`` optimizer steps; returns
     (engine, losses, applied, scales)."""
@@ -106,16 +53,6 @@ def train(init, cfg, steps=STEPS, inject=(), optimizer=None, start=None):
         scale = getattr(engine, "loss_scaler", None)
         scales.append(scale.scale if scale is not None else float(getattr(engine.optimizer, "cur_scale", 1.0)))
     return engine, losses, applied, scales
-
-
-def params_of(engine, deepspeed=False):
-    """{name: fp32 full parameter} (collective at stage 3)."""
-    if deepspeed and engine.zero_optimization_stage() == 3:
-        from deepspeed.utils import safe_get_full_fp32_param
-        return {n: safe_get_full_fp32_param(p).float().clone() for n, p in engine.module.named_parameters()}
-    if not deepspeed and engine.zero_optimization_stage() == 3:
-        return {k: v.float() for k, v in engine.module_state_dict().items()}
-    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
 def reference(cfg, steps=STEPS):
@@ -269,8 +206,7 @@ def _client_reference(cfg, engine, steps=2):
 @pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore")
 def test_seed_and_public_configs_run_unchanged(tmp_path):
-    from conftest import get_pool
-    res = get_pool(2).run(_unchanged, str(tmp_path), timeout=240)[0]
+    res = launch("pool", 2).run(_unchanged, str(tmp_path), timeout=240)[0]
     for name, r in res.items():
         p1, p2 = r["params"]
         fp16 = name in ("seed003", "cifar", "megatron-zero3")
@@ -314,12 +250,11 @@ def _reshard(root):
 
 @pytest.mark.timeout(300)
 def test_checkpoints_resume_exactly_reshard_and_export(tmp_path):
-    from conftest import get_pool
     from zeroshard.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     root = str(tmp_path / "ckpt")
-    saved = get_pool(2).run(_save_and_resume, root)[0]
+    saved = launch("pool", 2).run(_save_and_resume, root)[0]
     _close(saved["continued"], saved["resumed"], 0.0)                       # same world size: exact
-    moved = get_pool(3).run(_reshard, root)[0]
+    moved = launch("pool", 3).run(_reshard, root)[0]
     _close(saved["whole"], moved["params"], 1e-5)                            # 2 -> 3 ranks, stage 3 -> 2
     assert moved["lr"] == saved["lr"] and moved["steps"] == 6
     assert open(os.path.join(root, "latest")).read() == "global_step3"
@@ -339,7 +274,7 @@ def test_checkpoints_resume_exactly_reshard_and_export(tmp_path):
 def _bf16_against_deepspeed():
     """zeroshard's bf16 stage 3 (the units' gather dtypes, from the flight record) and DeepSpeed's,
     each against DeepSpeed's fp32 stage 3: (gathers, zeroshard's distance, DeepSpeed's)."""
-    from _dist import unit_gather_dtypes
+    from support.records import unit_gather_dtypes
     deepspeed = ds_setup()
     bf16 = base(3, bf16={"enabled": True})
     t0 = time.time()
@@ -358,8 +293,7 @@ def _bf16_against_deepspeed():
 def test_bf16_config_gathers_every_unit_in_bf16_at_stage_3():
     """``"bf16": {"enabled": true}`` at stage 3: every unit all-gather in bf16, from the flight record,
     and the run as far from DeepSpeed's fp32 run as DeepSpeed's own bf16 run is (within its noise)."""
-    from conftest import get_pool
-    for gathers, ours, theirs in get_pool(2).run(_bf16_against_deepspeed):
+    for gathers, ours, theirs in launch("pool", 2).run(_bf16_against_deepspeed):
         assert gathers == ["bfloat16"]
         assert 0 < theirs and ours <= 1.5 * theirs, (ours, theirs)
         print(f"bf16 stage 3 from DeepSpeed's fp32 run: zeroshard {ours:.2e}, DeepSpeed {theirs:.2e}")
@@ -368,7 +302,7 @@ def test_bf16_config_gathers_every_unit_in_bf16_at_stage_3():
 # ------------------------------------------------- DeepSpeed's user-facing helpers
 # (the rank-side code: tests/_ds_helpers_job.py; the same calls on a DeepSpeed and a zeroshard engine)
 def _helpers_all_stages(root):
-    import _ds_helpers_job as job
+    from support.jobs import ds_helpers_job as job
     return dict({s: job.helpers(s) for s in (1, 2, 3)}, clients=job.client_optimizers(),
                 second={s: job.second_initialize(s, root) for s in (2, 3)}, bf16=job.bf16_edit(),
                 frozen={s: job.frozen_checkpoint(s, root) for s in (1, 3)})
@@ -422,7 +356,7 @@ def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
 # ------------------------------------------ the front door never changes numbers silently
 # (the rank-side code: tests/_ds_front_door_job.py)
 def _front_door():
-    import _ds_front_door_job as job
+    from support.jobs import ds_front_door_job as job
     return job.front_door()
 
 

@@ -5,17 +5,14 @@ import subprocess
 import sys
 
 import pytest
-from _launch import launch
+from support.launch import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
 
 
 def _launch(*args, tmp):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT,
-           "--out-dir", str(tmp), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    res = launch("torchrun", SCRIPT, 2, ["--out-dir", str(tmp), *args], env={"OMP_NUM_THREADS": "1"}, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
 
@@ -57,11 +54,11 @@ def test_a_ddp_script_and_its_conversions_end_with_equal_parameters(tmp_path):
     import torch
     script = os.path.join(ROOT, "examples", "ddp_idioms.py")
     results = {}
-    for mode in ("ddp", "1", "2", "3"):      # (2 ranks each, as torchrun starts them: tests/_launch.py)
+    for mode in ("ddp", "1", "2", "3"):      # (2 ranks each, as torchrun starts them: launch("forked"))
         out = tmp_path / f"{mode}.pt"
-        code, stdout, stderr = launch(script, 2, ["--mode", mode, "--out", str(out)],
-                                      dict(os.environ, OMP_NUM_THREADS="1"), ROOT, timeout=240)
-        assert code == 0, stdout[-3000:] + stderr[-3000:]
+        res = launch("forked", script, 2, ["--mode", mode, "--out", str(out)], env={"OMP_NUM_THREADS": "1"},
+                     cwd=ROOT, timeout=240)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         results[mode] = torch.load(out)
     ddp = results["ddp"]["straight"]
     for mode, r in results.items():

@@ -1,5 +1,5 @@
 """The documentation's examples (examples/*.py, one per page), each launched on CPU processes as
-torchrun launches it (tests/_launch.py: the ranks forked from a process that imported torch
+torchrun launches it (launch("forked"), tests/support/forked.py: the ranks forked from a process that imported torch
 once, in torchrun's environment): each must exit 0 (each ends with its own check, an assert
 that fails if its feature breaks) and print its summary line. One of them also runs under
 torchrun itself, as its page says to launch it."""
@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from _launch import launch
+from support.launch import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,9 +43,9 @@ EXAMPLES = [
 @pytest.mark.parametrize("script,ranks,env", EXAMPLES,
                          ids=[s[:-3] + ("-debug" if e else "") for s, _, e in EXAMPLES])
 def test_example(script, ranks, env, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path), **env)
-    code, out, err = launch(os.path.join(ROOT, "examples", script), ranks, [], env, ROOT, timeout=240)
-    _check(script, env, code, out, err)
+    env = dict(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path), **env)
+    res = launch("forked", os.path.join(ROOT, "examples", script), ranks, env=env, cwd=ROOT, timeout=240)
+    _check(script, env, res.returncode, res.stdout, res.stderr)
 
 
 def _check(script, env, code, out, err):
@@ -60,10 +60,8 @@ def _check(script, env, code, out, err):
 @pytest.mark.timeout(300)
 def test_quickstart_under_torchrun(tmp_path):
     """The quickstart as its page launches it: torchrun --standalone --nproc-per-node 2."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "quickstart.py")]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    env = dict(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path))
+    res = launch("torchrun", os.path.join(ROOT, "examples", "quickstart.py"), 2, env=env, cwd=ROOT, timeout=240)
     _check("quickstart.py", env, res.returncode, res.stdout, res.stderr)
 
 

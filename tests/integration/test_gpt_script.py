@@ -11,7 +11,6 @@ and optimizer state within 1e-5 (fp32), the same parameter count.
 """
 import contextlib
 import inspect
-import os
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard as zs
+from support.launch import job, launch
 
 VOCAB, SEQ, DIM, LAYERS, BATCH, ACCUM, ITERS = 37, 13, 24, 2, 3, 2, 6
 
@@ -231,7 +231,7 @@ def test_torch_adamw_arguments_are_accepted(dist_pool):
 
 
 # ------------------------------------------------------------ rank-0 code
-TRAPS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_rank0_traps.py")
+TRAPS = job("rank0_traps.py")
 
 
 SCENARIOS = {
@@ -246,20 +246,15 @@ def trapped(tmp_path_factory):
     """Every scenario's two-rank job, launched at once (each mostly waits: for its
     launch, then for the check-in): {scenario: {rank: its RESULT}} (or the job's output)."""
     import json
-    import subprocess
-    import sys
-    env = dict(os.environ, OMP_NUM_THREADS="1", CHECK_IN_SECONDS="4")
-    env.pop("ZEROSHARD_TIMEOUT", None)
+    env = {"OMP_NUM_THREADS": "1", "CHECK_IN_SECONDS": "4", "ZEROSHARD_TIMEOUT": None}
     jobs = {}
     for scenario in SCENARIOS:
         d = tmp_path_factory.mktemp(scenario)
-        jobs[scenario] = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TRAPS,
-             scenario, str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=dict(env, ZEROSHARD_RECORD_DIR=str(d)))
+        jobs[scenario] = launch("torchrun", TRAPS, 2, [scenario, str(d)], env=dict(env, ZEROSHARD_RECORD_DIR=str(d)),
+                                wait=False)
     found = {}
-    for scenario, job in jobs.items():
-        stdout, stderr = job.communicate(timeout=240)
+    for scenario, proc in jobs.items():
+        stdout, stderr = proc.communicate(timeout=240)
         out = {}
         for line in stdout.splitlines():
             if line.startswith("RESULT "):

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import zeroshard as zs
-from test_adamw import check_against_torch, run_against_torch
+from support.checks import rel_err
+from support.launch import launch
+from support.optimizers import Muon32, check_against_torch, multi_equals_separate, run_against_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -230,12 +232,9 @@ def test_cuda_training_example(stage, tmp_path):
     """examples/train_gpt.py under torchrun on one GPU (NCCL): it trains, and the memory table matches the formula."""
     import os
     import re
-    import subprocess
-    import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                          os.path.join(root, "examples", "train_gpt.py"), "--stage", str(stage), "--dtype", "bf16",
-                          "--steps", "60", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    res = launch("torchrun", os.path.join(root, "examples", "train_gpt.py"), 1,
+                 ["--stage", str(stage), "--dtype", "bf16", "--steps", "60", "--out-dir", str(tmp_path)], timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "(nccl, cuda)" in res.stdout and "peak GPU memory on rank 0" in res.stdout
     first, last = map(float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)",
@@ -259,13 +258,9 @@ def test_cuda_examples_run_where_the_user_is(name, tmp_path):
     (the unit test checks which branch each machine gets) and passes its own check."""
     import os
     import re
-    import subprocess
-    import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                          os.path.join(root, "examples", f"{name}.py")], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=300)
+    res = launch("torchrun", os.path.join(root, "examples", f"{name}.py"), 1,
+                 env={"TMPDIR": str(tmp_path), "ZEROSHARD_RECORD_DIR": str(tmp_path)}, cwd=root, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert re.search(rf"^{name}: ", res.stdout, re.MULTILINE), res.stdout[-3000:]
 
@@ -330,7 +325,6 @@ def test_cuda_offload_steps_as_on_the_device(nccl_world1, offload, tmp_path):
     """CUDA parameters with the optimizer state offloaded: host state pinned ("cpu"),
     gradients copied to host window by window, the result copied into the device
     parameters; equal to the run without offload up to the CPU and CUDA kernels' rounding."""
-    from test_sharded import rel_err
     models, opts = [], []
     for off in (None, offload):
         torch.manual_seed(0)
@@ -359,7 +353,6 @@ def test_cuda_offload_params_keeps_the_shards_in_pinned_host_memory(nccl_world1)
     """FullyShard(offload_params=True) on CUDA: shards and gradient shards pinned in host
     memory, copied to the device before each gather and back as each unit is reduced;
     the step runs on the CPU. Equal to the run on the device up to the kernels' rounding."""
-    from test_sharded import rel_err
     models, opts = [], []
     for offload_params in (False, True):
         torch.manual_seed(0)
@@ -386,7 +379,6 @@ def test_cuda_offload_params_keeps_the_shards_in_pinned_host_memory(nccl_world1)
 
 def test_cuda_one_launch_over_shards_with_several_hyperparameter_sets():
     """[Note: one launch]: equal to one call per shard, and one kernel launch in all."""
-    from test_adamw import multi_equals_separate
     multi_equals_separate("cuda")
     shards = [[torch.randn(n, device="cuda") for _ in range(3)] + [torch.rand(n, device="cuda")]
               for n in (5, 70_001, 4096, 0, 12_345)]
@@ -404,7 +396,6 @@ def test_cuda_offloaded_gradients_reach_host_memory_during_backward(nccl_world1,
     (ZeRO-1/2: pinned mirrors; ZeRO-3: the units' pinned gradient shards) hold the
     reduced gradients, so the step copies no gradient (its window buffers have none);
     torch's clip reaches them; equal to the run without offload up to rounding."""
-    from test_sharded import rel_err
     results = []
     for off in (None, "cpu"):
         torch.manual_seed(0)
@@ -469,7 +460,6 @@ def test_cuda_muon_equals_torch_muon(nccl_world1, stage):
     Newton-Schulz) is bitwise torch's; later steps see the AdamW-stepped biases, one fp32
     rounding apart, which bf16 Newton-Schulz magnifies, so three steps are compared with
     Newton-Schulz in fp32 (Muon32) within 1e-5."""
-    from test_whole_tensor import Muon32
     ref, ours = (_muon_run(k, stage, torch.optim.Muon, 1) for k in ("torch", "zeroshard"))
     for k, v in ref.items():
         if v.dim() == 2:

@@ -6,12 +6,14 @@ import math
 import pytest
 import torch
 
+from support.launch import job, launch
+
 pytestmark = pytest.mark.gpu
 
 
 def test_cuda_hugging_face_trainer_matches_its_own_training(tmp_path):
     """ZeroShardTrainer on one GPU (NCCL) against the Trainer's own training on the same data
-    (tests/_hf_job.py --device: a tiny GPT-2, accumulation 2, clipping, warmup, evaluation):
+    (tests/support/jobs/hf_job.py --device: a tiny GPT-2, accumulation 2, clipping, warmup, evaluation):
     stages 1-3 give its losses, logged grad_norm and final parameters within 1e-5. Under bf16
     autocast the fp32 updates' last-bit differences (zeroshard's fused AdamW and torch's
     round alike only to an ulp) change which bf16 values the weights round to, so the runs
@@ -23,8 +25,8 @@ def test_cuda_hugging_face_trainer_matches_its_own_training(tmp_path):
     far from the fp32 run as the Trainer's bf16 run is, within 1.5x (on the 2026-11-27 H200
     it was 1.6x the noise from the Trainer's bf16 run, which the old bound of half failed)."""
     pytest.importorskip("transformers")
-    from _dist import close, worst
-    r = _device_job("_hf_job.py", tmp_path)
+    from support.checks import close, worst
+    r = _device_job("hf_job.py", tmp_path)
     ref = r["fp32-0"]
     for stage in (1, 2, 3):
         assert close(r[f"fp32-{stage}"]["losses"], ref["losses"]) and len(ref["losses"]) == 8, stage
@@ -44,15 +46,9 @@ def test_cuda_hugging_face_trainer_matches_its_own_training(tmp_path):
         assert close(r[f"bf16-{stage}"]["losses"], r["bf16-0"]["losses"], 1e-2), stage
 
 
-def _device_job(job: str, tmp_path) -> dict:
-    """tests/<job> --device under torchrun on one GPU: its results-device.pt, every run on cuda:0."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                          os.path.join(root, "tests", job), "--device", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+def _device_job(name: str, tmp_path) -> dict:
+    """tests/support/jobs/<name> --device under torchrun on one GPU: its results-device.pt, every run on cuda:0."""
+    res = launch("torchrun", job(name), 1, ["--device", str(tmp_path)], timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = torch.load(tmp_path / "results-device.pt")
     assert {v["device"] for v in r.values()} == {"cuda:0"}, {k: v["device"] for k, v in r.items()}
@@ -61,15 +57,15 @@ def _device_job(job: str, tmp_path) -> dict:
 
 def test_cuda_lightning_strategy_matches_ddp_strategy_in_32_true_and_16_mixed(tmp_path):
     """ZeroShardStrategy at stages 1-3 on one GPU against Lightning's DDPStrategy on the same
-    module and data (tests/_lightning_job.py --device: accumulation 2, clipping by norm, a
+    module and data (tests/support/jobs/lightning_job.py --device: accumulation 2, clipping by norm, a
     warmup schedule): 32-true within 1e-5. 16-mixed (fp16 autocast with Lightning's
     GradScaler, which Lightning runs on CUDA only) with one micro-batch's loss infinite:
     the same steps skipped (the same final scale, backed off from 2^16), and the parameters
     within DDPStrategy's own distance between its 16-mixed and 32-true runs, as the CPU
     tests bound bf16-mixed."""
     pytest.importorskip("lightning")
-    from _dist import close, worst
-    r = _device_job("_lightning_job.py", tmp_path)
+    from support.checks import close, worst
+    r = _device_job("lightning_job.py", tmp_path)
     ref, half = r["ddp-32-true"], r["ddp-16-mixed"]
     noise = worst(half["params"], ref["params"])
     assert half["scale"] is not None and half["scale"] < 2.0 ** 16 and noise > 0, (half["scale"], noise)

@@ -13,18 +13,17 @@ as DDP; a resume equals the uninterrupted run exactly, and within 1e-5 from 2 ra
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from _dist import close, torchrun_job, torchrun_jobs, worst
+from support.checks import close, worst
+from support.launch import job, launch, torchrun_job, torchrun_jobs
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(ROOT, "tests", "_hf_job.py")
+JOB = job("hf_job.py")
 TOL = 1e-5
 
 
@@ -43,8 +42,7 @@ def tp_results(tmp_path_factory):
 def logits(folder_or_params, model_name="gpt2"):
     """Logits of a fixed batch from a saved folder (from_pretrained, one process) or from a
     state dict loaded into the job's model."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import _hf_job
+    from support.jobs import hf_job as _hf_job
     if isinstance(folder_or_params, str):
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(folder_or_params)
@@ -261,10 +259,9 @@ def test_accelerate_load_state_at_another_world_size_and_stage(results, saved, n
 
 
 def test_the_trainer_example_runs_on_two_ranks(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "hf_trainer.py"), "--stage", "3", "--steps", "8", "--out", str(tmp_path)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    res = launch("torchrun", os.path.join(ROOT, "examples", "hf_trainer.py"), 2,
+                 ["--stage", "3", "--steps", "8", "--out", str(tmp_path)],
+                 env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("stage 3:")]
     assert line, res.stdout[-2000:]
@@ -276,8 +273,7 @@ def test_misuse_is_refused_with_a_clear_error(tmp_path):
 
     from zeroshard.integrations.hf import Options, ZeroShardTrainer
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import _hf_job
+    from support.jobs import hf_job as _hf_job
     for bad, words in ((dict(stage=4), "stage is 1"), (dict(stages=2), "unknown zeroshard option"),
                        (dict(stage=2, wrap=["GPT2Block"]), "wrap= chooses stage 3"),
                        (dict(stage=1, offload_params=True), "offload_params=True"),
@@ -312,8 +308,7 @@ def test_export_holds_one_file_of_tensors_at_a_time(tmp_path, monkeypatch):
 
     import zeroshard
     from zeroshard.integrations.hf import pretrained
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import _hf_job
+    from support.jobs import hf_job as _hf_job
     model = _hf_job.gpt2()
     zeroshard.save_checkpoint(tmp_path / "ck", model)              # one process, no process group
     written, save_file = [], safetensors.torch.save_file

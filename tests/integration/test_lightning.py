@@ -16,12 +16,13 @@ import sys
 
 import pytest
 import torch
-from _dist import close, torchrun_jobs, worst
+from support.checks import close, worst
+from support.launch import job, torchrun_jobs
 
 pytest.importorskip("lightning")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(ROOT, "tests", "_lightning_job.py")
+JOB = job("lightning_job.py")
 TOL = 1e-5
 
 

@@ -1,9 +1,9 @@
 """torchrun's restarts come up with zeroshard.init_distributed (see [Note: restarts] in
 comm/launch.py): real `torch.distributed.run --max-restarts` launches of
-tests/_restart_job.py, where rank 1 SIGKILLs itself in the first attempts and arrives 2 s
+tests/support/jobs/restart_job.py, where rank 1 SIGKILLs itself in the first attempts and arrives 2 s
 late at the process group in every later one.
 
-The same job with a plain init_process_group (`_restart_job.py plain 1`, torch's bug) is
+The same job with a plain init_process_group (`restart_job.py plain 1`, torch's bug) is
 not a test here: whether it fails depends on which rank's restarted process gets to the
 store first, so it fails in most runs on this machine (gloo's connectFullMesh: connection
 refused or timed out, to the dead attempt's address) and comes up in some."""
@@ -16,16 +16,15 @@ import pytest
 import torch
 
 import zeroshard as zs
+from support.launch import job, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(ROOT, "tests", "_restart_job.py")
+JOB = job("restart_job.py")
 
 
 def _torchrun(mode, kills, restarts):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), JOB, mode, str(kills)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    res = launch("torchrun", JOB, 2, [mode, str(kills)], env={"OMP_NUM_THREADS": "1"}, timeout=120,
+                 flags=["--max-restarts", str(restarts)])
     return res.returncode, res.stdout + res.stderr
 
 

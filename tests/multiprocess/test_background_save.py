@@ -3,9 +3,6 @@ byte for byte what a blocking save writes, while training goes on; failures reac
 every rank through the Future; the next save, a load and the process's exit wait
 for it (gloo, world sizes 2 and 4)."""
 import os
-import subprocess
-import sys
-import threading
 import warnings
 
 import pytest
@@ -13,35 +10,14 @@ import torch
 import torch.distributed as dist
 
 import zeroshard as zs
-from conftest import get_pool
-from test_checkpoint import TINY_SCRIPT, build, dir_bytes, train
-from test_fully_shard import max_err
+from support.checks import max_err
+from support.ddp_parity import trained_hybrid
+from support.disk import HeldWrite, dir_bytes
+from support.gpt import build, train
+from support.jobs import TINY_SCRIPT
+from support.launch import launch
 
 from zeroshard.checkpoint import files
-
-
-class HeldWrite:
-    """Holds each ``files.write_safetensors`` of this process until a ``release()``, so a
-    test can act after a background save's call and before its write."""
-
-    def __init__(self):
-        self.started, self._permits, self._real = threading.Event(), threading.Semaphore(0), files.write_safetensors
-
-    def release(self, after: float = 0.0):
-        """Let one write go on, ``after`` seconds from now."""
-        threading.Timer(after, self._permits.release).start()
-
-    def __enter__(self):
-        def held(*args, **kw):
-            self.started.set()
-            assert self._permits.acquire(timeout=60), "never released"
-            return self._real(*args, **kw)
-        files.write_safetensors = held
-        return self
-
-    def __exit__(self, *exc):
-        self._permits.release(100)
-        files.write_safetensors = self._real
 
 
 def _background_equals_blocking(kind, root):
@@ -68,7 +44,7 @@ def _background_equals_blocking(kind, root):
 
 @pytest.mark.parametrize("kind", ["ddp", 2, 3], ids=["ddp", "zero2", "zero3"])
 def test_a_background_save_writes_the_state_at_the_call_while_training_goes_on(tmp_path, kind):
-    for same, got, err in get_pool(2).run(_background_equals_blocking, kind, str(tmp_path)):
+    for same, got, err in launch("pool", 2).run(_background_equals_blocking, kind, str(tmp_path)):
         assert same                           # byte for byte the blocking save's files
         assert got == {"step": 3}
         assert err == 0.0                     # resumed from it, the two steps after it match
@@ -116,7 +92,7 @@ def _failures(root):
 
 
 def test_a_failed_background_save_raises_from_result_on_every_rank(tmp_path):
-    m0, m1 = get_pool(2).run(_failures, str(tmp_path))
+    m0, m1 = launch("pool", 2).run(_failures, str(tmp_path))
     assert m1["one_rank"] == "OSError: [Errno 28] No space left on device", m1
     assert m0["one_rank"] == "CheckpointError: rank 1 failed: OSError: [Errno 28] No space left on device", m0
     for m in (m0, m1):
@@ -146,12 +122,11 @@ def _next_calls_wait(root):
 
 
 def test_the_next_save_and_a_load_wait_for_a_background_save(tmp_path):
-    for done, got, err in get_pool(2).run(_next_calls_wait, str(tmp_path)):
+    for done, got, err in launch("pool", 2).run(_next_calls_wait, str(tmp_path)):
         assert done and got == {"step": 2} and err == 0.0
 
 
 def _hybrid_background(root, stage):
-    from test_hybrid import trained_hybrid
     model, opt = trained_hybrid(stage, steps=2)
     zs.save_checkpoint(os.path.join(root, "blocking"), model, opt, extra={"rank": dist.get_rank()})
     zs.save_checkpoint(os.path.join(root, "background"), model, opt, extra={"rank": dist.get_rank()},
@@ -161,7 +136,7 @@ def _hybrid_background(root, stage):
 
 
 def test_a_hybrid_background_save_is_the_blocking_one(tmp_path):
-    assert get_pool(4).run(_hybrid_background, str(tmp_path), 3) == [True] * 4
+    assert launch("pool", 4).run(_hybrid_background, str(tmp_path), 3) == [True] * 4
 
 
 _SCRIPT = TINY_SCRIPT + (
@@ -172,10 +147,8 @@ _SCRIPT = TINY_SCRIPT + (
 def _run_script(tmp_path, text):
     script = tmp_path / "train.py"
     script.write_text(text)
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          "2", str(script), str(tmp_path / "ck")], capture_output=True, text=True, timeout=180,
-                         env=env)
+    out = launch("torchrun", str(script), 2, [str(tmp_path / "ck")], env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+                 timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 

@@ -20,36 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zeroshard as zs
-from conftest import get_pool
-from test_fully_shard import (BATCH, DIM, SEQ, VOCAB, Block, batches, loss_fn, make_gpt, max_err,
-                              param_groups, reference, train)
-
-TINY_BUCKET_MB = 0.004      # buckets of ~1000 fp32 elements: parameters split across buckets
-
-
-def build(kind, dtype=None, seed=0):
-    """A GPT and its optimizer: kind 'plain' (torch AdamW, no process group), 'ddp'
-    (DDP + torch AdamW), 1, 2 (ShardedOptimizer stages) or 3 (FullyShard)."""
-    if kind == 3:
-        mp_ = zs.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else None
-        model = zs.FullyShard(make_gpt(seed), wrap={Block}, mixed_precision=mp_)
-        return model, zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
-    model = make_gpt(seed)
-    if dtype is not None:
-        model.to(dtype)
-    if kind in ("plain", "ddp"):
-        opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=1e-2, foreach=False)
-        return (nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model), opt
-    return model, zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2, stage=kind,
-                                      bucket_mb=TINY_BUCKET_MB)
-
-
-def train_plain(model, opt, steps, first_step=0):
-    for (x, y), in batches(first_step + steps)[first_step:]:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
+from support.checks import max_err
+from support.gpt import BATCH, DIM, SEQ, VOCAB, GPTBlock, build, loss_fn, make_gpt, reference, train, train_plain
+from support.jobs import TINY_SCRIPT
+from support.launch import launch
 
 def _save_after(kind, steps, path):
     model, opt = build(kind)
@@ -76,11 +50,6 @@ def data_bytes(path):
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "rank*.safetensors")))
 
 
-def dir_bytes(path):
-    """{file name: its bytes} of a checkpoint directory."""
-    return {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
-
-
 def check_resumed(results, path):
     """Parity with the uninterrupted run, and each rank read only its share."""
     total = data_bytes(path)
@@ -97,7 +66,7 @@ def _resume_plain(path, steps):
 
 
 def test_resume_across_world_sizes_and_stages_matches_an_uninterrupted_run(tmp_path):
-    p2, p3 = get_pool(2), get_pool(3)
+    p2, p3 = launch("pool", 2), launch("pool", 3)
     # ZeRO-2 at world size 2 -> world size 3 (stage 2 and stage 3), and -> 1 (plain torch)
     path = str(tmp_path / "z2w2")
     files = p2.run(_save_after, 2, 5, path)[0]
@@ -158,7 +127,7 @@ def _exact_resume(kind, path):
 
 @pytest.mark.parametrize("kind", [2, 3], ids=["zero2", "zero3"])
 def test_resume_at_the_same_world_size_and_stage_is_bit_identical(tmp_path, kind):
-    for r in get_pool(2).run(_exact_resume, kind, str(tmp_path / "ck")):
+    for r in launch("pool", 2).run(_exact_resume, kind, str(tmp_path / "ck")):
         assert r == (True, True, 3), r
 
 
@@ -359,22 +328,11 @@ def test_the_replaced_checkpoint_is_deleted_in_the_background(tmp_path, monkeypa
     assert zs.load_checkpoint(path, again, again_opt) == {"step": 3}
 
 
-TINY_SCRIPT = (      # a torchrun script's start: a tiny ZeRO-3 model, its optimizer, a batch
-    "import sys, torch, torch.distributed as dist, torch.nn as nn, zeroshard as zs\n"
-    "dist.init_process_group('gloo')\n"
-    "torch.manual_seed(0)\n"
-    "model = zs.FullyShard(nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 1)), wrap={nn.Linear})\n"
-    "opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)\n"
-    "x = torch.randn(8, 7)\n")
-
-
 def test_a_script_whose_last_call_is_a_save_exits_cleanly(tmp_path):
     """The last collective of such a script is the save's exchange of outcomes; a backend
     thread that drops a Python-owned tensor during interpreter shutdown aborts the process
     (see comm.all_gather_object). Before that fix about 1 run in 10 of this script aborted, so
     two runs catch a regression only sometimes (about 1 in 5); they cost about 10 s."""
-    import subprocess
-    import sys
     script = tmp_path / "train.py"
     script.write_text(
         TINY_SCRIPT +
@@ -382,11 +340,9 @@ def test_a_script_whose_last_call_is_a_save_exits_cleanly(tmp_path):
         "    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()\n"
         "zs.save_checkpoint(sys.argv[1], model, opt)\n"
         "dist.destroy_process_group()\n")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     for k in range(2):
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                              "2", str(script), str(tmp_path / f"ckpt{k}")],
-                             capture_output=True, text=True, timeout=180, env=env)
+        out = launch("torchrun", str(script), 2, [str(tmp_path / f"ckpt{k}")],
+                     env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, timeout=180)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         assert os.path.exists(tmp_path / f"ckpt{k}" / "manifest.json")
 
@@ -427,10 +383,10 @@ def _bad_files(root):
         attempt(c, os.path.join(root, c), *build(3))
     other = make_gpt()
     other.blocks[0].fc, other.blocks[0].out = nn.Linear(DIM, 38), nn.Linear(38, DIM)
-    attempt("other_model", good, zs.FullyShard(other, wrap={Block}), None)
+    attempt("other_model", good, zs.FullyShard(other, wrap={GPTBlock}), None)
     fewer = make_gpt()
     fewer.blocks = fewer.blocks[:2]
-    attempt("fewer_layers", good, zs.FullyShard(fewer, wrap={Block}), None)
+    attempt("fewer_layers", good, zs.FullyShard(fewer, wrap={GPTBlock}), None)
     # after all that, the good checkpoint still loads on every rank (nothing hung)
     m, o = build(3, seed=7)
     zs.load_checkpoint(good, m, o)
@@ -439,7 +395,7 @@ def _bad_files(root):
 
 
 def test_bad_files_give_clear_errors_on_every_rank(tmp_path):
-    for rank, m in enumerate(get_pool(2).run(_bad_files, str(tmp_path))):
+    for rank, m in enumerate(launch("pool", 2).run(_bad_files, str(tmp_path))):
         assert "corrupt_byte/rank1.safetensors" in m["corrupt_byte"] and "checksum" in m["corrupt_byte"], m
         assert "'param:" in m["corrupt_byte"] or "'exp_avg" in m["corrupt_byte"], m
         assert "truncated/rank0.safetensors" in m["truncated"] and "bytes" in m["truncated"], m
@@ -474,7 +430,7 @@ def _save_for_export(path, dtype):
 
 def test_export_writes_a_full_state_dict_and_the_files_are_safetensors(tmp_path):
     path = str(tmp_path / "ck")
-    sd = get_pool(3).run(_save_for_export, path, torch.bfloat16)[0]
+    sd = launch("pool", 3).run(_save_for_export, path, torch.bfloat16)[0]
     out = str(tmp_path / "model.safetensors")
     zs.export_full_state_dict(path, out)
     full = load_file(out)
@@ -566,7 +522,7 @@ def _memory(stage, path):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_peak_memory_of_save_and_load_stays_within_one_unit_or_bucket(tmp_path, stage):
-    for r in get_pool(2).run(_memory, stage, str(tmp_path / "ck")):
+    for r in launch("pool", 2).run(_memory, stage, str(tmp_path / "ck")):
         assert r["meter"] >= 0.9 * r["states"] > 4 * r["bound"], r     # the measurement can fail
         assert r["save"] <= r["bound"], r
         assert r["load"] <= r["bound"], r

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend
 
 import zeroshard as zs
+from support.launch import launch
 
 SHARD_SIZES = [1, 37, 1000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
@@ -249,8 +250,7 @@ def test_reduce_scatter_into_sent_chunks(dist_pool):
 
 
 def test_reduce_scatter_into_sent_chunks_at_four_ranks():
-    from conftest import get_pool
-    for ok in get_pool(4).run(_into_sent_chunks):
+    for ok in launch("pool", 4).run(_into_sent_chunks):
         assert all(ok), [k for k, v in enumerate(ok) if not v]
 
 

@@ -5,22 +5,11 @@ each equal to the same training run eagerly."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
-from test_ddp_dropin import Block
-
-
-class Model(nn.Module):
-    def __init__(self, layers):
-        super().__init__()
-        self.inp = nn.Linear(11, 17)
-        self.blocks = nn.Sequential(*[Block(17) for _ in range(layers)])
-        self.head = nn.Linear(17, 3)
-
-    def forward(self, x):
-        return self.head(self.blocks(self.inp(x)))
+from support.launch import launch
+from support.models import Residual, ResidualNet
 
 
 def _train(stage, how, layers=4, backend="aot_eager", steps=3):
@@ -29,12 +18,12 @@ def _train(stage, how, layers=4, backend="aot_eager", steps=3):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = Model(layers)
+    model = ResidualNet(layers)
     if how == "per_block":
         for b in model.blocks:
             b.compile(backend=backend)
     if stage == 3:
-        model = zs.FullyShard(model, wrap={Block})
+        model = zs.FullyShard(model, wrap={Residual})
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
     else:
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=700 / 2**20)
@@ -80,6 +69,5 @@ def test_whole_model_compile_equals_eager(dist_pool, stage):
 
 @pytest.mark.timeout(600)
 def test_whole_fully_shard_model_compiles_with_inductor():
-    from conftest import get_pool
-    for err, stats in get_pool(2).run(_whole, 3, "inductor"):
+    for err, stats in launch("pool", 2).run(_whole, 3, "inductor"):
         assert err < 1e-5 and stats["graphs"] >= 1, (err, stats)

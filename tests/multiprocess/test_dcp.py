@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import zeroshard as zs
-from conftest import get_pool
+from support.launch import launch
 from zeroshard.checkpoint.dcp import dcp_state_dict, load_dcp_state_dict
 
 HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
@@ -142,10 +142,10 @@ def _worst(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("writer", ["fsdp2", "ddp"])
 def test_a_torch_checkpoint_at_world_2_trains_on_in_zeroshard_at_world_3(writer, tmp_path):
     path = str(tmp_path / "ckpt")
-    get_pool(2).run(_save, writer, path)
-    want = get_pool(3).run(_load, writer, path)[0]          # the writer continuing from its checkpoint
+    launch("pool", 2).run(_save, writer, path)
+    want = launch("pool", 3).run(_load, writer, path)[0]          # the writer continuing from its checkpoint
     for stage in (3, 2, 1):
-        got = get_pool(3).run(_load, f"zs{stage}", path)[0]
+        got = launch("pool", 3).run(_load, f"zs{stage}", path)[0]
         assert _worst(got, want) < 1e-6, (writer, stage)
 
 
@@ -153,12 +153,12 @@ def test_a_torch_checkpoint_at_world_2_trains_on_in_zeroshard_at_world_3(writer,
 def test_a_zeroshard_checkpoint_at_world_3_trains_on_in_fsdp2_at_world_2(stage, saver, tmp_path):
     """async_save: the checkpoint holds the state at the call, though training went on."""
     path = str(tmp_path / "ckpt")
-    saved = get_pool(3).run(_save, f"zs{stage}", path, saver)[0]
+    saved = launch("pool", 3).run(_save, f"zs{stage}", path, saver)[0]
     _assert_no_empty_chunks(path)
-    assert _worst(get_pool(3).run(_load, f"zs{stage}", path)[0], saved) < 1e-6, stage
-    fsdp2 = get_pool(2).run(_load, "fsdp2", path)[0]
+    assert _worst(launch("pool", 3).run(_load, f"zs{stage}", path)[0], saved) < 1e-6, stage
+    fsdp2 = launch("pool", 2).run(_load, "fsdp2", path)[0]
     for now in (3, 2):
-        assert _worst(get_pool(2).run(_load, f"zs{now}", path)[0], fsdp2) < 1e-6, (stage, now)
+        assert _worst(launch("pool", 2).run(_load, f"zs{now}", path)[0], fsdp2) < 1e-6, (stage, now)
 
 
 def _assert_no_empty_chunks(path: str) -> None:
@@ -192,14 +192,14 @@ def test_converters_both_ways(tmp_path):
     and stage, training on as FSDP2 does)."""
     from zeroshard.checkpoint import convert
     native, as_dcp = str(tmp_path / "native"), str(tmp_path / "as-dcp")
-    ours = get_pool(2).run(_native_save, "zs3", native)[0]
+    ours = launch("pool", 2).run(_native_save, "zs3", native)[0]
     assert convert.main(["--to", "dcp", native, as_dcp]) == 0
-    assert _worst(get_pool(2).run(_load, "fsdp2", as_dcp)[0], ours) < 1e-6
+    assert _worst(launch("pool", 2).run(_load, "fsdp2", as_dcp)[0], ours) < 1e-6
     theirs, back = str(tmp_path / "fsdp2"), str(tmp_path / "back")
-    get_pool(2).run(_save, "fsdp2", theirs)
+    launch("pool", 2).run(_save, "fsdp2", theirs)
     assert convert.main(["--to", "zeroshard", theirs, back]) == 0
-    want = get_pool(3).run(_load, "fsdp2", theirs)[0]
-    assert _worst(get_pool(3).run(_native_load, "zs2", back)[0], want) < 1e-6
+    want = launch("pool", 3).run(_load, "fsdp2", theirs)[0]
+    assert _worst(launch("pool", 3).run(_native_load, "zs2", back)[0], want) < 1e-6
     assert convert.main(["--to", "dcp", native, back]) == 2          # an existing destination is refused
 
 
@@ -209,26 +209,26 @@ def test_other_optimizer_classes_both_ways(which, peer, tmp_path):
     Adafactor (whole-tensor: factored state on owner ranks) against DDP: the peer's checkpoint at
     world 2 into zeroshard at world 3 (stages 3 and 2), and zeroshard's back."""
     theirs, ours = str(tmp_path / peer), str(tmp_path / "zs")
-    get_pool(2).run(_save, f"{peer}-{which}", theirs)
-    want = get_pool(3).run(_load, f"{peer}-{which}", theirs)[0]
+    launch("pool", 2).run(_save, f"{peer}-{which}", theirs)
+    want = launch("pool", 3).run(_load, f"{peer}-{which}", theirs)[0]
     for stage in (3, 2):
-        assert _worst(get_pool(3).run(_load, f"zs{stage}-{which}", theirs)[0], want) < 1e-6, stage
-    get_pool(3).run(_save, f"zs3-{which}", ours)
-    want = get_pool(2).run(_load, f"{peer}-{which}", ours)[0]
-    assert _worst(get_pool(2).run(_load, f"zs2-{which}", ours)[0], want) < 1e-6
+        assert _worst(launch("pool", 3).run(_load, f"zs{stage}-{which}", theirs)[0], want) < 1e-6, stage
+    launch("pool", 3).run(_save, f"zs3-{which}", ours)
+    want = launch("pool", 2).run(_load, f"{peer}-{which}", ours)[0]
+    assert _worst(launch("pool", 2).run(_load, f"zs2-{which}", ours)[0], want) < 1e-6
 
 
 def test_muon_with_adamw_both_ways(tmp_path):
     """Muon (each matrix's momentum on its owner rank) with AdamW: DDP's two torch optimizers'
     checkpoint at world 2 into zeroshard at world 3 (stages 3 and 2), and zeroshard's back into DDP."""
     theirs, ours = str(tmp_path / "ddp"), str(tmp_path / "zs")
-    get_pool(2).run(_save, "ddp-muon", theirs)
-    want = get_pool(3).run(_load, "ddp-muon", theirs)[0]
+    launch("pool", 2).run(_save, "ddp-muon", theirs)
+    want = launch("pool", 3).run(_load, "ddp-muon", theirs)[0]
     for stage in (3, 2):
-        assert _worst(get_pool(3).run(_load, f"zs{stage}-muon", theirs)[0], want) < 1e-5, stage
-    get_pool(3).run(_save, "zs3-muon", ours)
-    want = get_pool(2).run(_load, "ddp-muon", ours)[0]
-    assert _worst(get_pool(2).run(_load, "zs2-muon", ours)[0], want) < 1e-5
+        assert _worst(launch("pool", 3).run(_load, f"zs{stage}-muon", theirs)[0], want) < 1e-5, stage
+    launch("pool", 3).run(_save, "zs3-muon", ours)
+    want = launch("pool", 2).run(_load, "ddp-muon", ours)[0]
+    assert _worst(launch("pool", 2).run(_load, "zs2-muon", ours)[0], want) < 1e-5
 
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -273,9 +273,9 @@ def test_full_state_dicts_on_rank_0_both_ways(tmp_path):
     into zeroshard at world 3, and zeroshard's (stage 3, world 3) into FSDP2 at world 2, each
     against FSDP2 loading the same file on every rank."""
     theirs, ours = str(tmp_path / "fsdp2.pt"), str(tmp_path / "zs.pt")
-    get_pool(2).run(_full_save, "fsdp2", theirs)
-    want = get_pool(3).run(_full_load, "fsdp2", theirs)[0]
-    assert _worst(get_pool(3).run(_full_load, "zs3", theirs)[0], want) < 1e-6
-    get_pool(3).run(_full_save, "zs3", ours)
-    want = get_pool(2).run(_full_load, "fsdp2", ours)[0]
-    assert _worst(get_pool(2).run(_full_load, "zs2", ours)[0], want) < 1e-6
+    launch("pool", 2).run(_full_save, "fsdp2", theirs)
+    want = launch("pool", 3).run(_full_load, "fsdp2", theirs)[0]
+    assert _worst(launch("pool", 3).run(_full_load, "zs3", theirs)[0], want) < 1e-6
+    launch("pool", 3).run(_full_save, "zs3", ours)
+    want = launch("pool", 2).run(_full_load, "fsdp2", ours)[0]
+    assert _worst(launch("pool", 2).run(_full_load, "zs2", ours)[0], want) < 1e-6

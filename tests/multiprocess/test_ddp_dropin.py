@@ -10,117 +10,16 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard as zs
-from _dist import Timeline, piece_of
-
-BATCH = 12
-TINY_BUCKET_MB = 700 / 2**20     # buckets split tensors
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(11, 17)
-        self.blocks = nn.Sequential(Block(17), Block(17))
-        self.head = nn.Linear(17, 3)
-
-    def forward(self, x):
-        return self.head(self.blocks(self.inp(x)))
-
-
-def data(steps, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, 11, generator=g) * 2, torch.randint(0, 3, (BATCH,), generator=g))
-            for _ in range(steps)]
-
-
-def local(t):
-    n = t.shape[0] // dist.get_world_size()
-    return t[dist.get_rank() * n:(dist.get_rank() + 1) * n]
-
-
-def build(kind, **zs_kw):
-    """(model to call, optimizer) for "ddp" or a zeroshard stage (``zs_kw``: e.g. shard_size)."""
-    torch.manual_seed(0)
-    model = Model()
-    if kind == "ddp":
-        return DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    if kind == 3:
-        model = zs.FullyShard(model, wrap={Block}, **zs_kw)
-        return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1)
-    return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
-                                      bucket_mb=TINY_BUCKET_MB, **zs_kw)
-
-
-def full_params(kind, model):
-    sd = model.state_dict() if kind == 3 else (model.module if kind == "ddp" else model).state_dict()
-    return {k: v.detach().clone().float() for k, v in sd.items()}
-
-
-def script(kind, case, steps=6, overflow_at=2, **zs_kw):
-    """One training loop in the idioms of common DDP scripts; returns what to compare."""
-    model, opt = build(kind, **zs_kw)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    scaled = case in ("scaler", "scaler_opt_clip")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2) if scaled else None
-    out = {"norms": [], "scales": [], "pnorms": []}
-    for k, (x, y) in enumerate(data(steps)):
-        if case in ("model_zero_grad", "scaler_opt_clip"):     # (the Hugging Face Trainer's habit)
-            model.zero_grad()
-        else:
-            opt.zero_grad(set_to_none=True)
-        micro = 2 if case == "model_zero_grad" else 1
-        for j in range(micro):        # several syncing backwards accumulate, as under DDP
-            loss = F.cross_entropy(model(local(x) * (j + 1)), local(y)) / micro
-            if scaler is not None and k == overflow_at and rank == world - 1:
-                loss = loss * float("inf")        # overflow on one rank only
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None:
-            scaler.unscale_(opt)
-        if case in ("torch_clip", "scaler", "opt_clip", "scaler_opt_clip"):
-            out["pnorms"].append([p.grad.norm().item() for p in model.parameters()])
-            if case in ("opt_clip", "scaler_opt_clip") and kind != "ddp":   # the optimizer's own (no pass over
-                # the gradients); after a skipped step its coefficient must not reach the next one
-                out["norms"].append(opt.clip_grad_norm_(0.5).item())
-            else:
-                out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-            out["scales"].append(scaler.get_scale())
-        else:
-            opt.step()
-    out["params"] = full_params(kind, model)
-    return out
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _compare(stage, case, **zs_kw):
-    ours, ddp = script(stage, case, **zs_kw), script("ddp", case)
-    res = {"param_err": max(rel(ours["params"][k], ddp["params"][k]) for k in ddp["params"]),
-           "scales": (ours["scales"], ddp["scales"])}
-    if ddp["norms"]:
-        res["norm_err"] = max(abs(a - b) / b for a, b in zip(ours["norms"], ddp["norms"]))
-        res["pnorm_err"] = max(abs(a - b) / max(b, 1e-12) for pa, pb in zip(ours["pnorms"], ddp["pnorms"])
-                               for a, b in zip(pa, pb))
-    return res
-
+from support.checks import piece_of, rel_err
+from support.ddp_parity import TINY_BUCKET_MB, branchy, build, compare, compare_unused, data, full_params, local
+from support.launch import launch
+from support.models import Branchy, Residual, ResidualNet
+from support.records import Timeline
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("case", ["torch_clip", "opt_clip", "scaler", "model_zero_grad", "scaler_opt_clip"])
 def test_a_converted_ddp_script_equals_ddp(dist_pool, stage, case):
-    for r in dist_pool.run(_compare, stage, case):
+    for r in dist_pool.run(compare, stage, case):
         assert r["param_err"] < 1e-5, r
         if case != "model_zero_grad":
             assert r["norm_err"] < 1e-5 and r["pnorm_err"] < 1e-5, r
@@ -172,9 +71,9 @@ def _consolidate(stage):
             opt.state_dict()
         return None
     sd, ref = opt.state_dict(), ddp_opt.state_dict()     # no communication on rank 0
-    plain = torch.optim.AdamW(Model().parameters())       # plain torch loads it
+    plain = torch.optim.AdamW(ResidualNet().parameters())       # plain torch loads it
     plain.load_state_dict(sd)
-    return max(rel(sd["state"][i][k], ref["state"][i][k]) for i in ref["state"] for k in ("exp_avg", "exp_avg_sq")), \
+    return max(rel_err(sd["state"][i][k], ref["state"][i][k]) for i in ref["state"] for k in ("exp_avg", "exp_avg_sq")), \
         [float(sd["state"][i]["step"]) for i in sorted(sd["state"])]
 
 
@@ -208,8 +107,7 @@ def _rank0_only(stage, timeout):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_state_dict_on_rank_0_alone_errors_instead_of_hanging(stage):
     import time
-    from conftest import get_pool
-    dist_pool = get_pool(2)      # (world 3 names its ranks alike: test_hangs.py runs both)
+    dist_pool = launch("pool", 2)      # (world 3 names its ranks alike: test_hangs.py runs both)
     t0 = time.time()
     res = dist_pool.run(_rank0_only, stage, 2)
     errors = res[0][0]
@@ -222,64 +120,9 @@ def test_state_dict_on_rank_0_alone_errors_instead_of_hanging(stage):
     assert time.time() - t0 < 30
 
 
-class Branchy(Model):
-    """A branch some ranks take in some steps, and a layer no step uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.extra = nn.Linear(17, 17)
-        self.never = nn.Linear(3, 3)
-
-    def forward(self, x, use_extra=False):
-        h = self.inp(x)
-        if use_extra:
-            h = h + self.extra(h)
-        return self.head(self.blocks(h))
-
-
-def _branchy(kind, seed=0, **zs_kw):
-    """(model to call, optimizer) over a Branchy: DDP with find_unused_parameters, or a stage."""
-    torch.manual_seed(seed)
-    model = Branchy()
-    if kind == "ddp":
-        return DDP(model, find_unused_parameters=True), torch.optim.AdamW(
-            model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    if kind == 3:
-        net = zs.FullyShard(model, wrap={Block}, **zs_kw)
-        return net, zs.ShardedOptimizer(net.parameters(), lr=1e-2, weight_decay=0.1)
-    return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
-                                      bucket_mb=TINY_BUCKET_MB, **zs_kw)
-
-
-def _unused(kind, steps=7, **zs_kw):
-    net, opt = _branchy(kind, **zs_kw)
-    rank = dist.get_rank()
-    grads_none = []
-    for k, (x, y) in enumerate(data(steps)):
-        opt.zero_grad()
-        # step 0, 3, 6: rank 0 only; 1, 4: every rank; 2, 5: no rank
-        use = (k % 3 == 0 and rank == 0) or k % 3 == 1
-        F.cross_entropy(net(local(x), use_extra=use), local(y)).backward()
-        grads_none.append([p.grad is None for p in net.parameters()])
-        opt.step()
-    if kind == "ddp":
-        state = opt.state_dict()
-    else:
-        opt.consolidate_state_dict(to=None)
-        state = opt.state_dict()
-    steps_of = {i: float(st["step"]) for i, st in state["state"].items()}
-    return full_params(kind, net), steps_of, grads_none
-
-
-def _compare_unused(stage, **zs_kw):
-    (ours, our_steps, our_none), (ddp, ddp_steps, ddp_none) = _unused(stage, **zs_kw), _unused("ddp")
-    return max(rel(ours[k], ddp[k]) if ddp[k].norm() > 0 else (ours[k] - ddp[k]).abs().max().item()
-               for k in ddp), our_steps, ddp_steps, our_none == ddp_none
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_parameters_without_gradient_are_left_alone_as_by_ddp_and_adamw(dist_pool, stage):
-    for err, ours, ddp, same_none in dist_pool.run(_compare_unused, stage):
+    for err, ours, ddp, same_none in dist_pool.run(compare_unused, stage):
         assert err < 1e-5
         assert ours == ddp, (ours, ddp)       # per-parameter step counts
         assert sorted(set(ddp.values())) == [5.0, 7.0], ddp   # the extra layer stepped 5 times of 7
@@ -290,7 +133,7 @@ def _accumulated_branch(kind, steps=4):
     """Two synced backwards a step, no zero_grad in between; the extra layer is used
     on rank 0 alone in the first and on every rank in the second, so the second adds
     this rank's gradient to a reduced one that other ranks' gradients made."""
-    net, opt = _branchy(kind)
+    net, opt = branchy(kind)
     rank = dist.get_rank()
     for x, y in data(steps):
         opt.zero_grad()
@@ -303,7 +146,7 @@ def _accumulated_branch(kind, steps=4):
 
 def _compare_accumulated_branch(stage):
     ours, ddp = _accumulated_branch(stage), _accumulated_branch("ddp")
-    return max(rel(ours[k], ddp[k]) for k in ddp if ddp[k].norm() > 0)
+    return max(rel_err(ours[k], ddp[k]) for k in ddp if ddp[k].norm() > 0)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -316,7 +159,7 @@ def _frozen_midway(kind, steps=7, **zs_kw):
     """Fine-tuning's habit: parameters frozen after the optimizer was built (steps 2
     and 3), then trained again (from step 4): one of a ZeRO-3 block's, one of the
     root unit's, and every one of a block's (its unit takes no gradient at all)."""
-    net, opt = _branchy(kind, **zs_kw)
+    net, opt = branchy(kind, **zs_kw)
     params = dict(net.named_parameters())
     names = [n for n in params if n.endswith(("blocks.0.fc.weight", "inp.bias", "blocks.1.fc.weight",
                                               "blocks.1.fc.bias"))]
@@ -338,13 +181,13 @@ def _frozen_midway(kind, steps=7, **zs_kw):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_parameters_frozen_after_construction_are_left_alone_and_train_again_as_under_ddp(dist_pool, stage):
     for ours, ddp in zip(dist_pool.run(_frozen_midway, stage), dist_pool.run(_frozen_midway, "ddp")):
-        assert max(rel(ours[0][k], ddp[0][k]) for k in ddp[0]) < 1e-5
+        assert max(rel_err(ours[0][k], ddp[0][k]) for k in ddp[0]) < 1e-5
         assert ours[1] == ddp[1] and sorted(set(ddp[1].values())) == [5.0, 7.0], (ours[1], ddp[1])
         assert ours[2] == ddp[2]              # p.grad is None exactly where DDP leaves it None
 
 
 def _partly_frozen_unit_events():
-    net, opt = _branchy(3)
+    net, opt = branchy(3)
     net.module.blocks[0].fc.weight.requires_grad_(False)     # after wrapping; its bias still trains
     timeline, block0 = Timeline(), net.units[[u.name for u in net.units].index("blocks.0")]
     for u in net.units:     # each unit's gradients arriving (and, at the root's, where blocks.0 is)
@@ -371,7 +214,7 @@ def test_a_unit_with_a_parameter_frozen_after_wrapping_is_reduced_when_the_rest_
 def _launched_before_last_grad(stage):
     """Reduce-scatters a backward launched before its last gradient arrived: with all
     parameters trainable, then with one frozen after construction."""
-    net, opt = _branchy(stage)
+    net, opt = branchy(stage)
     x, y = data(1)[0]
     counts, timeline = [], Timeline()
     timeline.grad_hooks(net.named_parameters())
@@ -395,9 +238,9 @@ def test_buckets_with_a_parameter_frozen_after_construction_are_reduced_during_b
 
 def _unfrozen_after_construction(stage):
     torch.manual_seed(0)
-    model = Model()
+    model = ResidualNet()
     model.inp.weight.requires_grad_(False)
-    net = zs.FullyShard(model, wrap={Block}) if stage == 3 else model
+    net = zs.FullyShard(model, wrap={Residual}) if stage == 3 else model
     opt = zs.ShardedOptimizer(net.parameters(), lr=1e-2, **({} if stage == 3 else dict(stage=stage)))
     x, y = data(1)[0]
     for p in net.parameters():
@@ -478,7 +321,7 @@ def _other_optimizer(kind, name, steps=5):
     if kind == "ddp":
         net, opt = DDP(model, find_unused_parameters=True), cls(model.parameters(), foreach=False, **kw)
     elif kind == 3:
-        net = zs.FullyShard(model, wrap={Block})
+        net = zs.FullyShard(model, wrap={Residual})
         opt = zs.ShardedOptimizer(net.parameters(), optimizer_class=cls, **kw)
     else:
         net, opt = model, zs.ShardedOptimizer(model.parameters(), optimizer_class=cls, stage=kind,
@@ -503,11 +346,11 @@ def _other_optimizer(kind, name, steps=5):
 def _compare_optimizer(stage, name):
     ours, sd, rep = _other_optimizer(stage, name)
     ref, ref_sd = _other_optimizer("ddp", name)
-    err = max(rel(ours[k], ref[k]) for k in ref)
+    err = max(rel_err(ours[k], ref[k]) for k in ref)
     state_err = None
     if sd is not None:
         assert sd["state"].keys() == ref_sd["state"].keys(), (sd["state"].keys(), ref_sd["state"].keys())
-        state_err = max((rel(v, ref_sd["state"][i][k]) if v.dim() else abs(float(v) - float(ref_sd["state"][i][k])))
+        state_err = max((rel_err(v, ref_sd["state"][i][k]) if v.dim() else abs(float(v) - float(ref_sd["state"][i][k])))
                         for i, st in sd["state"].items() for k, v in st.items())
     return err, state_err, rep
 
@@ -526,7 +369,7 @@ class Custom(torch.optim.SGD):
 
 
 def _refused():
-    model = Model()
+    model = ResidualNet()
     out = []
     for cls, kw in ((torch.optim.LBFGS, {}), (Custom, {})):
         try:
@@ -556,7 +399,7 @@ def test_non_elementwise_optimizers_are_refused_unless_vouched_for(dist_pool):
 
 
 def _unused_ckpt_save(stage, path):
-    model, opt = _branchy(stage, seed=0)
+    model, opt = branchy(stage, seed=0)
     for k, (x, y) in enumerate(data(4)):
         opt.zero_grad()
         F.cross_entropy(model(local(x), use_extra=k == 1), local(y)).backward()
@@ -566,18 +409,17 @@ def _unused_ckpt_save(stage, path):
 
 
 def _unused_ckpt_load(stage, path):
-    model, opt = _branchy(stage, seed=1)
+    model, opt = branchy(stage, seed=1)
     zs.load_checkpoint(path, model, opt)
     opt.consolidate_state_dict(to=None)
     return opt.param_steps, {i: float(st["step"]) for i, st in opt.state_dict()["state"].items()}
 
 
 def test_per_parameter_step_counts_survive_a_checkpoint_at_another_world_size_and_stage(tmp_path):
-    from conftest import get_pool
-    saved = get_pool(2).run(_unused_ckpt_save, 2, str(tmp_path / "ck"))[0]
+    saved = launch("pool", 2).run(_unused_ckpt_save, 2, str(tmp_path / "ck"))[0]
     assert sorted(set(saved)) == [0, 1, 4], saved     # never used / used in one step / every step
     for stage in (1, 3):
-        steps, state = get_pool(3).run(_unused_ckpt_load, stage, str(tmp_path / "ck"))[0]
+        steps, state = launch("pool", 3).run(_unused_ckpt_load, stage, str(tmp_path / "ck"))[0]
         assert steps == saved, (stage, steps, saved)
         assert sorted(set(state.values())) == [1.0, 4.0] and 0 not in state.values()
 
@@ -588,7 +430,7 @@ def _statistics_in_flight(stage):
     model = Branchy()
     model.never.requires_grad_(False)      # (frozen: not a parameter that lacks a gradient)
     if stage == 3:
-        net = zs.FullyShard(model, wrap={Block})
+        net = zs.FullyShard(model, wrap={Residual})
         opt = zs.ShardedOptimizer(net.parameters(), lr=1e-2)
     else:
         net, opt = model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=TINY_BUCKET_MB)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zeroshard as zs
-from conftest import Refusals, get_pool
+from support.checks import Refusals
+from support.launch import launch
 from zeroshard.plan import model_state_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
@@ -124,18 +125,18 @@ def _check(results, clip=None):
 
 @pytest.mark.parametrize("stage,top_k", [(1, 2), (2, 1), (3, 2)])
 def test_expert_parallel_equals_one_process(stage, top_k):
-    _check(get_pool(4).run(_train, stage, top_k, 2, clip=0.05), clip=0.05)
+    _check(launch("pool", 4).run(_train, stage, top_k, 2, clip=0.05), clip=0.05)
 
 
 def test_accumulation_torch_clip_and_a_starved_expert():
     """no_sync() micro-batches; torch's clip_grad_norm_ (every expert counted once, the same
     on every rank); stage 2: an expert no rank routes a token to (and the model does not
     run) is not stepped, as torch's AdamW skips a parameter without a gradient."""
-    res = get_pool(4).run(_train, 2, 1, 2, micro=2, clip=0.05, starve=True, torch_clip=True)
+    res = launch("pool", 4).run(_train, 2, 1, 2, micro=2, clip=0.05, starve=True, torch_clip=True)
     _check(res, clip=0.05)
     held = [out["moved"] for out in res if out["starved_here"]]
     assert held and not any(held), held
-    _check(get_pool(4).run(_train, 3, 1, 2, micro=2, clip=0.05, torch_clip=True), clip=0.05)
+    _check(launch("pool", 4).run(_train, 3, 1, 2, micro=2, clip=0.05, torch_clip=True), clip=0.05)
 
 
 def _muon_over_experts(stage: int, adafactor: bool = False):
@@ -144,7 +145,7 @@ def _muon_over_experts(stage: int, adafactor: bool = False):
     against one process doing the same over the whole model: the largest relative parameter
     difference, and the Muon state bytes this rank holds."""
     from torch.distributed.device_mesh import init_device_mesh
-    from test_whole_tensor import Muon32
+    from support.optimizers import Muon32
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
 
@@ -191,7 +192,7 @@ def test_whole_tensor_optimizers_over_experts_equal_one_process(stage, adafactor
     group; stage 3: FullyShard's expert units laid out again for those owners): every expert
     is stepped (and holds Muon's momentum) once in the job, and the model ends where one
     process's does (Muon, and torch's Adafactor)."""
-    res = get_pool(4).run(_muon_over_experts, stage, adafactor)
+    res = launch("pool", 4).run(_muon_over_experts, stage, adafactor)
     assert max(err for err, _ in res) < 2e-5, res
     whole = Net(2)
     if not adafactor:
@@ -262,9 +263,9 @@ def test_checkpoints_resume_at_another_expert_parallel_degree_and_world_size(tmp
     ep 1 (every expert on every rank; stage 1), and on 2 ranks at ep 2 (stage 3): each ends
     where one process does; the export is the whole model's state dict."""
     from safetensors.torch import load_file
-    for errors in get_pool(4).run(_checkpoint_across_layouts, str(tmp_path), True, [(3, 4), (1, 1)]):
+    for errors in launch("pool", 4).run(_checkpoint_across_layouts, str(tmp_path), True, [(3, 4), (1, 1)]):
         assert max(errors.values()) < 2e-5, errors
-    for errors in get_pool(2).run(_checkpoint_across_layouts, str(tmp_path), False, [(3, 2)]):
+    for errors in launch("pool", 2).run(_checkpoint_across_layouts, str(tmp_path), False, [(3, 2)]):
         assert max(errors.values()) < 2e-5, errors
     zs.export_full_state_dict(tmp_path / "moe", tmp_path / "full.safetensors")
     full = load_file(str(tmp_path / "full.safetensors"))
@@ -295,7 +296,7 @@ def _skips_everywhere():
 
 
 def test_grad_scaler_skips_on_every_rank():
-    for scale, unchanged in get_pool(4).run(_skips_everywhere):
+    for scale, unchanged in launch("pool", 4).run(_skips_everywhere):
         assert scale == 2.0 and unchanged
 
 
@@ -336,6 +337,6 @@ def test_what_is_not_supported_yet_is_refused(tmp_path):
     want = {"save2": ("moe.experts.0.up.weight", "(whole_model_name, p)"), "model_only": ("Pass that optimizer",), "state_dict": ("NotImplementedError", "own ranks"),
             "muon_split": ("larger than a bucket", "raise bucket_mb"), "hybrid": ("hybrid sharding",),
             "save3": ("moe.experts.0.up.weight", "expert_names=fn"), "dcp": ("not supported yet", "save_checkpoint"), "thaw": ("an expert unit over its own ranks",)}
-    for msgs in get_pool(4).run(_refusals, str(tmp_path)):
+    for msgs in launch("pool", 4).run(_refusals, str(tmp_path)):
         for key, parts in want.items():
             assert all(part in msgs.get(key, "") for part in parts), (key, msgs.get(key))

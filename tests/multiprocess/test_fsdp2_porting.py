@@ -11,25 +11,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard as zs
-from conftest import get_pool
+from support.launch import launch
+from support.models import Residual
 
 D = 13          # no unit divides evenly over 2, 3 or 4 ranks
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(D, D)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
 
 
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(D, D)
-        self.blocks = nn.Sequential(Block(), Block())
+        self.blocks = nn.Sequential(Residual(D), Residual(D))
         self.head = nn.Linear(D, 3)
 
     def forward(self, x):
@@ -60,7 +52,7 @@ def _train(model, opt, steps=3):
 
 def _ours(factor, shard_size):
     torch.manual_seed(0)
-    model = zs.FullyShard(Net(), wrap={Block}, shard_size=shard_size)
+    model = zs.FullyShard(Net(), wrap={Residual}, shard_size=shard_size)
     if factor is not None:
         model.set_gradient_divide_factor(factor)
     opt = zs.ShardedOptimizer(model.parameters(), lr=0.1, optimizer_class=torch.optim.SGD)
@@ -103,7 +95,7 @@ def test_gradient_divide_factor_equals_fsdp2s(world, shard_size):
     got gradients and grad norms N times smaller. With factor F the gradient is the sum over
     every rank (replicas too) over F, as FSDP2's: the parameters after steps (clipped or not) and
     torch's clip_grad_norm_ equal FSDP2's."""
-    for r in get_pool(world).run(_divide_factors, shard_size):
+    for r in launch("pool", world).run(_divide_factors, shard_size):
         said = r.pop("refused")          # (not a factor: 0, -1, inf, "2", True)
         assert len(said) == 5 and all("positive, finite number" in s for s in said), said
         for factor, got in r.items():

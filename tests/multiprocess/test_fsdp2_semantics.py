@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard as zs
-from conftest import get_pool
+from support.launch import launch
 
 D = 13          # awkward widths: no unit divides evenly over 2 or 4 ranks
 
@@ -175,7 +175,7 @@ def _how_units_are_called(steps=3):
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"world{n}")
 def test_structured_outputs_twice_called_units_chunked_heads_and_methods_train_as_one_process(world):
-    dist_pool = get_pool(world)
+    dist_pool = launch("pool", world)
     """A dataclass output trained to NaN (its backward ran on released parameters); a unit
     called twice crashed in backward; a head called after the trunk and a method other
     than forward were refused. Each now trains as one process and FSDP2 do (DDP refuses a
@@ -245,7 +245,7 @@ def _refusals():
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"world{n}")
 def test_hidden_outputs_are_refused_never_computed_on(world):
-    dist_pool = get_pool(world)
+    dist_pool = launch("pool", world)
     for r in dist_pool.run(_refusals):
         assert "unit '0'" in r["opaque"] and "Opaque" in r["opaque"] and "'h'" in r["opaque"], r
         assert r["root_opaque"] == ["l.weight", "l.bias"], r
@@ -274,7 +274,7 @@ def _cast_inputs():
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"world{n}")
 def test_floating_inputs_are_cast_to_param_dtype_as_fsdp2_does(world):
-    dist_pool = get_pool(world)
+    dist_pool = launch("pool", world)
     for r in dist_pool.run(_cast_inputs):
         # FSDP2's bf16 policy, within half of bf16's own effect on it (as test_fully_shard's bf16 parity)
         assert r["vs_fsdp2"] <= 0.5 * r["fsdp2_vs_fp32"] and r["fsdp2_vs_fp32"] > 0, r
@@ -328,7 +328,7 @@ def _unused(stage):
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"world{n}")
 def test_unused_parameters_keep_grad_none_as_under_ddp(world):
-    dist_pool = get_pool(world)
+    dist_pool = launch("pool", world)
     ddp = dist_pool.run(_unused, "ddp")
     for stage in (1, 2, 3):
         assert dist_pool.run(_unused, stage) == ddp, stage
@@ -386,7 +386,7 @@ def _frozen(world_hint):
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"world{n}")
 def test_frozen_parameters_are_gathered_but_never_reduced(world):
-    dist_pool = get_pool(world)
+    dist_pool = launch("pool", world)
     res = dist_pool.run(_frozen, 0)
     for r in res:
         assert r["err"] < 1e-5, r
@@ -419,7 +419,7 @@ class Counter(nn.Module):
 @pytest.mark.parametrize("world,norm_type", [(2, 2.0), (2, 1.0), (2, 3.0), (2, math.inf), (2, -math.inf),
                                              (2, 0.0), (4, 1.0), (4, -math.inf)], ids=str)
 def test_clip_grad_norm_by_any_order_foreach_or_not_equals_ddp(world, norm_type):
-    dist_pool = get_pool(world)
+    dist_pool = launch("pool", world)
     ddp = dist_pool.run(_clipped, "ddp", norm_type)
     for stage in (1, 2, 3):
         for foreach in (False, True):
@@ -482,7 +482,7 @@ def _conversions():
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"world{n}")
 def test_conversions_after_wrapping_and_integer_parameters(world):
-    dist_pool = get_pool(world)
+    dist_pool = launch("pool", world)
     for r in dist_pool.run(_conversions):
         assert "0.steps" in r["names"] and "0.l.weight" in r["names"], r
         assert r["buffer"] == "torch.float32"
@@ -552,11 +552,11 @@ def _frozen_muon():
 def test_frozen_units_under_muon_and_through_a_checkpoint_at_another_world_size(tmp_path):
     """Muon lays the units out again for its owners: the frozen weights' place in the
     reduction follows. A checkpoint of such units saved at 2 ranks loads at 3."""
-    for err in get_pool(2).run(_frozen_muon):
+    for err in launch("pool", 2).run(_frozen_muon):
         assert err < 1e-5, err
     path = str(tmp_path / "ck")
-    saved = get_pool(2).run(_frozen_with, "adamw", 2, path)[0]
-    loaded = get_pool(3).run(_frozen_with, "adamw", 0, None, path)[0]
+    saved = launch("pool", 2).run(_frozen_with, "adamw", 2, path)[0]
+    loaded = launch("pool", 3).run(_frozen_with, "adamw", 0, None, path)[0]
     assert worst(loaded[0], saved[0]) == 0.0
     assert saved[1].keys() == loaded[1].keys() and len(saved[1]) > 0
     for i, st in saved[1].items():

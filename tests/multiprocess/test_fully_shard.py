@@ -1,5 +1,4 @@
 """FullyShard (ZeRO-3) against single-process torch AdamW and FSDP2, on gloo at world sizes 2 and 3."""
-import contextlib
 import copy
 import functools
 import time
@@ -8,151 +7,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import zeroshard as zs
+from support.checks import max_err, rel_err
+from support.gpt import (DIM, GPT, LAYERS, SEQ, VOCAB, GPTBlock, batches, local, loss_fn, make_gpt, param_groups,
+                         reference, train)
+from support.launch import launch
+from support.records import Timeline
 from zeroshard.zero3.records import UnitState
-
-BATCH, SEQ, VOCAB, DIM, HEADS, LAYERS = 12, 11, 61, 20, 4, 3
-
-
-class Block(nn.Module):
-    def __init__(self, ckpt=False):
-        super().__init__()
-        self.ckpt = ckpt
-        self.ln1 = nn.LayerNorm(DIM)
-        # no qkv bias: the key bias gets a zero gradient (softmax is shift-invariant),
-        # i.e. pure round-off noise that AdamW normalises up, so no two implementations agree on it
-        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
-        self.proj = nn.Linear(DIM, DIM)
-        self.ln2 = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, 37)        # awkward hidden width
-        self.out = nn.Linear(37, DIM)
-
-    def _forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    def forward(self, x):
-        if self.ckpt:
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
-
-
-class GPT(nn.Module):
-    """Token + position embeddings, blocks, final norm, output head tied to the
-    token embedding (the embedding takes the head's weight, so construction and
-    reset_parameters() in module order initialise it alike)."""
-
-    def __init__(self, ckpt=False):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Embedding(SEQ, DIM)
-        self.blocks = nn.ModuleList(Block(ckpt) for _ in range(LAYERS))
-        self.ln = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.tok.weight = self.head.weight
-        self.register_buffer("temperature", torch.ones(1))
-
-    def reset_parameters(self):      # the buffer, for models built on meta
-        self.temperature.fill_(1.0)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln(x)) / self.temperature
-
-
-def make_gpt(seed=0, ckpt=False):
-    torch.manual_seed(seed)
-    return GPT(ckpt)
-
-
-def batches(steps, micro=1, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [[(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
-             for _ in range(micro)] for _ in range(steps)]
-
-
-def local(x, rank, world):
-    n = x.shape[0] // world
-    return x[rank * n:(rank + 1) * n]
-
-
-def loss_fn(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-
-def param_groups(named, lr=1e-2):
-    named = list(named)
-    return [{"params": [p for n, p in named if n.endswith("weight") and "ln" not in n], "weight_decay": 0.1},
-            {"params": [p for n, p in named if not (n.endswith("weight") and "ln" not in n)],
-             "weight_decay": 0.0, "lr": lr / 2}]
-
-
-def reference(steps, micro=1, clip=None, param_dtype=None, world=1):
-    """Single process, whole batch, torch AdamW. With param_dtype: the forward and
-    backward of each of ``world`` rank slices run on a param_dtype copy of fp32
-    master weights, and their gradients are summed in fp32 and divided by
-    ``world`` -- the same arithmetic as mixed precision with an fp32 reduction."""
-    master = make_gpt()
-    opt = torch.optim.AdamW(param_groups(master.named_parameters()), lr=1e-2, foreach=False)
-    compute = make_gpt() if param_dtype else master
-    if param_dtype:    # parameters only: FullyShard does not cast buffers
-        for p in compute.parameters():
-            p.data = p.data.to(param_dtype)
-    norms = []
-    for mbs in batches(steps, micro):
-        opt.zero_grad()
-        if param_dtype:
-            with torch.no_grad():
-                for p, q in zip(compute.parameters(), master.parameters()):
-                    p.copy_(q)
-            acc = [torch.zeros_like(q) for q in master.parameters()]
-            for x, y in mbs:
-                for r in range(world):
-                    (loss_fn(compute(local(x, r, world)), local(y, r, world)) / micro).backward()
-                    for a, p in zip(acc, compute.parameters()):
-                        a += p.grad.float()
-                        p.grad = None
-            for a, q in zip(acc, master.parameters()):
-                q.grad = a / world
-        else:
-            for x, y in mbs:
-                (loss_fn(compute(x), y) / micro).backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), clip).item())
-        opt.step()
-    return master, norms
 
 
 def wrapped(ckpt=False, **kw):
-    return zs.FullyShard(make_gpt(ckpt=ckpt), wrap={Block}, **kw)
-
-
-def train(model, opt, steps, micro=1, no_sync=False, clip=None, first_step=0):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    norms = []
-    for mbs in batches(first_step + steps, micro)[first_step:]:
-        opt.zero_grad()
-        for j, (x, y) in enumerate(mbs):
-            ctx = model.no_sync() if (no_sync and j < micro - 1) else contextlib.nullcontext()
-            with ctx:
-                (loss_fn(model(local(x, rank, world)), local(y, rank, world)) / micro).backward()
-        if clip is not None:
-            norms.append(opt.clip_grad_norm_(clip).item())
-        opt.step()
-    return norms
-
-
-def rel_err(a, b):
-    a, b = a.detach().double().flatten(), b.detach().double().flatten()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return zs.FullyShard(make_gpt(ckpt=ckpt), wrap={GPTBlock}, **kw)
 
 
 def err_after_training(model, steps):
@@ -160,11 +26,6 @@ def err_after_training(model, steps):
     opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
     train(model, opt, steps)
     return max_err(model.state_dict(), reference(steps)[0].state_dict())
-
-
-def max_err(sd, ref_sd):
-    assert sd.keys() == ref_sd.keys()
-    return max(rel_err(sd[k], ref_sd[k]) for k in ref_sd)
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,8 +82,7 @@ def test_parity_with_single_process_adamw(dist_pool, case):
 
 @pytest.mark.parametrize("case", _CASES)
 def test_parity_without_resharding_after_forward(case):
-    from conftest import get_pool
-    _check_parity(get_pool(2).run(_parity, case, False), case, False)   # world size 2 keeps the suite fast
+    _check_parity(launch("pool", 2).run(_parity, case, False), case, False)   # world size 2 keeps the suite fast
 
 
 def _check_parity(res, case, reshard):
@@ -336,8 +196,8 @@ print(repr((psi, sum(p.to_local().numel() for p in model.parameters()), model.me
 
 @pytest.mark.parametrize("n", [8, 1024])
 def test_memory_at_large_world_for_a_1b_model_on_meta(n):
-    from _launch import run_text      # (one rank forked from a process that imported torch)
-    code, out, err = run_text(_FAKE_SCRIPT, [str(n)], timeout=300)
+    res = launch("forked", None, 1, [str(n)], text=_FAKE_SCRIPT, timeout=300)   # (one rank forked from a process that imported torch)
+    code, out, err = res.returncode, res.stdout, res.stderr
     assert code == 0, err[-3000:]
     psi, owned, rep = eval(out.strip().splitlines()[-1])
     assert 0.99e9 < psi < 1.2e9
@@ -383,7 +243,6 @@ def _comm(reshard):
     opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
     train(model, opt, 1)
     before = dict(model.comm_elements)
-    from _dist import Timeline     # (the module is also imported where _dist is not on the path)
     timeline = Timeline()     # the units' forwards and gradients among the collectives of the flight record
     for u in model.units:
         timeline.grad_hooks((u.name, q.full) for q in u.trainable)
@@ -424,7 +283,7 @@ def _meta_init():
     with torch.device("meta"):
         model = GPT()
     torch.manual_seed(0)             # the seed make_gpt() builds with
-    model = zs.FullyShard(model, wrap={Block})
+    model = zs.FullyShard(model, wrap={GPTBlock})
     normal = make_gpt()
     sd, ref = model.state_dict(), normal.state_dict()
     assert sd.keys() == ref.keys()
@@ -480,8 +339,7 @@ def _fs_resume(msd, osd, steps, first):
 
 
 def test_state_dict_round_trip_across_world_sizes_and_the_unwrapped_model():
-    from conftest import get_pool
-    p2, p3 = get_pool(2), get_pool(3)
+    p2, p3 = launch("pool", 2), launch("pool", 3)
     ref, _ = reference(10)
     for save, load in ((p2, p3), (p3, p2)):
         saved = save.run(_fs_save, 5)
@@ -520,7 +378,7 @@ def _features():
     # buffers are not sharded: every rank gets rank 0's
     m = make_gpt()
     m.temperature.fill_(1.0 + rank)
-    model = zs.FullyShard(m, wrap={Block})
+    model = zs.FullyShard(m, wrap={GPTBlock})
     out["buffer"] = model.module.temperature.item()
     # inference: eval + no_grad equals the plain model and leaves nothing gathered
     x, y = batches(1)[0][0]
@@ -537,7 +395,7 @@ def _features():
     for net in (m, ref):
         for n, p in net.named_parameters():
             p.requires_grad_(n not in frozen)
-    model = zs.FullyShard(m, wrap={Block})
+    model = zs.FullyShard(m, wrap={GPTBlock})
     opt = zs.ShardedOptimizer([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     train(model, opt, 5)
     ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, foreach=False)
@@ -551,7 +409,7 @@ def _features():
     # nested wrapping: the linear layers inside each block are units of their own
     m = make_gpt()
     head = m.head
-    model = zs.FullyShard(m, wrap=lambda mod: isinstance(mod, Block) or (isinstance(mod, nn.Linear)
+    model = zs.FullyShard(m, wrap=lambda mod: isinstance(mod, GPTBlock) or (isinstance(mod, nn.Linear)
                                                                          and mod is not head))
     out["nested_units"] = len(model.units)
     out["nested_err"] = err_after_training(model, 5)
@@ -583,7 +441,7 @@ def _bad_inputs():
     def split_tie():
         m = make_gpt()
         m.blocks[1].fc.weight = m.blocks[0].fc.weight
-        zs.FullyShard(m, wrap={Block})
+        zs.FullyShard(m, wrap={GPTBlock})
     catch("split_tie", split_tie)
 
     model = wrapped()
@@ -603,7 +461,7 @@ def _bad_inputs():
         m = make_gpt()
         if rank == 1:
             m.blocks[2].fc = nn.Linear(DIM, 38)
-        zs.FullyShard(m, wrap={Block})
+        zs.FullyShard(m, wrap={GPTBlock})
     catch("different_models", different_models)
     return msgs
 

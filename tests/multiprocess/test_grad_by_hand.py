@@ -13,25 +13,17 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard as zs
+from support.models import Residual
 
 BATCH = 12
 TINY_BUCKET_MB = 500 / 2**20     # buckets split tensors
-
-
-class Layer(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
 
 
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(7, 13)
-        self.layers = nn.Sequential(Layer(13), Layer(13))
+        self.layers = nn.Sequential(Residual(13), Residual(13))
         self.head = nn.Linear(13, 3)
 
     def forward(self, x):
@@ -53,7 +45,7 @@ def build(kind, opt_name, optimizer_class=None, vouch=False, **kw):
     if vouch:
         hyper["elementwise"] = True
     if kind == 3:
-        model = zs.FullyShard(model, wrap={Layer})
+        model = zs.FullyShard(model, wrap={Residual})
         return model, zs.ShardedOptimizer(model.parameters(), optimizer_class=zs_cls, **hyper)
     return model, zs.ShardedOptimizer(model.parameters(), optimizer_class=zs_cls, stage=kind,
                                       bucket_mb=TINY_BUCKET_MB, **hyper)

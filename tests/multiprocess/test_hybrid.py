@@ -8,16 +8,19 @@ import torch
 import torch.distributed as dist
 
 import zeroshard as zs
-from conftest import get_pool
-from test_ddp_dropin import _compare, _compare_unused, build, data, full_params, local
-from test_sharded import make_model, param_groups, reference, rel_err, train_ours
+from support.checks import rel_err
+from support.ddp_parity import build, compare, compare_unused, full_params, trained_hybrid
+from support.flat_net import batches, make_model, param_groups, reference, train_ours
+from support.flat_net import local as local_slice
+from support.launch import launch
+from support.models import Residual, ResidualNet
 
 STEPS = 3
 
 
 def _pool_and_shard(world_shard):
     world, shard = world_shard
-    return get_pool(world), shard
+    return launch("pool", world), shard
 
 
 # world 4 = 2 replicas x 2 shards; ZeRO-1/2 also at 6 = 3 x 2 (three replicas: stage 1's
@@ -81,8 +84,6 @@ def _train_fully_shard(shard_size, micro):
 
     import torch.nn as nn
     import torch.nn.functional as F
-    from test_sharded import batches
-    from test_sharded import local as local_slice
     import time
     rank, world, t0 = dist.get_rank(), dist.get_world_size(), time.time()
     model = zs.FullyShard(make_model(), wrap={nn.Linear}, shard_size=shard_size)
@@ -113,7 +114,7 @@ def test_hybrid_fully_shard_equals_single_process_adamw(hybrid, micro):
 
 
 def test_hybrid_clipping_counts_each_shard_once_and_mesh_equals_shard_size():
-    pool = get_pool(4)
+    pool = launch("pool", 4)
     clipped = pool.run(_train, 2, 2, 0.05, False)
     meshed = pool.run(_train, 2, 2, 0.05, True)
     ref, ref_norms = reference(1, clip=0.05)
@@ -128,7 +129,7 @@ def test_hybrid_clipping_counts_each_shard_once_and_mesh_equals_shard_size():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("case", ["torch_clip", "scaler", "model_zero_grad"])
 def test_hybrid_ddp_script_equals_ddp(stage, case):
-    for r in get_pool(4).run(_compare, stage, case, shard_size=2):
+    for r in launch("pool", 4).run(compare, stage, case, shard_size=2):
         assert r["param_err"] < 1e-5, r
         if case != "model_zero_grad":
             assert r["norm_err"] < 1e-5 and r["pnorm_err"] < 1e-5, r
@@ -138,21 +139,20 @@ def test_hybrid_ddp_script_equals_ddp(stage, case):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hybrid_parameters_used_on_one_replica_only_get_ddps_gradient(stage):
-    for err, ours, ddp, same_none in get_pool(4).run(_compare_unused, stage, shard_size=2):
+    for err, ours, ddp, same_none in launch("pool", 4).run(compare_unused, stage, shard_size=2):
         assert err < 1e-5
         assert ours == ddp and same_none, (ours, ddp)
 
 
 def _fully_shard_memory():
-    from test_ddp_dropin import Block, Model
-    model = zs.FullyShard(Model(), wrap={Block}, shard_size=2)
+    model = zs.FullyShard(ResidualNet(), wrap={Residual}, shard_size=2)
     zs.ShardedOptimizer(model.parameters(), lr=1e-2)
     rep = model.memory_report()
-    return rep, sum(p.numel() for p in Model().parameters()), model.world_size, model.process_group.size()
+    return rep, sum(p.numel() for p in ResidualNet().parameters()), model.world_size, model.process_group.size()
 
 
 def test_hybrid_fully_shard_holds_16_psi_over_s_exactly():
-    res = get_pool(4).run(_fully_shard_memory)
+    res = launch("pool", 4).run(_fully_shard_memory)
     psi = res[0][1]
     for first in (0, 2):
         group = [res[r][0] for r in (first, first + 1)]
@@ -184,7 +184,7 @@ def _bad(kind):
     ("fully shard", r"FullyShard: shard_size must be a positive integer dividing the world size \(4\), got 5"),
 ])
 def test_hybrid_misuse_is_a_clear_error(kind, match):
-    pool = get_pool(4)
+    pool = launch("pool", 4)
     with pytest.raises(AssertionError, match=match):
         pool.run(_bad, kind)
 
@@ -194,17 +194,6 @@ def _full_state(kind, model, opt):
     opt.consolidate_state_dict(to=None)
     st = opt.state_dict()["state"]
     return full_params(kind, model), {i: {k: v.clone() for k, v in s.items()} for i, s in st.items()}
-
-
-def trained_hybrid(stage, steps):
-    """Stage ``stage`` with shard_size=2, after ``steps`` steps."""
-    import torch.nn.functional as F
-    model, opt = build(stage, shard_size=2)
-    for x, y in data(steps):
-        opt.zero_grad()
-        F.cross_entropy(model(local(x)), local(y)).backward()
-        opt.step()
-    return model, opt
 
 
 def _save_hybrid(path, stage):
@@ -225,20 +214,19 @@ def _same(a, b):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_hybrid_checkpoint_is_written_once_and_loads_flat_at_3_and_at_1(tmp_path, stage):
-    from test_ddp_dropin import Model
     path = str(tmp_path / "ckpt")
-    saved = get_pool(4).run(_save_hybrid, path, stage)
+    saved = launch("pool", 4).run(_save_hybrid, path, stage)
     params, state = saved[0]
     assert all(_same(p, params) for p, _ in saved)                # the replicas agree
     # each shard written once: the first shard group's two ranks, no replica's duplicate
     assert sorted(f for f in os.listdir(path) if f.startswith("rank")) == ["rank0.safetensors",
                                                                          "rank1.safetensors"]
-    for loaded, st, extra in get_pool(3).run(_load_flat, path, 2 if stage == 3 else 3):
+    for loaded, st, extra in launch("pool", 3).run(_load_flat, path, 2 if stage == 3 else 3):
         assert _same(loaded, params)
         assert st.keys() == state.keys() and all(_same(st[i], state[i]) for i in state)
-    assert [e["rank"] for *_, e in get_pool(3).run(_load_flat, path, stage)] == [0, 1, 0]
+    assert [e["rank"] for *_, e in launch("pool", 3).run(_load_flat, path, stage)] == [0, 1, 0]
     # one process, no torch.distributed: a plain model and torch's AdamW
-    model = Model()
+    model = ResidualNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     zs.load_checkpoint(path, model, opt)
     assert _same({k: v.float() for k, v in model.state_dict().items()}, params)

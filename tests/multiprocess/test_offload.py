@@ -18,10 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
-from conftest import get_pool
-from test_background_save import HeldWrite
-from test_checkpoint import dir_bytes
-from test_sharded import batches, local, make_model, param_groups, reference, rel_err, train_ours
+from support.checks import rel_err
+from support.disk import HeldWrite, dir_bytes
+from support.flat_net import batches, local, make_model, param_groups, reference, train_ours
+from support.launch import launch
 from zeroshard import offload as _offload
 
 STEPS = 3
@@ -73,7 +73,7 @@ def _parity(stage, cases):
 def test_offload_equals_single_process_adamw_and_no_offload(world, stage):
     # every case at world size 2; at 3 (to keep the suite's time) each kind at one fraction
     cases = CASES if world == 2 else [(None, 1.0), ("cpu", 1.0), ("nvme", 0.3)]
-    results = get_pool(world).run(_parity, stage, cases)
+    results = launch("pool", world).run(_parity, stage, cases)
     for r, res in enumerate(results):
         base = res[(None, 1.0)]
         for case, out in res.items():
@@ -111,7 +111,7 @@ def _bf16_master_on_disk(directory):
 
 
 def test_bf16_master_weights_offloaded_to_disk_step_exactly_as_on_the_device(tmp_path):
-    for same, rep in get_pool(2).run(_bf16_master_on_disk, str(tmp_path)):
+    for same, rep in launch("pool", 2).run(_bf16_master_on_disk, str(tmp_path)):
         assert all(same)
         # the fp32 master and both states, 4 bytes per (padded) shard element each, on disk
         assert rep["master"] == rep["exp_avg"] == rep["exp_avg_sq"] > 0, rep
@@ -144,8 +144,8 @@ def _checkpoint(path, save):
 
 def test_offloaded_state_checkpoints_and_resumes_at_another_world_size_stage_and_offload(tmp_path):
     path = str(tmp_path / "ck")
-    assert get_pool(2).run(_checkpoint, path, True) == [True, True]   # stage 2, every state on disk, world size 2
-    for err in get_pool(3).run(_checkpoint, path, False):   # stage 1, 30% in host memory, world size 3
+    assert launch("pool", 2).run(_checkpoint, path, True) == [True, True]   # stage 2, every state on disk, world size 2
+    for err in launch("pool", 3).run(_checkpoint, path, False):   # stage 1, 30% in host memory, world size 3
         assert err < 1e-5, err
 
 
@@ -181,7 +181,7 @@ def _offload_params(directory, path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_fully_shard_offload_params_trains_as_without_and_counts_host_bytes(world, tmp_path):
     path = str(tmp_path / "ck")
-    for runs, vs_plain, resumed in get_pool(world).run(_offload_params, str(tmp_path), path):
+    for runs, vs_plain, resumed in launch("pool", world).run(_offload_params, str(tmp_path), path):
         assert vs_plain < 1e-6, vs_plain
         assert resumed < 1e-5, resumed
         for (offload_params, offload), (err, rep, fs_rep, devices) in runs.items():
@@ -237,7 +237,7 @@ def _host_gradient_copies(stage, fraction, directory):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_host_gradient_copies_step_exactly_as_the_device_gradients(stage, tmp_path):
     for fraction in (0.3, 1.0):
-        for same, plain, copied in get_pool(2).run(_host_gradient_copies, stage, fraction, str(tmp_path)):
+        for same, plain, copied in launch("pool", 2).run(_host_gradient_copies, stage, fraction, str(tmp_path)):
             assert same, (stage, fraction)
             assert plain["host"] == 0 < copied["host"] and plain["disk"] == copied["disk"] > 0, (plain, copied)
             if stage == 3:     # the offloaded units' gradient shards moved from the device to host memory
@@ -277,7 +277,7 @@ def _host_shard_statistics(directory):
 
 
 def test_fully_shard_takes_the_statistics_of_host_gradient_shards_before_the_copy(tmp_path):
-    for out in get_pool(2).run(_host_shard_statistics, str(tmp_path)):
+    for out in launch("pool", 2).run(_host_shard_statistics, str(tmp_path)):
         (plain, plain_norms, plain_read), (forced, forced_norms, forced_read) = out[False], out[True]
         assert all(torch.equal(forced[k], v) for k, v in plain.items())   # bit for bit
         assert forced_norms == plain_norms and forced_norms[0] > 0.05      # the clip acted
@@ -398,7 +398,7 @@ def test_a_kill_mid_step_leaves_the_last_checkpoint_loadable(tmp_path):
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in procs] == [-signal.SIGKILL, 3]
-    for err in get_pool(2).run(_load_after_kill, str(tmp_path / "ck")):
+    for err in launch("pool", 2).run(_load_after_kill, str(tmp_path / "ck")):
         assert err < 1e-5, err
 
 
@@ -435,7 +435,7 @@ def test_bad_offload_arguments_are_clear_errors(kwargs, match):
 ])
 def test_misuse_with_a_process_group_is_a_clear_error(kind, match, tmp_path):
     with pytest.raises(Exception, match=match):
-        get_pool(2).run(_bad, kind, str(tmp_path))
+        launch("pool", 2).run(_bad, kind, str(tmp_path))
 
 
 def test_a_file_in_place_of_offload_dir_is_named(tmp_path):

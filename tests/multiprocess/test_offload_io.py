@@ -10,9 +10,9 @@ import pytest
 import torch.distributed as dist
 
 import zeroshard as zs
-from conftest import get_pool
-from test_io_engine import _no_direct_io_directory, on_disk
-from test_sharded import make_model, train_ours
+from support.disk import no_direct_io_directory, on_disk
+from support.flat_net import make_model, train_ours
+from support.launch import launch
 
 
 def _broken_under_the_job(directory: str, how: str):
@@ -37,7 +37,7 @@ def _broken_under_the_job(directory: str, how: str):
                                       ("deleted", " was deleted while the job ran")], ids=["truncated", "deleted"])
 def test_a_state_file_broken_under_the_job_is_an_error_naming_it(how, says):
     with on_disk() as d:
-        for path, message in get_pool(2).run(_broken_under_the_job, d, how):
+        for path, message in launch("pool", 2).run(_broken_under_the_job, d, how):
             assert message is not None and message.startswith(path), message
             assert re.search(says, message), message
 
@@ -55,9 +55,9 @@ def _refused(directory: str) -> str:
 
 
 def test_an_offload_dir_without_direct_io_is_named_with_the_fix(tmp_path):
-    with _no_direct_io_directory(str(tmp_path)) as d:
+    with no_direct_io_directory(str(tmp_path)) as d:
         if d is None:
             pytest.skip("no filesystem here refuses O_DIRECT (tmpfs accepts it since Linux 6.6; ramfs needs root)")
-        for rank, message in enumerate(get_pool(2).run(_refused, d)):
+        for rank, message in enumerate(launch("pool", 2).run(_refused, d)):
             assert f"rank {rank}" in message and f"offload_dir '{d}': cannot open {d}/zeroshard-rank{rank}-" in message
             assert "does not support direct I/O; put the file in a directory on a local disk" in message, message

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard as zs
-from conftest import get_pool
+from support.launch import launch
 
 WORLDS = pytest.mark.parametrize("world", [1, 2, 3], ids=lambda n: f"world{n}")
 
@@ -51,7 +51,7 @@ def _no_gradient_steps(stage):
 
 @WORLDS
 def test_a_step_with_no_gradient_is_a_noop(world):
-    pool = get_pool(world)
+    pool = launch("pool", world)
     ref = pool.run(_no_gradient_steps, "ddp")
     for stage in (1, 2, 3):
         for (sd, lr), (rsd, rlr) in zip(pool.run(_no_gradient_steps, stage), ref):
@@ -101,7 +101,7 @@ def _kwargs_and_keys(stage):
 
 @WORLDS
 def test_step_keyword_arguments_reach_the_class_and_its_group_keys_are_visible(world):
-    pool = get_pool(world)
+    pool = launch("pool", world)
     ref = pool.run(_kwargs_and_keys, "ddp")
     for stage in (1, 2, 3):
         for (sd, built_steps, tag), (rsd, _, rtag) in zip(pool.run(_kwargs_and_keys, stage), ref):
@@ -151,7 +151,7 @@ def _sparse():
 
 
 def test_sparse_parameters_and_gradients_are_refused_by_name():
-    pool = get_pool(2)
+    pool = launch("pool", 2)
     for r in pool.run(_sparse):
         assert "parameter 0" in r["param"] and "sparse" in r["param"], r
         assert "parameter 0" in r["grad"] and "sparse=False" in r["grad"], r
@@ -193,7 +193,7 @@ def _hyper_round_trip(stage, kwargs):
 @WORLDS
 @pytest.mark.parametrize("kwargs", [{"amsgrad": True}, {"maximize": True}], ids=lambda k: next(iter(k)))
 def test_hyperparameters_the_optimizer_runs_round_trip_through_its_state_dict(world, kwargs):
-    pool = get_pool(world)
+    pool = launch("pool", world)
     ref = pool.run(_hyper_round_trip, "ddp", kwargs)
     for stage in (1, 2, 3):
         for (sd, flags), (rsd, _) in zip(pool.run(_hyper_round_trip, stage, kwargs), ref):
@@ -244,7 +244,7 @@ def test_uneven_inputs_under_join_end_as_ddp_does(world, buffers):
     """torch's Join([opt]) over ranks with different numbers of batches finishes (no hang) with
     DDP + Join's parameters and buffers on every rank, at stages 1 and 2; at ZeRO-3 DDP's
     parameters (a FullyShard model broadcasts its buffers once, at wrapping, as FSDP2)."""
-    pool = get_pool(world)
+    pool = launch("pool", world)
     ref = pool.run(_uneven, "ddp", buffers)[-1]       # the last rank to join trained every iteration
     for stage in (1, 2, 3):
         for rank, sd in enumerate(pool.run(_uneven, stage, buffers)):
@@ -267,7 +267,7 @@ def _join_with_two_models():
 
 
 def test_join_over_two_fully_shard_models_is_refused_by_name():
-    for msg in get_pool(2).run(_join_with_two_models):
+    for msg in launch("pool", 2).run(_join_with_two_models):
         assert msg is not None and "2 FullyShard models" in msg and "DistributedSampler" in msg, msg
 
 
@@ -297,7 +297,7 @@ def _grad_reads(stage):
 
 @WORLDS
 def test_reading_p_grad_gives_ddps_values(world):
-    pool = get_pool(world)
+    pool = launch("pool", world)
     ref = pool.run(_grad_reads, "ddp")
     for stage in (1, 2, 3):
         for ours, theirs in zip(pool.run(_grad_reads, stage), ref):
@@ -354,16 +354,16 @@ def test_an_elementwise_optimizers_checkpoint_resumes_at_another_world_size_and_
     """Saved at world 2 (stage 2 or ZeRO-3), resumed at world 3 (ZeRO-3 or stage 1): the class's
     whole state (per-element keys and scalars) and its hyperparameters come back, and the run
     ends as DDP + the same class uninterrupted."""
-    ref, _ = get_pool(2).run(_elementwise_run, case, "ddp", None, "ddp")[0]
+    ref, _ = launch("pool", 2).run(_elementwise_run, case, "ddp", None, "ddp")[0]
     for saved_at, resumed_at in ((2, 3), (3, 1)):
         path = str(tmp_path / f"ckpt{saved_at}")
-        get_pool(2).run(_elementwise_run, case, saved_at, path, "save")
-        for sd, flags in get_pool(3).run(_elementwise_run, case, resumed_at, path, "resume"):
+        launch("pool", 2).run(_elementwise_run, case, saved_at, path, "save")
+        for sd, flags in launch("pool", 3).run(_elementwise_run, case, resumed_at, path, "resume"):
             assert flags == ELEMENTWISE_CASES[case][1], flags
             err = max((sd[k] - v).abs().max().item() for k, v in ref.items())
             assert err < 1e-5, (saved_at, resumed_at, err)
     if case.startswith("adamw"):      # the fused AdamW cannot run it: refused before anything is read
-        for msg in get_pool(2).run(_fused_loads, str(tmp_path / "ckpt2")):
+        for msg in launch("pool", 2).run(_fused_loads, str(tmp_path / "ckpt2")):
             assert msg is not None and "amsgrad=True and maximize=True" in msg, msg
 
 
@@ -394,7 +394,7 @@ def _buffers_at_construction(how):
 def test_buffers_are_rank_zeros_once_the_optimizer_is_built(world):
     """As DDP's constructor: ShardedOptimizer over model.parameters() (or param groups of
     submodules' generators) and FullyShard make every rank's buffers rank 0's before any forward."""
-    pool = get_pool(world)
+    pool = launch("pool", world)
     ref = pool.run(_buffers_at_construction, "ddp")
     assert all(r["norm.running_mean"].eq(1).all() for r in ref)
     for how in ("params", "groups", "fully_shard"):
@@ -452,7 +452,7 @@ def test_add_param_group_and_unfreezing_train_as_torchs_optimizer(world):
     """A group added after construction is laid out, sharded and stepped from the next step, and
     a parameter frozen at construction trains once unfrozen (laid out by zero_grad()), at
     stages 1, 2 and 3, with the fused AdamW and with SGD: as DDP + the torch optimizer."""
-    pool = get_pool(world)
+    pool = launch("pool", world)
     for cls in (torch.optim.AdamW, torch.optim.SGD):
         ref = pool.run(_new_params, "ddp", cls)
         for stage in (1, 2, 3):
@@ -497,7 +497,7 @@ def test_add_param_group_carries_the_masters_and_state_exactly(tmp_path, stage):
     parameters are rank 0's on every rank, as DDP's constructor makes them."""
     for cls in (None, torch.optim.SGD):
         for rank, ((before, after), head) in enumerate(
-                get_pool(3).run(_carried, stage, cls, str(tmp_path / f"c{stage}{cls is None}"))):
+                launch("pool", 3).run(_carried, stage, cls, str(tmp_path / f"c{stage}{cls is None}"))):
             (mb, sb), (ma, sa) = before, after
             for name in ("body.weight", "body.bias", "tail.weight", "tail.bias"):
                 assert mb[name] == ma[name], (cls, name)

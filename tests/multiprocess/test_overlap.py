@@ -10,7 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
-from test_sharded import batches, local, make_model, param_groups, reference, rel_err, train_ours
+from support.checks import rel_err
+from support.flat_net import batches, local, make_model, param_groups, reference, train_ours
+from support.launch import launch
 
 STEPS = 4
 
@@ -74,5 +76,4 @@ def _fully_shard_refuses():
 
 def test_overlap_with_fully_shard_parameters_is_a_clear_error():
     with pytest.raises(Exception, match="overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit"):
-        from conftest import get_pool
-        get_pool(2).run(_fully_shard_refuses)
+        launch("pool", 2).run(_fully_shard_refuses)

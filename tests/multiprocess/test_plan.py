@@ -109,10 +109,10 @@ def test_tensor_parallel_formulas(capsys):
 
 
 def _reports(stage, dtype):
-    from test_fully_shard import Block, make_gpt
+    from support.gpt import GPTBlock, make_gpt
     model = make_gpt()
     if stage == 3:
-        model = zs.FullyShard(model, wrap={Block})
+        model = zs.FullyShard(model, wrap={GPTBlock})
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3)
         n = sum(q.numel for u in model.units for q in u.params)
     else:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard as zs
-from conftest import get_pool
+from support.launch import launch
 
 
 class Block(nn.Module):
@@ -88,7 +88,7 @@ def _loads(folder, dtype, stage):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_loads_exactly_into_shards_and_full_models(world, tmp_path):
-    pool = get_pool(world)
+    pool = launch("pool", world)
     for dtype, stage in ((torch.float32, 3), (torch.bfloat16, 3), (torch.float32, 2)):
         folder = tmp_path / f"{str(dtype)[6:]}-{stage}"
         folder.mkdir()
@@ -122,7 +122,7 @@ def _refusals(folder):
 
 
 def test_missing_unexpected_and_mismatched_keys_are_named(tmp_path):
-    for r in get_pool(2).run(_refusals, str(tmp_path)):
+    for r in launch("pool", 2).run(_refusals, str(tmp_path)):
         assert "missing key(s) ['blocks.1.lin.bias']" in r["strict"] and "['old.rotary']" in r["strict"], r
         assert "strict=False" in r["strict"]
         assert r["lenient"] == (["blocks.1.lin.bias"], ["old.rotary"]), r

@@ -1,7 +1,6 @@
 """zeroshard.resume: the newest complete checkpoint under a path, loaded at any
 world size and stage; torn ones skipped with a warning naming them; None to
 start fresh (see [Note: resume] in checkpoint/resume.py)."""
-import glob
 import os
 import warnings
 
@@ -9,9 +8,9 @@ import pytest
 import torch
 
 import zeroshard as zs
-from conftest import get_pool
-from test_checkpoint import build
-from test_fully_shard import max_err, reference, train
+from support.checks import max_err
+from support.gpt import build, reference, train
+from support.launch import launch
 
 
 def _resume(path, kind=3, steps=0):
@@ -42,7 +41,7 @@ def _save_steps(root, kind, at):
 def saved(tmp_path_factory):
     """Checkpoints after 2 and 4 steps of ZeRO-3 at world size 2: ``dirs/step_*`` and ``one/last``."""
     root = tmp_path_factory.mktemp("resume")
-    get_pool(2).run(_save_steps, str(root / "dirs"), 3, [2, 4])
+    launch("pool", 2).run(_save_steps, str(root / "dirs"), 3, [2, 4])
     os.makedirs(root / "one")
     os.rename(root / "dirs" / "last", root / "one" / "last")
     return root
@@ -51,19 +50,19 @@ def saved(tmp_path_factory):
 def test_fresh_start_returns_none(tmp_path):
     os.makedirs(tmp_path / "empty")
     for path in (tmp_path / "missing", tmp_path / "empty"):
-        for extra, warned, _ in get_pool(2).run(_resume, str(path)):
+        for extra, warned, _ in launch("pool", 2).run(_resume, str(path)):
             assert extra is None and warned == []
 
 
 @pytest.mark.parametrize("where", ["dirs", "one/last"])
 def test_resumes_the_newest(saved, where):
-    for extra, warned, err in get_pool(2).run(_resume, str(saved / where), 3, 2):
+    for extra, warned, err in launch("pool", 2).run(_resume, str(saved / where), 3, 2):
         assert extra == {"step": 4} and warned == [] and err <= 1e-5
 
 
 @pytest.mark.parametrize("kind", [2, 3])
 def test_resumes_at_another_world_size_and_stage(saved, kind):
-    for extra, _, err in get_pool(3).run(_resume, str(saved / "dirs"), kind, 2):
+    for extra, _, err in launch("pool", 3).run(_resume, str(saved / "dirs"), kind, 2):
         assert extra == {"step": 4} and err <= 1e-5
 
 
@@ -94,7 +93,7 @@ def test_a_torn_newest_is_skipped_with_a_warning_naming_it(saved, tmp_path, tear
     tear(newest)
     os.utime(os.path.join(newest, "manifest.json") if os.path.exists(os.path.join(newest, "manifest.json"))
              else newest)                                # still the newest
-    got = get_pool(2).run(_resume, str(root), 3, 2)
+    got = launch("pool", 2).run(_resume, str(root), 3, 2)
     for extra, _, err in got:
         assert extra == {"step": 2} and err <= 1e-5      # the one before it, loaded
     warned = got[0][1]
@@ -110,7 +109,7 @@ def test_a_half_written_save_is_skipped(saved, tmp_path):
     os.remove(root / ".step_000006.partial-0123456789ab" / "manifest.json")
     os.makedirs(root / "step_000008")
     open(root / "step_000008" / "rank0.safetensors", "wb").close()
-    got = get_pool(2).run(_resume, str(root))
+    got = launch("pool", 2).run(_resume, str(root))
     assert all(extra == {"step": 4} for extra, _, _ in got)
     warned = got[0][1]
     assert len(warned) == 2 and any(".step_000006.partial-" in w for w in warned), warned
@@ -126,5 +125,5 @@ def _into_another_model(path):
 
 def test_checkpoints_of_another_model_raise(saved):
     """Never a fresh start over checkpoints that exist but do not load."""
-    for msg in get_pool(2).run(_into_another_model, str(saved / "one" / "last")):
+    for msg in launch("pool", 2).run(_into_another_model, str(saved / "one" / "last")):
         assert msg and "another model" in msg, msg

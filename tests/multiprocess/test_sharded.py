@@ -1,9 +1,6 @@
 """ShardedOptimizer (ZeRO-1/2) against single-process torch.optim.AdamW, on gloo at world sizes 2 and 3."""
 import contextlib
 import copy
-import os
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -14,103 +11,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
-from _launch import run_text
-from _dist import Timeline, piece_of
-
-BATCH = 12          # divisible by 2 and 3: every rank gets an equal slice
-TINY_BUCKET_MB = 1000 / 2**20   # ~1000 bytes: buckets split tensors, big.weight spans several
-
-
-class Net(nn.Module):
-    """Awkward sizes: prime widths, a parameter larger than a bucket, a frozen
-    layer and a layer the forward never uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(37, 13)
-        self.fc1 = nn.Linear(13, 29)
-        self.big = nn.Linear(29, 31)
-        self.frozen = nn.Linear(31, 31)
-        self.frozen.requires_grad_(False)
-        self.unused = nn.Linear(5, 7)
-        self.head = nn.Linear(31, 3)
-
-    def forward(self, x):
-        h = self.emb(x).mean(1)
-        h = torch.tanh(self.fc1(h))
-        h = torch.tanh(self.big(h))
-        h = self.frozen(h)
-        return self.head(h)
-
-
-def make_model(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    return Net().to(dtype)
-
-
-def param_groups(model, lr=1e-2):
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
-    return [{"params": decay, "weight_decay": 0.1, "lr": lr},
-            {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
-
-
-def batches(steps, seed=1, micro=1):
-    g = torch.Generator().manual_seed(seed)
-    return [[(torch.randint(0, 37, (BATCH, 5), generator=g), torch.randint(0, 3, (BATCH,), generator=g))
-             for _ in range(micro)] for _ in range(steps)]
-
-
-def local(x, rank, world):
-    n = x.shape[0] // world
-    return x[rank * n:(rank + 1) * n]
-
-
-def reference(steps, micro=1, clip=None, dtype=torch.float32, state_after=None):
-    """Single-process torch AdamW on the whole batch; returns the model (and norms)."""
-    model = make_model(dtype=torch.float32)
-    if dtype != torch.float32:   # same (rounded) starting point as the low-precision run
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(dtype).float())
-    opt = torch.optim.AdamW(param_groups(model), foreach=False)
-    norms = []
-    for k, mbs in enumerate(batches(steps, micro=micro)):
-        opt.zero_grad()
-        for x, y in mbs:
-            (F.cross_entropy(model(x), y) / micro).backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-        opt.step()
-        if state_after is not None and k + 1 == state_after:
-            return model, opt
-    return model, norms
-
-
-def train_ours(steps, stage, micro=1, no_sync=False, clip=None, dtype=torch.float32, reduce_dtype=None,
-               bucket_mb=TINY_BUCKET_MB, model=None, opt=None, first_step=0, **hybrid):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if model is None:
-        model = make_model(dtype=dtype)
-        opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=bucket_mb,
-                                  reduce_dtype=reduce_dtype, **hybrid)
-    norms = []
-    for mbs in batches(first_step + steps, micro=micro)[first_step:]:
-        opt.zero_grad()
-        for j, (x, y) in enumerate(mbs):
-            ctx = opt.no_sync() if (no_sync and j < micro - 1) else contextlib.nullcontext()
-            with ctx:
-                (F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)) / micro).backward()
-        if clip is not None:
-            norms.append(opt.clip_grad_norm_(clip).item())
-        opt.step()
-    return model, opt, norms
-
-
-def rel_err(a, b):
-    a, b = a.detach().double().flatten(), b.detach().double().flatten()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
+from support.checks import piece_of, rel_err
+from support.flat_net import (TINY_BUCKET_MB, Net, batches, local, make_model, param_groups, reference,
+                              train_ours)
+from support.launch import launch
+from support.records import Timeline
 
 def max_param_err(model, ref):
     return max(rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))
@@ -207,7 +112,8 @@ print(repr((psi, opt.memory_report())))
 @pytest.mark.parametrize("n", [8, 64])
 def test_memory_formulas_at_large_world_with_fake_process_group(n):
     for stage in (1, 2):
-        code, out, err = run_text(_FAKE_SCRIPT, [str(n), str(stage)], timeout=120)
+        res = launch("forked", None, 1, [str(n), str(stage)], text=_FAKE_SCRIPT, timeout=120)
+        code, out, err = res.returncode, res.stdout, res.stderr
         assert code == 0, err[-3000:]
         psi, rep = eval(out.strip().splitlines()[-1])
         assert rep["params"] == 2 * psi                             # bf16, full
@@ -298,8 +204,7 @@ def _resume(model_sd, opt_sd, steps, first_step, stage):
 
 
 def test_state_dict_round_trip_across_world_sizes_and_plain_adamw():
-    from conftest import get_pool
-    p2, p3 = get_pool(2), get_pool(3)
+    p2, p3 = launch("pool", 2), launch("pool", 3)
     saved = p2.run(_save, 5, 2)
     model_sd, opt_sd = saved[0]
     assert saved[1] == (None, None)         # to=0: only rank 0 builds the dict
@@ -338,9 +243,7 @@ def test_torchrun_smoke(tmp_path):
         "assert loss.item() < first, (first, loss.item())\n"
         "import sys; sys.stdout.write(f'rank {dist.get_rank()} ok {first} {loss.item()}\\n'); sys.stdout.flush()\n"
         "dist.destroy_process_group()\n")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], capture_output=True, text=True, timeout=180, env=env)
+    out = launch("torchrun", str(script), 2, env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert sorted(line.split()[1] for line in out.stdout.splitlines() if " ok " in line) == ["0", "1"], out.stdout
 

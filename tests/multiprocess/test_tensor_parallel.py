@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import zeroshard as zs
-from conftest import Refusals, get_pool
+from support.checks import Refusals
+from support.launch import launch
 from zeroshard.plan import model_state_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
@@ -170,7 +171,7 @@ def _hybrid(tmp: str):
 
 
 def test_hybrid_sharding_on_the_dp_axis_beside_tensor_parallelism(tmp_path):
-    for errors in get_pool(4).run(_hybrid, str(tmp_path)):
+    for errors in launch("pool", 4).run(_hybrid, str(tmp_path)):
         assert max(errors) < 2e-5, errors
 
 
@@ -181,7 +182,7 @@ def test_checkpoints_resume_at_another_stage_and_tensor_parallel_degree(tmp_path
     after the first step."""
     from safetensors.torch import load_file
     for phase, world in (("save", 4), ("tp1", 2), ("tp2", 4)):
-        for errors in get_pool(world).run(_across_tp_degrees, str(tmp_path), phase):
+        for errors in launch("pool", world).run(_across_tp_degrees, str(tmp_path), phase):
             assert max(errors) < 2e-5, (phase, errors)
     zs.export_full_state_dict(tmp_path / "tp", tmp_path / "full.safetensors")
     full, want = load_file(str(tmp_path / "full.safetensors")), _reference(2, 1, None, steps=1)[0].state_dict()
@@ -194,7 +195,7 @@ def test_zero_over_dp_of_a_tensor_parallel_model_equals_one_process(stage):
     """Sequence parallelism (Partial norm gradients), a vocab-sharded embedding (37 rows over 2 tp
     ranks: 19 and 18), clipping at every step: parameters and norms as one process's; the state
     the ranks hold as the planner's --tp formulas say."""
-    results = get_pool(4).run(_train, stage, 1, 0.5, False, 25)
+    results = launch("pool", 4).run(_train, stage, 1, 0.5, False, 25)
     for out in results:
         assert out["err"] < 2e-5, out["err"]
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["norms"], out["ref_norms"])), out
@@ -208,10 +209,10 @@ def test_accumulation_loss_parallel_torch_clip_sgd_and_bf16():
     with loss parallelism (the logits split over the vocabulary); then bf16 parameters (fp32
     masters) within bf16's rounding."""
     for args in ((2, 2, 0.5, True, 2 / 1024, torch.float32, True), (3, 2, 0.5, True, 25, torch.float32, False, True)):
-        for out in get_pool(4).run(_train, *args):
+        for out in launch("pool", 4).run(_train, *args):
             assert out["err"] < 2e-5, (args, out["err"])
             assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["norms"], out["ref_norms"])), out
-    for out in get_pool(4).run(_train, 1, 1, None, False, 25, torch.bfloat16):
+    for out in launch("pool", 4).run(_train, 1, 1, None, False, 25, torch.bfloat16):
         assert out["err"] < 3e-2, out["err"]
         assert all(math.isclose(a, b, rel_tol=3e-2) for a, b in zip(out["norms"], out["ref_norms"])), out
 
@@ -256,7 +257,7 @@ def test_grad_scaler_skips_everywhere_and_what_is_not_supported_yet_is_refused(t
             "sgd_save": ("SGD's is not supported yet",),
             "fully_shard": ("share ranks", "FullyShard(model, device_mesh=mesh['dp'])"),
             "world": ("share ranks", "device_mesh=mesh['dp']"), "muon": ("whole-tensor optimizer", "tp pieces")}
-    for skipped, msgs in get_pool(4).run(_skips_and_refusals, str(tmp_path)):
+    for skipped, msgs in launch("pool", 4).run(_skips_and_refusals, str(tmp_path)):
         assert skipped
         for key, parts in want.items():
             assert all(part in msgs.get(key, "") for part in parts), (key, msgs.get(key))
@@ -278,7 +279,7 @@ def _norm_with_a_plain_parameter():
 
 
 def test_a_plain_parameter_beside_the_dtensors_is_counted_once():
-    for ours, whole in get_pool(4).run(_norm_with_a_plain_parameter):
+    for ours, whole in launch("pool", 4).run(_norm_with_a_plain_parameter):
         assert math.isclose(ours, whole, rel_tol=1e-5), (ours, whole)
 
 
@@ -303,4 +304,4 @@ def _runs_cover_the_local_pieces():
 
 
 def test_a_local_piece_maps_onto_the_global_tensor():
-    assert get_pool(3).run(_runs_cover_the_local_pieces) == [0, 0, 0]
+    assert launch("pool", 3).run(_runs_cover_the_local_pieces) == [0, 0, 0]

@@ -5,7 +5,6 @@ ShardedOptimizers equals DDP + the same two torch optimizers within DDP's own
 distance from single-process training, at stages 1, 2 and FullyShard, world
 sizes 2, 3 and 4."""
 import copy
-import math
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import zeroshard as zs
-from conftest import get_pool
+from support.launch import launch
+from support.optimizers import Muon32
 from zeroshard.optim.whole import assign_owners, plan_windows, update_cost
 
 BATCH = 24
@@ -46,34 +46,6 @@ class Net(nn.Module):
         if use_extra:
             h = h + self.extra(h)
         return self.head(self.norm(torch.tanh(self.big(h))))
-
-
-class Muon32(torch.optim.Muon):
-    """torch.optim.Muon's update with Newton-Schulz in fp32 (torch's runs in bf16): a
-    class vouched for with whole_tensor=True, and a reference whose only noise is fp32's."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for g in self.param_groups:
-            a, b, c = g["ns_coefficients"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buf.lerp_(p.grad, 1 - g["momentum"])
-                x = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf.clone()
-                tall = x.shape[0] > x.shape[1]
-                x = x.T if tall else x
-                x = x / x.norm().clamp(min=g["eps"])
-                for _ in range(g["ns_steps"]):
-                    m = x @ x.T
-                    x = a * x + (b * m + c * m @ m) @ x
-                x = x.T if tall else x
-                rows, cols = p.shape
-                ratio = 0.2 * math.sqrt(max(rows, cols)) if g["adjust_lr_fn"] == "match_rms_adamw" else \
-                    math.sqrt(max(1, rows / cols))
-                adjusted = g["lr"] * ratio
-                p.mul_(1 - g["lr"] * g["weight_decay"]).add_(x, alpha=-adjusted)
 
 
 VARIANTS = {
@@ -216,7 +188,7 @@ def test_fully_shard_relayout_with_the_other_optimizer_first_and_offload_equals_
 def test_fully_shard_relayout_with_hybrid_sharding_at_4_ranks():
     """Hybrid sharding (shard_size=2 of 4): each replica lays its units out alike, the
     momentum is held once per replica, and the result equals DDP's."""
-    results = get_pool(4).run(_compare, 3, "plain_match_rms", True, Muon32, dict(shard_size=2))
+    results = launch("pool", 4).run(_compare, 3, "plain_match_rms", True, Muon32, dict(shard_size=2))
     for rank, (err, noise, _) in enumerate(results):
         assert err < 2e-6 and noise < 2e-6, (rank, err, noise)
     _check(results, 4, replicas=2)
@@ -262,7 +234,7 @@ def test_grad_scaler_over_both_optimizers_equals_ddp(dist_pool, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_muon_at_world_size_4_with_accumulation_under_no_sync(stage):
-    pool = get_pool(4)
+    pool = launch("pool", 4)
     _check(pool.run(_compare, stage, "nesterov", True), 4)
 
 
@@ -454,7 +426,7 @@ def _lopsided_vs_ddp():
 def test_fully_shard_balances_the_owners_when_one_chunk_holds_every_matrix():
     """Equal chunks would put all four matrices in rank 0's chunk and the vector in rank
     1's; the relayout gives each rank two, and the vector (AdamW's) fills the chunks."""
-    for err, load in get_pool(2).run(_lopsided_vs_ddp):
+    for err, load in launch("pool", 2).run(_lopsided_vs_ddp):
         assert err < 2e-6, err
         assert load[0] == load[1] > 0, load
 
@@ -465,7 +437,7 @@ def test_hybrid_sharding_and_overlapped_parameter_gather_at_4_ranks(stage):
     all-reduce the reduced gradients, each group updates every matrix once); with
     overlap_param_gather the owners' updates reach the next forward through the
     overlapped all-gather."""
-    pool = get_pool(4)
+    pool = launch("pool", 4)
     _check(pool.run(_compare, stage, "nesterov", True, torch.optim.Muon,
                     dict(shard_size=2, overlap_param_gather=True)), 4, replicas=2)
 
@@ -735,8 +707,8 @@ def _ckpt_load(kind, path):
                          ids=["stage1-same", "stage3-same", "2to3ranks-stage2to3", "3to2ranks-stage3to1"])
 def test_checkpoints_of_muon_and_adamw_resume_at_any_world_size_and_stage(tmp_path, saved, loaded):
     path = str(tmp_path / "ck")
-    straight, straight_steps = get_pool(saved[1]).run(_ckpt_save, saved[0], path)[0]
-    for params, extra, steps in get_pool(loaded[1]).run(_ckpt_load, loaded[0], path):
+    straight, straight_steps = launch("pool", saved[1]).run(_ckpt_save, saved[0], path)[0]
+    for params, extra, steps in launch("pool", loaded[1]).run(_ckpt_load, loaded[0], path):
         assert extra == {"step": 3} and steps == straight_steps == [6, 6, 2, 6], (extra, steps)
         err = _diff(params, straight)
         assert err == 0.0 if saved == loaded else err < 1e-5, err
@@ -902,7 +874,7 @@ def test_at_one_rank_muon_steps_once_over_the_gradients_as_they_lie(stage):
     """At world size 1 without clipping nothing scales the gradients, so torch's Muon reads
     them where they lie (no copy) and steps every matrix in one call, as torch.optim.Muon
     does on the plain model: the same parameters to the bit, the gradients untouched."""
-    for err, muon_steps_per_step, kept in get_pool(2).run(_one_rank_muon, stage):   # two ranks, each alone
+    for err, muon_steps_per_step, kept in launch("pool", 2).run(_one_rank_muon, stage):   # two ranks, each alone
         assert err == 0.0, err
         assert muon_steps_per_step == 1.0, muon_steps_per_step
         assert kept

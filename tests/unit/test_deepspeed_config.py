@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import zeroshard
 from zeroshard.integrations.deepspeed import build, config, loss_scaler, lr_schedules
-from _ds_configs import CIFAR, MEGATRON_Z3, QANET, SEED_000, SEED_003, SEED_003_NVME
+from support.ds_configs import CIFAR, MEGATRON_Z3, QANET, SEED_000, SEED_003, SEED_003_NVME
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

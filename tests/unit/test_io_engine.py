@@ -3,26 +3,17 @@ tensors in and out at awkward offsets and lengths, several transfers in flight, 
 queues (the AIO fallback forced by argument and by ZEROSHARD_IO_BACKEND), and the
 errors: a filesystem that refuses O_DIRECT, a file truncated or deleted under a job.
 The files go under the repository (a disk): /tmp may be a tmpfs without O_DIRECT."""
-import contextlib
-import errno
 import os
 import shutil
-import subprocess
-import tempfile
 
 import pytest
 import torch
 
+from support.disk import no_direct_io_directory, on_disk
 from zeroshard.offload import disk, io_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZE = 3 * 2**20 + 1234            # not a whole number of blocks
-
-
-def on_disk() -> tempfile.TemporaryDirectory:
-    """A temporary directory on the repository's disk (its build folder)."""
-    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
-    return tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "build"))
 
 
 @pytest.fixture
@@ -100,36 +91,10 @@ def test_a_truncated_or_deleted_file_is_an_error_naming_it(workdir):
         engine.check(5000)
 
 
-@contextlib.contextmanager
-def _no_direct_io_directory(base):
-    """A directory whose filesystem refuses O_DIRECT: /dev/shm where tmpfs does (Linux before
-    6.6), else a ramfs mounted for the test (root only); None where neither is possible."""
-    probe = f"/dev/shm/zeroshard-probe-{os.getpid()}"
-    try:
-        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT))
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            yield "/dev/shm"
-            return
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-    mnt = os.path.join(base, "ramfs")
-    os.mkdir(mnt)
-    if (os.geteuid() != 0 or shutil.which("mount") is None
-            or subprocess.run(["mount", "-t", "ramfs", "ramfs", mnt], capture_output=True).returncode):
-        yield None
-        return
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", mnt], check=True)
-
-
 def test_a_filesystem_without_direct_io_is_named_with_the_fix(workdir, monkeypatch):
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda d: real(d)._replace(free=2**40))    # ramfs says 0 free
-    with _no_direct_io_directory(workdir) as d:
+    with no_direct_io_directory(workdir) as d:
         if d is None:
             pytest.skip("no filesystem here refuses O_DIRECT (tmpfs accepts it since Linux 6.6; ramfs needs root)")
         with pytest.raises(ValueError, match=rf"rank 3: offload_dir '{d}': cannot open {d}/zeroshard-rank3-\S+ for "

@@ -4,7 +4,7 @@ training. Each rank prints one JSON line (what it raised, after how long, and it
 flight record's last entries) and leaves with os._exit(0), as a script that
 catches the error and exits would.
 
-    torchrun --nproc-per-node 2 tests/_rank0_traps.py eval|opt_state_dict|save DIR
+    torchrun --nproc-per-node 2 tests/support/jobs/rank0_traps.py eval|opt_state_dict|save DIR
 """
 import json
 import os
@@ -18,25 +18,19 @@ import torch.nn as nn
 import zeroshard as zs
 import zeroshard.comm.watchdog as watchdog
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))   # tests/
+from support.models import Residual  # noqa: E402
+
 watchdog.CHECK_IN_DEFAULT = float(os.environ.get("CHECK_IN_SECONDS", "4"))   # the 60 s default, scaled down
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
 
 
 def main(scenario, out_dir):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(Block(), Block(), nn.Linear(16, 4))
+    model = nn.Sequential(Residual(16), Residual(16), nn.Linear(16, 4))
     if scenario in ("eval", "save"):
-        model = zs.FullyShard(model, wrap={Block})
+        model = zs.FullyShard(model, wrap={Residual})
     opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
     x = torch.randn(8, 16)
 

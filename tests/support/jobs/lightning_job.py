@@ -2,8 +2,8 @@
 one torchrun launch (the process group is reused); tests/integration/test_lightning.py launches it
 once per world size and compares what rank 0 saves.
 
-    torchrun --nproc-per-node W tests/_lightning_job.py OUT_DIR [RESUME_DIR]
-    torchrun --nproc-per-node 1 tests/_lightning_job.py --device OUT_DIR   # on the GPU if any
+    torchrun --nproc-per-node W tests/support/jobs/lightning_job.py OUT_DIR [RESUME_DIR]
+    torchrun --nproc-per-node 1 tests/support/jobs/lightning_job.py --device OUT_DIR   # on the GPU if any
 
 Every run trains examples/lightning_gpt.py's LitGPT for 2 epochs of 2 optimizer steps
 (global batch 6 at any world size, accumulation 2, clipping, a warmup schedule stepped
@@ -32,13 +32,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))      # (support.*, where torchrun runs this file)
 from lightning_gpt import LitGPT, windows  # noqa: E402
 from train_gpt import GPT, GPTConfig  # noqa: E402
 
 from zeroshard.integrations.lightning import ZeroShardStrategy  # noqa: E402
-from _dist import unit_gather_dtypes  # noqa: E402
+from support.records import unit_gather_dtypes  # noqa: E402
 
 GLOBAL_BATCH, EPOCHS = 6, 2
 

@@ -1,4 +1,4 @@
-"""A pool of gloo ranks reused across tests.
+"""A pool of gloo ranks reused across tests (``launch("pool", world)`` in support/launch.py).
 
 Starting a torch process costs seconds, so each world size gets one pool of
 worker processes for the whole session. ``pool.run(fn, *args)`` runs ``fn``
@@ -136,97 +136,18 @@ class DistPool:
         self._procs = []
 
 
-def piece_of(p):
-    """What this rank holds of parameter ``p``: its piece under FullyShard (``p.to_local()``),
-    else ``p`` itself (detached)."""
-    return (p.to_local() if hasattr(p, "to_local") else p).detach()
+_pools: dict = {}
 
 
-def torchrun_jobs(tmp_path_factory, name: str, job: str, timeout: float) -> dict:
-    """{world size: rank 0's results} of ``job`` launched with torchrun at world sizes 2
-    and then 3; the world-3 launch gets the world-2 directory as its second argument (to
-    resume what world 2 saved). Each writes ``results-w<world>.pt`` into its directory."""
-    out = {}
-    for world in (2, 3):
-        out[world] = torchrun_job(tmp_path_factory, f"{name}-w{world}", job, world, [] if world == 2 else
-                                  [out[2]["dir"]], f"results-w{world}.pt", timeout)
-    return out
+def get_pool(world_size: int) -> DistPool:
+    """The session's pool of ``world_size`` gloo ranks (started at its first use)."""
+    if world_size not in _pools:
+        _pools[world_size] = DistPool(world_size)
+    return _pools[world_size]
 
 
-def torchrun_job(tmp_path_factory, name: str, job: str, world: int, args: list, results: str,
-                 timeout: float) -> dict:
-    """Rank 0's results of ``job`` launched with torchrun at ``world`` ranks as ``job [--flags]
-    DIR [args]``, DIR a fresh directory where rank 0 writes the file ``results``."""
-    import subprocess
-
-    import torch
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    d = tmp_path_factory.mktemp(name)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(d))
-    flags = [a for a in args if a.startswith("--")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), job,
-           *flags, str(d), *[a for a in args if not a.startswith("--")]]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=timeout)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    out = torch.load(os.path.join(d, results), weights_only=False)
-    out["dir"] = str(d)
-    return out
-
-
-def worst(a: dict, b: dict) -> float:
-    """The largest elementwise difference between two state dicts with the same keys."""
-    assert a.keys() == b.keys() and len(a) > 0
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def close(a: list, b: list, tol: float = 1e-5) -> bool:
-    """Two equally long, non-empty lists of numbers within ``tol`` of each other."""
-    return len(a) == len(b) > 0 and max(abs(x - y) for x, y in zip(a, b)) <= tol
-
-
-class Timeline:
-    """What a test observes through its own hooks, placed among the collectives of the
-    flight record: ``mark(what, name)`` notes an observation; ``events()`` returns the
-    marks and the collectives issued since the Timeline was made, in order, as
-    (what, name) pairs: collectives as ("reduce_scatter" / "all_gather" / ..., the bucket
-    index or unit name their flight record names), marks as given. A mark made after
-    the n-th collective comes after it and before the (n + 1)-th."""
-
-    def __init__(self):
-        from zeroshard.comm import flight
-        self._flight, self._start, self._marks = flight, flight.issued(), []
-
-    def mark(self, what: str, name) -> None:
-        self._marks.append((self._flight.issued(), (what, name)))
-
-    def grad_hooks(self, named_params) -> list:
-        """Marks ("grad", name) each time autograd accumulates one of ``named_params``'
-        gradients (after the library's own hook for it, registered earlier)."""
-        return [p.register_post_accumulate_grad_hook(lambda p, n=n: self.mark("grad", n))
-                for n, p in named_params if p.requires_grad]
-
-    def events(self) -> list:
-        import re
-        recs = self._flight.flight_record()
-        first = self._flight.issued() - len(recs) + 1      # the issue number of recs[0]
-        out, marks = [], iter(self._marks)
-        mark = next(marks, None)
-        for n, rec in enumerate(recs, start=first):
-            if n <= self._start:
-                continue
-            while mark is not None and mark[0] < n:
-                out.append(mark[1])
-                mark = next(marks, None)
-            unit = re.search(r"unit '([^']*)'", rec["what"])
-            bucket = re.search(r"bucket (\d+)", rec["what"])
-            out.append((rec["kind"], unit.group(1) if unit else int(bucket.group(1)) if bucket else rec["what"]))
-        out += [m[1] for m in ([mark] if mark is not None else []) + list(marks)]
-        return out
-
-
-def unit_gather_dtypes(since: float) -> list:
-    """The dtypes of the units' all-gathers this rank issued since ``since`` (time.time()), from the flight record."""
-    import zeroshard
-    return sorted({r["dtype"] for r in zeroshard.flight_record()
-                   if r["kind"] == "all_gather" and "all-gather" in r["what"] and ", unit '" in r["what"]
-                   and r["start"] >= since})
+def close_pools() -> None:
+    """Stop every pool of the session (conftest's pytest_sessionfinish)."""
+    for p in _pools.values():
+        p.close()
+    _pools.clear()

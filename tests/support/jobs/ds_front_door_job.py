@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard
-from test_deepspeed_engine import Net, base, batch, ds_setup, params_of
+from support.ds import Net, base, batch, ds_setup, params_of
 
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 

@@ -1,8 +1,9 @@
-"""Launching a script on N CPU ranks as torchrun does, without importing torch in every rank.
+"""Launching a script on N CPU ranks as torchrun does, without importing torch in every rank
+(``launch("forked", ...)`` in support/launch.py).
 
 A rank's process spends about 7 s of CPU importing torch, torch's compiler stack (which
 constructing any torch optimizer imports) and zeroshard, several times what a documentation
-example's ranks then compute. ``launch(script, ranks, args, env)`` forks the ranks from one
+example's ranks then compute. ``run(script, ranks, args, env, cwd, timeout)`` forks the ranks from one
 server process that has imported all of it once (started at the first launch, kept for the
 session): each rank is a fork of it that sets torchrun's environment (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT on a free port, the
@@ -28,13 +29,11 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-from _dist import free_port
-
 _server: Optional[subprocess.Popen] = None
 
 
-def launch(script: str, ranks: int, args: List[str], env: Dict[str, str], cwd: str,
-           timeout: float) -> Tuple[int, str, str]:
+def run(script: str, ranks: int, args: List[str], env: Dict[str, str], cwd: str,
+        timeout: float) -> Tuple[int, str, str]:
     """(exit code, stdout, stderr) of ``script args`` on ``ranks`` ranks: the first non-zero
     rank's code (or 0); -9 where the launch ran past ``timeout`` seconds and was killed."""
     global _server
@@ -58,18 +57,6 @@ def launch(script: str, ranks: int, args: List[str], env: Dict[str, str], cwd: s
     os.unlink(out_file)
     os.unlink(err_file)
     return code, out, err
-
-
-def run_text(text: str, args: List[str], timeout: float) -> Tuple[int, str, str]:
-    """``python -c text args`` as one rank of the launcher: (exit code, stdout, stderr)."""
-    import tempfile
-    fd, path = tempfile.mkstemp(suffix=".py")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    try:
-        return launch(path, 1, args, dict(os.environ), os.getcwd(), timeout)
-    finally:
-        os.unlink(path)
 
 
 def _rank_env(job: dict, rank: int, port: int) -> Dict[str, str]:
@@ -111,6 +98,8 @@ def _kill(pids: List[int]) -> None:
 def _serve():
     """The server's loop: one launch per line of stdin; returns the job and rank in a forked rank."""
     import tempfile
+
+    from support.pool import free_port
     for line in sys.stdin:
         job = json.loads(line)
         fd_out, out_file = tempfile.mkstemp(suffix=".out")
@@ -146,6 +135,7 @@ def _run_rank(job: dict, rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/: support.*
     import torch
     import torch._dynamo  # noqa: F401  (what constructing a torch optimizer imports)
     import torch.distributed.checkpoint  # noqa: F401

@@ -4,9 +4,9 @@ Llama, resumes, TRL's SFTTrainer through the mixin) and the Accelerate example's
 runs, in one process group. Rank 0 writes results-w<world>.pt into the output
 directory; the parent compares.
 
-    torchrun --nproc-per-node 2 tests/_hf_job.py OUT [CHECKPOINT_FROM_WORLD_2]
-    torchrun --nproc-per-node 4 tests/_hf_job.py --tp OUT        # tp_size=2 over dp 2: results-tp.pt
-    torchrun --nproc-per-node 1 tests/_hf_job.py --device OUT    # on the GPU when there is one
+    torchrun --nproc-per-node 2 tests/support/jobs/hf_job.py OUT [CHECKPOINT_FROM_WORLD_2]
+    torchrun --nproc-per-node 4 tests/support/jobs/hf_job.py --tp OUT        # tp_size=2 over dp 2: results-tp.pt
+    torchrun --nproc-per-node 1 tests/support/jobs/hf_job.py --device OUT    # on the GPU when there is one
 
 ``--device``: world size 1 on the machine's accelerator (NCCL; gloo and the CPU without
 one): the Trainer's own training against zeroshard at stages 1-3, fp32 and bf16, into
@@ -25,10 +25,12 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           TrainingArguments)
 
 import zeroshard
-from _dist import unit_gather_dtypes
 from zeroshard.integrations.hf import ZeroShardTrainer, ZeroShardTrainerMixin, from_pretrained
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(ROOT, "tests"))      # (support.*, where torchrun runs this file)
+from support.records import unit_gather_dtypes  # noqa: E402
+
 VOCAB, SEQ = 101, 16
 transformers.logging.set_verbosity_error()
 

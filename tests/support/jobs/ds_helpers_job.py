@@ -14,11 +14,10 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import zeroshard
 from zeroshard.integrations import deepspeed as zsds
-from test_deepspeed_engine import Net, base, batch, ds_setup
+from support.ds import Net, base, batch, ds_setup
 
 NAMES = ["inp.weight", "inp.bias", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias",
          "out.weight", "out.bias"]
