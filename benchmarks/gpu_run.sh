@@ -15,14 +15,8 @@
 # Where one command may run at most 10 minutes, split it over calls to the same
 # warm machine (the build stays installed between them), e.g.
 #   1) build gpu    2) suite    3) adamw step124 step124z3 example
-# Measured on an H100 (2026-11-25): build 56 s, gpu 52 s, adamw 13 s, step124 (7
-# variants) 128 s, step124z3 (4) 82 s, trace 39 s; on an H200 (2026-11-26): build 57 s,
-# gpu 81 s, suite over 240 s with 8 workers (stopped there), adamw 11 s, trace 33 s,
-# example 48 s, profile of 3 variants 36 s; on an H200 (2026-11-27): build 69 s, gpu over
-# 200 s (stopped there after 33 of 58 tests), adamw with 4 launch rows 25 s, muon (9
-# variants) 226 s, profile_step.py --host of 6 variants about 40 s; later that day: gpu (59
-# tests) 140 s with 6 workers, 99 s with 12, alone 38 s, host 47 s, adamw (3 sizes, no launch
-# rows) 30 s, trace 29 s, lightning 50 s. The gpu part fits 160 s with GPU_WORKERS=12. Results go to $OUT; where only a
+# The gpu part fits 160 s with GPU_WORKERS=12. How long each part took on earlier runs:
+# benchmarks/history.md, "gpu_run.sh: time per part". Results go to $OUT; where only a
 # few files may come back, tar the folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,61 +75,61 @@ if go gpu; then
 fi
 if go alone; then
   stamp "Muon: one step timed alone under the profiler, per variant (where its wall time goes; traces gzipped)"
-  timeout "$L" $PY benchmarks/profile_step.py --alone --variants ${ALONE12:-adamw+muon,zeroshard-1+muon,zeroshard-2+muon} \
+  timeout "$L" $PY -m benchmarks profile_step --alone --variants ${ALONE12:-adamw+muon,zeroshard-1+muon,zeroshard-2+muon} \
     --out "$OUT/alone" 2>&1 | grep -v "Warn\|^ *warnings\|variant " | tee "$OUT/alone.log"
-  timeout "$L" $PY benchmarks/profile_step.py --alone --dtype float32 --variants ${ALONE3:-adamw-amp+muon,zeroshard-3+muon} \
+  timeout "$L" $PY -m benchmarks profile_step --alone --dtype float32 --variants ${ALONE3:-adamw-amp+muon,zeroshard-3+muon} \
     --out "$OUT/alone" 2>&1 | grep -v "Warn\|^ *warnings\|variant " | tee -a "$OUT/alone.log"
 fi
 if go host; then
   stamp "host time per phase, steps in a row and each alone (where a lone step's host waits for the device)"
-  timeout "$L" $PY benchmarks/profile_step.py --host --steps 8 \
+  timeout "$L" $PY -m benchmarks profile_step --host --steps 8 \
     --variants ${HOST12:-adamw,zeroshard-2,adamw+muon,zeroshard-1+muon,zeroshard-2+muon} 2>&1 | grep "host \|Error" | tee "$OUT/host.log"
-  timeout "$L" $PY benchmarks/profile_step.py --host --steps 8 --dtype float32 \
+  timeout "$L" $PY -m benchmarks profile_step --host --steps 8 --dtype float32 \
     --variants ${HOST3:-adamw-amp+muon,zeroshard-3+muon} 2>&1 | grep "host \|Error" | tee -a "$OUT/host.log"
 fi
 if go adamw; then
   stamp "adamw benchmark (calls queued as in training; other launch choices of the kernel as extra rows)"
   # ADAMW_SIZES: only those sizes; LAUNCHES=none: no launch-choice rows
-  timeout "$L" $PY benchmarks/adamw.py --devices cuda ${ADAMW_SIZES:+--sizes $ADAMW_SIZES} \
+  timeout "$L" $PY -m benchmarks adamw --devices cuda ${ADAMW_SIZES:+--sizes $ADAMW_SIZES} \
     --launches "$( [ "${LAUNCHES:-}" = none ] || echo "${LAUNCHES:-streaming:8,cached:4,streaming:4,cached:16}" )" \
     --json "$OUT/adamw.json" 2>&1 | tee "$OUT/adamw.log" | grep -v " @" | tail -40
   grep " @\|kernel launch" "$OUT/adamw.log"
   stamp "adamw at 256M, single calls (the host's launch work inside each timed call)"
-  timeout "$L" $PY benchmarks/adamw.py --devices cuda --sizes 2.68435456e8 --queue 1 \
+  timeout "$L" $PY -m benchmarks adamw --devices cuda --sizes 2.68435456e8 --queue 1 \
     --json "$OUT/adamw_single_calls.json" 2>&1 | tail -7
 fi
 GPT2="--world-size 1 --layers 12 --dim 768 --heads 12 --seq 1024 --vocab 50257 --batch 8 --no-comm"
 if go muon; then
   stamp "Muon: GPT-2 124M steps through zeroshard against torch.optim.Muon (paired, in one process); AdamW rows beside"
-  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --baseline adamw+muon \
+  timeout "$L" $PY -m benchmarks step --device cuda $GPT2 --dtype bfloat16 --rounds 1 --baseline adamw+muon \
     --variants ${MUON12:-adamw,zeroshard-2,adamw+muon,zeroshard-1+muon,zeroshard-2+muon} \
     --json "$OUT/muon124.json" 2>&1 | tee "$OUT/muon124.log" | grep -v Warn | tail -9
-  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds 1 \
+  timeout "$L" $PY -m benchmarks step --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds 1 \
     --baseline adamw-amp+muon --variants ${MUON3:-adamw-amp,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
     --json "$OUT/muon124z3.json" 2>&1 | tee "$OUT/muon124z3.log" | grep -v Warn | tail -8
 fi
 if go offload; then
   stamp "offload: GPT-2 124M stage 2 with offload cpu and nvme against none (bf16 parameters)"
-  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
+  timeout "$L" $PY -m benchmarks step --device cuda $GPT2 --dtype bfloat16 --rounds 1 --steps 3 --paired 4 \
     --variants zeroshard-2,zeroshard-2+cpu,zeroshard-2+nvme --json "$OUT/offload124.json" 2>&1 | tee "$OUT/offload124.log" | tail -7
   echo "offload part exit status ${PIPESTATUS[0]}"
 fi
 if go trace; then
   stamp "offload: do the device-to-host gradient copies overlap the backward? (stages 2 and 3, one profiled step)"
   for st in 2 3; do
-    timeout "$L" $PY benchmarks/offload_trace.py --stage $st --out "$OUT/trace$st" 2>&1 | tee "$OUT/trace$st.log" | tail -4
+    timeout "$L" $PY -m benchmarks offload_trace --stage $st --json "$OUT/trace$st/offload_trace.json" 2>&1 | tee "$OUT/trace$st.log" | tail -4
   done
 fi
 if go lightning; then
   stamp "lightning: ZeroShardStrategy against DDPStrategy, FSDPStrategy and DeepSpeedStrategy on one GPU"
-  timeout "$L" $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/lightning_front_door.py --steps 8 --rounds 3 \
-    --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/lightning.log" | tail -12
+  timeout "$L" $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m benchmarks lightning_front_door --steps 8 \
+    --rounds 3 --json "$OUT/lightning_front_door.json" 2>&1 | grep -v Warn | tee "$OUT/lightning.log" | tail -12
 fi
 if go profile; then
   stamp "profile: phase times, host-device syncs (with their Python stacks) and top operators"
-  timeout "$L" $PY benchmarks/profile_step.py --stack --variants ${PROFILE12:-adamw,zeroshard-2,adamw+muon,zeroshard-2+muon} \
+  timeout "$L" $PY -m benchmarks profile_step --stack --variants ${PROFILE12:-adamw,zeroshard-2,adamw+muon,zeroshard-2+muon} \
     --out "$OUT/prof" 2>&1 | grep -v Warn
-  [ -n "${PROFILE3-x}" ] && timeout "$L" $PY benchmarks/profile_step.py --stack --dtype float32 \
+  [ -n "${PROFILE3-x}" ] && timeout "$L" $PY -m benchmarks profile_step --stack --dtype float32 \
     --variants ${PROFILE3:-adamw-amp,zeroshard-3,zeroshard-3+muon} --out "$OUT/prof" 2>&1 | grep -v Warn
 fi
 if go suite "${SUITE_LIMIT:-540}"; then
@@ -152,13 +146,13 @@ if go suite "${SUITE_LIMIT:-540}"; then
 fi
 if go step124; then
   stamp "step GPT-2 124M, bf16 parameters (stages 1/2) against plain bf16 and autocast training; Muon; offload to host"
-  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype bfloat16 --rounds ${ROUNDS:-1} \
+  timeout "$L" $PY -m benchmarks step --device cuda $GPT2 --dtype bfloat16 --rounds ${ROUNDS:-1} \
     --variants ${STEP124:-adamw,adamw-amp,fsdp2,zeroshard-1,zeroshard-2,zeroshard-2+cpu,adamw+muon,zeroshard-1+muon,zeroshard-2+muon} \
     --json "$OUT/step124.json" 2>&1 | tee "$OUT/step124.log" | tail -12
 fi
 if go step124z3; then
   stamp "step GPT-2 124M, fp32 shards + bf16 compute (ZeRO-3) against autocast training"
-  timeout "$L" $PY benchmarks/step.py --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds ${ROUNDS:-1} \
+  timeout "$L" $PY -m benchmarks step --device cuda $GPT2 --dtype float32 --param-dtype bfloat16 --rounds ${ROUNDS:-1} \
     --variants ${STEP124Z3:-adamw-amp,fsdp2-3,zeroshard-3,adamw-amp+muon,zeroshard-3+muon} \
     --json "$OUT/step124z3.json" 2>&1 | tee "$OUT/step124z3.log" | tail -9
 fi

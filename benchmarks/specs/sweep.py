@@ -34,6 +34,7 @@ import torch
 
 from benchmarks import peers
 from benchmarks.gpt import GPT, GPTConfig
+from benchmarks.report import sweep_memory_table, sweep_table
 from benchmarks.harness import git_commit, machine_info, opt, paired_ratio, spawn
 from benchmarks.specs.step import options
 from benchmarks.training import paired_worker, worker
@@ -54,7 +55,7 @@ def run(args):
     if args.plot_only:
         with open(args.json) as f:
             data = json.load(f)
-        print(table(data))
+        print(sweep_table(data))
         plot(data, os.path.dirname(args.json))
         return None
     if args.memory:
@@ -91,7 +92,7 @@ def timing(args) -> dict:
                runs=[run_info])
     if (args.variants or args.sizes) and os.path.exists(args.json):
         out = _merged(args.json, out)
-    print(table(out))
+    print(sweep_table(out))
     plot(out, os.path.dirname(args.json))
     return out
 
@@ -124,23 +125,8 @@ def memory(args) -> dict:
         with open(args.json) as f:
             redone = {(r["variant"], r["size"], r["world"]) for r in rows}
             out["rows"] = [r for r in json.load(f)["rows"] if (r["variant"], r["size"], r["world"]) not in redone] + rows
-    print(memory_table(out))
+    print(sweep_memory_table(out))
     return out
-
-
-def memory_table(d: dict) -> str:
-    cols = [(s, w) for s in SIZES for w in WORLDS]
-    mb = {(r["variant"], r["size"], r["world"]): r["tensor_mb"] for r in d["rows"]}
-    lines = [f"exact tensor peak, MB on rank 0 over the built model (batch {d['batch']} x seq {d['seq']}, "
-             f"gathered parameters {d['param_dtype']}); in brackets: over the least of the row's column", "",
-             "| variant | " + " | ".join(f"{s} w{w}" for s, w in cols) + " |", "|---|" + "---:|" * len(cols)]
-    for v in dict.fromkeys(r["variant"] for r in d["rows"]):
-        cells = []
-        for s, w in cols:
-            least = min((x for (_, s2, w2), x in mb.items() if (s2, w2) == (s, w)), default=None)
-            cells.append(f"{mb[v, s, w]:.1f} ({mb[v, s, w] / least:.2f})" if (v, s, w) in mb and least else "—")
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _merged(path: str, new: dict) -> dict:
@@ -161,23 +147,6 @@ def _params(layers: int, dim: int, args) -> int:
     with torch.device("meta"):
         model = GPT(GPTConfig(layers=layers, dim=dim, heads=4, seq=args.seq, vocab=args.vocab))
     return sum(p.numel() for p in model.parameters())
-
-
-def table(d: dict) -> str:
-    """A markdown table: one row per variant, one column per (size, world size)."""
-    cols = [(s, w) for s in SIZES for w in WORLDS]
-    ratio = {(p["variant"], p["size"], p["world"]): p["ratio"] for p in d["points"]}
-    variants = sorted(dict.fromkeys(p["variant"] for p in d["points"]),
-                      key=lambda v: VARIANTS.index(v) if v in VARIANTS else len(VARIANTS))
-    over = ", ".join(f"world {w}: {w / max(1, d['cores']) if w > d['cores'] else 1:.1f}x" for w in WORLDS)
-    lines = [f"step time / DDP's, paired (batch {d['batch']} x seq {d['seq']} per rank; {d['cores']} cores, "
-             f"ranks per core {over})", "",
-             "| variant | " + " | ".join(f"{s} w{w}" for s, w in cols) + " |",
-             "|---|" + "---:|" * len(cols)]
-    for v in variants:
-        cells = [f"{ratio[v, s, w]:.2f}x" if (v, s, w) in ratio else "—" for s, w in cols]
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def plot(d: dict, folder: str) -> None:

@@ -1,4 +1,4 @@
-"""The chaos run's short version (benchmarks/chaos.py): the example GPT under real
+"""The chaos run's short version (benchmarks/specs/chaos.py): the example GPT under real
 `torch.distributed.run --max-restarts 2` launches with ranks SIGKILLed. Five kills (in the
 middle of a background save, of resume's load, of a blocking save, in backward, and by the
 driver at a wall-clock time) with the world size going 2 -> 3 once the first launch has used
