@@ -42,10 +42,14 @@ struct Packing {
   Packing(const std::vector<int64_t>& members, const std::vector<TensorSpec>& specs, int64_t align,
           int64_t world)
       : size(members.size()), order(members.size()) {
-    for (size_t k = 0; k < members.size(); ++k) total += size[k] = round_up(specs[members[k]].numel, align);
+    for (size_t k = 0; k < members.size(); ++k) {
+      size[k] = round_up(specs[members[k]].numel, align);
+      total += size[k];
+    }
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-      return size[x] != size[y] ? size[x] > size[y] : specs[members[x]].cost > specs[members[y]].cost;
+      if (size[x] != size[y]) return size[x] > size[y];
+      return specs[members[x]].cost > specs[members[y]].cost;
     });
     target = std::max(round_up((total + world - 1) / world, align), size[order.front()]);
   }
@@ -69,10 +73,10 @@ Bins pack_bins(const std::vector<int64_t>& members, const std::vector<TensorSpec
   std::vector<int64_t> fill(world, 0), cost(world, 0);
   for (int64_t k : pk.order) {
     int64_t b = -1;
-    for (int64_t q = 0; q < world; ++q)
-      if (fill[q] + pk.size[k] <= pk.target &&
-          (b < 0 || (fit == Fit::kLeastLoaded && load[q] + cost[q] < load[b] + cost[b])))
-        b = q;
+    for (int64_t q = 0; q < world; ++q) {
+      if (fill[q] + pk.size[k] > pk.target) continue;  // past the even share
+      if (b < 0 || (fit == Fit::kLeastLoaded && load[q] + cost[q] < load[b] + cost[b])) b = q;
+    }
     if (b < 0) b = std::min_element(fill.begin(), fill.end()) - fill.begin();
     bins.rank_of[k] = b;
     bins.at[k] = fill[b];
@@ -83,8 +87,10 @@ Bins pack_bins(const std::vector<int64_t>& members, const std::vector<TensorSpec
   std::iota(rank_of_bin.begin(), rank_of_bin.end(), 0);
   if (fit == Fit::kFirst) {
     std::vector<int64_t> by_cost(rank_of_bin), by_load(rank_of_bin);
-    std::stable_sort(by_cost.begin(), by_cost.end(), [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
-    std::stable_sort(by_load.begin(), by_load.end(), [&](int64_t x, int64_t y) { return load[x] < load[y]; });
+    std::stable_sort(by_cost.begin(), by_cost.end(),
+                     [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
+    std::stable_sort(by_load.begin(), by_load.end(),
+                     [&](int64_t x, int64_t y) { return load[x] < load[y]; });
     for (int64_t j = 0; j < world; ++j) rank_of_bin[by_cost[j]] = by_load[j];
   }
   for (int64_t b = 0; b < world; ++b) load[rank_of_bin[b]] += cost[b];
@@ -108,104 +114,256 @@ Bins pack_best(const std::vector<int64_t>& members, const std::vector<TensorSpec
   return greedy;
 }
 
-// Cuts `tensors` (their aligned sizes `sizes`), in order, into about `count`
-// runs of about equal size, none over `limit` elements unless one tensor is.
-std::vector<std::vector<int64_t>> cut(const std::vector<int64_t>& tensors,
-                                      const std::vector<int64_t>& sizes, int64_t count,
-                                      int64_t limit) {
-  int64_t total = 0;
-  for (int64_t n : sizes) total += n;
-  const int64_t even = (total + count - 1) / count;
+// A buffer's whole tensors that hold elements, in input order, with their
+// aligned sizes.
+struct Members {
+  std::vector<int64_t> tensors, sizes;
+  int64_t total = 0;    // the sum of the sizes
+  int64_t largest = 0;  // the largest size
+};
+
+// Cuts the members, in order, into about `count` runs of about equal size, none
+// over `limit` elements unless one tensor is.
+std::vector<std::vector<int64_t>> cut(const Members& m, int64_t count, int64_t limit) {
+  const int64_t even = (m.total + count - 1) / count;
   std::vector<std::vector<int64_t>> runs;
   int64_t acc = 0;
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    if (runs.empty() || (acc > 0 && (acc + sizes[k] > limit || acc + sizes[k] / 2 > even))) {
+  for (size_t k = 0; k < m.tensors.size(); ++k) {
+    const int64_t size = m.sizes[k];
+    if (runs.empty() || (acc > 0 && (acc + size > limit || acc + size / 2 > even))) {
       runs.emplace_back();
       acc = 0;
     }
-    runs.back().push_back(tensors[k]);
-    acc += sizes[k];
+    runs.back().push_back(m.tensors[k]);
+    acc += size;
   }
   return runs;
 }
 
-// Lays out the whole tensors of buffer `ob` ([Note: owner-aligned layout]).
-void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>& specs,
-                 std::vector<int64_t>& load) {
-  const int64_t world = L.world_size;
-  std::vector<int64_t> nonempty, sizes;
-  int64_t total = 0, largest = 0;
+// One cut of the members into buckets: its runs (a bucket each), their packings,
+// the padding these leave and every rank's load after them.
+struct Cut {
+  std::vector<std::vector<int64_t>> runs;
+  std::vector<Bins> bins;
+  std::vector<int64_t> load;
+  int64_t padding = 0;
+};
+
+// Cuts the members into about `count` runs and packs each, starting from the
+// ranks' loads `load`.
+Cut cut_and_pack(const Members& m, int64_t count, int64_t limit,
+                 const std::vector<TensorSpec>& specs, int64_t align,
+                 const std::vector<int64_t>& load) {
+  Cut c{cut(m, count, limit), {}, load, 0};
+  for (const auto& run : c.runs) {
+    c.bins.push_back(pack_best(run, specs, align, c.load));
+    c.padding += c.bins.back().padding;
+  }
+  return c;
+}
+
+// The cuts tried: from the fewest buckets the limit allows to a few more than the
+// cap alone asks for; the one with the least padding wins, then the one nearest
+// the cap's number. With no members, no bucket and the loads as they were.
+Cut best_cut(const Members& m, const OpenBuffer& ob, const std::vector<TensorSpec>& specs,
+             const std::vector<int64_t>& load) {
+  Cut best{{}, {}, load, 0};
+  if (m.tensors.empty()) return best;
+  const int64_t world = static_cast<int64_t>(load.size());
+  const int64_t limit = ob.cap + world * m.largest;
+  const int64_t room = world * std::max(ob.cap / world, m.largest);
+  const int64_t fewest = (m.total + limit - 1) / limit;
+  const int64_t wanted = (m.total + room - 1) / room;
+  const int64_t most = std::min<int64_t>(m.tensors.size(), 2 * wanted + 2);
+  int64_t best_off = 0;
+  for (int64_t count = fewest; count <= most; ++count) {
+    Cut c = cut_and_pack(m, count, limit, specs, ob.align_elems, load);
+    const int64_t off = std::abs(static_cast<int64_t>(c.runs.size()) - wanted);
+    const bool better = c.padding < best.padding || (c.padding == best.padding && off < best_off);
+    if (count == fewest || better) {
+      best = std::move(c);
+      best_off = off;
+    }
+  }
+  return best;
+}
+
+// Enters each whole tensor of buffer `ob` in it and returns those that hold
+// elements.
+Members enter_members(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>& specs) {
+  Members m;
   for (int64_t i : ob.members) {
     TensorPlace& place = L.tensors[i];
     place.buffer = ob.index;
     place.numel = specs[i].numel;
     if (specs[i].numel == 0) continue;
-    nonempty.push_back(i);
-    sizes.push_back(round_up(specs[i].numel, ob.align_elems));
-    total += sizes.back();
-    largest = std::max(largest, sizes.back());
+    m.tensors.push_back(i);
+    m.sizes.push_back(round_up(specs[i].numel, ob.align_elems));
+    m.total += m.sizes.back();
+    m.largest = std::max(m.largest, m.sizes.back());
   }
-  // the cuts tried: from the fewest buckets the limit allows to a few more than the
-  // cap alone asks for; the one with the least padding wins (then the nearest to the cap's)
-  // and is kept with its packings and the loads they leave
-  std::vector<std::vector<int64_t>> best;
-  std::vector<Bins> best_bins;
-  std::vector<int64_t> best_load(load);
-  if (!nonempty.empty()) {
-    const int64_t limit = ob.cap + world * largest;
-    const int64_t room = world * std::max(ob.cap / world, largest);
-    const int64_t fewest = (total + limit - 1) / limit, wanted = (total + room - 1) / room;
-    int64_t best_pad = -1, best_off = 0;
-    for (int64_t count = fewest; count <= std::min<int64_t>(nonempty.size(), 2 * wanted + 2); ++count) {
-      auto runs = cut(nonempty, sizes, count, limit);
-      std::vector<int64_t> trial(load);
-      std::vector<Bins> packed;
-      int64_t pad = 0;
-      for (const auto& run : runs) {
-        packed.push_back(pack_best(run, specs, ob.align_elems, trial));
-        pad += packed.back().padding;
-      }
-      const int64_t off = std::abs(static_cast<int64_t>(runs.size()) - wanted);
-      if (best_pad < 0 || pad < best_pad || (pad == best_pad && off < best_off)) {
-        best_pad = pad;
-        best_off = off;
-        best = std::move(runs);
-        best_bins = std::move(packed);
-        best_load = std::move(trial);
-      }
-    }
+  return m;
+}
+
+// Opens a bucket at element `pos` of buffer `ob` for the whole tensors `run`,
+// each where `bins` packed it (rank r's bin is the bucket's r-th shard), and
+// returns the bucket's numel. Its fragments are listed by offset.
+int64_t place_run(Layout& L, const OpenBuffer& ob, int64_t pos, const std::vector<int64_t>& run,
+                  const Bins& bins, const std::vector<TensorSpec>& specs) {
+  const int64_t bi = static_cast<int64_t>(L.buckets.size());
+  L.buckets.push_back(Bucket{ob.index, pos, bins.shard * L.world_size, bins.shard, 0, {}});
+  L.buffers[ob.index].buckets.push_back(bi);
+  Bucket& b = L.buckets[bi];
+  for (size_t k = 0; k < run.size(); ++k) {
+    const int64_t i = run[k];
+    const int64_t f = static_cast<int64_t>(L.fragments.size());
+    const int64_t at = bins.rank_of[k] * bins.shard + bins.at[k];
+    L.fragments.push_back(Fragment{i, bi, 0, at, specs[i].numel});
+    b.fragments.push_back(f);
+    b.data_numel += specs[i].numel;
+    TensorPlace& place = L.tensors[i];
+    place.offset = pos + at;
+    place.fragments.push_back(f);
+    place.owner = bins.rank_of[k];
   }
-  load = best_load;
+  std::sort(b.fragments.begin(), b.fragments.end(), [&](int64_t x, int64_t y) {
+    return L.fragments[x].bucket_offset < L.fragments[y].bucket_offset;
+  });
+  return b.numel;
+}
+
+// Lays out the whole tensors of buffer `ob` ([Note: owner-aligned layout]): the
+// best cut's runs a bucket each, then the empty tensors at the buffer's end, on
+// the least loaded rank.
+void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>& specs,
+                 std::vector<int64_t>& load) {
+  const Cut best = best_cut(enter_members(L, ob, specs), ob, specs, load);
+  load = best.load;
   int64_t pos = 0;
-  for (size_t r = 0; r < best.size(); ++r) {
-    const std::vector<int64_t>& run = best[r];
-    const Bins& bins = best_bins[r];
-    const int64_t bi = static_cast<int64_t>(L.buckets.size());
-    L.buckets.push_back(Bucket{ob.index, pos, bins.shard * world, bins.shard, 0, {}});
-    L.buffers[ob.index].buckets.push_back(bi);
-    Bucket& b = L.buckets[bi];
-    for (size_t k = 0; k < run.size(); ++k) {
-      const int64_t i = run[k], f = static_cast<int64_t>(L.fragments.size());
-      L.fragments.push_back(Fragment{i, bi, 0, bins.rank_of[k] * bins.shard + bins.at[k], specs[i].numel});
-      b.fragments.push_back(f);
-      b.data_numel += specs[i].numel;
-      TensorPlace& place = L.tensors[i];
-      place.offset = pos + L.fragments[f].bucket_offset;
-      place.fragments.push_back(f);
-      place.owner = bins.rank_of[k];
-    }
-    std::sort(b.fragments.begin(), b.fragments.end(), [&](int64_t x, int64_t y) {
-      return L.fragments[x].bucket_offset < L.fragments[y].bucket_offset;
-    });
-    pos += b.numel;
-  }
+  for (size_t r = 0; r < best.runs.size(); ++r)
+    pos += place_run(L, ob, pos, best.runs[r], best.bins[r], specs);
   L.buffers[ob.index].numel = pos;
-  for (int64_t i : ob.members)  // empty tensors: no fragment, the least loaded rank
-    if (specs[i].numel == 0) {
-      TensorPlace& place = L.tensors[i];
-      place.offset = pos;
-      place.owner = std::min_element(load.begin(), load.end()) - load.begin();
-    }
+  for (int64_t i : ob.members) {
+    if (specs[i].numel != 0) continue;
+    TensorPlace& place = L.tensors[i];
+    place.offset = pos;
+    place.owner = std::min_element(load.begin(), load.end()) - load.begin();
+  }
+}
+
+// The end of the open bucket's capacity (an element of its buffer).
+int64_t bucket_end(const Layout& L, const OpenBuffer& ob) {
+  return L.buckets[ob.bucket].offset + ob.cap;
+}
+
+// Opens a bucket of split tensors at the buffer's next free element.
+void open_bucket(Layout& L, OpenBuffer& ob) {
+  ob.bucket = static_cast<int64_t>(L.buckets.size());
+  L.buckets.push_back(Bucket{ob.index, ob.pos, 0, 0, 0, {}});
+  L.buffers[ob.index].buckets.push_back(ob.bucket);
+}
+
+// Validate: the arguments every tensor shares.
+void check_arguments(int64_t bucket_cap_bytes, int64_t world_size, int64_t align_bytes) {
+  if (world_size < 1)
+    fail("world_size must be >= 1, got " + std::to_string(world_size));
+  if (bucket_cap_bytes < 1)
+    fail("bucket_cap_bytes must be >= 1, got " + std::to_string(bucket_cap_bytes));
+  if (align_bytes < 1 || (align_bytes & (align_bytes - 1)) != 0)
+    fail("align_bytes must be a power of two, got " + std::to_string(align_bytes));
+}
+
+// Validate: one tensor on its own (`who` names it).
+void check_tensor(const TensorSpec& t, const std::string& who, int64_t align_bytes) {
+  if (t.numel < 0)
+    fail(who + " has negative numel " + std::to_string(t.numel));
+  if (!(t.itemsize == 1 || t.itemsize == 2 || t.itemsize == 4 || t.itemsize == 8))
+    fail(who + " has itemsize " + std::to_string(t.itemsize) +
+         "; supported itemsizes are 1, 2, 4 and 8 bytes");
+  if (t.itemsize > align_bytes)
+    fail(who + " has itemsize " + std::to_string(t.itemsize) +
+         " larger than align_bytes " + std::to_string(align_bytes));
+}
+
+// Open: the buffer of `t`'s key (`open`: key -> cursor), opened on the key's
+// first tensor. A tensor must be like those its key already holds: of their
+// itemsize, and whole if they are.
+OpenBuffer& open_buffer(Layout& L, std::map<int64_t, OpenBuffer>& open, const TensorSpec& t,
+                        const std::string& who) {
+  const bool whole = t.cost >= 0;
+  auto it = open.find(t.key);
+  if (it == open.end()) {
+    OpenBuffer ob;
+    ob.index = static_cast<int64_t>(L.buffers.size());
+    ob.align_elems = L.align_bytes / t.itemsize;
+    ob.unit = L.world_size * ob.align_elems;
+    ob.cap = std::max<int64_t>(ob.unit, L.bucket_cap_bytes / t.itemsize / ob.unit * ob.unit);
+    ob.whole = whole;
+    L.buffers.push_back(Buffer{t.key, t.itemsize, 0, {}, {}});
+    return open.emplace(t.key, ob).first->second;
+  }
+  OpenBuffer& ob = it->second;
+  const int64_t held = L.buffers[ob.index].itemsize;
+  if (held != t.itemsize)
+    fail(who + " has itemsize " + std::to_string(t.itemsize) + " but key " + std::to_string(t.key) +
+         " already holds tensors of itemsize " + std::to_string(held) +
+         "; give tensors of different dtypes different keys");
+  if (ob.whole != whole)
+    fail(who + (whole ? " is whole" : " is not whole") + " but key " + std::to_string(t.key) +
+         " already holds tensors that " + (whole ? "are not" : "are") +
+         "; give whole tensors their own key");
+  return ob;
+}
+
+// Place: tensor `i` of a buffer of split tensors at the buffer's next aligned
+// element, cut into fragments where it passes a bucket's end.
+void place_split(Layout& L, OpenBuffer& ob, const TensorSpec& t, int64_t i) {
+  ob.pos = round_up(ob.pos, ob.align_elems);
+  TensorPlace& place = L.tensors[i];
+  place.buffer = ob.index;
+  place.numel = t.numel;
+  if (t.numel > 0 && (ob.bucket < 0 || ob.pos >= bucket_end(L, ob))) open_bucket(L, ob);
+  place.offset = ob.pos;
+  for (int64_t done = 0; done < t.numel;) {
+    if (ob.pos >= bucket_end(L, ob)) open_bucket(L, ob);
+    Bucket& b = L.buckets[ob.bucket];
+    const int64_t take = std::min(t.numel - done, bucket_end(L, ob) - ob.pos);
+    const int64_t f = static_cast<int64_t>(L.fragments.size());
+    L.fragments.push_back(Fragment{i, ob.bucket, done, ob.pos - b.offset, take});
+    b.fragments.push_back(f);
+    b.data_numel += take;
+    place.fragments.push_back(f);
+    ob.pos += take;
+    done += take;
+  }
+}
+
+// Close: a buffer of split tensors has its full buckets exactly `cap` and its
+// last padded up to a multiple of the unit.
+void close_buckets(Layout& L, const OpenBuffer& ob) {
+  Buffer& buf = L.buffers[ob.index];
+  for (int64_t bi : buf.buckets) {
+    Bucket& b = L.buckets[bi];
+    const bool last = bi == buf.buckets.back();
+    b.numel = last ? round_up(ob.pos - b.offset, ob.unit) : ob.cap;
+    b.shard_numel = b.numel / L.world_size;
+    buf.numel += b.numel;
+  }
+}
+
+// Close: every buffer, in the order they were opened; those of whole tensors are
+// laid out now that all their tensors are known, with the ranks' loads carried
+// from one to the next.
+void close_buffers(Layout& L, const std::map<int64_t, OpenBuffer>& open,
+                   const std::vector<TensorSpec>& specs) {
+  std::vector<int64_t> load(L.world_size, 0);  // whole tensors' cost per rank, over every buffer
+  for (size_t b = 0; b < L.buffers.size(); ++b) {
+    const OpenBuffer& ob = open.at(L.buffers[b].key);
+    if (ob.whole)
+      place_whole(L, ob, specs, load);
+    else
+      close_buckets(L, ob);
+  }
 }
 
 }  // namespace
@@ -213,110 +371,26 @@ void place_whole(Layout& L, const OpenBuffer& ob, const std::vector<TensorSpec>&
 Layout compute_layout(const std::vector<TensorSpec>& tensors,
                       int64_t bucket_cap_bytes, int64_t world_size,
                       int64_t align_bytes) {
-  if (world_size < 1)
-    fail("world_size must be >= 1, got " + std::to_string(world_size));
-  if (bucket_cap_bytes < 1)
-    fail("bucket_cap_bytes must be >= 1, got " +
-         std::to_string(bucket_cap_bytes));
-  if (align_bytes < 1 || (align_bytes & (align_bytes - 1)) != 0)
-    fail("align_bytes must be a power of two, got " +
-         std::to_string(align_bytes));
-
+  check_arguments(bucket_cap_bytes, world_size, align_bytes);
   Layout L;
   L.world_size = world_size;
   L.align_bytes = align_bytes;
   L.bucket_cap_bytes = bucket_cap_bytes;
   L.tensors.resize(tensors.size());
   std::map<int64_t, OpenBuffer> open;  // key -> cursor
-  std::vector<int64_t> whole_keys;     // in order of first use
-
-  auto open_bucket = [&](OpenBuffer& ob) {
-    Bucket b{ob.index, ob.pos, 0, 0, 0, {}};
-    ob.bucket = static_cast<int64_t>(L.buckets.size());
-    L.buckets.push_back(b);
-    L.buffers[ob.index].buckets.push_back(ob.bucket);
-  };
-  auto bucket_end = [&](const OpenBuffer& ob) {
-    return L.buckets[ob.bucket].offset + ob.cap;
-  };
-
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const TensorSpec& t = tensors[i];
-    const std::string who = "tensor " + std::to_string(i);
-    if (t.numel < 0) fail(who + " has negative numel " + std::to_string(t.numel));
-    if (!(t.itemsize == 1 || t.itemsize == 2 || t.itemsize == 4 || t.itemsize == 8))
-      fail(who + " has itemsize " + std::to_string(t.itemsize) +
-           "; supported itemsizes are 1, 2, 4 and 8 bytes");
-    if (t.itemsize > align_bytes)
-      fail(who + " has itemsize " + std::to_string(t.itemsize) +
-           " larger than align_bytes " + std::to_string(align_bytes));
-
-    auto it = open.find(t.key);
-    if (it == open.end()) {
-      OpenBuffer ob;
-      ob.index = static_cast<int64_t>(L.buffers.size());
-      ob.align_elems = align_bytes / t.itemsize;
-      ob.unit = world_size * ob.align_elems;
-      ob.cap = std::max<int64_t>(ob.unit, bucket_cap_bytes / t.itemsize / ob.unit * ob.unit);
-      ob.whole = t.cost >= 0;
-      if (ob.whole) whole_keys.push_back(t.key);
-      L.buffers.push_back(Buffer{t.key, t.itemsize, 0, {}, {}});
-      it = open.emplace(t.key, ob).first;
-    } else if (L.buffers[it->second.index].itemsize != t.itemsize) {
-      fail(who + " has itemsize " + std::to_string(t.itemsize) + " but key " +
-           std::to_string(t.key) + " already holds tensors of itemsize " +
-           std::to_string(L.buffers[it->second.index].itemsize) +
-           "; give tensors of different dtypes different keys");
-    }
-    OpenBuffer& ob = it->second;
-    if (ob.whole != (t.cost >= 0))
-      fail(who + (t.cost >= 0 ? " is whole" : " is not whole") + " but key " + std::to_string(t.key) +
-           " already holds tensors that " + (t.cost >= 0 ? "are not" : "are") +
-           "; give whole tensors their own key");
-    L.buffers[ob.index].tensors.push_back(static_cast<int64_t>(i));
-    if (ob.whole) {
-      ob.members.push_back(static_cast<int64_t>(i));
-      continue;
-    }
-
-    ob.pos = round_up(ob.pos, ob.align_elems);
-    TensorPlace& place = L.tensors[i];
-    place.buffer = ob.index;
-    place.numel = t.numel;
-    if (t.numel > 0 && (ob.bucket < 0 || ob.pos >= bucket_end(ob))) open_bucket(ob);
-    place.offset = ob.pos;
-
-    int64_t done = 0;
-    while (done < t.numel) {
-      if (ob.pos >= bucket_end(ob)) open_bucket(ob);
-      Bucket& b = L.buckets[ob.bucket];
-      const int64_t take = std::min(t.numel - done, bucket_end(ob) - ob.pos);
-      const int64_t f = static_cast<int64_t>(L.fragments.size());
-      L.fragments.push_back(Fragment{static_cast<int64_t>(i), ob.bucket, done,
-                                     ob.pos - b.offset, take});
-      b.fragments.push_back(f);
-      b.data_numel += take;
-      place.fragments.push_back(f);
-      ob.pos += take;
-      done += take;
-    }
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const TensorSpec& t = tensors[k];
+    const int64_t i = static_cast<int64_t>(k);
+    const std::string who = "tensor " + std::to_string(k);
+    check_tensor(t, who, align_bytes);
+    OpenBuffer& ob = open_buffer(L, open, t, who);
+    L.buffers[ob.index].tensors.push_back(i);
+    if (ob.whole)
+      ob.members.push_back(i);  // placed when the buffer closes
+    else
+      place_split(L, ob, t, i);
   }
-
-  // Close buckets: full ones are exactly `cap`; a buffer's last one is padded
-  // up to a multiple of the unit.
-  std::vector<int64_t> load(world_size, 0);  // whole tensors' cost per rank, over every buffer
-  for (int64_t key : whole_keys) place_whole(L, open.at(key), tensors, load);
-  for (auto& [key, ob] : open) {
-    if (ob.whole) continue;
-    Buffer& buf = L.buffers[ob.index];
-    for (int64_t bi : buf.buckets) {
-      Bucket& b = L.buckets[bi];
-      const bool last = bi == buf.buckets.back();
-      b.numel = last ? round_up(ob.pos - b.offset, ob.unit) : ob.cap;
-      b.shard_numel = b.numel / world_size;
-      buf.numel += b.numel;
-    }
-  }
+  close_buffers(L, open, tensors);
   return L;
 }
 

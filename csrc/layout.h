@@ -42,8 +42,9 @@
 // * A bucket's shard_numel is its fullest bin (aligned), so a bucket may
 //   exceed the cap by about one tensor per bin; its padding is the bins'
 //   unused tails. (ShardedOptimizer gives whole tensors of at most the cap
-//   only, so its buckets stay within (world_size + 1) x the cap.) A bucket's fragments are listed by offset. Whole buckets
-//   are numbered after the others.
+//   only, so its buckets stay within (world_size + 1) x the cap.) A bucket's
+//   fragments are listed by offset. Whole buckets are numbered after the
+//   others.
 #pragma once
 
 #include <cstdint>
