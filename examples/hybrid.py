@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/hybrid.py
 
-With ``shard_size=2`` on 4 ranks, ranks {0, 1} and {2, 3} are two shard
+With ``zeroshard.Sharding(shard_size=2)`` on 4 ranks, ranks {0, 1} and {2, 3} are two shard
 groups (torchrun numbers ranks node by node, so shard_size = GPUs per node
 makes a shard group a node). Each group holds one sharded copy of the state;
 gradients are reduce-scattered inside the group, and each rank's shard is
@@ -74,14 +74,15 @@ def main():
     torch.manual_seed(0)
     model = Net().to(device)
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1, stage=2,
-                                     shard_size=SHARD)                               # zeroshard: hybrid
+                                     sharding=zeroshard.Sharding(shard_size=SHARD))  # zeroshard: hybrid
     train(model, opt, device, rank, world)
     err2 = max(((v.cpu() - expected[k]).norm() / expected[k].norm()).item() for k, v in model.state_dict().items())
     rep2, crossed = opt.memory_report(), opt.comm_elements["replica_all_reduce"]
 
     # ZeRO-3, hybrid: the parameters too
     torch.manual_seed(0)
-    model = zeroshard.FullyShard(Net().to(device), wrap={Block}, shard_size=SHARD)   # zeroshard: hybrid
+    model = zeroshard.FullyShard(Net().to(device), wrap={Block},
+                                 sharding=zeroshard.Sharding(shard_size=SHARD))      # zeroshard: hybrid
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)
     train(model, opt, device, rank, world)
     owned = sum(p.to_local().numel() for p in model.parameters())   # this rank's pieces

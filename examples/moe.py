@@ -203,7 +203,7 @@ def main():
     # ZeRO-3: each expert a unit gathered and reduced over its edp group, the rest over every rank;
     # expert_names: each expert parameter's name in the whole model, for checkpoints
     net = expert_parallel_model()
-    model = zeroshard.FullyShard(net, expert_modules={Expert: mesh["edp"]},
+    model = zeroshard.FullyShard(net, sharding=zeroshard.Sharding(expert_modules={Expert: mesh["edp"]}),
                                  expert_names=lambda name: global_name(net, name))
     opt3 = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2)
     norm3 = train(model, opt3, device, rank)

@@ -2,10 +2,11 @@
 
     torchrun --nproc-per-node 2 examples/offload.py [--offload-dir /local/nvme]
 
-``ShardedOptimizer(..., offload="cpu")`` keeps this rank's optimizer state in
-host memory and steps it on the CPU; ``offload="nvme"`` keeps it in one file
-per rank under ``offload_dir`` (a fast local disk), streamed through in
-windows at each step. ``offload_fraction`` offloads only part of the rank's
+``ShardedOptimizer(..., offload=zeroshard.Offload(optimizer="cpu"))`` keeps this
+rank's optimizer state in host memory and steps it on the CPU;
+``Offload(optimizer="nvme", directory=...)`` keeps it in one file per rank
+under that directory (a fast local disk), streamed through in windows at each
+step. ``Offload(fraction=...)`` offloads only part of the rank's
 shard (whole parameters, in backward order). The script trains the same model
 three times at ZeRO-2 (no offload, everything in host memory, half of it on
 disk), prints each rank-0 ``memory_report()`` split into device / host / disk
@@ -57,10 +58,10 @@ def batch(step, rank, world):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def run(label, device, rank, world, **offload):
+def run(label, device, rank, world, offload=None):
     torch.manual_seed(0)
     model = Net().to(device)            # the model computes on the device; offload= moves the optimizer's share
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1, stage=2, **offload)  # zeroshard
+    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1, stage=2, offload=offload)  # zeroshard
     losses = []
     for step in range(STEPS):
         x, y = (t.to(device) for t in batch(step, rank, world))
@@ -86,9 +87,10 @@ def main():
 
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as nvme_dir:
         plain, _ = run("no offload", device, rank, world)
-        on_host, host_rep = run("offload='cpu'", device, rank, world, offload="cpu")             # zeroshard
-        on_disk, disk_rep = run("offload='nvme', fraction 0.5", device, rank, world, offload="nvme",   # zeroshard
-                                offload_dir=nvme_dir, offload_fraction=0.5)
+        on_host, host_rep = run("offload='cpu'", device, rank, world,
+                                zeroshard.Offload(optimizer="cpu"))                                     # zeroshard
+        on_disk, disk_rep = run("offload='nvme', fraction 0.5", device, rank, world,
+                                zeroshard.Offload(optimizer="nvme", directory=nvme_dir, fraction=0.5))  # zeroshard
         dist.barrier()                  # every rank's optimizer (and its file) is gone before the directory goes
 
     err = max((on_host - plain).abs().max().item(), (on_disk - plain).abs().max().item())

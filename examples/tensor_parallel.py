@@ -133,7 +133,8 @@ def main():
     model = GPT().to(device)
     model.load_state_dict(start)
     parallelize(model, mesh["tp"])          # DTensor parameters: each rank its tp pieces
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2, device_mesh=mesh["dp"])
+    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2,
+                                     sharding=zeroshard.Sharding(device_mesh=mesh["dp"]))
     norm2 = train(model, opt)
     err2 = error({n: p.full_tensor() for n, p in model.named_parameters()})    # (collective over tp)
     state = opt.memory_report()["exp_avg"] // 4
@@ -141,7 +142,8 @@ def main():
     # ZeRO-3 over the dp axis: each block a unit, its tp pieces sharded over mesh["dp"]
     model = GPT().to(device)
     model.load_state_dict(start)
-    model = zeroshard.FullyShard(parallelize(model, mesh["tp"]), wrap={Block}, device_mesh=mesh["dp"])
+    model = zeroshard.FullyShard(parallelize(model, mesh["tp"]), wrap={Block},
+                                 sharding=zeroshard.Sharding(device_mesh=mesh["dp"]))
     norm3 = train(model, zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2))
     err3 = error(model.state_dict())        # (the whole tensors: gathered over dp and tp)
 

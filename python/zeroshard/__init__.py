@@ -31,6 +31,8 @@ from .zero3.stream import full_tensors
 from .native.kernels import fused_adamw_, fused_adamw_multi_
 from .native.layout import Layout, compute_layout
 from .optim.sharded import ShardedOptimizer
+from .comm.mesh import Sharding
+from .offload import Offload
 
 __version__ = "0.1.0"
 
@@ -70,5 +72,5 @@ __all__ = [
     "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
     "FullyShard", "MixedPrecision", "fused_adamw_", "fused_adamw_multi_", "reduce_scatter", "ShardedOptimizer", "flight_record",
     "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout", "initialize", "zero",
-    "init_distributed", "resume", "register_forward_method", "full_tensors",
+    "init_distributed", "resume", "register_forward_method", "full_tensors", "Offload", "Sharding",
 ]

@@ -40,6 +40,50 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 
+@dataclass(frozen=True, kw_only=True)
+class Sharding:
+    """Which ranks shard the state together and which replicate it: a sharding policy.
+
+    Args:
+        process_group: the data-parallel ranks to shard over (default: the world).
+        shard_size: hybrid sharding: shard over groups of this many consecutive ranks
+            (usually a node's GPUs) and replicate across them ([Note: hybrid sharding]).
+        device_mesh: a 1-D DeviceMesh (shard over its ranks) or a 2-D one, (replicate,
+            shard) as FSDP2's HSDP takes it; alone, not with the two above.
+        expert_modules: FullyShard's ``{ExpertClass: mesh["edp"]}``: each module of such
+            a class is a unit sharded over that 1-D mesh's ranks (expert parallelism; at
+            stages 1/2 a param group's ``"device_mesh"`` does it: docs/experts.md).
+    """
+    process_group: Optional[Any] = None
+    shard_size: Optional[int] = None
+    device_mesh: Optional[Any] = None
+    expert_modules: Optional[Dict[type, Any]] = None
+
+    def __post_init__(self):
+        if self.device_mesh is not None and (self.process_group is not None or self.shard_size is not None):
+            raise ValueError("Sharding: pass device_mesh alone (its dimensions already say which ranks shard and "
+                             "which replicate), not with process_group or shard_size")
+        if self.shard_size is not None and self.process_group is not None:
+            raise ValueError("Sharding: pass process_group or shard_size, not both (shard_size splits the whole "
+                             "world into shard groups; for a sub-group, build a 2-D DeviceMesh over it)")
+        if self.shard_size is not None and (not isinstance(self.shard_size, int) or isinstance(self.shard_size, bool)
+                                            or self.shard_size < 1):
+            raise ValueError(f"Sharding: shard_size must be a positive integer dividing the world size, got "
+                             f"{self.shard_size!r}; usually the number of GPUs per node")
+        if self.device_mesh is not None and getattr(self.device_mesh, "ndim", None) not in (1, 2):
+            raise ValueError(f"Sharding: device_mesh must be 1-D (the ranks to shard over) or 2-D, (replicate, "
+                             f"shard) as FSDP2's HSDP takes it; got {self.device_mesh!r}")
+        if self.expert_modules is not None and not (isinstance(self.expert_modules, dict) and all(
+                isinstance(c, type) for c in self.expert_modules)):
+            raise TypeError(f"Sharding: expert_modules must be a dict {{ExpertClass: mesh['edp']}}, got "
+                            f"{self.expert_modules!r}")
+
+    def groups(self, who: str) -> "Groups":
+        """The groups this policy runs over (collective the first time a shard_size is used)."""
+        return groups(self.process_group, self.shard_size, self.device_mesh, who)
+
+
+
 @dataclass(frozen=True)
 class Groups:
     shard: dist.ProcessGroup                 # the S ranks that shard the state together

@@ -14,6 +14,7 @@ import torch
 import zeroshard
 
 from .deepspeed.build import client_optimizer
+from .policies import as_policies
 
 # whole-tensor classes outside torch, known by (module prefix, class name): each
 # parameter's update needs it whole (transformers' Adafactor factors rows and columns)
@@ -46,7 +47,7 @@ def to_sharded(opt: torch.optim.Optimizer, options: dict, pieces: Optional[Dict[
     kwargs = dict(options, optimizer_class=cls) if cls is not None else dict(options)
     if cls is not None and _whole_tensor_elsewhere(cls):
         kwargs["whole_tensor"] = True
-    sharded = zeroshard.ShardedOptimizer(groups, **defaults, **kwargs)
+    sharded = zeroshard.ShardedOptimizer(groups, **defaults, **as_policies(kwargs))
     for new, old in zip(sharded.param_groups, opt.param_groups):
         for key, value in old.items():
             if key != "params" and key not in opt.defaults and key not in new:

@@ -52,46 +52,100 @@ class Placement(enum.Enum):
     DISK = "disk"       # a file under offload_dir: offload="nvme"
 
 
-@dataclass(frozen=True)
+def checked_fraction(value, what: str) -> float:
+    """``value`` as a share in [0, 1]; ``what`` names the argument in the error."""
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in [0, 1], got {value!r}") from None
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"{what} must be in [0, 1] (the share of this rank's shard whose state is "
+                         f"offloaded), got {value!r}")
+    return fraction
+
+
+KINDS = {None: Placement.DEVICE, "cpu": Placement.HOST, "nvme": Placement.DISK}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Offload:
-    """The validated offload arguments of ShardedOptimizer."""
-    placement: Placement        # where the offloaded share goes
-    directory: Optional[str]    # DISK: where the files go
-    fraction: float             # share of this rank's shard offloaded
+    """Where state leaves the accelerator for: an offload policy ([Note: offload]).
+
+    Args:
+        optimizer: where the optimizer's state (exp_avg, exp_avg_sq, and the fp32
+            master copies at stages 1/2) lives: None (with the parameters),
+            ``"cpu"`` (host memory, pinned on CUDA) or ``"nvme"`` (a file per rank
+            under ``directory``, read and written by O_DIRECT). ShardedOptimizer's.
+        params: ZeRO-3 only (FullyShard's): None, or ``"cpu"`` to keep the fp32
+            parameter shards and gradient shards in host memory, as FSDP2's
+            ``CPUOffloadPolicy`` ([Note: offload params]); the optimizer's state of
+            those units then lives in host memory at least.
+        directory: the directory of the ``"nvme"`` files (a fast local disk).
+        fraction: the share of this rank's optimizer state offloaded, 0 to 1
+            (whole parameters or units, in the order backward reduces them).
+    """
+    optimizer: Optional[str] = None
+    params: Optional[str] = None
+    directory: Optional[str] = None
+    fraction: float = 1.0
+
+    def __post_init__(self):
+        if self.optimizer not in KINDS:
+            raise ValueError(f"Offload(optimizer=...) must be None, 'cpu' or 'nvme', got {self.optimizer!r}")
+        if self.params not in (None, "cpu", "nvme"):
+            raise ValueError(f"Offload(params=...) must be None or 'cpu', got {self.params!r}")
+        if self.params == "nvme":
+            raise NotImplementedError("Offload(params='nvme'): parameter shards on disk are not supported yet; "
+                                      "params='cpu' keeps them in host memory, and optimizer='nvme' puts the "
+                                      "optimizer's state (12 of its 16 bytes a parameter) on disk")
+        object.__setattr__(self, "fraction", checked_fraction(self.fraction, "Offload(fraction=...)"))
+        if self.optimizer == "nvme":
+            if self.directory is None:
+                raise ValueError("offload of the optimizer to 'nvme' needs a directory on a fast local disk for "
+                                 "the optimizer-state files (one per rank): Offload(optimizer='nvme', directory=...)")
+            object.__setattr__(self, "directory", str(self.directory))
+            check_directory(self.directory)
+        elif self.directory is not None:
+            raise ValueError(f"Offload(directory={self.directory!r}) is only used with optimizer='nvme' "
+                             f"(got optimizer={self.optimizer!r})")
+
+    @property
+    def placement(self) -> Placement:
+        """Where the offloaded share of the optimizer's state goes."""
+        return KINDS[self.optimizer]
 
     @property
     def active(self) -> bool:
         return self.placement is not Placement.DEVICE and self.fraction > 0
 
 
-NO_OFFLOAD = Offload(Placement.DEVICE, None, 0.0)
+NO_OFFLOAD = Offload()
 
 
 def parse_offload(offload, offload_dir, offload_fraction, optimizer_class=None) -> Offload:
-    """Checks ShardedOptimizer's offload arguments (see [Note: offload]); ``optimizer_class``:
-    the torch optimizer asked for instead of the fused AdamW, if any."""
-    kinds = {None: Placement.DEVICE, "cpu": Placement.HOST, "nvme": Placement.DISK}
-    if offload not in kinds:
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    try:
-        fraction = float(offload_fraction)
-    except (TypeError, ValueError):
-        raise ValueError(f"offload_fraction must be a number in [0, 1], got {offload_fraction!r}") from None
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"offload_fraction must be in [0, 1] (the share of this rank's shard whose state is "
-                         f"offloaded), got {offload_fraction!r}")
-    if offload == "nvme":
-        if offload_dir is None:
+    """ShardedOptimizer's offload, from its loose arguments (``offload`` a string, as before the
+    policy) or a policy (``offload`` an ``Offload``; then the loose ones are None); ``optimizer_class``:
+    the torch optimizer asked for instead of the fused AdamW, if any. See [Note: offload]."""
+    if isinstance(offload, Offload):
+        policy = offload
+    else:
+        if offload not in KINDS:
+            raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r} (or a zeroshard.Offload policy)")
+        if offload == "nvme" and offload_dir is None:
             raise ValueError("offload='nvme' needs offload_dir=<a directory on a fast local disk> for the "
                              "optimizer-state files (one per rank)")
-        check_directory(str(offload_dir))
-    elif offload_dir is not None:
-        raise ValueError(f"offload_dir={offload_dir!r} is only used with offload='nvme' (got offload={offload!r})")
-    if offload is not None and optimizer_class is not None:
-        raise ValueError(f"offload={offload!r} steps the offloaded state with zeroshard's fused AdamW; "
+        if offload != "nvme" and offload_dir is not None:
+            raise ValueError(f"offload_dir={offload_dir!r} is only used with offload='nvme' (got offload={offload!r})")
+        fraction = 1.0 if offload_fraction is None else checked_fraction(offload_fraction, "offload_fraction")
+        policy = Offload(optimizer=offload, directory=offload_dir, fraction=fraction)
+    if policy.params is not None:
+        raise ValueError(f"Offload(params={policy.params!r}) is FullyShard's: parameter shards are the model's; "
+                         "pass it to zeroshard.FullyShard(offload=...), and the optimizer's to ShardedOptimizer")
+    if policy.optimizer is not None and optimizer_class is not None:
+        raise ValueError(f"offload={policy.optimizer!r} steps the offloaded state with zeroshard's fused AdamW; "
                          f"optimizer_class={optimizer_class.__name__} keeps its own state on the parameters' "
                          "device: drop offload or optimizer_class")
-    return Offload(kinds[offload], None if offload_dir is None else str(offload_dir), fraction)
+    return policy
 
 
 def check_directory(directory: str) -> None:

@@ -12,13 +12,15 @@ clipping and checkpoints are shared.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..comm import mesh
-from ..offload import parse_offload
+from ..comm.mesh import Sharding
+from ..offload import Offload, parse_offload
+from ..common.policies import optimizer_offload_of, sharding_of
 from .state_dict import StateDicts
 from .. import comm
 from ..common.claims import check_unclaimed, claim
@@ -92,15 +94,19 @@ def _adamw_defaults(given: dict, extra: dict) -> dict:
                 foreach=None, capturable=False, differentiable=False, fused=None)
 
 
-def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple, options: dict,
+def _make_source(params: List[torch.Tensor], group_of: List[int], sharding: Sharding, options: dict,
                  err, rebind: Optional[Rebind] = None, param_groups=()) -> ShardSource:
     """FlatReducer over plain parameters (ZeRO-1/2), UnitSource over FullyShard ones;
-    ``groups``: (process_group, shard_size, device_mesh); ``options``: the reducer's;
+    ``sharding``: the optimizer's policy; ``options``: the reducer's;
     ``rebind``: the ShardedOptimizer's answers to a relayout (UnitSource); ``param_groups``:
     theirs (a group's "device_mesh": [Note: param groups over their own ranks] in comm/mesh.py)."""
     owners = [owner_of(p) for p in params]
     if all(o is None for o in owners):
-        made = mesh.groups(*groups, who="ShardedOptimizer")
+        if sharding.expert_modules is not None:
+            raise ValueError(err("Sharding(expert_modules=...) is FullyShard's; at stages 1/2 give the experts "
+                                 "a param group of their own: {'params': [...], 'device_mesh': mesh['edp']} "
+                                 "(docs/experts.md)"))
+        made = sharding.groups("ShardedOptimizer")
         return FlatReducer(params, group_of, groups=made, shards=mesh.param_group_shards(
             param_groups, made, "ShardedOptimizer"), **options)
     if any("device_mesh" in g for g in param_groups):
@@ -117,8 +123,14 @@ def _make_source(params: List[torch.Tensor], group_of: List[int], groups: tuple,
                 "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
                 "outside the wrapped blocks) and pass model.parameters()"))
     # (options["names"] unused: FullyShard compares its parameters' names across ranks itself)
-    return UnitSource(params, group_of, owners, groups, options["reduce_dtype"], options["adam"],
+    return UnitSource(params, group_of, owners, sharding, options["reduce_dtype"], options["adam"],
                       options["offload"], options["whole"], rebind)
+
+
+def _offload(offload, offload_dir, offload_fraction, optimizer_class) -> Offload:
+    """ShardedOptimizer's Offload policy, from the policy or its loose forms (which warn)."""
+    loose = optimizer_offload_of("ShardedOptimizer", offload, offload_dir, offload_fraction)
+    return parse_offload(*loose, optimizer_class)
 
 
 def _rebind(ref: "weakref.ref[ShardedOptimizer]") -> Rebind:
@@ -200,19 +212,17 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
             owner rank ([Note: whole-tensor optimizers]); its arguments go in kwargs.
         elementwise: vouch that ``optimizer_class`` is elementwise.
         whole_tensor: vouch that ``optimizer_class`` needs each parameter whole.
-        shard_size: hybrid sharding: shard over groups of this many ranks and
-            replicate across them ([Note: hybrid sharding]).
-        device_mesh: hybrid sharding from a 2-D DeviceMesh (replicas, shards). (A param
-            group's own ``"device_mesh"``, a 1-D mesh, shards that group over those ranks
-            only: expert parallelism at stages 1/2, see docs/experts.md.)
-        offload: None, ``"cpu"`` (host memory) or ``"nvme"`` (a file per rank)
-            for the optimizer state ([Note: offload]).
-        offload_dir: the directory of the ``"nvme"`` files.
-        offload_fraction: the share of this rank's state offloaded (0 to 1).
+        sharding: a ``zeroshard.Sharding``: which ranks shard and which replicate ([Note: hybrid
+            sharding]). (A param group's own ``"device_mesh"``, a 1-D mesh, shards that group
+            over those ranks only: expert parallelism at stages 1/2, see docs/experts.md.)
+        offload: a ``zeroshard.Offload``: where the optimizer state lives, host
+            memory or a file per rank, and which share of it ([Note: offload]).
         overlap_param_gather: overlap the parameter all-gather with the next
             forward ([Note: overlapped parameter gather]).
         broadcast_buffers: stages 1/2: broadcast the model's buffers from rank 0
             before each training forward, as DDP's argument ([Note: module buffers]).
+        shard_size, device_mesh, offload (a string), offload_dir, offload_fraction: the loose
+            forms of the policies, for this release, with a warning ([Note: options as policies]).
         **optimizer_kwargs: ``optimizer_class``'s other arguments.
     """
 
@@ -220,16 +230,18 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
                  weight_decay: Optional[float] = None, *, stage: int = 2, bucket_mb: float = 25,
                  process_group: Optional[dist.ProcessGroup] = None,
                  reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
-                 whole_tensor: bool = False,
-                 shard_size: Optional[int] = None, device_mesh=None, offload: Optional[str] = None,
-                 offload_dir=None, offload_fraction: float = 1.0, overlap_param_gather: bool = False,
-                 broadcast_buffers: bool = True, **optimizer_kwargs):
+                 whole_tensor: bool = False, sharding: Optional[Sharding] = None,
+                 offload: Union[Offload, str, None] = None, overlap_param_gather: bool = False,
+                 broadcast_buffers: bool = True, shard_size: Optional[int] = None, device_mesh=None,
+                 offload_dir=None, offload_fraction: Optional[float] = None, **optimizer_kwargs):
         _check_arguments(stage, bucket_mb, reduce_dtype)
+        sharding = sharding_of("ShardedOptimizer", sharding, process_group, shard_size=shard_size,
+                               device_mesh=device_mesh)      # [Note: options as policies]
         given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items()
                  if v is not None}
         # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
         optimizer_class, optimizer_kwargs, fused = _resolve_class(optimizer_class, optimizer_kwargs)
-        placement = parse_offload(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
+        placement = _offload(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
         self._whole = False
         if fused:
             defaults = _adamw_defaults(given, optimizer_kwargs)
@@ -249,7 +261,7 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
             raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (torchrun sets it up)")
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, max(1, int(bucket_mb * 2**20))
-        pg = process_group if process_group is not None else dist.group.WORLD
+        pg = sharding.process_group if sharding.process_group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
         self.last_step_skipped = False
         # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(), until a step or load
@@ -257,7 +269,7 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         self.broadcast_buffers, self._buffers = bool(broadcast_buffers), None
         check_unclaimed(self, [p for g in self.param_groups for p in g["params"]], self._err)
         _check_dense([p for g in self.param_groups for p in g["params"]], self._err)
-        self._binding = ((process_group, shard_size, device_mesh),
+        self._binding = (sharding,
                          dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes, reduce_dtype=reduce_dtype,
                               offload=placement, overlap_param_gather=overlap_param_gather, whole=self._whole))
         self._bind()

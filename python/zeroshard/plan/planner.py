@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..offload import planning_for_host
+from ..offload import Offload, planning_for_host
 from .trace import Gather, Policy, Reduction, activation_bytes, torch_dtype
 from .formula import (
     _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
@@ -308,8 +308,8 @@ def plan_model(build: Callable, world_size: int, dtype: str = "fp32", *, wrap=No
     (DDP's row keeps AdamW's 12 bytes). See [Note: model plan].
     """
     _check_choices(dtype, world_size, transport, optimizer)
-    off = dict(offload=offload, offload_fraction=offload_fraction,
-               offload_dir=tempfile.gettempdir() if offload == "nvme" else None)   # (no file is made on meta)
+    off = dict(offload=Offload(optimizer=offload, fraction=offload_fraction,     # (no file is made on meta)
+                               directory=tempfile.gettempdir() if offload == "nvme" else None)) if offload else {}
     with torch.device("meta"):
         model = build()
     n = sum(p.numel() for p in model.parameters())   # parameters() lists a tied weight once

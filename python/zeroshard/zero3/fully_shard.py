@@ -83,7 +83,10 @@ from . import relayout
 from .. import comm
 from .gather import Gatherer
 from .gathered import gathered_block
+from ..common.policies import offload_of, sharding_of
 from ..common.source import SUPPORTED, GradState, HeldParam, Region, ShardedModel
+from ..comm.mesh import Sharding
+from ..offload import Offload
 from ..common.tensor_parallel import check_model
 from .records import MixedPrecision, Steppers, Unit, UnitState, register_owner
 from .param_init import InitWatch, check_to_empty
@@ -149,24 +152,25 @@ class FullyShard(nn.Module, ShardedModel):
         process_group: the ranks to shard over (default: the world).
         device: where the shards live (default: the parameters' device, or
             CUDA/CPU for a model on meta); ``"meta"`` plans without data.
-        shard_size: hybrid sharding: shard over groups of this many ranks
-            ([Note: hybrid sharding]).
-        device_mesh: hybrid sharding from a 2-D DeviceMesh (replicas, shards).
-        offload_params: keep the fp32 shards and gradient shards in host
-            memory (pinned on CUDA), as FSDP's CPUOffload ([Note: offload params]).
+        sharding: a ``zeroshard.Sharding``: which ranks shard and which replicate
+            ([Note: hybrid sharding]), and ``expert_modules``: ``{ExpertClass:
+            mesh["edp"]}``, each module of such a class a unit of its own sharded,
+            gathered and reduced over that 1-D mesh's ranks (expert parallelism:
+            docs/experts.md, [Note: param groups over their own ranks]).
+        offload: a ``zeroshard.Offload``; ``Offload(params="cpu")`` keeps the fp32
+            shards and gradient shards in host memory (pinned on CUDA), as FSDP2's
+            CPUOffloadPolicy ([Note: offload params]).
         forward_methods: names of methods other than ``forward`` (e.g.
             ``"forward_features"``) that gather their unit wherever a unit's (or
             the root module's) class has one; see ``register_forward_method``.
-        expert_modules: ``{ExpertClass: mesh["edp"]}``: each module of such a class
-            is a unit of its own sharded, gathered and reduced over that 1-D mesh's
-            ranks (expert parallelism: each expert-parallel rank holds other experts;
-            see docs/experts.md and [Note: param groups over their own ranks]).
         expert_names: for checkpoints of such a model: given an expert parameter's
             name in ``module`` (``"moe.experts.1.up.weight"``), its name in the whole
             non-parallel model (``"moe.experts.3.up.weight"`` where this rank's second
             expert is the fourth): checkpoints keep every expert under its whole-model
             name, so they load at another expert-parallel degree and export as the
             non-parallel model's state dict.
+        shard_size, device_mesh, offload_params, expert_modules: the loose forms of
+            the policies; they work for this release and warn ([Note: options as policies]).
     """
     # model.generate(...) gathers every unit once per call; False: per token, as forwards do
     # ([Note: generation in one gather] in zero3/generation.py)
@@ -175,10 +179,10 @@ class FullyShard(nn.Module, ShardedModel):
     def __init__(self, module: nn.Module, wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
                  mixed_precision: Optional[MixedPrecision] = None, reshard_after_forward: bool = True,
                  prefetch: int = 1, process_group: Optional[dist.ProcessGroup] = None, *,
-                 device: Union[torch.device, str, None] = None, shard_size: Optional[int] = None,
-                 device_mesh=None, offload_params: bool = False, forward_methods: Iterable[str] = (),
-                 expert_modules: Optional[Dict[type, object]] = None,
-                 expert_names: Optional[Callable[[str], str]] = None):
+                 device: Union[torch.device, str, None] = None, sharding: Optional[Sharding] = None,
+                 offload: Optional[Offload] = None, forward_methods: Iterable[str] = (),
+                 expert_names: Optional[Callable[[str], str]] = None, shard_size: Optional[int] = None,
+                 device_mesh=None, offload_params: bool = False, expert_modules: Optional[Dict[type, object]] = None):
         super().__init__()
         mp = _check_arguments(module, mixed_precision, prefetch)
         self.module = module
@@ -187,18 +191,19 @@ class FullyShard(nn.Module, ShardedModel):
         self.mixed_precision = mp
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = prefetch
-        self.groups = mesh.groups(process_group, shard_size, device_mesh, "FullyShard")
+        self.sharding = sharding_of("FullyShard", sharding, process_group, shard_size=shard_size,
+                                    device_mesh=device_mesh, expert_modules=expert_modules)
+        self.offload = offload_of("FullyShard", offload, offload_params=offload_params)
+        self.groups = self.sharding.groups("FullyShard")
         self.process_group = self.groups.shard
-        self.world_size = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
+        self.world_size, self.rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
         self._src = dist.get_global_rank(self.groups.every, 0)
         self.comm_elements = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
         self._steppers = Steppers()    # the sources stepping the shards (weakly), their state shards by unit
-
         self._device = pick_device(module, device, self.process_group, self._err)
-        self.offload_params = bool(offload_params)
+        self.offload_params = self.offload.params is not None
         host, taken = shard_device(self._device, self.offload_params), claimed(module)
-        experts = dict(expert_modules or {})
+        experts = dict(self.sharding.expert_modules or {})
         check_model(module, self.groups.every, bool(experts), self._err)    # DTensor parameters: tensor parallel
         self._expert_names = _check_expert_names(expert_names)
         own = mesh.mesh_shards(list(experts.values()), self.groups, "FullyShard",
@@ -211,9 +216,8 @@ class FullyShard(nn.Module, ShardedModel):
         self._units, self._named = build(self._setup, wrap, FullyShard)
         # built on meta: the non-persistent buffers nothing initialised (load_pretrained sets an HF model's)
         self.uninitialised_buffers: List[str] = list(self._setup.unset_buffers)
-        self._gatherer = Gatherer(self._units, device=self._device,
-                                  prefetch=prefetch, comm_elements=self.comm_elements,
-                                  err=self._err)
+        self._gatherer = Gatherer(self._units, device=self._device, prefetch=prefetch,
+                                  comm_elements=self.comm_elements, err=self._err)
         self._backward = UnitBackward(self._units, self._gatherer, BackwardContext(
             device=self._device, world=self.world_size,
             replicate=self.groups.replicate, reduce_dtype=self.reduce_dtype, comm_elements=self.comm_elements,

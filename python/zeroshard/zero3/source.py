@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..comm.mesh import Sharding
 from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
 from ..common.source import Rebind, Region, Segment, ShardSource, weak_hook
 from ..common.tensor_parallel import TensorParallel
@@ -26,10 +27,10 @@ class UnitSource(ShardSource):
     """The ZeRO-3 source over the FullyShard models that own ``params``
     (``owners[i]`` is the FullyShard of ``params[i]``; none is None)."""
 
-    def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, groups: tuple,
+    def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, sharding: Sharding,
                  reduce_dtype, adam: bool = True, offload: Offload = NO_OFFLOAD, whole: bool = False,
                  rebind: Optional[Rebind] = None):
-        """``groups``: the optimizer's (process_group, shard_size, device_mesh) arguments;
+        """``sharding``: the optimizer's policy (FullyShard's decides; see ``_check``);
         ``offload``: where the state shards of which units go ([Note: offload]);
         ``whole``: a whole-tensor optimizer's (each of its tensors is laid inside one
         rank's chunk first: [Note: uneven chunks] in zero3/relayout.py); ``rebind``: what
@@ -42,7 +43,7 @@ class UnitSource(ShardSource):
                 self.owners.append(fs)
         first, self.adam = self.owners[0], adam
         self.world_size, self.rank = first.world_size, first.rank
-        self._check(groups, reduce_dtype)
+        self._check(sharding, reduce_dtype)
         self.process_group, self.device, self.stage = first.process_group, first.device, 3
         self.groups = first.groups
         self.check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in self.owners)
@@ -104,12 +105,12 @@ class UnitSource(ShardSource):
     def err(self, msg: str) -> str:
         return comm.on_rank(self, msg)
 
-    def _check(self, groups: tuple, reduce_dtype):
-        process_group = groups[0]
-        if groups[1:] != (None, None):
+    def _check(self, sharding: Sharding, reduce_dtype):
+        process_group = sharding.process_group
+        if (sharding.shard_size, sharding.device_mesh, sharding.expert_modules) != (None, None, None):
             raise ValueError(self.err(
                 "these are FullyShard parameters: their sharding is FullyShard's, so pass shard_size / "
-                "device_mesh to zeroshard.FullyShard, not to ShardedOptimizer"))
+                "device_mesh / expert_modules to zeroshard.FullyShard (its sharding=...), not to ShardedOptimizer"))
         if reduce_dtype is not None:
             raise ValueError(self.err("reduce_dtype is set by FullyShard's mixed_precision for FullyShard "
                                       "parameters; do not pass it to ShardedOptimizer"))

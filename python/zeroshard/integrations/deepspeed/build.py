@@ -18,6 +18,7 @@ import zeroshard
 
 from . import live, lr_schedules
 from .config import Config
+from ..policies import as_policies, fully_shard_policies
 
 # torch optimizer hyperparameters that only choose an implementation (not the math)
 IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable", "initial_lr", "decoupled_weight_decay"}
@@ -157,7 +158,7 @@ def wrap_model(model: nn.Module, cfg: Config, reuse: Optional[nn.Module] = None)
         warnings.warn("zero_optimization.offload_param.device \"nvme\": zeroshard keeps offloaded parameters in host "
                       "memory (the optimizer state still goes to offload_optimizer's nvme_path)", stacklevel=4)
     return live.wrapped(model, zeroshard.FullyShard(model, wrap=block_units(model), mixed_precision=mp,
-                                                    offload_params=cfg.zero.offload_param.device != "none"))
+                                                    **fully_shard_policies(cfg.zero.offload_param.device != "none")))
 
 
 def _groups(model_parameters, model: nn.Module) -> list:
@@ -271,7 +272,7 @@ def make_optimizer(spec, names: dict, runner: nn.Module, cfg: Config, allow_unte
     if cls is not None:
         options.update(optimizer_class=cls, offload=None, offload_fraction=1.0, offload_dir=None,
                        **_untested(cls, allow_untested, off.device))
-    return zeroshard.ShardedOptimizer(groups, **kwargs, **options)
+    return zeroshard.ShardedOptimizer(groups, **kwargs, **as_policies(options))
 
 
 def make_scheduler(lr_scheduler, cfg: Config, optimizer):

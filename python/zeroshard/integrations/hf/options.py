@@ -13,6 +13,7 @@ import torch.nn as nn
 import zeroshard
 
 from ..deepspeed.build import block_units
+from ..policies import fully_shard_policies
 
 # save_pretrained's default largest safetensors file
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -133,10 +134,10 @@ class Options:
     def fully_shard(self, model: nn.Module, asked: Optional[str] = None,
                     where: str = "zeroshard", dp_mesh=None) -> "zeroshard.FullyShard":
         """Stage 3's FullyShard of ``model``; ``dp_mesh``: the ranks it shards over beside a tp axis."""
-        return zeroshard.FullyShard(model, wrap=units(model, self.wrap), shard_size=self.shard_size,
+        return zeroshard.FullyShard(model, wrap=units(model, self.wrap),
                                     mixed_precision=self.gather_precision(asked, where),
                                     reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
-                                    offload_params=self.offload_params, device_mesh=dp_mesh)
+                                    **fully_shard_policies(self.offload_params, self.shard_size, dp_mesh))
 
 
 # the dtypes a run's precision names gather in; gradients reduce in fp32 (as FSDP's and DeepSpeed's)

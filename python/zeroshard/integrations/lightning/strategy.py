@@ -24,6 +24,7 @@ import zeroshard
 
 from . import checkpoints, optimizers
 from ..deepspeed.build import block_units
+from ..policies import fully_shard_policies
 
 # the LightningModules stage 3 has wrapped, with their FullyShard: a module's parameters stay
 # sharded after fit, so a later validate/predict (another Trainer, another strategy) reuses it
@@ -157,8 +158,8 @@ class ZeroShardStrategy(DDPStrategy):
             wrap = self.wrap if self.wrap is not None else block_units(module)
             _WRAPPED[module] = zeroshard.FullyShard(
                 module, wrap=wrap, mixed_precision=mp, reshard_after_forward=self.reshard_after_forward,
-                prefetch=self.prefetch, shard_size=self.optimizer_options["shard_size"],
-                offload_params=self.offload_params)
+                prefetch=self.prefetch,
+                **fully_shard_policies(self.offload_params, self.optimizer_options["shard_size"]))
         return _WRAPPED[module]
 
     @torch.no_grad()
