@@ -21,7 +21,7 @@ import contextlib
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -94,8 +94,8 @@ def check_dense_grad(grad: torch.Tensor, what: Callable[[], str], err: Callable[
 
 def squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
     """Each view's squared 2-norm, in fp32: one foreach kernel on CUDA (a norm and a
-    square per view cost every step ~300 launches at GPT-2's 148 parameters, ~3 ms of
-    host time at the end of the backward, on an H100), as torch's clip_grad_norm_ does."""
+    square per view cost every step two launches per parameter, ~300 at GPT-2's 148
+    parameters, whose host time falls at the end of the backward), as torch's clip_grad_norm_ does."""
     return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square()
 
 
@@ -184,12 +184,21 @@ def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) ->
     return parts
 
 
+class Piece(NamedTuple):
+    """A parameter's piece of a region: which parameter, where the piece starts in it and
+    in the region, how many elements."""
+    param: int
+    param_offset: int
+    region_offset: int
+    numel: int
+
+
 @dataclass(kw_only=True)
 class Region:
     """A range sharded over the ranks in rank order (a bucket or a unit): what this rank
     holds of it, for state dicts and checkpoints ([Note: shard sources])."""
     shard_numel: int
-    frags: List[tuple]         # (param index, offset in param, offset in region, numel)
+    frags: List[Piece]         # each parameter's piece of the region
     exp_avg: Optional[torch.Tensor] = None      # this rank's shard (None for another optimizer_class)
     exp_avg_sq: Optional[torch.Tensor] = None
     # this rank's fp32 values: ZeRO-1/2 the master (or fp32 parameter) shard, the optimizer's

@@ -17,10 +17,10 @@ from typing import Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..comm import mesh
 from ..comm.mesh import Sharding
-from ..offload import Offload, parse_offload
-from ..common.policies import optimizer_offload_of, sharding_of
+from ..offload import Offload
+from ..common.policies import sharding_of
+from .binding import Binding, make_source, offload_policy
 from .state_dict import StateDicts
 from .. import comm
 from ..common.claims import check_unclaimed, claim
@@ -29,12 +29,9 @@ from . import hand_grads
 from .join import Joinable, JoinableOptimizer
 from .regroup import Regrouping, refuse_unaveraged
 from ..zero12.buffers import BufferSync, modules_given, sync_buffers
-from ..zero12.reducer import FlatReducer
 from .rules import FusedAdamW, TorchElementwise, add_group_keys, check_class, probe_defaults
 from .whole import WholeTensor
 from ..common.source import SUPPORTED, Rebind, Region, ShardSource, weak_hook
-from ..zero3.source import UnitSource
-from ..zero3.records import left_out, owner_of
 
 
 _ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -92,45 +89,6 @@ def _adamw_defaults(given: dict, extra: dict) -> dict:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
                 foreach=None, capturable=False, differentiable=False, fused=None)
-
-
-def _make_source(params: List[torch.Tensor], group_of: List[int], sharding: Sharding, options: dict,
-                 err, rebind: Optional[Rebind] = None, param_groups=()) -> ShardSource:
-    """FlatReducer over plain parameters (ZeRO-1/2), UnitSource over FullyShard ones;
-    ``sharding``: the optimizer's policy; ``options``: the reducer's;
-    ``rebind``: the ShardedOptimizer's answers to a relayout (UnitSource); ``param_groups``:
-    theirs (a group's "device_mesh": [Note: param groups over their own ranks] in comm/mesh.py)."""
-    owners = [owner_of(p) for p in params]
-    if all(o is None for o in owners):
-        if sharding.expert_modules is not None:
-            raise ValueError(err("Sharding(expert_modules=...) is FullyShard's; at stages 1/2 give the experts "
-                                 "a param group of their own: {'params': [...], 'device_mesh': mesh['edp']} "
-                                 "(docs/experts.md)"))
-        made = sharding.groups("ShardedOptimizer")
-        return FlatReducer(params, group_of, groups=made, shards=mesh.param_group_shards(
-            param_groups, made, "ShardedOptimizer"), **options)
-    if any("device_mesh" in g for g in param_groups):
-        raise ValueError(err("a param group's 'device_mesh' (expert parallelism) is for ZeRO-1/2 parameters; "
-                             "FullyShard parameters shard over the FullyShard's ranks: give the expert modules "
-                             "their own with FullyShard(..., expert_modules={ExpertClass: mesh['edp']})"))
-    if options["overlap_param_gather"]:
-        raise ValueError(err("overlap_param_gather is for ZeRO-1/2; FullyShard gathers each unit just before "
-                             "use (its prefetch= sets how far ahead)"))
-    for i, o in enumerate(owners):
-        if o is None and not left_out(params[i]):
-            raise ValueError(err(
-                f"parameter {i} (shape {tuple(params[i].shape)}) is not a FullyShard parameter but "
-                "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
-                "outside the wrapped blocks) and pass model.parameters()"))
-    # (options["names"] unused: FullyShard compares its parameters' names across ranks itself)
-    return UnitSource(params, group_of, owners, sharding, options["reduce_dtype"], options["adam"],
-                      options["offload"], options["whole"], rebind)
-
-
-def _offload(offload, offload_dir, offload_fraction, optimizer_class) -> Offload:
-    """ShardedOptimizer's Offload policy, from the policy or its loose forms (which warn)."""
-    loose = optimizer_offload_of("ShardedOptimizer", offload, offload_dir, offload_fraction)
-    return parse_offload(*loose, optimizer_class)
 
 
 def _rebind(ref: "weakref.ref[ShardedOptimizer]") -> Rebind:
@@ -241,7 +199,7 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
                  if v is not None}
         # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
         optimizer_class, optimizer_kwargs, fused = _resolve_class(optimizer_class, optimizer_kwargs)
-        placement = _offload(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
+        placement = offload_policy(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
         self._whole = False
         if fused:
             defaults = _adamw_defaults(given, optimizer_kwargs)
@@ -269,9 +227,9 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         self.broadcast_buffers, self._buffers = bool(broadcast_buffers), None
         check_unclaimed(self, [p for g in self.param_groups for p in g["params"]], self._err)
         _check_dense([p for g in self.param_groups for p in g["params"]], self._err)
-        self._binding = (sharding,
-                         dict(stage=stage, adam=fused, bucket_bytes=self.bucket_bytes, reduce_dtype=reduce_dtype,
-                              offload=placement, overlap_param_gather=overlap_param_gather, whole=self._whole))
+        self._binding = Binding(sharding=sharding, stage=stage, adam=fused, bucket_bytes=self.bucket_bytes,
+                                reduce_dtype=reduce_dtype, offload=placement,
+                                overlap_param_gather=overlap_param_gather, whole=self._whole)
         self._bind()
         if self._buffers is not None:    # equal from here on, as DDP's constructor makes them
             sync_buffers(modules, self._source.groups.every, self._buffers.src)
@@ -286,8 +244,8 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         if not any(p.requires_grad for p in params):
             raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        source = _make_source(params, group_of, self._binding[0], dict(self._binding[1], names=[
-            self._names.get(id(p)) for p in params]), self._err, _rebind(weakref.ref(self)), self.param_groups)
+        source = make_source(params, group_of, self._binding, [self._names.get(id(p)) for p in params],
+                             self._err, _rebind(weakref.ref(self)), self.param_groups)
         known = None                 # a new layout keeps the module the last one found
         if self._buffers is not None:
             self._buffers.release()

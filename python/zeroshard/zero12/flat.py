@@ -21,9 +21,6 @@ from ..common.source import SUPPORTED
 from ..common.tensor_parallel import local_ptr, local_tensor, point_at
 from ..native.layout import compute_layout, update_cost
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
 @dataclass(eq=False)
 class FlatBucket:
     """One of the layout's buckets (``zeroshard.Layout.buckets``, the C++ core's
@@ -93,7 +90,7 @@ def check_views(params: List[torch.Tensor], trainable: List[int], where: dict, e
     ``model.cuda()``, ``p.data = ...``) would leave the model computing on a copy that no
     step writes, and its gradients reduced into a buffer of another dtype or device."""
     for i in trainable:
-        p, (buf, offset, _) = params[i], where[i]
+        p, buf, offset = params[i], where[i].buffer, where[i].offset
         flat = buf.params
         if local_ptr(p) != flat.data_ptr() + offset * flat.element_size():   # (a new dtype or device: new memory)
             raise RuntimeError(err(
@@ -182,13 +179,45 @@ def _compare(mine: list, group, err: Callable[[str], str]) -> None:
                     "every rank must build the same model"))
 
 
+@dataclass(frozen=True)
+class ParamPlace:
+    """Where a trainable parameter lives: its flat buffer, its offset there and its
+    fragments (one per bucket it lies in)."""
+    buffer: FlatBuffer
+    offset: int
+    frags: List["Frag"]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What every buffer build_flat makes shares: the stage, whether the fused AdamW keeps
+    the state (another optimizer keeps its own, optim/rules.py), the device, where state
+    goes (``storage``) and which parameters' state is offloaded."""
+    stage: int
+    adam: bool
+    device: torch.device
+    storage: Storage
+    offloaded: frozenset
+
+
+@dataclass(frozen=True)
+class GroupFill:
+    """One shard group's layout being filled: its ranks, the number of buckets laid out
+    before its own, and where its values come from (global rank ``first`` over
+    ``copy_group``)."""
+    shards: ShardGroup
+    base: int
+    first: int
+    copy_group: object
+
+
 @dataclass
 class FlatState:
     """What build_flat made: the layouts, their buffers and buckets, where each parameter lives."""
     layouts: List[object]          # zeroshard.compute_layout's results, one per shard group
     buffers: List[FlatBuffer]
     buckets: List[FlatBucket]          # every shard group's, numbered in turn
-    where: Dict[int, tuple]        # param index -> (buffer, offset, its Frags)
+    where: Dict[int, ParamPlace]   # param index -> its buffer, offset and fragments
     launch_order: List[int]        # bucket indices, until the first backward shows the real order
     # whole parameters: index -> the rank whose shard holds all of it ([Note: owner-aligned layout])
     whole_owners: Dict[int, int] = field(default_factory=dict)
@@ -244,6 +273,7 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
     order = list(reversed(trainable))        # backward order
     position = {i: k for k, i in enumerate(order)}
     st = FlatState(layouts=[], buffers=[], buckets=[], where={}, launch_order=[])
+    opts = BuildOptions(stage=stage, adam=adam, device=device, storage=storage, offloaded=frozenset(offloaded))
     last: List[int] = []
     by_shard: Dict[int, list] = {}
     for i in order:
@@ -251,14 +281,14 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
     for part in by_shard.values():
         sg = shards[group_of[part[0]]]
         base = len(st.buckets)
-        L = _lay_out(pieces, group_of, part, sg.world, bucket_bytes, offloaded, whole)
+        L = _lay_out(pieces, group_of, part, sg.world, bucket_bytes, opts.offloaded, whole)
         st.layouts.append(L)
         st.buckets.extend([None] * len(L.buckets))
         last += [max(position[part[L.fragments[f].tensor]] for f in lb.fragments) for lb in L.buckets]
         st.whole_owners.update({part[t]: place.owner for t, place in enumerate(L.tensors) if place.owner >= 0})
         first = src if not sg.own else dist.get_global_rank(sg.group, 0)
-        _fill(L, part, (params, pieces), group_of, (sg, base, first, everyone if not sg.own else sg.group), st,
-              (stage, adam, device, storage, offloaded))
+        fill = GroupFill(shards=sg, base=base, first=first, copy_group=everyone if not sg.own else sg.group)
+        _fill(L, part, params, pieces, group_of, fill, st, opts)
     st.launch_order = sorted(range(len(st.buckets)), key=lambda b: (last[b], b))
     copies = dist.get_world_size(everyone)
     for p, piece in zip(params, pieces):   # frozen parameters are not sharded, but all ranks start identical
@@ -272,7 +302,10 @@ def _lay_out(params, group_of, part: List[int], world: int, bucket_bytes: int, o
     # whole: a parameter of at most a bucket's bytes lies whole in its owner's shard; a larger
     # one stays split (optim/whole.py exchanges it), so no bucket passes (world + 1) x the cap
     kept = {i for i in part if whole and params[i].numel() * params[i].element_size() <= bucket_bytes}
-    keys = [group_of[i] * 16 + _DTYPE_CODE[params[i].dtype] + 4 * (i in offloaded) + 8 * (i in kept) for i in part]
+    # one buffer per (param group, dtype, offloaded or not, whole or not): the layout's keys
+    # only tell buffers apart, numbered as first met
+    kinds: Dict[tuple, int] = {}
+    keys = [kinds.setdefault((group_of[i], params[i].dtype, i in offloaded, i in kept), len(kinds)) for i in part]
     L = compute_layout([params[i].numel() for i in part], [params[i].dtype for i in part], bucket_bytes,
                        world, keys=keys, costs=[update_cost(params[i].shape) if i in kept else -1 for i in part])
     if whole:
@@ -280,32 +313,29 @@ def _lay_out(params, group_of, part: List[int], world: int, bucket_bytes: int, o
     return L
 
 
-def _fill(L, part: List[int], tensors: tuple, group_of, where: tuple, st: "FlatState", how: tuple) -> None:
-    """One shard group's flat buffers from its layout ``L``: the values copied in (from
-    global rank ``first`` over ``copy_group``), each parameter a view of its buffer.
-    ``tensors``: (the parameters, their local pieces); ``where``: (ShardGroup, the number
-    of buckets before this layout's, first, copy_group)."""
-    (sg, base, first, copy_group), (stage, adam, device, storage, offloaded) = where, how
-    params, pieces = tensors
-    off = storage.offload.placement
-    places = [off if part[lb.tensors[0]] in offloaded else Placement.DEVICE for lb in L.buffers]
-    storage.reserve_disk(sum(lb.numel // sg.world * (2 * adam + _has_master(pieces[part[lb.tensors[0]]].dtype, pl,
-                                                                             device))
-                             for lb, pl in zip(L.buffers, places) if pl is Placement.DISK))
+def _fill(L, part: List[int], params: List[torch.Tensor], pieces: List[torch.Tensor], group_of,
+          fill: GroupFill, st: "FlatState", opts: BuildOptions) -> None:
+    """One shard group's flat buffers from its layout ``L``: the values copied in, each
+    parameter (``pieces``: their local pieces) a view of its buffer."""
+    off = opts.storage.offload.placement
+    places = [off if part[lb.tensors[0]] in opts.offloaded else Placement.DEVICE for lb in L.buffers]
+    dtypes = [pieces[part[lb.tensors[0]]].dtype for lb in L.buffers]
+    opts.storage.reserve_disk(sum(lb.numel // fill.shards.world * (2 * opts.adam + _has_master(dt, pl, opts.device))
+                                  for lb, pl, dt in zip(L.buffers, places, dtypes) if pl is Placement.DISK))
     for bi, lb in enumerate(L.buffers):
-        flat = torch.zeros(lb.numel, dtype=pieces[part[lb.tensors[0]]].dtype, device=device)
+        flat = torch.zeros(lb.numel, dtype=dtypes[bi], device=opts.device)
         for t in lb.tensors:
             place = L.tensors[t]
             flat[place.offset:place.offset + place.numel].copy_(pieces[part[t]].detach().reshape(-1))
-        if dist.get_world_size(copy_group) > 1:
-            dist.broadcast(flat, src=first, group=copy_group)
-        buf = _make_buffer(L, (bi, lb, flat), part, group_of[part[lb.tensors[0]]], stage, (sg, base), st,
-                           (storage, places[bi], adam))
+        if dist.get_world_size(fill.copy_group) > 1:
+            dist.broadcast(flat, src=fill.first, group=fill.copy_group)
+        buf = _make_buffer(L, bi, flat, part, group=group_of[part[lb.tensors[0]]], fill=fill, st=st, opts=opts,
+                           placement=places[bi])
         for t in lb.tensors:
             place, i = L.tensors[t], part[t]
             point_at(params[i], flat[place.offset:place.offset + place.numel].view(pieces[i].shape))
-            st.where[i] = (buf, place.offset, [_frag(L.fragments[f], base) for f in place.fragments])
-            if stage == 1:
+            st.where[i] = ParamPlace(buf, place.offset, [_frag(L.fragments[f], fill.base) for f in place.fragments])
+            if opts.stage == 1:
                 params[i].grad = None
 
 
@@ -313,21 +343,18 @@ def _frag(f, base: int) -> Frag:
     return Frag(base + f.bucket, f.tensor_offset, f.bucket_offset, f.numel)
 
 
-def _make_buffer(L, built: tuple, order: List[int], group: int, stage: int, where: tuple, st: FlatState,
-                 state: tuple) -> FlatBuffer:
-    """One flat buffer's record, its buckets and this rank's shards (``built``: (index,
-    layout buffer, flat tensor); ``order``: the layout's tensors' parameter indices;
-    ``where``: (ShardGroup, the number of buckets before this layout's); ``state``:
-    (storage, placement, fused AdamW or not: another optimizer keeps its own state,
-    optim/rules.py))."""
-    (bi, lb, flat), (sg, base), (storage, placement, adam) = built, where, state
+def _make_buffer(L, bi: int, flat: torch.Tensor, order: List[int], *, group: int, fill: GroupFill, st: FlatState,
+                 opts: BuildOptions, placement: Placement) -> FlatBuffer:
+    """The record of the layout's buffer ``bi`` (its values ``flat``), its buckets and this
+    rank's shards; ``order``: the layout's tensors' parameter indices."""
+    lb, sg, base, storage, adam = L.buffers[bi], fill.shards, fill.base, opts.storage, opts.adam
     world, rank = sg.world, sg.rank
     shard_len, dev = lb.numel // world, flat.device
     moments = [storage.zeros(placement, shard_len) if adam else None for _ in range(2)]
     buf = FlatBuffer(group=group, dtype=flat.dtype, params=flat, master=None,
                      exp_avg=moments[0], exp_avg_sq=moments[1], placement=placement, shard=sg,
                      grad_shard=None,    # stage 2: allocated by the first reduction of a backward
-                     grads=torch.zeros(lb.numel, dtype=flat.dtype, device=dev) if stage == 1 else None)
+                     grads=torch.zeros(lb.numel, dtype=flat.dtype, device=dev) if opts.stage == 1 else None)
     shard_off = 0
     for b in lb.buckets:
         lbk = L.buckets[b]

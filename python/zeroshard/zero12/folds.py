@@ -141,7 +141,7 @@ class AddToShardFold(_BucketFold):
         self.copies_left: dict = {}   # param index -> buckets still to copy its gradient (then freed)
 
     def backward_started(self):
-        self.copies_left = {i: len(self.src.where[i][2]) for i in self.src.trainable}
+        self.copies_left = {i: len(self.src.where[i].frags) for i in self.src.trainable}
 
     def reduce_input(self, r: Reduction) -> Tuple[torch.Tensor, torch.Tensor, Optional[List[int]]]:
         b, src = bucket_of(r), self.src

@@ -44,12 +44,12 @@ def _settle_all() -> None:
 class ParamGather:
     """The all-gathers of one FlatReducer's buckets, each over its buffer's ranks (see the Note above)."""
 
-    def __init__(self, buffers: list, params: List[torch.Tensor], where: Dict[int, tuple], *,
+    def __init__(self, buffers: list, params: List[torch.Tensor], where: Dict[int, "ParamPlace"], *,
                  overlap: bool, comm_elements: dict, hook_factory):
         self.buffers, self.overlap = buffers, overlap
         self.comm_elements = comm_elements
         # parameter -> the buckets holding its elements (by identity: tensors compare elementwise)
-        self.buckets_of = {id(params[i]): sorted({f.bucket for f in frags}) for i, (_, _, frags) in where.items()}
+        self.buckets_of = {id(params[i]): sorted({f.bucket for f in place.frags}) for i, place in where.items()}
         self.pending: Dict[int, comm.CommHandle] = {}    # bucket index -> its all-gather in flight
         self._hook = None
         self._hook_fn = hook_factory(self._before_forward)   # held weakly by the caller's factory

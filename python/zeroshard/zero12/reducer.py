@@ -57,7 +57,7 @@ from ..common.pool import BufferPool
 from ..common.reduction import MAX_INFLIGHT_BUCKETS, Reduction, ReductionPipeline
 from .folds import AddToShardFold, InPlaceFold
 from .param_gather import ParamGather
-from ..common.source import (GradState, Region, Segment, ShardSource, add_locations, check_dense_grad, empty_report,
+from ..common.source import (GradState, Piece, Region, Segment, ShardSource, add_locations, check_dense_grad, empty_report,
                              weak_hook)
 from ..common.tensor_parallel import TensorParallel, expert_placements, local_tensor, settle
 
@@ -68,15 +68,14 @@ from ..common.tensor_parallel import TensorParallel, expert_placements, local_te
 # the blocks, and the next backward gets them back at no cost. On CPU the
 # pool is kept between steps, as DDP keeps its buckets: glibc hands blocks
 # this large back to the OS, and touching fresh pages again cost more than
-# the reduction (45 ms of a 500 ms step at 25.8M parameters, 25 MB buckets,
-# world size 2, measured). For the same reason, on CPU the gradient shard
-# that zero_grad(set_to_none=True) drops keeps its storage for the next
-# backward's first reduction, which overwrites all of it (37 ms of a 425 ms
-# step at 25.8M parameters, world size 2: 12,600 page faults of a 52 MB
-# shard; the exact tensor peak rose 2%, 272.0 to 277.8 MB, as the shard is
-# now alive through the forward). memory_report()'s comm_buffers counts the
-# pool (the shard is in "grads" either way), and the planner's CPU plans
-# (transport="gloo") replay both.
+# the reduction itself, a sizeable share of the step. For the same reason, on
+# CPU the gradient shard that zero_grad(set_to_none=True) drops keeps its
+# storage for the next backward's first reduction, which overwrites all of it:
+# faulting the whole shard's pages in again was a sizeable cost every step,
+# against a small rise of the tensor peak, the shard now being alive through
+# the forward (the figures are in benchmarks/history.md). memory_report()'s
+# comm_buffers counts the pool (the shard is in "grads" either way), and the
+# planner's CPU plans (transport="gloo") replay both.
 
 
 class FlatReducer(ShardSource):
@@ -178,7 +177,7 @@ class FlatReducer(ShardSource):
         self.fold.grad_arrived(i, p)
         if not sync:
             return
-        for f in self.where[i][2]:
+        for f in self.where[i].frags:
             r = self.buckets[f.bucket].reduction
             if r.launched:
                 raise RuntimeError(self.err(
@@ -274,7 +273,7 @@ class FlatReducer(ShardSource):
 
     def grad_view(self, i: int) -> torch.Tensor:
         """Stage 1: parameter ``i``'s view of its flat buffer's full gradient."""
-        buf, offset, _ = self.where[i]
+        buf, offset = self.where[i].buffer, self.where[i].offset
         shape = self.full_shapes[i]
         return buf.grads[offset:offset + shape.numel()].view(shape)
 
@@ -355,7 +354,7 @@ def _regions_and_segments(src: "FlatReducer", stage: int):
     regions = [
         Region(shard_numel=bk.shard_numel, exp_avg=_shard_of(bk, bk.buffer.exp_avg),
                exp_avg_sq=_shard_of(bk, bk.buffer.exp_avg_sq),
-               frags=[(i, fr.tensor_offset, fr.bucket_offset, fr.numel) for i, fr in bk.frags],
+               frags=[Piece(i, fr.tensor_offset, fr.bucket_offset, fr.numel) for i, fr in bk.frags],
                values=bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params))
         for bk in src.buckets]
     region_of = {bk.index: reg for bk, reg in zip(src.buckets, regions)}
@@ -399,7 +398,7 @@ def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
     """Bytes by category (see ShardedOptimizer.memory_report)."""
     rep = empty_report()
     for buf in src.buffers:
-        full = sum(src.full_shapes[i].numel() for i in src.trainable if src.where[i][0] is buf)
+        full = sum(src.full_shapes[i].numel() for i in src.trainable if src.where[i].buffer is buf)
         item = buf.params.element_size()
         mine, shard_len = buf.shard_data_numel, buf.shard_numel
         rep["params"] += full * item

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .. import comm
 from ..comm.mesh import Sharding
 from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
-from ..common.source import Rebind, Region, Segment, ShardSource, weak_hook
+from ..common.source import Piece, Rebind, Region, Segment, ShardSource, weak_hook
 from ..common.tensor_parallel import TensorParallel
 from .param import ShardedTensor
 from ..native.layout import keep_balanced, update_cost
@@ -154,7 +154,7 @@ class UnitSource(ShardSource):
                 self.whole_owners[index[id(q.sharded)]] = holder     # inside one chunk
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
         self.regions.append(Region(shard_numel=hi - lo, exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"],
-                                   frags=[(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine],
+                                   frags=[Piece(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine],
                                    values=u.shard[:hi - lo], model_owned=True, bounds=u.reduce_bounds(),
                                    place=u.ranks.rank if u.ranks.own else None))
         # runs of consecutive pieces with one param group (padding between them is harmless:

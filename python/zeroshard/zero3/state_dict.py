@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..common.source import HeldParam, Region, add_locations, empty_report
+from ..common.source import HeldParam, Piece, Region, add_locations, empty_report
 from .records import Steppers, Unit
 from ..common.tensor_parallel import local_piece
 
@@ -23,7 +23,7 @@ def held_regions(units: List[Unit], expert_names: Optional[Callable[[str], str]]
     for u in units:
         frags = []
         for q in u.params:
-            frags.append((len(params), 0, q.offset, q.numel))
+            frags.append(Piece(len(params), 0, q.offset, q.numel))
             whole = expert_names(q.names[0]) if u.ranks.own and expert_names is not None else None
             params.append(HeldParam(q.sharded, q.full_shape, q.dtype, whole, q.placed))
         if frags:
