@@ -37,7 +37,7 @@ int multiprocessors() {
 }
 
 // Plain accesses and 16 blocks per multiprocessor (about twice as many blocks as
-// fit at once): chosen by benchmarks/adamw.py --launches on an H200 (2026-11-27),
+// fit at once): chosen by `python -m benchmarks adamw --launches` on an H200 (2026-11-27),
 // 91.2-91.9% of copy bandwidth from 256M parameters against 90.0-90.5% with 8
 // blocks (4: 77.9-83.1%; evict-first accesses: 90.2-92.8%, below 16 blocks'
 // at 16M-512M).

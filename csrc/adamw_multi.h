@@ -214,7 +214,7 @@ const char* adamw_cuda_multi(const AdamWTable& device_table, const float* scale,
 
 // The CUDA kernel's launch choices: its accesses' cache policy and how many
 // blocks per multiprocessor its grid has. Process-wide; set only by
-// benchmarks/adamw.py, which measures each (the defaults are what it chose).
+// `python -m benchmarks adamw`, which measures each (the defaults are what it chose).
 struct AdamWLaunch {
   Access access;
   int32_t blocks_per_sm;

@@ -22,7 +22,7 @@ using namespace zeroshard;
 #endif
 
 // Every class is module-local (py::module_local()): two builds of zeroshard can then be
-// imported into one process side by side (benchmarks/before_after.py).
+// imported into one process side by side (python -m benchmarks before_after).
 
 static void bind_build_info(py::module_& m) {
   m.def("build_info", [] {

@@ -29,7 +29,7 @@ def test_ci_builds_the_cuda_kernels():
 
 
 def test_the_cuda_adamw_launch_choices_set_and_read_back():
-    """benchmarks/adamw.py measures the CUDA kernel under other launch choices; setting
+    """`python -m benchmarks adamw` measures the CUDA kernel under other launch choices; setting
     them touches no device. The default is 16 plain-access blocks per multiprocessor."""
     if not zs.build_info()["cuda"]:
         assert not hasattr(zs._C, "adamw_cuda_launch")

@@ -2,7 +2,7 @@
 group ([Note: no-op process group] in comm/noop.py). What a training step does on
 the host must not grow with N: the same collectives, each given as many tensors,
 and as many Python calls, at N = 8 and N = 4096. (Timings are the scale
-benchmark's: benchmarks/scale.py.)"""
+benchmark's: python -m benchmarks scale.)"""
 import collections
 import sys
 import time

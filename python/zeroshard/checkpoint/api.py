@@ -43,7 +43,7 @@ with the previous checkpoint (``renameat2(RENAME_EXCHANGE)``; filesystems
 without it: two renames, and a load that finds the path missing uses the
 ``.{name}.old-*`` left between them). Only then is the old one deleted: after
 an exchange, by a thread of rank 0 while training goes on (freeing the blocks
-of fsynced files took 67 ms of a 260 ms save of a 13M-parameter GPT); the
+of fsynced files is a large part of a blocking save's time); the
 next save, and the process's exit, wait for it. A crash before the rename
 leaves only a ``.partial`` directory, which has no manifest, is never loaded,
 and is removed by the next save beside it. The steps are in checkpoint/save.py;

@@ -13,7 +13,7 @@ size, shape, dtype and device queries DCP's planner makes of every tensor direct
 as ShardedTensor's own ops would, and gives DCP's save planner write items for its
 non-empty shards only (``__create_write_items__``): the empty shard a rank that holds
 none of a tensor keeps for the key's sake (checkpoint/dcp.py) costs no write, where DCP's
-writer spends about half a millisecond on every item, empty or not. Everything else is
+writer spends a fixed, measurable time on every item, empty or not. Everything else is
 ShardedTensor's own behaviour.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 
 # what the wrapper tensor answers itself, as ShardedTensor's default ops do, without their
-# deprecation warning and argument walk on each call (DCP asks for them ~1,000 times a load)
+# deprecation warning and argument walk on each call (DCP asks for them of every tensor, many times a load)
 _OWN = {torch.Tensor.size, torch.Tensor.shape.__get__, torch.Tensor.dim, torch.Tensor.dtype.__get__}
 
 
@@ -100,7 +100,7 @@ def flat_sharded_tensor(shards: List[Shard], meta: ShardedTensorMetadata, group)
     """A FlatShardedTensor of ``meta`` with this rank's ``shards``, as torch's
     ``ShardedTensor._init_from_local_shards_and_global_metadata`` makes one but without
     its checks of every shard against every other (pairwise: O(shards²) per tensor,
-    milliseconds a save here and minutes on thousands of ranks): the rectangles a flat
+    quadratic in the ranks): the rectangles a flat
     range is cut into never overlap and tile it (tests/unit/test_dcp_layout.py)."""
     props = meta.tensor_properties
     made = torch.Tensor._make_wrapper_subclass(FlatShardedTensor, meta.size, dtype=props.dtype,

@@ -23,7 +23,7 @@ ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", to
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
              torch.uint8: "U8", torch.bool: "BOOL"}
 # the blocks' checksum: zlib's CRC-32, from the C++ core where the CPU folds it with
-# PCLMULQDQ (3x zlib's speed here; csrc/crc32.h), else zlib's own
+# PCLMULQDQ (well ahead of zlib's; csrc/crc32.h), else zlib's own
 crc32 = _C.crc32 if _C.crc32_is_fast() else zlib.crc32
 stats = {"bytes_read": 0}   # of this process's last load_checkpoint (tests and benchmarks read it)
 

@@ -1,12 +1,12 @@
 """One process playing rank r of an N-rank job: a process group whose collectives
 return at once (``noop_world``), for measuring what zeroshard's own host work
-costs at any world size on one machine (benchmarks/scale.py, tests/unit/test_scale.py).
+costs at any world size on one machine (``python -m benchmarks scale``, tests/unit/test_scale.py).
 
 [Note: no-op process group]
 torch ships a fake process group for this (backend "fake"), but its
 all-gather and reduce-scatter are not free at large N: its all-gather copies
-the input into each of the N chunks of the output (2.2 ms per all-gather of
-a one-element input at N = 4096), so a step measured with it grows with N
+the input into each of the N chunks of the output, even for a one-element
+input, so a step measured with it grows with N
 even where zeroshard's work does not. This backend does nothing with the
 tensors the training data travels in: a floating-point collective returns
 at once and leaves its output as it was, as a real backend's host-side

@@ -261,7 +261,7 @@ class ReducedGrads(norms.NormQueries):
         all-reduce's result: it stays in flight, and whatever reads the norms
         (clipping, GradScaler, the non-finite check) or ends the step waits for it
         (settle()). The engine's update runs meanwhile: the latency of a small
-        collective (~0.4 ms on gloo) off every step's critical path."""
+        collective off every step's critical path."""
         self.settle()
         self.stale, self.coef, self.pnorms = set(), None, {}
         self.by_hand, self.uncounted_hand = False, None
@@ -348,7 +348,7 @@ class ReducedGrads(norms.NormQueries):
         it is the statistic. Hybrid: the replicas' shards are equal, so one replica counts.
         ``after_backward``: the squared norms the source took on the device before copying
         gradient shards to host memory stand for those pieces (a pass over host memory on
-        the CPU was half of a ZeRO-3 offload backward's host time on an H200)."""
+        the CPU was a large share of a ZeRO-3 offload backward's host time)."""
         taken = None
         if after_backward and any(seg.norms_taken for seg in self._segments):
             taken = [seg.sumsq_before_copy(a, b) for seg, a, b in self.flat]

@@ -97,7 +97,7 @@ _OWN = ("optimizer_state",)   # another optimizer_class's own state (a whole-ten
 # are long gone. The peak is then the state without the gradient shards, plus
 # ZeRO-3's root unit (gathered for the whole step), plus the replay's peak.
 # What it leaves out: a reduction that finishes late on one rank holds its
-# buffer a little longer (measured up to 3% over the prediction).
+# buffer a little longer, so a measured peak can read a little over the prediction.
 
 
 def _load(spec: str):

@@ -343,8 +343,8 @@ def shard_device(device: torch.device, offload_params: bool) -> torch.device:
 def host_or_device_empty(n: int, where: torch.device, device: torch.device) -> torch.Tensor:
     """fp32 memory on ``where``, uninitialised: ``device`` itself, or host memory standing
     in for it (offload_params, gradient shards bound for the host; pinned for CUDA). For
-    a buffer its first writer fills whole (a CPU memset of a GPT-2 unit's pinned gradient
-    shard took ~0.7 ms of host time)."""
+    a buffer its first writer fills whole (zeroing a pinned gradient shard first would be
+    a CPU memset, host time spent for nothing)."""
     return host_empty(n, device) if where.type == "cpu" else torch.empty(n, dtype=torch.float32, device=where)
 
 
