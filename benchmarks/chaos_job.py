@@ -117,7 +117,7 @@ class Killer:
         sys.setprofile(prof if on else None)
 
     def loading(self, on: bool):
-        """Count the load's block reads (checkpoint/files.py, ``Reader.read``) while ``on``."""
+        """Count the load's block reads (checkpoint/files.py, ``CheckpointReader.read``) while ``on``."""
         if not (self.plan and self.plan["phase"] == "load"):
             return
 

@@ -56,7 +56,7 @@ def test_element_ranges_read_in_chunks_and_converted(tmp_path_factory, name, sta
     old = pretrained.READ_BYTES
     pretrained.READ_BYTES = chunk            # reads of a few bytes: many chunks, each a whole element
     try:
-        reader = pretrained.Reader()
+        reader = pretrained.SafetensorsReader()
         reader.read(e, start, out)
         reader.close()
     finally:
@@ -70,4 +70,4 @@ def test_a_truncated_file_is_an_error_not_garbage(tmp_path):
     e = pretrained.read_header(str(path))["b"]
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(OSError, match="truncated"):
-        pretrained.Reader().read(e, 0, torch.empty(e.numel))
+        pretrained.SafetensorsReader().read(e, 0, torch.empty(e.numel))

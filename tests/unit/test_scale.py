@@ -140,7 +140,7 @@ def test_a_load_finds_the_entries_of_a_4096_rank_manifest_by_bisection():
     entries = [[f"rank{r}.safetensors", 0, s, e - s, []] for r, (s, e) in enumerate(zip(starts, cuts + [numel]))]
     rnd.shuffle(entries)
     man = {"block_bytes": files.BLOCK, "tensors": {"param:w": {"dtype": "float32", "entries": entries}}}
-    reader = files.Reader("/nonexistent", man)
+    reader = files.CheckpointReader("/nonexistent", man)
     for _ in range(200):
         lo = rnd.randrange(numel)
         hi = min(numel, lo + rnd.choice([1, 7, 245, 5000, 300_000]))

@@ -209,7 +209,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
     elsewhere = h.everyones_expert_keys()
     man = peers.run(lambda: files.read_manifest(path))
     peers.run(lambda: (_check_match(h, man, path, optimizer is not None, elsewhere, strict), h.adopt(man)))
-    reader = files.Reader(path, man)
+    reader = files.CheckpointReader(path, man)
     files.stats["bytes_read"] = 0
 
     @torch.no_grad()
@@ -311,4 +311,4 @@ def _full_entries(path, dtype: Optional[torch.dtype], tied: bool = True):
     entries = [entry(key.split(":", 1)[1], key) for key in man["tensors"] if key.startswith(("param:", "buffer:"))]
     if tied:
         entries += [entry(alias, "param:" + canonical) for alias, canonical in man["aliases"].items()]
-    return man, files.Reader(path, man), entries
+    return man, files.CheckpointReader(path, man), entries

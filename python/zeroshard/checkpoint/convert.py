@@ -46,7 +46,7 @@ class _Streaming(DefaultSavePlanner):
 class _Keys:
     """DCP name -> the zeroshard checkpoint's tensor, read on demand."""
 
-    def __init__(self, reader: files.Reader, keys: Dict[str, str]):
+    def __init__(self, reader: files.CheckpointReader, keys: Dict[str, str]):
         self.reader, self.keys = reader, keys
 
     def __call__(self, fqn: str) -> torch.Tensor:
@@ -69,7 +69,7 @@ def to_dcp(src: str, dst: str) -> None:
             keys[f"{_STATE}{name}.{kind}"] = key
     groups = [dict(_adamw_keys(g["hyper"]), **g["hyper"], params=list(g["params"]))
               for g in man.get("param_groups") or []]
-    reader = files.Reader(path, man)
+    reader = files.CheckpointReader(path, man)
     try:
         save({"model": model, "optim": {"state": state, "param_groups": groups}},
                  storage_writer=FileSystemWriter(dst, thread_count=1), planner=_Streaming(_Keys(reader, keys)),

@@ -192,7 +192,7 @@ def file_problem(path: str, fname: str, info: dict) -> Optional[str]:
     return None
 
 
-class Reader:
+class CheckpointReader:
     """Reads element ranges of checkpoint tensors, verifying each block read."""
 
     def __init__(self, path: str, man: dict):

@@ -116,7 +116,7 @@ def index(files: List[str]) -> Dict[str, Entry]:
     return out
 
 
-class Reader:
+class SafetensorsReader:
     """Element ranges of the files' tensors, read into tensors of any dtype and device."""
 
     def __init__(self):
@@ -252,7 +252,7 @@ def load_pretrained(model: nn.Module, path: Union[str, Sequence[str]], *, strict
     if strict and (missing or unexpected):
         raise RuntimeError(f"load_pretrained: error(s) loading {type(inner).__name__} from {path}: missing key(s) "
                            f"{missing}, unexpected key(s) {unexpected}; pass strict=False to load what matches")
-    reader = Reader()
+    reader = SafetensorsReader()
     try:
         for piece in holdings.pieces:
             if piece.key in source:

@@ -27,7 +27,7 @@ a Join the optimizer listens to the model's forwards (``forward_listeners``):
 a training rank takes part in Join's count as its forward begins, before the
 first gather, and the inputs of its last training forward are kept; a
 joined rank shadows an iteration by running the model on those inputs again
-and back-propagating a zero gradient from every output (``_Replay``: the
+and back-propagating a zero gradient from every output (``_ForwardReplay``: the
 buffers and the random state are put back afterwards), then ``step()``. Its
 gradient is exactly zero, as DDP's joined ranks' is. What it needs besides:
 one model (a FullyShard) whose one forward and backward make an iteration,
@@ -70,7 +70,7 @@ class JoinableOptimizer(Joinable):
                     f"Join over the parameters of {len(models)} FullyShard models: a joined rank replays one "
                     "model's forward; wrap them in one FullyShard (or give every rank the same number "
                     "of batches, e.g. DistributedSampler(drop_last=True))"))
-            self._replay = _Replay(models[0], weak_hook(self.iteration_begins), weak_hook(self._err))
+            self._replay = _ForwardReplay(models[0], weak_hook(self.iteration_begins), weak_hook(self._err))
         return _ShadowIteration(self)
 
     @property
@@ -125,7 +125,7 @@ class JoinableOptimizer(Joinable):
         self.step()
 
 
-class _Replay:
+class _ForwardReplay:
     """ZeRO-3 under Join: the inputs of this rank's last training forward of ``model``, and
     that forward replayed with a zero gradient by a joined rank ([Note: uneven inputs])."""
 

@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..offload import Offload, planning_for_host
-from .trace import Gather, Policy, Reduction, activation_bytes, torch_dtype
+from .trace import Gather, PlannedReduction, Policy, activation_bytes, torch_dtype
 from .formula import (
     _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
 from ..common.reduction import MAX_INFLIGHT_BUCKETS, MAX_INFLIGHT_UNITS
@@ -243,7 +243,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                        transient=gathered + ri * (fs.units[0].grad_numel +
                                                   max([u.grad_numel for u in fs.units[1:]], default=0)),
                        fixed=rep["root_gathered"], policy=Policy(
-                           [Reduction([q.names[0] for q in u.trainable], ri * u.grad_numel, 4 * _grad_len(u, rank),
+                           [PlannedReduction([q.names[0] for q in u.trainable], ri * u.grad_numel, 4 * _grad_len(u, rank),
                                        scratch(u.grad_numel, ri, True,
                                                -1 if u.reduce_bounds() is None else _grad_len(u, rank)))
                             for u in order],
@@ -261,7 +261,7 @@ def _meta_run(build: Callable, world_size: int, rank: int, stage: int, dtype: st
                 item = {id(b): red.reduce_dtype_of(b.buffer.dtype).itemsize for red, _ in reds for b in red.buckets}
                 out["transient"] = max(b.numel * item[id(b)] for red, _ in reds for b in red.buckets)
                 out["policy"] = Policy(
-                    [Reduction([nm[i] for i in b.params], b.numel * item[id(b)], 0,
+                    [PlannedReduction([nm[i] for i in b.params], b.numel * item[id(b)], 0,
                                 scratch(b.numel, item[id(b)], False))
                      for red, nm in reds for b in (red.buckets[k] for k in red.launch_order)],
                     inflight=MAX_INFLIGHT_BUCKETS, first=sum(b.shard_numel * item[id(b)] for red, _ in reds

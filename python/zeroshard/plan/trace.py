@@ -22,7 +22,7 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 
 @dataclass
-class Reduction:
+class PlannedReduction:
     names: List[str]    # parameters whose gradients it takes
     buffer: int         # bytes of its flat gradient buffer
     shard: int          # gradient-shard bytes allocated when it retires (ZeRO-3's units)
@@ -39,7 +39,7 @@ class Gather:
 @dataclass
 class Policy:
     """A stage's gradient lifetimes, replayed in the fake backward; see [Note: model plan]."""
-    reductions: List[Reduction]   # in launch order
+    reductions: List[PlannedReduction]   # in launch order
     inflight: int                  # reductions in flight at once
     first: int                     # bytes allocated by the first launch (ZeRO-2's gradient shard)
     keep: int = 0                  # buffers kept free for reuse (ZeRO-2's pool; ZeRO-3 keeps none)
@@ -50,7 +50,7 @@ class Policy:
     prefetch: int = 0              # units gathered ahead of the one running (FullyShard's prefetch)
 
 
-class _Replay:
+class _PolicyReplay:
     """Installs a Policy on a (fake) model: each gradient stays on its parameter
     until every gradient of its reduction has arrived; then the reduction's
     buffer is allocated and the gradients freed; retiring a reduction frees its
@@ -241,7 +241,7 @@ def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32", po
     live.ignore([*model.parameters(), *model.buffers(), *(t for t in inputs if torch.is_tensor(t))])
     with fake, live:
         if policy is not None:
-            replay = _Replay(model, policy)
+            replay = _PolicyReplay(model, policy)
         out = model(*inputs)
         loss = out if out.dim() == 0 else out.float().sum()
         if replay is not None:

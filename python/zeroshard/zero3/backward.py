@@ -14,7 +14,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .fold import DivideIntoShard, expose_grads
+from .fold import DivideIntoShardFold, expose_grads
 from .gather import Gatherer
 from ..common.reduction import MAX_INFLIGHT_UNITS, Reduction, ReductionPipeline
 from ..common.source import GradState, check_dense_grad
@@ -42,7 +42,7 @@ class UnitBackward:
         # the gradient is divided by every rank, the replicas' too (an expert unit's too: its
         # group's sum covers the whole batch, [Note: param groups over their own ranks])
         divisor = ctx.world * (dist.get_world_size(ctx.replicate) if ctx.replicate is not None else 1)
-        self.fold = DivideIntoShard(device=ctx.device, reduce_dtype=ctx.reduce_dtype,
+        self.fold = DivideIntoShardFold(device=ctx.device, reduce_dtype=ctx.reduce_dtype,
                                     divisor=divisor, label=lambda what: gatherer.label(what, phase=False))
         self._pipeline = ReductionPipeline(self.fold, MAX_INFLIGHT_UNITS, ctx.comm_elements)
         self.fold.retire_completed = self._pipeline.retire_completed

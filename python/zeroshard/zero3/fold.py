@@ -19,7 +19,7 @@ from .records import Param, Unit
 from .wrap import host_or_device_empty
 
 
-class DivideIntoShard(FoldPolicy):
+class DivideIntoShardFold(FoldPolicy):
     """The fold of one FullyShard's units; ``divisor``: every rank taking part (replicas
     too), or the factor ``set_gradient_divide_factor`` set; ``label``: names a collective
     of this FullyShard's current step."""
