@@ -299,7 +299,7 @@ def test_model_plan_with_many_buckets(dist_pool):
     from zeroshard.plan import plan_model
     plan = plan_model(_build, dist_pool.world_size, "fp32", example=_batch, bucket_mb=0.15, transport="gloo")
     want = plan["stages"]["ZeRO-2"]
-    from zeroshard.common.reduction import MAX_INFLIGHT_BUCKETS as MAX_INFLIGHT
+    from zeroshard.core.reduction import MAX_INFLIGHT_BUCKETS as MAX_INFLIGHT
     for r, (rep, peak) in enumerate(dist_pool.run(_measured, 2, "fp32", 0.15)):
         # on CPU the bucket pool is kept between steps ([Note: bucket buffers between steps]):
         # at most MAX_INFLIGHT + 1 buffers of at most the bucket size

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard as zs
-from zeroshard.common.source import LOCATIONS, PERSISTENT
+from zeroshard.core.regions import LOCATIONS, PERSISTENT
 from support.models import Residual, ResidualNet
 
 

@@ -383,7 +383,7 @@ def _inflight_bound():
 
 
 def test_stage2_bucket_memory_is_bounded(dist_pool):
-    from zeroshard.common.reduction import MAX_INFLIGHT_BUCKETS as _MAX_INFLIGHT
+    from zeroshard.core.reduction import MAX_INFLIGHT_BUCKETS as _MAX_INFLIGHT
     for peak, biggest, nb, full, nbuf, kept in dist_pool.run(_inflight_bound):
         assert nb > _MAX_INFLIGHT + 2
         # on CPU the pool stays between steps ([Note: bucket buffers between steps]): at most
@@ -485,7 +485,7 @@ def test_sharded_state_dict_round_trip_is_exact(dist_pool, stage, dtype):
 
 def test_buffer_pool_recycles_by_size_and_keeps_at_most_keep():
     """_ordered.BufferPool, the one recycling policy of the stage-2 reducer and the planner's replay."""
-    from zeroshard.common.pool import BufferPool
+    from zeroshard.core.pool import BufferPool
     made = []
     pool = BufferPool(2, lambda n, dt: made.append((n, dt)) or torch.empty(n, dtype=dt))
     a, b = pool.acquire(10, torch.float32), pool.acquire(7, torch.bfloat16)

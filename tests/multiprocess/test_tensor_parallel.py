@@ -288,7 +288,7 @@ def _runs_cover_the_local_pieces():
     tensor, holds the same elements (3 tp ranks: uneven and empty pieces); the mismatches."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from zeroshard.common.tensor_parallel import placed_of
+    from zeroshard.core.tensor_parallel import placed_of
     mesh, bad = init_device_mesh("cpu", (3,)), 0
     for shape, pl in [((11, 3), Shard(0)), ((3, 10), Shard(1)), ((2, 5, 3), Shard(1)), ((2, 3, 5), Shard(2)),
                       ((4, 3), Replicate()), ((2, 2), Shard(1)), ((7,), Shard(0))]:

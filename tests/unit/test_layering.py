@@ -2,8 +2,8 @@
 optimizer, and no module keeps a registry keyed by ``id()``.
 
 The optimizer decides layouts and binds to them; the model side exposes what it holds and
-answers through protocols (``common/claims.py``'s ``Claimant``, ``zero3/records.py``'s
-``Stepper``, ``common/source.py``'s ``Rebind``). Per-object state lives in the package's own
+answers through protocols (``core/claims.py``'s ``Claimant``, ``zero3/records.py``'s
+``Stepper``, ``core/source.py``'s ``Rebind``). Per-object state lives in the package's own
 objects (a ``ShardedParameter``'s ``owner_ref``), not in module-level maps from ``id()``.
 """
 import ast

@@ -1,4 +1,4 @@
-"""The gradient reduction pipeline (common/reduction.py, [Note: reduction pipeline]) without
+"""The gradient reduction pipeline (core/reduction.py, [Note: reduction pipeline]) without
 processes: a fake fold policy and fake collectives (handles that complete when the test says)
 record what the pipeline does, in order: the fixed launch order whatever order gradients
 arrive in, the cap on reduce-scatters in flight, the replicas' all-reduce under hybrid
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zeroshard.common import reduction
-from zeroshard.common.reduction import FoldPolicy, Reduction, ReductionPipeline
+from zeroshard.core import reduction
+from zeroshard.core.reduction import FoldPolicy, Reduction, ReductionPipeline
 
 SHARDS, REPLICAS = "shard group", "replica group"
 

@@ -14,16 +14,16 @@ MAX_FILE, MAX_CLASS, MAX_FUNCTION = 500, 300, 60
 # (docs/architecture.md draws it; each folder's __init__ docstring repeats its row).
 # The package's own __init__.py (the public API) may import every part;
 # integrations (adapters for other tools) only the public API.
-BELOW_OPTIM = {"native", "comm", "offload", "common", "zero12", "zero3"}
+BELOW_OPTIM = {"native", "comm", "offload", "core", "zero12", "zero3"}
 LAYERS = {
     "native": set(),                                   # the C++ core's bindings
     "comm": {"native"},                                # collectives, flight record, watchdog, groups
     "offload": {"native"},                             # where state lives, the streamed CPU step
-    "common": {"native", "comm", "offload"},           # the shard-source interface, the reduction pipeline
-    "zero12": {"native", "comm", "offload", "common"},  # the ZeRO-1/2 gradient source
-    "zero3": {"native", "comm", "offload", "common"},   # FullyShard and its units
+    "core": {"native", "comm", "offload"},           # the shard-source interface, the reduction pipeline
+    "zero12": {"native", "comm", "offload", "core"},  # the ZeRO-1/2 gradient source
+    "zero3": {"native", "comm", "offload", "core"},   # FullyShard and its units
     "optim": BELOW_OPTIM,                              # the update engine
-    "checkpoint": {"native", "comm", "common", "optim"},   # through regions: neither stage
+    "checkpoint": {"native", "comm", "core", "optim"},   # through regions: neither stage
     "plan": BELOW_OPTIM | {"optim"},                   # the memory planner
 }
 
@@ -353,7 +353,7 @@ def test_only_its_adapter_imports_an_optional_tool(tmp_path):
 # ----------------------------------------------------- one reduction pipeline
 # The calls that issue a gradient reduction, and the module allowed to make them.
 REDUCING_CALLS = {"reduce_scatter", "all_reduce"}
-PIPELINE = os.path.join("common", "reduction.py")
+PIPELINE = os.path.join("core", "reduction.py")
 # the gradient sources, each of which must run its reductions on the pipeline
 SOURCES_ON_PIPELINE = (os.path.join("zero12", "reducer.py"), os.path.join("zero3", "backward.py"))
 
@@ -373,7 +373,7 @@ def _reductions_outside_pipeline(sources: dict) -> list:
                     bad.append(f"{rel}:{node.lineno}: {name}() outside {PIPELINE}")
     for rel in SOURCES_ON_PIPELINE:
         src = sources.get(rel, "")
-        if "ReductionPipeline(" not in src or "from ..common.reduction import" not in src:
+        if "ReductionPipeline(" not in src or "from ..core.reduction import" not in src:
             bad.append(f"{rel}: does not reduce on {PIPELINE}'s ReductionPipeline")
     return bad
 

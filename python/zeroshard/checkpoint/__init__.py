@@ -8,7 +8,7 @@ straight into shards (``pretrained``: ``load_pretrained``); torch.distributed.ch
 state dicts of the same pieces (``dcp``: ``dcp_state_dict``, ``load_dcp_state_dict``).
 [Note: checkpoint format] in ``checkpoint/api.py``.
 
-May import: ``native``, ``comm``, ``common``, ``optim``.
+May import: ``native``, ``comm``, ``core``, ``optim``.
 """
 from .api import (export_full_state_dict, full_state_dict_meta, load_checkpoint, read_full_state_dict,
                   save_checkpoint)

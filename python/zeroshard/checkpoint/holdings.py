@@ -1,7 +1,7 @@
 """What a rank holds of a (model, optimizer) pair, by checkpoint key: the
 tensors (Spec) and this rank's element ranges of them (Piece), read from
 the regions a sharded model (FullyShard) and a ShardedOptimizer describe
-([Note: shard sources] in common/source.py), or from a plain model and
+([Note: shard sources] in core/source.py), or from a plain model and
 torch AdamW.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from .elementwise import ElementwiseLoad, elementwise_save
 from .parallel import (expert_colors, name_experts, name_group_experts, refuse_expert_buffers,
                        refuse_unnamed_experts, tp_placements)
 from .pieces import Piece, Spec
-from ..common.source import ShardedModel
-from ..common.tensor_parallel import placed_of
+from ..core.regions import ShardedModel
+from ..core.tensor_parallel import placed_of
 
 _SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
 

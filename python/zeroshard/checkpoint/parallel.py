@@ -21,7 +21,7 @@ keeps every expert under its name in the whole model, which the user gives
 [Note: tensor-parallel checkpoints] A tensor-parallel model's checkpoint holds the
 whole (global) tensors under the model's names: each rank writes its dp shard of its
 tp piece of each tp-sharded parameter as the ranges of the global tensor it covers
-(``Placed.runs`` in common/tensor_parallel.py); a parameter replicated over tp is
+(``Placed.runs`` in core/tensor_parallel.py); a parameter replicated over tp is
 written by tp rank 0's dp group. So it loads at any dp size, stage and tp degree (tp
 2 to 1 or 1 to 2: each rank reads its pieces' ranges), and exports as the whole
 model. The checkpoint is written over every rank (dp x tp: the mesh must span them).
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .files import CheckpointError
-from ..common.claims import claimant
+from ..core.claims import claimant
 
 
 def tp_placements(held, sharded: list) -> Dict[int, object]:

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..common.source import ShardedModel
+from ..core.regions import ShardedModel
 from .holdings import Holdings
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -5,5 +5,5 @@ fused AdamW or an elementwise torch optimizer (``rules``), or a whole-tensor one
 (Muon, Adafactor) on each parameter's owner rank (``whole``); and the optimizer's
 full and sharded state dicts (``state_dict``).
 
-May import: ``native``, ``comm``, ``offload``, ``common``, ``zero12``, ``zero3``.
+May import: ``native``, ``comm``, ``offload``, ``core``, ``zero12``, ``zero3``.
 """

@@ -3,7 +3,7 @@
 A ``Binding`` holds the optimizer's distribution options (its ``Sharding``, stage,
 reduction, ``Offload``) for the first layout and every later one (a new param group,
 FullyShard's units laid out again); ``make_source`` picks the stage's shard source for
-the parameters ([Note: shard sources] in common/source.py): ``FlatReducer`` for plain
+the parameters ([Note: shard sources] in core/source.py): ``FlatReducer`` for plain
 parameters (ZeRO-1/2), ``UnitSource`` for FullyShard's (ZeRO-3).
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 
 from ..comm import mesh
 from ..comm.mesh import Sharding
-from ..common.policies import optimizer_offload_of
-from ..common.source import Rebind, ShardSource
+from ..core.policies import optimizer_offload_of
+from ..core.source import Rebind, ShardSource
 from ..offload import Offload, parse_offload
 from ..zero12.reducer import FlatReducer
 from ..zero3.records import left_out, owner_of

@@ -2,7 +2,7 @@
 
 [Note: sharded gradients] After a backward outside ``no_sync()``, the
 averaged gradient of every parameter lives sharded over the ranks, in the
-shard source's buffers (see [Note: shard sources] in common/source.py): no rank
+shard source's buffers (see [Note: shard sources] in core/source.py): no rank
 holds a parameter's whole averaged gradient. So that code written for DDP
 cannot read a wrong one, ``p.grad`` of every trainable parameter is then a
 ``ShardedGrad``: a tensor with the gradient's shape and dtype but no storage
@@ -48,7 +48,8 @@ import torch
 
 from .. import comm
 from .slots import Slots
-from ..common.source import remove_hooks, squared_norms, weak_hook
+from ..core.hooks import remove_hooks, weak_hook
+from ..core.segments import squared_norms
 from . import norms
 from .grad_reads import full_gradient, read, writes
 

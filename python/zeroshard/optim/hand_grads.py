@@ -43,7 +43,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .. import comm
-from ..common.source import check_dense_grad
+from ..core.hooks import check_dense_grad
 
 
 def touched(grads) -> Tuple[List[int], Dict[int, torch.Tensor]]:

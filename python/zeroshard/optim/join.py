@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..common.source import weak_hook
+from ..core.hooks import weak_hook
 from ..zero3.outputs import output_tensors
 
 __all__ = ["Joinable", "JoinableOptimizer"]

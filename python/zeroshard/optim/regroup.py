@@ -33,8 +33,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from .. import comm
-from ..common.claims import check_unclaimed, unclaim
-from ..common.source import remove_hooks
+from ..core.claims import check_unclaimed, unclaim
+from ..core.hooks import remove_hooks
 from .rules import gather_scalars
 
 
@@ -174,7 +174,7 @@ class Regrouping:
 
     def holds(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is one of the parameters this optimizer steps (a claimant's answer:
-        [Note: construction order] in common/claims.py)."""
+        [Note: construction order] in core/claims.py)."""
         return id(p) in self._held
 
     def params_replaced(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:

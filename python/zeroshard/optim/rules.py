@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import comm
-from ..common.source import update_parts
+from ..core.segments import update_parts
 from ..native.kernels import fused_adamw_multi_
 from .grads import scaled_grad
 from .whole import WHOLE_TENSOR

@@ -2,7 +2,7 @@
 
 The update engine of every stage: hyperparameters, step, clipping, state
 dicts. It has no stage branches: the shards it updates come from a shard
-source (see [Note: shard sources] in common/source.py): ``zero12.reducer.FlatReducer``
+source (see [Note: shard sources] in core/source.py): ``zero12.reducer.FlatReducer``
 for ZeRO-1/2 (its own flat buffers, reduced by backward hooks; see [Note:
 sharded optimizer policy] in zero12/reducer.py) or ``zero3.source.UnitSource`` for the
 parameters of zeroshard.FullyShard models (ZeRO-3). Whatever the source, the
@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 from ..comm.mesh import Sharding
 from ..offload import Offload
-from ..common.policies import sharding_of
+from ..core.policies import sharding_of
 from .binding import Binding, make_source, offload_policy
 from .state_dict import StateDicts
 from .. import comm
-from ..common.claims import check_unclaimed, claim
+from ..core.claims import check_unclaimed, claim
 from .grads import ReducedGrads
 from . import hand_grads
 from .join import Joinable, JoinableOptimizer
@@ -31,7 +31,9 @@ from .regroup import Regrouping, refuse_unaveraged
 from ..zero12.buffers import BufferSync, modules_given, sync_buffers
 from .rules import FusedAdamW, TorchElementwise, add_group_keys, check_class, probe_defaults
 from .whole import WholeTensor
-from ..common.source import SUPPORTED, Rebind, Region, ShardSource, weak_hook
+from ..core.hooks import weak_hook
+from ..core.regions import Region
+from ..core.source import SUPPORTED, Rebind, ShardSource
 
 
 _ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

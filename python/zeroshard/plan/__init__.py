@@ -3,7 +3,7 @@
 replayed on fake tensors (``planner``, ``trace``). ``python -m zeroshard.plan``
 is its command line.
 
-May import: every part below it (``native``, ``comm``, ``offload``, ``common``,
+May import: every part below it (``native``, ``comm``, ``offload``, ``core``,
 ``zero12``, ``zero3``, ``optim``).
 """
 from .formula import CARDS_GB, STAGES, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes

@@ -45,8 +45,8 @@ from ..offload import Offload, planning_for_host
 from .trace import Gather, PlannedReduction, Policy, activation_bytes, torch_dtype
 from .formula import (
     _BYTES, CARDS_GB, STAGES, _check, format_table, model_state_bytes, offloaded_bytes, slow_link_bytes)
-from ..common.reduction import MAX_INFLIGHT_BUCKETS, MAX_INFLIGHT_UNITS
-from ..common.source import LOCATIONS, PERSISTENT
+from ..core.reduction import MAX_INFLIGHT_BUCKETS, MAX_INFLIGHT_UNITS
+from ..core.regions import LOCATIONS, PERSISTENT
 from ..zero3.fully_shard import FullyShard, MixedPrecision
 from ..optim.sharded import ShardedOptimizer
 

@@ -13,8 +13,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..common.reduction import ReductionOrder
-from ..common.pool import BufferPool
+from ..core.reduction import ReductionOrder
+from ..core.pool import BufferPool
 
 
 def torch_dtype(dtype: str) -> torch.dtype:

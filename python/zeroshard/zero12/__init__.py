@@ -4,5 +4,5 @@ complete buckets in the fixed order, and after the step all-gathers the updated
 parameters (``param_gather``), blocking or overlapped with the next forward; and keeps the
 model's buffers equal to rank 0's, as DDP does (``buffers``).
 
-May import: ``native``, ``comm``, ``offload``, ``common``.
+May import: ``native``, ``comm``, ``offload``, ``core``.
 """

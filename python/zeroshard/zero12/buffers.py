@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..common.source import remove_hooks, weak_hook
+from ..core.hooks import remove_hooks, weak_hook
 
 
 class BufferSync:

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from .. import comm
 from ..comm.mesh import ShardGroup
 from ..offload import Placement, Storage, on_accelerator
-from ..common.reduction import Reduction
-from ..common.source import SUPPORTED
-from ..common.tensor_parallel import local_ptr, local_tensor, point_at
+from ..core.reduction import Reduction
+from ..core.source import SUPPORTED
+from ..core.tensor_parallel import local_ptr, local_tensor, point_at
 from ..native.layout import compute_layout, update_cost
 
 @dataclass(eq=False)
@@ -34,7 +34,7 @@ class FlatBucket:
     shard_offset: int      # where this bucket's shard starts in the buffer's shard tensors
     params: List[int] = field(default_factory=list)  # trainable-parameter indices with data here
     frags: List[tuple] = field(default_factory=list)   # (param index, layout fragment) in this bucket
-    # its gradients' reduction ([Note: reduction pipeline] in common/reduction.py)
+    # its gradients' reduction ([Note: reduction pipeline] in core/reduction.py)
     reduction: Optional[Reduction] = None
 
     def __post_init__(self):   # read once: the hooks of every backward use them
@@ -267,7 +267,7 @@ def build_flat(params: List[torch.Tensor], group_of: List[int], trainable: List[
     offloaded state ([Note: offload] in offload/policy.py). ``whole``: every parameter
     lies inside one rank's shard, for an optimizer that updates it whole there ([Note:
     owner-aligned layout] in csrc/layout.h). A DTensor parameter's local piece is laid out
-    ([Note: tensor-parallel parameters] in common/tensor_parallel.py)."""
+    ([Note: tensor-parallel parameters] in core/tensor_parallel.py)."""
     with torch.no_grad():
         pieces = [local_tensor(p) for p in params]
     order = list(reversed(trainable))        # backward order

@@ -1,5 +1,5 @@
 """The ZeRO-1 and ZeRO-2 fold policies: what a bucket's reduce-scatter reads and
-where its reduced chunk goes ([Note: reduction pipeline] in common/reduction.py;
+where its reduced chunk goes ([Note: reduction pipeline] in core/reduction.py;
 [Note: sharded optimizer policy] in zero12/reducer.py)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .flat import FlatBucket
-from ..common.reduction import FoldPolicy, Reduction
-from ..common.tensor_parallel import local_tensor
+from ..core.reduction import FoldPolicy, Reduction
+from ..core.tensor_parallel import local_tensor
 from ..native.layout import fill_flat, gaps
 
 
@@ -21,7 +21,7 @@ from ..native.layout import fill_flat, gaps
 # whatever was there; a bucket's launch zeroes only what no gradient reached
 # (padding, parameters unused on this rank). A synced backward leaves it
 # REDUCED: this rank's chunks hold the averages (the sums divided by N: [Note:
-# one meaning for a gradient] in common/source.py), the other ranks' chunks
+# one meaning for a gradient] in core/segments.py), the other ranks' chunks
 # what the in-place reduce-scatter left there. Only a backward that adds to it
 # without a zero_grad in between (gradients accumulated across synced
 # backwards) needs those zeroed, and this rank's chunks multiplied back into

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
+
+if TYPE_CHECKING:
+    from .flat import ParamPlace
 
 
 # every ParamGather alive: the process's exit waits for their gathers first (atexit

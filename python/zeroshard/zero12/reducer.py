@@ -8,7 +8,7 @@
   buffer, so the all-gather after the step writes the parameters in place.
 * Reductions are SUM; each bucket's fold divides this rank's chunk by N as it
   writes it, so the shards hold the averaged gradient ([Note: one meaning for
-  a gradient] in common/source.py); the clipping coefficient is folded into
+  a gradient] in core/segments.py); the clipping coefficient is folded into
   the fused AdamW kernel.
 * Stage 1 keeps a persistent full gradient buffer; ``p.grad`` are views into
   it and autograd accumulates there. Each bucket is reduce-scattered in place
@@ -53,13 +53,15 @@ from .. import comm
 from .flat import FlatBucket, build_flat, check_params, check_same_across_ranks, check_views
 from ..comm.mesh import Groups, ShardGroup, shard_group
 from ..offload import NO_OFFLOAD, HostCopies, Offload, Placement, Storage, offloaded_params
-from ..common.pool import BufferPool
-from ..common.reduction import MAX_INFLIGHT_BUCKETS, Reduction, ReductionPipeline
+from ..core.pool import BufferPool
+from ..core.reduction import MAX_INFLIGHT_BUCKETS, Reduction, ReductionPipeline
 from .folds import AddToShardFold, InPlaceFold
 from .param_gather import ParamGather
-from ..common.source import (GradState, Piece, Region, Segment, ShardSource, add_locations, check_dense_grad, empty_report,
-                             weak_hook)
-from ..common.tensor_parallel import TensorParallel, expert_placements, local_tensor, settle
+from ..core.hooks import check_dense_grad, weak_hook
+from ..core.regions import Piece, Region, add_locations, empty_report
+from ..core.segments import Segment
+from ..core.source import GradState, ShardSource
+from ..core.tensor_parallel import TensorParallel, expert_placements, local_tensor, settle
 
 # [Note: bucket buffers between steps] Stage 2 copies each bucket's gradients
 # into a pooled buffer (at most MAX_INFLIGHT_BUCKETS + 1 kept free). On CUDA the pool

@@ -8,5 +8,5 @@ backward (``backward``); their memory
 report and full state dicts (``state_dict``); and ``UnitSource`` (``source``),
 the shard source through which the update engine steps the units' shards.
 
-May import: ``native``, ``comm``, ``offload``, ``common``.
+May import: ``native``, ``comm``, ``offload``, ``core``.
 """

@@ -1,7 +1,7 @@
 """ZeRO-3 backward: each unit is gathered again before its backward, resharded
 once everything its backward waits for has come, and its gradients reduced on
 the one reduction pipeline ([Note: reduction pipeline] in
-common/reduction.py) with ZeRO-3's fold (zero3/fold.py). See [Note: fully
+core/reduction.py) with ZeRO-3's fold (zero3/fold.py). See [Note: fully
 shard policy] in zero3/fully_shard.py."""
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 from .fold import DivideIntoShardFold, expose_grads
 from .gather import Gatherer
-from ..common.reduction import MAX_INFLIGHT_UNITS, Reduction, ReductionPipeline
-from ..common.source import GradState, check_dense_grad
-from ..common.tensor_parallel import settle
+from ..core.reduction import MAX_INFLIGHT_UNITS, Reduction, ReductionPipeline
+from ..core.hooks import check_dense_grad
+from ..core.source import GradState
+from ..core.tensor_parallel import settle
 from .records import Param, Unit, UnitState
 
 

@@ -1,7 +1,7 @@
 """ZeRO-3's fold policy: a unit's gradients are moved into one flat buffer once
 all have arrived, reduce-scattered (SUM), then divided by every rank and written
 (or added) into the unit's fp32 gradient shard, on the device or in host memory
-([Note: reduction pipeline] in common/reduction.py; [Note: fully shard policy]
+([Note: reduction pipeline] in core/reduction.py; [Note: fully shard policy]
 in zero3/fully_shard.py)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..common.reduction import FoldPolicy, Reduction
-from ..common.source import squared_norms
-from ..common.tensor_parallel import local_tensor
+from ..core.reduction import FoldPolicy, Reduction
+from ..core.segments import squared_norms
+from ..core.tensor_parallel import local_tensor
 from ..native.layout import fill_flat
 from ..offload import HostCopies
 from .param import ShardedTensor

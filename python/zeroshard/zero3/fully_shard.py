@@ -48,7 +48,7 @@
   one fixed order on every rank (the reverse order of the units' first calls
   since the last backward, root last: [Note: units called directly] in
   zero3/forward.py; the one reduction pipeline of every stage: [Note: reduction
-  pipeline] in common/reduction.py, with zero3/fold.py's fold); one is in flight
+  pipeline] in core/reduction.py, with zero3/fold.py's fold); one is in flight
   at a time (finished ones are retired early), and at the end of backward
   every unit not yet reduced is (a gradient that never arrived counts as zero).
 * ``no_sync()`` skips the reduce-scatters: the flat gradient buffers (full
@@ -83,11 +83,12 @@ from . import relayout
 from .. import comm
 from .gather import Gatherer
 from .gathered import gathered_block
-from ..common.policies import offload_of, sharding_of
-from ..common.source import SUPPORTED, GradState, HeldParam, Region, ShardedModel
+from ..core.policies import offload_of, sharding_of
+from ..core.regions import HeldParam, Region, ShardedModel
+from ..core.source import SUPPORTED, GradState
 from ..comm.mesh import Sharding
 from ..offload import Offload
-from ..common.tensor_parallel import check_model
+from ..core.tensor_parallel import check_model
 from .records import MixedPrecision, Steppers, Unit, UnitState, register_owner
 from .param_init import InitWatch, check_to_empty
 from .backward import BackwardContext, UnitBackward
@@ -331,7 +332,7 @@ class FullyShard(nn.Module, ShardedModel):
 
     def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:
         """Every sharded parameter and this rank's regions of them, one per unit (what
-        checkpoints read: [Note: shard sources] in common/source.py)."""
+        checkpoints read: [Note: shard sources] in core/source.py)."""
         return held_regions(self._units, self._expert_names)
 
     def no_sync(self):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..common.tensor_parallel import compute_param
+from ..core.tensor_parallel import compute_param
 from .records import Unit, UnitState
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from ..common.reduction import Reduction
+from ..core.reduction import Reduction
 from ..native.layout import chunk_span
 from ..offload import Placement
 
@@ -73,7 +73,7 @@ class Param:
     arrived: bool = False               # gradient arrived in this backward
     got_grad: bool = False              # a gradient arrived since zero_grad(set_to_none=True)
     # a DTensor parameter's placements over its tp mesh (``shape`` is then its local piece's:
-    # [Note: tensor-parallel parameters] in common/tensor_parallel.py); None otherwise
+    # [Note: tensor-parallel parameters] in core/tensor_parallel.py); None otherwise
     placed: Optional[object] = None
 
     @property
@@ -122,7 +122,7 @@ class Unit:
     full: Optional[torch.Tensor] = None         # param_dtype flat buffer; storage freed when sharded
     state: UnitState = UnitState.SHARDED
     gather: Optional[comm.CommHandle] = None
-    # its gradients' reduction ([Note: reduction pipeline] in common/reduction.py): its
+    # its gradients' reduction ([Note: reduction pipeline] in core/reduction.py): its
     # buffer holds the flat reduce_dtype gradients during backward; its pending count
     # what the unit's backward still waits for (trainable parameters' gradients, inputs')
     reduction: Optional[Reduction] = None

@@ -45,8 +45,8 @@ import torch
 
 from .. import comm
 from ..native.layout import assign_owners, owner_chunks
-from ..common.source import GradState
-from ..common.tensor_parallel import point_at
+from ..core.source import GradState
+from ..core.tensor_parallel import point_at
 from .records import Steppers, Unit, UnitState
 from .wrap import Setup, host_or_device_zeros, layout_align, place_piece, set_grad_extent, unit_layout
 

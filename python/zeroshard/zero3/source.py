@@ -3,7 +3,7 @@
 The units' fp32 shards are the master weights and their averaged gradient
 shards the gradients; this source adds exp_avg/exp_avg_sq shards per unit,
 and after a step drops the units' gathered copies (the next forward gathers
-the new ones). See [Note: shard sources] in common/source.py.
+the new ones). See [Note: shard sources] in core/source.py.
 """
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ import torch.distributed as dist
 from .. import comm
 from ..comm.mesh import Sharding
 from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
-from ..common.source import Piece, Rebind, Region, Segment, ShardSource, weak_hook
-from ..common.tensor_parallel import TensorParallel
+from ..core.hooks import weak_hook
+from ..core.regions import Piece, Region
+from ..core.segments import Segment
+from ..core.source import Rebind, ShardSource
+from ..core.tensor_parallel import TensorParallel
 from .param import ShardedTensor
 from ..native.layout import keep_balanced, update_cost
 
@@ -52,7 +55,7 @@ class UnitSource(ShardSource):
         self._ranks: Dict[int, object] = {}     # param index -> its unit's ShardGroup
         group = {id(params[i]): group_of[i] for i in self.trainable}
         index = self._index = {id(p): i for i, p in enumerate(params)}
-        # tensor-parallel parameters ([Note: tensor-parallel parameters] in common/tensor_parallel.py)
+        # tensor-parallel parameters ([Note: tensor-parallel parameters] in core/tensor_parallel.py)
         placed = {index[id(q.sharded)]: q.placed for fs in self.owners for u in fs.units for q in u.params
                   if q.placed is not None and id(q.sharded) in index}
         self.tp = TensorParallel(placed, next(iter(placed.values())).mesh.get_group(), len(params)) if placed else None

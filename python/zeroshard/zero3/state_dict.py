@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..common.source import HeldParam, Piece, Region, add_locations, empty_report
+from ..core.regions import HeldParam, Piece, Region, add_locations, empty_report
 from .records import Steppers, Unit
-from ..common.tensor_parallel import local_piece
+from ..core.tensor_parallel import local_piece
 
 
 def held_regions(units: List[Unit], expert_names: Optional[Callable[[str], str]] = None

@@ -13,9 +13,9 @@ import torch.nn as nn
 
 from .. import comm
 from ..offload import host_empty
-from ..common.claims import claimant
-from ..common.source import SUPPORTED
-from ..common.tensor_parallel import compute_param, local_tensor, placed_of, refused
+from ..core.claims import claimant
+from ..core.source import SUPPORTED
+from ..core.tensor_parallel import compute_param, local_tensor, placed_of, refused
 from .param import ShardedParameter
 from .records import Param, Unit, left_out, owner_of
 from ..native.layout import compute_layout
@@ -475,7 +475,7 @@ def _first_difference(a: list, b: list) -> str:
 def claimed(module: nn.Module) -> List[tuple]:
     """(name, parameter, claimant) for each parameter of ``module`` a claimant (a
     ShardedOptimizer) was built over before the wrap ([Note: construction order] in
-    common/claims.py)."""
+    core/claims.py)."""
     found = [(n, p, claimant(p)) for n, p in module.named_parameters(remove_duplicate=False)]
     return [c for c in found if c[2] is not None]
 

@@ -1,0 +1,101 @@
+"""What the update engine updates: segments, flat ranges of a shard each updated by one
+fused call, and the averaged gradient they read ([Note: one meaning for a gradient]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Protocol
+
+import torch
+
+
+def squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
+    """Each view's squared 2-norm, in fp32: one foreach kernel on CUDA (a norm and a
+    square per view cost every step two launches per parameter, ~300 at GPT-2's 148
+    parameters, whose host time falls at the end of the backward), as torch's clip_grad_norm_ does."""
+    return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square()
+
+
+class GradHolder(Protocol):
+    """What holds a segment's gradient: a ZeRO-1/2 flat buffer, a ZeRO-3 unit.
+
+    [Note: one meaning for a gradient] Whatever the stage, the gradient a segment
+    reads is the *averaged* gradient: the mean over every rank it was reduced over
+    (replicas included), in the reduce dtype, as DDP's ``p.grad`` holds it
+    (FullyShard's ``set_gradient_divide_factor`` changes the divisor, as FSDP2's).
+    Each fold divides as it writes (zero12/folds.py, zero3/fold.py), so the update
+    rules, the statistics, ``p.grad`` reads and anything later (a quantized
+    reduction's error feedback, a gradient shard written to disk) take it as it is:
+    no scale travels with it."""
+    reduced_grads: Optional[torch.Tensor]   # the averaged gradient (None: not allocated)
+    grad_sumsq: Optional[dict]              # see Segment.norms_taken
+
+
+@dataclass(kw_only=True)
+class Segment:
+    """A flat range updated by one fused AdamW call."""
+    group: int                 # param group index
+    param: torch.Tensor        # fp32 master (or fp32 parameter) shard range
+    # the record holding the averaged gradient (a GradHolder: its ``reduced_grads``, allocated and
+    # freed as backward and zero_grad go, [Note: one meaning for a gradient]), and the range in it
+    holder: "GradHolder"
+    grad_range: tuple          # (start, stop) in that tensor
+    exp_avg: Optional[torch.Tensor] = None      # the fused AdamW's state (None for another optimizer_class)
+    exp_avg_sq: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
+    # (param index, start, stop, offset in the flattened parameter): each trainable
+    # parameter's range within this segment
+    pieces: List[tuple] = field(default_factory=list)
+    streamed: bool = False     # the state is offloaded: stepped window by window ([Note: offload])
+    # ZeRO-1/2, state the CPU steps: the host copy of the gradient, refreshed as backward
+    # reduces it, that the step reads ([Note: offloaded gradients] in offload/copies.py)
+    mirror: Optional[torch.Tensor] = None
+    # ZeRO-3, gradient shards in host memory: the holder's ``grad_sumsq`` maps a piece's offset
+    # in the shard to its squared norm, taken on the device before the copy to host (None: not
+    # taken this backward)
+    norms_taken: bool = False
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """Looked up at each use: gradient shards are allocated by backward's
+        reductions and freed by zero_grad(set_to_none=True)."""
+        return self.holder.reduced_grads[self.grad_range[0]:self.grad_range[1]]
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether the gradient tensor is allocated (no backward since zero_grad(set_to_none=True): not)."""
+        return self.holder.reduced_grads is not None
+
+    def sumsq_before_copy(self, a: int, b: int) -> Optional[torch.Tensor]:
+        """The squared norm of the gradient's range [a, b) (one piece), as taken on the
+        device before its copy to host memory this backward; None if it was not."""
+        taken = self.holder.grad_sumsq if self.norms_taken else None
+        return None if taken is None else taken.get(self.grad_range[0] + a)
+
+    def grad_views(self, a: int, b: int) -> List[torch.Tensor]:
+        """Every copy of the gradient's range [a, b) an in-place change must reach."""
+        return [self.grad[a:b]] + ([] if self.mirror is None else [self.mirror[a:b]])
+
+
+def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) -> List[tuple]:
+    """What one step updates: ``(param group, step count after this step, streamed,
+    (param, grad, exp_avg, exp_avg_sq, out))`` per flat range. As torch's AdamW: a
+    parameter no rank gave a gradient (``used[i]`` false) is not updated, and each
+    parameter's own step count sets its bias correction. A segment whose
+    parameters all step with one count is updated whole (padding included: zeros
+    stay zero); otherwise piece by piece."""
+    parts: List[tuple] = []
+    for seg in segments:
+        if not seg.pieces:
+            continue
+        ids = [i for i, *_ in seg.pieces]
+        if all(used[i] and steps[i] == steps[ids[0]] for i in ids):
+            ranges = [(ids[0], 0, seg.param.numel())]
+        else:
+            ranges = [(i, a, b) for i, a, b, _ in seg.pieces if used[i]]
+        grad = seg.grad if seg.mirror is None else seg.mirror
+        for i, a, b in ranges:
+            parts.append((seg.group, steps[i] + 1, seg.streamed,
+                          (seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
+                           None if seg.out is None else seg.out[a:b])))
+    return parts
