@@ -96,8 +96,8 @@ def refuse_unnamed_experts(model: nn.Module) -> None:
     """A plain model saved or loaded without its ShardedOptimizer, whose param groups over
     their own ranks hold experts: only the optimizer knows their whole-model names."""
     for name, p in model.named_parameters():
-        opt = claimant(p)
-        if opt is not None and expert_colors(opt) is not None:
+        held = claimant(p)
+        if held is not None and expert_colors(held.opt) is not None:
             raise CheckpointError(
                 f"parameter '{name}' is in a ShardedOptimizer param group sharded over its own ranks (expert "
                 "parallelism): the ranks of different expert-parallel groups hold different experts under the "

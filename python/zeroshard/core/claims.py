@@ -25,7 +25,9 @@ import torch
 
 
 class Claimant(Protocol):
-    """What a claimant of plain parameters answers (ShardedOptimizer is one)."""
+    """What a claimant of plain parameters answers (a ShardedOptimizer's ``regrouping``):
+    ``opt``, the optimizer it claims them for."""
+    opt: object
 
     def holds(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is one of the parameters it steps."""

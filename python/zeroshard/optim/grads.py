@@ -40,7 +40,6 @@ gradients after each step runs none of them.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Callable, Dict, List, Optional
 

@@ -10,7 +10,7 @@ training with one all-reduce per round; a training rank takes part in it once
 per iteration (``Join.notify_join_context``), before the iteration's first
 collective: the forward's buffer broadcast ([Note: module buffers]) or, for a
 model without buffers, the backward's first reduction. A shadowed iteration
-(``ShardedOptimizer.shadow_iteration``) is what a training iteration is with
+(``JoinSide.shadow_iteration``) is what a training iteration is with
 a zero gradient on every parameter: the buffer broadcast, a backward whose
 gradients are all zero (every bucket reduced in the order every rank shares,
 the gradient statistics taken), and ``step()``, which updates this rank's
@@ -36,93 +36,110 @@ to replay: it raises, naming the fix).
 """
 from __future__ import annotations
 
+import weakref
+from typing import Optional
+
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook
 
+from .. import comm
 from ..core.hooks import weak_hook
 from ..zero3.outputs import output_tensors
 
-__all__ = ["Joinable", "JoinableOptimizer"]
-
 
 class _ShadowIteration(JoinHook):
-    def __init__(self, opt):
-        self.opt = opt
+    def __init__(self, side: "JoinSide"):
+        self.side = side
 
     def main_hook(self) -> None:
-        self.opt.shadow_iteration()
+        self.side.shadow_iteration()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank stepped every iteration, so the parameters agree; the buffers become
         the last rank to join's (it ran every forward), as DDP's final sync makes them."""
-        self.opt.final_buffers(is_last_joiner)
+        self.side.final_buffers(is_last_joiner)
 
 
-class JoinableOptimizer(Joinable):
-    """ShardedOptimizer's side of torch's Join ([Note: uneven inputs])."""
+class JoinSide:
+    """A ShardedOptimizer's side of torch's Join ([Note: uneven inputs]): its part in Join's
+    count, the source rank of the buffers' broadcast, a joined rank's shadow iterations.
+    The optimizer is the ``Joinable`` torch sees; its join methods ask this part."""
 
-    def join_hook(self, **kwargs) -> JoinHook:
-        if self.stage == 3:
-            models = self.source.owners
+    def __init__(self, opt):
+        self._opt = weakref.ref(opt)     # (the optimizer holds this part)
+        self.notified = False            # this iteration took part in Join's count
+        self.replay: Optional[_ForwardReplay] = None
+
+    @property
+    def opt(self):
+        return self._opt()
+
+    def hook(self) -> JoinHook:
+        opt = self.opt
+        if opt.stage == 3:
+            models = opt.source.owners
             if len(models) != 1:
-                raise NotImplementedError(self._err(
+                raise NotImplementedError(comm.on_rank(opt,
                     f"Join over the parameters of {len(models)} FullyShard models: a joined rank replays one "
                     "model's forward; wrap them in one FullyShard (or give every rank the same number "
                     "of batches, e.g. DistributedSampler(drop_last=True))"))
-            self._replay = _ForwardReplay(models[0], weak_hook(self.iteration_begins), weak_hook(self._err))
+            self.replay = _ForwardReplay(models[0], weak_hook(self.iteration_begins), weak_hook(self.err))
         return _ShadowIteration(self)
 
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
+    def err(self, msg: str) -> str:
+        return comm.on_rank(self.opt, msg)
 
-    @property
-    def join_process_group(self):
-        return self.source.groups.every      # every rank holding a copy takes part in the count
+    def next_iteration(self) -> None:
+        """A step ended the iteration: the next collective begins another."""
+        self.notified = False
 
     def iteration_begins(self) -> None:
         """The first collective of a training iteration is about to be issued: take part
         in torch's Join count first (once per iteration; nothing outside a Join)."""
-        if not self._join_notified:
-            self._join_notified = True
-            Join.notify_join_context(self)
+        if not self.notified:
+            self.notified = True
+            Join.notify_join_context(self.opt)
 
     def _highest(self, candidate: bool) -> int:
         """The highest global rank among those for which ``candidate`` holds (collective)."""
-        r = torch.tensor([dist.get_rank() if candidate else -1], device=self.device)
-        dist.all_reduce(r, op=dist.ReduceOp.MAX, group=self.join_process_group)
+        opt = self.opt
+        r = torch.tensor([dist.get_rank() if candidate else -1], device=opt.device)
+        dist.all_reduce(r, op=dist.ReduceOp.MAX, group=opt.join_process_group)
         return int(r.item())
 
     def buffer_source(self, training: bool) -> int:
         """The global rank the module's buffers are broadcast from before a training forward:
         rank 0 of the group, or inside torch's Join the highest rank still training (a rank
         that joined has stale statistics), as DDP picks it (collective then)."""
-        if not self._join_config.enable:
-            return dist.get_global_rank(self.join_process_group, 0)
+        opt = self.opt
+        if not opt._join_config.enable:     # (torch's Joinable: whether a Join is enabled)
+            return dist.get_global_rank(opt.join_process_group, 0)
         return self._highest(training)
 
     def final_buffers(self, is_last_joiner: bool) -> None:
         """At the end of a Join: the buffers of the last rank to join, on every rank."""
-        if getattr(self, "_replay", None) is not None:
-            self._replay.close()
-            self._replay = None
-        if self._buffers is not None and self._buffers.active:
-            self._buffers.sync(self._highest(is_last_joiner))
+        if self.replay is not None:
+            self.replay.close()
+            self.replay = None
+        buffers = self.opt.bound.buffers
+        if buffers is not None and buffers.active:
+            buffers.sync(self._highest(is_last_joiner))
 
     def shadow_iteration(self) -> None:
         """One training iteration's collectives with a zero gradient on every parameter
         (this rank has no batch left); see [Note: uneven inputs]."""
-        self._join_notified = True       # (joined: this rank is not counted again)
-        if self._buffers is not None:
-            self._buffers.shadow()
-        self.zero_grad(set_to_none=True)
-        if self.stage == 3:
-            self._replay.shadow()
+        opt, bound = self.opt, self.opt.bound
+        self.notified = True       # (joined: this rank is not counted again)
+        if bound.buffers is not None:
+            bound.buffers.shadow()
+        opt.zero_grad(set_to_none=True)
+        if opt.stage == 3:
+            self.replay.shadow()
         else:
-            trainable = [self._params[i] for i in self._trainable if self._params[i].requires_grad]
+            trainable = [bound.params[i] for i in bound.trainable if bound.params[i].requires_grad]
             torch.stack([(p * 0).sum() for p in trainable]).sum().backward()
-        self.step()
+        opt.step()
 
 
 class _ForwardReplay:

@@ -28,6 +28,7 @@ is refused there (build another ShardedOptimizer for it).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -117,104 +118,114 @@ def carry_state(opt, old_regions, old_rule, old_steps: List[int]) -> None:
 
 
 class Regrouping:
-    """ShardedOptimizer bound over a new layout of its parameters: ``add_param_group`` after
+    """A ShardedOptimizer bound over a new layout of its parameters: ``add_param_group`` after
     construction, parameters unfrozen since ([Note: new parameters]), a FullyShard wrapping
-    them ([Note: construction order]) or laying its units out again."""
+    them ([Note: construction order]) or laying its units out again. It is the optimizer's
+    claimant of its plain parameters (core/claims.py) and answers a relayout (``Rebind``)."""
 
-    def add_param_group(self, param_group: dict):
-        """torch's ``add_param_group``: the group's parameters join the shards (collective:
-        call it on every rank) and are stepped from the next step; see [Note: new parameters]."""
-        if not hasattr(self, "_source"):     # torch's __init__ adding the constructor's groups
-            return super().add_param_group(param_group)
-        self._check_can_relayout("add_param_group()")
-        n = len(self.param_groups)
-        super().add_param_group(param_group)
+    def __init__(self, opt):
+        self._opt = weakref.ref(opt)     # (the optimizer holds this part)
+
+    @property
+    def opt(self):
+        return self._opt()
+
+    def err(self, msg: str) -> str:
+        return comm.on_rank(self.opt, msg)
+
+    def add(self, param_group: dict) -> None:
+        """A param group joins the shards (collective); see [Note: new parameters]."""
+        opt = self.opt
+        self.check_can_relayout("add_param_group()")
+        n = len(opt.param_groups)
+        torch.optim.Optimizer.add_param_group(opt, param_group)
         try:
-            check_unclaimed(self, self.param_groups[n]["params"], self._err)
-            self._relayout()
+            check_unclaimed(self, opt.param_groups[n]["params"], self.err)
+            self.relayout()
         except BaseException:
-            del self.param_groups[n:]      # (refused before anything changed)
+            del opt.param_groups[n:]      # (refused before anything changed)
             raise
 
-    def _check_can_relayout(self, what: str) -> None:
-        self.refuse_own_ranks(what)
-        if self.whole_tensor_rule is not None:
-            raise NotImplementedError(self._err(
-                f"{what} with the whole-tensor optimizer_class {self.optimizer_class.__name__}: each "
+    def check_can_relayout(self, what: str) -> None:
+        opt = self.opt
+        opt.state_dicts.refuse_own_ranks(what)
+        if opt.whole_tensor_rule is not None:
+            raise NotImplementedError(self.err(
+                f"{what} with the whole-tensor optimizer_class {opt.optimizer_class.__name__}: each "
                 "parameter's state lives on an owner rank chosen for the whole layout; build another "
                 "ShardedOptimizer over the new parameters"))
-        if self._source.in_backward() or self._source.grads_ready():
-            raise RuntimeError(self._err(
+        if opt.source.in_backward() or opt.source.grads_ready():
+            raise RuntimeError(self.err(
                 f"{what} while reduced gradients wait for step(): call it after step() (or zero_grad()) "
                 "and before the next backward"))
 
-    def _relayout(self, lay_out: bool = True) -> None:
+    def relayout(self, lay_out: bool = True) -> None:
         """Lay every parameter out again, carrying the state over; see [Note: new parameters].
         ``lay_out``: have the source's owners lay out parameters unfrozen since (else they did)."""
-        self._source.settle()
-        old_source, old_rule, old_steps = self._source, self._rule, list(self._param_steps)
-        old_regions = old_source.regions      # (each keeps the cut it was made with)
+        opt, old = self.opt, self.opt.bound
+        old.source.settle()
+        old_steps, old_regions = list(old.param_steps), old.source.regions   # (each keeps its cut)
         if lay_out:
-            old_source.lay_out_trainable()
-        self._bind()
-        carry_state(self, old_regions, old_rule, old_steps)
-        old_source.release()
-        self._param_steps = [old_steps[i] if i < len(old_steps) else 0 for i in range(len(self._params))]
-        self._source.shards_loaded()
-        self._consolidated = None
+            old.source.lay_out_trainable()
+        opt.bind()
+        carry_state(opt, old_regions, old.rule, old_steps)
+        old.source.release()
+        opt.shards_loaded([old_steps[i] if i < len(old_steps) else 0 for i in range(len(opt.params))])
 
     def lay_out_unfrozen(self) -> bool:
         """zero_grad(): lay out the parameters unfrozen since the last layout, if any
         (collective when there are: every rank unfreezes the same ones)."""
-        if not unfrozen(self._params, self._frozen):
+        bound = self.opt.bound
+        if not unfrozen(bound.params, bound.frozen):
             return False
-        self._check_can_relayout("unfreezing a parameter frozen at construction")
-        self._relayout()
+        self.check_can_relayout("unfreezing a parameter frozen at construction")
+        self.relayout()
         return True
 
     def holds(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is one of the parameters this optimizer steps (a claimant's answer:
+        """Whether ``p`` is one of the parameters the optimizer steps (a claimant's answer:
         [Note: construction order] in core/claims.py)."""
-        return id(p) in self._held
+        opt = self.opt
+        return opt is not None and id(p) in opt.bound.held
 
     def params_replaced(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """FullyShard wrapped the model whose parameters this optimizer was built over
+        """FullyShard wrapped the model whose parameters the optimizer was built over
         (DDP's order: the optimizer, then the wrap): each (plain, sharded) pair names the
-        sharded parameter that replaced a plain one, which this optimizer then steps as
+        sharded parameter that replaced a plain one, which the optimizer then steps as
         ZeRO-3, in the same param groups. See [Note: construction order]."""
-        if any(self._param_steps) or self._source.in_backward() or self._source.grads_ready():
-            raise RuntimeError(self._err(
+        opt = self.opt
+        if any(opt.param_steps) or opt.source.in_backward() or opt.source.grads_ready():
+            raise RuntimeError(self.err(
                 "FullyShard wrapped parameters of a ShardedOptimizer that has already run a backward or a "
                 "step: wrap the model before training (the optimizer may be built before or after)"))
         replaced = {id(plain): sharded for plain, sharded in pairs}
-        for g in self.param_groups:
+        for g in opt.param_groups:
             g["params"] = [replaced.get(id(p), p) for p in g["params"]]
-        self._source.release()
-        self._bind()
+        opt.source.release()
+        opt.bind()
 
     def release(self) -> None:
-        """Let go of the parameters: their gradients cleared, every hook removed (the source's,
-        the placeholders', the module buffers' broadcast) and the claim on them dropped, so
-        another ShardedOptimizer (or FullyShard) may take them: DeepSpeed's ``engine.destroy()``
-        and a second ``zeroshard.initialize`` over the same model. Do not step it afterwards."""
-        if self._source.in_backward():
-            raise RuntimeError(self._err("release() during backward; call it after the step"))
-        self._grads.clear()
-        self._source.zero_grad(set_to_none=True)
-        remove_hooks(self._grads.hooks)
-        self._source.release()
-        if self._buffers is not None:
-            self._buffers.release()
-            self._buffers = None
+        """Let go of the parameters (``ShardedOptimizer.release``)."""
+        bound = self.opt.bound
+        if bound.source.in_backward():
+            raise RuntimeError(self.err("release() during backward; call it after the step"))
+        bound.grads.clear()
+        bound.source.zero_grad(set_to_none=True)
+        remove_hooks(bound.grads.hooks)
+        bound.source.release()
+        if bound.buffers is not None:
+            bound.buffers.release()
+            bound.buffers = None
         unclaim(self)
 
     def units_relaid(self) -> None:
-        """The FullyShard units this optimizer steps were laid out again: for a whole-tensor
+        """The FullyShard units the optimizer steps were laid out again: for a whole-tensor
         optimizer before anything stepped ([Note: uneven chunks] in zero3/relayout.py), or
         for parameters unfrozen since wrapping: bind over the new layout, the state carried."""
-        if any(self._param_steps):
-            self._check_can_relayout("laying FullyShard units out again")
-            self._relayout(lay_out=False)
+        opt = self.opt
+        if any(opt.param_steps):
+            self.check_can_relayout("laying FullyShard units out again")
+            self.relayout(lay_out=False)
             return
-        self._source.release()
-        self._bind()
+        opt.source.release()
+        opt.bind()

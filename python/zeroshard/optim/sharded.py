@@ -16,22 +16,21 @@ from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
 
 from ..comm.mesh import Sharding
 from ..offload import Offload
 from ..core.policies import sharding_of
-from .binding import Binding, make_source, offload_policy
+from .binding import Binding, Bound, build_bound, offload_policy
 from .state_dict import StateDicts
 from .. import comm
 from ..core.claims import check_unclaimed, claim
-from .grads import ReducedGrads
 from . import hand_grads
-from .join import Joinable, JoinableOptimizer
+from .join import JoinSide
 from .regroup import Regrouping, refuse_unaveraged
-from ..zero12.buffers import BufferSync, modules_given, sync_buffers
-from .rules import FusedAdamW, TorchElementwise, add_group_keys, check_class, probe_defaults
+from ..zero12.buffers import modules_given, sync_buffers
+from .rules import TorchElementwise, check_class, probe_defaults
 from .whole import WholeTensor
-from ..core.hooks import weak_hook
 from ..core.regions import Region
 from ..core.source import SUPPORTED, Rebind, ShardSource
 
@@ -105,7 +104,7 @@ def _rebind(ref: "weakref.ref[ShardedOptimizer]") -> Rebind:
     def relaid() -> None:
         opt = ref()
         if opt is not None:
-            opt.units_relaid()
+            opt.regrouping.units_relaid()
     return Rebind(blocker, relaid)
 
 
@@ -148,13 +147,16 @@ def _run_closure(closure, kwargs: dict, fused: bool, err):
     return None, closure
 
 
-class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOptimizer):
+# longer: torch.optim.Optimizer's and Joinable's API, each method documented here and answered by a part
+class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """AdamW with ZeRO stage 1 (sharded optimizer states) or 2 (also sharded
     gradients); over a FullyShard model's parameters, the ZeRO-3 optimizer.
     Replaces ``DistributedDataParallel`` + ``torch.optim.AdamW`` (do not wrap the
     model in DDP): backward reduce-scatters bucket by bucket, ``step()`` updates
     this rank's shard and all-gathers the parameters ([Note: sharded optimizer policy]).
     Every rank starts from rank 0's parameters: the constructor broadcasts them, as DDP's does.
+    Its parts: ``bound`` (the layout and what is built over it), ``state_dicts``,
+    ``regrouping`` (new layouts) and ``joining`` (torch's Join).
 
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``.
@@ -202,122 +204,94 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
         optimizer_class, optimizer_kwargs, fused = _resolve_class(optimizer_class, optimizer_kwargs)
         placement = offload_policy(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
-        self._whole = False
+        whole, class_kwargs = False, {}
         if fused:
             defaults = _adamw_defaults(given, optimizer_kwargs)
         else:
-            self._whole = check_class(optimizer_class, elementwise, whole_tensor)
-            self._optimizer_kwargs = dict(given, **optimizer_kwargs)
-            defaults = probe_defaults(optimizer_class, self._optimizer_kwargs)
+            whole = check_class(optimizer_class, elementwise, whole_tensor)
+            class_kwargs = dict(given, **optimizer_kwargs)
+            defaults = probe_defaults(optimizer_class, class_kwargs)
         self.optimizer_class, self.fused_requested = optimizer_class or torch.optim.AdamW, fused
         modules = modules_given(params)      # (before torch reads the generators)
         super().__init__(params, defaults)
         # each parameter's name where the optimizer was given a module's parameters (or
         # torch's named parameters): the ranks must hold the same parameter at each place
-        self._names = {id(p): n for m in modules for n, p in m.named_parameters(remove_duplicate=False)}
-        self._names.update((id(p), n) for g in self.param_groups for n, p in zip(g.get("param_names", ()),
-                                                                                  g["params"]))
+        names = {id(p): n for m in modules for n, p in m.named_parameters(remove_duplicate=False)}
+        names.update((id(p), n) for g in self.param_groups for n, p in zip(g.get("param_names", ()), g["params"]))
         if not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (torchrun sets it up)")
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, max(1, int(bucket_mb * 2**20))
         pg = sharding.process_group if sharding.process_group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
-        self.last_step_skipped = False
-        # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate_state_dict(), until a step or load
-        self._consolidated = None
-        self.broadcast_buffers, self._buffers = bool(broadcast_buffers), None
-        check_unclaimed(self, [p for g in self.param_groups for p in g["params"]], self._err)
+        self.last_step_skipped, self.broadcast_buffers = False, bool(broadcast_buffers)
+        self.state_dicts, self.regrouping, self.joining = StateDicts(self), Regrouping(self), JoinSide(self)
+        check_unclaimed(self.regrouping, [p for g in self.param_groups for p in g["params"]], self._err)
         _check_dense([p for g in self.param_groups for p in g["params"]], self._err)
         self._binding = Binding(sharding=sharding, stage=stage, adam=fused, bucket_bytes=self.bucket_bytes,
-                                reduce_dtype=reduce_dtype, offload=placement,
-                                overlap_param_gather=overlap_param_gather, whole=self._whole)
-        self._bind()
-        if self._buffers is not None:    # equal from here on, as DDP's constructor makes them
-            sync_buffers(modules, self._source.groups.every, self._buffers.src)
-        claim(self)       # FullyShard, wrapping these later, hands over its own
+                                reduce_dtype=reduce_dtype, offload=placement, names=names,
+                                overlap_param_gather=overlap_param_gather, whole=whole,
+                                optimizer_class=self.optimizer_class, optimizer_kwargs=class_kwargs,
+                                broadcast_buffers=self.broadcast_buffers)
+        self.bind()
+        if self._bound.buffers is not None:    # equal from here on, as DDP's constructor makes them
+            sync_buffers(modules, self.source.groups.every, self._bound.buffers.src)
+        claim(self.regrouping)          # FullyShard, wrapping these later, hands over its own
         Joinable.__init__(self)         # torch's Join ([Note: uneven inputs] in optim/join.py)
-        self._join_notified = False     # this iteration took part in Join's count
 
-    def _bind(self):
-        """Lay out and hook the parameters of the param groups: the shard source, the
-        gradient statistics and the update rule over it."""
-        params = [p for g in self.param_groups for p in g["params"]]     # in state_dict index order
-        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        if not any(p.requires_grad for p in params):
-            raise ValueError(self._err("no parameter requires grad; nothing to optimize"))
-        source = make_source(params, group_of, self._binding, [self._names.get(id(p)) for p in params],
-                             self._err, _rebind(weakref.ref(self)), self.param_groups)
-        known = None                 # a new layout keeps the module the last one found
-        if self._buffers is not None:
-            self._buffers.release()
-            known, self._buffers = self._buffers.module, None
-        self._params, self._group_of, self._source = params, group_of, source
-        self._held = {id(p) for p in params}     # (what ``holds`` answers from)
-        self._trainable = [i for i, p in enumerate(params) if p.requires_grad]
-        self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
-        self._param_steps = [0] * len(params)   # each parameter's own step count, as torch's
-        self.process_group, self.device = self._source.process_group, self._source.device
-        self.stage, self.world_size, self.rank = self._source.stage, self._source.world_size, self._source.rank
-        self.comm_elements = self._source.comm_elements
-        self._grads = ReducedGrads(self._params, self._trainable, self._source, self._err)
-        if self.broadcast_buffers and self.stage in (1, 2):     # [Note: module buffers]
-            every = self._source.groups.every
-            self._buffers = BufferSync(self._params, every, dist.get_global_rank(every, 0),
-                                       before=weak_hook(self.iteration_begins), source=weak_hook(self.buffer_source))
-            if known is not None:
-                self._buffers.use(known)
-        self._source.backward_listeners.append(weak_hook(self.iteration_begins))
-        # see [Note: update rules] in optim/rules.py
-        if not self.fused_requested:
-            add_group_keys(self.optimizer_class, self._optimizer_kwargs, self.param_groups)
-        if self.fused_requested:
-            self._rule = FusedAdamW(self._source.storage)
-        elif self._whole:
-            self._rule = WholeTensor(self.optimizer_class, self._optimizer_kwargs, self._source, self._group_of,
-                                     self.param_groups, self.bucket_bytes // 4, self._err)
-        else:
-            self._rule = TorchElementwise(self.optimizer_class, self._optimizer_kwargs, self._source.segments,
-                                          self.param_groups)
+    def bind(self) -> None:
+        """Lay out and hook the parameters of the param groups: a new ``bound`` (the shard
+        source, the gradient statistics, the update rule over it), again for each new layout."""
+        self._bound = build_bound(self.param_groups, self._binding, self._err, _rebind(weakref.ref(self)),
+                                  self.joining, getattr(self, "_bound", None))
+        source = self._bound.source
+        self.process_group, self.device = source.process_group, source.device
+        self.stage, self.world_size, self.rank = source.stage, source.world_size, source.rank
+        self.comm_elements = source.comm_elements
 
     # ------------------------------------------------- what checkpoints read
     @property
+    def bound(self) -> Bound:
+        """The current layout of the parameters and what is built over it (its parts read it)."""
+        return self._bound
+
+    @property
     def source(self) -> ShardSource:
         """The shard source this optimizer steps over (see [Note: shard sources])."""
-        return self._source
+        return self._bound.source
 
     @property
     def layout(self):
         """ZeRO-1/2: the flat layout (zeroshard.compute_layout's) of the trainable
         parameters (with param groups over their own ranks: of the first group of ranks
         in backward order; the source's ``layouts`` has each); None for FullyShard parameters."""
-        return getattr(self._source, "layout", None)
+        return getattr(self._bound.source, "layout", None)
 
     @property
     def regions(self) -> List[Region]:
-        return self._source.regions
+        return self._bound.source.regions
 
     @property
     def params(self) -> List[torch.Tensor]:
         """Every parameter, in state-dict index order."""
-        return self._params
+        return self._bound.params
 
     @property
     def trainable(self) -> List[int]:
         """Indices (into ``params``) of the parameters that require grad."""
-        return self._trainable
+        return self._bound.trainable
 
     def group_of(self, i: int) -> int:
-        return self._group_of[i]
+        return self._bound.group_of[i]
 
     def full_shape(self, i: int) -> torch.Size:
-        return self._source.full_shapes[i]
+        return self._bound.source.full_shapes[i]
 
     @property
     def param_steps(self) -> List[int]:
         """Each parameter's step count (state-dict index order; 0 for frozen ones): the
         steps in which some rank gave it a gradient, as torch's AdamW counts them."""
-        return list(self._param_steps)
+        return list(self._bound.param_steps)
 
     def _err(self, msg: str) -> str:
         return comm.on_rank(self, msg)
@@ -326,12 +300,12 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         """With ``overlap_param_gather=True``: wait for the parameter all-gathers of the last
         step (needed before reading parameters outside their modules' forward, e.g.
         ``model.state_dict()``); a no-op otherwise. See [Note: overlapped parameter gather]."""
-        self._source.settle()
+        self._bound.source.settle()
 
     def no_sync(self):
         """Accumulate gradients locally, without communication; the next backward
         outside this context reduces everything accumulated since the last step."""
-        return self._source.no_sync()
+        return self._bound.source.no_sync()
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -339,9 +313,9 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         """Clip by the global norm of the averaged gradient, over every shard of
         every rank; returns that norm (the same on all ranks). The scale is
         applied inside the fused step."""
-        hand_grads.take(self._grads)
-        _check_ready(self.device, self._source, "clip_grad_norm_", self._err, self._grads.by_hand)
-        return self._grads.clip_(max_norm, norm_type)   # the coefficient lives with these gradients
+        hand_grads.take(self._bound.grads)
+        _check_ready(self.device, self._bound.source, "clip_grad_norm_", self._err, self._bound.grads.by_hand)
+        return self._bound.grads.clip_(max_norm, norm_type)   # the coefficient lives with these gradients
 
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
@@ -350,21 +324,21 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         no gradient anywhere does nothing, as torch's optimizers skip parameters without a
         gradient; ``p.grad`` set to None or assigned by the script is what it uses ([Note:
         gradients set by the script] in optim/hand_grads.py)."""
-        loss, given = _run_closure(closure, kwargs, self._rule.fused, self._err)
-        self._join_notified = False      # the next collective begins another iteration
-        if self._no_gradient_anywhere():
+        loss, given = _run_closure(closure, kwargs, self._bound.rule.fused, self._err)
+        self.joining.next_iteration()      # the next collective begins another iteration
+        if self._bound.no_gradient_anywhere():
             return loss
-        _check_ready(self.device, self._source, "step()", self._err, self._grads.by_hand)
-        refuse_unaveraged(self._params, self._frozen, self._err)
+        _check_ready(self.device, self._bound.source, "step()", self._err, self._bound.grads.by_hand)
+        refuse_unaveraged(self._bound.params, self._bound.frozen, self._err)
         self.last_step_skipped = False
-        if self._source.check_finite:    # every rank agrees: the statistics are summed over the ranks
-            self.last_step_skipped = bool(self._grads.nonfinite().item())   # the fp16 path syncs here
+        if self._bound.source.check_finite:    # every rank agrees: the statistics are summed over the ranks
+            self.last_step_skipped = bool(self._bound.grads.nonfinite().item())   # the fp16 path syncs here
         if not self.last_step_skipped:
-            self._update(kwargs, given)
-        self._grads.settle()     # (its all-reduce ran during the update: see ReducedGrads.backward_done)
-        self._source.step_done(updated=not self.last_step_skipped)
+            self._bound.update(self.param_groups, kwargs, given)
+        self._bound.grads.settle()     # (its all-reduce ran during the update: see ReducedGrads.backward_done)
+        self._bound.source.step_done(updated=not self.last_step_skipped)
         if not self.last_step_skipped:
-            self._consolidated = None
+            self.state_dicts.forget()
         return loss
 
     @torch.no_grad()
@@ -373,41 +347,24 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         step counts (one per parameter, as ``param_steps``) and rebuild
         everything derived from the shards (ZeRO-1/2: the low-precision chunks
         and the full parameters; ZeRO-3: drop the units' gathered copies)."""
-        self._param_steps = list(steps)
-        self._source.shards_loaded()
-        self._consolidated = None
-
-    def _no_gradient_anywhere(self) -> bool:
-        """No backward has given any parameter a gradient since ``zero_grad()`` (on any rank:
-        a backward is collective), none is running, and the script assigned none ([Note:
-        gradients set by the script] in optim/hand_grads.py: taken here)."""
-        src = self._source
-        if self.device.type == "meta" or hand_grads.take(self._grads) or self._grads.by_hand:
-            return False
-        return not (src.grads_ready() or src.in_backward() or src.arrived())
-
-    def _update(self, step_kwargs: dict, closure=None):
-        used = self._grads.used
-        self._rule.update(self._source.segments, self.param_groups, used, self._param_steps,
-                          self._grads.clip_coefficient(), step_kwargs=step_kwargs, closure=closure)
-        for i in self._trainable:
-            if used[i]:
-                self._param_steps[i] += 1
+        self._bound.param_steps = list(steps)
+        self._bound.source.shards_loaded()
+        self.state_dicts.forget()
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients (and this rank's reduced shards); lay out the parameters
         unfrozen since the optimizer was built ([Note: new parameters] in optim/regroup.py)."""
-        if self._source.in_backward():
+        if self._bound.source.in_backward():
             raise RuntimeError(self._err("zero_grad() called during backward"))
-        self._grads.clear()
-        self._source.zero_grad(set_to_none)
-        for i in self._frozen:      # (not laid out: their own gradients, as torch's)
-            p = self._params[i]
+        self._bound.grads.clear()
+        self._bound.source.zero_grad(set_to_none)
+        for i in self._bound.frozen:      # (not laid out: their own gradients, as torch's)
+            p = self._bound.params[i]
             if set_to_none or p.grad is None:
                 p.grad = None
             else:
                 p.grad.zero_()
-        self.lay_out_unfrozen()
+        self.regrouping.lay_out_unfrozen()
 
     # ---------------------------------------------------------------- memory
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
@@ -419,9 +376,9 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
         ``reset_peak=True``); with ``optimizer_class``, ``optimizer_state``. Over
         FullyShard parameters: the models' reports. The docs' planner page says
         exactly when each is held."""
-        rep = self._source.memory_report(reset_peak)
-        if not self._rule.fused:
-            rep["optimizer_state"] = self._rule.state_bytes()
+        rep = self._bound.source.memory_report(reset_peak)
+        if not self._bound.rule.fused:
+            rep["optimizer_state"] = self._bound.rule.state_bytes()
             rep["total"] += rep["optimizer_state"]
         return rep
 
@@ -429,13 +386,13 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
     def whole_tensor_rule(self) -> Optional[WholeTensor]:
         """With a whole-tensor ``optimizer_class``: its rule (the owners and their state,
         [Note: whole-tensor optimizers]); None otherwise."""
-        return self._rule if isinstance(self._rule, WholeTensor) else None
+        return self._bound.rule if isinstance(self._bound.rule, WholeTensor) else None
 
     @property
     def elementwise_rule(self) -> Optional[TorchElementwise]:
         """With an elementwise ``optimizer_class``: its rule (its state, one entry per piece of
         this rank's shard, [Note: update rules]); None otherwise."""
-        return self._rule if isinstance(self._rule, TorchElementwise) else None
+        return self._bound.rule if isinstance(self._bound.rule, TorchElementwise) else None
 
     @property
     def sharded_state(self) -> bool:
@@ -447,5 +404,83 @@ class ShardedOptimizer(StateDicts, Regrouping, torch.optim.Optimizer, JoinableOp
     @property
     def fused(self) -> bool:
         """Whether the step is zeroshard's fused AdamW (else ``optimizer_class``'s own)."""
-        return self._rule.fused
+        return self._bound.rule.fused
 
+
+    # ------------------------------------------- state dicts (optim/state_dict.py: StateDicts)
+    def state_dict(self, to: Optional[int] = None):
+        """The full state in torch.optim.AdamW's format (with ``optimizer_class``:
+        that class's), loadable by that torch optimizer over the unwrapped
+        model's parameters, in the same order.
+
+        After ``consolidate_state_dict(to=r)`` on every rank, rank ``r`` gets it
+        here without communication (a checkpoint under ``if rank == 0:``).
+        Otherwise it is collective: every rank must call it; a rank that waits
+        for the others longer than the watchdog's timeout raises
+        ``CollectiveTimeout``, naming them. Gathers one region (bucket, or unit for FullyShard parameters) at a
+        time, so the transient extra memory is one region; the result is on CPU.
+        With ``to=r`` only global rank ``r`` builds and returns the dict; the
+        others return None.
+        """
+        return self.state_dicts.state_dict(to)
+
+    def load_state_dict(self, state_dict: dict):
+        """Load a full AdamW state dict (ours or torch.optim.AdamW's, from any world
+        size), keeping only this rank's shard. Parameters come from the model:
+        load the model's state dict first; bf16/fp16 master weights are re-made
+        from the parameters."""
+        self.state_dicts.load_state_dict(state_dict)
+
+    def consolidate_state_dict(self, to: Optional[int] = 0):
+        """Gather the full state onto global rank ``to`` (every rank with ``to=None``),
+        where ``state_dict()`` then returns it without communication, as with
+        torch's ZeroRedundancyOptimizer. Collective: every rank must call it. The
+        copy is on CPU and is dropped by the next step."""
+        self.state_dicts.consolidate(to)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's shard of the optimizer state, without communication: fast
+        to save (e.g. ``torch.save`` per rank) and exact (stages 1/2 include the
+        fp32 master of bf16/fp16 parameters). It loads back only with
+        ``load_sharded_state_dict`` into the same layout (same model, world size,
+        rank, stage and bucket_mb); to change any of those use ``state_dict()``
+        or ``zeroshard.save_checkpoint``. The tensors are views of the live
+        state (stages 1/2: ``values`` is this rank's chunk of the fp32 master or
+        of the fp32 parameters) on its device: copy them (or save) before the
+        next step."""
+        return self.state_dicts.sharded_state_dict()
+
+    def load_sharded_state_dict(self, sharded: dict):
+        """Load what ``sharded_state_dict()`` returned on this rank, into the same
+        layout. Collective: every rank calls it with its own dict; if any rank's
+        does not match its layout, every rank raises, naming the rank and what
+        differs. Stages 1/2 restore the parameters too (each rank's chunk, then
+        an all-gather); stage 3's are the model's: load the model's state first."""
+        self.state_dicts.load_sharded_state_dict(sharded)
+
+    # ------------------------------------------------ new layouts (optim/regroup.py: Regrouping)
+    def add_param_group(self, param_group: dict):
+        """torch's ``add_param_group``: the group's parameters join the shards (collective:
+        call it on every rank) and are stepped from the next step; see [Note: new parameters]."""
+        if getattr(self, "_bound", None) is None:     # torch's __init__ adding the constructor's groups
+            return super().add_param_group(param_group)
+        self.regrouping.add(param_group)
+
+    def release(self) -> None:
+        """Let go of the parameters: their gradients cleared, every hook removed (the source's,
+        the placeholders', the module buffers' broadcast) and the claim on them dropped, so
+        another ShardedOptimizer (or FullyShard) may take them: DeepSpeed's ``engine.destroy()``
+        and a second ``zeroshard.initialize`` over the same model. Do not step it afterwards."""
+        self.regrouping.release()
+
+    # ----------------------------------------------------- torch's Join (optim/join.py: JoinSide)
+    def join_hook(self, **kwargs):
+        return self.joining.hook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.source.groups.every      # every rank holding a copy takes part in the count

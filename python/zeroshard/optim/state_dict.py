@@ -1,9 +1,10 @@
-"""ShardedOptimizer's state dicts, full and sharded: the methods (``StateDicts``,
-a base class of ShardedOptimizer) and the functions behind them, which read and
+"""ShardedOptimizer's state dicts, full and sharded: its part that answers them
+(``StateDicts``) and the functions behind it, which read and
 write one region at a time through the optimizer's public accessors
 (``regions``, ``trainable``, ``group_of``, ``full_shape``, ``param_steps``)."""
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -134,18 +135,34 @@ def load_full(opt, state_dict: dict, rule) -> List[int]:
 
 
 class StateDicts:
-    """ShardedOptimizer's state-dict methods: torch's names and formats, over sharded state."""
+    """A ShardedOptimizer's state dicts in torch's names and formats, over sharded state: the
+    full one (gathered region by region, or consolidated onto one rank first) and this
+    rank's shard. The optimizer's methods of the same names ask this part."""
+
+    def __init__(self, opt):
+        self._opt = weakref.ref(opt)     # (the optimizer holds this part)
+        # (to, the full state dict on rank ``to`` / None elsewhere) from consolidate(), until a step or load
+        self.consolidated = None
+
+    @property
+    def opt(self):
+        return self._opt()
+
+    def forget(self) -> None:
+        """The state changed (a step, a load, a new layout): a consolidated copy is stale."""
+        self.consolidated = None
 
     def refuse_own_ranks(self, what: str) -> None:
         """Raise where some param group shards over its own ranks ([Note: param groups over
         their own ranks] in comm/mesh.py), or some parameter is tensor-parallel, and ``what``
         does not handle that yet."""
-        if self._source.tensor_parallel() is not None:
-            raise NotImplementedError(self._err(
+        opt = self.opt
+        if opt.source.tensor_parallel() is not None:
+            raise NotImplementedError(comm.on_rank(opt,
                 f"{what} is not supported yet for tensor-parallel (DTensor) parameters: save and load them "
                 "per rank yourself for now (docs/tensor-parallel.md)"))
-        if self._source.param_colors() is not None:
-            raise NotImplementedError(self._err(
+        if opt.source.param_colors() is not None:
+            raise NotImplementedError(comm.on_rank(opt,
                 f"{what} is not supported yet for a ShardedOptimizer with a param group sharded over its own "
                 "ranks ('device_mesh': expert parallelism): the ranks of different expert-parallel groups hold "
                 "different experts under the same names. Save each rank's model and optimizer state yourself "
@@ -153,80 +170,49 @@ class StateDicts:
                 "'device_mesh'"))
 
     def sharded_state_dict(self) -> dict:
-        """This rank's shard of the optimizer state, without communication: fast
-        to save (e.g. ``torch.save`` per rank) and exact (stages 1/2 include the
-        fp32 master of bf16/fp16 parameters). It loads back only with
-        ``load_sharded_state_dict`` into the same layout (same model, world size,
-        rank, stage and bucket_mb); to change any of those use ``state_dict()``
-        or ``zeroshard.save_checkpoint``. The tensors are views of the live
-        state (stages 1/2: ``values`` is this rank's chunk of the fp32 master or
-        of the fp32 parameters) on its device: copy them (or save) before the
-        next step."""
-        require_fused(self, "sharded_state_dict()")
+        opt = self.opt
+        require_fused(opt, "sharded_state_dict()")
         self.refuse_own_ranks("sharded_state_dict()")
-        return sharded(self, super().state_dict()["param_groups"])
+        return sharded(opt, torch.optim.Optimizer.state_dict(opt)["param_groups"])
 
-    def load_sharded_state_dict(self, sharded: dict):
-        """Load what ``sharded_state_dict()`` returned on this rank, into the same
-        layout. Collective: every rank calls it with its own dict; if any rank's
-        does not match its layout, every rank raises, naming the rank and what
-        differs. Stages 1/2 restore the parameters too (each rank's chunk, then
-        an all-gather); stage 3's are the model's: load the model's state first."""
-        require_fused(self, "load_sharded_state_dict()")
+    def load_sharded_state_dict(self, state: dict) -> None:
+        opt = self.opt
+        require_fused(opt, "load_sharded_state_dict()")
         self.refuse_own_ranks("load_sharded_state_dict()")
-        self.shards_loaded(load_sharded(self, sharded))
+        opt.shards_loaded(load_sharded(opt, state))
 
-    def consolidate_state_dict(self, to: Optional[int] = 0):
-        """Gather the full state onto global rank ``to`` (every rank with ``to=None``),
-        where ``state_dict()`` then returns it without communication, as with
-        torch's ZeroRedundancyOptimizer. Collective: every rank must call it. The
-        copy is on CPU and is dropped by the next step."""
-        self._consolidated = (to, self._gather_state(to, "consolidate_state_dict()"))
+    def consolidate(self, to: Optional[int]) -> None:
+        self.consolidated = (to, self.gather(to, "consolidate_state_dict()"))
 
-    def state_dict(self, to: Optional[int] = None):
-        """The full state in torch.optim.AdamW's format (with ``optimizer_class``:
-        that class's), loadable by that torch optimizer over the unwrapped
-        model's parameters, in the same order.
-
-        After ``consolidate_state_dict(to=r)`` on every rank, rank ``r`` gets it
-        here without communication (a checkpoint under ``if rank == 0:``).
-        Otherwise it is collective: every rank must call it; a rank that waits
-        for the others longer than the watchdog's timeout raises
-        ``CollectiveTimeout``, naming them. Gathers one region (bucket, or unit for FullyShard parameters) at a
-        time, so the transient extra memory is one region; the result is on CPU.
-        With ``to=r`` only global rank ``r`` builds and returns the dict; the
-        others return None.
-        """
-        held = self._consolidated
+    def state_dict(self, to: Optional[int]):
+        held = self.consolidated
         if held is not None and to is None:
             if held[1] is None:
-                raise RuntimeError(self._err(
+                raise RuntimeError(comm.on_rank(self.opt,
                     f"the state was consolidated onto rank {held[0]} by consolidate_state_dict(to="
                     f"{held[0]}): call opt.state_dict() there (this rank holds none; a collective "
                     "state_dict() here would wait for a rank that already has its copy)"))
             return held[1]
-        return self._gather_state(to, "ShardedOptimizer.state_dict()")
+        return self.gather(to, "ShardedOptimizer.state_dict()")
 
-    def _gather_state(self, to: Optional[int], what: str):
+    def gather(self, to: Optional[int], what: str):
         """The full state dict on rank ``to`` (every rank if None), None elsewhere; collective."""
+        opt = self.opt
         self.refuse_own_ranks(what)
-        comm.check_in(what, self, self.process_group,
+        comm.check_in(what, opt, opt.process_group,
                       "For a checkpoint written by rank 0 alone, call opt.consolidate_state_dict(to=0) on "
                       "every rank first, then opt.state_dict() on rank 0 needs no communication")
         keep = to is None or dist.get_rank() == to
-        packed = super().state_dict()   # param_groups with indices; our torch state is empty
-        full = self._rule.gather_full(self, keep)
+        packed = torch.optim.Optimizer.state_dict(opt)   # param_groups with indices; our torch state is empty
+        full = opt.bound.rule.gather_full(opt, keep)
         if not keep:
             return None
         packed["state"] = full
         return packed
 
-    def load_state_dict(self, state_dict: dict):
-        """Load a full AdamW state dict (ours or torch.optim.AdamW's, from any world
-        size), keeping only this rank's shard. Parameters come from the model:
-        load the model's state dict first; bf16/fp16 master weights are re-made
-        from the parameters."""
+    def load_state_dict(self, state_dict: dict) -> None:
+        opt = self.opt
         self.refuse_own_ranks("load_state_dict()")
-        self._param_steps = load_full(self, state_dict, self._rule)
-        self._source.params_loaded()
-        self._consolidated = None
+        opt.bound.param_steps = load_full(opt, state_dict, opt.bound.rule)
+        opt.source.params_loaded()
+        self.forget()
