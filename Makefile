@@ -143,14 +143,26 @@ bench-quick: build
 
 # The documentation site (mkdocs.yml, docs/) into site/: DOCS_DEPS are installed
 # into .venv when missing (or at other versions); --strict fails on any warning.
+# ruff: mkdocstrings lays out long signatures with it; `make lint` runs the same one.
+RUFF_SPEC := ruff==0.17.6
 DOCS_DEPS := mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 \
-             mkdocstrings-python==2.0.11 pymdown-extensions==13.1.2 ruff==0.17.6
+             mkdocstrings-python==2.0.11 pymdown-extensions==13.1.2 $(RUFF_SPEC)
 
 .PHONY: docs
 docs: $(PY)
 	@$(PY) -c "import sys, importlib.metadata as m; sys.exit(any(m.version(n) != v for n, v in (a.split('==') for a in sys.argv[1:])))" \
 	  $(DOCS_DEPS) 2>/dev/null || $(PIP) install -q $(DOCS_DEPS)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The linter: ruff (RUFF_SPEC) over the Python sources, configured in pyproject.toml
+# ([tool.ruff]); installed into .venv when missing (or at another version). CI runs it.
+LINTED := python tests benchmarks examples
+
+.PHONY: lint
+lint: $(PY)
+	@$(PY) -c "import sys, importlib.metadata as m; sys.exit(m.version('ruff') != sys.argv[1].split('==')[1])" \
+	  $(RUFF_SPEC) 2>/dev/null || $(PIP) install -q $(RUFF_SPEC)
+	$(VENV)/bin/ruff check $(LINTED)
 
 clean:
 	rm -rf build $(VENV)/.built

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import GPT, CharData, GPTConfig, make_corpus  # noqa: E402
 
-import zeroshard.integrations.lightning  # noqa: E402  registers strategy="zeroshard..."
+import zeroshard.integrations.lightning  # noqa: E402,F401  registers strategy="zeroshard..."
 from zeroshard.integrations.lightning import convert_checkpoint  # noqa: E402
 
 

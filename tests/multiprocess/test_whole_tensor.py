@@ -397,7 +397,7 @@ class Lopsided(nn.Module):
 def _lopsided(kind):
     torch.manual_seed(0)
     model = nn.Sequential(Lopsided())
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if kind == "zeroshard":
         model = zs.FullyShard(model, wrap={Lopsided})
     mats = [p for p in model.parameters() if p.dim() == 2]

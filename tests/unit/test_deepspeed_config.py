@@ -282,7 +282,8 @@ SCHEDULES = [
 @pytest.mark.parametrize("kind,params", SCHEDULES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(SCHEDULES)])
 def test_lr_schedules_follow_deepspeeds(kind, params):
     from deepspeed.runtime import lr_schedules as ds
-    groups = lambda: [{"params": [nn.Parameter(torch.zeros(1))], "lr": 0.05}, {"params": [nn.Parameter(torch.zeros(1))]}]
+    def groups():
+        return [{"params": [nn.Parameter(torch.zeros(1))], "lr": 0.05}, {"params": [nn.Parameter(torch.zeros(1))]}]
     a, b = torch.optim.AdamW(groups(), lr=0.01), torch.optim.AdamW(groups(), lr=0.01)
     mine, theirs = lr_schedules.from_config(kind, dict(params), a), getattr(ds, kind)(b, **params)
     for _ in range(20):

@@ -1,7 +1,12 @@
 """tests/integration/test_restarts.py's job: rank 1 kills itself in the first `kills` attempts; in
 every later attempt it reaches the process group 2 s after rank 0 (as after a longer
 import). `plain`: torch.distributed.init_process_group; `zeroshard`: zeroshard.init_distributed."""
-import datetime, os, signal, sys, time
+import datetime
+import os
+import signal
+import sys
+import time
+
 import torch
 import torch.distributed as dist
 
