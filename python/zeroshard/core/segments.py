@@ -4,7 +4,7 @@ fused call, and the averaged gradient they read ([Note: one meaning for a gradie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol
+from typing import List, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -31,6 +31,34 @@ class GradHolder(Protocol):
     grad_sumsq: Optional[dict]              # see Segment.norms_taken
 
 
+class SegmentPiece(NamedTuple):
+    """A trainable parameter's range within a segment: [start, stop) of the segment's
+    tensors, which is the flattened parameter's [offset, offset + stop - start)."""
+    param: int
+    start: int
+    stop: int
+    offset: int
+
+
+class Ranges(NamedTuple):
+    """A flat range's tensors one update call steps: parameter (fp32 master or fp32
+    shard), averaged gradient, AdamW's two moments and the low-precision output (or None)."""
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
+    out: Optional[torch.Tensor]
+
+
+class UpdatePart(NamedTuple):
+    """One flat range of a step: its param group, the step count after this step, whether
+    its state is streamed from host memory or disk, and its tensors."""
+    group: int
+    step: int
+    streamed: bool
+    ranges: Ranges
+
+
 @dataclass(kw_only=True)
 class Segment:
     """A flat range updated by one fused AdamW call."""
@@ -43,9 +71,8 @@ class Segment:
     exp_avg: Optional[torch.Tensor] = None      # the fused AdamW's state (None for another optimizer_class)
     exp_avg_sq: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
-    # (param index, start, stop, offset in the flattened parameter): each trainable
-    # parameter's range within this segment
-    pieces: List[tuple] = field(default_factory=list)
+    # each trainable parameter's range within this segment
+    pieces: List[SegmentPiece] = field(default_factory=list)
     streamed: bool = False     # the state is offloaded: stepped window by window ([Note: offload])
     # ZeRO-1/2, state the CPU steps: the host copy of the gradient, refreshed as backward
     # reduces it, that the step reads ([Note: offloaded gradients] in offload/copies.py)
@@ -77,14 +104,13 @@ class Segment:
         return [self.grad[a:b]] + ([] if self.mirror is None else [self.mirror[a:b]])
 
 
-def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) -> List[tuple]:
-    """What one step updates: ``(param group, step count after this step, streamed,
-    (param, grad, exp_avg, exp_avg_sq, out))`` per flat range. As torch's AdamW: a
+def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) -> List[UpdatePart]:
+    """What one step updates, an UpdatePart per flat range. As torch's AdamW: a
     parameter no rank gave a gradient (``used[i]`` false) is not updated, and each
     parameter's own step count sets its bias correction. A segment whose
     parameters all step with one count is updated whole (padding included: zeros
     stay zero); otherwise piece by piece."""
-    parts: List[tuple] = []
+    parts: List[UpdatePart] = []
     for seg in segments:
         if not seg.pieces:
             continue
@@ -95,7 +121,7 @@ def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) ->
             ranges = [(i, a, b) for i, a, b, _ in seg.pieces if used[i]]
         grad = seg.grad if seg.mirror is None else seg.mirror
         for i, a, b in ranges:
-            parts.append((seg.group, steps[i] + 1, seg.streamed,
-                          (seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
-                           None if seg.out is None else seg.out[a:b])))
+            parts.append(UpdatePart(seg.group, steps[i] + 1, seg.streamed,
+                                    Ranges(seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
+                                           None if seg.out is None else seg.out[a:b])))
     return parts

@@ -59,7 +59,7 @@ from .folds import AddToShardFold, InPlaceFold
 from .param_gather import ParamGather
 from ..core.hooks import check_dense_grad, weak_hook
 from ..core.regions import Piece, Region, add_locations, empty_report
-from ..core.segments import Segment
+from ..core.segments import Segment, SegmentPiece
 from ..core.source import GradState, ShardSource
 from ..core.tensor_parallel import TensorParallel, expert_placements, local_tensor, settle
 
@@ -376,7 +376,7 @@ def _regions_and_segments(src: "FlatReducer", stage: int):
                 group=buf.group, param=b.shard_of(buf.master) if low else b.own(buf.params), holder=buf,
                 grad_range=(start, start + b.shard_numel), exp_avg=_shard_of(b, buf.exp_avg),
                 exp_avg_sq=_shard_of(b, buf.exp_avg_sq), out=b.own(buf.params) if low else None,
-                pieces=[(i, sl.start, sl.stop, t_off) for i, t_off, sl in region_of[b.index].owned(rank)],
+                pieces=[SegmentPiece(i, sl.start, sl.stop, t_off) for i, t_off, sl in region_of[b.index].owned(rank)],
                 streamed=src.storage.streamed(buf.placement), mirror=_shard_of(b, buf.grad_mirror)))
     return regions, segments
 

@@ -19,7 +19,7 @@ from ..comm.mesh import Sharding
 from ..offload import NO_OFFLOAD, Offload, Placement, Storage, choose
 from ..core.hooks import weak_hook
 from ..core.regions import Piece, Region
-from ..core.segments import Segment
+from ..core.segments import Segment, SegmentPiece
 from ..core.source import Rebind, ShardSource
 from ..core.tensor_parallel import TensorParallel
 from .param import ShardedTensor
@@ -168,8 +168,8 @@ class UnitSource(ShardSource):
                 continue
             run = list(run)
             a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].local.numel()
-            pieces = [(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.local.numel(),
-                       q.tensor_offset) for q in run]
+            pieces = [SegmentPiece(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.local.numel(),
+                                   q.tensor_offset) for q in run]
             ea, eas = (None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"]))
             self.segments.append(Segment(group=g, param=u.shard[a:b], holder=u,
                                          grad_range=(a, b), exp_avg=ea, exp_avg_sq=eas, pieces=pieces,
