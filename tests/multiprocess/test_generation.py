@@ -1,6 +1,7 @@
 """Generation at ZeRO-3: a Hugging Face model's generate() on a FullyShard model gathers each
 unit once per call (not once per token), with the unsharded model's tokens for greedy,
-sampled and beam-search decoding; a generate that raises leaves nothing gathered; and the
+sampled and beam-search decoding; between unshard() and reshard() nothing is gathered; a
+generate that raises leaves nothing gathered; and the
 model's whole tensors stream (zeroshard.full_tensors) into an unsharded copy that computes
 the same logits."""
 import time
@@ -41,6 +42,15 @@ def _generate():
         res[name] = (torch.equal(ours, plain.generate(prompt, **kw)), gathers)
     model.generate_gathered = False           # today's per-token gathering, kept as an option
     res["per_token"] = _count(lambda: model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))[1]
+    model.unshard(async_op=True).wait()       # FSDP2's explicit calls: held gathered until reshard()
+    model.unshard()                           # (a second changes nothing)
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ours, res["unsharded_gathers"] = _count(lambda: model.generate(prompt, **greedy))     # per token, yet none
+    res["unsharded_same"] = torch.equal(ours, plain.generate(prompt, **greedy))
+    res["held"] = all(u.state is UnitState.GATHERED for u in model.units)
+    model.reshard()
+    res["reshard"] = all(u.state is UnitState.SHARDED for u in model.units)
+    model.reshard()                           # (without unshard(): nothing)
     model.generate_gathered = True
     try:
         model.generate(prompt, max_new_tokens=3, num_beams=2, num_return_sequences=5)   # more than beams
@@ -61,5 +71,6 @@ def test_generate_gathers_each_unit_once_per_call_with_the_unsharded_models_toke
             same, gathers = res[name]
             assert same and gathers == units, (name, res[name])
         assert res["per_token"] >= 12 * units, res["per_token"]     # every unit, every token
+        assert res["unsharded_gathers"] == 0 and res["unsharded_same"] and res["held"] and res["reshard"], res
         assert res["raised"] and res["resharded"], res
         assert res["logits"] == 0.0, res["logits"]

@@ -82,7 +82,7 @@ from .generation import gathered_generate
 from . import relayout
 from .. import comm
 from .gather import Gatherer
-from .gathered import gathered_block
+from .gathered import UnshardHandle, gathered_block, reshard, unshard
 from ..core.policies import offload_of, sharding_of
 from ..core.regions import HeldParam, Region, ShardedModel
 from ..core.source import SUPPORTED, GradState
@@ -133,6 +133,7 @@ def _check_in_evaluation(fs):
                   "copy of the model loaded from model.state_dict(to=0), called on every rank")
 
 
+# longer: FSDP2's module API over nn.Module's, each method documented here and answered by a part
 class FullyShard(nn.Module, ShardedModel):
     """ZeRO-3: shard ``module``'s parameters over ``process_group`` unit by unit
     ([Note: fully shard policy]); train with ``ShardedOptimizer(model.parameters())``,
@@ -325,6 +326,18 @@ class FullyShard(nn.Module, ShardedModel):
         return gathered_block(self._units, self._gatherer, dtype=dtype, gather_dtype=self.param_dtype,
                               chosen=units, every=self.groups.every, modifier_rank=modifier_rank, who=self,
                               err=self._err)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle:
+        """FSDP2's ``unshard``: every unit gathered and kept so until ``reshard()``, as in a
+        ``gathered()`` block (forwards, backwards and ``generate`` gather nothing meanwhile).
+        Collective. The gathers are complete when it returns: the handle's ``wait()``
+        (``async_op=True`` too) returns at once. See [Note: gathered blocks]."""
+        return unshard(self._gatherer, self.gathered)
+
+    def reshard(self) -> None:
+        """FSDP2's ``reshard``: the units ``unshard()`` gathered back to their shards (a no-op
+        without one). Collective."""
+        reshard(self._gatherer)
 
     def shards_loaded(self):
         self.init_watch.values_given()

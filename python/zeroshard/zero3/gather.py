@@ -22,6 +22,7 @@ class Gatherer:
         self.units, self.device, self.prefetch = units, device, prefetch
         self.comm_elements, self.err = comm_elements, err
         self.gathered_bytes = 0      # full parameters of non-root units alive now
+        self.unsharded = None        # the gathered() block unshard() entered, until reshard()
         self.gathered_peak = 0
         self.alive_peak = 0          # most non-root units gathered (or gathering) at once
         # what the collectives' labels say (the flight record, the hang diagnosis): the step

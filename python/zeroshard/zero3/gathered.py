@@ -27,6 +27,14 @@ rank-0 code] in comm/collectives.py).
   copy is dropped); one already gathered when it began (by a forward or
   backward in progress, or an enclosing block) stays as that left it.
   Nested blocks over the same unit must ask for one dtype.
+* ``unshard()`` / ``reshard()`` (FSDP2's explicit calls): ``unshard()``
+  enters a block over every unit and ``reshard()`` leaves it, so between
+  them the model is gathered as inside ``with model.gathered():`` (a
+  forward, a backward or ``generate`` gathers nothing; a step's new values
+  are gathered again from the shards). A second ``unshard()`` before
+  ``reshard()`` changes nothing, as a ``reshard()`` without one. It returns
+  FSDP2's handle; its gathers are complete when it returns (``async_op=True``
+  is accepted, and ``wait()`` returns at once).
 * ``modifier_rank=r`` (DeepSpeed's ``GatheredParameters``): on a normal
   exit, the values of the held units on global rank r are broadcast to every
   rank of the model and each rank copies its chunk into its fp32 shard: an
@@ -148,3 +156,27 @@ def gathered_block(units: List[Unit], gatherer: Gatherer, *, dtype: Optional[tor
             for u, was in reversed(held):
                 gatherer.release(u, reshard=was)
 
+
+class UnshardHandle:
+    """What ``FullyShard.unshard()`` returns, as FSDP2's: ``wait()`` until the units are
+    gathered (they are already: the gathers complete before unshard returns)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def unshard(gatherer: Gatherer, open_block) -> UnshardHandle:
+    """Enter ``open_block()`` (a gathered() block over every unit) until ``reshard``,
+    unless one is already entered; see the Note."""
+    if gatherer.unsharded is None:
+        block = open_block()
+        block.__enter__()
+        gatherer.unsharded = block
+    return UnshardHandle()
+
+
+def reshard(gatherer: Gatherer) -> None:
+    """Leave the block ``unshard`` entered, if any: its units back to their shards."""
+    block, gatherer.unsharded = gatherer.unsharded, None
+    if block is not None:
+        block.__exit__(None, None, None)
