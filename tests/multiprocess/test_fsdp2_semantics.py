@@ -562,3 +562,34 @@ def test_frozen_units_under_muon_and_through_a_checkpoint_at_another_world_size(
     for i, st in saved[1].items():
         for k, v in st.items():
             assert torch.equal(torch.as_tensor(loaded[1][i][k]), torch.as_tensor(v)), (i, k)
+
+
+def _one_rank():
+    import time
+    from support.checks import max_err
+    from support.gpt import GPTBlock, make_gpt, param_groups, reference, train_plain
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(world)][rank]      # each rank a group of its own
+    ref = reference(3)[0].state_dict()
+    res = {}
+    for stage in (1, 2, 3):
+        t0 = time.time()
+        if stage == 3:
+            model = zs.FullyShard(make_gpt(), wrap={GPTBlock}, sharding=zs.Sharding(process_group=alone))
+            opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
+        else:
+            model = make_gpt()
+            opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2, stage=stage,
+                                      process_group=alone)
+        train_plain(model, opt, 3)       # whole batches, as one process
+        issued = sorted({r["kind"] for r in zs.flight_record() if r["start"] >= t0})
+        res[stage] = (max_err(model.state_dict(), ref), issued)
+    return res
+
+
+def test_over_one_rank_nothing_is_issued_and_training_is_one_process():
+    """FSDP2 issues no collective at world size 1: neither do ZeRO-1/2/3 over a group of one
+    rank (each rank of the pool its own), and they train as torch's AdamW in one process."""
+    for res in launch("pool", 2).run(_one_rank):
+        for stage, (err, issued) in res.items():
+            assert err < 1e-5 and issued == [], (stage, err, issued)

@@ -4,6 +4,13 @@ Thin wrappers over csrc/comm.cpp (see [Note: collective ordering] in
 csrc/comm.h): each returns a handle; call ``.wait()`` before using the result.
 Each is recorded in the flight record, labelled with ``what`` it serves (see
 [Note: flight record] in comm/flight.py).
+
+[Note: one rank] Over a group of one rank (a single process, or a shard or
+replica group of one) a collective is only a copy: reduce-scatter's and
+all-gather's output is the input, an all-reduce leaves its tensor as it is.
+So none is issued to the transport nor recorded: the copy is made (none when
+the output is the input, as in place) and a handle that is already done is
+returned, as FSDP2 issues nothing at world size 1.
 """
 from __future__ import annotations
 
@@ -95,6 +102,32 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     return group.group_name
 
 
+class _Done:
+    """The transport handle of a collective over one rank: done when made (see [Note: one rank])."""
+    waited = True
+
+    @staticmethod
+    def wait_for(seconds: float) -> bool:
+        return True
+
+    @staticmethod
+    def completed() -> bool:
+        return True
+
+
+def _alone(group) -> bool:
+    """Whether ``group`` has one rank ([Note: one rank])."""
+    return dist.is_initialized() and dist.get_world_size(group) == 1
+
+
+def _copied(src: torch.Tensor, dst: torch.Tensor) -> "CommHandle":
+    """A one-rank collective's result: ``dst`` = ``src`` (nothing to do when they are one)."""
+    if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype or dst.device != src.device:
+        with torch.no_grad():
+            dst.copy_(src.reshape(dst.shape))
+    return CommHandle(_Done, None)
+
+
 class CommHandle:
     """Guards the result of one collective (``reduce_scatter``, ``all_gather`` and
     ``all_reduce`` return one): ``wait()`` blocks (CPU) or orders the current stream
@@ -118,7 +151,7 @@ class CommHandle:
             done = self.handle.wait_for(0.0 if broken else seconds)
         except RuntimeError as e:
             raise (broken or watchdog.transport_failed(self.record, e)) from e
-        if done and self.record.end is None:
+        if done and self.record is not None and self.record.end is None:
             self.record.end = time.time()
         return done
 
@@ -133,7 +166,7 @@ class CommHandle:
             done = self.handle.completed()
         except RuntimeError as e:
             raise (watchdog.raised() or watchdog.transport_failed(self.record, e)) from e
-        if done and self.record.end is None:
+        if done and self.record is not None and self.record.end is None:
             self.record.end = time.time()
         return done
 
@@ -170,6 +203,8 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
 
     ``bounds`` (world + 1 offsets): rank r's chunk is ``input[bounds[r]:bounds[r + 1]]``,
     of any length (see [Note: uneven collectives] in csrc/comm.h); None: equal chunks."""
+    if _alone(group):
+        return _copied(input[:output.numel()], output)
     if bounds is not None:
         return _issue("reduce_scatter", group, what, input,
                       lambda name: _C.reduce_scatter_v(name, input, output, list(bounds), bool(average)))
@@ -193,6 +228,8 @@ def all_gather(input: torch.Tensor, output: torch.Tensor, *,
     is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
     messages, faster than gloo's all-gather; see csrc/comm.h). ``bounds``: chunks
     of different lengths, as for ``reduce_scatter``."""
+    if _alone(group):
+        return _copied(input, output[:input.numel()])
     if bounds is not None:
         return _issue("all_gather", group, what, output,     # (the same size on every rank)
                       lambda name: _C.all_gather_v(name, input, output, list(bounds)))
@@ -202,6 +239,8 @@ def all_gather(input: torch.Tensor, output: torch.Tensor, *,
 def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
                average: bool = False, what: str = "") -> CommHandle:
     """``tensor`` = sum (mean if ``average``) of ``tensor`` over ranks, in place."""
+    if _alone(group):
+        return CommHandle(_Done, None)
     return _issue("all_reduce", group, what, tensor, lambda name: _C.all_reduce(name, tensor, bool(average)))
 
 
@@ -217,6 +256,8 @@ def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None, wh
     csrc/comm.cpp); other backends use torch's."""
     if group is None:
         group = dist.group.WORLD
+    if _alone(group):
+        return [obj]
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if dist.get_backend(group) != "gloo":
         out = [None] * world

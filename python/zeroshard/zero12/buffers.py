@@ -92,7 +92,9 @@ class BufferSync:
 
 def sync_buffers(modules: List[nn.Module], group: dist.ProcessGroup, src: int) -> None:
     """Every rank's buffers of ``modules`` become global rank ``src``'s: one broadcast per
-    (dtype, device), none without buffers (collective)."""
+    (dtype, device), none without buffers or over one rank (collective)."""
+    if dist.get_world_size(group) == 1:      # ([Note: one rank] in comm/collectives.py)
+        return
     by_kind, seen = {}, set()
     for m in modules:
         for b in m.buffers():
