@@ -159,8 +159,9 @@ class StateDicts:
         opt = self.opt
         if opt.source.tensor_parallel() is not None:
             raise NotImplementedError(comm.on_rank(opt,
-                f"{what} is not supported yet for tensor-parallel (DTensor) parameters: save and load them "
-                "per rank yourself for now (docs/tensor-parallel.md)"))
+                f"{what} is not supported yet for tensor-parallel (DTensor) parameters: checkpoint the model "
+                "and this optimizer with zeroshard.save_checkpoint(path, model, opt) and load_checkpoint, which "
+                "keep the global tensors and load at another dp or tp degree (docs/tensor-parallel.md)"))
         if opt.source.param_colors() is not None:
             raise NotImplementedError(comm.on_rank(opt,
                 f"{what} is not supported yet for a ShardedOptimizer with a param group sharded over its own "

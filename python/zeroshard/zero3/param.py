@@ -39,10 +39,19 @@ _SAID = {"aten.detach.default": "detach(), p.data or a module's state_dict()",
          "aten.empty_like.default": "empty_like or a module's to_empty() (call the FullyShard model's)"}
 
 
+# ops of torch's optimizers' steps (fused, foreach and single-tensor): one reaching a sharded
+# parameter means a torch optimizer was built over a FullyShard model
+_OPTIMIZER_OPS = ("_fused_adam", "_fused_sgd", "_foreach_", "addcdiv", "addcmul", "lerp")
+
+
 def _refuse(name: str, what: str, shape, func=None, whole: bool = True) -> str:
     said = _SAID.get(what, what)
     head = (f"FullyShard parameter '{name}' (shape {tuple(shape)}) is sharded over the ranks: {said} needs its full "
             "data, which no rank holds between steps. ")
+    if any(op in what for op in _OPTIMIZER_OPS):
+        return head + ("A torch optimizer cannot step FullyShard parameters: build zeroshard.ShardedOptimizer("
+                       "model.parameters(), ...) over them, which steps each rank's shard (AdamW by default; "
+                       "optimizer_class=torch.optim.Adam, say, for another torch optimizer)")
     read = ("For a state dict call model.state_dict(to=0) on every rank (the FullyShard model, not a module inside "
             "it); this rank's piece is p.to_local()")
     if func is None or not (func._schema.is_mutable or any(r.alias_info is not None for r in func._schema.returns)):
