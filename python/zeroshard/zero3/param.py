@@ -41,14 +41,14 @@ _SAID = {"aten.detach.default": "detach(), p.data or a module's state_dict()",
 
 # ops of torch's optimizers' steps (fused, foreach and single-tensor): one reaching a sharded
 # parameter means a torch optimizer was built over a FullyShard model
-_OPTIMIZER_OPS = ("_fused_adam", "_fused_sgd", "_foreach_", "addcdiv", "addcmul", "lerp")
+_STEP_OPS = ("_fused_adam", "_fused_sgd", "_foreach_", "addcdiv", "addcmul", "lerp")
 
 
 def _refuse(name: str, what: str, shape, func=None, whole: bool = True) -> str:
     said = _SAID.get(what, what)
     head = (f"FullyShard parameter '{name}' (shape {tuple(shape)}) is sharded over the ranks: {said} needs its full "
             "data, which no rank holds between steps. ")
-    if any(op in what for op in _OPTIMIZER_OPS):
+    if any(op in what for op in _STEP_OPS):
         return head + ("A torch optimizer cannot step FullyShard parameters: build zeroshard.ShardedOptimizer("
                        "model.parameters(), ...) over them, which steps each rank's shard (AdamW by default; "
                        "optimizer_class=torch.optim.Adam, say, for another torch optimizer)")
