@@ -528,3 +528,50 @@ def test_peak_memory_of_save_and_load_stays_within_one_unit_or_bucket(tmp_path, 
         assert r["load"] <= r["bound"], r
         # a few bytes a rank whatever the model: not every rank's manifest entries to every rank
         assert len(r["sent"]) == 3 and max(r["sent"]) <= 512, r
+
+
+# ------------------------------------------------------------ other dtypes
+class Rotary(nn.Module):
+    """A block with llama2's persistent complex buffer (freqs_cis) and an unsigned one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("freqs", torch.polar(torch.ones(4, 4), torch.randn(4, 4)))
+        self.register_buffer("codes", torch.tensor([1, 60000, 7], dtype=torch.uint16))
+
+    def forward(self, x):
+        return self.lin(x) * self.freqs.real.sum()
+
+
+def _other_dtypes(stage, path):
+    def built(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(Rotary(), Rotary())
+        if stage == 3:
+            m = zs.FullyShard(m, wrap={Rotary})
+            return m, zs.ShardedOptimizer(m.parameters(), lr=0.1)
+        return m, zs.ShardedOptimizer(m.parameters(), lr=0.1, stage=stage)
+    model, opt = built(0)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    zs.save_checkpoint(path, model, opt)
+    fresh, fresh_opt = built(1)
+    zs.load_checkpoint(path, fresh, fresh_opt)
+    saved, loaded = dict(model.named_buffers()), dict(fresh.named_buffers())
+    bad = torch.zeros(2, dtype=torch.complex128)
+    fresh.register_buffer("wide", bad) if stage != 3 else fresh.module.register_buffer("wide", bad)
+    try:
+        zs.save_checkpoint(path + "-wide", fresh, fresh_opt)
+        refused = ""
+    except zs.CheckpointError as e:
+        refused = str(e)
+    return (sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
+            {k: str(v.dtype) for k, v in loaded.items()}, refused)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_complex_and_unsigned_buffers_round_trip_and_others_are_refused_by_name(tmp_path, stage):
+    for same, dtypes, refused in launch("pool", 2).run(_other_dtypes, stage, str(tmp_path / "ck")):
+        assert same and set(dtypes.values()) == {"torch.complex64", "torch.uint16"}, dtypes
+        assert "wide" in refused and "complex128" in refused, refused

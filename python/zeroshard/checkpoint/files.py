@@ -19,9 +19,11 @@ from ..native.ext import _C
 FORMAT, VERSION = "zeroshard-checkpoint", 1
 BLOCK = 1 << 20          # bytes per CRC block (saves): a load reads whole blocks around the ranges it needs
 MANIFEST = "manifest.json"
+# safetensors' names of the dtypes it stores (a tensor of another dtype is refused, named)
 ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-             torch.uint8: "U8", torch.bool: "BOOL"}
+            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+            torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8", torch.bool: "BOOL",
+            torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 # the blocks' checksum: zlib's CRC-32, from the C++ core where the CPU folds it with
 # PCLMULQDQ (well ahead of zlib's; csrc/crc32.h), else zlib's own
 crc32 = _C.crc32 if _C.crc32_is_fast() else zlib.crc32
@@ -120,6 +122,10 @@ def write_safetensors(path: str, items: list, sync: bool = True):
     header, off = {}, 0
     for name, dtype, shape, _ in items:
         n = int(torch.Size(shape).numel()) * dtype.itemsize
+        if dtype not in ST_DTYPE:
+            raise CheckpointError(f"{name.split('@')[0]} is {dtype}, which the safetensors format does not store "
+                                  f"(it stores {', '.join(dtype_name(d) for d in ST_DTYPE)}); keep that tensor "
+                                  "out of the state dict (a non-persistent buffer) or convert it")
         header[name] = {"dtype": ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()

@@ -244,6 +244,20 @@ def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = Non
     return _issue("all_reduce", group, what, tensor, lambda name: _C.all_reduce(name, tensor, bool(average)))
 
 
+def broadcast_bytes(t: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    """``t`` = global rank ``src``'s over ``group``, whatever its dtype: its bytes travel, as
+    uint8 (gloo and NCCL carry no complex, unsigned or float8 tensor), in place when ``t`` is
+    contiguous; nothing over one rank ([Note: one rank])."""
+    if _alone(group) or t.numel() == 0:
+        return
+    with torch.no_grad():
+        data = t.detach()
+        raw = data if data.is_contiguous() else data.contiguous()
+        dist.broadcast(raw.reshape(-1).view(torch.uint8), src=src, group=group)
+        if raw is not data:
+            data.copy_(raw)
+
+
 def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None, what: str = "") -> List[Any]:
     """Every rank's ``obj`` (picklable), in group-rank order; collective.
 

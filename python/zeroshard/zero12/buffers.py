@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import comm
 from ..core.hooks import remove_hooks, weak_hook
 
 
@@ -91,24 +92,26 @@ class BufferSync:
 
 
 def sync_buffers(modules: List[nn.Module], group: dist.ProcessGroup, src: int) -> None:
-    """Every rank's buffers of ``modules`` become global rank ``src``'s: one broadcast per
-    (dtype, device), none without buffers or over one rank (collective)."""
+    """Every rank's buffers of ``modules`` become global rank ``src``'s: one broadcast of
+    their bytes per device (any dtype: complex, unsigned), none without buffers or over one
+    rank (collective)."""
     if dist.get_world_size(group) == 1:      # ([Note: one rank] in comm/collectives.py)
         return
-    by_kind, seen = {}, set()
+    by_device, seen = {}, set()
     for m in modules:
         for b in m.buffers():
-            if id(b) not in seen:
+            if id(b) not in seen and b.numel():
                 seen.add(id(b))
-                by_kind.setdefault((b.dtype, b.device), []).append(b)
+                by_device.setdefault(b.device, []).append(b)
     with torch.no_grad():
-        for bufs in by_kind.values():
-            flat = torch.cat([b.reshape(-1) for b in bufs])
-            dist.broadcast(flat, src, group=group)
+        for bufs in by_device.values():
+            flat = torch.cat([b.detach().contiguous().reshape(-1).view(torch.uint8) for b in bufs])
+            comm.broadcast_bytes(flat, src, group)
             offset = 0
             for b in bufs:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
+                n = b.numel() * b.element_size()
+                b.copy_(flat[offset:offset + n].clone().view(b.dtype).view_as(b))    # (clone: aligned)
+                offset += n
 
 
 _PARAMETER_GENERATORS = (nn.Module.parameters.__code__, nn.Module.named_parameters.__code__)

@@ -362,7 +362,7 @@ def buffers_to_device(cfg: "Setup"):
                 if p.device != cfg.device and cfg.device.type != "meta" and not p.is_meta:
                     p = mod._parameters[name] = nn.Parameter(p.to(cfg.device), requires_grad=False)
                 if dist.get_world_size(cfg.everyone) > 1 and not p.is_meta:
-                    dist.broadcast(p.data, src=cfg.src, group=cfg.everyone)
+                    comm.broadcast_bytes(p.data, cfg.src, cfg.everyone)
         for name, b in mod._buffers.items():
             if b is None:
                 continue
@@ -371,7 +371,7 @@ def buffers_to_device(cfg: "Setup"):
             elif b.device != cfg.device and cfg.device.type != "meta":
                 b = b.to(cfg.device)
             if dist.get_world_size(cfg.everyone) > 1 and not b.is_meta:
-                dist.broadcast(b, src=cfg.src, group=cfg.everyone)
+                comm.broadcast_bytes(b, cfg.src, cfg.everyone)
             mod._buffers[name] = b
 
 
