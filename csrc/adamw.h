@@ -128,8 +128,9 @@ ZS_HD void store_from_f32(void* p, ScalarKind k, int64_t i, float v) {
 // One difference from torch: sqrt(v) is multiplied by the host-computed
 // reciprocal of sqrt(1-b2^t) instead of divided by sqrt(1-b2^t) (at most one
 // rounding apart). Division and square root share one slow unit on CPUs;
-// dropping one of the two divisions makes the CPU kernel ~20% faster where it
-// is compute-bound (the bf16 path, and shards that fit in cache).
+// dropping one of the two divisions makes the CPU kernel measurably faster where
+// it is compute-bound (the bf16 path, and shards that fit in cache; the figure:
+// benchmarks/history.md).
 // `g` already carries the gradient scale.
 ZS_HD void adamw_update(float& p, float g, float& m, float& v, const AdamWHyper& h) {
   p = p * h.decay;

@@ -37,10 +37,9 @@ int multiprocessors() {
 }
 
 // Plain accesses and 16 blocks per multiprocessor (about twice as many blocks as
-// fit at once): chosen by `python -m benchmarks adamw --launches` on an H200 (2026-11-27),
-// 91.2-91.9% of copy bandwidth from 256M parameters against 90.0-90.5% with 8
-// blocks (4: 77.9-83.1%; evict-first accesses: 90.2-92.8%, below 16 blocks'
-// at 16M-512M).
+// fit at once): chosen by `python -m benchmarks adamw --launches`, the closest to
+// copy bandwidth from large shards of the launches tried (8 and 4 blocks, evict-first
+// accesses; the figures: benchmarks/history.md).
 AdamWLaunch g_launch{Access::kCached, 16};
 
 }  // namespace

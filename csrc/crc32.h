@@ -1,8 +1,8 @@
 // CRC-32 of the checkpoint files' blocks: zlib's (the IEEE polynomial,
 // reflected, initial and final value ~0), so files written before and after
-// it and any reader with zlib agree. zlib as Python ships it runs at about
-// 3.4 GB/s on this project's CI machine, which made checksums the largest
-// part of loading a checkpoint from the page cache; on x86 CPUs with
+// it and any reader with zlib agree. zlib as Python ships it made checksums
+// the largest part of loading a checkpoint from the page cache (the figures:
+// benchmarks/history.md); on x86 CPUs with
 // PCLMULQDQ this folds 64 bytes per step with carry-less multiplications
 // (Intel's "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ",
 // the method zlib-ng and Chromium's zlib use) and falls back to a table

@@ -12,13 +12,10 @@
 // summing them in wait(); for an in-place all-gather (input is this rank's
 // chunk of output) each rank sends its chunk to every peer and receives
 // theirs in place. Each rank then sends (N-1)/N of the buffer, the least any
-// algorithm can (an all-reduce sends twice that). Measured with torch 2.15
-// on 13.8 MB, 2 ranks on this project's 2-core CI machine: reduce-scatter
-// 12.3 ms (summing included) against 16.0 ms for gloo's all-reduce and
-// 32.9 ms for its reduce-scatter; all-gather 6.9 ms against 10.1 ms for the
-// broadcasts. 3 ranks: 13.3 / 23.0 / 31.3 ms and 11.1 / 11.0 ms.
-// Paired again in this file's own build (benchmarks/RESULTS.md, "The gloo
-// transport, paired"): see there for what each part still buys.
+// algorithm can (an all-reduce sends twice that), and measured faster than
+// gloo's own all-reduce, reduce-scatter and broadcasts (the first figures:
+// benchmarks/history.md; paired in this file's own build: benchmarks/RESULTS.md,
+// "The gloo transport, paired", for what each part still buys).
 // A peer's chunk is received into the output itself when the output lies
 // outside the input, else into a scratch chunk held until wait(), so a
 // reduce-scatter in place takes (N-1)/N of the buffer more while in flight
@@ -38,9 +35,9 @@
 // (N-1) x 2 x max(chunk/16, 4 MiB), against (N-1) chunks in place; pieces
 // are used only where that is less. Each piece costs the receiver's thread a
 // turn on the cores before its slot is reposted, which on oversubscribed
-// CPUs delays the peer: 256 KiB pieces made a ZeRO-3 step of a 3.4M GPT 9%
-// slower (2 ranks, 2 cores), so pieces are large and only large chunks are
-// cut. A piece's messages carry a tag of their own (the group's count of
+// CPUs delays the peer: small pieces made a ZeRO-3 step measurably slower
+// (2 ranks on 2 cores; benchmarks/history.md), so pieces are large and only
+// large chunks are cut. A piece's messages carry a tag of their own (the group's count of
 // such collectives and the piece's index), so receives posted late never
 // meet another collective's messages. The thread touches only non-owning
 // views ([Note: backend views]); completed() reports its end.

@@ -48,8 +48,8 @@ void check_hyper(const AdamWOptions& o) {
 
 // One parallel region over every shard of the call: the shards are laid end
 // to end and at::parallel_for splits the total into torch.get_num_threads()
-// parts of at least kMinPerThread elements each (measured: below ~1M elements
-// a second thread costs more in start-up and cache traffic than it saves), on
+// parts of at least kMinPerThread elements each (below it, measured, a second
+// thread costs more in start-up and cache traffic than it saves), on
 // torch's own intra-op threads ([Note: CPU threads] in CMakeLists.txt). A part
 // may span several shards; each shard's range is updated independently, with
 // its own hyperparameters.
