@@ -92,26 +92,25 @@ class BufferSync:
 
 
 def sync_buffers(modules: List[nn.Module], group: dist.ProcessGroup, src: int) -> None:
-    """Every rank's buffers of ``modules`` become global rank ``src``'s: one broadcast of
-    their bytes per device (any dtype: complex, unsigned), none without buffers or over one
-    rank (collective)."""
+    """Every rank's buffers of ``modules`` become global rank ``src``'s: one broadcast per
+    (dtype, device), of its bytes (any dtype: complex, unsigned), none without buffers or
+    over one rank (collective)."""
     if dist.get_world_size(group) == 1:      # ([Note: one rank] in comm/collectives.py)
         return
-    by_device, seen = {}, set()
+    by_kind, seen = {}, set()
     for m in modules:
         for b in m.buffers():
-            if id(b) not in seen and b.numel():
+            if id(b) not in seen:
                 seen.add(id(b))
-                by_device.setdefault(b.device, []).append(b)
+                by_kind.setdefault((b.dtype, b.device), []).append(b)
     with torch.no_grad():
-        for bufs in by_device.values():
-            flat = torch.cat([b.detach().contiguous().reshape(-1).view(torch.uint8) for b in bufs])
+        for bufs in by_kind.values():
+            flat = torch.cat([b.reshape(-1) for b in bufs])
             comm.broadcast_bytes(flat, src, group)
             offset = 0
             for b in bufs:
-                n = b.numel() * b.element_size()
-                b.copy_(flat[offset:offset + n].clone().view(b.dtype).view_as(b))    # (clone: aligned)
-                offset += n
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
 
 
 _PARAMETER_GENERATORS = (nn.Module.parameters.__code__, nn.Module.named_parameters.__code__)
