@@ -31,12 +31,13 @@ struct AdamWHyper {
   float eps;
   float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step)
   float decay;       // 1 - lr * weight_decay
-  float grad_scale;  // gradients are multiplied by this before use
+  // gradients are multiplied by this before use: 1, or GradScaler's inverse scale (the
+  // launcher's `scale` tensor); the gradient itself arrives averaged, as it is
+  float unscale;
 };
 
 AdamWHyper make_adamw_hyper(double lr, double beta1, double beta2, double eps,
-                            double weight_decay, int64_t step,
-                            double grad_scale);
+                            double weight_decay, int64_t step);
 
 // One flat shard. `param` is the fp32 master (or the fp32 parameter itself).
 struct AdamWShard {

@@ -9,7 +9,7 @@
 namespace zeroshard {
 
 AdamWHyper make_adamw_hyper(double lr, double beta1, double beta2, double eps,
-                            double weight_decay, int64_t step, double grad_scale) {
+                            double weight_decay, int64_t step) {
   AdamWHyper h;
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
@@ -20,7 +20,7 @@ AdamWHyper make_adamw_hyper(double lr, double beta1, double beta2, double eps,
   h.eps = static_cast<float>(eps);
   h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   h.decay = static_cast<float>(1.0 - lr * weight_decay);
-  h.grad_scale = static_cast<float>(grad_scale);
+  h.unscale = 1.0f;
   return h;
 }
 
@@ -41,7 +41,7 @@ ZS_INLINE bool adamw_block(const AdamWShard& s, const AdamWHyper& hyper, int64_t
   float* __restrict v = s.exp_avg_sq + i0;
   uint32_t bad = 0;
   for (int64_t j = 0; j < n; ++j) {
-    const float g = load_as_f32(grad, GK, i0 + j) * h.grad_scale;
+    const float g = load_as_f32(grad, GK, i0 + j) * h.unscale;
     bad |= static_cast<uint32_t>((f32_bits(g) & 0x7F800000u) == 0x7F800000u);
     // Through locals, so each array is read once and written once per
     // element: updating p[j] and m[j] in place made the compiler store them

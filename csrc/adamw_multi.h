@@ -136,7 +136,7 @@ ZS_HD_CALL bool adamw_range_lanes(AdamWShard s, AdamWHyper h, bool vectorized, i
       load_vec<ScalarKind::kFloat32, A>(s.exp_avg_sq, i, q);
 #pragma unroll
       for (int k = 0; k < kMultiVec; ++k) {
-        g[k] *= h.grad_scale;
+        g[k] *= h.unscale;
         bad |= !is_finite_f32(g[k]);
         adamw_update(p[k], g[k], m[k], q[k], h);
       }
@@ -149,7 +149,7 @@ ZS_HD_CALL bool adamw_range_lanes(AdamWShard s, AdamWHyper h, bool vectorized, i
   }
   for (int64_t i = tail + lane; i < end; i += lanes) {
     float p = s.param[i], m = s.exp_avg[i], q = s.exp_avg_sq[i];
-    const float g = load_as_f32(s.grad, GK, i) * h.grad_scale;
+    const float g = load_as_f32(s.grad, GK, i) * h.unscale;
     bad |= !is_finite_f32(g);
     adamw_update(p, g, m, q, h);
     s.param[i] = p;
@@ -185,14 +185,14 @@ ZS_HD bool adamw_chunk_out(const AdamWShard& s, const AdamWHyper& h, bool vec, i
   }
 }
 
-// Lane `lane` of `lanes` of chunk c. `scale` multiplies every set's
-// grad_scale (1 when there is no scale tensor). The dtype switch runs once per
+// Lane `lane` of `lanes` of chunk c. `scale` (1 when there is no scale tensor)
+// is every set's unscale. The dtype switch runs once per
 // chunk and is uniform over a block.
 template <Access A = Access::kCached>
 ZS_HD bool adamw_chunk(const AdamWTable& t, int64_t c, int lane, int lanes, float scale) {
   const AdamWSegment& seg = t.segs[segment_of(t, c)];
   AdamWHyper h = t.hypers[seg.hyper];
-  h.grad_scale *= scale;
+  h.unscale *= scale;
   const int64_t begin = (c - seg.first_chunk) * kMultiChunk;
   const int64_t end = begin + kMultiChunk < seg.s.numel ? begin + kMultiChunk : seg.s.numel;
   const bool vec = seg.vectorized != 0;

@@ -89,11 +89,10 @@ static void bind_layout(py::module_& m) {
 
 static void bind_kernels(py::module_& m) {
   py::class_<AdamWOptions>(m, "AdamWOptions", py::module_local(), "One set of AdamW hyperparameters (csrc/ops.h).")
-      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                       double grad_scale) {
-             return AdamWOptions{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
+      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+             return AdamWOptions{lr, beta1, beta2, eps, weight_decay, step};
            }), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-           py::arg("step"), py::arg("grad_scale"));
+           py::arg("step"));
   m.def("fused_adamw_", &fused_adamw_, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("outs"), py::arg("hypers"), py::arg("hyper_of"), py::arg("scale"),
         py::arg("noop"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>(),

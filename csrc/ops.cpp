@@ -59,7 +59,7 @@ void adamw_cpu_all(const std::vector<AdamWShard>& shards, std::vector<AdamWHyper
   if (noop && noop->item<int32_t>() != 0) return;
   if (scale) {
     const float mult = scale->item<float>();
-    for (AdamWHyper& h : hypers) h.grad_scale *= mult;
+    for (AdamWHyper& h : hypers) h.unscale *= mult;
   }
   std::vector<int64_t> start(shards.size() + 1, 0);
   for (size_t k = 0; k < shards.size(); ++k) start[k + 1] = start[k] + shards[k].numel;
@@ -183,7 +183,7 @@ void fused_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::T
   }
   std::vector<AdamWHyper> sets;
   for (const AdamWOptions& o : hypers)
-    sets.push_back(make_adamw_hyper(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.step, o.grad_scale));
+    sets.push_back(make_adamw_hyper(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.step));
 
   const at::Tensor* sc = scale ? &*scale : nullptr;
   const at::Tensor* no = noop ? &*noop : nullptr;

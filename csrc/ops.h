@@ -11,7 +11,6 @@ namespace zeroshard {
 struct AdamWOptions {
   double lr, beta1, beta2, eps, weight_decay;
   int64_t step;
-  double grad_scale = 1.0;
 };
 
 // Updates every shard i: params[i] (fp32), exp_avgs[i], exp_avg_sqs[i] in
@@ -19,10 +18,11 @@ struct AdamWOptions {
 // hypers[hyper_of[i]], optionally writing the new params into outs[i]
 // (bf16/fp16/fp32; `outs` is empty or has one entry per shard, None for
 // none). One launch over every shard (CUDA, [Note: one launch]) or one
-// parallel loop (CPU). `scale` (fp32, 1 element) multiplies grad_scale;
-// `noop` (int32, 1 element) turns the call into a no-op when non-zero;
-// `found_inf` (int32, 1 element) is set to 1 if any scaled gradient is
-// non-finite. On CUDA none of these syncs with the host. Every argument is
+// parallel loop (CPU). The gradients are taken as they are (averaged:
+// [Note: one meaning for a gradient] in core/segments.py), but `scale` (fp32,
+// 1 element: GradScaler's inverse scale) multiplies them if given; `noop`
+// (int32, 1 element) turns the call into a no-op when non-zero; `found_inf`
+// (int32, 1 element) is set to 1 if any scaled gradient is non-finite. On CUDA none of these syncs with the host. Every argument is
 // checked before anything is written.
 void fused_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                   const std::vector<at::Tensor>& exp_avgs,

@@ -65,12 +65,13 @@ TEST(AdamWCpu, KernelEqualsScalarMathBitwiseForAnySplit) {
   std::normal_distribution<float> d;
   std::vector<uint16_t> g(n);
   for (auto& x : g) x = f32_to_bf16(d(rng));
-  const AdamWHyper h = make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3, 0.5);
+  AdamWHyper h = make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3);
+  h.unscale = 0.5f;  // (a GradScaler's inverse scale)
 
   State ref = random_state(n, rng);
   State a = ref, b = ref;
   for (int64_t i = 0; i < n; ++i)
-    adamw_update(ref.p[i], bf16_to_f32(g[i]) * h.grad_scale, ref.m[i], ref.v[i], h);
+    adamw_update(ref.p[i], bf16_to_f32(g[i]) * h.unscale, ref.m[i], ref.v[i], h);
 
   AdamWShard sa{a.p.data(), g.data(), ScalarKind::kBFloat16, a.m.data(), a.v.data(),
                 a.out.data(), ScalarKind::kFloat16, n};
@@ -97,7 +98,7 @@ TEST(AdamWCpu, MatchesDoublePrecisionAdamW) {
   const double lr = 1e-2, b1 = 0.9, b2 = 0.99, eps = 1e-8, wd = 0.1;
   for (int step = 1; step <= 50; ++step) {
     for (auto& x : g) x = d(rng);
-    const AdamWHyper h = make_adamw_hyper(lr, b1, b2, eps, wd, step, 1.0);
+    const AdamWHyper h = make_adamw_hyper(lr, b1, b2, eps, wd, step);
     AdamWShard sh{s.p.data(), g.data(), ScalarKind::kFloat32, s.m.data(), s.v.data(), nullptr,
                   ScalarKind::kFloat32, n};
     adamw_cpu(sh, h, 0, n);
@@ -117,10 +118,12 @@ TEST(AdamWCpu, FlagsNonFiniteScaledGradients) {
   std::vector<float> p(n, 1), m(n, 0), v(n, 0), g(n, 1);
   AdamWShard s{p.data(), g.data(), ScalarKind::kFloat32, m.data(), v.data(), nullptr,
                ScalarKind::kFloat32, n};
-  EXPECT_FALSE(adamw_cpu(s, make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0, 1, 1.0), 0, n));
+  EXPECT_FALSE(adamw_cpu(s, make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0, 1), 0, n));
   g[277] = std::numeric_limits<float>::infinity();
-  EXPECT_TRUE(adamw_cpu(s, make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0, 2, 1.0), 0, n));
-  EXPECT_FALSE(adamw_cpu(s, make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0, 3, 1.0), 0, 277));
+  EXPECT_TRUE(adamw_cpu(s, make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0, 2), 0, n));
+  EXPECT_FALSE(adamw_cpu(s, make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0, 3), 0, 277));
   g[277] = 3e38f;  // finite, but overflows once scaled
-  EXPECT_TRUE(adamw_cpu(s, make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0, 4, 10.0), 0, n));
+  AdamWHyper scaled = make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0, 4);
+  scaled.unscale = 10.0f;
+  EXPECT_TRUE(adamw_cpu(s, scaled, 0, n));
 }

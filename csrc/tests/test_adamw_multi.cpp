@@ -68,10 +68,14 @@ std::vector<Spec> awkward_specs() {
           {8200, F32, kNone, true, 2},   {12288, BF16, OBF16, false, 0}};
 }
 
+// (each with its own unscale, as a GradScaler's scale tensor would set every set's)
 std::vector<AdamWHyper> three_sets() {
-  return {make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 1.0),
-          make_adamw_hyper(3e-4, 0.8, 0.99, 1e-6, 0.0, 7, 0.5),
-          make_adamw_hyper(1e-2, 0.95, 0.995, 1e-8, 0.1, 1000, 2.0)};
+  std::vector<AdamWHyper> sets = {make_adamw_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1),
+                                  make_adamw_hyper(3e-4, 0.8, 0.99, 1e-6, 0.0, 7),
+                                  make_adamw_hyper(1e-2, 0.95, 0.995, 1e-8, 0.1, 1000)};
+  sets[1].unscale = 0.5f;
+  sets[2].unscale = 2.0f;
+  return sets;
 }
 
 // Packs `shards` into a host table (8-byte aligned storage).
@@ -144,7 +148,7 @@ TEST(AdamWTable, EveryChunkEqualsTheCpuKernelBitwise) {
       EXPECT_FALSE(run_table(pack(multi, sets, storage), lanes, scale));
       for (Shard& s : ref) {
         AdamWHyper h = sets[s.spec.hyper];
-        h.grad_scale *= scale;
+        h.unscale *= scale;
         EXPECT_FALSE(adamw_cpu(s.record(), h, 0, s.spec.numel));
       }
       expect_same_bytes(multi, ref);

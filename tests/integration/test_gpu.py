@@ -412,7 +412,7 @@ def test_cuda_offloaded_gradients_reach_host_memory_during_backward(nccl_world1,
                 assert all(torch.equal(seg.mirror, seg.grad.cpu()) for seg in mirrored)
             if off is not None and stage == 3:
                 hosted = [u for u in model.units if u.grad_to_host]
-                assert hosted and all(u.grad_shard.is_pinned() for u in hosted)
+                assert hosted and all(u.reduction.grad.tensor.is_pinned() for u in hosted)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
             opt.zero_grad()

@@ -370,7 +370,7 @@ def _frozen(world_hint):
         before = model.comm_elements["reduce_scatter"]
         model(mine(x)).square().mean().backward()
         sent = model.comm_elements["reduce_scatter"] - before
-        grad_elems = sum(u.grad_shard.numel() for u in model.units if u.grad_shard is not None)
+        grad_elems = sum(u.reduction.grad.tensor.numel() for u in model.units if u.reduction.grad.tensor is not None)
         report = model.memory_report()
         opt.step()
         opt.zero_grad(set_to_none=False)

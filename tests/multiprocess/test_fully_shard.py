@@ -136,7 +136,7 @@ def _memory(prefetch):
     train(model, opt, 2)
     rep = model.memory_report()
     # the tensors that really exist on this rank, by bytes
-    real = sum(t.numel() * t.element_size() for u in model.units if u.params for t in (u.shard, u.grad_shard))
+    real = sum(t.numel() * t.element_size() for u in model.units if u.params for t in (u.shard, u.reduction.grad.tensor))
     real += sum(t.numel() * t.element_size() for reg in opt.regions for t in (reg.exp_avg, reg.exp_avg_sq))
     owned = sum(p.to_local().numel() for p in model.parameters())   # this rank's pieces
     return {"rep": rep, "opt_rep": opt.memory_report(), "real": real, "owned": owned,
@@ -216,7 +216,7 @@ def _grad_shard_lifetime():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = wrapped()
     opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
-    held = lambda: [u.grad_shard is not None for u in model.units if u.trainable]  # noqa: E731
+    held = lambda: [u.reduction.grad.tensor is not None for u in model.units if u.trainable]  # noqa: E731
     in_forward, after_backward, zeroed = [], [], []
     model.module.blocks[0].register_forward_pre_hook(lambda m, a: in_forward.append(held()))
     for k, mbs in enumerate(batches(4)):

@@ -407,17 +407,17 @@ def _grad_shard_lifetime():
     ref, _ = reference(4)
     held_in_forward = []
     model.register_forward_pre_hook(
-        lambda m, a: held_in_forward.append([b.grad_shard is not None for b in opt.source.buffers]))
+        lambda m, a: held_in_forward.append([b.reduced.tensor is not None for b in opt.source.buffers]))
     after, reused = [], []
     for k, mbs in enumerate(batches(4)):
-        before = [weakref.ref(b.grad_shard) for b in opt.source.buffers if b.grad_shard is not None]
+        before = [weakref.ref(b.reduced.tensor) for b in opt.source.buffers if b.reduced.tensor is not None]
         opt.zero_grad(set_to_none=k % 2 == 0)
-        after.append(("zero_grad", [b.grad_shard is not None for b in opt.source.buffers]))
+        after.append(("zero_grad", [b.reduced.tensor is not None for b in opt.source.buffers]))
         x, y = mbs[0]
         F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
-        after.append(("backward", [b.grad_shard is not None for b in opt.source.buffers]))
+        after.append(("backward", [b.reduced.tensor is not None for b in opt.source.buffers]))
         if before:      # the very tensor of the last backward
-            reused.append([ref() is b.grad_shard for ref, b in zip(before, opt.source.buffers)])
+            reused.append([ref() is b.reduced.tensor for ref, b in zip(before, opt.source.buffers)])
         opt.step()
     return held_in_forward, after, max_param_err(model, ref), reused
 

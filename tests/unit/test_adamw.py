@@ -43,7 +43,7 @@ def test_found_inf_flag_is_set_only_for_non_finite_grads():
     g16 = torch.full((31,), 60000.0, dtype=torch.float16)
     flag.zero_()
     zs.fused_adamw_([torch.zeros(31)], [g16], [torch.zeros(31)], [torch.zeros(31)], lr=1e-3, step=1,
-                    grad_scale=1e35, found_inf=flag)
+                    scale=torch.tensor([1e35]), found_inf=flag)
     assert flag.item() == 1
 
 
@@ -57,12 +57,12 @@ def test_noop_flag_skips_the_update():
     assert not torch.equal(p, before[0])
 
 
-def test_scale_tensor_equals_host_scale():
+def test_scale_tensor_equals_prescaled_gradients():
+    """The kernel takes the gradient as it is; a GradScaler's inverse scale (a tensor) multiplies it."""
     a = _state(999)
     b = [t.clone() for t in a]
-    zs.fused_adamw_([a[0]], [a[1]], [a[2]], [a[3]], lr=1e-2, step=4, grad_scale=0.25)
-    zs.fused_adamw_([b[0]], [b[1]], [b[2]], [b[3]], lr=1e-2, step=4, grad_scale=0.5,
-                    scale=torch.tensor([0.5]))
+    zs.fused_adamw_([a[0]], [a[1] * 0.25], [a[2]], [a[3]], lr=1e-2, step=4)
+    zs.fused_adamw_([b[0]], [b[1]], [b[2]], [b[3]], lr=1e-2, step=4, scale=torch.tensor([0.25]))
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -103,7 +103,7 @@ def test_one_call_over_many_shards_equals_one_call_per_shard(grad_dtype):
     outs_one = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
     outs_each = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
     flag = torch.zeros(1, dtype=torch.int32)
-    hyper = dict(lr=1e-3, step=4, weight_decay=0.05, grad_scale=0.5)
+    hyper = dict(lr=1e-3, step=4, weight_decay=0.05, scale=torch.tensor([0.5]))
     zs.fused_adamw_(*[[s[k] for s in one] for k in range(4)], outs=outs_one, found_inf=flag, **hyper)
     for s, o in zip(each, outs_each):
         zs.fused_adamw_([s[0]], [s[1]], [s[2]], [s[3]], outs=[o], **hyper)
@@ -132,3 +132,11 @@ def test_multi_call_checks_every_set_and_index_before_writing():
     with pytest.raises(ValueError, match="hyper_of has 2 entries but params has 1"):
         zs.fused_adamw_multi_([a[0]], [a[1]], [a[2]], [a[3]], [dict(lr=1e-3, step=1)], [0, 0])
     assert all(torch.equal(x, y) for x, y in zip(a, before))
+
+
+def test_a_hyperparameter_set_with_an_unknown_key_is_refused():
+    p, g, m, v = _state(11)
+    with pytest.raises(ValueError, match=r"set 0 has unknown keys \['grad_scale'\].*scale= tensor"):
+        zs.fused_adamw_multi_([p], [g], [m], [v], [dict(lr=1e-3, step=1, grad_scale=0.5)], [0])
+    with pytest.raises(TypeError, match="grad_scale"):
+        zs.fused_adamw_([p], [g], [m], [v], lr=1e-3, step=1, grad_scale=0.5)

@@ -616,3 +616,20 @@ def test_no_module_is_imported_under_another_name():
     assert not bad, "imported under another name (rename the module or the clashing variable):\n" + "\n".join(bad)
     planted = _renamed_imports({"x.py": "from . import wrap as setup\nimport torch.distributed as dist\n"})
     assert planted == ["x.py:1: wrap as setup"], planted
+
+
+def test_no_scale_travels_with_a_gradient():
+    """[Note: one meaning for a gradient]: every fold writes the averaged gradient into the
+    GradShard its Reduction owns, and the kernels take it as it is: no ``grad_scale`` or
+    ``grad_attr`` in the library or the C++ core, and a Segment reads a GradShard."""
+    found = [f"{name}: {word}" for name, src in _sources().items() for word in ("grad_scale", "grad_attr")
+             if word in src]
+    for folder, _, files in os.walk(CSRC):
+        for name in files:
+            with open(os.path.join(folder, name), errors="replace") as f:
+                found += [f"csrc/{name}: grad_scale"] if "grad_scale" in f.read() else []
+    assert not found, found
+    from zeroshard.core.reduction import Reduction
+    from zeroshard.core.segments import GradShard, Segment
+    assert Segment.__dataclass_fields__["reduced"].type in ("GradShard", GradShard)
+    assert Reduction.__dataclass_fields__["grad"].type in ("GradShard", GradShard)

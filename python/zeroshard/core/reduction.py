@@ -8,8 +8,10 @@ reduce-scatter: a ZeRO-1/2 bucket, a ZeRO-3 unit. It carries what the
 pipeline needs and nothing of its stage: how many gradients it still waits
 for in this backward, the process group its reduce-scatter runs over (and
 under hybrid sharding the replicas it is all-reduced across after), its
-buffer, where the reduce-scatter wrote this rank's chunk, and the collective
-in flight. The group is the record's, not the pipeline's, so records of one
+buffer, where the reduce-scatter wrote this rank's chunk, the collective
+in flight, and the averaged gradient it folds into (a ``GradShard``, core/segments.py,
+which the optimizer's segments read: the buckets of one flat buffer share
+their buffer's, each writing its own range). The group is the record's, not the pipeline's, so records of one
 backward may reduce over different groups.
 
 ``ReductionPipeline`` runs one backward's reductions:
@@ -36,13 +38,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
+from .segments import GradShard
 
 # Reduce-scatters in flight at once. A bucket holds at most bucket_mb of gradients:
 # two keep the communication busy while backward continues and bound stage 2's
@@ -64,6 +67,8 @@ class Reduction:
     out: Optional[torch.Tensor] = None      # where the reduce-scatter wrote this rank's chunk of the sum
     handle: Optional[comm.CommHandle] = None   # the collective in flight on ``out``
     launched: bool = False           # its reduce-scatter was issued in this backward
+    # what the fold writes: the averaged gradient ([Note: one meaning for a gradient])
+    grad: GradShard = field(default_factory=GradShard)
 
 
 class ReductionOrder:

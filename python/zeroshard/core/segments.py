@@ -4,7 +4,7 @@ fused call, and the averaged gradient they read ([Note: one meaning for a gradie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional, Protocol
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -16,8 +16,13 @@ def squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square()
 
 
-class GradHolder(Protocol):
-    """What holds a segment's gradient: a ZeRO-1/2 flat buffer, a ZeRO-3 unit.
+@dataclass(kw_only=True, eq=False)
+class GradShard:
+    """The averaged gradient a reduction folds into: a ZeRO-3 unit's fp32 shard, a ZeRO-2
+    flat buffer's shard, a ZeRO-1 flat buffer's full gradient (the step reads this rank's
+    chunks of it). Owned by the ``Reduction`` record (core/reduction.py) that writes it;
+    the buckets of one flat buffer reduce into one, each its own range. Each ``Segment``
+    reads a range of one.
 
     [Note: one meaning for a gradient] Whatever the stage, the gradient a segment
     reads is the *averaged* gradient: the mean over every rank it was reduced over
@@ -27,8 +32,11 @@ class GradHolder(Protocol):
     rules, the statistics, ``p.grad`` reads and anything later (a quantized
     reduction's error feedback, a gradient shard written to disk) take it as it is:
     no scale travels with it."""
-    reduced_grads: Optional[torch.Tensor]   # the averaged gradient (None: not allocated)
-    grad_sumsq: Optional[dict]              # see Segment.norms_taken
+    # the averaged gradient; None: not allocated (no backward since zero_grad(set_to_none=True))
+    tensor: Optional[torch.Tensor] = None
+    # a ZeRO-3 shard in host memory: {piece's offset in the shard: its squared norm}, taken on the
+    # device before the copy to host by this backward's fresh reduction (None otherwise)
+    sumsq: Optional[dict] = None
 
 
 class SegmentPiece(NamedTuple):
@@ -64,9 +72,9 @@ class Segment:
     """A flat range updated by one fused AdamW call."""
     group: int                 # param group index
     param: torch.Tensor        # fp32 master (or fp32 parameter) shard range
-    # the record holding the averaged gradient (a GradHolder: its ``reduced_grads``, allocated and
-    # freed as backward and zero_grad go, [Note: one meaning for a gradient]), and the range in it
-    holder: "GradHolder"
+    # the averaged gradient this segment reads (its tensor allocated and freed as backward and
+    # zero_grad go, [Note: one meaning for a gradient]), and the range in it
+    reduced: GradShard
     grad_range: tuple          # (start, stop) in that tensor
     exp_avg: Optional[torch.Tensor] = None      # the fused AdamW's state (None for another optimizer_class)
     exp_avg_sq: Optional[torch.Tensor] = None
@@ -77,26 +85,25 @@ class Segment:
     # ZeRO-1/2, state the CPU steps: the host copy of the gradient, refreshed as backward
     # reduces it, that the step reads ([Note: offloaded gradients] in offload/copies.py)
     mirror: Optional[torch.Tensor] = None
-    # ZeRO-3, gradient shards in host memory: the holder's ``grad_sumsq`` maps a piece's offset
-    # in the shard to its squared norm, taken on the device before the copy to host (None: not
-    # taken this backward)
+    # ZeRO-3, gradient shards in host memory: the shard's ``sumsq`` holds each piece's squared
+    # norm, taken on the device before the copy to host
     norms_taken: bool = False
 
     @property
     def grad(self) -> torch.Tensor:
         """Looked up at each use: gradient shards are allocated by backward's
         reductions and freed by zero_grad(set_to_none=True)."""
-        return self.holder.reduced_grads[self.grad_range[0]:self.grad_range[1]]
+        return self.reduced.tensor[self.grad_range[0]:self.grad_range[1]]
 
     @property
     def has_grad(self) -> bool:
         """Whether the gradient tensor is allocated (no backward since zero_grad(set_to_none=True): not)."""
-        return self.holder.reduced_grads is not None
+        return self.reduced.tensor is not None
 
     def sumsq_before_copy(self, a: int, b: int) -> Optional[torch.Tensor]:
         """The squared norm of the gradient's range [a, b) (one piece), as taken on the
         device before its copy to host memory this backward; None if it was not."""
-        taken = self.holder.grad_sumsq if self.norms_taken else None
+        taken = self.reduced.sumsq if self.norms_taken else None
         return None if taken is None else taken.get(self.grad_range[0] + a)
 
     def grad_views(self, a: int, b: int) -> List[torch.Tensor]:

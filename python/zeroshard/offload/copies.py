@@ -13,7 +13,7 @@ the gradients, made as backward reduces them rather than in step():
   memory (``Unit.grad_to_host``), as offload_params does: each reduced chunk
   is divided on the device and copied there as the unit is reduced. The
   per-step statistics' squared norms of its pieces are taken then, on the
-  device (``Unit.grad_sumsq``), not over host memory after the backward.
+  device (``GradShard.sumsq``), not over host memory after the backward.
 ``memory_report()`` counts both as host bytes.
 """
 from __future__ import annotations

@@ -17,6 +17,7 @@ from .. import comm
 from ..comm.mesh import ShardGroup
 from ..offload import Placement, Storage, on_accelerator
 from ..core.reduction import Reduction
+from ..core.segments import GradShard
 from ..core.source import SUPPORTED
 from ..core.tensor_parallel import local_ptr, local_tensor, point_at
 from ..native.layout import compute_layout, update_cost
@@ -62,8 +63,11 @@ class FlatBuffer:
     master: Optional[torch.Tensor]       # fp32 shard, None when params are fp32
     exp_avg: Optional[torch.Tensor]      # fp32 shard (None: the optimizer is not the fused AdamW)
     exp_avg_sq: Optional[torch.Tensor]   # fp32 shard
-    grad_shard: Optional[torch.Tensor]   # stage 2: reduced gradient shard (reduce dtype)
     grads: Optional[torch.Tensor]        # stage 1: full flat gradients (param dtype)
+    # the averaged gradient its buckets' reductions fold into (each Reduction.grad is this
+    # record): stage 1 ``grads`` (this rank's chunks reduced), stage 2 this rank's shard in the
+    # reduce dtype, allocated by the first reduction of a backward
+    reduced: GradShard = field(default_factory=GradShard)
     buckets: List[FlatBucket] = field(default_factory=list)
     shard_data_numel: int = 0            # elements of real parameters in this rank's shard
     shard_numel: int = 0                 # this rank's shard, padding included
@@ -75,13 +79,6 @@ class FlatBuffer:
     # stage 2 on CPU: the storage of the shard zero_grad(set_to_none=True) dropped, which the
     # next backward's first reduction takes ([Note: bucket buffers between steps] in zero12/reducer.py)
     spare_shard: Optional[torch.Tensor] = None
-    grad_sumsq = None      # (no norms taken before a host copy: that is a ZeRO-3 unit's)
-
-    @property
-    def reduced_grads(self) -> Optional[torch.Tensor]:
-        """Where a step reads the averaged gradient ([Note: one meaning for a gradient]): stage
-        1's full buffer (this rank's chunks of it), stage 2's shard."""
-        return self.grads if self.grads is not None else self.grad_shard
 
 
 def check_views(params: List[torch.Tensor], trainable: List[int], where: dict, err: Callable[[str], str]):
@@ -351,10 +348,10 @@ def _make_buffer(L, bi: int, flat: torch.Tensor, order: List[int], *, group: int
     world, rank = sg.world, sg.rank
     shard_len, dev = lb.numel // world, flat.device
     moments = [storage.zeros(placement, shard_len) if adam else None for _ in range(2)]
+    grads = torch.zeros(lb.numel, dtype=flat.dtype, device=dev) if opts.stage == 1 else None
     buf = FlatBuffer(group=group, dtype=flat.dtype, params=flat, master=None,
                      exp_avg=moments[0], exp_avg_sq=moments[1], placement=placement, shard=sg,
-                     grad_shard=None,    # stage 2: allocated by the first reduction of a backward
-                     grads=torch.zeros(lb.numel, dtype=flat.dtype, device=dev) if opts.stage == 1 else None)
+                     grads=grads, reduced=GradShard(tensor=grads))
     shard_off = 0
     for b in lb.buckets:
         lbk = L.buckets[b]

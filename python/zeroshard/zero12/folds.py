@@ -120,7 +120,7 @@ class InPlaceFold(_BucketFold):
 
     def fold(self, r: Reduction):
         b, src = bucket_of(r), self.src
-        own = b.own(b.buffer.grads)
+        own = b.own(r.grad.tensor)      # (the full gradient buffer: this rank's chunk reduced in place)
         if self.kept is not None:      # hybrid: counted once per replica (see before_grad)
             r.out.sub_(self.kept[b.index].to(r.out.dtype), alpha=src.groups.replicas - 1)
         if r.out.data_ptr() != own.data_ptr():   # (reduced in reduce_dtype: divided there, rounded once)
@@ -155,20 +155,19 @@ class AddToShardFold(_BucketFold):
             self.copies_left[i] -= 1
             if self.copies_left[i] == 0:
                 src.params[i].grad = None
-        if buf.grad_shard is None:   # freed by zero_grad(set_to_none=True)
+        if r.grad.tensor is None:   # freed by zero_grad(set_to_none=True)
             # every bucket writes its whole piece of the shard: no zeroing needed
-            buf.grad_shard, buf.spare_shard = buf.spare_shard, None
-            if buf.grad_shard is None:
-                buf.grad_shard = torch.empty(buf.shard_numel, dtype=rdt, device=src.device)
+            r.grad.tensor, buf.spare_shard = buf.spare_shard, None
+            if r.grad.tensor is None:
+                r.grad.tensor = torch.empty(buf.shard_numel, dtype=rdt, device=src.device)
         # a shard holding nothing yet receives the sum directly; else the sum lands in
         # this rank's chunk of the buffer and the fold adds it
-        out = b.shard_of(buf.grad_shard) if self.shard_fresh else \
-            b.own(inp, start=0)
+        out = b.shard_of(r.grad.tensor) if self.shard_fresh else b.own(inp, start=0)
         return inp, out, None
 
     def fold(self, r: Reduction):
         b, src = bucket_of(r), self.src
-        shard = b.shard_of(b.buffer.grad_shard)
+        shard = b.shard_of(r.grad.tensor)
         if r.out.data_ptr() != shard.data_ptr():
             shard.add_(r.out.div_(src.divisor))      # (the buffer's chunk: scratch)
         else:

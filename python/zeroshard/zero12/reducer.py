@@ -125,7 +125,7 @@ class FlatReducer(ShardSource):
         self.launch_order, self.whole_owners = flat.launch_order, flat.whole_owners
         for b in self.buckets:
             b.reduction = Reduction(name=f"bucket {b.index}", owner=b, group=b.buffer.shard.group,
-                                    replicate=groups.replicate)
+                                    replicate=groups.replicate, grad=b.buffer.reduced)
         self._gather = ParamGather(self.buffers, params, self.where, overlap=overlap_param_gather, comm_elements=self.comm_elements,
                                    hook_factory=weak_hook)
         self._order_learned = False
@@ -265,11 +265,11 @@ class FlatReducer(ShardSource):
     @torch.no_grad()
     def allocate_grads(self):
         for buf in self.buffers:     # (stage 1's full buffer is always held)
-            if self.stage == 2 and buf.grad_shard is None:
+            if self.stage == 2 and buf.reduced.tensor is None:
                 shard, buf.spare_shard = buf.spare_shard, None
                 if shard is None:
                     shard = torch.empty(buf.shard_numel, dtype=self.reduce_dtype_of(buf.dtype), device=self.device)
-                buf.grad_shard = shard.zero_()
+                buf.reduced.tensor = shard.zero_()
             if buf.grad_mirror is not None:
                 buf.grad_mirror.zero_()
 
@@ -317,13 +317,14 @@ class FlatReducer(ShardSource):
         for buf in self.buffers:
             if buf.grads is not None and not set_to_none:   # [Note: stage-1 gradient buffer]
                 buf.grads.zero_()
-            if set_to_none:     # stage 2: the next backward allocates it again
-                if self.device.type == "cpu" and buf.grad_shard is not None:
-                    buf.spare_shard = buf.grad_shard     # [Note: bucket buffers between steps]
-                buf.grad_shard = None
+            if set_to_none and self.stage == 2:     # the next backward allocates it again
+                if self.device.type == "cpu" and buf.reduced.tensor is not None:
+                    buf.spare_shard = buf.reduced.tensor     # [Note: bucket buffers between steps]
+                buf.reduced.tensor = None
+            elif self.stage == 2 and buf.reduced.tensor is not None:
+                buf.reduced.tensor.zero_()
+            if set_to_none:
                 self.arrived_since_zero.clear()
-            elif buf.grad_shard is not None:
-                buf.grad_shard.zero_()
         for i in self.trainable:
             p = self.params[i]
             if self.stage == 1 and not set_to_none:
@@ -373,7 +374,7 @@ def _regions_and_segments(src: "FlatReducer", stage: int):
             start = b.offset + rank * b.shard_numel if stage == 1 else b.shard_offset
             low = buf.master is not None
             segments.append(Segment(
-                group=buf.group, param=b.shard_of(buf.master) if low else b.own(buf.params), holder=buf,
+                group=buf.group, param=b.shard_of(buf.master) if low else b.own(buf.params), reduced=buf.reduced,
                 grad_range=(start, start + b.shard_numel), exp_avg=_shard_of(b, buf.exp_avg),
                 exp_avg_sq=_shard_of(b, buf.exp_avg_sq), out=b.own(buf.params) if low else None,
                 pieces=[SegmentPiece(i, sl.start, sl.stop, t_off) for i, t_off, sl in region_of[b.index].owned(rank)],

@@ -174,13 +174,14 @@ class UnitBackward:
     def zero_grad(self, set_to_none: bool):
         """Free (``set_to_none``) or zero the gradient shards; see FullyShard.zero_grad."""
         for u in self.units:
-            u.grad_sumsq = None
-            if set_to_none or u.grad_shard is None:
-                u.grad_shard = None
+            g = u.reduction.grad
+            g.sumsq = None
+            if set_to_none or g.tensor is None:
+                g.tensor = None
                 for q in u.trainable:
                     q.sharded.grad, q.got_grad = None, False
                 continue
-            u.grad_shard.zero_()
+            g.tensor.zero_()
             expose_grads(u)
         self.state = GradState.EMPTY
 

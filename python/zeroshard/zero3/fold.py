@@ -69,35 +69,35 @@ class DivideIntoShardFold(FoldPolicy):
         u: Unit = r.owner
         self.flatten(u)        # a unit some gradient never reached: the rest count as zero
         # overwrite the shard unless the user kept gradients from an earlier backward
-        u.fresh = u.grad_shard is None
+        u.fresh = r.grad.tensor is None
         return r.buffer, u.own_grad(r.buffer, u.ranks.rank), u.reduce_bounds()
 
     def fold(self, r: Reduction):
         """Divide the reduced chunk by every rank and write (or add) it into the fp32 shard."""
         u: Unit = r.owner
-        chunk = r.out
-        if u.grad_shard is None:     # first reduction since zero_grad(set_to_none=True)
+        chunk, g = r.out, r.grad
+        if g.tensor is None:     # first reduction since zero_grad(set_to_none=True)
             # with the fp32 shard, or in host memory ([Note: offloaded gradients]); not
             # zeroed: u.fresh, so each path below overwrites the whole chunk's length
             where = torch.device("cpu") if u.grad_to_host else u.shard.device
-            u.grad_shard = host_or_device_empty(chunk.numel(), where, self.device)
+            g.tensor = host_or_device_empty(chunk.numel(), where, self.device)
             u.fresh = True
-        written = u.grad_shard       # the fresh values, on the reducing device
-        if u.grad_shard.device != chunk.device:      # in host memory: divide here, then to host
+        written = g.tensor       # the fresh values, on the reducing device
+        if g.tensor.device != chunk.device:      # in host memory: divide here, then to host
             written = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)
             if u.fresh:     # asynchronous into pinned memory; the backward's end waits before the step reads it
-                self.host_copies.copy(u.grad_shard, written)
+                self.host_copies.copy(g.tensor, written)
             else:
-                u.grad_shard.add_(written.cpu())
+                g.tensor.add_(written.cpu())
         elif u.fresh and chunk.dtype == torch.float32:
-            torch.div(chunk, self.divisor, out=u.grad_shard)     # one pass
+            torch.div(chunk, self.divisor, out=g.tensor)     # one pass
         elif u.fresh:
-            u.grad_shard.copy_(chunk).div_(self.divisor)          # divide in fp32
+            g.tensor.copy_(chunk).div_(self.divisor)          # divide in fp32
         else:
-            u.grad_shard.add_(chunk.float().div_(self.divisor))
+            g.tensor.add_(chunk.float().div_(self.divisor))
         # the statistics' squared norms of a shard bound for host memory, taken here on the
         # device rather than over host memory on the CPU after the backward
-        u.grad_sumsq = _sumsq_of_pieces(u, written) if u.grad_to_host and u.fresh else None
+        g.sumsq = _sumsq_of_pieces(u, written) if u.grad_to_host and u.fresh else None
         expose_grads(u)
         self.drop_buffer(u)
 
@@ -123,7 +123,8 @@ def expose_grads(u: Unit):
     torch keeps ``.grad`` on the parameter's device; the optimizer reads the shard),
     and for a parameter no backward reached here since ``zero_grad(set_to_none=True)``,
     as torch leaves it (a ShardedOptimizer then puts in the gradient any rank gave)."""
-    same = u.grad_shard.device == u.shard.device
+    shard = u.reduction.grad.tensor
+    same = shard.device == u.shard.device
     for q in u.trainable:
-        piece = u.grad_shard[q.shard_offset:q.shard_offset + q.local.numel()]
+        piece = shard[q.shard_offset:q.shard_offset + q.local.numel()]
         q.sharded.grad = ShardedTensor(piece, q.full_shape, q.names[0]) if same and q.got_grad else None

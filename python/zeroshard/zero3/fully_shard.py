@@ -10,7 +10,7 @@
   contiguous, padded, 16-byte aligned fp32 shard of it (``Unit.shard``; a
   whole-tensor optimizer lays the units holding its matrices out again, in
   chunks of different lengths: [Note: uneven chunks] in zero3/relayout.py), plus
-  an fp32 gradient shard of the same length (``Unit.grad_shard``). The
+  an fp32 gradient shard of the same length (``Unit.reduction.grad``). The
   gradient shard exists only from the unit's first reduction to
   ``zero_grad(set_to_none=True)``, which frees it, so it is not held through
   the forward and the start of backward, where the activations peak.

@@ -112,19 +112,16 @@ class Unit:
     grad_numel: int = 0
     grad_bounds: Optional[List[int]] = None
     shard: Optional[torch.Tensor] = None        # fp32, this rank's shard
-    grad_shard: Optional[torch.Tensor] = None   # fp32, averaged gradient shard (None until reduced)
     # the gradient shard lives in (pinned) host memory: an optimizer steps this unit on the
     # CPU while it trains on a device ([Note: offloaded gradients] in offload/copies.py)
     grad_to_host: bool = False
-    # with grad_to_host: {piece's offset in the shard: its squared norm}, taken on the
-    # device before the copy to host by this backward's fresh reduction (None otherwise)
-    grad_sumsq: Optional[dict] = None
     full: Optional[torch.Tensor] = None         # param_dtype flat buffer; storage freed when sharded
     state: UnitState = UnitState.SHARDED
     gather: Optional[comm.CommHandle] = None
     # its gradients' reduction ([Note: reduction pipeline] in core/reduction.py): its
     # buffer holds the flat reduce_dtype gradients during backward; its pending count
-    # what the unit's backward still waits for (trainable parameters' gradients, inputs')
+    # what the unit's backward still waits for (trainable parameters' gradients, inputs');
+    # its ``grad`` the fp32 averaged gradient shard (its tensor None until reduced)
     reduction: Optional[Reduction] = None
     fresh: bool = True            # the reduction overwrites the gradient shard (no accumulation)
     calls: int = 0                # its forwards (or registered methods) running now, nested
@@ -136,11 +133,6 @@ class Unit:
     # the copy of its full parameters one made in another dtype: (flat buffer, parameters)
     held: int = 0
     copy: Optional[tuple] = None
-
-    @property
-    def reduced_grads(self) -> Optional[torch.Tensor]:
-        """The averaged gradient shard a step reads ([Note: one meaning for a gradient])."""
-        return self.grad_shard
 
     @property
     def is_root(self) -> bool:

@@ -65,7 +65,7 @@ def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int
     def busy(u: Unit) -> Optional[str]:
         if backward.active or u.state != UnitState.SHARDED:
             return "a forward or backward is running"
-        if backward.gatherer.steps_done or u.grad_shard is not None or u.reduction.buffer is not None:
+        if backward.gatherer.steps_done or u.reduction.grad.tensor is not None or u.reduction.buffer is not None:
             return "the model has already trained (it holds gradients, or it has stepped)"
         return next((why for s in steppers.over({u.index}) if s is not by and (why := s.relayout_blocker())), None)
     moved = lay_out_for_owners(cfg, units, costs, load, busy)
@@ -143,7 +143,7 @@ def thaw(cfg: Setup, units: List[Unit], backward, steppers: Steppers, by: object
             q.full.requires_grad_(True)
         offsets, shard_numel = unit_layout(cfg, u)
         _move(cfg, u, offsets, [r * shard_numel for r in range(cfg.world + 1)])
-        u.bounds, u.grad_shard = None, None     # (equal chunks; the gradients were zeroed)
+        u.bounds, u.reduction.grad.tensor = None, None     # (equal chunks; the gradients were zeroed)
         set_grad_extent(u, cfg.world)
         moved.append(u)
         thawed_all += [(u, q) for q in thawed]

@@ -171,7 +171,7 @@ class UnitSource(ShardSource):
             pieces = [SegmentPiece(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.local.numel(),
                                    q.tensor_offset) for q in run]
             ea, eas = (None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"]))
-            self.segments.append(Segment(group=g, param=u.shard[a:b], holder=u,
+            self.segments.append(Segment(group=g, param=u.shard[a:b], reduced=u.reduction.grad,
                                          grad_range=(a, b), exp_avg=ea, exp_avg_sq=eas, pieces=pieces,
                                          streamed=self.storage.streamed(placement), norms_taken=True))
         return {n: t for n, t in st.items() if t is not None}
@@ -216,10 +216,10 @@ class UnitSource(ShardSource):
     def allocate_grads(self):
         for fs in self.owners:
             for u in fs.units:
-                if u.grad_shard is None and u.trainable:
+                if u.reduction.grad.tensor is None and u.trainable:
                     lo, hi = u.grad_span(u.ranks.rank)
                     where = torch.device("cpu") if u.grad_to_host else u.shard.device
-                    u.grad_shard = torch.zeros(hi - lo, dtype=torch.float32, device=where)
+                    u.reduction.grad.tensor = torch.zeros(hi - lo, dtype=torch.float32, device=where)
 
     def step_done(self, updated: bool):
         for fs in self.owners:      # gathered copies are stale; the next forward gathers
