@@ -163,6 +163,7 @@ lint: $(PY)
 	@$(PY) -c "import sys, importlib.metadata as m; sys.exit(m.version('ruff') != sys.argv[1].split('==')[1])" \
 	  $(RUFF_SPEC) 2>/dev/null || $(PIP) install -q $(RUFF_SPEC)
 	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 clean:
 	rm -rf build $(VENV)/.built

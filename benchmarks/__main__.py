@@ -6,6 +6,7 @@ python -m benchmarks all [--quick]      the set `make bench` runs (SET below), t
 Each benchmark writes its JSON to benchmarks/out/ (its --json). --quick runs the set at
 the small sizes each entry names: a check that the runner and the benchmarks work, not
 figures to publish (it writes into a temporary directory, not benchmarks/out/)."""
+
 from __future__ import annotations
 
 import os
@@ -16,12 +17,47 @@ from benchmarks import harness
 
 # The set `make bench` runs, in order: (name, options, options added with --quick).
 # Their JSONs are what RESULTS.md's generated tables are made from.
-SET = [("adamw", [], ["--sizes", "65536,262144", "--repeat", "2"]),
-       ("step", [], ["--variants", "ddp,zeroshard-2,zeroshard-3", "--steps", "1", "--warmup", "1", "--rounds", "1",
-                     "--paired", "2", "--layers", "1", "--dim", "64", "--no-comm"]),
-       ("checkpoint", [], ["--variants", "fsdp2-3+dcp,zeroshard-3", "--layers", "1", "--dim", "64", "--repeats", "1",
-                           "--resume-world-size", "0"]),
-       ("checkpoint", ["--paired", "9"], ["--paired", "1", "--runs", "1", "--layers", "1", "--dim", "64"])]
+SET = [
+    ("adamw", [], ["--sizes", "65536,262144", "--repeat", "2"]),
+    (
+        "step",
+        [],
+        [
+            "--variants",
+            "ddp,zeroshard-2,zeroshard-3",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--paired",
+            "2",
+            "--layers",
+            "1",
+            "--dim",
+            "64",
+            "--no-comm",
+        ],
+    ),
+    (
+        "checkpoint",
+        [],
+        [
+            "--variants",
+            "fsdp2-3+dcp,zeroshard-3",
+            "--layers",
+            "1",
+            "--dim",
+            "64",
+            "--repeats",
+            "1",
+            "--resume-world-size",
+            "0",
+        ],
+    ),
+    ("checkpoint", ["--paired", "9"], ["--paired", "1", "--runs", "1", "--layers", "1", "--dim", "64"]),
+]
 
 
 def _summary(name: str) -> str:
@@ -40,6 +76,7 @@ def main(argv: list) -> int:
         return 0
     if name == "report":
         from benchmarks import report
+
         return report.main(rest)
     if name == "all":
         return run_set(quick="--quick" in rest)
@@ -64,6 +101,7 @@ def run_set(quick: bool) -> int:
         print(f"\nquick set done: its JSONs are in {out}")
         return 0
     from benchmarks import report
+
     return report.main([])
 
 

@@ -30,6 +30,7 @@ checkpoint directory), ``step`` (steps completed), ``saved``, ``kill``,
 
     torchrun --nproc-per-node 2 --max-restarts 3 benchmarks/chaos_job.py --run-dir RUN_DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,7 @@ class Killer:
     def __init__(self, plan, rank: int, log: Events):
         self.plan = plan if plan and plan.get("rank") == rank and plan["phase"] != "driver" else None
         self.log, self.steps, self.fsyncs, self.reads, self.calls = log, 0, 0, 0, 0
-        self.saving = None        # the kind of the save in progress ("save", "background save"), if armed
+        self.saving = None  # the kind of the save in progress ("save", "background save"), if armed
 
     def wants(self, phase: str) -> bool:
         return self.plan is not None and self.plan["phase"] == phase and self.steps + 1 >= self.plan["after"]
@@ -86,6 +87,7 @@ class Killer:
                 self.fsyncs += 1
                 if self.fsyncs >= self.plan["at"]:
                     self.now(self.saving, fsync=self.fsyncs)
+
         os.fsync = counting_fsync
 
     def at_block(self, model):
@@ -98,6 +100,7 @@ class Killer:
                     self.now("forward", block=self.plan["at"])
                 if self.wants("backward") and out.requires_grad:
                     out.register_hook(lambda g: self.now("backward", block=self.plan["at"]))
+
             block.register_forward_hook(on_forward)
 
     def stepping(self, on: bool):
@@ -114,6 +117,7 @@ class Killer:
                     self.calls += 1
                     if self.calls == target:
                         self.now("step", call=self.calls, of=self.last_calls)
+
         sys.setprofile(prof if on else None)
 
     def loading(self, on: bool):
@@ -122,11 +126,15 @@ class Killer:
             return
 
         def prof(frame, event, arg):
-            if event == "call" and frame.f_code.co_name == "read" and \
-                    frame.f_code.co_filename.endswith(os.path.join("checkpoint", "files.py")):
+            if (
+                event == "call"
+                and frame.f_code.co_name == "read"
+                and frame.f_code.co_filename.endswith(os.path.join("checkpoint", "files.py"))
+            ):
                 self.reads += 1
                 if self.reads >= self.plan["at"]:
                     self.now("load", read=self.reads)
+
         sys.setprofile(prof if on else None)
 
 
@@ -153,8 +161,8 @@ def complete(path: str) -> bool:
     for t in body["tensors"].values():
         item = torch.empty(0, dtype=getattr(torch, t["dtype"])).element_size()
         for fname, byte0, _, numel, crcs in t["entries"]:
-            piece = data[fname][byte0:byte0 + numel * item]
-            if [zlib.crc32(piece[i:i + block]) for i in range(0, len(piece), block)] != crcs:
+            piece = data[fname][byte0 : byte0 + numel * item]
+            if [zlib.crc32(piece[i : i + block]) for i in range(0, len(piece), block)] != crcs:
                 return False
     return True
 
@@ -163,8 +171,11 @@ def survey(ckpt: str) -> dict:
     """Every directory under ``ckpt``: {name: complete?}."""
     if not os.path.isdir(ckpt):
         return {}
-    return {d: complete(os.path.join(ckpt, d)) for d in sorted(os.listdir(ckpt))
-            if os.path.isdir(os.path.join(ckpt, d))}
+    return {
+        d: complete(os.path.join(ckpt, d)) for d in sorted(os.listdir(ckpt)) if os.path.isdir(os.path.join(ckpt, d))
+    }
+
+
 def batch(data: CharData, step: int, rank: int, world: int, args):
     """Step ``step``'s rows for ``rank``: the same global batch at every world size."""
     x, y = data.batch(args.global_batch, args.seq, step, 0, 0, args.seed)
@@ -174,6 +185,7 @@ def batch(data: CharData, step: int, rank: int, world: int, args):
 
 def build(args):
     import zeroshard as zs
+
     torch.manual_seed(args.seed)
     model = build_model("tiny", vocab=64)
     fs = zs.FullyShard(model, wrap={Block})
@@ -183,6 +195,7 @@ def build(args):
 def start(args, kill: Killer, log: Events, model, fs, opt) -> int:
     """Resume (the newest complete checkpoint, or none): the step to start from."""
     import zeroshard as zs
+
     ckpt = os.path.join(args.run, "ckpt")
     seen = survey(ckpt) if dist.get_rank() == 0 else None
     kill.loading(True)
@@ -192,9 +205,14 @@ def start(args, kill: Killer, log: Events, model, fs, opt) -> int:
         extra = zs.resume(ckpt, fs, opt)
     kill.loading(False)
     step = extra["step"] if extra else 0
-    log("resumed", step=step, s=time.time() - t0, seen=seen,
-        skipped=[str(w.message)[:300] for w in caught if "zeroshard.resume" in str(w.message)])
-    if kill.plan and kill.plan["phase"] == "load":      # nothing was loaded: the next forward instead
+    log(
+        "resumed",
+        step=step,
+        s=time.time() - t0,
+        seen=seen,
+        skipped=[str(w.message)[:300] for w in caught if "zeroshard.resume" in str(w.message)],
+    )
+    if kill.plan and kill.plan["phase"] == "load":  # nothing was loaded: the next forward instead
         kill.plan.update(phase="forward", at=0, after=1, planned="load")
     return step
 
@@ -202,11 +220,11 @@ def start(args, kill: Killer, log: Events, model, fs, opt) -> int:
 def train_step(args, kill: Killer, fs, opt, data, step: int, saving):
     world, rank = dist.get_world_size(), dist.get_rank()
     for g in opt.param_groups:
-        g["lr"] = args.lr * min(1.0, (step + 1) / 4)    # warm-up: a function of the step
+        g["lr"] = args.lr * min(1.0, (step + 1) / 4)  # warm-up: a function of the step
     x, y = batch(data, step, rank, world, args)
     fs(x, y).backward()
     if saving is not None:
-        saving.result()                      # the previous step's background save is durable
+        saving.result()  # the previous step's background save is durable
         kill.log("saved", step=step, kind="background save")
     kill.stepping(True)
     opt.clip_grad_norm_(1.0)
@@ -218,6 +236,7 @@ def train_step(args, kill: Killer, fs, opt, data, step: int, saving):
 def save(args, kill: Killer, fs, opt, step: int):
     """Checkpoint after ``step`` steps (blocking and background in turn); returns the Future or None."""
     import zeroshard as zs
+
     kind = "save" if (step // args.every) % 2 else "background save"
     kill.saving, kill.fsyncs = (kind if kill.wants(kind) else None), 0
     path = os.path.join(args.run, "ckpt", f"step_{step:06d}")
@@ -232,14 +251,16 @@ def save(args, kill: Killer, fs, opt, step: int):
 
 def prune(ckpt: str, keep: int = 2):
     """Delete complete checkpoints but the newest ``keep`` (the script's choice; torn ones stay)."""
-    done = sorted(d for d in os.listdir(ckpt) if d.startswith("step_") and
-                  os.path.exists(os.path.join(ckpt, d, "manifest.json")))
+    done = sorted(
+        d for d in os.listdir(ckpt) if d.startswith("step_") and os.path.exists(os.path.join(ckpt, d, "manifest.json"))
+    )
     for d in done[:-keep]:
         shutil.rmtree(os.path.join(ckpt, d), ignore_errors=True)
 
 
 def run(args, log: Events):
     import zeroshard as zs
+
     zs.init_distributed("gloo")
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with open(os.environ["CHAOS_PLAN"]) as f:
@@ -272,10 +293,14 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)                 # one thread per rank: the same arithmetic in every attempt
-    log = Events(os.path.join(args.run, "events.jsonl"), launch=int(os.environ.get("CHAOS_LAUNCH", "0")),
-                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rank=int(os.environ["RANK"]),
-                 world=int(os.environ["WORLD_SIZE"]))
+    torch.set_num_threads(1)  # one thread per rank: the same arithmetic in every attempt
+    log = Events(
+        os.path.join(args.run, "events.jsonl"),
+        launch=int(os.environ.get("CHAOS_LAUNCH", "0")),
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        rank=int(os.environ["RANK"]),
+        world=int(os.environ["WORLD_SIZE"]),
+    )
     log("start", pid=os.getpid())
     try:
         run(args, log)

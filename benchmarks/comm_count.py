@@ -14,6 +14,7 @@ same c10d operators), and names the group by its ranks: "world" (every rank),
 by node: inside one node), "replicate" (the ranks at this rank's offset in every
 block: across nodes, the slow link) or the ranks themselves.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -22,16 +23,40 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
-                 "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
+ELEMENT_BYTES = {
+    "float": 4,
+    "double": 8,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "long int": 8,
+    "int": 4,
+    "short int": 2,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+}
 
 # c10d operator -> the collective kind it is (the API's name)
-_OP_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "_allgather_base_": "all_gather",
-            "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-            "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-            "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast", "send": "send",
-            "recv_": "recv", "recv_any_source_": "recv", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
-            "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter", "barrier": "barrier"}
+_OP_KIND = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "barrier": "barrier",
+}
 
 
 def comm_kind(name):
@@ -81,8 +106,14 @@ class GroupCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d" and func._opname in _OP_KIND:
-            pg = next((dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)
-                       and a._type().qualified_name().endswith("ProcessGroup")), None)
+            pg = next(
+                (
+                    dist.ProcessGroup.unbox(a)
+                    for a in args
+                    if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("ProcessGroup")
+                ),
+                None,
+            )
             ranks = dist.get_process_group_ranks(pg) if pg is not None else []
             role = group_role(ranks, self.rank, self.world, self.shard_size) if ranks else "?"
             g = self.groups.setdefault(role, {"size": len(ranks), "sent": 0.0})
@@ -90,8 +121,13 @@ class GroupCount(TorchDispatchMode):
             k = g.setdefault(kind, {"calls": 0, "bytes": 0})
             k["calls"] += 1
             k["bytes"] += size
-            g["sent"] += (size if kind == "send" else 0 if kind in ("recv", "barrier") else
-                          size * (2 if kind == "all_reduce" else 1) * (n - 1) / n)
+            g["sent"] += (
+                size
+                if kind == "send"
+                else 0
+                if kind in ("recv", "barrier")
+                else size * (2 if kind == "all_reduce" else 1) * (n - 1) / n
+            )
         return func(*args, **(kwargs or {}))
 
 
@@ -100,8 +136,11 @@ def count_comm(step, world, shard_size=None):
     bytes}} from the backend's events, the ring-model bytes this rank sends (None when
     an element size is unknown), {group: {kind: {calls, bytes}}} from the c10d operators)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, \
-            GroupCount(world, shard_size) as by_group:
+
+    with (
+        profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof,
+        GroupCount(world, shard_size) as by_group,
+    ):
         step()
     kinds, sent = {}, 0.0
     for e in prof.events():
@@ -117,19 +156,28 @@ def count_comm(step, world, shard_size=None):
                 continue
             size += ELEMENT_BYTES[dtype] * int(torch.Size(shape).numel())
         if kind == "all_gather":
-            size *= world   # the backend event's input is this rank's chunk
+            size *= world  # the backend event's input is this rank's chunk
         k = kinds.setdefault(kind, {"calls": 0, "bytes": 0})
         k["calls"] += 1
         k["bytes"] += size
-        if sent is not None:   # a send is its own bytes; a receive sends nothing
-            sent += (size if kind == "send" else 0 if kind == "recv" else
-                     size * (2 if kind == "all_reduce" else 1) * (world - 1) / world)
+        if sent is not None:  # a send is its own bytes; a receive sends nothing
+            sent += (
+                size
+                if kind == "send"
+                else 0
+                if kind == "recv"
+                else size * (2 if kind == "all_reduce" else 1) * (world - 1) / world
+            )
     return kinds, sent, by_group.groups
 
 
 def format_groups(groups) -> str:
     """One line per group: "shard (2 ranks): sends 1.20 MB | reduce_scatter 4x 2.40 MB, ..."
     (MB = 2**20 bytes)."""
-    return "\n".join(f"  {name} ({g['size']} ranks): sends {g['sent'] / 2**20:.2f} MB | " + ", ".join(
-        f"{kind} {v['calls']}x {v['bytes'] / 2**20:.2f} MB" for kind, v in sorted(g.items()) if isinstance(v, dict))
-        for name, g in sorted(groups.items()))
+    return "\n".join(
+        f"  {name} ({g['size']} ranks): sends {g['sent'] / 2**20:.2f} MB | "
+        + ", ".join(
+            f"{kind} {v['calls']}x {v['bytes'] / 2**20:.2f} MB" for kind, v in sorted(g.items()) if isinstance(v, dict)
+        )
+        for name, g in sorted(groups.items())
+    )

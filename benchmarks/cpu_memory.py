@@ -23,6 +23,7 @@ Counting starts at zero when the block is entered, after a garbage
 collection (an earlier object freed inside the window would read as negative
 bytes), so build everything that should count inside the block.
 """
+
 import ctypes
 import gc
 import os
@@ -50,7 +51,7 @@ class TensorBytes:
         self._mark_ns = None
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
-        self._origin = torch.empty(64, dtype=torch.uint8)   # its event carries the total at entry
+        self._origin = torch.empty(64, dtype=torch.uint8)  # its event carries the total at entry
         return self
 
     def mark(self):
@@ -61,12 +62,15 @@ class TensorBytes:
         if exc[0] is not None:
             return False
         tree = self._prof.profiler.kineto_results.experimental_event_tree()
-        allocs = sorted((n.start_time_ns, n.extra_fields) for n in _walk(tree)
-                        if type(n.extra_fields).__name__ == "_ExtraFields_Allocation")
+        allocs = sorted(
+            (n.start_time_ns, n.extra_fields)
+            for n in _walk(tree)
+            if type(n.extra_fields).__name__ == "_ExtraFields_Allocation"
+        )
         origin = next(f for _, f in allocs if f.ptr == self._origin.data_ptr() and f.alloc_size > 0)
         base = origin.total_allocated - origin.alloc_size
         self.at_mark, self.peak = 0, 0
-        for t, f in allocs:      # (the events' clock is time.time_ns's)
+        for t, f in allocs:  # (the events' clock is time.time_ns's)
             live = f.total_allocated - base
             if self._mark_ns is None or t >= self._mark_ns:
                 self.peak = max(self.peak, live)

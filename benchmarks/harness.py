@@ -15,6 +15,7 @@ What the specs share is here too:
                                  each turn; paired_ratio: the median per-turn ratio
   machine_info(device)           what a run ran on (recorded in every JSON)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,16 +37,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(HERE, "out")
 EXAMPLES = os.path.join(ROOT, "examples")
-if EXAMPLES not in sys.path:      # the examples' models (train_gpt, moe, tensor_parallel) are the benchmarks' too
+if EXAMPLES not in sys.path:  # the examples' models (train_gpt, moe, tensor_parallel) are the benchmarks' too
     sys.path.append(EXAMPLES)
 
 
 # ---------------------------------------------------------------- machine
 
+
 def git_commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=HERE,
-                                       stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=HERE, stderr=subprocess.DEVNULL
+        ).strip()
     except Exception:  # noqa: BLE001
         return "unknown"
 
@@ -66,6 +69,7 @@ def machine_info(device: str = "cpu") -> dict:
     else None), torch, python, os, commit, and ``description``: one line for
     titles and tables, e.g. "AMD EPYC, 2 CPUs" or "NVIDIA H100 80GB HBM3 x 1"."""
     import torch
+
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -75,11 +79,21 @@ def machine_info(device: str = "cpu") -> dict:
         gpu, gpus = torch.cuda.get_device_name(), torch.cuda.device_count()
     cpu = cpu_model()
     desc = f"{gpu} x {gpus} (host {cpu}, {cpus} CPUs)" if gpu else f"{cpu}, {cpus} CPUs"
-    return dict(description=desc, cpu=cpu, cpus=cpus, gpu=gpu, gpus=gpus, torch=torch.__version__,
-                python=platform.python_version(), os=platform.platform(), commit=git_commit())
+    return dict(
+        description=desc,
+        cpu=cpu,
+        cpus=cpus,
+        gpu=gpu,
+        gpus=gpus,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        os=platform.platform(),
+        commit=git_commit(),
+    )
 
 
 # ---------------------------------------------------------------- ranks
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -92,6 +106,7 @@ def init_dist(rank: int, world: int, port: int, cuda: bool = False):
     with an equal share of the CPU threads. Returns the device."""
     import torch
     import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if cuda:
@@ -106,13 +121,13 @@ class RanksFailed(RuntimeError):
     pass
 
 
-def spawn(target: Callable, world: int, *extra, what: str = "ranks", every: bool = False,
-          skip_failed: bool = False):
+def spawn(target: Callable, world: int, *extra, what: str = "ranks", every: bool = False, skip_failed: bool = False):
     """Runs ``target(rank, world, port, queue, *extra)`` in ``world`` fresh processes (spawned,
     so CUDA and gloo start clean); returns the first thing rank 0 put in the queue (every
     thing put, in order, with ``every``). A rank that fails raises RanksFailed, or with
     ``skip_failed`` prints ``what`` failed and returns None."""
     import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -127,7 +142,8 @@ def spawn(target: Callable, world: int, *extra, what: str = "ranks", every: bool
                 got.append(q.get(timeout=timeout))
         except queues.Empty:
             pass
-    while any(p.is_alive() for p in procs):     # read while they run: a full pipe would block a rank's exit
+
+    while any(p.is_alive() for p in procs):  # read while they run: a full pipe would block a rank's exit
         drain(0.2)
     for p in procs:
         p.join()
@@ -151,8 +167,18 @@ def command(name: str, *args: str) -> List[str]:
 
 def torchrun(world: int, name: str, *args: str) -> List[str]:
     """command() under ``torch.distributed.run`` with ``world`` ranks on this machine (with run_env())."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-            "-m", "benchmarks", name, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "-m",
+        "benchmarks",
+        name,
+        *args,
+    ]
 
 
 def run_env(**extra: str) -> dict:
@@ -163,14 +189,16 @@ def run_env(**extra: str) -> dict:
 
 # ---------------------------------------------------------------- paired timing
 
+
 def rotated(items: list, i: int) -> list:
     """``items`` starting at index i (mod its length): turn i's order."""
     k = i % len(items)
     return items[k:] + items[:k]
 
 
-def paired_times(fns: Dict[str, Callable], turns: int, warmup: int = 0,
-                 timer: Optional[Callable[[Callable], float]] = None) -> Dict[str, List[float]]:
+def paired_times(
+    fns: Dict[str, Callable], turns: int, warmup: int = 0, timer: Optional[Callable[[Callable], float]] = None
+) -> Dict[str, List[float]]:
     """Seconds of each of ``fns`` in each of ``turns`` turns (after ``warmup`` turns): every
     turn calls each once, in an order rotated per turn, so all see the same machine load.
     ``timer(fn)``: seconds of one call (default: wall clock around it)."""
@@ -194,6 +222,7 @@ def _wall(fn: Callable) -> float:
 def barrier_timer(fn: Callable) -> float:
     """paired_times' timer for ranks: barrier, the call, barrier."""
     import torch.distributed as dist
+
     dist.barrier()
     t0 = time.perf_counter()
     fn()
@@ -208,6 +237,7 @@ def paired_ratio(times: List[float], ref: List[float]) -> float:
 
 # ---------------------------------------------------------------- command line and JSON
 
+
 def opt(*flags: str, **kw) -> tuple:
     """One option of a spec's OPTIONS: argparse's add_argument(*flags, **kw)."""
     return flags, kw
@@ -217,12 +247,14 @@ def sized_options(**sizes: int) -> list:
     """OPTIONS of the paired step benchmarks (experts, tensor_parallel_step): --world-size 4,
     --repeats 9 and an int option per entry of ``sizes`` (its default)."""
     return [opt("--world-size", type=int, default=4), opt("--repeats", type=int, default=9)] + [
-        opt(f"--{name}", type=int, default=default) for name, default in sizes.items()]
+        opt(f"--{name}", type=int, default=default) for name, default in sizes.items()
+    ]
 
 
 def specs() -> List[str]:
     """Every benchmark's name (the modules of benchmarks/specs)."""
     from benchmarks import specs as package
+
     return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
 
 
@@ -236,8 +268,11 @@ def json_name(name: str, module) -> Optional[str]:
 
 def parser(name: str, module=None) -> argparse.ArgumentParser:
     module = module or spec(name)
-    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=module.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=f"python -m benchmarks {name}",
+        description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     for flags, kw in getattr(module, "OPTIONS", []):
         ap.add_argument(*flags, **kw)
     out = json_name(name, module)
@@ -267,6 +302,7 @@ def write_json(path: str, data: dict) -> None:
 def with_run_info(data: dict, device: str = "cpu") -> dict:
     """``data`` with the date, torch version and machine where it lacks them."""
     import torch
+
     data.setdefault("date", str(date.today()))
     data.setdefault("torch", torch.__version__)
     data.setdefault("machine", machine_info(device))
@@ -278,7 +314,7 @@ def run(name: str, argv: Optional[List[str]] = None) -> int:
     module = spec(name)
     args = parse(name, argv)
     result = module.run(args)
-    if isinstance(result, int):          # a part run for a parent process, or a verdict
+    if isinstance(result, int):  # a part run for a parent process, or a verdict
         return result
     if result is not None and getattr(args, "json", None):
         write_json(args.json, with_run_info(result, getattr(args, "device", "cpu")))
@@ -292,6 +328,7 @@ def time_variants(built: Dict[str, tuple], repeats: int, step: Callable, world: 
     process group) of ``step(*built[variant])`` on every rank, the variants' steps taken
     in turn (paired_times, between barriers) after one warm-up step each."""
     from benchmarks.comm_count import GroupCount
+
     times = paired_times(built, repeats, warmup=1, timer=lambda b: barrier_timer(lambda: step(*b)))
     sent = {}
     for v, b in built.items():

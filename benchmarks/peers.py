@@ -10,6 +10,7 @@ through its CPU accelerator (DS_ACCELERATOR=cpu); its engine takes the backward
 and the step (``engine.backward(loss)``, ``engine.step()``), which the step benchmark's
 train_step calls when the "optimizer" it is given has a ``backward``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,7 +21,7 @@ import torch
 
 
 def available() -> str:
-    """"" if deepspeed imports, else why not."""
+    """ "" if deepspeed imports, else why not."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         importlib.import_module("deepspeed")
@@ -42,8 +43,14 @@ def runnable(variants: list) -> list:
     return [v for v in variants if not is_deepspeed(v)]
 
 
-def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dtype, lr: float,
-                    universal: bool = False, optimizer: dict | None = None):
+def build_deepspeed(
+    variant: str,
+    model: torch.nn.Module,
+    param_dtype: torch.dtype,
+    lr: float,
+    universal: bool = False,
+    optimizer: dict | None = None,
+):
     """(engine, engine): the engine is both the model to call and the "optimizer". The
     micro-batch size its config requires is bookkeeping (the step benchmark feeds its own batch).
     ``universal``: the engine loads universal checkpoints (made by ``to_universal``).
@@ -52,6 +59,7 @@ def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dty
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch.distributed as dist
+
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     name, _, offload = variant.partition("+")
     stage = int(name.split("-")[1])
@@ -61,9 +69,14 @@ def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dty
     zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if stage == 3:
         zero["stage3_prefetch_bucket_size"] = bucket
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-           "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-           "wall_clock_breakdown": False}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     if param_dtype == torch.bfloat16:
@@ -71,17 +84,22 @@ def build_deepspeed(variant: str, model: torch.nn.Module, param_dtype: torch.dty
     if optimizer is not None:
         cfg["optimizer"] = optimizer
         if optimizer.get("type") == "Muon" and stage == 3:
-            zero["reduce_scatter"] = False   # its ZeRO-3 refuses Muon with reduce_scatter (the default)
+            zero["reduce_scatter"] = False  # its ZeRO-3 refuses Muon with reduce_scatter (the default)
         optimizer = None
     elif offload == "cpu":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         zero["offload_optimizer"] = {"device": "cpu"}
         optimizer = DeepSpeedCPUAdam(model.parameters(), lr=lr, adamw_mode=True, weight_decay=0.01)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
-                                           model_parameters=None if optimizer is not None else list(model.parameters()),
-                                           dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        config=cfg,
+        model_parameters=None if optimizer is not None else list(model.parameters()),
+        dist_init_required=False,
+    )
     return engine, engine
 
 
@@ -103,10 +121,22 @@ def to_universal(path: str, tag: str) -> str:
     universal checkpoint, which loads at another world size; returns the tag it is under."""
     import subprocess
     import sys
+
     out = tag + "_universal"
-    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           os.path.join(path, tag), "--output_folder", os.path.join(path, out)],
-                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            os.path.join(path, tag),
+            "--output_folder",
+            os.path.join(path, out),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, DS_ACCELERATOR="cpu"),
+    )
     if done.returncode:
         last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]
         raise RuntimeError(f"ds_to_universal failed: {last[0][:300]}")

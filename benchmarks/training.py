@@ -7,6 +7,7 @@ returns (the model to call, the optimizer); ``train_step`` takes one step with t
 ``worker`` and ``paired_worker`` are the ranks of a step run (times, peak memory,
 collectives) and of a paired run (every variant's steps in turn in one process group).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -22,8 +23,20 @@ from benchmarks.gpt import GPT, Block
 from benchmarks.harness import init_dist, paired_times
 
 # the DeepSpeed variants run where deepspeed is installed (make bench-deps) and are skipped otherwise
-VARIANTS = ["ddp", "ddp+zero", "fsdp2", "zeroshard-1", "zeroshard-2", "zeroshard-2@5", "fsdp2-3", "zeroshard-3",
-            "zeroshard-3@p0", "deepspeed-1", "deepspeed-2", "deepspeed-3"]
+VARIANTS = [
+    "ddp",
+    "ddp+zero",
+    "fsdp2",
+    "zeroshard-1",
+    "zeroshard-2",
+    "zeroshard-2@5",
+    "fsdp2-3",
+    "zeroshard-3",
+    "zeroshard-3@p0",
+    "deepspeed-1",
+    "deepspeed-2",
+    "deepspeed-3",
+]
 
 
 def rss_mb(field="VmRSS"):
@@ -37,7 +50,7 @@ def rss_mb(field="VmRSS"):
 def reset_peak_rss():
     try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")   # resets VmHWM to the current RSS (Linux >= 4.0)
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
     except OSError:
         pass
 
@@ -61,28 +74,39 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None, zs=
     ``zs``: the zeroshard module the zeroshard variants use (default: the installed
     one; benchmarks/specs/before_after.py passes other builds)."""
     if variant.endswith("+muon"):
-        return build_muon(variant[:-len("+muon")], model, param_dtype, prefetch)
+        return build_muon(variant[: -len("+muon")], model, param_dtype, prefetch)
     if variant == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "adamw-amp":
         model.float()
         return Autocast(model), torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     if variant == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+        return torch.nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(
+            model.parameters(), lr=lr, fused=True
+        )
     if variant == "ddp+zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
+
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
     if variant in ("fsdp2", "fsdp2-3"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         zero3 = variant == "fsdp2-3"
-        kw = dict(reshard_after_forward=zero3, mp_policy=MixedPrecisionPolicy(
-            param_dtype=param_dtype if zero3 else None, reduce_dtype=torch.float32 if zero3 else None))
-        if shard_size is not None:    # HSDP: shard within S ranks, replicate across the groups
+        kw = dict(
+            reshard_after_forward=zero3,
+            mp_policy=MixedPrecisionPolicy(
+                param_dtype=param_dtype if zero3 else None, reduce_dtype=torch.float32 if zero3 else None
+            ),
+        )
+        if shard_size is not None:  # HSDP: shard within S ranks, replicate across the groups
             from torch.distributed.device_mesh import init_device_mesh
-            kw["mesh"] = init_device_mesh(next(model.parameters()).device.type,
-                                          (dist.get_world_size() // shard_size, shard_size),
-                                          mesh_dim_names=("replicate", "shard"))
+
+            kw["mesh"] = init_device_mesh(
+                next(model.parameters()).device.type,
+                (dist.get_world_size() // shard_size, shard_size),
+                mesh_dim_names=("replicate", "shard"),
+            )
         for blk in model.blocks:
             fully_shard(blk, **kw)
         fully_shard(model, **kw)
@@ -93,19 +117,29 @@ def build(variant, model, param_dtype, prefetch=1, lr=3e-4, shard_size=None, zs=
         return peers.build_deepspeed(variant, model, param_dtype, lr)
     if zs is None:
         import zeroshard as zs
-    hybrid = {} if shard_size is None else dict(shard_size=shard_size)   # (builds before hybrid lack it)
+    hybrid = {} if shard_size is None else dict(shard_size=shard_size)  # (builds before hybrid lack it)
     if variant.startswith("zeroshard-3"):
         prefetch = 0 if variant == "zeroshard-3@p0" else prefetch
-        model = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
-            param_dtype=param_dtype, reduce_dtype=torch.float32), **hybrid)
+        model = zs.FullyShard(
+            model,
+            wrap={Block},
+            prefetch=prefetch,
+            mixed_precision=zs.MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32),
+            **hybrid,
+        )
         return model, zs.ShardedOptimizer(model.parameters(), lr=lr)
-    name, _, mb = variant.partition("+")[0].partition("@")   # "zeroshard-2@5": bucket_mb=5; "+...": options
-    return model, zs.ShardedOptimizer(model.parameters(), lr=lr, stage=int(name[-1]),
-                                      bucket_mb=float(mb) if mb else 25, **hybrid,
-                                      **peers.zeroshard_options(variant))
+    name, _, mb = variant.partition("+")[0].partition("@")  # "zeroshard-2@5": bucket_mb=5; "+...": options
+    return model, zs.ShardedOptimizer(
+        model.parameters(),
+        lr=lr,
+        stage=int(name[-1]),
+        bucket_mb=float(mb) if mb else 25,
+        **hybrid,
+        **peers.zeroshard_options(variant),
+    )
 
 
-MUON = dict(lr=0.02, momentum=0.95)           # the Muon variants' hyperparameters (and benchmarks/specs/muon.py's)
+MUON = dict(lr=0.02, momentum=0.95)  # the Muon variants' hyperparameters (and benchmarks/specs/muon.py's)
 ADAMW = dict(lr=3e-4, weight_decay=0.1)
 
 
@@ -141,12 +175,17 @@ def build_muon(base, model, param_dtype, prefetch):
     plain model), "adamw-amp" (the same on fp32 parameters under bf16 autocast),
     "zeroshard-1/2" (two ShardedOptimizers) or "zeroshard-3" (FullyShard as "zeroshard-3")."""
     import zeroshard as zs
+
     wrapped = model
     if base == "adamw-amp":
         wrapped = Autocast(model.float())
     elif base == "zeroshard-3":
-        wrapped = zs.FullyShard(model, wrap={Block}, prefetch=prefetch, mixed_precision=zs.MixedPrecision(
-            param_dtype=param_dtype, reduce_dtype=torch.float32))
+        wrapped = zs.FullyShard(
+            model,
+            wrap={Block},
+            prefetch=prefetch,
+            mixed_precision=zs.MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        )
     return wrapped, Optimizers(muon_optimizers(wrapped, int(base[-1]) if base.startswith("zeroshard") else None))
 
 
@@ -160,6 +199,7 @@ def muon_optimizers(model, stage=None, muon=torch.optim.Muon, fused=True, only_a
     if stage is None:
         return [muon(hidden, **MUON), torch.optim.AdamW(rest, fused=fused, **ADAMW)]
     import zeroshard as zs
+
     st = {} if stage == 3 else dict(stage=stage)
     vouch = {} if muon is torch.optim.Muon else dict(whole_tensor=True)
     opts = [zs.ShardedOptimizer(hidden, optimizer_class=muon, **MUON, **st, **vouch)] if hidden else []
@@ -173,8 +213,10 @@ def tensor_peak_mb(variant, cfg, args, data):
     with TensorBytes() as t:
         model = new_model(cfg, args, torch.device("cpu"))
         t.mark()
-        wrapped, opt = build(variant, model, getattr(torch, args.param_dtype), args.prefetch, shard_size=args.shard_size)
-        for _ in range(2):   # (the loss is not kept: exactly the step's own tensors are counted)
+        wrapped, opt = build(
+            variant, model, getattr(torch, args.param_dtype), args.prefetch, shard_size=args.shard_size
+        )
+        for _ in range(2):  # (the loss is not kept: exactly the step's own tensors are counted)
             train_step(wrapped, opt, data, lambda: None)
         settle(opt)
     return max(0, t.peak - t.at_mark) / 2**20
@@ -197,7 +239,7 @@ def new_model(cfg, args, device):
 
 def train_step(wrapped, opt, data, sync):
     loss = wrapped(data[:, :-1], data[:, 1:])
-    backward = getattr(opt, "backward", None)   # DeepSpeed's engine runs the backward itself
+    backward = getattr(opt, "backward", None)  # DeepSpeed's engine runs the backward itself
     backward(loss) if backward is not None else loss.backward()
     opt.step()
     opt.zero_grad()
@@ -237,19 +279,25 @@ def worker(rank, world, port, out, variant, cfg, args, measure=True):
         loss, seconds = timed_step(wrapped, opt, data, sync)
         times.append(seconds)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM")) - base
-    row = dict(variant=variant, params=n_params, step_ms=1e3 * statistics.median(times[args.warmup:]),
-               peak_mb=peak, loss=loss.item())
+    row = dict(
+        variant=variant,
+        params=n_params,
+        step_ms=1e3 * statistics.median(times[args.warmup :]),
+        peak_mb=peak,
+        loss=loss.item(),
+    )
     if cuda:
         row["alloc_peak_mb"] = (torch.cuda.max_memory_allocated() - before_model) / 2**20
-    if args.comm and measure:   # one more step, untimed: every rank runs it, rank 0 counts its collectives
+    if args.comm and measure:  # one more step, untimed: every rank runs it, rank 0 counts its collectives
         dist.barrier()
         if rank == 0:
-            kinds, sent, groups = count_comm(lambda: (train_step(wrapped, opt, data, sync), settle(opt)), world,
-                                             args.shard_size)
+            kinds, sent, groups = count_comm(
+                lambda: (train_step(wrapped, opt, data, sync), settle(opt)), world, args.shard_size
+            )
             row.update(comm=kinds, comm_mb=None if sent is None else sent / 2**20, comm_groups=groups)
         else:
             train_step(wrapped, opt, data, sync)
-    if not cuda and measure:    # the exact tensor-byte peak, in a second build of the same variant
+    if not cuda and measure:  # the exact tensor-byte peak, in a second build of the same variant
         del wrapped, opt, model
         dist.barrier()
         row["tensor_mb"] = tensor_peak_mb(variant, cfg, args, data)
@@ -266,8 +314,9 @@ def paired_worker(rank, world, port, out, variants, cfg, args, builder=None):
     than those of separate runs. Rank 0 puts {variant: [seconds per step]}.
     ``builder(variant, model)``: in place of build() (benchmarks/specs/before_after.py)."""
     device, data, sync = setup(rank, world, port, cfg, args)
-    builder = builder or (lambda v, model: build(v, model, getattr(torch, args.param_dtype), args.prefetch,
-                                                 shard_size=args.shard_size))
+    builder = builder or (
+        lambda v, model: build(v, model, getattr(torch, args.param_dtype), args.prefetch, shard_size=args.shard_size)
+    )
     built = {v: builder(v, new_model(cfg, args, device)) for v in variants}
     times = paired_times(built, args.paired, args.warmup, timer=lambda b: timed_step(*b, data, sync)[1])
     if rank == 0:
@@ -281,27 +330,36 @@ def planned_peak_mb(variant, cfg, args):
     this benchmark (same model, batch, world size, dtypes and options), or
     None where the planner has no matching configuration."""
     from zeroshard.plan import plan_model
+
     if not variant.startswith("zeroshard"):
         return None
-    base, _, suffix = variant.partition("+")      # "+cpu" / "+nvme": offload; "+muon": Muon
+    base, _, suffix = variant.partition("+")  # "+cpu" / "+nvme": offload; "+muon": Muon
     name, _, opt = base.partition("@")
     stage = int(name[-1])
     if suffix not in ("", "cpu", "nvme", "muon"):
         return None
     if stage == 3:
-        if args.dtype != "float32" or opt:   # the planner's ZeRO-3 keeps fp32 shards
+        if args.dtype != "float32" or opt:  # the planner's ZeRO-3 keeps fp32 shards
             return None
         dtype = "bf16" if args.param_dtype == "bfloat16" else "fp32"
     else:
         dtype = "bf16" if args.dtype == "bfloat16" else "fp32"
-    def example():   # called under the planner's fake-tensor mode
+
+    def example():  # called under the planner's fake-tensor mode
         idx = torch.zeros(args.batch, cfg.seq, dtype=torch.long)
         return idx, idx
 
-    plan = plan_model(lambda: GPT(cfg), args.shard_size or args.world_size, dtype, wrap={Block}, prefetch=args.prefetch,
-                      bucket_mb=float(opt) if opt and stage < 3 else 25, example=example,
-                      offload=suffix if suffix in ("cpu", "nvme") else None,
-                      optimizer="muon" if suffix == "muon" else "adamw")
+    plan = plan_model(
+        lambda: GPT(cfg),
+        args.shard_size or args.world_size,
+        dtype,
+        wrap={Block},
+        prefetch=args.prefetch,
+        bucket_mb=float(opt) if opt and stage < 3 else 25,
+        example=example,
+        offload=suffix if suffix in ("cpu", "nvme") else None,
+        optimizer="muon" if suffix == "muon" else "adamw",
+    )
     return plan["stages"][f"ZeRO-{stage}"]["peak"] / 2**20
 
 

@@ -10,6 +10,7 @@ examples/X.py``) puts the script's own folder, examples/, first on ``sys.path``:
 that is what makes ``import _device`` work from any working directory. To use it
 in a script of your own, copy this file next to it, or copy ``setup``'s few lines.
 """
+
 import os
 
 import torch

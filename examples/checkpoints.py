@@ -15,6 +15,7 @@
    as one safetensors file that loads into the plain model.
 The checkpoint directory must be on a filesystem every rank sees.
 """
+
 import argparse
 import os
 import shutil
@@ -26,11 +27,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
+import _device  # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, SAVE_AT, BATCH, DIM = 12, 6, 32, 32
-W = torch.randn(16, generator=torch.Generator().manual_seed(1234)) / 4     # the function to learn
+W = torch.randn(16, generator=torch.Generator().manual_seed(1234)) / 4  # the function to learn
 
 
 class Block(nn.Module):
@@ -57,7 +58,7 @@ class Net(nn.Module):
 def train(model, opt, start, stop, rank, world, device):
     for step in range(start, stop):
         g = torch.Generator().manual_seed(step)
-        x = torch.randn(BATCH, 16, generator=g).chunk(world)[rank]    # this rank's share of the batch
+        x = torch.randn(BATCH, 16, generator=g).chunk(world)[rank]  # this rank's share of the batch
         y = torch.sin(2 * (x @ W))
         F.mse_loss(model(x.to(device)), y.to(device)).backward()
         opt.step()
@@ -68,11 +69,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt-dir", default=None, help="a directory every rank sees (default: a temporary one)")
     args = ap.parse_args()
-    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
+    device = _device.setup()  # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     root = [args.ckpt_dir or (tempfile.mkdtemp() if rank == 0 else None)]
-    dist.broadcast_object_list(root)    # every rank uses rank 0's directory
+    dist.broadcast_object_list(root)  # every rank uses rank 0's directory
     ckpt, final_ckpt = os.path.join(root[0], "step_6"), os.path.join(root[0], "final")
 
     # 1. ZeRO-3, with a checkpoint written in the background at SAVE_AT
@@ -81,31 +82,34 @@ def main():
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)
     train(model, opt, 0, SAVE_AT, rank, world, device)
     done = zeroshard.save_checkpoint(ckpt, model, opt, extra={"step": SAVE_AT}, background=True)  # zeroshard
-    train(model, opt, SAVE_AT, STEPS, rank, world, device)   # goes on while a thread writes the state at SAVE_AT
-    done.result()                       # zeroshard: complete and durable (raises if any rank's write failed)
+    train(model, opt, SAVE_AT, STEPS, rank, world, device)  # goes on while a thread writes the state at SAVE_AT
+    done.result()  # zeroshard: complete and durable (raises if any rank's write failed)
     uninterrupted = model.state_dict()  # collective: the full state dict (on CPU) on every rank
     del model, opt
 
     # 2. A new job resumes at ZeRO-2: a plain model, ShardedOptimizer(stage=2)
-    torch.manual_seed(1)                # other initial values: everything must come from the checkpoint
+    torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
     model = Net().to(device)
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1.0, stage=2)   # lr, betas, ... come from it too
-    extra = zeroshard.load_checkpoint(ckpt, model, opt)                     # zeroshard: any stage, any world size
+    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1.0, stage=2)  # lr, betas, ... come from it too
+    extra = zeroshard.load_checkpoint(ckpt, model, opt)  # zeroshard: any stage, any world size
     train(model, opt, extra["step"], STEPS, rank, world, device)
-    err = max(((p.cpu() - uninterrupted[k]).norm() / uninterrupted[k].norm()).item()
-              for k, p in model.state_dict().items())
+    err = max(
+        ((p.cpu() - uninterrupted[k]).norm() / uninterrupted[k].norm()).item() for k, p in model.state_dict().items()
+    )
 
     # 3. A blocking save of the resumed run, and one safetensors file of the model for inference
-    zeroshard.save_checkpoint(final_ckpt, model, opt, extra={"step": STEPS})                   # zeroshard
+    zeroshard.save_checkpoint(final_ckpt, model, opt, extra={"step": STEPS})  # zeroshard
     if rank == 0:
         out = os.path.join(root[0], "model.safetensors")
-        zeroshard.export_full_state_dict(final_ckpt, out)   # zeroshard: offline, no process group needed
-        plain = Net()                   # on CPU, where load_file puts the tensors
+        zeroshard.export_full_state_dict(final_ckpt, out)  # zeroshard: offline, no process group needed
+        plain = Net()  # on CPU, where load_file puts the tensors
         plain.load_state_dict(safetensors.torch.load_file(out))
         exported = max((a - b.cpu()).abs().max().item() for a, b in zip(plain.parameters(), model.parameters()))
         print(f"checkpoint files: {sorted(os.listdir(ckpt))}")
-        print(f"checkpoints: ZeRO-3 -> saved at step {SAVE_AT} (background) -> resumed at ZeRO-2 -> step {STEPS}: "
-              f"vs uninterrupted max relative error {err:.1e}; exported model differs by {exported:g}")
+        print(
+            f"checkpoints: ZeRO-3 -> saved at step {SAVE_AT} (background) -> resumed at ZeRO-2 -> step {STEPS}: "
+            f"vs uninterrupted max relative error {err:.1e}; exported model differs by {exported:g}"
+        )
         assert err < 1e-5, f"the resumed run differs from the uninterrupted one (relative error {err})"
         assert exported == 0.0, f"the exported safetensors file differs from the model ({exported})"
         if args.ckpt_dir is None:

@@ -10,6 +10,7 @@ What it does (docs/checkpoints.md, "DCP and other tools"):
   steps, and ends where FSDP2 ended;
 * zeroshard saves its own DCP checkpoint, and FSDP2 loads it with ``set_state_dict``.
 """
+
 import os
 import tempfile
 
@@ -20,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-import _device                  # examples/_device.py: where the examples run
+import _device  # examples/_device.py: where the examples run
 import zeroshard
 from zeroshard.checkpoint import dcp_state_dict, load_dcp_state_dict
 
@@ -28,8 +29,10 @@ from zeroshard.checkpoint import dcp_state_dict, load_dcp_state_dict
 class Block(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.norm, self.mlp = nn.LayerNorm(dim), nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
-                                                               nn.Linear(4 * dim, dim))
+        self.norm, self.mlp = (
+            nn.LayerNorm(dim),
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)),
+        )
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
@@ -59,7 +62,7 @@ def fsdp2(device):
 
 def main():
     device = _device.setup()
-    work = zeroshard.all_gather_object(tempfile.mkdtemp() if dist.get_rank() == 0 else None)[0]   # rank 0's
+    work = zeroshard.all_gather_object(tempfile.mkdtemp() if dist.get_rank() == 0 else None)[0]  # rank 0's
 
     # 1. FSDP2 trains and saves through torch's own helpers
     model, opt = fsdp2(device)
@@ -90,8 +93,10 @@ def main():
     back = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))[0]
     assert all(torch.equal(back[k].cpu(), got[k].cpu()) for k in got), "FSDP2 loaded other values"
     if dist.get_rank() == 0:
-        print(f"dcp_interop: FSDP2's checkpoint trained on at ZeRO-3 on {dist.get_world_size()} ranks "
-              f"({device.type}), {worst:.1e} from FSDP2; zeroshard's loaded back into FSDP2 exactly")
+        print(
+            f"dcp_interop: FSDP2's checkpoint trained on at ZeRO-3 on {dist.get_world_size()} ranks "
+            f"({device.type}), {worst:.1e} from FSDP2; zeroshard's loaded back into FSDP2 exactly"
+        )
     dist.destroy_process_group()
 
 

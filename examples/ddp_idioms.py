@@ -12,6 +12,7 @@ resume from it. The run trains STEPS steps, saving at step SAVE_AT; then it
 builds everything again, resumes from the file and trains to STEPS again.
 Rank 0 writes both final parameter sets to ``--out``.
 """
+
 import argparse
 import contextlib
 import os
@@ -51,14 +52,15 @@ def build(mode, device):
     torch.manual_seed(0)
     model = Net().to(device)
     if mode == "ddp":
-        ids = [device.index] if device.type == "cuda" else None      # device_ids=[LOCAL_RANK] on a GPU
+        ids = [device.index] if device.type == "cuda" else None  # device_ids=[LOCAL_RANK] on a GPU
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
         return model, model.module, opt
     if mode == "3":
-        model = zeroshard.FullyShard(model, wrap={Block})                               # zeroshard: ZeRO-3
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1,
-                                     stage=2 if mode == "3" else int(mode))              # zeroshard
+        model = zeroshard.FullyShard(model, wrap={Block})  # zeroshard: ZeRO-3
+    opt = zeroshard.ShardedOptimizer(
+        model.parameters(), lr=3e-3, weight_decay=0.1, stage=2 if mode == "3" else int(mode)
+    )  # zeroshard
     return model, model, opt
 
 
@@ -66,14 +68,14 @@ def batch(step, micro, device):
     g = torch.Generator().manual_seed(1000 * step + micro)
     x = torch.randint(0, 37, (BATCH, 9), generator=g)
     n = BATCH // dist.get_world_size()
-    x = x[dist.get_rank() * n:(dist.get_rank() + 1) * n].to(device)
+    x = x[dist.get_rank() * n : (dist.get_rank() + 1) * n].to(device)
     return x[:, :-1], x[:, 1:]
 
 
 def train(mode, model, raw, opt, scaler, start, stop, ckpt, device):
     for step in range(start, stop):
         for micro in range(ACCUM):
-            if mode == "ddp":   # nanoGPT's idiom; a no-op attribute on a zeroshard model (it reduces every time)
+            if mode == "ddp":  # nanoGPT's idiom; a no-op attribute on a zeroshard model (it reduces every time)
                 model.require_backward_grad_sync = micro == ACCUM - 1
             x, y = batch(step, micro, device)
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -86,11 +88,12 @@ def train(mode, model, raw, opt, scaler, start, stop, ckpt, device):
         opt.zero_grad(set_to_none=True)
         if step + 1 == SAVE_AT and ckpt:
             if mode != "ddp":
-                opt.consolidate_state_dict(to=0)                                         # zeroshard
-            model_sd = raw.state_dict(to=0) if mode == "3" else raw.state_dict()         # zeroshard: ZeRO-3
+                opt.consolidate_state_dict(to=0)  # zeroshard
+            model_sd = raw.state_dict(to=0) if mode == "3" else raw.state_dict()  # zeroshard: ZeRO-3
             if dist.get_rank() == 0:
-                torch.save({"model": model_sd, "opt": opt.state_dict(), "scaler": scaler.state_dict(),
-                            "step": step + 1}, ckpt)
+                torch.save(
+                    {"model": model_sd, "opt": opt.state_dict(), "scaler": scaler.state_dict(), "step": step + 1}, ckpt
+                )
             dist.barrier()
 
 
@@ -99,25 +102,31 @@ def main():
     ap.add_argument("--mode", choices=["ddp", "1", "2", "3"], required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import _device      # examples/_device.py (imported here: the tests load this file as a module, off sys.path)
-    device = _device.setup()            # NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo on the CPU
+    import _device  # examples/_device.py (imported here: the tests load this file as a module, off sys.path)
+
+    device = _device.setup()  # NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo on the CPU
     torch.set_num_threads(1)
     ckpt = args.out + ".ckpt"
     model, raw, opt = build(args.mode, device)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     train(args.mode, model, raw, opt, scaler, 0, STEPS, ckpt, device)
-    straight = raw.state_dict(to=0) if args.mode == "3" else raw.state_dict()            # zeroshard: ZeRO-3
+    straight = raw.state_dict(to=0) if args.mode == "3" else raw.state_dict()  # zeroshard: ZeRO-3
 
     model, raw, opt = build(args.mode, device)  # resume from the rank-0 checkpoint
-    saved = torch.load(ckpt, weights_only=False, map_location=device)   # onto this rank's device, not rank 0's
+    saved = torch.load(ckpt, weights_only=False, map_location=device)  # onto this rank's device, not rank 0's
     raw.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     scaler.load_state_dict(saved["scaler"])
     train(args.mode, model, raw, opt, scaler, saved["step"], STEPS, None, device)
-    resumed = raw.state_dict(to=0) if args.mode == "3" else raw.state_dict()             # zeroshard: ZeRO-3
+    resumed = raw.state_dict(to=0) if args.mode == "3" else raw.state_dict()  # zeroshard: ZeRO-3
     if dist.get_rank() == 0:
-        torch.save({run: {k: v.cpu() for k, v in sd.items()}                  # on CPU, as FullyShard's
-                    for run, sd in (("straight", straight), ("resumed", resumed))}, args.out)
+        torch.save(
+            {
+                run: {k: v.cpu() for k, v in sd.items()}  # on CPU, as FullyShard's
+                for run, sd in (("straight", straight), ("resumed", resumed))
+            },
+            args.out,
+        )
         os.remove(ckpt)
     dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ file), resumes it in a fresh engine at another stage and checks that the resumed
 equals the uninterrupted one, then reads the checkpoint back as one fp32 state dict
 with ``zero_to_fp32`` and loads it into the plain model.
 """
+
 import argparse
 import tempfile
 
@@ -27,11 +28,13 @@ STEPS, DIM = 8, 32
 
 ds_config = {
     "train_batch_size": 16,
-    "gradient_accumulation_steps": 2,            # so 4 samples per rank per micro-batch on 2 ranks
+    "gradient_accumulation_steps": 2,  # so 4 samples per rank per micro-batch on 2 ranks
     "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": STEPS, "warmup_num_steps": 2,
-                                                      "warmup_max_lr": 3e-3, "warmup_type": "linear"}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {"total_num_steps": STEPS, "warmup_num_steps": 2, "warmup_max_lr": 3e-3, "warmup_type": "linear"},
+    },
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7},
     "steps_per_print": 4,
 }
@@ -50,7 +53,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(16, DIM)
-        self.blocks = nn.ModuleList([Block(DIM) for _ in range(3)])    # stage 3: one unit per block
+        self.blocks = nn.ModuleList([Block(DIM) for _ in range(3)])  # stage 3: one unit per block
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, x):
@@ -70,7 +73,7 @@ def train(engine, first, last):
     for step in range(first, last):
         for micro in range(engine.gradient_accumulation_steps()):
             x, y = micro_batch(step, micro, engine.train_micro_batch_size_per_gpu())
-            x, y = x.to(engine.device), y.to(engine.device)     # (the GPU the engine put the model on)
+            x, y = x.to(engine.device), y.to(engine.device)  # (the GPU the engine put the model on)
             loss = F.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -81,8 +84,9 @@ def make_engine(stage):
     torch.manual_seed(0)
     model = Net()
     config = dict(ds_config, zero_optimization=dict(ds_config["zero_optimization"], stage=stage))
-    engine, optimizer, _, scheduler = zeroshard.initialize(model=model, model_parameters=model.parameters(),
-                                                           config=config)
+    engine, optimizer, _, scheduler = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
     return engine
 
 
@@ -98,9 +102,9 @@ def main():
     args = parser.parse_args()
     ckpt = args.ckpt_dir or tempfile.mkdtemp(prefix="zeroshard-ds-")
 
-    engine = make_engine(args.stage)                  # creates the process group from torchrun's environment
+    engine = make_engine(args.stage)  # creates the process group from torchrun's environment
     rank = dist.get_rank()
-    if args.ckpt_dir is None:                          # every rank must use the same directory
+    if args.ckpt_dir is None:  # every rank must use the same directory
         holder = [ckpt]
         dist.broadcast_object_list(holder, src=0)
         ckpt = holder[0]
@@ -110,7 +114,7 @@ def main():
     last_loss = train(engine, STEPS // 2, STEPS)
     whole = full_params(engine)
 
-    resumed = make_engine(3 if args.stage != 3 else 2)        # resume at another stage
+    resumed = make_engine(3 if args.stage != 3 else 2)  # resume at another stage
     path, client_state = resumed.load_checkpoint(ckpt)
     assert client_state == {"epoch": 1} and resumed.global_steps == STEPS // 2
     train(resumed, STEPS // 2, STEPS)
@@ -119,12 +123,14 @@ def main():
     assert worst < 1e-5, f"the resumed run differs from the uninterrupted one by {worst}"
 
     plain = Net()
-    plain.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(ckpt))   # the tag in ckpt/latest
+    plain.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(ckpt))  # the tag in ckpt/latest
     assert all(torch.equal(p, at_save[n]) for n, p in plain.named_parameters())
     if rank == 0:
-        print(f"deepspeed_config: stage {args.stage}, {engine.global_steps} steps, loss {last_loss:.4f}, lr "
-              f"{engine.get_lr()[0]:.2e}; checkpoint {path} resumed at stage {resumed.zero_optimization_stage()} "
-              f"(max difference {worst:.1e}); zero_to_fp32 loads into the plain model")
+        print(
+            f"deepspeed_config: stage {args.stage}, {engine.global_steps} steps, loss {last_loss:.4f}, lr "
+            f"{engine.get_lr()[0]:.2e}; checkpoint {path} resumed at stage {resumed.zero_optimization_stage()} "
+            f"(max difference {worst:.1e}); zero_to_fp32 loads into the plain model"
+        )
     dist.destroy_process_group()
 
 

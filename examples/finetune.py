@@ -13,6 +13,7 @@ What it does (docs/fine-tuning.md):
 * ``bf16=True`` gathers the units in bf16 (where the hardware has it), as FSDP does.
 Each result is loaded back in one process and checked against the trained model.
 """
+
 import argparse
 import os
 import tempfile
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
-import _device                  # examples/_device.py: where the examples run
+import _device  # examples/_device.py: where the examples run
 import zeroshard
 from zeroshard.integrations.hf import ZeroShardTrainer, from_pretrained
 
@@ -32,8 +33,15 @@ OPTIONS = dict(stage=3)
 def tiny_llama(path: str) -> None:
     """A small random Llama saved as a pretrained folder in several safetensors files."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path, max_shard_size="100KB")
 
 
@@ -46,14 +54,24 @@ def dataset(vocab: int, n: int = 64, seq: int = 24):
 
 def train(model, out: str, steps: int, device: torch.device, options: dict) -> ZeroShardTrainer:
     """The Trainer over the loaded model, with the options it was loaded with."""
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=steps, learning_rate=2e-3,
-                             logging_steps=steps, save_strategy="no", report_to=[], disable_tqdm=True,
-                             use_cpu=device.type == "cpu", bf16="mixed_precision" in options,
-                             gradient_checkpointing=True)
-    trainer = ZeroShardTrainer(model=model, args=args, train_dataset=dataset(model.module.config.vocab_size),
-                               zeroshard=options)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=2e-3,
+        logging_steps=steps,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=device.type == "cpu",
+        bf16="mixed_precision" in options,
+        gradient_checkpointing=True,
+    )
+    trainer = ZeroShardTrainer(
+        model=model, args=args, train_dataset=dataset(model.module.config.vocab_size), zeroshard=options
+    )
     trainer.train()
-    trainer.save_model(os.path.join(out, "final"))      # every rank: collective at stage 3
+    trainer.save_model(os.path.join(out, "final"))  # every rank: collective at stage 3
     return trainer
 
 
@@ -65,7 +83,7 @@ def main():
     device = _device.setup()
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     options = dict(OPTIONS, mixed_precision="bf16") if bf16 else OPTIONS
-    work = zeroshard.all_gather_object(tempfile.mkdtemp() if dist.get_rank() == 0 else None)[0]   # rank 0's
+    work = zeroshard.all_gather_object(tempfile.mkdtemp() if dist.get_rank() == 0 else None)[0]  # rank 0's
     path = args.model
     if path is None:
         path = os.path.join(work, "tiny-llama")
@@ -76,8 +94,12 @@ def main():
 
     # LoRA: the adapter made before sharding (seed first: peft initialises it), the base frozen
     torch.manual_seed(0)
-    lora = from_pretrained(AutoModelForCausalLM, path, zeroshard=options,
-                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    lora = from_pretrained(
+        AutoModelForCausalLM,
+        path,
+        zeroshard=options,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    )
     t = train(lora, os.path.join(work, "lora"), args.steps, device, options)
     with torch.no_grad():
         lora_logits = t.zeroshard_model(input_ids=ids.to(device)).logits.float().cpu()
@@ -89,17 +111,19 @@ def main():
     with torch.no_grad():
         full_logits = t.zeroshard_model(input_ids=ids.to(device)).logits.float().cpu()
 
-    if dist.get_rank() == 0:    # what a user does next, in one process: load what was saved
+    if dist.get_rank() == 0:  # what a user does next, in one process: load what was saved
         base = AutoModelForCausalLM.from_pretrained(path)
         adapter = PeftModel.from_pretrained(base, os.path.join(work, "lora", "final"))
         reloaded = AutoModelForCausalLM.from_pretrained(os.path.join(work, "full", "final"))
         with torch.no_grad():
             got_lora, got_full = adapter(input_ids=ids).logits, reloaded(input_ids=ids).logits
-        tol = 5e-2 if bf16 else 1e-5       # bf16 gathers: the trained runs computed in bf16
+        tol = 5e-2 if bf16 else 1e-5  # bf16 gathers: the trained runs computed in bf16
         assert (got_lora - lora_logits).abs().max() <= tol, "the saved adapter differs from the trained one"
         assert (got_full - full_logits).abs().max() <= tol, "the saved model differs from the trained one"
-        print(f"finetune: LoRA trained {trained} parameters and full fine-tuning every one, at ZeRO-3 on "
-              f"{dist.get_world_size()} ranks ({device.type}); both saved and loaded back")
+        print(
+            f"finetune: LoRA trained {trained} parameters and full fine-tuning every one, at ZeRO-3 on "
+            f"{dist.get_world_size()} ranks ({device.type}); both saved and loaded back"
+        )
     dist.destroy_process_group()
 
 

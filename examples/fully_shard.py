@@ -12,6 +12,7 @@ state dict on rank 0, which saves it with ``torch.save``; it loads into the
 plain, unwrapped model. The script checks that model against the same training
 done in one process with plain ``torch.optim.AdamW`` on the whole batch.
 """
+
 import os
 import tempfile
 
@@ -20,11 +21,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
+import _device  # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
-STEPS, BATCH, DIM = 20, 32, 32      # BATCH is the global batch, split over the ranks
-W = torch.randn(16, generator=torch.Generator().manual_seed(1234)) / 4     # the function to learn
+STEPS, BATCH, DIM = 20, 32, 32  # BATCH is the global batch, split over the ranks
+W = torch.randn(16, generator=torch.Generator().manual_seed(1234)) / 4  # the function to learn
 
 
 class Block(nn.Module):
@@ -54,7 +55,7 @@ def batch(step, rank=0, world=1):
     x = torch.randn(BATCH, 16, generator=g)
     y = torch.sin(2 * (x @ W))
     n = BATCH // world
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
 def train(model, opt, device, rank, world):
@@ -62,45 +63,51 @@ def train(model, opt, device, rank, world):
     for step in range(STEPS):
         x, y = (t.to(device) for t in batch(step, rank, world))
         loss = F.mse_loss(model(x), y)  # FullyShard gathers each Block before its forward, frees it after
-        loss.backward()                 # units re-gathered in reverse order, gradients reduce-scattered
-        opt.step()                      # updates this rank's fp32 shards (the master weights) in place
+        loss.backward()  # units re-gathered in reverse order, gradients reduce-scattered
+        opt.step()  # updates this rank's fp32 shards (the master weights) in place
         opt.zero_grad()
         losses.append(loss.item())
     return losses
 
 
 def main():
-    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
+    device = _device.setup()  # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    model = zeroshard.FullyShard(Net().to(device), wrap={Block})        # zeroshard: ZeRO-3 units
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)   # zeroshard
-    owned = sum(p.numel() for p in model.parameters())                 # this rank's 1-D pieces
+    model = zeroshard.FullyShard(Net().to(device), wrap={Block})  # zeroshard: ZeRO-3 units
+    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)  # zeroshard
+    owned = sum(p.numel() for p in model.parameters())  # this rank's 1-D pieces
     if rank == 0:
         print(f"rank 0 holds {owned:,} of {sum(p.numel() for p in Net().parameters()):,} parameter elements")
     losses = train(model, opt, device, rank, world)
 
-    sd = model.state_dict(to=0)         # collective: every rank calls it; the full state dict (CPU) on rank 0 only
+    sd = model.state_dict(to=0)  # collective: every rank calls it; the full state dict (CPU) on rank 0 only
     mem = model.memory_report()
     path = os.path.join(tempfile.gettempdir(), f"fully_shard_example_{os.getpid()}.pt")
     if rank == 0:
         torch.save(sd, path)
-        plain = Net()                   # the unwrapped model: the checkpoint is an ordinary state dict
+        plain = Net()  # the unwrapped model: the checkpoint is an ordinary state dict
         plain.load_state_dict(torch.load(path))
         os.remove(path)
 
-        torch.manual_seed(0)            # the same training in one process, plain torch, whole batches
-        ref = Net().to(device)          # on the device the sharded run used
+        torch.manual_seed(0)  # the same training in one process, plain torch, whole batches
+        ref = Net().to(device)  # on the device the sharded run used
         ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), device, 0, 1)
-        err = max(((p - r).norm() / r.norm()).item()
-                  for p, r in zip(plain.state_dict().values(), (v.cpu() for v in ref.state_dict().values())))
-        print(f"rank 0 model state: {mem['total']:,} bytes (16 per element it holds: fp32 shard, "
-              f"gradient shard, exp_avg, exp_avg_sq)")
-        print(f"fully_shard: rank 0's loss {losses[0]:.4f} -> {losses[-1]:.4f} (plain torch, whole batch: "
-              f"{ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}); reloaded unwrapped model vs plain torch: "
-              f"max relative error {err:.1e}")
+        err = max(
+            ((p - r).norm() / r.norm()).item()
+            for p, r in zip(plain.state_dict().values(), (v.cpu() for v in ref.state_dict().values()))
+        )
+        print(
+            f"rank 0 model state: {mem['total']:,} bytes (16 per element it holds: fp32 shard, "
+            f"gradient shard, exp_avg, exp_avg_sq)"
+        )
+        print(
+            f"fully_shard: rank 0's loss {losses[0]:.4f} -> {losses[-1]:.4f} (plain torch, whole batch: "
+            f"{ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}); reloaded unwrapped model vs plain torch: "
+            f"max relative error {err:.1e}"
+        )
         assert err < 1e-5, f"ZeRO-3 training differs from plain torch.optim.AdamW (relative error {err})"
         assert losses[-1] < 0.5 * losses[0], f"the loss did not go down: {losses[0]:.4f} -> {losses[-1]:.4f}"
     dist.barrier()

@@ -18,6 +18,7 @@ raises ``zeroshard.CollectiveMismatch``.
 ``zeroshard.flight_record()`` is this rank's record of its collectives.
 This script raises the error on purpose, prints it, checks it and exits 0.
 """
+
 import os
 import tempfile
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
+import _device  # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 DIM = 32
@@ -43,10 +44,10 @@ class Block(nn.Module):
 
 
 def main():
-    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
+    device = _device.setup()  # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    zeroshard.set_timeout(3)            # zeroshard: seconds any zeroshard collective may wait (default: the group's)
+    zeroshard.set_timeout(3)  # zeroshard: seconds any zeroshard collective may wait (default: the group's)
     ckpt = [os.path.join(tempfile.mkdtemp(), "ckpt") if rank == 0 else None]
     dist.broadcast_object_list(ckpt)
 
@@ -58,23 +59,23 @@ def main():
             x = torch.randn(8, 16).to(device)
             loss = F.mse_loss(model(x).squeeze(-1), x[:, 0])
             if rank == 1 and step == 1:
-                continue                # the bug: one rank skips a step that the others take
+                continue  # the bug: one rank skips a step that the others take
             loss.backward()
             opt.step()
             opt.zero_grad()
         zeroshard.save_checkpoint(ckpt[0], model, opt)
         raise AssertionError("the ranks diverged, yet no error was raised")
-    except (zeroshard.CollectiveTimeout, zeroshard.CollectiveMismatch) as err:   # zeroshard: on every rank
+    except (zeroshard.CollectiveTimeout, zeroshard.CollectiveMismatch) as err:  # zeroshard: on every rank
         error = err
 
     if rank == 0:
         print(f"rank 0 caught zeroshard.{type(error).__name__}:\n{error}\n")
         print("rank 0's flight record, last 5 collectives (seq, kind, what, elements, completed):")
-        for r in zeroshard.flight_record()[-5:]:                                # zeroshard
+        for r in zeroshard.flight_record()[-5:]:  # zeroshard
             print(f"  #{r['seq']:<3} {r['kind']:<15} {r['what']:<42} {r['numel']:>6}  {r['end'] is not None}")
     other = 1 - rank
     text = str(error)
-    if isinstance(error, zeroshard.CollectiveMismatch):           # ZEROSHARD_DEBUG=1
+    if isinstance(error, zeroshard.CollectiveMismatch):  # ZEROSHARD_DEBUG=1
         assert "ZEROSHARD_DEBUG" in text and f"rank {other}:" in text, text
     else:
         assert "first differ at collective #" in text and f"rank {other}" in text, text
@@ -82,8 +83,10 @@ def main():
     assert "checkpoint" in text, f"the message should name the checkpoint one rank was in:\n{text}"
     assert not os.path.exists(ckpt[0]), "a failed save must not leave a checkpoint behind"
     if rank == 0:
-        print(f"hangs: every rank raised zeroshard.{type(error).__name__} within seconds instead of hanging; "
-              "the message names the first differing collective on both ranks")
+        print(
+            f"hangs: every rank raised zeroshard.{type(error).__name__} within seconds instead of hanging; "
+            "the message names the first differing collective on both ranks"
+        )
     # The process group is now broken (later zeroshard waits raise at once): end the job here.
 
 

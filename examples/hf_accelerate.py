@@ -9,6 +9,7 @@ A tiny GPT-2 built from its config learns random token sequences with
 accumulation, clipping, a warmup schedule, a checkpoint (``save_state``) that a
 second run resumes from, and a ``save_pretrained`` folder at the end.
 """
+
 import argparse
 import os
 
@@ -23,8 +24,18 @@ VOCAB, SEQ = 101, 16
 
 def build_model(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -36,21 +47,22 @@ def data(n: int = 96, seed: int = 1):
     return torch.utils.data.TensorDataset(ids)
 
 
-def train(stage: int, steps: int, out_dir: str, resume: bool = False, save_at: int = 0,
-          mixed_precision: str = "no") -> dict:
+def train(
+    stage: int, steps: int, out_dir: str, resume: bool = False, save_at: int = 0, mixed_precision: str = "no"
+) -> dict:
     """Train to ``steps`` optimizer steps (``resume``: from ``out_dir/state``, saved at
     step ``save_at``). Returns the per-step losses, gradient norms and the final parameters."""
     accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision=mixed_precision)
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    loader = torch.utils.data.DataLoader(data(), batch_size=4, shuffle=True,
-                                         generator=torch.Generator().manual_seed(2))
+    loader = torch.utils.data.DataLoader(data(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=steps)
     if stage == 0:
         model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     else:
         model, optimizer, loader, scheduler = hf.prepare(  # zeroshard:
-            accelerator, model, optimizer, loader, scheduler, stage=stage)
+            accelerator, model, optimizer, loader, scheduler, stage=stage
+        )
     done, skip = 0, 0
     if resume:
         accelerator.load_state(os.path.join(out_dir, "state"))
@@ -77,14 +89,15 @@ def train(stage: int, steps: int, out_dir: str, resume: bool = False, save_at: i
         if done == steps:
             break
     final = os.path.join(out_dir, "final")
-    state = accelerator.get_state_dict(model)      # every rank (stage 3 gathers it); the full model's
-    params = {k: v.detach().cpu().clone() for k, v in state.items()}   # (save_pretrained empties `state`)
+    state = accelerator.get_state_dict(model)  # every rank (stage 3 gathers it); the full model's
+    params = {k: v.detach().cpu().clone() for k, v in state.items()}  # (save_pretrained empties `state`)
     if stage == 3:
         hf.save_pretrained(model, final, is_main_process=accelerator.is_main_process)  # zeroshard:
     else:
         accelerator.wait_for_everyone()
-        accelerator.unwrap_model(model).save_pretrained(final, is_main_process=accelerator.is_main_process,
-                                                        state_dict=state)
+        accelerator.unwrap_model(model).save_pretrained(
+            final, is_main_process=accelerator.is_main_process, state_dict=state
+        )
     return dict(losses=losses, norms=norms, params=params, final=final)
 
 
@@ -98,8 +111,10 @@ def main():
     resumed = train(args.stage, args.steps, args.out, resume=True, save_at=args.steps // 2)
     same = all(torch.equal(first["params"][k], resumed["params"][k]) for k in first["params"])
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"stage {args.stage}: loss {first['losses'][0]:.4f} -> {first['losses'][-1]:.4f}; resumed run "
-              f"{'equals' if same else 'DIFFERS from'} the uninterrupted one; weights in {first['final']}")
+        print(
+            f"stage {args.stage}: loss {first['losses'][0]:.4f} -> {first['losses'][-1]:.4f}; resumed run "
+            f"{'equals' if same else 'DIFFERS from'} the uninterrupted one; weights in {first['final']}"
+        )
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

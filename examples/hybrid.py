@@ -10,16 +10,17 @@ all-reduced with the same shard of the other group (its replica), so only 1/S
 of the gradient crosses the slow link. The script trains ZeRO-2 and ZeRO-3
 this way and checks both against plain torch.optim.AdamW in one process.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
+import _device  # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM, SHARD = 10, 32, 32, 2
-W = torch.randn(16, generator=torch.Generator().manual_seed(1234)) / 4     # the function to learn
+W = torch.randn(16, generator=torch.Generator().manual_seed(1234)) / 4  # the function to learn
 
 
 class Block(nn.Module):
@@ -48,53 +49,59 @@ def batch(step, rank=0, world=1):
     x = torch.randn(BATCH, 16, generator=g)
     y = torch.sin(2 * (x @ W))
     n = BATCH // world
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
 def train(model, opt, device, rank=0, world=1):
     for step in range(STEPS):
         x, y = (t.to(device) for t in batch(step, rank, world))
-        F.mse_loss(model(x), y).backward()   # reduce-scatter in the shard group, all-reduce across replicas
-        opt.step()                            # all-gather in the shard group
+        F.mse_loss(model(x), y).backward()  # reduce-scatter in the shard group, all-reduce across replicas
+        opt.step()  # all-gather in the shard group
         opt.zero_grad()
 
 
 def main():
-    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
+    device = _device.setup()  # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world % SHARD == 0, f"run with a multiple of {SHARD} ranks: torchrun --nproc-per-node 4 ..."
     torch.manual_seed(0)
-    ref = Net().to(device)                     # plain torch in this process, whole batches: the reference
+    ref = Net().to(device)  # plain torch in this process, whole batches: the reference
     train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), device)
-    expected = {k: v.cpu().clone() for k, v in ref.state_dict().items()}   # on CPU, as FullyShard's state dict
+    expected = {k: v.cpu().clone() for k, v in ref.state_dict().items()}  # on CPU, as FullyShard's state dict
     n = sum(v.numel() for v in expected.values())
 
     # ZeRO-2, hybrid: the optimizer state and gradients sharded over 2 ranks, replicated world/2 times
     torch.manual_seed(0)
     model = Net().to(device)
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1, stage=2,
-                                     sharding=zeroshard.Sharding(shard_size=SHARD))  # zeroshard: hybrid
+    opt = zeroshard.ShardedOptimizer(
+        model.parameters(), lr=3e-3, weight_decay=0.1, stage=2, sharding=zeroshard.Sharding(shard_size=SHARD)
+    )  # zeroshard: hybrid
     train(model, opt, device, rank, world)
     err2 = max(((v.cpu() - expected[k]).norm() / expected[k].norm()).item() for k, v in model.state_dict().items())
     rep2, crossed = opt.memory_report(), opt.comm_elements["replica_all_reduce"]
 
     # ZeRO-3, hybrid: the parameters too
     torch.manual_seed(0)
-    model = zeroshard.FullyShard(Net().to(device), wrap={Block},
-                                 sharding=zeroshard.Sharding(shard_size=SHARD))      # zeroshard: hybrid
+    model = zeroshard.FullyShard(
+        Net().to(device), wrap={Block}, sharding=zeroshard.Sharding(shard_size=SHARD)
+    )  # zeroshard: hybrid
     opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1)
     train(model, opt, device, rank, world)
-    owned = sum(p.to_local().numel() for p in model.parameters())   # this rank's pieces
-    full = model.state_dict()         # collective: every rank builds the full state dict
+    owned = sum(p.to_local().numel() for p in model.parameters())  # this rank's pieces
+    full = model.state_dict()  # collective: every rank builds the full state dict
     err3 = max(((v - expected[k]).norm() / expected[k].norm()).item() for k, v in full.items())
 
     if rank == 0:
-        print(f"ZeRO-2 shard_size={SHARD}: rank 0 holds exp_avg for {rep2['exp_avg'] // 4:,} of {n:,} elements; "
-              f"{crossed:,} gradient elements all-reduced across replicas in {STEPS} steps")
+        print(
+            f"ZeRO-2 shard_size={SHARD}: rank 0 holds exp_avg for {rep2['exp_avg'] // 4:,} of {n:,} elements; "
+            f"{crossed:,} gradient elements all-reduced across replicas in {STEPS} steps"
+        )
         print(f"ZeRO-3 shard_size={SHARD}: rank 0 holds {owned:,} of {n:,} parameter elements")
-        print(f"hybrid: {world} ranks = {world // SHARD} replicas x {SHARD} shards; ZeRO-2 and ZeRO-3 equal plain "
-              f"torch (max relative error {max(err2, err3):.1e})")
+        print(
+            f"hybrid: {world} ranks = {world // SHARD} replicas x {SHARD} shards; ZeRO-2 and ZeRO-3 equal plain "
+            f"torch (max relative error {max(err2, err3):.1e})"
+        )
     assert err2 < 1e-5 and err3 < 1e-5, f"hybrid sharding differs from plain torch: {err2}, {err3}"
     assert crossed > 0 and abs(owned * SHARD - n) < 0.01 * n, f"not sharded over {SHARD} ranks: {owned} of {n}"
     dist.destroy_process_group()

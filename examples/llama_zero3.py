@@ -14,6 +14,7 @@ What a job on many GPUs does, in a few dozen lines (docs/large-models.md):
   ``--max-restarts`` restarts the job where it stopped; a checkpoint is saved in
   the background every ``--ckpt-every`` steps.
 """
+
 import argparse
 import os
 import tempfile
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-import _device                  # examples/_device.py: where the examples run
+import _device  # examples/_device.py: where the examples run
 import zeroshard
 from zeroshard.integrations.hf import from_pretrained
 
@@ -31,8 +32,15 @@ from zeroshard.integrations.hf import from_pretrained
 def tiny_llama(path: str) -> None:
     """A small random Llama saved as a pretrained folder (what --tiny trains)."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
 
 
@@ -41,12 +49,16 @@ def build(path: str):
     # 1. Built on meta, wrapped at every decoder layer, then each rank reads only the bytes of its own
     #    shards from the safetensors files: no rank ever holds the whole model. Units gathered in bf16,
     #    gradients reduced in fp32; the shards and the optimizer state stay fp32.
-    model = from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32,
-                            zeroshard=dict(stage=3, wrap={LlamaDecoderLayer}, mixed_precision="bf16"))
+    model = from_pretrained(
+        AutoModelForCausalLM,
+        path,
+        dtype=torch.float32,
+        zeroshard=dict(stage=3, wrap={LlamaDecoderLayer}, mixed_precision="bf16"),
+    )
     # 2. Activation checkpointing: the model's own switch, on the model inside the FullyShard.
     model.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.module.config.use_cache = False
-    model.train()                 # from_pretrained returns it in eval mode, as Hugging Face's does
+    model.train()  # from_pretrained returns it in eval mode, as Hugging Face's does
     return model, zeroshard.ShardedOptimizer(model.parameters(), lr=1e-4, weight_decay=0.0)
 
 
@@ -56,14 +68,18 @@ def batches(vocab: int, steps: int, batch: int, seq: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     for _ in range(steps):
         ids = torch.randint(0, vocab, (batch * world, seq), generator=g)
-        yield ids[rank * batch:(rank + 1) * batch]
+        yield ids[rank * batch : (rank + 1) * batch]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="a save_pretrained folder (or a hub name with network access)")
-    ap.add_argument("--tiny", action="store_true", help="train a tiny Llama saved here first (the default "
-                    "without --model; it then checks that a fresh process resumes exactly)")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="train a tiny Llama saved here first (the default "
+        "without --model; it then checks that a fresh process resumes exactly)",
+    )
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--ckpt-every", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
@@ -72,8 +88,8 @@ def main():
     args = ap.parse_args()
     args.tiny = args.tiny or args.model is None
 
-    device = _device.setup()      # NCCL on cuda:LOCAL_RANK where there is a GPU per rank, else gloo on CPU
-    work = zeroshard.all_gather_object(tempfile.mkdtemp() if dist.get_rank() == 0 else None)[0]   # rank 0's
+    device = _device.setup()  # NCCL on cuda:LOCAL_RANK where there is a GPU per rank, else gloo on CPU
+    work = zeroshard.all_gather_object(tempfile.mkdtemp() if dist.get_rank() == 0 else None)[0]  # rank 0's
     path = args.model
     if args.tiny:
         path = os.path.join(work, "tiny-llama")
@@ -106,7 +122,7 @@ def main():
             print(f"step {step}: loss {loss.item():.4f}")
     if pending is not None:
         pending.result()
-    if args.tiny:     # what a restarted job does: a fresh process resumes exactly where this one saved
+    if args.tiny:  # what a restarted job does: a fresh process resumes exactly where this one saved
         again, again_opt = build(path)
         assert zeroshard.resume(ckpt, again, again_opt)["step"] == args.steps - args.steps % args.ckpt_every
         if args.steps % args.ckpt_every == 0:
@@ -114,8 +130,10 @@ def main():
             assert all(torch.equal(ours[k], theirs[k]) for k in ours), "the resumed model differs"
     rep = opt.memory_report()
     if dist.get_rank() == 0:
-        print(f"llama_zero3: {args.steps} steps on {dist.get_world_size()} ranks ({device.type}), last loss "
-              f"{loss.item():.4f}; model state on rank 0: {rep['total'] / 2**20:.2f} MiB")
+        print(
+            f"llama_zero3: {args.steps} steps on {dist.get_world_size()} ranks ({device.type}), last loss "
+            f"{loss.item():.4f}; model state on rank 0: {rep['total'] / 2**20:.2f} MiB"
+        )
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ the edp group) and checks both against one process training the whole model
 every expert under its name in the whole model (``expert_names``): the export is the
 one process's state dict.
 """
+
 import os
 import shutil
 import tempfile
@@ -28,11 +29,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
+import _device  # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 from safetensors.torch import load_file
 
-IN, OUT, D, H, E, TOKENS, STEPS, EP = 5, 3, 6, 10, 4, 7, 6, 2   # E experts, TOKENS per rank, EP ranks per group
+IN, OUT, D, H, E, TOKENS, STEPS, EP = 5, 3, 6, 10, 4, 7, 6, 2  # E experts, TOKENS per rank, EP ranks per group
 
 
 class _Gather(torch.autograd.Function):
@@ -51,7 +52,7 @@ class _Gather(torch.autograd.Function):
         dist.all_reduce(g, group=ctx.group)
         n = g.shape[0] // dist.get_world_size(ctx.group)
         r = dist.get_rank(ctx.group)
-        return g[r * n:(r + 1) * n], None
+        return g[r * n : (r + 1) * n], None
 
 
 class _Combine(torch.autograd.Function):
@@ -64,7 +65,7 @@ class _Combine(torch.autograd.Function):
         dist.all_reduce(y, group=group)
         n = y.shape[0] // dist.get_world_size(group)
         r = dist.get_rank(group)
-        return y[r * n:(r + 1) * n].clone()
+        return y[r * n : (r + 1) * n].clone()
 
     @staticmethod
     def backward(ctx, g):
@@ -136,7 +137,7 @@ def batch(step, rank, device):
 def global_name(model: Net, name: str) -> str:
     """The whole model's name of this rank's parameter ``name`` (its experts are numbered locally)."""
     if name.startswith("moe.experts."):
-        j, rest = name[len("moe.experts."):].split(".", 1)
+        j, rest = name[len("moe.experts.") :].split(".", 1)
         name = f"moe.experts.{model.moe.ids[int(j)]}.{rest}"
     return name
 
@@ -144,8 +145,9 @@ def global_name(model: Net, name: str) -> str:
 def split(model: Net):
     """(dense parameters, expert parameters)."""
     named = list(model.named_parameters())
-    return [p for n, p in named if not n.startswith("moe.experts.")], [p for n, p in named
-                                                                        if n.startswith("moe.experts.")]
+    return [p for n, p in named if not n.startswith("moe.experts.")], [
+        p for n, p in named if n.startswith("moe.experts.")
+    ]
 
 
 def train(model, opt, device, rank):
@@ -153,7 +155,7 @@ def train(model, opt, device, rank):
     for step in range(STEPS):
         x, y = batch(step, rank, device)
         F.mse_loss(model(x), y).backward()
-        norm = opt.clip_grad_norm_(1.0)     # every expert counted once, the same on every rank
+        norm = opt.clip_grad_norm_(1.0)  # every expert counted once, the same on every rank
         opt.step()
         opt.zero_grad()
     return float(norm)
@@ -163,16 +165,16 @@ def main():
     device = _device.setup()
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    ep = EP if world > 1 else 1             # one rank (one GPU): its ep group of one holds every expert
+    ep = EP if world > 1 else 1  # one rank (one GPU): its ep group of one holds every expert
     assert world % ep == 0, f"run with a multiple of {EP} ranks: torchrun --nproc-per-node 4 ..."
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
 
     torch.manual_seed(0)
-    ref = Net(top_k=2).to(device)           # every expert, in this process: the reference
+    ref = Net(top_k=2).to(device)  # every expert, in this process: the reference
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     dense, experts = split(ref)
     ref_opt = torch.optim.AdamW([{"params": dense}, {"params": experts}], lr=1e-2)
-    for step in range(STEPS):               # every rank's tokens
+    for step in range(STEPS):  # every rank's tokens
         xs, ys = zip(*(batch(step, r, device) for r in range(world)))
         F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
@@ -181,37 +183,46 @@ def main():
 
     def expert_parallel_model():
         net = Net(top_k=2, ep_group=mesh["ep"].get_group()).to(device)
-        with torch.no_grad():               # the same start: this rank's experts of the whole model's
+        with torch.no_grad():  # the same start: this rank's experts of the whole model's
             for name, p in net.named_parameters():
                 p.copy_(start[global_name(net, name)])
         return net
 
     def error(net, state):
         # (FullyShard's state_dict() is on the CPU, as torch's full state dicts are)
-        return max(((v.to(device) - ref.get_parameter(global_name(net, n))).norm() / v.norm()).item()
-                   for n, v in state.items())
+        return max(
+            ((v.to(device) - ref.get_parameter(global_name(net, n))).norm() / v.norm()).item() for n, v in state.items()
+        )
 
     # ZeRO-2: the experts' param group sharded over its edp group, the rest over every rank
     net = expert_parallel_model()
     dense, experts = split(net)
-    opt = zeroshard.ShardedOptimizer([{"params": dense},                                   # over every rank
-                                      {"params": experts, "device_mesh": mesh["edp"]}],    # over its edp group
-                                     lr=1e-2, stage=2)
+    opt = zeroshard.ShardedOptimizer(
+        [
+            {"params": dense},  # over every rank
+            {"params": experts, "device_mesh": mesh["edp"]},
+        ],  # over its edp group
+        lr=1e-2,
+        stage=2,
+    )
     norm2 = train(net, opt, device, rank)
     err2, rep = error(net, net.state_dict()), opt.memory_report()
 
     # ZeRO-3: each expert a unit gathered and reduced over its edp group, the rest over every rank;
     # expert_names: each expert parameter's name in the whole model, for checkpoints
     net = expert_parallel_model()
-    model = zeroshard.FullyShard(net, sharding=zeroshard.Sharding(expert_modules={Expert: mesh["edp"]}),
-                                 expert_names=lambda name: global_name(net, name))
+    model = zeroshard.FullyShard(
+        net,
+        sharding=zeroshard.Sharding(expert_modules={Expert: mesh["edp"]}),
+        expert_names=lambda name: global_name(net, name),
+    )
     opt3 = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2)
     norm3 = train(model, opt3, device, rank)
-    err3 = error(net, model.state_dict())   # (collective: each rank gets its own experts whole)
+    err3 = error(net, model.state_dict())  # (collective: each rank gets its own experts whole)
 
     # a checkpoint holds every expert once, under its whole-model name: exported, the whole model's
     where = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(where, src=0)     # (one filesystem: the ranks of one node)
+    dist.broadcast_object_list(where, src=0)  # (one filesystem: the ranks of one node)
     zeroshard.save_checkpoint(os.path.join(where[0], "ckpt"), model, opt3)
     if rank == 0:
         zeroshard.export_full_state_dict(os.path.join(where[0], "ckpt"), os.path.join(where[0], "moe.safetensors"))
@@ -221,10 +232,12 @@ def main():
         shutil.rmtree(where[0])
 
     if rank == 0:
-        print(f"moe: {world} ranks = edp {world // ep} x ep {ep}; rank 0 holds experts {net.moe.ids}, and at "
-              f"ZeRO-2 exp_avg for {rep['exp_avg'] // 4:,} of {sum(p.numel() for p in ref.parameters()):,} "
-              f"elements; last grad norm {norm2:.4f} (ZeRO-2), {norm3:.4f} (ZeRO-3), {ref_norm:.4f} (one "
-              f"process); max relative error {max(err2, err3):.1e}")
+        print(
+            f"moe: {world} ranks = edp {world // ep} x ep {ep}; rank 0 holds experts {net.moe.ids}, and at "
+            f"ZeRO-2 exp_avg for {rep['exp_avg'] // 4:,} of {sum(p.numel() for p in ref.parameters()):,} "
+            f"elements; last grad norm {norm2:.4f} (ZeRO-2), {norm3:.4f} (ZeRO-3), {ref_norm:.4f} (one "
+            f"process); max relative error {max(err2, err3):.1e}"
+        )
     assert err2 < 1e-5 and err3 < 1e-5, f"expert parallelism differs from one process: {err2}, {err3}"
     dist.destroy_process_group()
 

@@ -14,6 +14,7 @@ bytes, and checks that the offloaded runs equal the run without offload.
 On a CPU-only machine the "device" is host memory too: only the report's
 split changes there, while the disk file is real.
 """
+
 import argparse
 import tempfile
 
@@ -22,11 +23,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
+import _device  # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
 STEPS, BATCH, DIM = 10, 32, 32
-W = torch.randn(16, generator=torch.Generator().manual_seed(1234)) / 4     # the function to learn
+W = torch.randn(16, generator=torch.Generator().manual_seed(1234)) / 4  # the function to learn
 
 
 class Block(nn.Module):
@@ -55,25 +56,29 @@ def batch(step, rank, world):
     x = torch.randn(BATCH, 16, generator=g)
     y = torch.sin(2 * (x @ W))
     n = BATCH // world
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
 def run(label, device, rank, world, offload=None):
     torch.manual_seed(0)
-    model = Net().to(device)            # the model computes on the device; offload= moves the optimizer's share
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=3e-3, weight_decay=0.1, stage=2, offload=offload)  # zeroshard
+    model = Net().to(device)  # the model computes on the device; offload= moves the optimizer's share
+    opt = zeroshard.ShardedOptimizer(
+        model.parameters(), lr=3e-3, weight_decay=0.1, stage=2, offload=offload
+    )  # zeroshard
     losses = []
     for step in range(STEPS):
         x, y = (t.to(device) for t in batch(step, rank, world))
         loss = F.mse_loss(model(x), y)
         loss.backward()
-        opt.step()                      # the offloaded share is stepped on the CPU, from host memory or the file
+        opt.step()  # the offloaded share is stepped on the CPU, from host memory or the file
         opt.zero_grad()
         losses.append(loss.item())
     rep = opt.memory_report()
     if rank == 0:
-        print(f"{label:<30} loss {losses[0]:.4f} -> {losses[-1]:.4f} | rank 0 state: "
-              f"device {rep['device']:>7,} host {rep['host']:>7,} disk {rep['disk']:>7,} bytes")
+        print(
+            f"{label:<30} loss {losses[0]:.4f} -> {losses[-1]:.4f} | rank 0 state: "
+            f"device {rep['device']:>7,} host {rep['host']:>7,} disk {rep['disk']:>7,} bytes"
+        )
     return torch.cat([p.detach().flatten() for p in model.parameters()]), rep
 
 
@@ -81,24 +86,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--offload-dir", default=None, help="where 'nvme' puts its files (default: a temporary dir)")
     args = ap.parse_args()
-    device = _device.setup()            # the process group, and this rank's GPU (or the CPU)
+    device = _device.setup()  # the process group, and this rank's GPU (or the CPU)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as nvme_dir:
         plain, _ = run("no offload", device, rank, world)
-        on_host, host_rep = run("offload='cpu'", device, rank, world,
-                                zeroshard.Offload(optimizer="cpu"))                                     # zeroshard
-        on_disk, disk_rep = run("offload='nvme', fraction 0.5", device, rank, world,
-                                zeroshard.Offload(optimizer="nvme", directory=nvme_dir, fraction=0.5))  # zeroshard
-        dist.barrier()                  # every rank's optimizer (and its file) is gone before the directory goes
+        on_host, host_rep = run("offload='cpu'", device, rank, world, zeroshard.Offload(optimizer="cpu"))  # zeroshard
+        on_disk, disk_rep = run(
+            "offload='nvme', fraction 0.5",
+            device,
+            rank,
+            world,
+            zeroshard.Offload(optimizer="nvme", directory=nvme_dir, fraction=0.5),
+        )  # zeroshard
+        dist.barrier()  # every rank's optimizer (and its file) is gone before the directory goes
 
     err = max((on_host - plain).abs().max().item(), (on_disk - plain).abs().max().item())
     # on a GPU the offloaded share steps with the CPU's AdamW kernel, the rest with the GPU's: equal up to rounding
     tol = 1e-6 if device.type == "cpu" else 1e-5
     if rank == 0:
-        print(f"offload: 'cpu' and 'nvme' (fraction 0.5) on {world} ranks equal the run without offload "
-              f"(max difference {err:.1e}); disk held {disk_rep['disk']:,} bytes of rank 0's state")
+        print(
+            f"offload: 'cpu' and 'nvme' (fraction 0.5) on {world} ranks equal the run without offload "
+            f"(max difference {err:.1e}); disk held {disk_rep['disk']:,} bytes of rank 0's state"
+        )
     assert err < tol, f"offloaded training differs from training without offload (max difference {err})"
     assert host_rep["host"] > 0 and disk_rep["disk"] > 0, "memory_report() shows nothing offloaded"
     dist.destroy_process_group()

@@ -14,6 +14,7 @@ process group, so call it before ``init_process_group``. The script then runs
 each stage for real and checks that this rank's ``memory_report()`` equals the
 plan byte for byte.
 """
+
 import os
 import tempfile
 
@@ -50,7 +51,7 @@ class Net(nn.Module):
 
 
 def example_batch():
-    return (torch.zeros(BATCH, 16),)    # one micro-batch per rank: only its shape and dtype matter
+    return (torch.zeros(BATCH, 16),)  # one micro-batch per rank: only its shape and dtype matter
 
 
 def measure(stage):
@@ -70,19 +71,20 @@ def main():
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
     # 1. The formula for a parameter count: 7B parameters, 8 ranks, mixed precision (GB = 1e9 bytes)
-    rows = zeroshard.plan.model_state_bytes(7e9, world_size=8, dtype="bf16")                     # zeroshard
+    rows = zeroshard.plan.model_state_bytes(7e9, world_size=8, dtype="bf16")  # zeroshard
     # 2. This model, planned exactly for 8 ranks (on meta: a 70B model costs nothing here either)
     big = zeroshard.plan.plan_model(Net, world_size=8, dtype="fp32", wrap={Block}, example=example_batch)
     # 3. ... and for the world size we are about to run at, on CPU processes (gloo)
-    plan = zeroshard.plan.plan_model(Net, world_size=world, dtype="fp32", wrap={Block}, example=example_batch,
-                                     ranks=[rank], transport="gloo")                             # zeroshard
+    plan = zeroshard.plan.plan_model(
+        Net, world_size=world, dtype="fp32", wrap={Block}, example=example_batch, ranks=[rank], transport="gloo"
+    )  # zeroshard
     if rank == 0:
         print("7B, 8 ranks, bf16: " + ", ".join(f"{s} {r['total'] / 1e9:.1f} GB" for s, r in rows.items()))
         print(zeroshard.plan.format_model_plan(big))
 
-    if "RANK" in os.environ:            # under torchrun
+    if "RANK" in os.environ:  # under torchrun
         dist.init_process_group("gloo")
-    else:                               # plain python: a process group of one
+    else:  # plain python: a process group of one
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     keys = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding", "total")
@@ -91,8 +93,10 @@ def main():
         planned = plan["stages"][f"ZeRO-{stage}"]["ranks"][rank]
         diff = {k: real[k] - planned[k] for k in keys if real[k] != planned[k]}
         if rank == 0:
-            print(f"ZeRO-{stage} at {world} ranks: planned {planned['total']:,} bytes of model state on rank 0, "
-                  f"measured {real['total']:,}")
+            print(
+                f"ZeRO-{stage} at {world} ranks: planned {planned['total']:,} bytes of model state on rank 0, "
+                f"measured {real['total']:,}"
+            )
         assert not diff, f"rank {rank}, ZeRO-{stage}: memory_report() - plan = {diff}"
     if rank == 0:
         print(f"plan_memory: the planner's state bytes equal memory_report() at stages 1-3 on {world} ranks")

@@ -10,6 +10,7 @@ rank's state bytes (``memory_report()``) are the planner's 16 bytes a parameter
 over N, a step issues the same collectives at both sizes, each over one flat
 buffer, and the host time of a step does not grow with N.
 """
+
 import time
 
 import torch
@@ -56,25 +57,35 @@ def rehearse(world: int) -> dict:
             if step == 3:
                 collectives = dict(noop.calls)
         state = model.memory_report()
-    return {"built_s": built, "step_ms": min(times[3:]) * 1e3, "collectives": collectives,
-            "state": state["total"], "padding": state["padding"],
-            "formula": model_state_bytes(params, world, "fp32")["ZeRO-3"]["total"]}
+    return {
+        "built_s": built,
+        "step_ms": min(times[3:]) * 1e3,
+        "collectives": collectives,
+        "state": state["total"],
+        "padding": state["padding"],
+        "formula": model_state_bytes(params, world, "fp32")["ZeRO-3"]["total"],
+    }
 
 
 def main():
     torch.set_num_threads(1)
     small, big = rehearse(8), rehearse(4096)
     for world, r in ((8, small), (4096, big)):
-        print(f"N={world:<5} built in {r['built_s'] * 1e3:5.0f} ms, step {r['step_ms']:5.1f} ms (host), "
-              f"state {r['state']:>9,} bytes (formula {r['formula']:>11,.0f}, padding {r['padding']:,})")
+        print(
+            f"N={world:<5} built in {r['built_s'] * 1e3:5.0f} ms, step {r['step_ms']:5.1f} ms (host), "
+            f"state {r['state']:>9,} bytes (formula {r['formula']:>11,.0f}, padding {r['padding']:,})"
+        )
     assert big["collectives"] == small["collectives"], (small["collectives"], big["collectives"])
     assert all(tensors == 1 for _, tensors in big["collectives"]), big["collectives"]  # one flat buffer each
     for r in (small, big):
         assert abs(r["state"] - r["padding"] - r["formula"]) <= 16 * 4 * (2 * BLOCKS + 1), r  # alignment only
     assert big["built_s"] < 10, big
-    print(f"rehearse_scale: at 4096 ranks the same {sum(big['collectives'].values())} collectives per step as at 8, "
-          f"state {big['state'] - big['formula']:.0f} bytes over 16/N of the parameters (chunks rounded up to "
-          f"4 elements), host step {big['step_ms'] / small['step_ms']:.2f}x")
+    print(
+        f"rehearse_scale: at 4096 ranks the same {sum(big['collectives'].values())} collectives per step as at 8, "
+        f"state {big['state'] - big['formula']:.0f} bytes over 16/N of the parameters (chunks rounded up to "
+        f"4 elements), host step {big['step_ms'] / small['step_ms']:.2f}x"
+    )
+
 
 if __name__ == "__main__":
     main()

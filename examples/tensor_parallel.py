@@ -12,26 +12,31 @@ at ZeRO-3 (FullyShard over mesh["dp"], each block a unit whose tp pieces are gat
 dp for its compute) and checks both against one process training the whole model on every
 dp rank's batch with torch.optim.AdamW.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-import _device                          # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
+import _device  # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
 import zeroshard
 
-V, D, HD, LAYERS, T, B, STEPS, TP = 37, 16, 4, 2, 6, 3, 3, 2   # vocab, width, head dim, layers, tokens, batch
+V, D, HD, LAYERS, T, B, STEPS, TP = 37, 16, 4, 2, 6, 3, 3, 2  # vocab, width, head dim, layers, tokens, batch
 
 
 class Attention(nn.Module):
     def __init__(self):
         super().__init__()
         # (no bias on k: softmax ignores it, so its gradient is rounding noise that Adam would amplify)
-        self.q, self.k, self.v, self.out = nn.Linear(D, D), nn.Linear(D, D, bias=False), nn.Linear(D, D), nn.Linear(D, D)
+        self.q, self.k, self.v, self.out = (
+            nn.Linear(D, D),
+            nn.Linear(D, D, bias=False),
+            nn.Linear(D, D),
+            nn.Linear(D, D),
+        )
 
     def forward(self, x):
         # (under tensor parallelism q, k and v hold this rank's heads of every token: the shapes are theirs)
@@ -73,19 +78,30 @@ def parallelize(model: GPT, tp_mesh, loss_parallel: bool = False) -> GPT:
     columns (q, k, v, up, head) or rows (out, down, embed). ``loss_parallel``: the logits
     stay split over the vocabulary (a DTensor) for torch's loss_parallel()."""
     seq = Shard(1)
-    parallelize_module(model, tp_mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "norm": SequenceParallel(use_local_output=True),
-        "head": ColwiseParallel(input_layouts=seq, use_local_output=False) if loss_parallel else
-        ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "norm": SequenceParallel(use_local_output=True),
+            "head": ColwiseParallel(input_layouts=seq, use_local_output=False)
+            if loss_parallel
+            else ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        },
+    )
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, {
-            "norm1": SequenceParallel(use_local_output=True), "norm2": SequenceParallel(use_local_output=True),
-            **{f"attn.{n}": ColwiseParallel(input_layouts=seq) for n in ("q", "k", "v")},
-            "attn.out": RowwiseParallel(output_layouts=seq),
-            "up": ColwiseParallel(input_layouts=seq), "down": RowwiseParallel(output_layouts=seq),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "norm1": SequenceParallel(use_local_output=True),
+                "norm2": SequenceParallel(use_local_output=True),
+                **{f"attn.{n}": ColwiseParallel(input_layouts=seq) for n in ("q", "k", "v")},
+                "attn.out": RowwiseParallel(output_layouts=seq),
+                "up": ColwiseParallel(input_layouts=seq),
+                "down": RowwiseParallel(output_layouts=seq),
+            },
+        )
     return model
 
 
@@ -108,10 +124,10 @@ def main():
     dp_rank = mesh["dp"].get_local_rank()
 
     torch.manual_seed(0)
-    ref = GPT().to(device)                  # the whole model in this process: the reference
+    ref = GPT().to(device)  # the whole model in this process: the reference
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(STEPS):               # every dp rank's batch
+    for step in range(STEPS):  # every dp rank's batch
         xs, ys = zip(*(batch(step, d, device) for d in range(world // tp)))
         loss_of(ref, torch.cat(xs), torch.cat(ys)).backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
@@ -121,7 +137,7 @@ def main():
     def train(model, opt):
         for step in range(STEPS):
             loss_of(model, *batch(step, dp_rank, device)).backward()
-            norm = float(opt.clip_grad_norm_(1.0))      # over dp x tp, every element once
+            norm = float(opt.clip_grad_norm_(1.0))  # over dp x tp, every element once
             opt.step()
             opt.zero_grad()
         return norm
@@ -132,26 +148,30 @@ def main():
     # ZeRO-2 over the dp axis: the local pieces' optimizer state and gradients sharded over mesh["dp"]
     model = GPT().to(device)
     model.load_state_dict(start)
-    parallelize(model, mesh["tp"])          # DTensor parameters: each rank its tp pieces
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2,
-                                     sharding=zeroshard.Sharding(device_mesh=mesh["dp"]))
+    parallelize(model, mesh["tp"])  # DTensor parameters: each rank its tp pieces
+    opt = zeroshard.ShardedOptimizer(
+        model.parameters(), lr=1e-2, stage=2, sharding=zeroshard.Sharding(device_mesh=mesh["dp"])
+    )
     norm2 = train(model, opt)
-    err2 = error({n: p.full_tensor() for n, p in model.named_parameters()})    # (collective over tp)
+    err2 = error({n: p.full_tensor() for n, p in model.named_parameters()})  # (collective over tp)
     state = opt.memory_report()["exp_avg"] // 4
 
     # ZeRO-3 over the dp axis: each block a unit, its tp pieces sharded over mesh["dp"]
     model = GPT().to(device)
     model.load_state_dict(start)
-    model = zeroshard.FullyShard(parallelize(model, mesh["tp"]), wrap={Block},
-                                 sharding=zeroshard.Sharding(device_mesh=mesh["dp"]))
+    model = zeroshard.FullyShard(
+        parallelize(model, mesh["tp"]), wrap={Block}, sharding=zeroshard.Sharding(device_mesh=mesh["dp"])
+    )
     norm3 = train(model, zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2))
-    err3 = error(model.state_dict())        # (the whole tensors: gathered over dp and tp)
+    err3 = error(model.state_dict())  # (the whole tensors: gathered over dp and tp)
 
     if dist.get_rank() == 0:
-        print(f"tensor_parallel: {world} ranks = dp {world // tp} x tp {tp}; ZeRO-2 exp_avg for {state:,} of "
-              f"{sum(p.numel() for p in ref.parameters()):,} elements on rank 0; last grad norm {norm2:.4f} "
-              f"(ZeRO-2), {norm3:.4f} (ZeRO-3), {ref_norm:.4f} (one process); max relative error "
-              f"{max(err2, err3):.1e}")
+        print(
+            f"tensor_parallel: {world} ranks = dp {world // tp} x tp {tp}; ZeRO-2 exp_avg for {state:,} of "
+            f"{sum(p.numel() for p in ref.parameters()):,} elements on rank 0; last grad norm {norm2:.4f} "
+            f"(ZeRO-2), {norm3:.4f} (ZeRO-3), {ref_norm:.4f} (one process); max relative error "
+            f"{max(err2, err3):.1e}"
+        )
     assert max(err2, err3) < 1e-5, f"differs from one process: {err2}, {err3}"
     assert max(abs(norm2 - ref_norm), abs(norm3 - ref_norm)) < 1e-4 * ref_norm, (norm2, norm3, ref_norm)
     dist.destroy_process_group()

@@ -20,6 +20,7 @@ every rank's memory by category next to the seeds' formula for the chosen
 stage and next to what DDP would need, and writes a PNG of per-rank memory by
 stage as stacked bands (parameters, gradients, optimizer states).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ class GPTConfig:
     heads: int = 4
 
 
-SIZES = {   # --size presets; "tiny" is what the CPU demo trains
+SIZES = {  # --size presets; "tiny" is what the CPU demo trains
     "tiny": dict(layers=4, dim=128, heads=4, seq=64),
     "small": dict(layers=6, dim=384, heads=6, seq=128),
     "124m": dict(layers=12, dim=768, heads=12, seq=1024),
@@ -92,7 +93,7 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        for m in self.modules():   # GPT-2 style
+        for m in self.modules():  # GPT-2 style
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
@@ -126,8 +127,24 @@ def example_batch(size: str = "tiny", vocab: int = 64, batch: int = 16, **overri
 _WORDS = dict(
     det=["the", "a", "one", "every", "that", "this", "some"],
     adj=["quick", "lazy", "small", "bright", "old", "quiet", "brave", "green", "tall", "cold", "clever", "gentle"],
-    noun=["fox", "dog", "bird", "river", "king", "farmer", "ship", "garden", "child", "mountain", "clock",
-          "lantern", "teacher", "horse", "baker", "city"],
+    noun=[
+        "fox",
+        "dog",
+        "bird",
+        "river",
+        "king",
+        "farmer",
+        "ship",
+        "garden",
+        "child",
+        "mountain",
+        "clock",
+        "lantern",
+        "teacher",
+        "horse",
+        "baker",
+        "city",
+    ],
     verb=["sees", "follows", "finds", "carries", "watches", "helps", "paints", "remembers", "builds", "greets"],
     prep=["near", "under", "beside", "behind", "above", "across"],
     adv=["slowly", "today", "again", "at dawn", "in the rain", "without a word", "before noon"],
@@ -169,7 +186,7 @@ class CharData:
         """A micro-batch that depends only on (seed, step, rank, micro): a resumed run sees the same data."""
         g = torch.Generator().manual_seed(hash((seed, step, rank, micro)) & (2**62 - 1))
         starts = torch.randint(0, len(self.data) - seq - 1, (batch,), generator=g)
-        x = torch.stack([self.data[s:s + seq + 1] for s in starts.tolist()])
+        x = torch.stack([self.data[s : s + seq + 1] for s in starts.tolist()])
         return x[:, :-1], x[:, 1:]
 
 
@@ -191,8 +208,10 @@ class Progress:
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(1, done - self.start) * (self.total - done)
         bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
-        line = (f"step {done:>5}/{self.total} |{bar}| {100 * frac:3.0f}% loss {loss:.4f} "
-                f"{tok_s / 1e3:8.1f}k tok/s {ms:7.1f} ms/step  eta {eta:4.0f}s")
+        line = (
+            f"step {done:>5}/{self.total} |{bar}| {100 * frac:3.0f}% loss {loss:.4f} "
+            f"{tok_s / 1e3:8.1f}k tok/s {ms:7.1f} ms/step  eta {eta:4.0f}s"
+        )
         if self.tty:
             print("\r" + line, end="\n" if done == self.total else "", flush=True)
         elif done == self.total or (done - self.start) % self.every == 0 or done == self.start + 1:
@@ -204,62 +223,92 @@ def measured_bytes(stage: int, model: nn.Module, opt) -> dict:
     """This rank's model-state bytes by category (zeroshard's memory_report; for DDP counted from the tensors)."""
     if stage > 0:
         rep = opt.memory_report()
-        return dict(params=rep["params"], grads=rep["grads"],
-                    optimizer=rep["master"] + rep["exp_avg"] + rep["exp_avg_sq"], padding=rep["padding"])
-    params = list(model.parameters())   # a tied weight once
+        return dict(
+            params=rep["params"],
+            grads=rep["grads"],
+            optimizer=rep["master"] + rep["exp_avg"] + rep["exp_avg_sq"],
+            padding=rep["padding"],
+        )
+    params = list(model.parameters())  # a tied weight once
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    state = sum(nbytes(v) for s in opt.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)
-    return dict(params=sum(nbytes(p) for p in params),
-                grads=sum(nbytes(p) for p in params if p.requires_grad),   # DDP keeps a full gradient per parameter
-                optimizer=state, padding=0)
+    state = sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return dict(
+        params=sum(nbytes(p) for p in params),
+        grads=sum(nbytes(p) for p in params if p.requires_grad),  # DDP keeps a full gradient per parameter
+        optimizer=state,
+        padding=0,
+    )
 
 
 def memory_table(reports: list, stage: int, n_params: int, dtype: str, world: int) -> str:
     from zeroshard.plan import model_state_bytes
-    conv = "fp32" if stage == 0 else dtype   # DDP + autocast keeps fp32 parameters, gradients and states
+
+    conv = "fp32" if stage == 0 else dtype  # DDP + autocast keeps fp32 parameters, gradients and states
     rows = model_state_bytes(n_params, world, conv)
     name = "DDP" if stage == 0 else f"ZeRO-{stage}"
     f, ddp = rows[name], rows["DDP"]
     mb = 2**20
-    lines = [f"\nmodel-state memory per rank ({n_params:,} parameters, {dtype}, world size {world}, MiB)",
-             f"{'rank':<6}{'params':>10}{'grads':>10}{'optimizer':>11}{'padding':>10}{'total':>10}"
-             f"{'formula':>10}{'DDP':>10}"]
+    lines = [
+        f"\nmodel-state memory per rank ({n_params:,} parameters, {dtype}, world size {world}, MiB)",
+        f"{'rank':<6}{'params':>10}{'grads':>10}{'optimizer':>11}{'padding':>10}{'total':>10}"
+        f"{'formula':>10}{'DDP':>10}",
+    ]
     for r, rep in enumerate(reports):
         total = sum(rep.values())
-        lines.append(f"{r:<6}{rep['params'] / mb:>10.3f}{rep['grads'] / mb:>10.3f}{rep['optimizer'] / mb:>11.3f}"
-                     f"{rep['padding'] / mb:>10.3f}{total / mb:>10.3f}{f['total'] / mb:>10.3f}"
-                     f"{ddp['total'] / mb:>10.3f}")
-    lines.append(f"formula ({name}, seeds' {conv} convention): params {f['params'] / mb:.3f} + grads "
-                 f"{f['grads'] / mb:.3f} + optimizer {f['optimizer'] / mb:.3f} MiB; padding is the flat "
-                 "layout's, shown apart")
+        lines.append(
+            f"{r:<6}{rep['params'] / mb:>10.3f}{rep['grads'] / mb:>10.3f}{rep['optimizer'] / mb:>11.3f}"
+            f"{rep['padding'] / mb:>10.3f}{total / mb:>10.3f}{f['total'] / mb:>10.3f}"
+            f"{ddp['total'] / mb:>10.3f}"
+        )
+    lines.append(
+        f"formula ({name}, seeds' {conv} convention): params {f['params'] / mb:.3f} + grads "
+        f"{f['grads'] / mb:.3f} + optimizer {f['optimizer'] / mb:.3f} MiB; padding is the flat "
+        "layout's, shown apart"
+    )
     return "\n".join(lines)
 
 
 def plot_memory(path: str, reports_by_stage: dict, n_params: int, dtype: str, world: int) -> None:
     """Per-rank memory by stage as stacked bands: the formula for every stage, and what was measured."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from zeroshard.plan import STAGES, model_state_bytes
+
     rows = model_state_bytes(n_params, world, dtype)
     mb = 2**20
-    bands = [("params", "parameters", "#4C72B0"), ("grads", "gradients", "#DD8452"),
-             ("optimizer", "optimizer states", "#55A868")]
+    bands = [
+        ("params", "parameters", "#4C72B0"),
+        ("grads", "gradients", "#DD8452"),
+        ("optimizer", "optimizer states", "#55A868"),
+    ]
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
     labels, x = [], 0
     for si, s in enumerate(STAGES):
         bars = [("formula", rows[s])]
-        if si in reports_by_stage:   # measured on rank 0 (the largest shard with padding)
+        if si in reports_by_stage:  # measured on rank 0 (the largest shard with padding)
             rep = reports_by_stage[si]
-            bars.append(("measured", {k: rep[k] + (rep["padding"] if k == "optimizer" else 0)
-                                      for k in ("params", "grads", "optimizer")}))
+            bars.append(
+                (
+                    "measured",
+                    {k: rep[k] + (rep["padding"] if k == "optimizer" else 0) for k in ("params", "grads", "optimizer")},
+                )
+            )
         for kind, vals in bars:
             bottom = 0.0
             for key, label, color in bands:
                 h = vals[key] / mb
-                ax.bar(x, h, bottom=bottom, color=color, width=0.8, hatch="//" if kind == "measured" else None,
-                       edgecolor="white", label=label if x == 0 else None)
+                ax.bar(
+                    x,
+                    h,
+                    bottom=bottom,
+                    color=color,
+                    width=0.8,
+                    hatch="//" if kind == "measured" else None,
+                    edgecolor="white",
+                    label=label if x == 0 else None,
+                )
                 bottom += h
             labels.append((x, f"{s}\n{kind}"))
             x += 1
@@ -275,12 +324,18 @@ def plot_memory(path: str, reports_by_stage: dict, n_params: int, dtype: str, wo
 
 # ---------------------------------------------------------------- training
 def setup():
-    if "RANK" not in os.environ:   # plain `python train_gpt.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    if "RANK" not in os.environ:  # plain `python train_gpt.py`: a world of one
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
+        )
     # examples/_device.py, imported here, not at the top: the planner and the benchmarks load this
     # file for its model, from where examples/ need not be on sys.path
     import _device
+
     # NCCL on cuda:LOCAL_RANK where the node has a GPU for every rank, else gloo on the CPU; the
     # group comes up again under torchrun --max-restarts (zeroshard.init_distributed)
     device = _device.setup()
@@ -291,6 +346,7 @@ def setup():
 
 def wrap(args, model, device):
     import zeroshard as zs
+
     lr = args.lr
     if args.stage == 0:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -301,8 +357,13 @@ def wrap(args, model, device):
         return fs, fs, zs.ShardedOptimizer(fs.parameters(), lr=lr, weight_decay=args.weight_decay)
     if args.dtype == "bf16":
         model.to(torch.bfloat16)
-    return model, model, zs.ShardedOptimizer(model.parameters(), lr=lr, weight_decay=args.weight_decay,
-                                             stage=args.stage, bucket_mb=args.bucket_mb)
+    return (
+        model,
+        model,
+        zs.ShardedOptimizer(
+            model.parameters(), lr=lr, weight_decay=args.weight_decay, stage=args.stage, bucket_mb=args.bucket_mb
+        ),
+    )
 
 
 def lr_at(step: int, args) -> float:
@@ -334,9 +395,10 @@ def main(argv=None):
         ap.error("--resume needs --ckpt-dir")
 
     import zeroshard as zs
+
     device = setup()
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)   # the same initial model everywhere (rank 0's is broadcast anyway)
+    torch.manual_seed(args.seed)  # the same initial model everywhere (rank 0's is broadcast anyway)
     data = CharData(make_corpus(), vocab=64)
     model = build_model(args.size, vocab=64).to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -351,11 +413,13 @@ def main(argv=None):
     tokens_per_step = args.batch * seq * args.accum * world
     autocast = args.stage == 0 and args.dtype == "bf16"
     if rank == 0:
-        print(f"GPT {n_params / 1e6:.2f}M params | stage {args.stage} | {args.dtype} | world size {world} "
-              f"({dist.get_backend()}, {device.type}) | {tokens_per_step} tokens/step | steps {start}..{args.steps}",
-              flush=True)
+        print(
+            f"GPT {n_params / 1e6:.2f}M params | stage {args.stage} | {args.dtype} | world size {world} "
+            f"({dist.get_backend()}, {device.type}) | {tokens_per_step} tokens/step | steps {start}..{args.steps}",
+            flush=True,
+        )
     bar = Progress(args.steps, start, rank == 0)
-    losses, saving = [], None   # saving: the Future of a background checkpoint save
+    losses, saving = [], None  # saving: the Future of a background checkpoint save
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -365,8 +429,7 @@ def main(argv=None):
             x, y = (t.to(device) for t in data.batch(args.batch, seq, step, rank, micro, args.seed))
             last = micro == args.accum - 1
             # micro-batches before the last accumulate locally; the last one communicates
-            ctx = (contextlib.nullcontext() if last else
-                   engine.no_sync() if args.stage in (0, 3) else opt.no_sync())
+            ctx = contextlib.nullcontext() if last else engine.no_sync() if args.stage in (0, 3) else opt.no_sync()
             with ctx, torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = engine(x, y) / args.accum
                 loss.backward()
@@ -388,15 +451,16 @@ def main(argv=None):
         if args.ckpt_dir and args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.steps):
             # copies the state and returns; a thread writes it while training goes on (the
             # next save waits for it)
-            saving = zs.save_checkpoint(args.ckpt_dir, inner, opt, extra=dict(step=step + 1, rng=torch.get_rng_state()),
-                                        background=True)
+            saving = zs.save_checkpoint(
+                args.ckpt_dir, inner, opt, extra=dict(step=step + 1, rng=torch.get_rng_state()), background=True
+            )
             if rank == 0 and not sys.stdout.isatty():
                 print(f"checkpoint: step {step + 1} -> {args.ckpt_dir} (writing in the background)", flush=True)
     if saving is not None:
-        saving.result()      # complete and durable (or raise) before the process group goes
+        saving.result()  # complete and durable (or raise) before the process group goes
 
     mine = measured_bytes(args.stage, inner, opt)
-    reports = zs.all_gather_object(mine)   # (torch's can abort the process at exit on gloo)
+    reports = zs.all_gather_object(mine)  # (torch's can abort the process at exit on gloo)
     if rank == 0:
         if losses:
             k = max(1, len(losses) // 10)
@@ -405,7 +469,7 @@ def main(argv=None):
         if device.type == "cuda":
             print(f"peak GPU memory on rank 0: {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB")
         _save_memory(args, reports[0], n_params, world)
-    dist.barrier()   # every rank has finished its report before the group goes
+    dist.barrier()  # every rank has finished its report before the group goes
     dist.destroy_process_group()
     return losses
 

@@ -24,6 +24,7 @@ run alone).
     python -m benchmarks adamw            # full size sweep
     python -m benchmarks adamw --quick    # a few sizes
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,14 @@ import torch
 import zeroshard as zs
 from benchmarks.harness import machine_info, opt
 
-BYTES = {"zeroshard bf16": 28, "zeroshard fp32": 28, "torch fused": 28,
-         "torch fused+cast": 34, "torch foreach+cast": 34, "deepspeed cpu-adam": 28}
+BYTES = {
+    "zeroshard bf16": 28,
+    "zeroshard fp32": 28,
+    "torch fused": 28,
+    "torch fused+cast": 34,
+    "torch foreach+cast": 34,
+    "deepspeed cpu-adam": 28,
+}
 
 
 def time_once(device, fn, queue=1):
@@ -83,8 +90,14 @@ def base_name(name):
 
 # Bytes each variant holds while it runs, per parameter (its tensors plus
 # foreach's temporaries, which are one fp32 copy of the parameters).
-RESIDENT = {"zeroshard bf16": 16, "zeroshard fp32": 16, "torch fused": 16,
-            "torch fused+cast": 18, "torch foreach+cast": 22, "deepspeed cpu-adam": 16}
+RESIDENT = {
+    "zeroshard bf16": 16,
+    "zeroshard fp32": 16,
+    "torch fused": 16,
+    "torch fused+cast": 18,
+    "torch foreach+cast": 22,
+    "deepspeed cpu-adam": 16,
+}
 
 
 @functools.lru_cache(None)
@@ -94,6 +107,7 @@ def deepspeed_cpu_adam():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         return DeepSpeedCPUAdam
     except Exception as e:  # noqa: BLE001 - any import or build failure means: skip the peer
         print(f"(DeepSpeedCPUAdam skipped: {type(e).__name__}: {str(e)[:200]}; `make bench` installs deepspeed)")
@@ -116,11 +130,12 @@ def bench_size(device, n, repeat, queue=1, launches=()):
 
         def run():
             step[0] += 1
-            if launch:     # this row's launch choice, then the default back
+            if launch:  # this row's launch choice, then the default back
                 zs._C.adamw_cuda_launch(*launch)
             zs.fused_adamw_([p], [grad], [m], [v], lr=1e-3, weight_decay=0.01, step=step[0], outs=out)
             if launch:
                 zs._C.adamw_cuda_launch(*default_launch)
+
         return run
 
     def torch_adamw(cast, **kw):
@@ -137,15 +152,18 @@ def bench_size(device, n, repeat, queue=1, launches=()):
         p.grad = torch.randn(n, device=device, generator=g)
         return cls([p], lr=1e-3, weight_decay=0.01, adamw_mode=True).step
 
-    makers = {"zeroshard bf16": lambda: ours(torch.bfloat16, True),
-              "zeroshard fp32": lambda: ours(torch.float32, False),
-              "torch fused": lambda: torch_adamw(False, fused=True),
-              "torch fused+cast": lambda: torch_adamw(True, fused=True),
-              "torch foreach+cast": lambda: torch_adamw(True, foreach=True)}
+    makers = {
+        "zeroshard bf16": lambda: ours(torch.bfloat16, True),
+        "zeroshard fp32": lambda: ours(torch.float32, False),
+        "torch fused": lambda: torch_adamw(False, fused=True),
+        "torch fused+cast": lambda: torch_adamw(True, fused=True),
+        "torch foreach+cast": lambda: torch_adamw(True, foreach=True),
+    }
     default_launch = zs._C.adamw_cuda_launch() if device == "cuda" else None
     for access, blocks in launches if device == "cuda" else ():
-        makers[f"zeroshard bf16 @{access}:{blocks}"] = (
-            lambda a=access, b=blocks: ours(torch.bfloat16, True, (a == "streaming", b)))
+        makers[f"zeroshard bf16 @{access}:{blocks}"] = lambda a=access, b=blocks: ours(
+            torch.bfloat16, True, (a == "streaming", b)
+        )
     ds = deepspeed_cpu_adam() if device == "cpu" else None
     if ds is not None:
         makers["deepspeed cpu-adam"] = lambda: deepspeed(ds)
@@ -165,15 +183,24 @@ def device_name(device):
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
-OPTIONS = [opt("--quick", action="store_true", help="a few sizes only"),
-           opt("--devices", default="cpu,cuda", help="comma-separated; cuda is skipped when absent"),
-           opt("--sizes", default=None, help="comma-separated parameter counts, e.g. 1e6,2.5e8"),
-           opt("--repeat", type=int, default=None),
-           opt("--queue", type=int, default=None,
-               help="calls per timed sample on CUDA, queued back to back (default 4; 1 on CPU)"),
-           opt("--launches", default="",
-               help="CUDA: more zeroshard bf16 rows under these launch choices, ACCESS:BLOCKS_PER_SM "
-               "comma-separated (ACCESS cached or streaming)")]
+OPTIONS = [
+    opt("--quick", action="store_true", help="a few sizes only"),
+    opt("--devices", default="cpu,cuda", help="comma-separated; cuda is skipped when absent"),
+    opt("--sizes", default=None, help="comma-separated parameter counts, e.g. 1e6,2.5e8"),
+    opt("--repeat", type=int, default=None),
+    opt(
+        "--queue",
+        type=int,
+        default=None,
+        help="calls per timed sample on CUDA, queued back to back (default 4; 1 on CPU)",
+    ),
+    opt(
+        "--launches",
+        default="",
+        help="CUDA: more zeroshard bf16 rows under these launch choices, ACCESS:BLOCKS_PER_SM "
+        "comma-separated (ACCESS cached or streaming)",
+    ),
+]
 
 
 def check(args):
@@ -186,9 +213,15 @@ def run(args):
     devices = [d for d in args.devices.split(",") if d == "cpu" or torch.cuda.is_available()]
     launches = [(a, int(b)) for a, b in (x.split(":") for x in args.launches.split(",") if x)]
     machine = machine_info("cuda" if "cuda" in devices else "cpu")
-    report = {"date": date.today().isoformat(), "commit": machine["commit"], "torch": torch.__version__,
-              "machine": machine,
-              "build": zs.build_info(), "bytes_per_param": BYTES, "results": []}
+    report = {
+        "date": date.today().isoformat(),
+        "commit": machine["commit"],
+        "torch": torch.__version__,
+        "machine": machine,
+        "build": zs.build_info(),
+        "bytes_per_param": BYTES,
+        "results": [],
+    }
     for device in devices:
         if args.sizes:
             sizes = [int(float(s)) for s in args.sizes.split(",")]
@@ -200,8 +233,10 @@ def run(args):
         queue = 1 if device == "cpu" else (args.queue or 4)
         copy_gbs = copy_bandwidth(device, max(sizes[-1], 2**24) if device == "cuda" else sizes[-1], repeat, queue)
         launch = zs._C.adamw_cuda_launch() if device == "cuda" else None
-        print(f"\n{device}: {device_name(device)} | torch {torch.__version__} | commit {report['commit']}"
-              + (f" | {queue} calls per sample | kernel launch {launch}" if device == "cuda" else ""))
+        print(
+            f"\n{device}: {device_name(device)} | torch {torch.__version__} | commit {report['commit']}"
+            + (f" | {queue} calls per sample | kernel launch {launch}" if device == "cuda" else "")
+        )
         print(f"device copy (read+write): {copy_gbs:.1f} GB/s")
         print(f"{'params':>12} {'variant':<19} {'ms/step':>9} {'GB/s':>8} {'of copy':>8} {'vs ours':>8}")
         for n in sizes:
@@ -217,10 +252,18 @@ def run(args):
             for name, t in rows.items():
                 gbs = BYTES[base_name(name)] * n / t / 1e9
                 print(f"{n:>12,} {name:<19} {t * 1e3:>9.3f} {gbs:>8.1f} {gbs / copy_gbs:>8.1%} {t / base:>7.2f}x")
-                report["results"].append({"device": device, "device_name": device_name(device),
-                                          "params": n, "variant": name, "seconds": t, "gb_per_s": gbs,
-                                          "calls_per_sample": queue,
-                                          "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs,
-                                          "time_vs_zeroshard_bf16": t / base})
+                report["results"].append(
+                    {
+                        "device": device,
+                        "device_name": device_name(device),
+                        "params": n,
+                        "variant": name,
+                        "seconds": t,
+                        "gb_per_s": gbs,
+                        "calls_per_sample": queue,
+                        "copy_gb_per_s": copy_gbs,
+                        "fraction_of_copy": gbs / copy_gbs,
+                        "time_vs_zeroshard_bf16": t / base,
+                    }
+                )
     return report
-

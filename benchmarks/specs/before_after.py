@@ -19,6 +19,7 @@ compiled); for two builds to load side by side their pybind11 classes must be
 module-local, which the current bindings are, and older ones are made so in
 the worktree's copy. The first build listed is the baseline.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,8 +44,9 @@ def build_commit(commit: str, cache: str) -> str:
     if os.path.isdir(os.path.join(target, "zeroshard")):
         return target
     src = tempfile.mkdtemp(prefix=f"zeroshard-{commit}-")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-f", src, commit], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", ROOT, "worktree", "add", "--detach", "-f", src, commit], check=True, capture_output=True
+    )
     try:
         bindings = os.path.join(src, "csrc", "bindings.cpp")
         with open(bindings) as f:
@@ -53,8 +55,21 @@ def build_commit(commit: str, cache: str) -> str:
             text = re.sub(r'(py::(?:class_|enum_)<[^>]*>\(m, "\w+")', r"\1, py::module_local()", text)
             with open(bindings, "w") as f:
                 f.write(text)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-                        "--target", target, src], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-build-isolation",
+                "--no-deps",
+                "--target",
+                target,
+                src,
+            ],
+            check=True,
+        )
     finally:
         subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", src], capture_output=True)
     return target
@@ -65,8 +80,9 @@ def load(packages: dict) -> None:
         if path is None or f"zs_{name}" in sys.modules:
             continue
         pkg = os.path.join(path, "zeroshard")
-        spec = importlib.util.spec_from_file_location(f"zs_{name}", os.path.join(pkg, "__init__.py"),
-                                                      submodule_search_locations=[pkg])
+        spec = importlib.util.spec_from_file_location(
+            f"zs_{name}", os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[f"zs_{name}"] = module
         spec.loader.exec_module(module)
@@ -84,22 +100,25 @@ class Builder:
         if variant == "ddp":
             return training.build(variant, model, torch.float32)
         name, stage = variant.rsplit(":", 1)
-        zs = sys.modules[f"zs_{name}"] if self.packages[name] else None   # None: the installed one
+        zs = sys.modules[f"zs_{name}"] if self.packages[name] else None  # None: the installed one
         return training.build(f"zeroshard-{stage}", model, torch.float32, zs=zs)
 
 
-OPTIONS = [opt("--build", action="append", default=[], help="a commit to build and compare (repeatable)"),
-           opt("--package", action="append", default=[],
-               help="name=DIR: a build installed in DIR (DIR/zeroshard); repeatable"),
-           opt("--no-head", action="store_true", help="leave out the installed package"),
-           opt("--stages", default="1,2,3"),
-           opt("--paired", type=int, default=80, help="turns measured"),
-           opt("--warmup", type=int, default=3),
-           opt("--layers", type=int, default=4, help="GPT blocks (the step benchmark's default; 8 with --dim 512: 25.8M)"),
-           opt("--dim", type=int, default=256),
-           opt("--batch", type=int, default=8, help="sequences per rank (the sweep's: 2)"),
-           opt("--world-size", type=int, default=2, help="ranks (on this machine's cores: oversubscribed past 2)"),
-           opt("--cache", default=os.path.join(tempfile.gettempdir(), "zeroshard-builds"))]
+OPTIONS = [
+    opt("--build", action="append", default=[], help="a commit to build and compare (repeatable)"),
+    opt(
+        "--package", action="append", default=[], help="name=DIR: a build installed in DIR (DIR/zeroshard); repeatable"
+    ),
+    opt("--no-head", action="store_true", help="leave out the installed package"),
+    opt("--stages", default="1,2,3"),
+    opt("--paired", type=int, default=80, help="turns measured"),
+    opt("--warmup", type=int, default=3),
+    opt("--layers", type=int, default=4, help="GPT blocks (the step benchmark's default; 8 with --dim 512: 25.8M)"),
+    opt("--dim", type=int, default=256),
+    opt("--batch", type=int, default=8, help="sequences per rank (the sweep's: 2)"),
+    opt("--world-size", type=int, default=2, help="ranks (on this machine's cores: oversubscribed past 2)"),
+    opt("--cache", default=os.path.join(tempfile.gettempdir(), "zeroshard-builds")),
+]
 
 
 def check(args):
@@ -129,7 +148,10 @@ def run(args):
             a = times[f"{name}:{s}"]
             per = [a[i] / b[i] for i in range(n)]
             ddp = paired_ratio(a, times["ddp"])
-            print(f"| {s} | {name} | {1e3 * statistics.median(a):.2f} | {ddp:.3f}x | "
-                  f"{statistics.median(per):.3f} | {statistics.mean(per):.3f} |")
-    return dict(builds=dict(packages), stages=stages, turns=n, batch=args.batch,
-                world_size=args.world_size, times_s=times)
+            print(
+                f"| {s} | {name} | {1e3 * statistics.median(a):.2f} | {ddp:.3f}x | "
+                f"{statistics.median(per):.3f} | {statistics.mean(per):.3f} |"
+            )
+    return dict(
+        builds=dict(packages), stages=stages, turns=n, batch=args.batch, world_size=args.world_size, times_s=times
+    )

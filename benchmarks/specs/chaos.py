@@ -26,6 +26,7 @@ across world-size changes, where the reduction order differs).
 
     python -m benchmarks chaos --kills 100            # writes benchmarks/out/chaos.json
 """
+
 from __future__ import annotations
 
 import json
@@ -57,15 +58,15 @@ def draw(rng: random.Random, phase: str, world: int, every: int, driver_delay: f
     rank = rng.randrange(world)
     kill = dict(phase=phase, rank=rank, after=rng.randint(1, 2 * every))
     if phase in ("forward", "backward"):
-        kill["at"] = rng.randrange(4)                       # the tiny GPT's blocks
+        kill["at"] = rng.randrange(4)  # the tiny GPT's blocks
     elif phase == "step":
         kill.update(after=rng.randint(2, 2 * every), frac=rng.random())
     elif phase in ("save", "background save"):
         kill.update(after=rng.randint(1, every), at=rng.randint(1, 5 if rank == 0 else 2))
     elif phase == "load":
-        kill["at"] = rng.randint(1, 30)                     # block reads: each rank makes 36 or more
+        kill["at"] = rng.randint(1, 30)  # block reads: each rank makes 36 or more
     else:
-        kill["delay"] = rng.uniform(0.0, driver_delay)       # s after the attempt's ranks started
+        kill["delay"] = rng.uniform(0.0, driver_delay)  # s after the attempt's ranks started
     return kill
 
 
@@ -98,9 +99,9 @@ class Watch:
     def __init__(self, run_dir: str, launch: int, plan: dict, world: int):
         self.path, self.launch, self.plan, self.world = os.path.join(run_dir, "events.jsonl"), launch, plan, world
         self.pos, self.pids, self.started, self.fired = 0, {}, {}, set()
-        self.pending = []                                   # (kill time, {survivor pid}) not yet all exited
-        self.exits = []                                     # (kill event, seconds to the survivors' exit)
-        self.progress = {}                                  # attempt -> the victim's last event
+        self.pending = []  # (kill time, {survivor pid}) not yet all exited
+        self.exits = []  # (kill event, seconds to the survivors' exit)
+        self.progress = {}  # attempt -> the victim's last event
 
     def events(self):
         if not os.path.exists(self.path):
@@ -108,7 +109,7 @@ class Watch:
         with open(self.path) as f:
             f.seek(self.pos)
             text = f.read()
-        whole = text[:text.rfind("\n") + 1]
+        whole = text[: text.rfind("\n") + 1]
         self.pos += len(whole.encode())
         return [e for e in map(json.loads, whole.splitlines()) if e.get("launch") == self.launch]
 
@@ -143,10 +144,19 @@ class Watch:
         if not alive(pid) or self.progress.get((attempt, k["rank"])) in ("done", "error"):
             return
         last = self.progress.get((attempt, k["rank"]), "start")
-        kill = dict(ev="kill", t=time.time(), launch=self.launch, attempt=attempt, rank=k["rank"],
-                    world=self.world, by="driver", phase="driver", last_event=last)
+        kill = dict(
+            ev="kill",
+            t=time.time(),
+            launch=self.launch,
+            attempt=attempt,
+            rank=k["rank"],
+            world=self.world,
+            by="driver",
+            phase="driver",
+            last_event=last,
+        )
         os.kill(pid, signal.SIGKILL)
-        with open(self.path, "a") as f:                    # read back by events() as the job's kills are
+        with open(self.path, "a") as f:  # read back by events() as the job's kills are
             f.write(json.dumps(kill) + "\n")
 
 
@@ -155,17 +165,30 @@ def launch(run_dir: str, idx: int, world: int, restarts: int, plan: dict, job_ar
     plan_file = os.path.join(run_dir, f"plan{idx}.json")
     with open(plan_file, "w") as f:
         json.dump(plan, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", CHAOS_LAUNCH=str(idx), CHAOS_PLAN=plan_file,
-               ZEROSHARD_RECORD_DIR=run_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "--max-restarts", str(restarts), JOB, "--run-dir", run_dir, *job_args]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", CHAOS_LAUNCH=str(idx), CHAOS_PLAN=plan_file, ZEROSHARD_RECORD_DIR=run_dir
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "--max-restarts",
+        str(restarts),
+        JOB,
+        "--run-dir",
+        run_dir,
+        *job_args,
+    ]
     watch = Watch(run_dir, idx, plan, world)
     with open(os.path.join(run_dir, f"launch{idx}.log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         end = time.time() + timeout
         while True:
             ended = proc.poll() is not None
-            watch.poll()                                   # (after the end: what the last processes wrote)
+            watch.poll()  # (after the end: what the last processes wrote)
             if ended and not watch.pending:
                 break
             if time.time() > end:
@@ -187,10 +210,10 @@ def chaos_run(run_dir: str, kind: str, kills: int, rng: random.Random, phases: P
         rc, exits = launch(run_dir, len(launches), world, args.restarts, plan, job_args(args), args.launch_timeout)
         launches.append(dict(world=world, rc=rc, planned=n, exits=[s for _, s in exits]))
         planned += n
-        if rc == 0 or n < attempts:           # done, or failed with restarts left: the job did not come up
+        if rc == 0 or n < attempts:  # done, or failed with restarts left: the job did not come up
             break
         if kind == "changing":
-            world = 5 - world                  # 2 <-> 3
+            world = 5 - world  # 2 <-> 3
     return dict(dir=run_dir, kind=kind, launches=launches, ok=rc == 0)
 
 
@@ -221,7 +244,7 @@ def redone(ev: list) -> list:
         if key not in resumed:
             out.append(0)
             continue
-        later = [resumed[a] for a in order[order.index(key) + 1:] if a in resumed]
+        later = [resumed[a] for a in order[order.index(key) + 1 :] if a in resumed]
         out.append(max(done.get(key, resumed[key]), resumed[key]) - later[0] if later else None)
     return out
 
@@ -239,8 +262,7 @@ def checkpoints(ev: list, run: str) -> dict:
         if e["step"] != newest or (e["step"] and not seen.get(f"step_{e['step']:06d}")):
             bad.append(dict(launch=e["launch"], attempt=e["attempt"], step=e["step"], newest=newest))
         warned_dirs = " ".join(e["skipped"])
-        torn_unwarned = [d for d, ok in seen.items() if not ok and d not in warned_dirs and
-                         _newer_than(d, newest)]
+        torn_unwarned = [d for d, ok in seen.items() if not ok and d not in warned_dirs and _newer_than(d, newest)]
         bad += [dict(launch=e["launch"], attempt=e["attempt"], unwarned=d) for d in torn_unwarned]
     written = sum(1 for e in ev if e["ev"] == "saved" and e["rank"] == 0)
     return dict(written=written, torn=torn, warned=warned, bad=bad)
@@ -256,7 +278,8 @@ def final_state(ckpt: str) -> dict:
     """A checkpoint's parameters and AdamW state, loaded into the plain example GPT and
     torch.optim.AdamW (no process group): {"param:name" / "exp_avg:name" / ...: tensor}."""
     import zeroshard as zs
-    from train_gpt import build_model   # (examples/, on the path the harness sets)
+    from train_gpt import build_model  # (examples/, on the path the harness sets)
+
     model = build_model("tiny", vocab=64)
     opt = torch.optim.AdamW(model.parameters())
     zs.load_checkpoint(ckpt, model, opt)
@@ -281,7 +304,7 @@ def difference(a: dict, b: dict) -> dict:
         kind = k.split(":", 1)[0]
         x, y = a[k].double(), b[k].double()
         num[kind] = num.get(kind, 0.0) + ((x - y) ** 2).sum().item()
-        den[kind] = den.get(kind, 0.0) + (y ** 2).sum().item()
+        den[kind] = den.get(kind, 0.0) + (y**2).sum().item()
     out.update({kind: (num[kind] / max(den[kind], 1e-300)) ** 0.5 for kind in num})
     return out
 
@@ -309,7 +332,7 @@ def summarize(runs: list, refs: dict, args) -> dict:
         relaunches += len(r["launches"]) - 1
         c = checkpoints(ev, r["dir"])
         written, warned, torn, bad = written + c["written"], warned + c["warned"], torn | c["torn"], bad + c["bad"]
-        for e in (e for e in ev if e["ev"] == "error"):      # ranks that raised before torchrun stopped them
+        for e in (e for e in ev if e["ev"] == "error"):  # ranks that raised before torchrun stopped them
             errors[e["error"][:160]] = errors.get(e["error"][:160], 0) + 1
         final = os.path.join(r["dir"], "ckpt", f"step_{args.steps:06d}")
         world = r["launches"][-1]["world"]
@@ -318,19 +341,34 @@ def summarize(runs: list, refs: dict, args) -> dict:
     fixed = [r for r in runs if not r["changed"]]
     changing = [r for r in runs if r["changed"]]
     return dict(
-        kills=len(kills), by_phase={p: sum(k["phase"] == p for k in kills)
-                                    for p in PHASES + sorted({k["phase"] for k in kills} - set(PHASES))},
-        moved=sum(1 for k in kills if k["by"] == "self" and k["planned"] != k["phase"]),   # no load to kill in
-        restarts=restarts, relaunches=relaunches, runs=len(runs), runs_ok=sum(r["ok"] for r in runs),
-        written=written, torn=len(torn), warned=warned, bad_resumes=bad,
-        redone_max=max((x for x in lost if x is not None), default=0), redone_unknown=lost.count(None),
-        redone=[x for x in lost], exit_s=exits, survivor_errors=errors,
-        fixed_equal=sum(1 for r in fixed if r["diff"] and r["diff"]["equal"]), fixed=len(fixed),
+        kills=len(kills),
+        by_phase={
+            p: sum(k["phase"] == p for k in kills) for p in PHASES + sorted({k["phase"] for k in kills} - set(PHASES))
+        },
+        moved=sum(1 for k in kills if k["by"] == "self" and k["planned"] != k["phase"]),  # no load to kill in
+        restarts=restarts,
+        relaunches=relaunches,
+        runs=len(runs),
+        runs_ok=sum(r["ok"] for r in runs),
+        written=written,
+        torn=len(torn),
+        warned=warned,
+        bad_resumes=bad,
+        redone_max=max((x for x in lost if x is not None), default=0),
+        redone_unknown=lost.count(None),
+        redone=[x for x in lost],
+        exit_s=exits,
+        survivor_errors=errors,
+        fixed_equal=sum(1 for r in fixed if r["diff"] and r["diff"]["equal"]),
+        fixed=len(fixed),
         changing_within=sum(1 for r in changing if r["diff"] and within(r["diff"], args.tolerance)),
         changing=len(changing),
-        changing_max={k: max((r["diff"][k] for r in changing if r["diff"]), default=0.0)
-                      for k in ("param", "exp_avg", "exp_avg_sq", "step")},
-        reference_w2_vs_w3=difference(refs[2], refs[3]) if len(refs) == 2 else None)
+        changing_max={
+            k: max((r["diff"][k] for r in changing if r["diff"]), default=0.0)
+            for k in ("param", "exp_avg", "exp_avg_sq", "step")
+        },
+        reference_w2_vs_w3=difference(refs[2], refs[3]) if len(refs) == 2 else None,
+    )
 
 
 def within(diff: dict, tol: float) -> bool:
@@ -344,51 +382,94 @@ def table(s: dict, args) -> str:
     phases = ", ".join(f"{p} {n}" for p, n in s["by_phase"].items())
     rows = [
         ("kills", f"{s['kills']} ({phases})", f">= {args.kills}", s["kills"] >= args.kills),
-        ("restarts by torchrun / relaunches (world size 2 <-> 3 in changing runs)",
-         f"{s['restarts']} / {s['relaunches']}", "-", True),
-        ("runs ending with the uninterrupted run's result", f"{s['fixed_equal'] + s['changing_within']} of {s['runs']}",
-         "all", s["fixed_equal"] + s["changing_within"] == s["runs"]),
+        (
+            "restarts by torchrun / relaunches (world size 2 <-> 3 in changing runs)",
+            f"{s['restarts']} / {s['relaunches']}",
+            "-",
+            True,
+        ),
+        (
+            "runs ending with the uninterrupted run's result",
+            f"{s['fixed_equal'] + s['changing_within']} of {s['runs']}",
+            "all",
+            s["fixed_equal"] + s["changing_within"] == s["runs"],
+        ),
         ("checkpoints written", str(s["written"]), "-", True),
         ("torn checkpoints found (resume's warnings)", f"{s['torn']} ({s['warned']})", "all refused", True),
         ("torn or not-newest checkpoints loaded", str(len(s["bad_resumes"])), "0", not s["bad_resumes"]),
-        ("steps redone after a kill: max (mean)", f"{max(lost)} ({statistics.mean(lost):.1f})",
-         f"<= {args.every}", max(lost) <= args.every and s["redone_unknown"] == 0),
-        ("kill -> surviving ranks exited, s: max (median)", f"{max(ex):.2f} ({statistics.median(ex):.2f})",
-         f"<= {bound:.0f}", max(ex) <= bound and len(s["exit_s"]) == s["kills"]),
-        ("final state, fixed world size: bitwise equal", f"{s['fixed_equal']} of {s['fixed']} runs",
-         "all", s["fixed_equal"] == s["fixed"]),
-        ("final state across world-size changes: max rel. diff param / exp_avg / exp_avg_sq",
-         " / ".join(f"{s['changing_max'][k]:.1e}" for k in ("param", "exp_avg", "exp_avg_sq"))
-         + f" ({s['changing_within']} of {s['changing']} runs within)", f"<= {args.tolerance:.0e}",
-         s["changing_within"] == s["changing"]),
+        (
+            "steps redone after a kill: max (mean)",
+            f"{max(lost)} ({statistics.mean(lost):.1f})",
+            f"<= {args.every}",
+            max(lost) <= args.every and s["redone_unknown"] == 0,
+        ),
+        (
+            "kill -> surviving ranks exited, s: max (median)",
+            f"{max(ex):.2f} ({statistics.median(ex):.2f})",
+            f"<= {bound:.0f}",
+            max(ex) <= bound and len(s["exit_s"]) == s["kills"],
+        ),
+        (
+            "final state, fixed world size: bitwise equal",
+            f"{s['fixed_equal']} of {s['fixed']} runs",
+            "all",
+            s["fixed_equal"] == s["fixed"],
+        ),
+        (
+            "final state across world-size changes: max rel. diff param / exp_avg / exp_avg_sq",
+            " / ".join(f"{s['changing_max'][k]:.1e}" for k in ("param", "exp_avg", "exp_avg_sq"))
+            + f" ({s['changing_within']} of {s['changing']} runs within)",
+            f"<= {args.tolerance:.0e}",
+            s["changing_within"] == s["changing"],
+        ),
     ]
     ref = s["reference_w2_vs_w3"]
     if ref:
-        rows.append(("for scale: uninterrupted runs at 2 and 3 ranks, rel. diff",
-                     " / ".join(f"{ref[k]:.1e}" for k in ("param", "exp_avg", "exp_avg_sq")), "-", True))
+        rows.append(
+            (
+                "for scale: uninterrupted runs at 2 and 3 ranks, rel. diff",
+                " / ".join(f"{ref[k]:.1e}" for k in ("param", "exp_avg", "exp_avg_sq")),
+                "-",
+                True,
+            )
+        )
     lines = ["| | measured | target | at target |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {'yes' if d else 'NO'} |" for a, b, c, d in rows]
     return "\n".join(lines), all(d for *_, d in rows)
 
 
-JSON = "chaos.json"   # --json '': none
-OPTIONS = [opt("--kills", type=int, default=100, help="kills in all (runs are added until reached)"),
-           opt("--kills-per-run", type=int, default=8),
-           opt("--restarts", type=int, default=3, help="torchrun --max-restarts of each launch"),
-           opt("--steps", type=int, default=24),
-           opt("--every", type=int, default=4, help="checkpoint interval (steps)"),
-           opt("--tolerance", type=float, default=1e-3,
-               help="largest relative difference across world-size changes (fp32 reduction order)"),
-           opt("--phases", default=",".join(PHASES), help="the kills' phases, each in turn (shuffled "
-               "per round unless --in-order)"),
-           opt("--in-order", action="store_true", help="the phases exactly in the order given"),
-           opt("--watchdog", type=float, default=60, help="ZEROSHARD_TIMEOUT of the job (seconds)"),
-           opt("--kinds", default="fixed2,changing,fixed3,changing", help="run kinds, in turn"),
-           opt("--driver-delay", type=float, default=3.5, help="the driver kills within this many seconds "
-               "of an attempt's ranks starting (import, rendezvous, resume, the first steps)"),
-           opt("--seed", type=int, default=0),
-           opt("--launch-timeout", type=float, default=600),
-           opt("--work", default=None, help="where runs go (default: a temporary directory, removed)")]
+JSON = "chaos.json"  # --json '': none
+OPTIONS = [
+    opt("--kills", type=int, default=100, help="kills in all (runs are added until reached)"),
+    opt("--kills-per-run", type=int, default=8),
+    opt("--restarts", type=int, default=3, help="torchrun --max-restarts of each launch"),
+    opt("--steps", type=int, default=24),
+    opt("--every", type=int, default=4, help="checkpoint interval (steps)"),
+    opt(
+        "--tolerance",
+        type=float,
+        default=1e-3,
+        help="largest relative difference across world-size changes (fp32 reduction order)",
+    ),
+    opt(
+        "--phases",
+        default=",".join(PHASES),
+        help="the kills' phases, each in turn (shuffled per round unless --in-order)",
+    ),
+    opt("--in-order", action="store_true", help="the phases exactly in the order given"),
+    opt("--watchdog", type=float, default=60, help="ZEROSHARD_TIMEOUT of the job (seconds)"),
+    opt("--kinds", default="fixed2,changing,fixed3,changing", help="run kinds, in turn"),
+    opt(
+        "--driver-delay",
+        type=float,
+        default=3.5,
+        help="the driver kills within this many seconds "
+        "of an attempt's ranks starting (import, rendezvous, resume, the first steps)",
+    ),
+    opt("--seed", type=int, default=0),
+    opt("--launch-timeout", type=float, default=600),
+    opt("--work", default=None, help="where runs go (default: a temporary directory, removed)"),
+]
 
 
 def parse(argv=None):
@@ -406,8 +487,14 @@ def run_all(args):
     phases, kinds = Phases(rng, args.phases.split(","), not args.in_order), args.kinds.split(",")
     runs, kills = [], 0
     while kills < args.kills:
-        run = chaos_run(os.path.join(work, f"run{len(runs)}"), kinds[len(runs) % len(kinds)],
-                        min(args.kills_per_run, args.kills - kills), rng, phases, args)
+        run = chaos_run(
+            os.path.join(work, f"run{len(runs)}"),
+            kinds[len(runs) % len(kinds)],
+            min(args.kills_per_run, args.kills - kills),
+            rng,
+            phases,
+            args,
+        )
         runs.append(run)
         kills += sum(1 for e in load_events(run["dir"]) if e["ev"] == "kill")
         print(f"run {len(runs) - 1} ({run['kind']}): {kills} kills so far, {time.time() - t0:.0f} s", flush=True)
@@ -427,7 +514,10 @@ def report(s: dict, args) -> bool:
     if args.json:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(dict(date=str(date.today()), torch=torch.__version__, args=vars(args), at_target=ok,
-                           table=text, **s), f, indent=1, default=str)
+            json.dump(
+                dict(date=str(date.today()), torch=torch.__version__, args=vars(args), at_target=ok, table=text, **s),
+                f,
+                indent=1,
+                default=str,
+            )
     return ok
-

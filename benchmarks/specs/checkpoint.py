@@ -30,6 +30,7 @@ exact count, benchmarks/cpu_memory.py, in one more untimed save).
     python -m benchmarks checkpoint [--world-size 2] [--layers 4 --dim 512] [--repeats 3]
     python -m benchmarks checkpoint --paired 9 [--runs 3]     # checkpoint-paired.json
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,19 @@ from benchmarks.harness import barrier_timer, init_dist, machine_info, opt, rota
 from benchmarks.report import PAIRED_REFS, lost_ms, paired_ratios, ratio_range
 from benchmarks.training import build, reset_peak_rss, rss_mb, train_step
 
-VARIANTS = ["fsdp2-3+dcp", "zeroshard-3+dcp", "zeroshard-2+dcp", "zeroshard-3", "zeroshard-2", "zeroshard-3+nosync",
-            "zeroshard-2+nosync", "zeroshard-3+background", "zeroshard-2+background", "deepspeed-3", "deepspeed-2"]
+VARIANTS = [
+    "fsdp2-3+dcp",
+    "zeroshard-3+dcp",
+    "zeroshard-2+dcp",
+    "zeroshard-3",
+    "zeroshard-2",
+    "zeroshard-3+nosync",
+    "zeroshard-2+nosync",
+    "zeroshard-3+background",
+    "zeroshard-2+background",
+    "deepspeed-3",
+    "deepspeed-2",
+]
 SUFFIXES = ("+dcp", "+nosync", "+background")
 
 
@@ -65,13 +77,13 @@ def base(variant: str) -> str:
 
 
 def save_load(variant, model, opt):
-    if peers.is_deepspeed(variant):      # model is the engine
+    if peers.is_deepspeed(variant):  # model is the engine
         # universal_checkpoint_info: what ds_to_universal requires of the client (Megatron-DeepSpeed
         # fills it; a plain model has no tensor/pipeline parallel layout to describe)
-        return (lambda path: model.save_checkpoint(path, tag="bench",
-                                                   client_state={"universal_checkpoint_info": {}})), \
-            (lambda path: model.load_checkpoint(path, tag="bench"))
-    if variant in ("fsdp2-3+dcp", "ddp+dcp"):     # torch's own state-dict helpers
+        return (
+            lambda path: model.save_checkpoint(path, tag="bench", client_state={"universal_checkpoint_info": {}})
+        ), (lambda path: model.load_checkpoint(path, tag="bench"))
+    if variant in ("fsdp2-3+dcp", "ddp+dcp"):  # torch's own state-dict helpers
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -84,9 +96,11 @@ def save_load(variant, model, opt):
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=path)
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
         return save, load
     import zeroshard as zs
-    if variant.endswith("+dcp"):         # zeroshard's state dicts through torch.distributed.checkpoint
+
+    if variant.endswith("+dcp"):  # zeroshard's state dicts through torch.distributed.checkpoint
         import torch.distributed.checkpoint as dcp
         from zeroshard.checkpoint import dcp_state_dict, load_dcp_state_dict
 
@@ -98,10 +112,12 @@ def save_load(variant, model, opt):
             msd, osd = dcp_state_dict(model, opt)
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
             load_dcp_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
         return save, load
     sync, background = not variant.endswith("+nosync"), variant.endswith("+background")
-    return (lambda path: zs.save_checkpoint(path, model, opt, sync_files=sync, background=background)), \
-        (lambda path: zs.load_checkpoint(path, model, opt))
+    return (lambda path: zs.save_checkpoint(path, model, opt, sync_files=sync, background=background)), (
+        lambda path: zs.load_checkpoint(path, model, opt)
+    )
 
 
 class FsyncClock:
@@ -118,6 +134,7 @@ class FsyncClock:
                 self._real(fd)
             finally:
                 self.seconds += time.perf_counter() - t0
+
         os.fsync = fsync
         return self
 
@@ -144,7 +161,7 @@ def background_costs(save, path, step, repeats):
     """A background save's time to durable (call to result(), barrier to barrier) and
     a training step's time while its write runs, against the step alone (medians)."""
     durable, during, alone = [], [], []
-    for i in range(repeats):    # each save to a new path: no deletion of a replaced one runs beside a step
+    for i in range(repeats):  # each save to a new path: no deletion of a replaced one runs beside a step
         step()
         dist.barrier()
         t0 = time.perf_counter()
@@ -163,8 +180,11 @@ def background_costs(save, path, step, repeats):
     if dist.get_rank() == 0:
         for d in glob.glob(f"{glob.escape(path)}-d*"):
             shutil.rmtree(d)
-    return dict(durable_ms=1e3 * statistics.median(durable), step_ms=1e3 * statistics.median(alone),
-                step_during_ms=1e3 * statistics.median(during))
+    return dict(
+        durable_ms=1e3 * statistics.median(durable),
+        step_ms=1e3 * statistics.median(alone),
+        step_during_ms=1e3 * statistics.median(during),
+    )
 
 
 def save_tensor_peak(save, path, finish):
@@ -188,33 +208,50 @@ def worker(rank, world, port, out, variant, cfg, args, root):
     init_dist(rank, world, port)
     torch.manual_seed(0)
     model = GPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())   # before wrapping (FullyShard leaves shards)
+    n_params = sum(p.numel() for p in model.parameters())  # before wrapping (FullyShard leaves shards)
     wrapped, opt = build(base(variant), model, torch.float32)
     data = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
-    train_step(wrapped, opt, data, lambda: None)    # one step, so every optimizer state exists
+    train_step(wrapped, opt, data, lambda: None)  # one step, so every optimizer state exists
     save, load = save_load(variant, wrapped, opt)
     path = os.path.join(root, variant)
-    step = lambda: train_step(wrapped, opt, data, lambda: None)    # noqa: E731
+    step = lambda: train_step(wrapped, opt, data, lambda: None)  # noqa: E731
     extra = background_costs(save, path, step, args.repeats) if variant.endswith("+background") else {}
     pending = []
 
-    def finish_then_step():      # a background save's write ends before the next call
+    def finish_then_step():  # a background save's write ends before the next call
         while pending:
             settle(pending.pop())
         step()
+
     with FsyncClock() as fsync:
         save_ms, save_peak = timed(lambda: pending.append(save(path)), args.repeats, between=finish_then_step)
         finish_then_step()
     load_ms, load_peak = timed(lambda: load(path), args.repeats)
     save_tensor_mb = save_tensor_peak(save, path, finish_then_step)
-    if rank == 0:   # what each rank wrote, read from the shared directory
-        everyone = [sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**"), recursive=True)
-                        if os.path.isfile(f) and _written_by(os.path.basename(f), r)) / 2**20
-                    for r in range(world)]
-        out.put(dict(variant=variant, params=n_params, save_ms=save_ms, fsync_ms=1e3 * fsync.seconds / args.repeats,
-                     load_ms=load_ms, mb_per_rank=everyone, save_peak_mb=save_peak, load_peak_mb=load_peak,
-                     save_tensor_mb=save_tensor_mb,
-                     **extra))
+    if rank == 0:  # what each rank wrote, read from the shared directory
+        everyone = [
+            sum(
+                os.path.getsize(f)
+                for f in glob.glob(os.path.join(path, "**"), recursive=True)
+                if os.path.isfile(f) and _written_by(os.path.basename(f), r)
+            )
+            / 2**20
+            for r in range(world)
+        ]
+        out.put(
+            dict(
+                variant=variant,
+                params=n_params,
+                save_ms=save_ms,
+                fsync_ms=1e3 * fsync.seconds / args.repeats,
+                load_ms=load_ms,
+                mb_per_rank=everyone,
+                save_peak_mb=save_peak,
+                load_peak_mb=load_peak,
+                save_tensor_mb=save_tensor_mb,
+                **extra,
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -236,7 +273,7 @@ def paired_worker(rank, world, port, out, cfg, args, root):
         train_step(wrapped, opt, data, lambda: None)
         built[variant] = save_load(variant, wrapped, opt)
     times = {f"{v} {kind}": [] for v in PAIRED for kind in ("save", "load")}
-    for i in range(args.paired):    # each repeat: every save in turn, then every load (the order rotated)
+    for i in range(args.paired):  # each repeat: every save in turn, then every load (the order rotated)
         for kind in ("save", "load"):
             for v in rotated(list(PAIRED), i):
                 fn = functools.partial(built[v][kind == "load"], os.path.join(root, f"paired-{v}"))
@@ -266,7 +303,7 @@ def resume_worker(rank, world, port, out, variant, cfg, args, root):
         if rank == 0:
             try:
                 peers.to_universal(path, "bench")
-            except RuntimeError as e:     # reported in the table, not hidden
+            except RuntimeError as e:  # reported in the table, not hidden
                 failed = str(e)
         failed = comm_object(failed)
         if failed is None:
@@ -293,18 +330,28 @@ def _written_by(name: str, r: int) -> bool:
     return r == 0 and (name in ("manifest.json", ".metadata", "latest") or name.startswith("mp_rank_"))
 
 
-OPTIONS = [opt("--world-size", type=int, default=2),
-           opt("--layers", type=int, default=4),
-           opt("--dim", type=int, default=512),
-           opt("--repeats", type=int, default=3),
-           opt("--variants", default=",".join(VARIANTS)),
-           opt("--resume-world-size", type=int, default=3,
-               help="also load each checkpoint at this world size, timed end to end with any offline "
-               "conversion it needs (0: skip)"),
-           opt("--paired", type=int, default=0,
-               help="instead: the DCP variants (FSDP2's and zeroshard's) in the same processes, in turn, "
-               "this many repeats; prints the median per-repeat ratios"),
-           opt("--runs", type=int, default=3, help="with --paired: this many launches of fresh processes")]
+OPTIONS = [
+    opt("--world-size", type=int, default=2),
+    opt("--layers", type=int, default=4),
+    opt("--dim", type=int, default=512),
+    opt("--repeats", type=int, default=3),
+    opt("--variants", default=",".join(VARIANTS)),
+    opt(
+        "--resume-world-size",
+        type=int,
+        default=3,
+        help="also load each checkpoint at this world size, timed end to end with any offline "
+        "conversion it needs (0: skip)",
+    ),
+    opt(
+        "--paired",
+        type=int,
+        default=0,
+        help="instead: the DCP variants (FSDP2's and zeroshard's) in the same processes, in turn, "
+        "this many repeats; prints the median per-repeat ratios",
+    ),
+    opt("--runs", type=int, default=3, help="with --paired: this many launches of fresh processes"),
+]
 
 
 def run(args):
@@ -318,33 +365,61 @@ def run(args):
     try:
         for variant in variants:
             rows.append(spawn(worker, args.world_size, variant, cfg, args, root, what=variant))
-            if args.resume_world_size:      # load at another world size, end to end
-                rows[-1]["resume_ms"] = spawn(resume_worker, args.resume_world_size, variant, cfg, args, root,
-                                              what=f"{variant} at {args.resume_world_size}")
+            if args.resume_world_size:  # load at another world size, end to end
+                rows[-1]["resume_ms"] = spawn(
+                    resume_worker,
+                    args.resume_world_size,
+                    variant,
+                    cfg,
+                    args,
+                    root,
+                    what=f"{variant} at {args.resume_world_size}",
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ref = next((r for r in rows if r["variant"] == "fsdp2-3+dcp"), None)
-    print(f"checkpoint of a {rows[0]['params'] / 1e6:.1f}M-parameter GPT, world size {args.world_size}, "
-          f"CPU + gloo, {date.today()}")
+    print(
+        f"checkpoint of a {rows[0]['params'] / 1e6:.1f}M-parameter GPT, world size {args.world_size}, "
+        f"CPU + gloo, {date.today()}"
+    )
     resume = f"load at {args.resume_world_size}" if args.resume_world_size else ""
-    print(f"{'variant':<20}{'save ms':>9}{'vs dcp':>8}{'fsync ms':>10}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
-          f"{'save peak MB':>14}{'load peak MB':>14}{'save tensor MB':>16}" + (f"{resume + ' ms':>18}" if resume else ""))
+    print(
+        f"{'variant':<20}{'save ms':>9}{'vs dcp':>8}{'fsync ms':>10}{'load ms':>9}{'vs dcp':>8}{'MB/rank':>16}"
+        f"{'save peak MB':>14}{'load peak MB':>14}{'save tensor MB':>16}" + (f"{resume + ' ms':>18}" if resume else "")
+    )
     for r in rows:
         vs = (lambda k: f"{r[k] / ref[k]:.2f}x") if ref else (lambda k: "-")
         mb = "/".join(f"{m:.1f}" for m in r["mb_per_rank"])
-        print(f"{r['variant']:<20}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['fsync_ms']:>10.1f}"
-              f"{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
-              f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}{r['save_tensor_mb']:>16.1f}"
-              + (f"{r['resume_ms']:>18.1f}" if isinstance(r.get("resume_ms"), float) else
-                 f"  failed: {r['resume_ms']}" if "resume_ms" in r else ""))
+        print(
+            f"{r['variant']:<20}{r['save_ms']:>9.1f}{vs('save_ms'):>8}{r['fsync_ms']:>10.1f}"
+            f"{r['load_ms']:>9.1f}{vs('load_ms'):>8}"
+            f"{mb:>16}{r['save_peak_mb']:>14.1f}{r['load_peak_mb']:>14.1f}{r['save_tensor_mb']:>16.1f}"
+            + (
+                f"{r['resume_ms']:>18.1f}"
+                if isinstance(r.get("resume_ms"), float)
+                else f"  failed: {r['resume_ms']}"
+                if "resume_ms" in r
+                else ""
+            )
+        )
     for r in rows:
         if "durable_ms" in r:
-            print(f"{r['variant']}: the call blocks {r['save_ms']:.1f} ms; durable (result()) after "
-                  f"{r['durable_ms']:.1f} ms; a training step while it writes {r['step_during_ms']:.1f} ms, "
-                  f"{r['step_ms']:.1f} ms alone: training loses {lost_ms(r):.1f} ms to the save")
-    return dict(date=str(date.today()), world_size=args.world_size, rows=rows, torch=torch.__version__,
-                config=vars(cfg), repeats=args.repeats, backend="CPU gloo", machine=machine_info("cpu"),
-                resume_world_size=args.resume_world_size)
+            print(
+                f"{r['variant']}: the call blocks {r['save_ms']:.1f} ms; durable (result()) after "
+                f"{r['durable_ms']:.1f} ms; a training step while it writes {r['step_during_ms']:.1f} ms, "
+                f"{r['step_ms']:.1f} ms alone: training loses {lost_ms(r):.1f} ms to the save"
+            )
+    return dict(
+        date=str(date.today()),
+        world_size=args.world_size,
+        rows=rows,
+        torch=torch.__version__,
+        config=vars(cfg),
+        repeats=args.repeats,
+        backend="CPU gloo",
+        machine=machine_info("cpu"),
+        resume_world_size=args.resume_world_size,
+    )
 
 
 def paired(args, cfg) -> dict:
@@ -356,14 +431,27 @@ def paired(args, cfg) -> dict:
             runs.append(spawn(paired_worker, args.world_size, cfg, args, root, what="paired"))
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"DCP save and load, paired ({args.runs} runs of {args.paired} repeats), world size {args.world_size}, "
-          f"CPU + gloo, {date.today()}; ratios: each run's median of the per-repeat ratios, lowest-highest")
+    print(
+        f"DCP save and load, paired ({args.runs} runs of {args.paired} repeats), world size {args.world_size}, "
+        f"CPU + gloo, {date.today()}; ratios: each run's median of the per-repeat ratios, lowest-highest"
+    )
     print(f"{'variant':<18}{'save ms':>9}{'vs fsdp2':>13}{'vs ddp':>13}{'load ms':>9}{'vs fsdp2':>13}{'vs ddp':>13}")
     for r in paired_ratios(runs):
-        print(f"{r['variant']:<18}" + "".join(
-            f"{r[kind + '_ms']:>9.1f}" + "".join(f"{ratio_range(r[kind][ref]):>13}" for ref in PAIRED_REFS)
-            for kind in ("save", "load")))
+        print(
+            f"{r['variant']:<18}"
+            + "".join(
+                f"{r[kind + '_ms']:>9.1f}" + "".join(f"{ratio_range(r[kind][ref]):>13}" for ref in PAIRED_REFS)
+                for kind in ("save", "load")
+            )
+        )
     args.json = args.json.replace(".json", "-paired.json")
-    return dict(date=str(date.today()), world_size=args.world_size, runs_s=runs, torch=torch.__version__,
-                config=vars(cfg), repeats=args.paired, backend="CPU gloo", machine=machine_info("cpu"))
-
+    return dict(
+        date=str(date.today()),
+        world_size=args.world_size,
+        runs_s=runs,
+        torch=torch.__version__,
+        config=vars(cfg),
+        repeats=args.paired,
+        backend="CPU gloo",
+        machine=machine_info("cpu"),
+    )

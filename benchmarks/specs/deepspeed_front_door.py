@@ -21,6 +21,7 @@ rank 0's exact peak of live tensor bytes over what the built model holds (the CP
 allocator's count, benchmarks/cpu_memory.py) in a second build running two steps.
 Writes benchmarks/out/deepspeed_front_door.json and prints the table.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,16 +39,21 @@ from benchmarks.cpu_memory import TensorBytes
 from benchmarks.gpt import GPT, GPTConfig
 from benchmarks.harness import opt, spawn
 
-BUCKET = 25 * 2**20 // 4     # elements: 25 MiB of fp32, zeroshard's default bucket
+BUCKET = 25 * 2**20 // 4  # elements: 25 MiB of fp32, zeroshard's default bucket
 
 
 def config(stage, offload="", batch=8, nvme_dir=None):
     zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
     if stage == 3:
         zero["stage3_prefetch_bucket_size"] = BUCKET
-    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "torch_adam": True}},
-           "zero_optimization": zero, "steps_per_print": 10**9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "torch_adam": True}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
     if offload:
         zero["offload_optimizer"] = {"device": offload, **({"nvme_path": nvme_dir} if offload == "nvme" else {})}
         cfg["zero_force_ds_cpu_optimizer"] = False
@@ -56,18 +62,26 @@ def config(stage, offload="", batch=8, nvme_dir=None):
     return cfg
 
 
-VARIANTS = {"stage 1": (1, ""), "stage 2": (2, ""), "stage 3": (3, ""), "stage 2 + cpu offload": (2, "cpu"),
-            "stage 3 + cpu offload (optimizer, params)": (3, "cpu"), "stage 2 + nvme offload": (2, "nvme")}
+VARIANTS = {
+    "stage 1": (1, ""),
+    "stage 2": (2, ""),
+    "stage 3": (3, ""),
+    "stage 2 + cpu offload": (2, "cpu"),
+    "stage 3 + cpu offload (optimizer, params)": (3, "cpu"),
+    "stage 2 + nvme offload": (2, "nvme"),
+}
 
 
 def front_doors(offload):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import zeroshard
+
     doors = {"zeroshard": zeroshard.initialize}
     if offload != "nvme":
         import deepspeed
         import deepspeed.ops
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False   # gloo's collectives, no C++ build
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo's collectives, no C++ build
         doors = {"deepspeed": deepspeed.initialize, **doors}
     return doors
 
@@ -121,8 +135,15 @@ def measure(cfg, offload, data, args) -> dict:
 
 
 def worker(rank, world, port, q, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     nvme = tempfile.mkdtemp(prefix="zeroshard-bench-")
@@ -139,21 +160,27 @@ def worker(rank, world, port, q, args):
 
 
 def table(rows) -> str:
-    lines = ["| variant | DeepSpeed step ms | zeroshard step ms | zeroshard / DeepSpeed (paired) | "
-             "DeepSpeed tensor MB | zeroshard tensor MB |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| variant | DeepSpeed step ms | zeroshard step ms | zeroshard / DeepSpeed (paired) | "
+        "DeepSpeed tensor MB | zeroshard tensor MB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for label, r in rows.items():
         ds = r.get("deepspeed")
         lines.append(f"| {label} | {ds['step_ms']:.1f} | " if ds else f"| {label} | (needs its aio op) | ")
-        lines[-1] += f"{r['zeroshard']['step_ms']:.1f} | " + (f"{r['ratio']:.2f}x | {ds['tensor_mb']:.1f} | "
-                                                             if ds else "— | — | ")
+        lines[-1] += f"{r['zeroshard']['step_ms']:.1f} | " + (
+            f"{r['ratio']:.2f}x | {ds['tensor_mb']:.1f} | " if ds else "— | — | "
+        )
         lines[-1] += f"{r['zeroshard']['tensor_mb']:.1f} |"
     return "\n".join(lines)
 
 
-OPTIONS = [opt("--world-size", type=int, default=2),
-           opt("--steps", type=int, default=8),
-           opt("--warmup", type=int, default=2),
-           opt("--batch", type=int, default=8)]
+OPTIONS = [
+    opt("--world-size", type=int, default=2),
+    opt("--steps", type=int, default=8),
+    opt("--warmup", type=int, default=2),
+    opt("--batch", type=int, default=8),
+]
 
 
 def run(args):
@@ -162,8 +189,10 @@ def run(args):
         return 1
     cfg = GPTConfig()
     n = sum(p.numel() for p in GPT(cfg).parameters())
-    head = (f"GPT {n / 1e6:.2f}M params, float32, world size {args.world_size}, CPU gloo, batch {args.batch} "
-            f"x seq {cfg.seq} per rank; {date.today()}")
+    head = (
+        f"GPT {n / 1e6:.2f}M params, float32, world size {args.world_size}, CPU gloo, batch {args.batch} "
+        f"x seq {cfg.seq} per rank; {date.today()}"
+    )
     print(head)
     print(table(rows))
     return {"header": head, "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}

@@ -19,6 +19,7 @@ model's own token exchange over its ep group included).
 
     python -m benchmarks experts [--repeats 9] [--dim 256 --hidden 1024 --experts 8 --tokens 256]
 """
+
 from __future__ import annotations
 
 from datetime import date
@@ -45,18 +46,21 @@ def build(variant: str, mesh, world_mesh):
     net = moe.Net(top_k=2, ep_group=ep_group)
     if variant == "zeroshard-3+ep":
         import zeroshard as zs
+
         model = zs.FullyShard(net, expert_modules={moe.Expert: mesh["edp"]})
         return model, zs.ShardedOptimizer(model.parameters(), lr=1e-3)
     if variant == "zeroshard-3":
         import zeroshard as zs
+
         model = zs.FullyShard(net, wrap={moe.Expert})
         return model, zs.ShardedOptimizer(model.parameters(), lr=1e-3)
     from torch.distributed.fsdp import fully_shard
+
     for expert in net.moe.experts:
         fully_shard(expert, mesh=mesh["edp"])
         expert.set_gradient_divide_factor(float(dist.get_world_size()))
     fully_shard(net, mesh=world_mesh)
-    net.set_force_sum_reduction_for_comms(True)      # (gloo has no averaging reduce-scatter)
+    net.set_force_sum_reduction_for_comms(True)  # (gloo has no averaging reduce-scatter)
     for expert in net.moe.experts:
         expert.set_force_sum_reduction_for_comms(True)
     return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -72,6 +76,7 @@ def worker(rank, world, port, out, args):
     init_dist(rank, world, port)
     _sized(args)
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (world // EP, EP), mesh_dim_names=("edp", "ep"))
     world_mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(rank)
@@ -83,8 +88,15 @@ def worker(rank, world, port, out, args):
     local_experts = sum(p.numel() for n, p in model.named_parameters() if n.startswith("moe.experts."))
     mine = sum(p.to_local().numel() for n, p in model.named_parameters() if n.startswith("moe.experts."))
     if rank == 0:
-        out.put(dict(times_s=times, sent=sent, expert_params_per_ep_rank=local_experts, expert_elements_here=mine,
-                     memory_report=rep))
+        out.put(
+            dict(
+                times_s=times,
+                sent=sent,
+                expert_params_per_ep_rank=local_experts,
+                expert_elements_here=mine,
+                memory_report=rep,
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -95,12 +107,15 @@ OPTIONS = sized_options(dim=256, hidden=1024, experts=8, tokens=256)
 def run(args):
     res = spawn(worker, args.world_size, args)
     n, ep = args.world_size, EP
-    print(f"MoE step, world size {n} (edp {n // ep} x ep {ep}), {args.experts} experts of {args.dim}x{args.hidden}, "
-          f"{args.tokens} tokens per rank, CPU + gloo, {date.today()}; {args.repeats} paired repeats")
+    print(
+        f"MoE step, world size {n} (edp {n // ep} x ep {ep}), {args.experts} experts of {args.dim}x{args.hidden}, "
+        f"{args.tokens} tokens per rank, CPU + gloo, {date.today()}; {args.repeats} paired repeats"
+    )
     print_rows(res["times_s"], res["sent"], "fsdp2-3+ep")
     rep, psi_e = res["memory_report"], res["expert_params_per_ep_rank"]
     expert_state = 16 * res["expert_elements_here"]
-    print(f"zeroshard-3+ep expert state on rank 0: {expert_state:,} B; 16 Psi_e / (N / ep) = "
-          f"{16 * psi_e // (n // ep):,} B (Psi_e = {psi_e:,} per ep rank); memory_report total {rep['total']:,} B")
+    print(
+        f"zeroshard-3+ep expert state on rank 0: {expert_state:,} B; 16 Psi_e / (N / ep) = "
+        f"{16 * psi_e // (n // ep):,} B (Psi_e = {psi_e:,} per ep rank); memory_report total {rep['total']:,} B"
+    )
     return dict(world_size=args.world_size, ep=ep, config={k: v for k, v in vars(args).items() if k != "json"}, **res)
-

@@ -13,6 +13,7 @@ rounds and its ratio to the unsharded model's, the all-gathers each call issued
 bytes held gathered during the call against the model's parameters counted in
 the gather dtype. Writes benchmarks/out/generation.json.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,16 @@ def _worker(rank: int, world: int, port: int, out, args):
     import zeroshard as zs
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=args.dim, intermediate_size=4 * args.dim,
-                      num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                      max_position_embeddings=args.tokens + 32)
+
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=args.dim,
+        intermediate_size=4 * args.dim,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=args.tokens + 32,
+    )
     torch.manual_seed(0)
     plain = LlamaForCausalLM(cfg).eval()
     torch.manual_seed(0)
@@ -46,11 +54,15 @@ def _worker(rank: int, world: int, port: int, out, args):
     def sharded(gathered: bool):
         model.generate_gathered = gathered
         return model.generate(prompt, **kw)
-    variants = {"unsharded": lambda: plain.generate(prompt, **kw), "zero3": lambda: sharded(True),
-                "zero3 per token": lambda: sharded(False)}
+
+    variants = {
+        "unsharded": lambda: plain.generate(prompt, **kw),
+        "zero3": lambda: sharded(True),
+        "zero3 per token": lambda: sharded(False),
+    }
     times = {k: [] for k in variants}
     gathers, same = {}, {}
-    for r in range(args.rounds + 1):            # the first round warms up
+    for r in range(args.rounds + 1):  # the first round warms up
         for name, fn in variants.items():
             dist.barrier()
             t0 = time.time()
@@ -67,31 +79,46 @@ def _worker(rank: int, world: int, port: int, out, args):
     dtype_bytes = model.param_dtype.itemsize
     params = sum(p.numel() for p in plain.parameters())
     if rank == 0:
-        out.put(dict(world=world, tokens=args.tokens, layers=args.layers, dim=args.dim, params=params,
-                     units=len(model.units), rounds=args.rounds,
-                     ms={k: 1e3 * statistics.median(v) for k, v in times.items()},
-                     all_gathers=gathers, same_tokens=same,
-                     gathered_bytes=rep["gathered_peak"] + rep["root_gathered"],
-                     model_bytes_in_gather_dtype=params * dtype_bytes))
+        out.put(
+            dict(
+                world=world,
+                tokens=args.tokens,
+                layers=args.layers,
+                dim=args.dim,
+                params=params,
+                units=len(model.units),
+                rounds=args.rounds,
+                ms={k: 1e3 * statistics.median(v) for k, v in times.items()},
+                all_gathers=gathers,
+                same_tokens=same,
+                gathered_bytes=rep["gathered_peak"] + rep["root_gathered"],
+                model_bytes_in_gather_dtype=params * dtype_bytes,
+            )
+        )
     dist.destroy_process_group()
 
 
-OPTIONS = [opt("--tokens", type=int, default=64),
-           opt("--layers", type=int, default=4),
-           opt("--dim", type=int, default=256),
-           opt("--rounds", type=int, default=5)]
+OPTIONS = [
+    opt("--tokens", type=int, default=64),
+    opt("--layers", type=int, default=4),
+    opt("--dim", type=int, default=256),
+    opt("--rounds", type=int, default=5),
+]
 
 
 def run(args):
     res = spawn(_worker, 2, args)
     base = res["ms"]["unsharded"]
-    print(f"{res['params'] / 1e6:.2f}M parameters, {res['units']} units, {res['tokens']} new tokens, batch 4, "
-          f"{res['world']} ranks, median of {res['rounds']} rounds")
+    print(
+        f"{res['params'] / 1e6:.2f}M parameters, {res['units']} units, {res['tokens']} new tokens, batch 4, "
+        f"{res['world']} ranks, median of {res['rounds']} rounds"
+    )
     print("| generate | ms | vs unsharded | all-gathers per call | tokens equal |")
     print("|---|---:|---:|---:|---|")
     for name, ms in res["ms"].items():
         print(f"| {name} | {ms:.1f} | {ms / base:.2f}x | {res['all_gathers'][name]} | {res['same_tokens'][name]} |")
-    print(f"held gathered during the call: {res['gathered_bytes']} bytes; the model's parameters in the gather "
-          f"dtype: {res['model_bytes_in_gather_dtype']} bytes")
+    print(
+        f"held gathered during the call: {res['gathered_bytes']} bytes; the model's parameters in the gather "
+        f"dtype: {res['model_bytes_in_gather_dtype']} bytes"
+    )
     return res
-

@@ -21,6 +21,7 @@ benchmarks/out/io_engine.json.
 
     python -m benchmarks io_engine [--dir /var/tmp] [--gib 1] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import os
@@ -48,7 +49,7 @@ def raw(path: str, bufs, nbytes: int, block: int, write: bool) -> float:
     try:
         t0 = time.perf_counter()
         for off in range(0, nbytes, block):
-            view = views[off // window % 2][off % window:off % window + block]
+            view = views[off // window % 2][off % window : off % window + block]
             n = os.pwrite(fd, view, off) if write else os.preadv(fd, [view], off)
             assert n == block, (off, n)
         if write:
@@ -80,14 +81,16 @@ def aligned(n: int) -> torch.Tensor:
     placed congruent with the file; at offset 0 that is page-aligned)."""
     t = torch.empty(n + 4096, dtype=torch.uint8)
     k = congruent_start(t, 0)
-    return t[k:k + n].random_(0, 256)
+    return t[k : k + n].random_(0, 256)
 
 
-OPTIONS = [opt("--dir", default="/var/tmp", help="a directory on a local disk"),
-           opt("--gib", type=float, default=1.0),
-           opt("--rounds", type=int, default=3),
-           opt("--block-mb", type=int, default=4, help="the raw loop's request size"),
-           opt("--window-mb", type=int, default=8, help="the engine's window (one transfer)")]
+OPTIONS = [
+    opt("--dir", default="/var/tmp", help="a directory on a local disk"),
+    opt("--gib", type=float, default=1.0),
+    opt("--rounds", type=int, default=3),
+    opt("--block-mb", type=int, default=4, help="the raw loop's request size"),
+    opt("--window-mb", type=int, default=8, help="the engine's window (one transfer)"),
+]
 
 
 def check(args):
@@ -102,19 +105,21 @@ def run(args):
         os.posix_fallocate(fd, 0, nbytes)
         engines = {"engine": IoEngine(path, backend="io_uring"), "engine-aio": IoEngine(path, backend="aio")}
         bufs = [aligned(window), aligned(window)]
-        one = aligned(block)                        # dd's footprint: one buffer, in the CPU's cache
-        raw(path, bufs, nbytes, block, True)        # the file's extents written once, untimed
-        variants = {"raw": lambda w: raw(path, bufs, nbytes, block, w),
-                    **{name: (lambda w, e=e: engine_pass(e, bufs, nbytes, w, fd)) for name, e in engines.items()},
-                    "raw-1buf": lambda w: raw(path, [one, one], nbytes, block, w),
-                    "engine-1buf": lambda w: engine_pass(engines["engine"], [one, one], nbytes, w, fd)}
+        one = aligned(block)  # dd's footprint: one buffer, in the CPU's cache
+        raw(path, bufs, nbytes, block, True)  # the file's extents written once, untimed
+        variants = {
+            "raw": lambda w: raw(path, bufs, nbytes, block, w),
+            **{name: (lambda w, e=e: engine_pass(e, bufs, nbytes, w, fd)) for name, e in engines.items()},
+            "raw-1buf": lambda w: raw(path, [one, one], nbytes, block, w),
+            "engine-1buf": lambda w: engine_pass(engines["engine"], [one, one], nbytes, w, fd),
+        }
         seconds = {(v, w): [] for v in variants for w in ("write", "read")}
         names = list(variants)
         for r in range(args.rounds):
-            for v in names[r % len(names):] + names[:r % len(names)]:
+            for v in names[r % len(names) :] + names[: r % len(names)]:
                 for w in ("write", "read"):
                     seconds[(v, w)].append(variants[v](w == "write"))
-        back = aligned(window).zero_()              # what the engine writes, it reads back
+        back = aligned(window).zero_()  # what the engine writes, it reads back
         engines["engine"].write(bufs[0], nbytes - window).wait()
         engines["engine-aio"].read(back, nbytes - window).wait()
         assert torch.equal(back, bufs[0])
@@ -122,15 +127,27 @@ def run(args):
         os.close(fd)
         os.unlink(path)
     gbs = {f"{v}_{w}_gb_per_s": nbytes / statistics.median(s) / 1e9 for (v, w), s in seconds.items()}
-    row = {"bytes": nbytes, "dir": args.dir, "block_mb": args.block_mb, "window_mb": args.window_mb,
-           "rounds": args.rounds, **gbs,
-           **{f"{v}_{w}_vs_{ref}": gbs[f"{v}_{w}_gb_per_s"] / gbs[f"{ref}_{w}_gb_per_s"]
-              for v, ref in PAIRS for w in ("write", "read")},
-           "runs_s": {f"{v} {w}": s for (v, w), s in seconds.items()}}
+    row = {
+        "bytes": nbytes,
+        "dir": args.dir,
+        "block_mb": args.block_mb,
+        "window_mb": args.window_mb,
+        "rounds": args.rounds,
+        **gbs,
+        **{
+            f"{v}_{w}_vs_{ref}": gbs[f"{v}_{w}_gb_per_s"] / gbs[f"{ref}_{w}_gb_per_s"]
+            for v, ref in PAIRS
+            for w in ("write", "read")
+        },
+        "runs_s": {f"{v} {w}": s for (v, w), s in seconds.items()},
+    }
     print(f"{nbytes / 2**30:.2f} GiB in {args.dir}, {args.rounds} rounds | commit {machine_info('cpu')['commit']}")
     for w in ("write", "read"):
-        print(f"{w:5}: " + " | ".join(f"{v} {gbs[f'{v}_{w}_gb_per_s']:.2f} GB/s ({row[f'{v}_{w}_vs_{ref}']:.2f}x {ref})"
-                                      for v, ref in PAIRS) +
-              f" | raw {gbs[f'raw_{w}_gb_per_s']:.2f}, raw-1buf {gbs[f'raw-1buf_{w}_gb_per_s']:.2f} GB/s")
+        print(
+            f"{w:5}: "
+            + " | ".join(
+                f"{v} {gbs[f'{v}_{w}_gb_per_s']:.2f} GB/s ({row[f'{v}_{w}_vs_{ref}']:.2f}x {ref})" for v, ref in PAIRS
+            )
+            + f" | raw {gbs[f'raw_{w}_gb_per_s']:.2f}, raw-1buf {gbs[f'raw-1buf_{w}_gb_per_s']:.2f} GB/s"
+        )
     return {"date": date.today().isoformat(), "machine": machine_info("cpu"), "torch": torch.__version__, **row}
-

@@ -32,6 +32,7 @@ module during a fit of two steps (the CPU allocator's count, benchmarks/cpu_memo
 on CUDA, torch.cuda.max_memory_allocated over the same.
 Writes benchmarks/out/lightning_front_door.json (--json) and prints the table.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,9 +82,14 @@ class FSDPOnCPU(FSDPStrategy):
     def _setup_model(self, model):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        model = FullyShardedDataParallel(model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
-                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                         **self.kwargs)
+        model = FullyShardedDataParallel(
+            model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
         return super()._setup_model(model)  # Lightning's own steps for a module the user wrapped
 
 
@@ -123,22 +129,36 @@ DS_25MB = {"reduce_bucket_size": 25 * 2**20 // 4, "allgather_bucket_size": 25 * 
 def strategies(cuda: bool) -> dict:
     """{row: a function making the Trainer's strategy argument}: a fresh one for every fit."""
     fsdp, deepspeed = (FSDPStrategy, DeepSpeedStrategy) if cuda else (FSDPOnCPU, DeepSpeedOnCPU)
-    return {"ddp": lambda: "ddp", "zeroshard stage 2": lambda: "zeroshard_stage_2",
-            "zeroshard stage 3": lambda: "zeroshard_stage_3",
-            "fsdp (FULL_SHARD)": lambda: fsdp(auto_wrap_policy={Block}),
-            "fsdp (SHARD_GRAD_OP)": lambda: fsdp(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP"),
-            "deepspeed stage 2": lambda: deepspeed(stage=2), "deepspeed stage 3": lambda: deepspeed(stage=3),
-            "deepspeed stage 2, 25 MB buckets": lambda: deepspeed(stage=2, **DS_25MB),
-            "deepspeed stage 3, 25 MB buckets": lambda: deepspeed(stage=3, **DS_25MB)}
+    return {
+        "ddp": lambda: "ddp",
+        "zeroshard stage 2": lambda: "zeroshard_stage_2",
+        "zeroshard stage 3": lambda: "zeroshard_stage_3",
+        "fsdp (FULL_SHARD)": lambda: fsdp(auto_wrap_policy={Block}),
+        "fsdp (SHARD_GRAD_OP)": lambda: fsdp(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP"),
+        "deepspeed stage 2": lambda: deepspeed(stage=2),
+        "deepspeed stage 3": lambda: deepspeed(stage=3),
+        "deepspeed stage 2, 25 MB buckets": lambda: deepspeed(stage=2, **DS_25MB),
+        "deepspeed stage 3, 25 MB buckets": lambda: deepspeed(stage=3, **DS_25MB),
+    }
 
 
 def fit(strategy, steps: int, batch: int, cuda: bool, callbacks=()):
     world = int(os.environ["WORLD_SIZE"])
     g = torch.Generator().manual_seed(int(os.environ["RANK"]))
     data = torch.randint(0, GPTConfig().vocab, (batch * steps * world, GPTConfig().seq + 1), generator=g)
-    trainer = L.Trainer(strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=world, max_steps=steps,
-                        gradient_clip_val=1.0, logger=False, callbacks=list(callbacks), enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="gpu" if cuda else "cpu",
+        devices=world,
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        callbacks=list(callbacks),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
@@ -162,25 +182,34 @@ def measure(rows: dict, args, cuda: bool) -> dict:
         for name, make in rows.items():
             rec = StepTimes()
             fit(make(), args.warmup + args.steps, args.batch, cuda, [rec])
-            per_round[name].append(statistics.median(rec.times[args.warmup:]))
+            per_round[name].append(statistics.median(rec.times[args.warmup :]))
             loss[name] = rec.loss
-    return {name: {"step_ms": statistics.median(per_round[name]) * 1e3,
-                   "vs_ddp": statistics.median(a / b for a, b in zip(per_round[name], per_round["ddp"])),
-                   "tensor_mb": peak_mb(make(), args.batch, cuda), "last_loss": loss[name]}
-            for name, make in rows.items()}
+    return {
+        name: {
+            "step_ms": statistics.median(per_round[name]) * 1e3,
+            "vs_ddp": statistics.median(a / b for a, b in zip(per_round[name], per_round["ddp"])),
+            "tensor_mb": peak_mb(make(), args.batch, cuda),
+            "last_loss": loss[name],
+        }
+        for name, make in rows.items()
+    }
 
 
 def table(rows: dict) -> str:
     lines = ["| strategy | step ms | vs ddp (paired) | tensor MB | last loss |", "|---|---:|---:|---:|---:|"]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['step_ms']:.1f} | {r['vs_ddp']:.2f}x | {r['tensor_mb']:.1f} | {r['last_loss']:.4f} |")
+        lines.append(
+            f"| {name} | {r['step_ms']:.1f} | {r['vs_ddp']:.2f}x | {r['tensor_mb']:.1f} | {r['last_loss']:.4f} |"
+        )
     return "\n".join(lines)
 
 
-OPTIONS = [opt("--steps", type=int, default=8),
-           opt("--warmup", type=int, default=2),
-           opt("--rounds", type=int, default=3),
-           opt("--batch", type=int, default=8)]
+OPTIONS = [
+    opt("--steps", type=int, default=8),
+    opt("--warmup", type=int, default=2),
+    opt("--rounds", type=int, default=3),
+    opt("--batch", type=int, default=8),
+]
 
 
 def run(args):
@@ -192,10 +221,16 @@ def run(args):
         return None
     cfg = GPTConfig()
     n = sum(p.numel() for p in GPT(cfg).parameters())
-    head = (f"GPT {n / 1e6:.2f}M params, float32, world size {os.environ['WORLD_SIZE']}, "
-            f"{'CUDA NCCL' if cuda else 'CPU gloo'}, batch {args.batch} x seq {cfg.seq} per rank, "
-            f"lightning {L.__version__}; {date.today()}")
+    head = (
+        f"GPT {n / 1e6:.2f}M params, float32, world size {os.environ['WORLD_SIZE']}, "
+        f"{'CUDA NCCL' if cuda else 'CPU gloo'}, batch {args.batch} x seq {cfg.seq} per rank, "
+        f"lightning {L.__version__}; {date.today()}"
+    )
     print(head)
     print(table(rows))
-    return {"header": head, "machine": machine_info("cuda" if cuda else "cpu"),
-            "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}
+    return {
+        "header": head,
+        "machine": machine_info("cuda" if cuda else "cpu"),
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "rows": rows,
+    }

@@ -52,6 +52,7 @@ kept, so the run can be taken in chunks) and benchmarks/out/muon.png. On the 2-c
 100M points take --steps 1 and --batch-variants 1 (each variant next to its own DDP, so
 that the 100M copies fit in its 23 GB at world sizes 3 and 4).
 """
+
 from __future__ import annotations
 
 import gc
@@ -73,8 +74,15 @@ from benchmarks.specs.sweep import SIZES
 
 VARIANTS = ["zeroshard-1", "zeroshard-2", "zeroshard-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3"]
 MUON, ADAMW, split = training.MUON, training.ADAMW, training.muon_split
-DS_MUON = {"type": "Muon", "params": {"muon_lr": MUON["lr"], "momentum": MUON["momentum"], "adam_lr": ADAMW["lr"],
-                                      "weight_decay": ADAMW["weight_decay"]}}
+DS_MUON = {
+    "type": "Muon",
+    "params": {
+        "muon_lr": MUON["lr"],
+        "momentum": MUON["momentum"],
+        "adam_lr": ADAMW["lr"],
+        "weight_decay": ADAMW["weight_decay"],
+    },
+}
 TARGETS = dict(opt=1.2, step=0.95, comm=1.10, balance=0.15)
 
 
@@ -93,6 +101,7 @@ def muon_class(ns_fp32: bool):
         return torch.optim.Muon
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_whole_tensor import Muon32
+
     return Muon32
 
 
@@ -100,9 +109,11 @@ def build(variant, model, muon=torch.optim.Muon):
     """(model to call, [optimizers]); "zeroshard-S+adamw": the same stage with AdamW over
     every parameter (the bytes' reference); ``muon``: the Muon class of the torch-Muon variants."""
     import zeroshard as zs
+
     name, _, only_adamw = variant.partition("+")
     if peers.is_deepspeed(name):
         import deepspeed
+
         deepspeed.set_optimizer_flags = _tag_like_ours
         engine, _ = peers.build_deepspeed(name, model, torch.float32, ADAMW["lr"], optimizer=DS_MUON)
         return engine, [engine]
@@ -122,7 +133,7 @@ def train(wrapped, opts, data):
     a barrier between them, so the second is the step alone."""
     t0 = time.perf_counter()
     loss = wrapped(data[:, :-1], data[:, 1:])
-    backward = getattr(opts[0], "backward", None)   # DeepSpeed's engine runs the backward
+    backward = getattr(opts[0], "backward", None)  # DeepSpeed's engine runs the backward
     backward(loss) if backward is not None else loss.backward()
     dist.barrier()
     t1 = time.perf_counter()
@@ -146,13 +157,16 @@ def full_params(variant, wrapped):
         module = wrapped.module
         if variant == "deepspeed-3":
             import deepspeed
+
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
                 return {n: p.detach().clone().float() for n, p in module.named_parameters()}
         return {n: p.detach().clone().float() for n, p in module.named_parameters()}
     if variant == "zeroshard-3":
         return {n: t.float() for n, t in wrapped.state_dict().items()}
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().float()
-            for n, p in wrapped.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().float()
+        for n, p in wrapped.named_parameters()
+    }
 
 
 def update_error(p, ref, p0, names) -> float:
@@ -181,18 +195,24 @@ def measure_batch(batch, cfg, args, data, p0, world):
             if i >= args.warmup:
                 whole[v].append(w)
                 opt[v].append(o)
-    ref = full_params("ddp", built["ddp"][0]) if rank == 0 else None   # (only rank 0 compares)
+    ref = full_params("ddp", built["ddp"][0]) if rank == 0 else None  # (only rank 0 compares)
     rows = {}
     for v in names:
-        row = dict(variant=v, step_ms=1e3 * statistics.median(whole[v]), opt_ms=1e3 * statistics.median(opt[v]),
-                   step_ratio=statistics.median(a / b for a, b in zip(whole[v], whole["ddp"])),
-                   opt_ratio=statistics.median(opt[v]) / (statistics.median(opt["ddp"]) / world))
-        full = full_params(v, built[v][0]) if v != "ddp" else None     # (collective)
+        row = dict(
+            variant=v,
+            step_ms=1e3 * statistics.median(whole[v]),
+            opt_ms=1e3 * statistics.median(opt[v]),
+            step_ratio=statistics.median(a / b for a, b in zip(whole[v], whole["ddp"])),
+            opt_ratio=statistics.median(opt[v]) / (statistics.median(opt["ddp"]) / world),
+        )
+        full = full_params(v, built[v][0]) if v != "ddp" else None  # (collective)
         if rank == 0 and v != "ddp":
             matrices = [n for n in ref if ref[n].dim() == 2 and "blocks." in n]
-            row.update(update_err=update_error(full, ref, p0, ref),
-                       update_err_muon=update_error(full, ref, p0, matrices),
-                       update_err_adamw=update_error(full, ref, p0, [n for n in ref if n not in matrices]))
+            row.update(
+                update_err=update_error(full, ref, p0, ref),
+                update_err_muon=update_error(full, ref, p0, matrices),
+                update_err_adamw=update_error(full, ref, p0, [n for n in ref if n not in matrices]),
+            )
         del full
         if v.startswith("zeroshard"):
             row["balance"] = built[v][1][0].whole_tensor_rule.balance()
@@ -209,6 +229,7 @@ def release_memory():
     gc.collect()
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -225,21 +246,24 @@ def comm_mb(built, data, world):
 
 def worker(rank, world, port, q, cfg, args):
     _, data, _ = training.setup(rank, world, port, cfg, args)
-    p0 = {n: p.detach().clone() for n, p in training.new_model(cfg, args, data.device).named_parameters()} \
-        if rank == 0 else None
+    p0 = (
+        {n: p.detach().clone() for n, p in training.new_model(cfg, args, data.device).named_parameters()}
+        if rank == 0
+        else None
+    )
     rows = {}
     variants = peers.runnable(args.variants)
     for k in range(0, len(variants), args.batch_variants):
-        batch = variants[k:k + args.batch_variants]
+        batch = variants[k : k + args.batch_variants]
         t0 = time.time()
         got = measure_batch(batch, cfg, args, data, p0, world)
         ddp = got.pop("ddp")
-        rows.setdefault("ddp", dict(ddp, batches=[]))["batches"].append(ddp)   # one DDP per batch
+        rows.setdefault("ddp", dict(ddp, batches=[]))["batches"].append(ddp)  # one DDP per batch
         rows.update(got)
         if rank == 0:
             print(f"  {batch}: {time.time() - t0:.0f} s", flush=True)
     p0 = None
-    for v in (v for v in variants if v.startswith("zeroshard")):      # the same stage with AdamW only
+    for v in (v for v in variants if v.startswith("zeroshard")):  # the same stage with AdamW only
         release_memory()
         built = build(v + "+adamw", training.new_model(cfg, args, data.device))
         train(*built, data)
@@ -255,6 +279,7 @@ def worker(rank, world, port, q, cfg, args):
 
 # ---------------------------------------------------------------- report
 
+
 def balance_spread(load) -> float:
     mean = sum(load) / len(load)
     return max(abs(x - mean) for x in load) / mean
@@ -262,8 +287,11 @@ def balance_spread(load) -> float:
 
 def table(d: dict) -> str:
     """Markdown: one row per (size, world, variant)."""
-    lines = ["| size | world | variant | opt ms | opt vs DDP/N | step ms | step vs DDP (paired) | comm MB | "
-             "comm vs AdamW | update err Muon / AdamW |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| size | world | variant | opt ms | opt vs DDP/N | step ms | step vs DDP (paired) | comm MB | "
+        "comm vs AdamW | update err Muon / AdamW |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
 
     def cell(r, key, fmt):
         return fmt.format(r[key]) if r.get(key) is not None else "—"
@@ -273,12 +301,14 @@ def table(d: dict) -> str:
             if "error" in r:
                 lines.append(f"| {p['size']} | {p['world']} | {r['variant']} | failed: {r['error']} |||||||")
                 continue
-            lines.append(f"| {p['size']} | {p['world']} | {r['variant']} | {r['opt_ms']:.0f} | "
-                         + (f"{r['opt_ratio']:.2f}x" if r["variant"] != "ddp" else f"(N = {p['world']})")
-                         + f" | {r['step_ms']:.0f} | "
-                         + (f"{r['step_ratio']:.2f}x" if r["variant"] != "ddp" else "1")
-                         + f" | {cell(r, 'comm_mb', '{:.1f}')} | {cell(r, 'comm_ratio', '{:.2f}x')} | "
-                         + f"{cell(r, 'update_err_muon', '{:.3f}')} / {cell(r, 'update_err_adamw', '{:.3f}')} |")
+            lines.append(
+                f"| {p['size']} | {p['world']} | {r['variant']} | {r['opt_ms']:.0f} | "
+                + (f"{r['opt_ratio']:.2f}x" if r["variant"] != "ddp" else f"(N = {p['world']})")
+                + f" | {r['step_ms']:.0f} | "
+                + (f"{r['step_ratio']:.2f}x" if r["variant"] != "ddp" else "1")
+                + f" | {cell(r, 'comm_mb', '{:.1f}')} | {cell(r, 'comm_ratio', '{:.2f}x')} | "
+                + f"{cell(r, 'update_err_muon', '{:.3f}')} / {cell(r, 'update_err_adamw', '{:.3f}')} |"
+            )
     return "\n".join(lines)
 
 
@@ -287,19 +317,25 @@ def balance_lines(d: dict) -> str:
     for p in d["points"]:
         load = p.get("balance")
         if load:
-            out.append(f"{p['size']} world {p['world']}: Newton-Schulz cost per rank "
-                       f"{', '.join(f'{x / 1e9:.2f}e9' for x in load)}; largest deviation from the mean "
-                       f"{100 * balance_spread(load):.1f}%")
+            out.append(
+                f"{p['size']} world {p['world']}: Newton-Schulz cost per rank "
+                f"{', '.join(f'{x / 1e9:.2f}e9' for x in load)}; largest deviation from the mean "
+                f"{100 * balance_spread(load):.1f}%"
+            )
     return "\n".join(out)
 
 
 def plot(d: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [("opt_ratio", "optimizer step / (DDP's / N)", TARGETS["opt"]),
-              ("step_ratio", "whole step / DDP's (paired)", TARGETS["step"]),
-              ("comm_ratio", "bytes sent / same stage with AdamW", TARGETS["comm"])]
+
+    panels = [
+        ("opt_ratio", "optimizer step / (DDP's / N)", TARGETS["opt"]),
+        ("step_ratio", "whole step / DDP's (paired)", TARGETS["step"]),
+        ("comm_ratio", "bytes sent / same stage with AdamW", TARGETS["comm"]),
+    ]
     sizes = list(dict.fromkeys(p["size"] for p in d["points"]))
     if not sizes:
         return
@@ -311,16 +347,22 @@ def plot(d: dict, path: str) -> None:
             for v in variants:
                 xy = [(p["world"], r[key]) for p in pts for r in p["rows"] if r["variant"] == v and r.get(key)]
                 if xy:
-                    ax.plot(*zip(*xy), marker="o", label=v, color=f"C{VARIANTS.index(v) % 10}",
-                            linestyle="-" if v.startswith("zeroshard") else "--")
+                    ax.plot(
+                        *zip(*xy),
+                        marker="o",
+                        label=v,
+                        color=f"C{VARIANTS.index(v) % 10}",
+                        linestyle="-" if v.startswith("zeroshard") else "--",
+                    )
             ax.axhline(target, color="red", linewidth=0.8, linestyle=":", label="target")
             ax.axhline(1.0, color="black", linewidth=0.6)
             ax.set_xticks(sorted({p["world"] for p in pts}))
             ax.set_xlabel("world size")
             ax.set_title(f"GPT {size}: {label}", fontsize=9)
         row[0].legend(fontsize=7)
-    fig.suptitle(f"Muon + AdamW against DDP + torch.optim.Muon, CPU gloo, {d['machine']['description']}, "
-                 f"{d['date']}", fontsize=9)
+    fig.suptitle(
+        f"Muon + AdamW against DDP + torch.optim.Muon, CPU gloo, {d['machine']['description']}, {d['date']}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
@@ -334,21 +376,33 @@ def report(d: dict, png) -> None:
         plot(d, png)
 
 
-OPTIONS = [opt("--sizes", default="25M,100M"),
-           opt("--worlds", default="2,3,4"),
-           opt("--variants", default=",".join(VARIANTS)),
-           opt("--steps", type=int, default=3, help="timed steps of every variant"),
-           opt("--warmup", type=int, default=1),
-           opt("--batch-variants", type=int, default=4,
-               help="variants built together next to one DDP (fewer: less memory, more DDP steps)"),
-           opt("--batch", type=int, default=2),
-           opt("--plot-only", action="store_true"),
-           opt("--ns-fp32", action="store_true",
-               help="the torch-Muon variants with Newton-Schulz in fp32 (checks their update against DDP's "
-               "to fp32 rounding; writes --json, default benchmarks/out/muon_ns_fp32.json)"),
-           opt("--keep-other-variants", action="store_true",
-               help="at the points this run takes, keep the JSON's rows of the variants it does not run "
-               "(each row keeps the commit it was measured at and its own paired DDP)")]
+OPTIONS = [
+    opt("--sizes", default="25M,100M"),
+    opt("--worlds", default="2,3,4"),
+    opt("--variants", default=",".join(VARIANTS)),
+    opt("--steps", type=int, default=3, help="timed steps of every variant"),
+    opt("--warmup", type=int, default=1),
+    opt(
+        "--batch-variants",
+        type=int,
+        default=4,
+        help="variants built together next to one DDP (fewer: less memory, more DDP steps)",
+    ),
+    opt("--batch", type=int, default=2),
+    opt("--plot-only", action="store_true"),
+    opt(
+        "--ns-fp32",
+        action="store_true",
+        help="the torch-Muon variants with Newton-Schulz in fp32 (checks their update against DDP's "
+        "to fp32 rounding; writes --json, default benchmarks/out/muon_ns_fp32.json)",
+    ),
+    opt(
+        "--keep-other-variants",
+        action="store_true",
+        help="at the points this run takes, keep the JSON's rows of the variants it does not run "
+        "(each row keeps the commit it was measured at and its own paired DDP)",
+    ),
+]
 
 
 def run(args):
@@ -361,7 +415,7 @@ def run(args):
             report(json.load(f), png)
         return None
     args.variants = args.variants.split(",")
-    args.device, args.dtype = "cpu", "float32"     # (training.setup's and training.new_model's)
+    args.device, args.dtype = "cpu", "float32"  # (training.setup's and training.new_model's)
     points, t0 = [], time.time()
     command = " ".join(["python -m benchmarks"] + sys.argv[1:])
     for size in args.sizes.split(","):
@@ -374,24 +428,47 @@ def run(args):
             n = sum(p.numel() for p in training.new_model(cfg, args, torch.device("cpu")).parameters())
             balance = next((r["balance"] for r in rows.values() if r.get("balance")), None)
             commit = git_commit()
-            points.append(dict(size=size, params=n, world=world, balance=balance, steps=args.steps,
-                               warmup=args.warmup, command=command, date=str(date.today()), commit=commit,
-                               rows=[dict(r, commit=commit) for r in rows.values()]))
+            points.append(
+                dict(
+                    size=size,
+                    params=n,
+                    world=world,
+                    balance=balance,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    command=command,
+                    date=str(date.today()),
+                    commit=commit,
+                    rows=[dict(r, commit=commit) for r in rows.values()],
+                )
+            )
             print(f"{size} world {world} done [{time.time() - t0:.0f} s]", flush=True)
-    out = dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"), batch=args.batch,
-               seq=GPTConfig().seq, points=points)
-    if os.path.exists(path):    # keep the points of the sizes and world sizes this run did not take
+    out = dict(
+        date=str(date.today()),
+        torch=torch.__version__,
+        machine=machine_info("cpu"),
+        batch=args.batch,
+        seq=GPTConfig().seq,
+        points=points,
+    )
+    if os.path.exists(path):  # keep the points of the sizes and world sizes this run did not take
         with open(path) as f:
             old = {(p["size"], p["world"]): p for p in json.load(f)["points"]}
         for p in points if args.keep_other_variants else ():
             was = old.get((p["size"], p["world"]), dict(rows=[]))
-            p["rows"] += [dict(r, commit=r.get("commit", was.get("commit"))) for r in was["rows"]
-                          if r["variant"] != "ddp" and r["variant"] not in args.variants]
-            p["rows"].sort(key=lambda r: (r["variant"] != "ddp", list(VARIANTS).index(r["variant"])
-                                          if r["variant"] in VARIANTS else 99))
+            p["rows"] += [
+                dict(r, commit=r.get("commit", was.get("commit")))
+                for r in was["rows"]
+                if r["variant"] != "ddp" and r["variant"] not in args.variants
+            ]
+            p["rows"].sort(
+                key=lambda r: (
+                    r["variant"] != "ddp",
+                    list(VARIANTS).index(r["variant"]) if r["variant"] in VARIANTS else 99,
+                )
+            )
         done = {(p["size"], p["world"]) for p in points}
         out["points"] = [p for k, p in old.items() if k not in done] + points
     out["points"].sort(key=lambda p: (list(SIZES).index(p["size"]), p["world"]))
     report(out, png)
     return out
-

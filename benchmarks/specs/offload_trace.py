@@ -25,6 +25,7 @@ profiler's trace (kernels and memory copies with their streams):
 Prints the summary, writes it as JSON (--out/offload_trace.json) and the gzipped Chrome
 trace beside it (offload_trace.json.gz; chrome://tracing or ui.perfetto.dev).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -59,8 +60,11 @@ def overlap_us(span, others) -> float:
 
 def phases(trace: dict) -> dict:
     """{phase: (start, end)} of the step's record_function ranges (CPU time, µs)."""
-    return {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
-            if e.get("cat") == "user_annotation" and e.get("name") in ("forward", "backward", "step")}
+    return {
+        e["name"]: (e["ts"], e["ts"] + e["dur"])
+        for e in trace["traceEvents"]
+        if e.get("cat") == "user_annotation" and e.get("name") in ("forward", "backward", "step")
+    }
 
 
 def per_copy(trace: dict, phase: str = "backward") -> list:
@@ -70,9 +74,16 @@ def per_copy(trace: dict, phase: str = "backward") -> list:
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e and a <= e["ts"] <= b]
     ks = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in ev if e.get("cat") == "kernel"]
     t0 = min((k[0] for k in ks), default=a)
-    return [((c["ts"] - t0) / 1e3, c["dur"] / 1e3, c.get("args", {}).get("bytes", 0) / 2**20,
-             overlap_us((c["ts"], c["ts"] + c["dur"]), [(x, y) for x, y, t in ks if t != c.get("tid")]) / c["dur"])
-            for c in sorted(ev, key=lambda e: e["ts"]) if c.get("cat") == "gpu_memcpy" and "DtoH" in c["name"]]
+    return [
+        (
+            (c["ts"] - t0) / 1e3,
+            c["dur"] / 1e3,
+            c.get("args", {}).get("bytes", 0) / 2**20,
+            overlap_us((c["ts"], c["ts"] + c["dur"]), [(x, y) for x, y, t in ks if t != c.get("tid")]) / c["dur"],
+        )
+        for c in sorted(ev, key=lambda e: e["ts"])
+        if c.get("cat") == "gpu_memcpy" and "DtoH" in c["name"]
+    ]
 
 
 def summarise(trace: dict) -> dict:
@@ -103,11 +114,18 @@ def summarise(trace: dict) -> dict:
         # copy; the kernels' share of it says whether the host kept the device busy
         work = [span(e) for e in ks + d2h + h2d]
         gpu_ms = (max(b for _, b in work) - min(a for a, _ in work)) / 1e3 if work else 0.0
-        out[phase] = dict(kernel_ms=union_ms([span(k) for k in ks]), kernels=len(ks), gpu_ms=gpu_ms,
-                          d2h=len(d2h), d2h_mb=mb(d2h), d2h_ms=copy_us / 1e3,
-                          d2h_overlap=(under / copy_us) if copy_us else None,
-                          d2h_exposed_ms=(copy_us - under) / 1e3,
-                          h2d=len(h2d), h2d_mb=mb(h2d))
+        out[phase] = dict(
+            kernel_ms=union_ms([span(k) for k in ks]),
+            kernels=len(ks),
+            gpu_ms=gpu_ms,
+            d2h=len(d2h),
+            d2h_mb=mb(d2h),
+            d2h_ms=copy_us / 1e3,
+            d2h_overlap=(under / copy_us) if copy_us else None,
+            d2h_exposed_ms=(copy_us - under) / 1e3,
+            h2d=len(h2d),
+            h2d_mb=mb(h2d),
+        )
     return out
 
 
@@ -138,21 +156,27 @@ def profiled_step(model, opt, data, sync_phases: bool = True):
     return trace, path
 
 
-OPTIONS = [opt("--stage", type=int, choices=[1, 2, 3], default=2),
-           opt("--offload", choices=["cpu", "nvme"], default="cpu"),
-           opt("--batch", type=int, default=8)]
+OPTIONS = [
+    opt("--stage", type=int, choices=[1, 2, 3], default=2),
+    opt("--offload", choices=["cpu", "nvme"], default="cpu"),
+    opt("--batch", type=int, default=8),
+]
 
 
 def run(args):
     import zeroshard as zs
+
     device = init_dist(0, 1, free_port(), cuda=True)
     cfg = GPTConfig(layers=12, dim=768, heads=12, seq=1024, vocab=50257)
     torch.manual_seed(0)
     model = GPT(cfg).to(device=device, dtype=torch.bfloat16)
     off = dict(offload=args.offload, offload_dir=tempfile.mkdtemp() if args.offload == "nvme" else None)
     if args.stage == 3:
-        model = zs.FullyShard(model.float(), wrap={Block}, mixed_precision=zs.MixedPrecision(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        model = zs.FullyShard(
+            model.float(),
+            wrap={Block},
+            mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
         opt = zs.ShardedOptimizer(model.parameters(), lr=3e-4, **off)
     else:
         opt = zs.ShardedOptimizer(model.parameters(), lr=3e-4, stage=args.stage, **off)
@@ -162,21 +186,31 @@ def run(args):
         opt.step()
         opt.zero_grad()
     trace, path = profiled_step(model, opt, data)
-    summary = dict(stage=args.stage, offload=args.offload, batch=args.batch, device=torch.cuda.get_device_name(),
-                   torch=torch.__version__, **summarise(trace), copies=per_copy(trace))
+    summary = dict(
+        stage=args.stage,
+        offload=args.offload,
+        batch=args.batch,
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        **summarise(trace),
+        copies=per_copy(trace),
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(path, "rb") as src, gzip.open(args.json + ".gz", "wb") as dst:     # the Chrome trace beside it
+    with open(path, "rb") as src, gzip.open(args.json + ".gz", "wb") as dst:  # the Chrome trace beside it
         shutil.copyfileobj(src, dst)
     os.remove(path)
     b, s = summary["backward"], summary["step"]
     print(f"offload={args.offload} stage {args.stage}, GPT-2 124M, batch {args.batch}, {summary['device']}")
-    print(f"backward: {b['kernel_ms']:.1f} ms of kernels; {b['d2h']} device-to-host copies, {b['d2h_mb']:.1f} MB, "
-          f"{b['d2h_ms']:.1f} ms of copying, "
-          + (f"{100 * b['d2h_overlap']:.1f}% of it under compute" if b["d2h_overlap"] is not None else "none")
-          + f"; {b['d2h_exposed_ms']:.1f} ms of it exposed; kernels ran {b['kernel_ms']:.1f} ms of the "
-          f"backward's {b['gpu_ms']:.1f} ms on the device")
-    print(f"step: {s['kernel_ms']:.1f} ms of kernels; {s['d2h']} device-to-host copies ({s['d2h_mb']:.1f} MB), "
-          f"{s['h2d']} host-to-device ({s['h2d_mb']:.1f} MB)")
+    print(
+        f"backward: {b['kernel_ms']:.1f} ms of kernels; {b['d2h']} device-to-host copies, {b['d2h_mb']:.1f} MB, "
+        f"{b['d2h_ms']:.1f} ms of copying, "
+        + (f"{100 * b['d2h_overlap']:.1f}% of it under compute" if b["d2h_overlap"] is not None else "none")
+        + f"; {b['d2h_exposed_ms']:.1f} ms of it exposed; kernels ran {b['kernel_ms']:.1f} ms of the "
+        f"backward's {b['gpu_ms']:.1f} ms on the device"
+    )
+    print(
+        f"step: {s['kernel_ms']:.1f} ms of kernels; {s['d2h']} device-to-host copies ({s['d2h_mb']:.1f} MB), "
+        f"{s['h2d']} host-to-device ({s['h2d_mb']:.1f} MB)"
+    )
     dist.destroy_process_group()
     return summary
-

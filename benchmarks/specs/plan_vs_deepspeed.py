@@ -21,6 +21,7 @@ states only: the "est./peak" column shows how far that is from a real
 step. DeepSpeed is a benchmark-only extra (`make bench-deps`); without it
 its columns read "-".
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,7 @@ from benchmarks.cpu_memory import TensorBytes
 from benchmarks.harness import init_dist, machine_info, opt, spawn
 import train_gpt  # (examples/train_gpt.py, on the path the harness sets)
 
-MODELS = {"example GPT (tiny)": ("tiny", dict()),
-          "GPT-2 124M shape": ("124m", dict(vocab=50257))}
+MODELS = {"example GPT (tiny)": ("tiny", dict()), "GPT-2 124M shape": ("124m", dict(vocab=50257))}
 
 
 def _build(name: str, seq: int):
@@ -59,14 +59,18 @@ def measure(rank, world, port, out, lib, stage, name, seq, batch, steps):
     vocab = MODELS[name][1].get("vocab", 64)
     x = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(rank))
     import zeroshard as zs
+
     with TensorBytes() as t:
         model = _build(name, seq)()
-        t.mark()       # (building the model peaks on its own, the same for both libraries)
+        t.mark()  # (building the model peaks on its own, the same for both libraries)
         if lib == "deepspeed":
             model, opt = peers.build_deepspeed(f"deepspeed-{stage}", model, torch.bfloat16, 1e-3)
         elif stage == 3:
-            model = zs.FullyShard(model, wrap={train_gpt.Block}, mixed_precision=zs.MixedPrecision(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            model = zs.FullyShard(
+                model,
+                wrap={train_gpt.Block},
+                mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            )
             opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3)
         else:
             model.to(torch.bfloat16)
@@ -88,50 +92,93 @@ def deepspeed_estimates(build, world: int) -> dict:
         return {}
     from deepspeed.runtime.zero import stage3
     from deepspeed.runtime.zero import stage_1_and_2 as stage2
-    model = build()   # a real one: DeepSpeed counts parameters by data_ptr (on meta all are 0)
+
+    model = build()  # a real one: DeepSpeed counts parameters by data_ptr (on meta all are 0)
     with contextlib.redirect_stdout(io.StringIO()):
         total, largest = stage3.model_to_params(model)
         z2 = stage2.estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=world, cpu_offload=False)[1]
-        z3 = stage3.estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=world,
-                                                          cpu_offload=False, cpu_offload_params=False)[1]
+        z3 = stage3.estimate_zero3_model_states_mem_needs(
+            total, largest, num_gpus_per_node=world, cpu_offload=False, cpu_offload_params=False
+        )[1]
     return {2: z2, 3: z3}
 
 
-OPTIONS = [opt("--world-size", type=int, default=8),
-           opt("--seq", type=int, default=128),
-           opt("--batch", type=int, default=2),
-           opt("--steps", type=int, default=2, help="training steps measured (the first allocates "
-               "DeepSpeed's optimizer state)"),
-           opt("--models", default=",".join(MODELS)),
-           opt("--merge", action="store_true", help="keep the rows of other models already in --json")]
+OPTIONS = [
+    opt("--world-size", type=int, default=8),
+    opt("--seq", type=int, default=128),
+    opt("--batch", type=int, default=2),
+    opt(
+        "--steps", type=int, default=2, help="training steps measured (the first allocates DeepSpeed's optimizer state)"
+    ),
+    opt("--models", default=",".join(MODELS)),
+    opt("--merge", action="store_true", help="keep the rows of other models already in --json"),
+]
 
 
 def run(args):
     from zeroshard.plan import plan_model
+
     libs = ["zeroshard"] + (["deepspeed"] if not peers.available() else [])
     if len(libs) == 1:
         print(f"DeepSpeed not importable ({peers.available()}): its columns are '-' (`make bench-deps`)")
     rows = []
     for name in args.models.split(","):
         build = _build(name, args.seq)
-        plan = plan_model(build, args.world_size, "bf16", wrap={train_gpt.Block},
-                          example=_batch(name, args.seq, args.batch), transport="gloo")
+        plan = plan_model(
+            build,
+            args.world_size,
+            "bf16",
+            wrap={train_gpt.Block},
+            example=_batch(name, args.seq, args.batch),
+            transport="gloo",
+        )
         ds = deepspeed_estimates(build, args.world_size)
         for stage in (2, 3):
             st = plan["stages"][f"ZeRO-{stage}"]
-            peaks = {lib: spawn(measure, args.world_size, lib, stage, name, args.seq, args.batch, args.steps,
-                                what=f"{name} {lib} ZeRO-{stage}", skip_failed=True) for lib in libs}
-            rows.append(dict(model=name, params=plan["params"], stage=stage, seq=args.seq, batch=args.batch,
-                             steps=args.steps, ds_estimate=ds.get(stage),
-                             ds_peak=peaks.get("deepspeed"), plan_state=st["model_state"], plan_peak=st["peak"],
-                             peak=peaks["zeroshard"]))
+            peaks = {
+                lib: spawn(
+                    measure,
+                    args.world_size,
+                    lib,
+                    stage,
+                    name,
+                    args.seq,
+                    args.batch,
+                    args.steps,
+                    what=f"{name} {lib} ZeRO-{stage}",
+                    skip_failed=True,
+                )
+                for lib in libs
+            }
+            rows.append(
+                dict(
+                    model=name,
+                    params=plan["params"],
+                    stage=stage,
+                    seq=args.seq,
+                    batch=args.batch,
+                    steps=args.steps,
+                    ds_estimate=ds.get(stage),
+                    ds_peak=peaks.get("deepspeed"),
+                    plan_state=st["model_state"],
+                    plan_peak=st["peak"],
+                    peak=peaks["zeroshard"],
+                )
+            )
             print(rows[-1], flush=True)
     if args.merge and os.path.exists(args.json):
         with open(args.json) as f:
             rows = [r for r in json.load(f)["rows"] if r["model"] not in args.models.split(",")] + rows
     print(table(rows, args))
-    return dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"),
-                world_size=args.world_size, seq=args.seq, batch=args.batch, rows=rows)
+    return dict(
+        date=str(date.today()),
+        torch=torch.__version__,
+        machine=machine_info("cpu"),
+        world_size=args.world_size,
+        seq=args.seq,
+        batch=args.batch,
+        rows=rows,
+    )
 
 
 def table(rows: list, args) -> str:
@@ -140,14 +187,19 @@ def table(rows: list, args) -> str:
 
     def ratio(a, b):
         return "-" if a is None or not b else f"{a / b:.2f}"
-    lines = [f"bf16, {args.world_size} ranks, MiB on rank 0", "",
-             "| model (batch x seq, steps) | stage | DeepSpeed estimate | DeepSpeed measured peak | est./peak | zeroshard plan: "
-             "state | plan: peak | zeroshard measured peak | plan/peak |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['model']} ({r['params'] / 1e6:.1f}M; {r.get('batch')} x {r.get('seq')}, "
-                     f"{r.get('steps')}) | ZeRO-{r['stage']} | {mb(r['ds_estimate'])} | "
-                     f"{mb(r['ds_peak'])} | {ratio(r['ds_estimate'], r['ds_peak'])} | {mb(r['plan_state'])} | "
-                     f"{mb(r['plan_peak'])} | {mb(r['peak'])} | {ratio(r['plan_peak'], r['peak'])} |")
-    return "\n".join(lines)
 
+    lines = [
+        f"bf16, {args.world_size} ranks, MiB on rank 0",
+        "",
+        "| model (batch x seq, steps) | stage | DeepSpeed estimate | DeepSpeed measured peak | est./peak | zeroshard plan: "
+        "state | plan: peak | zeroshard measured peak | plan/peak |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} ({r['params'] / 1e6:.1f}M; {r.get('batch')} x {r.get('seq')}, "
+            f"{r.get('steps')}) | ZeRO-{r['stage']} | {mb(r['ds_estimate'])} | "
+            f"{mb(r['ds_peak'])} | {ratio(r['ds_estimate'], r['ds_peak'])} | {mb(r['plan_state'])} | "
+            f"{mb(r['plan_peak'])} | {mb(r['peak'])} | {ratio(r['plan_peak'], r['peak'])} |"
+        )
+    return "\n".join(lines)

@@ -27,6 +27,7 @@ unit's full fp32 size (embeddings and head: initialised whole on meta before the
 weights are read) + 200 MB (the forward's activations and one gathered unit, the
 allocator's slack). Writes benchmarks/out/pretrained_load.json and prints the table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,24 @@ MARGIN = 200 << 20
 
 def config(layers: int, hidden: int):
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                       max_position_embeddings=512, tie_word_embeddings=False)
+
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
 
 
 def save(folder: str, layers: int, hidden: int, dtype: str) -> int:
     """The model saved with its weights in ``dtype``; returns its parameter count."""
     import torch
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(layers, hidden)).to(getattr(torch, dtype))
     model.save_pretrained(folder, max_shard_size="300MB")
@@ -77,12 +87,15 @@ def load(method: str, folder: str):
 
     import zeroshard
     from zeroshard.integrations.hf import from_pretrained
+
     if method == "zeroshard":
-        return from_pretrained(AutoModelForCausalLM, folder, dtype=torch.float32,
-                               zeroshard=dict(stage=3, wrap={LlamaDecoderLayer}))
+        return from_pretrained(
+            AutoModelForCausalLM, folder, dtype=torch.float32, zeroshard=dict(stage=3, wrap={LlamaDecoderLayer})
+        )
     if method == "from_pretrained":
-        return zeroshard.FullyShard(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                                    wrap={LlamaDecoderLayer})
+        return zeroshard.FullyShard(
+            AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), wrap={LlamaDecoderLayer}
+        )
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     fs = zeroshard.FullyShard(model, wrap={LlamaDecoderLayer})
@@ -104,6 +117,7 @@ def child(method: str, folder: str, out: str) -> None:
     import torch
     import torch.distributed as dist
     import transformers
+
     transformers.logging.set_verbosity_error()
     dist.init_process_group("gloo")
     # every import load() makes, before the baseline
@@ -113,6 +127,7 @@ def child(method: str, folder: str, out: str) -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: F401
 
     import zeroshard.integrations.hf  # noqa: F401
+
     before = rss()
     t0 = time.perf_counter()
     model = load(method, folder)
@@ -125,19 +140,22 @@ def child(method: str, folder: str, out: str) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     shard = sum(u.shard.numel() * 4 for u in model.units)
     root = model.units[0].numel * 4
-    rows = zeroshard.all_gather_object(dict(growth=peak - before, load_growth=loaded - before, seconds=seconds,
-                                            shard=shard, root=root))
+    rows = zeroshard.all_gather_object(
+        dict(growth=peak - before, load_growth=loaded - before, seconds=seconds, shard=shard, root=root)
+    )
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
 
 
-OPTIONS = [opt("--worlds", type=int, nargs="+", default=[2, 4]),
-           opt("--layers", type=int, default=16),
-           opt("--hidden", type=int, default=1280),
-           opt("--files", nargs="+", default=["bf16", "fp32"], help="the saved weights' dtypes"),
-           opt("--child", nargs=3, help=argparse.SUPPRESS)]
+OPTIONS = [
+    opt("--worlds", type=int, nargs="+", default=[2, 4]),
+    opt("--layers", type=int, default=16),
+    opt("--hidden", type=int, default=1280),
+    opt("--files", nargs="+", default=["bf16", "fp32"], help="the saved weights' dtypes"),
+    opt("--child", nargs=3, help=argparse.SUPPRESS),
+]
 
 
 def run(args):
@@ -154,8 +172,14 @@ def run(args):
             for method in METHODS:
                 results.append(measure(method, world, folder, work, size))
                 results[-1]["files"] = files
-    record = dict(date=str(date.today()), commit=git_commit(), machine=machine_info("cpu"), params=params,
-                  model_mb=size / 2**20, rows=results)
+    record = dict(
+        date=str(date.today()),
+        commit=git_commit(),
+        machine=machine_info("cpu"),
+        params=params,
+        model_mb=size / 2**20,
+        rows=results,
+    )
     ok = all(r["growth_mb"] <= r["bound_mb"] for r in results if r["method"] == "zeroshard")
     print(f"model {size / 2**20:.0f} MB fp32; zeroshard within its bound everywhere: {ok}")
     write_json(args.json, record)
@@ -165,17 +189,29 @@ def run(args):
 def measure(method: str, world: int, folder: str, work: str, size: int) -> dict:
     """One torchrun launch of ``method`` at ``world`` ranks: its row."""
     out = os.path.join(work, f"{method}-{world}.json".replace(" ", "_"))
-    subprocess.run(torchrun(world, "pretrained_load", "--child", method, folder, out), check=True,
-                   env=run_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        torchrun(world, "pretrained_load", "--child", method, folder, out),
+        check=True,
+        env=run_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     with open(out) as f:
         ranks = json.load(f)
-    r = dict(world=world, method=method, growth_mb=max(x["growth"] for x in ranks) / 2**20,
-             load_growth_mb=max(x["load_growth"] for x in ranks) / 2**20,
-             seconds=max(x["seconds"] for x in ranks), shard_mb=max(x["shard"] for x in ranks) / 2**20,
-             bound_mb=max(x["shard"] + READ_BUFFER + x["root"] + MARGIN for x in ranks) / 2**20)
+    r = dict(
+        world=world,
+        method=method,
+        growth_mb=max(x["growth"] for x in ranks) / 2**20,
+        load_growth_mb=max(x["load_growth"] for x in ranks) / 2**20,
+        seconds=max(x["seconds"] for x in ranks),
+        shard_mb=max(x["shard"] for x in ranks) / 2**20,
+        bound_mb=max(x["shard"] + READ_BUFFER + x["root"] + MARGIN for x in ranks) / 2**20,
+    )
     r["growth_x"] = r["growth_mb"] * 2**20 / size
-    print(f"{os.path.basename(folder)} world {world} {method:17s} growth: load {r['load_growth_mb']:6.0f} MB, "
-          f"+ forward {r['growth_mb']:6.0f} MB ({r['growth_x']:.2f}x the model); load {r['seconds']:5.1f} s; "
-          f"shard {r['shard_mb']:5.0f} MB, bound {r['bound_mb']:5.0f} MB", flush=True)
+    print(
+        f"{os.path.basename(folder)} world {world} {method:17s} growth: load {r['load_growth_mb']:6.0f} MB, "
+        f"+ forward {r['growth_mb']:6.0f} MB ({r['growth_x']:.2f}x the model); load {r['seconds']:5.1f} s; "
+        f"shard {r['shard_mb']:5.0f} MB, bound {r['bound_mb']:5.0f} MB",
+        flush=True,
+    )
     return r
-

@@ -15,6 +15,7 @@ from). Writes --out/profile_<variant>.txt and prints the phase table.
 host's span and the device work it launched; the device's tail and longest idle gaps)
 and its Chrome trace written gzipped.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -31,8 +32,14 @@ from benchmarks.gpt import GPTConfig
 from benchmarks.harness import OUT, free_port, init_dist, opt
 from benchmarks.specs import offload_trace
 
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize",
-         "aten::item", "aten::_local_scalar_dense")
+SYNCS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMemcpy",
+    "cudaEventSynchronize",
+    "aten::item",
+    "aten::_local_scalar_dense",
+)
 
 
 def phase_ms(model, opt, data, steps):
@@ -63,6 +70,7 @@ def host_ms(model, opt, data, steps, each=False):
     ``each``: the device synchronized after every step, as the step benchmark times a step alone
     (a phase whose host time grows then waits for the device somewhere inside)."""
     import warnings
+
     torch.cuda.synchronize()
     phases = [0.0, 0.0, 0.0]
     t_start = time.perf_counter()
@@ -122,8 +130,11 @@ def timeline(trace: dict, gaps: int = 6) -> str:
     host's last call) or gaps while the host runs show what a step alone pays and steps
     in a row hide."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    spans = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in ev
-             if e.get("cat") == "user_annotation" and e["name"] in ("forward", "backward", "step")}
+    spans = {
+        e["name"]: (e["ts"], e["ts"] + e["dur"])
+        for e in ev
+        if e.get("cat") == "user_annotation" and e["name"] in ("forward", "backward", "step")
+    }
     if len(spans) < 3:
         return "timeline: the trace lacks the forward/backward/step ranges"
     t0, host_end = spans["forward"][0], spans["step"][1]
@@ -131,28 +142,40 @@ def timeline(trace: dict, gaps: int = 6) -> str:
     for e in ev:
         if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
             launched_in[e["args"]["correlation"]] = next(
-                (ph for ph, (a, b) in spans.items() if a <= e["ts"] <= b), "outside")
+                (ph for ph, (a, b) in spans.items() if a <= e["ts"] <= b), "outside"
+            )
     work = sorted((e for e in ev if e.get("cat") in DEVICE_WORK), key=lambda e: e["ts"])
     lines = []
     for ph, (a, b) in spans.items():
-        mine = [(e["ts"], e["ts"] + e["dur"]) for e in work
-                if launched_in.get(e.get("args", {}).get("correlation")) == ph]
-        dev = (f"device {(min(x for x, _ in mine) - t0) / 1e3:7.2f} -> {(max(y for _, y in mine) - t0) / 1e3:7.2f} "
-               f"ms, busy {offload_trace.union_ms(mine):6.2f} ms in {len(mine)} calls") if mine else "no device work"
+        mine = [
+            (e["ts"], e["ts"] + e["dur"]) for e in work if launched_in.get(e.get("args", {}).get("correlation")) == ph
+        ]
+        dev = (
+            (
+                f"device {(min(x for x, _ in mine) - t0) / 1e3:7.2f} -> {(max(y for _, y in mine) - t0) / 1e3:7.2f} "
+                f"ms, busy {offload_trace.union_ms(mine):6.2f} ms in {len(mine)} calls"
+            )
+            if mine
+            else "no device work"
+        )
         lines.append(f"  {ph:<9} host {(a - t0) / 1e3:7.2f} -> {(b - t0) / 1e3:7.2f} ms | {dev}")
     if work:
         end = max(e["ts"] + e["dur"] for e in work)
         busy = offload_trace.union_ms([(e["ts"], e["ts"] + e["dur"]) for e in work])
-        lines.append(f"  wall {(end - t0) / 1e3:.2f} ms: host done at {(host_end - t0) / 1e3:.2f}, device tail "
-                     f"{(end - host_end) / 1e3:.2f} ms; device busy {busy:.2f} ms")
+        lines.append(
+            f"  wall {(end - t0) / 1e3:.2f} ms: host done at {(host_end - t0) / 1e3:.2f}, device tail "
+            f"{(end - host_end) / 1e3:.2f} ms; device busy {busy:.2f} ms"
+        )
         idle, reach = [], work[0]["ts"]
         for e in work:
             if e["ts"] > reach:
                 idle.append((e["ts"] - reach, reach, e))
             reach = max(reach, e["ts"] + e["dur"])
         for gap, at, e in sorted(idle, key=lambda g: -g[0])[:gaps]:
-            lines.append(f"  idle {gap / 1e3:6.2f} ms from {(at - t0) / 1e3:7.2f} ms, until {e['name'][:60]} "
-                         f"(launched in {launched_in.get(e.get('args', {}).get('correlation'), '?')})")
+            lines.append(
+                f"  idle {gap / 1e3:6.2f} ms from {(at - t0) / 1e3:7.2f} ms, until {e['name'][:60]} "
+                f"(launched in {launched_in.get(e.get('args', {}).get('correlation'), '?')})"
+            )
     return "\n".join(lines)
 
 
@@ -168,32 +191,51 @@ def profile(model, opt, data, steps=2, stack=False) -> str:
                 opt.zero_grad()
         torch.cuda.synchronize()
     avg = prof.key_averages()
-    syncs = [f"  {e.key}: {e.count / steps:g} per step, {e.cpu_time_total / steps / 1e3:.2f} ms host"
-             for e in avg if any(e.key.startswith(s) for s in SYNCS)]
-    if stack:     # where each synchronisation is called from (the Python frames nearest to it)
-        syncs += [f"  {e.key} x{e.count} from:\n" + "\n".join(f"      {f}" for f in e.stack)
-                  for e in prof.key_averages(group_by_stack_n=8) if any(e.key.startswith(s) for s in SYNCS)]
-    return ("host-device synchronisations:\n" + ("\n".join(syncs) or "  none") + "\n\n"
-            + avg.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
-            + avg.table(sort_by="self_device_time_total", row_limit=20))
+    syncs = [
+        f"  {e.key}: {e.count / steps:g} per step, {e.cpu_time_total / steps / 1e3:.2f} ms host"
+        for e in avg
+        if any(e.key.startswith(s) for s in SYNCS)
+    ]
+    if stack:  # where each synchronisation is called from (the Python frames nearest to it)
+        syncs += [
+            f"  {e.key} x{e.count} from:\n" + "\n".join(f"      {f}" for f in e.stack)
+            for e in prof.key_averages(group_by_stack_n=8)
+            if any(e.key.startswith(s) for s in SYNCS)
+        ]
+    return (
+        "host-device synchronisations:\n"
+        + ("\n".join(syncs) or "  none")
+        + "\n\n"
+        + avg.table(sort_by="self_cpu_time_total", row_limit=30)
+        + "\n"
+        + avg.table(sort_by="self_device_time_total", row_limit=20)
+    )
 
 
-OPTIONS = [opt("--variants", default="adamw,zeroshard-2"),
-           opt("--dtype", choices=["float32", "bfloat16"], default="bfloat16"),
-           opt("--param-dtype", choices=["float32", "bfloat16"], default="bfloat16"),
-           opt("--steps", type=int, default=10),
-           opt("--batch", type=int, default=8),
-           opt("--out", default=OUT, help="where the profiles and traces go"),
-           opt("--stack", action="store_true", help="also the Python stacks the synchronisations come from"),
-           opt("--host", action="store_true",
-               help="only the host's time per phase without synchronizing, against the wall time, and "
-               "the synchronizing calls of a step (no profile): steps in a row, then each alone"),
-           opt("--alone", action="store_true",
-               help="only a profiled step timed alone per variant: its timeline (where the wall time goes) "
-               "printed, its Chrome trace written gzipped to --out/alone_<variant>.json.gz")]
+OPTIONS = [
+    opt("--variants", default="adamw,zeroshard-2"),
+    opt("--dtype", choices=["float32", "bfloat16"], default="bfloat16"),
+    opt("--param-dtype", choices=["float32", "bfloat16"], default="bfloat16"),
+    opt("--steps", type=int, default=10),
+    opt("--batch", type=int, default=8),
+    opt("--out", default=OUT, help="where the profiles and traces go"),
+    opt("--stack", action="store_true", help="also the Python stacks the synchronisations come from"),
+    opt(
+        "--host",
+        action="store_true",
+        help="only the host's time per phase without synchronizing, against the wall time, and "
+        "the synchronizing calls of a step (no profile): steps in a row, then each alone",
+    ),
+    opt(
+        "--alone",
+        action="store_true",
+        help="only a profiled step timed alone per variant: its timeline (where the wall time goes) "
+        "printed, its Chrome trace written gzipped to --out/alone_<variant>.json.gz",
+    ),
+]
 
 
-JSON = None     # it writes profiles and traces into --out
+JSON = None  # it writes profiles and traces into --out
 
 
 def run(args):
@@ -213,9 +255,12 @@ def run(args):
         elif args.host:
             for each in (False, True):
                 (f, b, s), wall, where = host_ms(model, opt, data, args.steps, each)
-                print(f"{v:<20} {'alone' if each else 'in a row'}: host forward {f:.2f} backward {b:.2f} step "
-                      f"{s:.2f} = {f + b + s:.2f} ms | wall {wall:.2f} ms per step | syncs in a step: "
-                      f"{where or 'none'}", flush=True)
+                print(
+                    f"{v:<20} {'alone' if each else 'in a row'}: host forward {f:.2f} backward {b:.2f} step "
+                    f"{s:.2f} = {f + b + s:.2f} ms | wall {wall:.2f} ms per step | syncs in a step: "
+                    f"{where or 'none'}",
+                    flush=True,
+                )
         if args.alone or args.host:
             training.settle(opt)
             del model, opt
@@ -224,9 +269,11 @@ def run(args):
         f, b, s = phase_ms(model, opt, data, args.steps)
         print(f"{v:<20} {f:>8.2f} {b:>9.2f} {s:>7.2f} {f + b + s:>7.2f}", flush=True)
         with open(os.path.join(args.out, f"profile_{v}.txt"), "w") as fh:
-            fh.write(f"{v}: forward {f:.2f} ms, backward {b:.2f} ms, step {s:.2f} ms\n\n" + profile(model, opt, data, stack=args.stack))
+            fh.write(
+                f"{v}: forward {f:.2f} ms, backward {b:.2f} ms, step {s:.2f} ms\n\n"
+                + profile(model, opt, data, stack=args.stack)
+            )
         training.settle(opt)
         del model, opt
         torch.cuda.empty_cache()
     dist.destroy_process_group()
-

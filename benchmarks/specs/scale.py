@@ -35,6 +35,7 @@ Then, for the same model at each N (no process group needed):
               load at N/2 ranks takes to find the entries its pieces overlap
 Writes benchmarks/out/scale.json and benchmarks/out/scale.png; prints a markdown table.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,18 @@ import time
 from benchmarks.harness import command, machine_info, opt, run_env, write_json
 
 D, BLOCKS, BATCH, SHARD = 264, 8, 4, 8
-VARIANTS = ["zeroshard-1", "zeroshard-2", "zeroshard-3", "hybrid-2", "hybrid-3", "muon-2", "muon-3",
-            "muon-hybrid-2", "muon-hybrid-3", "zeroshard-3/fake-pg"]
+VARIANTS = [
+    "zeroshard-1",
+    "zeroshard-2",
+    "zeroshard-3",
+    "hybrid-2",
+    "hybrid-3",
+    "muon-2",
+    "muon-3",
+    "muon-hybrid-2",
+    "muon-hybrid-3",
+    "zeroshard-3/fake-pg",
+]
 
 
 def _model():
@@ -63,6 +74,7 @@ def _model():
 
         def forward(self, x):
             return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
     torch.manual_seed(0)
     return nn.Sequential(*[Block() for _ in range(BLOCKS)]), Block
 
@@ -70,6 +82,7 @@ def _model():
 def _build(variant: str):
     import torch
     import zeroshard as zs
+
     model, block = _model()
     stage = int(variant[-1])
     hybrid = {"shard_size": SHARD} if "hybrid" in variant else {}
@@ -81,8 +94,10 @@ def _build(variant: str):
     if variant.startswith("muon"):
         mats = [p for p in model.parameters() if p.ndim == 2]
         rest = [p for p in model.parameters() if p.ndim != 2]
-        opts = [zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, lr=0.02, **kw, **hybrid),
-                zs.ShardedOptimizer(rest, lr=1e-3, **kw, **hybrid)]
+        opts = [
+            zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, lr=0.02, **kw, **hybrid),
+            zs.ShardedOptimizer(rest, lr=1e-3, **kw, **hybrid),
+        ]
     else:
         opts = [zs.ShardedOptimizer(model.parameters(), lr=1e-3, **kw, **hybrid)]
     return model, opts
@@ -94,19 +109,22 @@ def run_one(variant: str, world: int, steps: int) -> dict:
     import torch
     import torch.distributed as dist
     from zeroshard.comm import noop
+
     torch.set_num_threads(1)
-    torch.set_flush_denormal(True)      # (the no-op backend leaves float outputs as they were)
+    torch.set_flush_denormal(True)  # (the no-op backend leaves float outputs as they were)
 
     @contextlib.contextmanager
     def fake_world():
         from torch.testing._internal.distributed.fake_pg import FakeStore
+
         dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
         try:
             yield
         finally:
             dist.destroy_process_group()
+
     x = torch.randn(BATCH, D)
-    with (fake_world() if variant.endswith("fake-pg") else noop.noop_world(world)):
+    with fake_world() if variant.endswith("fake-pg") else noop.noop_world(world):
         t0 = time.perf_counter()
         model, opts = _build(variant.split("/")[0])
         built = time.perf_counter() - t0
@@ -123,32 +141,59 @@ def run_one(variant: str, world: int, steps: int) -> dict:
             if i == 3:
                 colls = dict(noop.calls)
         import zeroshard as zs
-        rep = model.memory_report() if isinstance(model, zs.FullyShard) else {
-            k: sum(o.memory_report()[k] for o in opts) for k in ("total", "padding")}
+
+        rep = (
+            model.memory_report()
+            if isinstance(model, zs.FullyShard)
+            else {k: sum(o.memory_report()[k] for o in opts) for k in ("total", "padding")}
+        )
         params = sum(p.numel() for p in _model()[0].parameters())
     stage = int(variant.split("/")[0][-1])
     from zeroshard.plan.formula import model_state_bytes
+
     formula = model_state_bytes(params, world, "fp32", SHARD if "hybrid" in variant else None)[f"ZeRO-{stage}"]
-    return {"variant": variant, "world": world, "build_ms": built * 1e3, "step_ms": min(times[3:]) * 1e3,
-            "collectives": sum(colls.values()), "most_tensors": max((n for _, n in colls), default=0),
-            "state_bytes": rep["total"], "formula_bytes": formula["total"], "padding_bytes": rep["padding"],
-            "params": params}
+    return {
+        "variant": variant,
+        "world": world,
+        "build_ms": built * 1e3,
+        "step_ms": min(times[3:]) * 1e3,
+        "collectives": sum(colls.values()),
+        "most_tensors": max((n for _, n in colls), default=0),
+        "state_bytes": rep["total"],
+        "formula_bytes": formula["total"],
+        "padding_bytes": rep["padding"],
+        "params": params,
+    }
 
 
 # ---------------------------------------------------------------- diagnosis and manifest
+
 
 def diagnosis_lines(world: int) -> int:
     """Lines of the watchdog's diagnosis of a divergence at ``world`` ranks (pure)."""
     from zeroshard.comm import watchdog
 
     def rec(seq, kind, what, end):
-        return {"seq": seq, "group": "0", "kind": kind, "what": what, "numel": 10, "dtype": "float32",
-                "start": 0.0, "end": end}
-    common = [rec(41, "reduce_scatter", "step 7, backward", 1.0), rec(42, "all_gather", "unit 'blocks.1'", 1.0),
-              rec(43, "all_gather", "unit 'blocks.2'", None)]
+        return {
+            "seq": seq,
+            "group": "0",
+            "kind": kind,
+            "what": what,
+            "numel": 10,
+            "dtype": "float32",
+            "start": 0.0,
+            "end": end,
+        }
+
+    common = [
+        rec(41, "reduce_scatter", "step 7, backward", 1.0),
+        rec(42, "all_gather", "unit 'blocks.1'", 1.0),
+        rec(43, "all_gather", "unit 'blocks.2'", None),
+    ]
     odd = world // 8
-    reports = {r: {"cause": "timed out", "records": common[:1] if r == odd else common}
-               for r in range(world) if r != world - 1}
+    reports = {
+        r: {"cause": "timed out", "records": common[:1] if r == odd else common} for r in range(world) if r != world - 1
+    }
     return len(watchdog.diagnose(reports, "0", world, now=30.0).splitlines())
 
 
@@ -176,6 +221,7 @@ def manifest(world: int) -> tuple:
     synthetic ZeRO-3 checkpoint of the benchmark's model saved at ``world`` ranks."""
     import bisect
     from zeroshard.checkpoint import files
+
     model, _ = _model()
     units = [[(f"{b}.{n}", p) for n, p in blk.named_parameters()] for b, blk in enumerate(model)]
     tensors, entries_of = {}, {}
@@ -184,13 +230,22 @@ def manifest(world: int) -> tuple:
             name, p = unit[i]
             for state in ("param", "exp_avg", "exp_avg_sq"):
                 key = f"{state}:{name}"
-                ents = [[f"rank{r}.safetensors", 4096 * r, s, n, [0] * -(-n * 4 // files.BLOCK)]
-                        for r, s, n in pieces]
-                tensors[key] = {"shape": list(p.shape), "dtype": "float32", "model_dtype": "float32",
-                                "step": 1, "entries": ents}
+                ents = [[f"rank{r}.safetensors", 4096 * r, s, n, [0] * -(-n * 4 // files.BLOCK)] for r, s, n in pieces]
+                tensors[key] = {
+                    "shape": list(p.shape),
+                    "dtype": "float32",
+                    "model_dtype": "float32",
+                    "step": 1,
+                    "entries": ents,
+                }
                 entries_of[key] = ents
-    body = {"world_size": world, "stage": 3, "block_bytes": files.BLOCK, "tensors": tensors,
-            "files": {f"rank{r}.safetensors": {"size": 1, "crc32": 0} for r in range(world)}}
+    body = {
+        "world_size": world,
+        "stage": 3,
+        "block_bytes": files.BLOCK,
+        "tensors": tensors,
+        "files": {f"rank{r}.safetensors": {"size": 1, "crc32": 0} for r in range(world)},
+    }
     size = len(files.manifest_bytes(body))
     # one rank of the load at world // 2: the entries each of its pieces overlaps, found as
     # the loader finds them (bisect on the sorted starts)
@@ -207,24 +262,29 @@ def manifest(world: int) -> tuple:
                     if r != new // 3:
                         continue
                     lo = max(0, bisect.bisect_right(starts, s) - 1)
-                    found += sum(1 for e in ents[lo:bisect.bisect_left(starts, s + n)] if e[2] + e[3] > s)
+                    found += sum(1 for e in ents[lo : bisect.bisect_left(starts, s + n)] if e[2] + e[3] > s)
     return size, (time.perf_counter() - t0) * 1e3
 
 
 # ---------------------------------------------------------------- table, plot, main
+
 
 def table(d: dict) -> str:
     rows = d["points"]
     first = {}
     for r in rows:
         first.setdefault(r["variant"], r)
-    lines = ["| variant | N | build ms | step ms | x N=first | colls | tensors | state / formula | padding MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| variant | N | build ms | step ms | x N=first | colls | tensors | state / formula | padding MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['world']} | {r['build_ms']:.0f} | {r['step_ms']:.1f} | "
-                     f"{r['step_ms'] / first[r['variant']]['step_ms']:.2f} | {r['collectives']} | "
-                     f"{r['most_tensors']} | {r['state_bytes'] / r['formula_bytes']:.2f} | "
-                     f"{r['padding_bytes'] / 1e6:.1f} |")
+        lines.append(
+            f"| {r['variant']} | {r['world']} | {r['build_ms']:.0f} | {r['step_ms']:.1f} | "
+            f"{r['step_ms'] / first[r['variant']]['step_ms']:.2f} | {r['collectives']} | "
+            f"{r['most_tensors']} | {r['state_bytes'] / r['formula_bytes']:.2f} | "
+            f"{r['padding_bytes'] / 1e6:.1f} |"
+        )
     lines += ["", "| N | diagnosis lines | manifest MB | plan ms (load at N/2) |", "|---:|---:|---:|---:|"]
     for w, v in sorted(d["pure"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {w} | {v['diagnosis_lines']} | {v['manifest_bytes'] / 1e6:.2f} | {v['plan_ms']:.2f} |")
@@ -233,8 +293,10 @@ def table(d: dict) -> str:
 
 def plot(d: dict, path: str):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for v in dict.fromkeys(r["variant"] for r in d["points"]):
         pts = [r for r in d["points"] if r["variant"] == v]
@@ -253,16 +315,18 @@ def plot(d: dict, path: str):
     fig.savefig(path, dpi=110)
 
 
-OPTIONS = [opt("--worlds", default="8,64,512,4096"),
-           opt("--variants", default=",".join(VARIANTS)),
-           opt("--steps", type=int, default=12),
-           opt("--one", nargs=2, metavar=("VARIANT", "N")),
-           opt("--plot-only", action="store_true")]
+OPTIONS = [
+    opt("--worlds", default="8,64,512,4096"),
+    opt("--variants", default=",".join(VARIANTS)),
+    opt("--steps", type=int, default=12),
+    opt("--one", nargs=2, metavar=("VARIANT", "N")),
+    opt("--plot-only", action="store_true"),
+]
 
 
 def run(a):
     path = a.json
-    if a.one:                  # one point, in a process of its own: its JSON on stdout
+    if a.one:  # one point, in a process of its own: its JSON on stdout
         print(json.dumps(run_one(a.one[0], int(a.one[1]), a.steps)))
         return None
     if not a.plot_only:
@@ -274,24 +338,35 @@ def run(a):
                     w = 2 * SHARD
                 if v.endswith("fake-pg") and w not in (worlds[0], worlds[-1]):
                     continue
-                got = subprocess.run(command("scale", "--one", v, str(w), "--steps", str(a.steps)),
-                                     capture_output=True, text=True, env=run_env())
+                got = subprocess.run(
+                    command("scale", "--one", v, str(w), "--steps", str(a.steps)),
+                    capture_output=True,
+                    text=True,
+                    env=run_env(),
+                )
                 if got.returncode:
                     sys.exit(f"{v} at N={w} failed:\n{got.stderr[-3000:]}")
                 points.append(json.loads(got.stdout.strip().splitlines()[-1]))
-                print(f"{v:>22} N={w:<5} build {points[-1]['build_ms']:8.0f} ms  step {points[-1]['step_ms']:7.1f} ms",
-                      flush=True)
+                print(
+                    f"{v:>22} N={w:<5} build {points[-1]['build_ms']:8.0f} ms  step {points[-1]['step_ms']:7.1f} ms",
+                    flush=True,
+                )
         pure = {}
         for w in worlds:
             size, ms = manifest(w)
             pure[str(w)] = {"diagnosis_lines": diagnosis_lines(w), "manifest_bytes": size, "plan_ms": ms}
         info = machine_info()
-        d = {"date": time.strftime("%Y-%m-%d"), "commit": info["commit"], "machine": info["description"],
-             "torch": info["torch"], "points": points, "pure": pure}
+        d = {
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": info["commit"],
+            "machine": info["description"],
+            "torch": info["torch"],
+            "points": points,
+            "pure": pure,
+        }
         write_json(path, d)
     with open(path) as f:
         d = json.load(f)
     plot(d, os.path.join(os.path.dirname(path), "scale.png"))
     print(table(d))
     return None
-

@@ -75,6 +75,7 @@ the slow link. --no-comm skips both.
     python -m benchmarks step --device cuda --world-size 1 --layers 24 --dim 1024 \
         --param-dtype bfloat16 --variants fsdp2-3,zeroshard-3                      # 350M-sized, bf16
 """
+
 from __future__ import annotations
 
 import statistics
@@ -95,15 +96,26 @@ def options(**defaults) -> list:
     d.update(defaults)
     return [
         opt("--world-size", type=int, default=2),
-        opt("--shard-size", type=int, default=None,
-            help="hybrid sharding: zeroshard's shard_size, FSDP2 with a (replicate, shard) mesh (HSDP)"),
+        opt(
+            "--shard-size",
+            type=int,
+            default=None,
+            help="hybrid sharding: zeroshard's shard_size, FSDP2 with a (replicate, shard) mesh (HSDP)",
+        ),
         opt("--steps", type=int, default=6),
         opt("--warmup", type=int, default=d["warmup"]),
         opt("--rounds", type=int, default=3, help="rounds of every variant in turn (timing)"),
-        opt("--baseline", default=None,
-            help="the variant the ratios are taken against (default: ddp, else adamw, else the first)"),
-        opt("--paired", type=int, default=d["paired"],
-            help="steps of every variant taken in turn in one process group (0: skip)"),
+        opt(
+            "--baseline",
+            default=None,
+            help="the variant the ratios are taken against (default: ddp, else adamw, else the first)",
+        ),
+        opt(
+            "--paired",
+            type=int,
+            default=d["paired"],
+            help="steps of every variant taken in turn in one process group (0: skip)",
+        ),
         opt("--batch", type=int, default=d["batch"]),
         opt("--layers", type=int, default=4),
         opt("--dim", type=int, default=256),
@@ -112,12 +124,21 @@ def options(**defaults) -> list:
         opt("--vocab", type=int, default=1021),
         opt("--device", choices=["cpu", "cuda"], default="cpu"),
         opt("--dtype", choices=["float32", "bfloat16"], default="float32"),
-        opt("--param-dtype", choices=["float32", "bfloat16"], default="float32",
-            help="gathered-parameter dtype of the ZeRO-3 variants (mixed precision)"),
+        opt(
+            "--param-dtype",
+            choices=["float32", "bfloat16"],
+            default="float32",
+            help="gathered-parameter dtype of the ZeRO-3 variants (mixed precision)",
+        ),
         opt("--prefetch", type=int, default=1, help="zeroshard-3: units gathered ahead"),
         opt("--variants", default=None, help="comma-separated; default: all that apply"),
-        opt("--no-comm", dest="comm", action="store_false",
-            help="skip counting each variant's collectives (one extra, profiled step)")]
+        opt(
+            "--no-comm",
+            dest="comm",
+            action="store_false",
+            help="skip counting each variant's collectives (one extra, profiled step)",
+        ),
+    ]
 
 
 OPTIONS = options()
@@ -132,9 +153,12 @@ def check(args):
 def run(args):
     cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, vocab=args.vocab)
     rows = []
-    variants = args.variants.split(",") if args.variants else (
-        VARIANTS if args.world_size > 1 else ["adamw", "adamw-amp"] + [v for v in VARIANTS if v != "ddp+zero"])
-    if args.device == "cuda" and not args.variants:   # FSDP2 prefetches on CUDA: compare like with like
+    variants = (
+        args.variants.split(",")
+        if args.variants
+        else (VARIANTS if args.world_size > 1 else ["adamw", "adamw-amp"] + [v for v in VARIANTS if v != "ddp+zero"])
+    )
+    if args.device == "cuda" and not args.variants:  # FSDP2 prefetches on CUDA: compare like with like
         variants = [v for v in variants if v != "zeroshard-3@p0"]
     variants = peers.runnable(variants)
     for k in range(max(1, args.rounds)):
@@ -153,36 +177,62 @@ def run(args):
         return 1
     for r in rows:
         r["step_ms"] = statistics.median(r["step_ms_rounds"])
-    base = next((r for r in rows if r["variant"] == args.baseline), None) if args.baseline else \
-        next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
+    base = (
+        next((r for r in rows if r["variant"] == args.baseline), None)
+        if args.baseline
+        else next((r for r in rows if r["variant"] in ("ddp", "adamw")), rows[0])
+    )
     if base is None:
-        print(f"--baseline {args.baseline}: that variant has no row (failed or not run); ratios vs {rows[0]['variant']}")
+        print(
+            f"--baseline {args.baseline}: that variant has no row (failed or not run); ratios vs {rows[0]['variant']}"
+        )
         base = rows[0]
     if args.device == "cuda":
         for r in rows:
             r["plan_mb"] = planned_peak_mb(r["variant"], cfg, args)
-    paired = (spawn(paired_worker, args.world_size, [r["variant"] for r in rows], cfg, args, what="paired timing",
-                    skip_failed=True) if args.paired > 0 else None)
+    paired = (
+        spawn(
+            paired_worker,
+            args.world_size,
+            [r["variant"] for r in rows],
+            cfg,
+            args,
+            what="paired timing",
+            skip_failed=True,
+        )
+        if args.paired > 0
+        else None
+    )
     for r in rows if paired else []:
-        r["paired_s"] = paired[r["variant"]]       # every turn's step time (ratios per turn)
+        r["paired_s"] = paired[r["variant"]]  # every turn's step time (ratios per turn)
         r["paired_ms"] = 1e3 * statistics.median(paired[r["variant"]])
         r["paired_ratio"] = paired_ratio(paired[r["variant"]], paired[base["variant"]])
     ours = next((r for r in rows if r["variant"] == "zeroshard-2"), base)
     where = "CPU gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()} NCCL"
     hybrid = f" ({args.world_size // args.shard_size} replicas x {args.shard_size} shards)" if args.shard_size else ""
-    print(f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size}{hybrid} | {where} | "
-          f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}")
+    print(
+        f"\nGPT {rows[0]['params'] / 1e6:.2f}M params ({args.dtype}) | world size {args.world_size}{hybrid} | {where} | "
+        f"torch {torch.__version__} | {date.today()} | ratios vs {base['variant']}"
+    )
     exact = args.device == "cpu"
-    print(f"{'variant':<17} {'step ms':>9} {'ratio':>7} {'paired':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
-          f"{' comm MB' if args.comm else ''}{' tensor MB  ratio' if exact else '  alloc MB   plan MB  plan/alloc'}")
+    print(
+        f"{'variant':<17} {'step ms':>9} {'ratio':>7} {'paired':>7} {'zs2 vs':>7} {'peak MB':>9} {'ratio':>7} {'loss':>7}"
+        f"{' comm MB' if args.comm else ''}{' tensor MB  ratio' if exact else '  alloc MB   plan MB  plan/alloc'}"
+    )
     for r in rows:
         comm = r.get("comm_mb")
         pr = f"{r['paired_ratio']:>6.2f}x" if "paired_ratio" in r else f"{'-':>7}"
-        print(f"{r['variant']:<17} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x {pr} "
-              f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
-              f"{r['loss']:>7.3f}" + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
-              + (f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x" if exact else
-                 f"{r['alloc_peak_mb']:>10.1f}" + plan_columns(r)))
+        print(
+            f"{r['variant']:<17} {r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>6.2f}x {pr} "
+            f"{r['step_ms'] / ours['step_ms']:>6.2f}x {r['peak_mb']:>9.1f} {r['peak_mb'] / base['peak_mb']:>6.2f}x "
+            f"{r['loss']:>7.3f}"
+            + ("" if not args.comm else f"{comm:>8.1f}" if comm is not None else f"{'?':>8}")
+            + (
+                f"{r['tensor_mb']:>10.1f} {r['tensor_mb'] / base['tensor_mb']:>5.2f}x"
+                if exact
+                else f"{r['alloc_peak_mb']:>10.1f}" + plan_columns(r)
+            )
+        )
     if args.comm:
         print("communication by process group (c10d operators on rank 0, one step; benchmarks/comm_count.py):")
         for r in rows:
@@ -190,11 +240,28 @@ def run(args):
     f3 = next((r for r in rows if r["variant"] == "fsdp2-3"), None)
     for z3 in (r for r in rows if r["variant"].startswith("zeroshard-3")):
         if f3:
-            print(f"ZeRO-3 ({args.param_dtype} params): {z3['variant']} / fsdp2-3 = "
-                  f"{z3['step_ms'] / f3['step_ms']:.2f}x time, {z3['peak_mb'] / f3['peak_mb']:.2f}x peak memory"
-                  + (f", {z3['tensor_mb'] / f3['tensor_mb']:.2f}x exact tensor peak" if exact else ""))
-    return dict(date=str(date.today()), torch=torch.__version__, world_size=args.world_size,
-                shard_size=args.shard_size, param_dtype=args.param_dtype, config=vars(cfg), rows=rows,
-                machine=machine_info(args.device), device=args.device, backend=where, dtype=args.dtype,
-                batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                prefetch=args.prefetch, paired=args.paired, baseline=base["variant"])
+            print(
+                f"ZeRO-3 ({args.param_dtype} params): {z3['variant']} / fsdp2-3 = "
+                f"{z3['step_ms'] / f3['step_ms']:.2f}x time, {z3['peak_mb'] / f3['peak_mb']:.2f}x peak memory"
+                + (f", {z3['tensor_mb'] / f3['tensor_mb']:.2f}x exact tensor peak" if exact else "")
+            )
+    return dict(
+        date=str(date.today()),
+        torch=torch.__version__,
+        world_size=args.world_size,
+        shard_size=args.shard_size,
+        param_dtype=args.param_dtype,
+        config=vars(cfg),
+        rows=rows,
+        machine=machine_info(args.device),
+        device=args.device,
+        backend=where,
+        dtype=args.dtype,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        prefetch=args.prefetch,
+        paired=args.paired,
+        baseline=base["variant"],
+    )

@@ -22,6 +22,7 @@ its run, and the file lists the runs). ``--memory`` measures instead the
 exact tensor peak of the ZeRO-3 variants at every point
 (benchmarks/out/sweep_memory.json).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,14 +42,26 @@ from benchmarks.training import paired_worker, worker
 
 OPTIONS = options(batch=2, warmup=1, paired=4) + [
     opt("--sizes", default=None, help="comma-separated model sizes (3M,25M,100M; default all)"),
-    opt("--memory", action="store_true",
-        help="the exact tensor peak of the ZeRO-3 variants at every point instead of time (sweep_memory.json)"),
-    opt("--plot-only", action="store_true", help="redraw the plots and print the table from the JSON")]
+    opt(
+        "--memory",
+        action="store_true",
+        help="the exact tensor peak of the ZeRO-3 variants at every point instead of time (sweep_memory.json)",
+    ),
+    opt("--plot-only", action="store_true", help="redraw the plots and print the table from the JSON"),
+]
 # (layers, dim) of the swept GPTs (4 heads, seq 64, vocab 1021): 3.0M, 25.8M, 100.7M parameters
 SIZES = {"3M": (4, 240), "25M": (8, 512), "100M": (12, 832)}
 WORLDS = (2, 3, 4)
-VARIANTS = ["zeroshard-1", "zeroshard-2", "zeroshard-2+overlap", "zeroshard-3", "fsdp2-3",
-            "deepspeed-1", "deepspeed-2", "deepspeed-3"]
+VARIANTS = [
+    "zeroshard-1",
+    "zeroshard-2",
+    "zeroshard-2+overlap",
+    "zeroshard-3",
+    "fsdp2-3",
+    "deepspeed-1",
+    "deepspeed-2",
+    "deepspeed-3",
+]
 
 
 def run(args):
@@ -74,22 +87,46 @@ def timing(args) -> dict:
         cfg = GPTConfig(layers=layers, dim=dim, heads=4, seq=args.seq, vocab=args.vocab)
         for world in WORLDS:
             for v in variants:
-                times = spawn(paired_worker, world, ["ddp", v], cfg, args, what=f"{label} world {world} {v}",
-                              skip_failed=True)
+                times = spawn(
+                    paired_worker, world, ["ddp", v], cfg, args, what=f"{label} world {world} {v}", skip_failed=True
+                )
                 if times is None:
                     continue
                 ratio = paired_ratio(times[v], times["ddp"])
-                points.append(dict(size=label, layers=layers, dim=dim, world=world, variant=v, ratio=ratio,
-                                   ms=1e3 * statistics.median(times[v]), ddp_ms=1e3 * statistics.median(times["ddp"])))
-                print(f"{label:>5} world {world}: {v:<20} {ratio:5.2f}x DDP  ({points[-1]['ms']:.0f} ms vs "
-                      f"{points[-1]['ddp_ms']:.0f} ms)  [{time.time() - t0:.0f} s]", flush=True)
+                points.append(
+                    dict(
+                        size=label,
+                        layers=layers,
+                        dim=dim,
+                        world=world,
+                        variant=v,
+                        ratio=ratio,
+                        ms=1e3 * statistics.median(times[v]),
+                        ddp_ms=1e3 * statistics.median(times["ddp"]),
+                    )
+                )
+                print(
+                    f"{label:>5} world {world}: {v:<20} {ratio:5.2f}x DDP  ({points[-1]['ms']:.0f} ms vs "
+                    f"{points[-1]['ddp_ms']:.0f} ms)  [{time.time() - t0:.0f} s]",
+                    flush=True,
+                )
     params = {label: _params(*SIZES[label], args) for label in SIZES}
     run_info = dict(date=str(date.today()), commit=git_commit(), variants=variants, sizes=sizes, paired=args.paired)
     for p in points:
         p["run"] = f"{run_info['date']} {run_info['commit']}"
-    out = dict(date=str(date.today()), torch=torch.__version__, machine=machine_info("cpu"), batch=args.batch,
-               seq=args.seq, warmup=args.warmup, paired=args.paired, cores=cores, params=params, points=points,
-               runs=[run_info])
+    out = dict(
+        date=str(date.today()),
+        torch=torch.__version__,
+        machine=machine_info("cpu"),
+        batch=args.batch,
+        seq=args.seq,
+        warmup=args.warmup,
+        paired=args.paired,
+        cores=cores,
+        params=params,
+        points=points,
+        runs=[run_info],
+    )
     if (args.variants or args.sizes) and os.path.exists(args.json):
         out = _merged(args.json, out)
     print(sweep_table(out))
@@ -106,7 +143,7 @@ def memory(args) -> dict:
     ZeRO-3 variant at every size and world size of the sweep."""
     variants = peers.runnable(args.variants.split(",") if args.variants else MEMORY_VARIANTS)
     sizes = args.sizes.split(",") if args.sizes else list(SIZES)
-    args.steps, args.warmup, args.comm = 1, 0, False    # (the peak is measured in a build of its own)
+    args.steps, args.warmup, args.comm = 1, 0, False  # (the peak is measured in a build of its own)
     rows, t0 = [], time.time()
     for label in sizes:
         layers, dim = SIZES[label]
@@ -117,14 +154,26 @@ def memory(args) -> dict:
                 if row is None:
                     continue
                 rows.append(dict(size=label, world=world, variant=v, tensor_mb=row["tensor_mb"]))
-                print(f"{label:>5} world {world}: {v:<14} {row['tensor_mb']:8.1f} MB  [{time.time() - t0:.0f} s]",
-                      flush=True)
-    out = dict(date=str(date.today()), commit=git_commit(), torch=torch.__version__, machine=machine_info("cpu"),
-               batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, rows=rows)
-    if (args.variants or args.sizes) and os.path.exists(args.json):   # keep the other rows
+                print(
+                    f"{label:>5} world {world}: {v:<14} {row['tensor_mb']:8.1f} MB  [{time.time() - t0:.0f} s]",
+                    flush=True,
+                )
+    out = dict(
+        date=str(date.today()),
+        commit=git_commit(),
+        torch=torch.__version__,
+        machine=machine_info("cpu"),
+        batch=args.batch,
+        seq=args.seq,
+        param_dtype=args.param_dtype,
+        rows=rows,
+    )
+    if (args.variants or args.sizes) and os.path.exists(args.json):  # keep the other rows
         with open(args.json) as f:
             redone = {(r["variant"], r["size"], r["world"]) for r in rows}
-            out["rows"] = [r for r in json.load(f)["rows"] if (r["variant"], r["size"], r["world"]) not in redone] + rows
+            out["rows"] = [
+                r for r in json.load(f)["rows"] if (r["variant"], r["size"], r["world"]) not in redone
+            ] + rows
     print(sweep_memory_table(out))
     return out
 
@@ -138,8 +187,9 @@ def _merged(path: str, new: dict) -> dict:
     kept = [p for p in old["points"] if (p["variant"], p["size"], p["world"]) not in redone]
     for p in kept:
         p.setdefault("run", old["date"])
-    runs = old.get("runs", [dict(date=old["date"], variants=sorted({p["variant"] for p in kept}),
-                                 paired=old["paired"])])
+    runs = old.get(
+        "runs", [dict(date=old["date"], variants=sorted({p["variant"] for p in kept}), paired=old["paired"])]
+    )
     return dict(new, points=kept + new["points"], runs=runs + new["runs"])
 
 
@@ -152,6 +202,7 @@ def _params(layers: int, dim: int, args) -> int:
 def plot(d: dict, folder: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -161,15 +212,15 @@ def plot(d: dict, folder: str) -> None:
     variants = list(dict.fromkeys(p["variant"] for p in d["points"]))
     sizes = [s for s in SIZES if any(k[1] == s for k in ratio)]
     for name, panels, xs, key, xlabel in (
-            ("sweep_size.png", WORLDS, sizes, lambda v, panel, x: (v, x, panel), "model size"),
-            ("sweep_world.png", sizes, WORLDS, lambda v, panel, x: (v, panel, x), "world size")):
+        ("sweep_size.png", WORLDS, sizes, lambda v, panel, x: (v, x, panel), "model size"),
+        ("sweep_world.png", sizes, WORLDS, lambda v, panel, x: (v, panel, x), "world size"),
+    ):
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
         for ax, panel in zip(axes[0], panels):
             for v in variants:
                 pts = [(i, ratio[key(v, panel, x)]) for i, x in enumerate(xs) if key(v, panel, x) in ratio]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=v,
-                            linestyle="-" if v.startswith("zeroshard") else "--")
+                    ax.plot(*zip(*pts), marker="o", label=v, linestyle="-" if v.startswith("zeroshard") else "--")
             ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xticks(range(len(xs)), [str(x) for x in xs])
             ax.set_xlabel(xlabel)
@@ -182,4 +233,3 @@ def plot(d: dict, folder: str) -> None:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         print(f"wrote {path}")
-

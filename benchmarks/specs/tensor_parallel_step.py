@@ -19,6 +19,7 @@ step, by process group, under the ring model (benchmarks/comm_count.py's c10d co
 
     python -m benchmarks tensor_parallel_step [--repeats 9] [--dim 256 --layers 4 --vocab 2048 --tokens 128]
 """
+
 from __future__ import annotations
 
 from datetime import date
@@ -40,6 +41,7 @@ def _sized(args) -> None:
 
 def build(variant: str, mesh):
     import zeroshard as zs
+
     torch.manual_seed(0)
     model = tpx.GPT()
     if variant == "zeroshard-3":
@@ -53,11 +55,12 @@ def build(variant: str, mesh):
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_mesh=mesh["dp"])
         return ddp, torch.optim.AdamW(model.parameters(), lr=1e-3)
     from torch.distributed.fsdp import fully_shard
+
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     for m in [model, *model.blocks]:
-        m.set_force_sum_reduction_for_comms(True)      # (gloo has no averaging reduce-scatter)
+        m.set_force_sum_reduction_for_comms(True)  # (gloo has no averaging reduce-scatter)
         m.set_gradient_divide_factor(float(mesh["dp"].size()))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -71,8 +74,12 @@ def step(model, opt, x, y):
 def _split(model) -> tuple:
     """(tp-sharded, replicated) parameter elements of the whole model."""
     from torch.distributed.tensor import DTensor, Shard
-    sharded = sum(p.numel() for p in model.parameters()
-                  if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements))
+
+    sharded = sum(
+        p.numel()
+        for p in model.parameters()
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+    )
     return sharded, sum(p.numel() for p in model.parameters()) - sharded
 
 
@@ -80,17 +87,18 @@ def worker(rank, world, port, out, args):
     init_dist(rank, world, port)
     _sized(args)
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp", "tp"))
     x, y = tpx.batch(0, mesh["dp"].get_local_rank(), "cpu")
     built = {v: build(v, mesh) for v in VARIANTS}
     times, sent = time_variants(built, args.repeats, lambda model, opt: step(model, opt, x, y), world)
     rep = built["zeroshard-3+tp"][1].memory_report()
-    elements = {}      # what one step all-gathers and reduce-scatters (zeroshard's own count)
+    elements = {}  # what one step all-gathers and reduce-scatters (zeroshard's own count)
     for v in ("zeroshard-3+tp", "zeroshard-3"):
         before = dict(built[v][0].comm_elements)
         step(*built[v], x, y)
         elements[v] = sum(built[v][0].comm_elements[k] - before[k] for k in ("all_gather", "reduce_scatter"))
-    split = _split(tpx.parallelize(tpx.GPT(), mesh["tp"]))     # (collective over tp: every rank)
+    split = _split(tpx.parallelize(tpx.GPT(), mesh["tp"]))  # (collective over tp: every rank)
     if rank == 0:
         out.put(dict(times_s=times, sent=sent, split=split, memory_report=rep, elements=elements))
     dist.barrier()
@@ -105,18 +113,23 @@ def run(args):
     res = spawn(worker, args.world_size, args)
     n, tp = args.world_size, TP
     dp = n // tp
-    print(f"TP step, world size {n} (dp {dp} x tp {tp}), GPT of width {args.dim}, {args.layers} layers, "
-          f"vocabulary {args.vocab}, {args.batch}x{args.tokens} tokens per dp rank, CPU + gloo, {date.today()}; "
-          f"{args.repeats} paired repeats")
+    print(
+        f"TP step, world size {n} (dp {dp} x tp {tp}), GPT of width {args.dim}, {args.layers} layers, "
+        f"vocabulary {args.vocab}, {args.batch}x{args.tokens} tokens per dp rank, CPU + gloo, {date.today()}; "
+        f"{args.repeats} paired repeats"
+    )
     print_rows(res["times_s"], res["sent"], "fsdp2-3+tp")
     rep, (psi_s, psi_r) = res["memory_report"], res["split"]
     state = rep["total"] - rep["padding"]
-    print(f"zeroshard-3+tp model state on rank 0: {state:,} B; 16 (Psi_s / (dp tp) + Psi_r / dp) = "
-          f"{16 * (psi_s // (dp * tp) + psi_r // dp):,} B (Psi_s = {psi_s:,}, Psi_r = {psi_r:,}); padding "
-          f"{rep['padding']:,} B")
+    print(
+        f"zeroshard-3+tp model state on rank 0: {state:,} B; 16 (Psi_s / (dp tp) + Psi_r / dp) = "
+        f"{16 * (psi_s // (dp * tp) + psi_r // dp):,} B (Psi_s = {psi_s:,}, Psi_r = {psi_r:,}); padding "
+        f"{rep['padding']:,} B"
+    )
     el = res["elements"]
-    print(f"dp-axis elements all-gathered and reduce-scattered per step: {el['zeroshard-3+tp']:,} with tp {tp}, "
-          f"{el['zeroshard-3']:,} under pure data parallelism (zeroshard-3): {el['zeroshard-3+tp'] / el['zeroshard-3']:.3f} "
-          f"(1/tp = {1 / tp:.3f})")
+    print(
+        f"dp-axis elements all-gathered and reduce-scattered per step: {el['zeroshard-3+tp']:,} with tp {tp}, "
+        f"{el['zeroshard-3']:,} under pure data parallelism (zeroshard-3): {el['zeroshard-3+tp'] / el['zeroshard-3']:.3f} "
+        f"(1/tp = {1 / tp:.3f})"
+    )
     return dict(world_size=args.world_size, tp=tp, config={k: v for k, v in vars(args).items() if k != "json"}, **res)
-

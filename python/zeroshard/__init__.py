@@ -17,13 +17,20 @@ When collectives hang or fail: :func:`flight_record`, :func:`set_timeout`,
 DeepSpeed scripts and configs: :func:`initialize`, and ``zero.Init`` (DeepSpeed's
 ``zero.Init``: a model sharded as it is built), imported on first use.
 """
+
 from __future__ import annotations
 
 from .native.ext import _C
 from .comm.flight import CollectiveError, flight_record
 from .comm.watchdog import CollectiveMismatch, CollectiveTimeout, set_timeout
-from .checkpoint import (CheckpointError, export_full_state_dict, load_checkpoint, load_pretrained, resume,
-                         save_checkpoint)
+from .checkpoint import (
+    CheckpointError,
+    export_full_state_dict,
+    load_checkpoint,
+    load_pretrained,
+    resume,
+    save_checkpoint,
+)
 from .comm.launch import init_distributed
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .zero3.fully_shard import FullyShard, MixedPrecision, register_forward_method
@@ -43,9 +50,11 @@ def __getattr__(name: str):
     does not load the integration."""
     if name == "initialize":
         from .integrations.deepspeed import initialize
+
         return initialize
     if name == "zero":
         from .integrations.deepspeed import zero
+
         return zero
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
 
@@ -68,9 +77,35 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "CheckpointError", "export_full_state_dict", "load_checkpoint", "load_pretrained", "save_checkpoint", "CommHandle", "Layout",
-    "all_gather", "all_gather_object", "all_reduce", "build_info", "compute_layout",
-    "FullyShard", "MixedPrecision", "fused_adamw_", "fused_adamw_multi_", "reduce_scatter", "ShardedOptimizer", "flight_record",
-    "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "set_timeout", "initialize", "zero",
-    "init_distributed", "resume", "register_forward_method", "full_tensors", "Offload", "Sharding",
+    "CheckpointError",
+    "export_full_state_dict",
+    "load_checkpoint",
+    "load_pretrained",
+    "save_checkpoint",
+    "CommHandle",
+    "Layout",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "build_info",
+    "compute_layout",
+    "FullyShard",
+    "MixedPrecision",
+    "fused_adamw_",
+    "fused_adamw_multi_",
+    "reduce_scatter",
+    "ShardedOptimizer",
+    "flight_record",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "CollectiveMismatch",
+    "set_timeout",
+    "initialize",
+    "zero",
+    "init_distributed",
+    "resume",
+    "register_forward_method",
+    "full_tensors",
+    "Offload",
+    "Sharding",
 ]

@@ -7,12 +7,19 @@ and the command line
 
 A thin module: the code is in ``zeroshard.integrations.deepspeed.zero_to_fp32``.
 """
-from zeroshard.integrations.deepspeed.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
-                                                           get_fp32_state_dict_from_zero_checkpoint,
-                                                           load_state_dict_from_zero_checkpoint, main)
 
-__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_state_dict_from_zero_checkpoint"]
+from zeroshard.integrations.deepspeed.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+    main,
+)
+
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+]
 
 if __name__ == "__main__":
     main()

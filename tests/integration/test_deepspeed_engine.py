@@ -12,6 +12,7 @@ Two DeepSpeed-side settings keep DeepSpeed on CPU without building C++ ops: its 
 collectives op is marked unavailable (gloo is used), and its accelerator is told fp16 works
 (the CPU accelerator refuses fp16 on CPUs without AVX512-FP16, though torch runs it).
 """
+
 import copy
 import os
 import subprocess
@@ -28,6 +29,8 @@ from support.ds_configs import CIFAR, MEGATRON_Z3, QANET, SEED_000, SEED_003, SE
 from support.launch import launch
 
 STEPS = 6
+
+
 def train(init, cfg, steps=STEPS, inject=(), optimizer=None, start=None):
     """Build with ``init`` (or continue ``start``), train ``steps`` optimizer steps; returns
     (engine, losses, applied, scales)."""
@@ -58,6 +61,7 @@ def train(init, cfg, steps=STEPS, inject=(), optimizer=None, start=None):
 def reference(cfg, steps=STEPS):
     """DDP + torch.optim.AdamW in one process: every rank's micro-batches, averaged."""
     from zeroshard.integrations.deepspeed import lr_schedules
+
     torch.manual_seed(0)
     model = Net()
     p = cfg["optimizer"]["params"]
@@ -90,9 +94,15 @@ def _side_by_side(configs, with_reference=True):
         e2, l2, a2, s2 = train(zeroshard.initialize, cfg, **kw)
         p1, p2 = params_of(e1, deepspeed=True), params_of(e2)
         ref = reference(cfg) if with_reference and not kw.get("inject") else None
-        out[name] = dict(losses=(l1, l2), applied=(a1, a2), scales=(s1, s2), params=(p1, p2), ref=ref,
-                         norms=(_float(e1.get_global_grad_norm()), e2.get_global_grad_norm()),
-                         lr=(e1.get_lr(), e2.get_lr()))
+        out[name] = dict(
+            losses=(l1, l2),
+            applied=(a1, a2),
+            scales=(s1, s2),
+            params=(p1, p2),
+            ref=ref,
+            norms=(_float(e1.get_global_grad_norm()), e2.get_global_grad_norm()),
+            lr=(e1.get_lr(), e2.get_lr()),
+        )
     return out if dist.get_rank() == 0 else None
 
 
@@ -103,12 +113,27 @@ def _close(a: dict, b: dict, tol: float) -> float:
     return worst
 
 
-FP32 = [("stage1", base(1), {}), ("stage2", base(2), {}), ("stage3", base(3), {}),
-        ("stage2+offload", base(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                                zero_force_ds_cpu_optimizer=False), {}),
-        ("stage3+offload", base(3, zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                                      "offload_param": {"device": "cpu"}},
-                                zero_force_ds_cpu_optimizer=False), {})]
+FP32 = [
+    ("stage1", base(1), {}),
+    ("stage2", base(2), {}),
+    ("stage3", base(3), {}),
+    (
+        "stage2+offload",
+        base(
+            2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}, zero_force_ds_cpu_optimizer=False
+        ),
+        {},
+    ),
+    (
+        "stage3+offload",
+        base(
+            3,
+            zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+            zero_force_ds_cpu_optimizer=False,
+        ),
+        {},
+    ),
+]
 
 
 @pytest.mark.timeout(300)
@@ -124,8 +149,11 @@ def test_same_losses_and_parameters_as_deepspeed_and_ddp(dist_pool):
 
 
 def fp16_config(stage):
-    return base(stage, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3, "hysteresis": 2},
-                gradient_clipping=0.05)
+    return base(
+        stage,
+        fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3, "hysteresis": 2},
+        gradient_clipping=0.05,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -139,7 +167,7 @@ def test_fp16_skips_the_same_steps_with_the_same_scales_as_deepspeed(dist_pool):
     for name, r in res.items():
         assert r["applied"][0] == r["applied"][1] == [True, False, False, True, True, False, True, True], name
         assert r["scales"][0] == r["scales"][1], (name, r["scales"])
-        _close(r["params"][0], r["params"][1], 2e-3)       # fp16 parameters: a few ulps
+        _close(r["params"][0], r["params"][1], 2e-3)  # fp16 parameters: a few ulps
 
 
 # -------------------------------------------------- seed and public configs, unchanged
@@ -172,14 +200,17 @@ def seed_configs(tmp):
 
 def _unchanged(tmp):
     s000, nvme = seed_configs(tmp)
-    configs = [("seed000", s000, {"optimizer": "client", "steps": 2}),
-               ("seed003", copy.deepcopy(SEED_003), {"optimizer": "client", "steps": 2}),
-               ("cifar", CIFAR, {"steps": 2}), ("megatron-zero3", MEGATRON_Z3, {"steps": 2}),
-               ("qanet-onecycle", QANET, {"steps": 2})]
+    configs = [
+        ("seed000", s000, {"optimizer": "client", "steps": 2}),
+        ("seed003", copy.deepcopy(SEED_003), {"optimizer": "client", "steps": 2}),
+        ("cifar", CIFAR, {"steps": 2}),
+        ("megatron-zero3", MEGATRON_Z3, {"steps": 2}),
+        ("qanet-onecycle", QANET, {"steps": 2}),
+    ]
     for _, cfg, kw in configs:
         kw["ds_config"] = for_deepspeed_on_cpu(cfg)
     out = _side_by_side(configs, with_reference=False)
-    engine = train(zeroshard.initialize, nvme, steps=2, optimizer="client")[0]   # DeepSpeed's nvme needs its aio op
+    engine = train(zeroshard.initialize, nvme, steps=2, optimizer="client")[0]  # DeepSpeed's nvme needs its aio op
     ddp = _client_reference(nvme, engine)
     mine = params_of(engine)
     if out is not None:
@@ -197,7 +228,7 @@ def _client_reference(cfg, engine, steps=2):
             for r in range(world):
                 x, y = batch(s, m, r, world, n)
                 (((model(x) - y) ** 2).mean() / (gas * world)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)       # DeepSpeed 0.19's default clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DeepSpeed 0.19's default clipping
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -218,7 +249,7 @@ def test_seed_and_public_configs_run_unchanged(tmp_path):
 # ------------------------------------------------------------------ checkpoints
 def ckpt_config(stage):
     cfg = base(stage, train_batch_size=12)
-    del cfg["train_micro_batch_size_per_gpu"]      # 3 per rank at world size 2, 2 at world size 3
+    del cfg["train_micro_batch_size_per_gpu"]  # 3 per rank at world size 2, 2 at world size 3
     return cfg
 
 
@@ -251,20 +282,22 @@ def _reshard(root):
 @pytest.mark.timeout(300)
 def test_checkpoints_resume_exactly_reshard_and_export(tmp_path):
     from zeroshard.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     root = str(tmp_path / "ckpt")
     saved = launch("pool", 2).run(_save_and_resume, root)[0]
-    _close(saved["continued"], saved["resumed"], 0.0)                       # same world size: exact
+    _close(saved["continued"], saved["resumed"], 0.0)  # same world size: exact
     moved = launch("pool", 3).run(_reshard, root)[0]
-    _close(saved["whole"], moved["params"], 1e-5)                            # 2 -> 3 ranks, stage 3 -> 2
+    _close(saved["whole"], moved["params"], 1e-5)  # 2 -> 3 ranks, stage 3 -> 2
     assert moved["lr"] == saved["lr"] and moved["steps"] == 6
     assert open(os.path.join(root, "latest")).read() == "global_step3"
     sd = get_fp32_state_dict_from_zero_checkpoint(root)
     plain = Net()
-    plain.load_state_dict(sd)                                                # the plain model's own names
+    plain.load_state_dict(sd)  # the plain model's own names
     _close({k: v.detach() for k, v in plain.named_parameters()}, saved["at_save"], 0.0)
     out = tmp_path / "export"
-    res = subprocess.run([sys.executable, "-m", "zeroshard.zero_to_fp32", root, str(out)], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "zeroshard.zero_to_fp32", root, str(out)], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     exported = torch.load(out / "pytorch_model.bin", weights_only=True)
     _close(exported, sd, 0.0)
@@ -275,6 +308,7 @@ def _bf16_against_deepspeed():
     """zeroshard's bf16 stage 3 (the units' gather dtypes, from the flight record) and DeepSpeed's,
     each against DeepSpeed's fp32 stage 3: (gathers, zeroshard's distance, DeepSpeed's)."""
     from support.records import unit_gather_dtypes
+
     deepspeed = ds_setup()
     bf16 = base(3, bf16={"enabled": True})
     t0 = time.time()
@@ -283,10 +317,14 @@ def _bf16_against_deepspeed():
     theirs_engine = train(deepspeed.initialize, bf16)[0]
     theirs = params_of(theirs_engine, deepspeed=True)
     # where a script sends its inputs (x.to(engine.device)) and which GPU is its own
-    assert (str(engine.device), engine.local_rank) == (str(theirs_engine.device), theirs_engine.local_rank), \
-        (engine.device, engine.local_rank, theirs_engine.device, theirs_engine.local_rank)
+    assert (str(engine.device), engine.local_rank) == (str(theirs_engine.device), theirs_engine.local_rank), (
+        engine.device,
+        engine.local_rank,
+        theirs_engine.device,
+        theirs_engine.local_rank,
+    )
     fp32 = params_of(train(deepspeed.initialize, base(3))[0], deepspeed=True)
-    far = lambda a: max((a[k].float() - fp32[k]).abs().max().item() for k in fp32)   # noqa: E731
+    far = lambda a: max((a[k].float() - fp32[k]).abs().max().item() for k in fp32)  # noqa: E731
     return gathers, far(ours), far(theirs)
 
 
@@ -303,9 +341,14 @@ def test_bf16_config_gathers_every_unit_in_bf16_at_stage_3():
 # (the rank-side code: tests/_ds_helpers_job.py; the same calls on a DeepSpeed and a zeroshard engine)
 def _helpers_all_stages(root):
     from support.jobs import ds_helpers_job as job
-    return dict({s: job.helpers(s) for s in (1, 2, 3)}, clients=job.client_optimizers(),
-                second={s: job.second_initialize(s, root) for s in (2, 3)}, bf16=job.bf16_edit(),
-                frozen={s: job.frozen_checkpoint(s, root) for s in (1, 3)})
+
+    return dict(
+        {s: job.helpers(s) for s in (1, 2, 3)},
+        clients=job.client_optimizers(),
+        second={s: job.second_initialize(s, root) for s in (2, 3)},
+        bf16=job.bf16_edit(),
+        frozen={s: job.frozen_checkpoint(s, root) for s in (1, 3)},
+    )
 
 
 @pytest.mark.timeout(300)
@@ -323,15 +366,15 @@ def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
     for stage in (1, 2, 3):
         ds, zs = res[stage]["ds"], res[stage]["zs"]
         assert ds["attrs"] == zs["attrs"] == ("tagged-net", 13, "ModuleList"), stage
-        _close(ds["target"], zs["edited"], 1e-6)             # the modifier rank's edit, on rank 0 too
+        _close(ds["target"], zs["edited"], 1e-6)  # the modifier rank's edit, on rank 0 too
         if stage == 3:
-            _close(ds["edited"], zs["edited"], 1e-6)         # DeepSpeed's own GatheredParameters, gathered
+            _close(ds["edited"], zs["edited"], 1e-6)  # DeepSpeed's own GatheredParameters, gathered
         for key in ("after_edit", "after_set", "final"):
             _close(ds[key], zs[key], 1e-5)
         for key in ("grads", "values", "exp_avg"):
             _close(ds["read"][key], zs["read"][key], 1e-6)
         _close(ds["read"]["exp_avg_sq"], zs["read"]["exp_avg_sq"], 1e-9)
-    for r in ranks[1:]:       # every rank holds the edited, then trained, parameters
+    for r in ranks[1:]:  # every rank holds the edited, then trained, parameters
         _close(r[3]["zs"]["final"], res[3]["zs"]["final"], 0.0)
     for name, ((p1, lr1), (p2, lr2)) in ((k, v) for k, v in res["clients"].items() if k != "refused"):
         _close(p1, p2, 1e-5)
@@ -343,11 +386,11 @@ def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
         _close(r["ds-loaded"], r["zs-loaded"], 1e-5)
         _close(r["zs-loaded"], r["zs"], 0.0)
         assert "destroyed engine" in r["first"] and "destroyed engine" in r["destroyed"], stage
-    for stage, r in res["frozen"].items():    # exclude_frozen_parameters, load_module_strict=False
+    for stage, r in res["frozen"].items():  # exclude_frozen_parameters, load_module_strict=False
         _close(r["ds"], r["zs"], 1e-5)
-        _close(r["zs-fresh"], {n: r["zs"][n] for n in r["zs-fresh"]}, 0.0)    # the loading model's own values
+        _close(r["zs-fresh"], {n: r["zs"][n] for n in r["zs-fresh"]}, 0.0)  # the loading model's own values
         assert r["ds-strict"] is not None and "blocks.0.weight" in r["zs-strict"], (stage, r["zs-strict"])
-    for r in ranks:             # bf16: the same edit as DeepSpeed's, and the fp32 master made from it
+    for r in ranks:  # bf16: the same edit as DeepSpeed's, and the fp32 master made from it
         bf16 = r["bf16"]
         _close(bf16["ds"], bf16["zs"], 0.0)
         assert torch.equal(bf16["master"], bf16["zs"]["blocks.0.weight"].float())
@@ -357,15 +400,18 @@ def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
 # (the rank-side code: tests/_ds_front_door_job.py)
 def _front_door():
     from support.jobs import ds_front_door_job as job
+
     return job.front_door()
 
 
 def _refused_alike(refused: dict):
     """Each case DeepSpeed refuses, zeroshard refuses too, naming the option."""
-    names = {"sum-stage3": ("gradient_allreduce_op", "gradient_allreduce_op"),
-             "prescale-stage2": ("pre-scale", "prescale_gradients"),
-             "predivide-stage3": ("gradient_predivide_factor", "gradient_predivide_factor"),
-             "fp16-plain-backward": ("Loss scaling is required", "engine.scale(loss)")}
+    names = {
+        "sum-stage3": ("gradient_allreduce_op", "gradient_allreduce_op"),
+        "prescale-stage2": ("pre-scale", "prescale_gradients"),
+        "predivide-stage3": ("gradient_predivide_factor", "gradient_predivide_factor"),
+        "fp16-plain-backward": ("Loss scaling is required", "engine.scale(loss)"),
+    }
     assert refused.keys() == names.keys()
     for case, (theirs, ours) in refused.items():
         assert theirs and names[case][0] in theirs, (case, theirs)
@@ -376,11 +422,11 @@ def _zero_init_alike(z: dict, world: int):
     """zeroshard.zero.Init against deepspeed.zero.Init on tests/_ds_front_door_job.Filled."""
     for stage in (3, 2):
         r = z[stage]
-        _close(z["theirs"], r["params"], 1e-5)                        # trained alike (DeepSpeed: stage 3)
+        _close(z["theirs"], r["params"], 1e-5)  # trained alike (DeepSpeed: stage 3)
         assert r["meta"] and r["whole"] / world <= r["held"] <= r["whole"] / world + 9, (r["held"], r["whole"])
-        for name, value in r["first"].items():                        # what the parent's apply set: kept
+        for name, value in r["first"].items():  # what the parent's apply set: kept
             assert (value == z["plain"][name]).all() == (name != "out.weight"), name
-        assert not (r["first"]["out.weight"] == 0.1).any()            # its direct write: lost, as DeepSpeed's
+        assert not (r["first"]["out.weight"] == 0.1).any()  # its direct write: lost, as DeepSpeed's
         said = [s for s in r["said"] if "zero.Init" in s]
         assert len(said) == 1 and "Filled.__init__" in said[0] and "'out.weight" in said[0], r["said"]
     lost = [s for s in z["meta_said"] if "built on the meta device" in s]
@@ -409,13 +455,15 @@ def test_the_front_door_never_changes_numbers_silently(dist_pool):
         ds, zs = res[name]
         tol = 2e-3 if name.startswith("fp16") else 1e-5
         _close(ds["params"], zs["params"], tol)
-        if name != "unused-stage0":                                     # (DeepSpeed's stage 0 keeps no norm)
+        if name != "unused-stage0":  # (DeepSpeed's stage 0 keeps no norm)
             assert abs(ds["norm"] - zs["norm"]) <= tol * ds["norm"], (name, ds["norm"], zs["norm"])
         assert max(abs(a - b) for a, b in zip(ds["losses"], zs["losses"])) <= tol, name
     factor_world, mean = res["ds-stage3-factor"]
     assert abs(mean / factor_world - world) <= 1e-4, (factor_world, mean)
-    moved = [(res[f"unused-stage{st}"][0]["params"]["extra.weight"] - res["unused-initial"]).abs().max().item()
-             for st in range(4)]
+    moved = [
+        (res[f"unused-stage{st}"][0]["params"]["extra.weight"] - res["unused-initial"]).abs().max().item()
+        for st in range(4)
+    ]
     assert min(moved) > 1e-6, moved
     assert "'extra.weight'" in res["unused-refused"][0] and "ignore_unused_parameters" in res["unused-refused"][0]
     _refused_alike(res["refused"])

@@ -3,6 +3,7 @@ torchrun launches it (launch("forked"), tests/support/forked.py: the ranks forke
 once, in torchrun's environment): each must exit 0 (each ends with its own check, an assert
 that fails if its feature breaks) and print its summary line. One of them also runs under
 torchrun itself, as its page says to launch it."""
+
 import os
 import re
 import subprocess
@@ -40,8 +41,7 @@ EXAMPLES = [
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("script,ranks,env", EXAMPLES,
-                         ids=[s[:-3] + ("-debug" if e else "") for s, _, e in EXAMPLES])
+@pytest.mark.parametrize("script,ranks,env", EXAMPLES, ids=[s[:-3] + ("-debug" if e else "") for s, _, e in EXAMPLES])
 def test_example(script, ranks, env, tmp_path):
     env = dict(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ZEROSHARD_RECORD_DIR=str(tmp_path), **env)
     res = launch("forked", os.path.join(ROOT, "examples", script), ranks, env=env, cwd=ROOT, timeout=240)
@@ -70,8 +70,14 @@ def test_plan_memory_runs_without_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "plan_memory.py")],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "plan_memory.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "plan_memory: the planner's state bytes equal memory_report() at stages 1-3 on 1 ranks" in res.stdout
 
@@ -79,8 +85,15 @@ def test_plan_memory_runs_without_torchrun(tmp_path):
 def test_rehearse_scale_runs_as_one_process(tmp_path):
     """rehearse_scale.py: plain python, rank 0 of 4096 over the no-op process group."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "rehearse_scale.py")],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "rehearse_scale.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert re.search(r"^rehearse_scale: at 4096 ranks the same \d+ collectives per step as at 8", res.stdout,
-                     re.MULTILINE), res.stdout
+    assert re.search(
+        r"^rehearse_scale: at 4096 ranks the same \d+ collectives per step as at 8", res.stdout, re.MULTILINE
+    ), res.stdout

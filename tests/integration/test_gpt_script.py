@@ -9,6 +9,7 @@ At stages 1 and 2 and under FullyShard (the optimizer built before or after
 the wrap) it must train as it does under DDP + torch.optim.AdamW: parameters
 and optimizer state within 1e-5 (fp32), the same parameter count.
 """
+
 import contextlib
 import inspect
 
@@ -44,7 +45,7 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(DIM)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-        self.wte.weight = self.lm_head.weight       # weight tying
+        self.wte.weight = self.lm_head.weight  # weight tying
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
@@ -57,11 +58,14 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer=torch.optim.AdamW,
-                             **extra):
+    def configure_optimizers(
+        self, weight_decay, learning_rate, betas, device_type, optimizer=torch.optim.AdamW, **extra
+    ):
         params = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
-        groups = [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
+        ]
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type == "cuda"
         return optimizer(groups, lr=learning_rate, betas=betas, fused=fused, **extra)
 
@@ -70,7 +74,7 @@ def get_batch(it, micro, split="train"):
     g = torch.Generator().manual_seed(1000 * it + 10 * micro + (split == "val"))
     data = torch.randint(0, VOCAB, (dist.get_world_size() * BATCH, SEQ + 1), generator=g)
     rank = dist.get_rank()
-    mine = data[rank * BATCH:(rank + 1) * BATCH]
+    mine = data[rank * BATCH : (rank + 1) * BATCH]
     return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
 
 
@@ -127,8 +131,13 @@ def train_script(mode: str):
     if not master:
         return None
     opt_sd = optimizer.state_dict()
-    return {"params": {k: v.detach().clone() for k, v in model_sd.items()}, "opt": opt_sd, "n_params": n_params,
-            "losses": losses, "val": val}
+    return {
+        "params": {k: v.detach().clone() for k, v in model_sd.items()},
+        "opt": opt_sd,
+        "n_params": n_params,
+        "losses": losses,
+        "val": val,
+    }
 
 
 def _compare(ours, ddp):
@@ -143,8 +152,9 @@ def _compare(ours, ddp):
             err = (ours["opt"]["state"][i][name].reshape(st[name].shape) - st[name]).abs().max().item()
             assert err <= 1e-5, (i, name, err)
     assert [g["weight_decay"] for g in ours["opt"]["param_groups"]] == [0.1, 0.0]
-    assert [len(g["params"]) for g in ours["opt"]["param_groups"]] == \
-        [len(g["params"]) for g in ddp["opt"]["param_groups"]]
+    assert [len(g["params"]) for g in ours["opt"]["param_groups"]] == [
+        len(g["params"]) for g in ddp["opt"]["param_groups"]
+    ]
     assert abs(ours["val"] - ddp["val"]) <= 1e-5
 
 
@@ -163,17 +173,25 @@ def _shapes_and_state_dict():
     got = {n: (tuple(p.shape), p.dim(), p.numel()) for n, p in model.named_parameters()}
     pieces = sum(p.to_local().numel() for p in model.parameters())
     errors = {}
-    for what, fn in {"module.state_dict": lambda: model.module.state_dict(),
-                     "block.state_dict": lambda: model.h[0].state_dict(),
-                     "p.data": lambda: next(model.parameters()).data,
-                     "torch.save": lambda: torch.save(next(model.parameters()), "/dev/null")}.items():
+    for what, fn in {
+        "module.state_dict": lambda: model.module.state_dict(),
+        "block.state_dict": lambda: model.h[0].state_dict(),
+        "p.data": lambda: next(model.parameters()).data,
+        "torch.save": lambda: torch.save(next(model.parameters()), "/dev/null"),
+    }.items():
         try:
             fn()
             errors[what] = None
         except RuntimeError as e:
             errors[what] = str(e)
-    return {"expect": expect, "got": got, "pieces": pieces, "errors": errors,
-            "ndim": [p.ndim for p in model.parameters()], "size": [tuple(p.size()) for p in model.parameters()]}
+    return {
+        "expect": expect,
+        "got": got,
+        "pieces": pieces,
+        "errors": errors,
+        "ndim": [p.ndim for p in model.parameters()],
+        "size": [tuple(p.size()) for p in model.parameters()],
+    }
 
 
 def test_fullyshard_parameters_have_the_full_shape_and_refuse_silent_shards(dist_pool):
@@ -184,7 +202,9 @@ def test_fullyshard_parameters_have_the_full_shape_and_refuse_silent_shards(dist
         assert r["size"] == [s[0] for s in r["expect"].values()]
         for what, err in r["errors"].items():
             assert err is not None and "model.state_dict(to=0)" in err and "to_local()" in err, (what, err)
-        assert "'wte.weight'" in r["errors"]["module.state_dict"] or "'lm_head.weight'" in r["errors"]["module.state_dict"]
+        assert (
+            "'wte.weight'" in r["errors"]["module.state_dict"] or "'lm_head.weight'" in r["errors"]["module.state_dict"]
+        )
     # every element is some rank's: the pieces add up to the model (tied weights once)
     assert sum(r["pieces"] for r in res) == sum(s[2] for s in res[0]["expect"].values())
 
@@ -216,8 +236,10 @@ def _adamw_arguments():
             ddp(x, y)[1].backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        results[str(kw)] = (opt.fused, max((a - b).abs().max().item()
-                                           for a, b in zip(model.parameters(), ref.parameters())))
+        results[str(kw)] = (
+            opt.fused,
+            max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
+        )
     out["torch_path"] = results
     return out
 
@@ -246,12 +268,14 @@ def trapped(tmp_path_factory):
     """Every scenario's two-rank job, launched at once (each mostly waits: for its
     launch, then for the check-in): {scenario: {rank: its RESULT}} (or the job's output)."""
     import json
+
     env = {"OMP_NUM_THREADS": "1", "CHECK_IN_SECONDS": "4", "ZEROSHARD_TIMEOUT": None}
     jobs = {}
     for scenario in SCENARIOS:
         d = tmp_path_factory.mktemp(scenario)
-        jobs[scenario] = launch("torchrun", TRAPS, 2, [scenario, str(d)], env=dict(env, ZEROSHARD_RECORD_DIR=str(d)),
-                                wait=False)
+        jobs[scenario] = launch(
+            "torchrun", TRAPS, 2, [scenario, str(d)], env=dict(env, ZEROSHARD_RECORD_DIR=str(d)), wait=False
+        )
     found = {}
     for scenario, proc in jobs.items():
         stdout, stderr = proc.communicate(timeout=240)
@@ -279,13 +303,14 @@ def test_a_collective_call_on_rank_0_alone_fails_fast_on_every_rank_and_moves_no
         assert n in r0["error"], (n, r0["error"])
     assert "rank(s) [1] did not call it within 4 s" in r0["error"]
     assert 3.5 <= r0["seconds"] <= 30, r0["seconds"]
-    assert r0["records"][-1][0] == "check_in" and not r0["records"][-1][2]     # nothing issued after it
+    assert r0["records"][-1][0] == "check_in" and not r0["records"][-1][2]  # nothing issued after it
     assert r1["error"] and r1["error"].split(":")[0] in ("CollectiveError", "CollectiveTimeout"), r1
     assert r1["seconds"] <= 60, r1["seconds"]
 
 
 def test_a_check_in_waits_60_seconds_unless_a_timeout_is_set(monkeypatch):
     from zeroshard.comm import watchdog
+
     monkeypatch.delenv("ZEROSHARD_TIMEOUT", raising=False)
     monkeypatch.setattr(watchdog, "timeout", lambda: 1800.0)
     assert watchdog.checkin_timeout() == 60.0
@@ -320,7 +345,7 @@ def _ddp_behaviour(mode, foreach):
     norms = []
     for it in range(4):
         g = torch.Generator().manual_seed(it)
-        x = torch.randn(6 * dist.get_world_size(), 7, generator=g)[rank * 6:(rank + 1) * 6] * (1 + rank)
+        x = torch.randn(6 * dist.get_world_size(), 7, generator=g)[rank * 6 : (rank + 1) * 6] * (1 + rank)
         for model, o in ((ours, opt), (ddp, ref_opt)):
             model(x).square().mean().backward()
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.02, foreach=foreach)
@@ -330,9 +355,11 @@ def _ddp_behaviour(mode, foreach):
     sd = ours.state_dict(to=0) if mode == 3 else ours.state_dict()
     if sd is None:
         return None
-    ref_sd = ref.state_dict()       # every rank's own: DDP keeps rank 1's buffers equal to rank 0's
-    return {"errs": {k: (sd[k].double() - v.double()).abs().max().item() for k, v in ref_sd.items()},
-            "norms": (norms[0::2], norms[1::2])}
+    ref_sd = ref.state_dict()  # every rank's own: DDP keeps rank 1's buffers equal to rank 0's
+    return {
+        "errs": {k: (sd[k].double() - v.double()).abs().max().item() for k, v in ref_sd.items()},
+        "norms": (norms[0::2], norms[1::2]),
+    }
 
 
 @pytest.mark.parametrize("mode", [1, 2, 3])
@@ -351,7 +378,7 @@ def _wrap_refusals():
     torch.manual_seed(0)
     plain = GPT()
     opt = zs.ShardedOptimizer(plain.parameters(), lr=1e-3)
-    plain(*get_batch(0, 0))[1].backward()            # training has begun
+    plain(*get_batch(0, 0))[1].backward()  # training has begun
     try:
         zs.FullyShard(plain, wrap={Block})
         out["after_backward"] = None

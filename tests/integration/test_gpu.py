@@ -1,4 +1,5 @@
 """CUDA-only checks: skipped cleanly without a GPU (conftest marks them)."""
+
 import os
 
 import pytest
@@ -32,9 +33,8 @@ def test_cuda_kernel_equals_cpu_kernel(offset):
     cuda = [t.cuda()[offset:] for t in base]
     out = torch.empty(n + offset, dtype=torch.bfloat16, device="cuda")[offset:]
     zs.fused_adamw_([cpu[0]], [cpu[1]], [cpu[2]], [cpu[3]], lr=1e-3, step=3, weight_decay=0.1)
-    zs.fused_adamw_([cuda[0]], [cuda[1]], [cuda[2]], [cuda[3]], lr=1e-3, step=3, weight_decay=0.1,
-                    outs=[out])
-    for a, b in zip(cpu, cuda):   # both round every operation alike (no contraction): bit-equal
+    zs.fused_adamw_([cuda[0]], [cuda[1]], [cuda[2]], [cuda[3]], lr=1e-3, step=3, weight_decay=0.1, outs=[out])
+    for a, b in zip(cpu, cuda):  # both round every operation alike (no contraction): bit-equal
         torch.testing.assert_close(b.cpu(), a, rtol=0, atol=0)
     assert torch.equal(out, cuda[0].to(torch.bfloat16))
 
@@ -56,12 +56,14 @@ def test_cuda_flags_without_host_sync():
 @pytest.fixture(scope="module")
 def nccl_world1():
     import torch.distributed as dist
+
     if dist.is_initialized():
         pytest.skip("a process group already exists")
     # a port of each pytest-xdist worker's own: the GPU tests run several processes on one GPU
     port = 29533 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
+    )
     yield
     dist.destroy_process_group()
 
@@ -111,6 +113,7 @@ def train_both(model, opt, ref, ropt, dtype=torch.float32, steps=10):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_sharded_optimizer_matches_adamw(nccl_world1, stage, dtype):
     import torch.nn as nn
+
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(33, 61), nn.Tanh(), nn.Linear(61, 7)).cuda()
     model = nn.Sequential(nn.Linear(33, 61), nn.Tanh(), nn.Linear(61, 7)).cuda()
@@ -118,8 +121,7 @@ def test_cuda_sharded_optimizer_matches_adamw(nccl_world1, stage, dtype):
     model.to(dtype)
     if dtype != torch.float32:
         ref.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
-    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=1e-3,
-                              reduce_dtype=torch.float32)
+    opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_mb=1e-3, reduce_dtype=torch.float32)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     train_both(model, opt, ref, ropt, dtype)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -198,13 +200,13 @@ def test_cuda_checkpoint_round_trip_and_peak_memory(nccl_world1, tmp_path):
     assert all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())
 
 
-def test_cuda_background_save_copies_into_pinned_memory_and_writes_what_a_blocking_save_does(nccl_world1,
-                                                                                              tmp_path):
+def test_cuda_background_save_copies_into_pinned_memory_and_writes_what_a_blocking_save_does(nccl_world1, tmp_path):
     """A background save of CUDA shards: no CUDA memory beyond what is held, the state
     changed on the GPU right after the call does not reach the files, which are byte for
     byte the blocking save's."""
     import os
     import torch.nn as nn
+
     torch.manual_seed(0)
     model = zs.FullyShard(nn.Sequential(*[Block(256, 1024) for _ in range(4)]).cuda(), wrap={Block})
     opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
@@ -219,11 +221,12 @@ def test_cuda_background_save_copies_into_pinned_memory_and_writes_what_a_blocki
     assert torch.cuda.max_memory_allocated() == base
     opt.zero_grad()
     model(x).sum().backward()
-    opt.step()                          # changes every shard while the thread writes
+    opt.step()  # changes every shard while the thread writes
     done.result(timeout=120)
 
     def files(d):
         return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+
     assert files(tmp_path / "blocking") == files(tmp_path / "background")
 
 
@@ -232,24 +235,46 @@ def test_cuda_training_example(stage, tmp_path):
     """examples/train_gpt.py under torchrun on one GPU (NCCL): it trains, and the memory table matches the formula."""
     import os
     import re
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = launch("torchrun", os.path.join(root, "examples", "train_gpt.py"), 1,
-                 ["--stage", str(stage), "--dtype", "bf16", "--steps", "60", "--out-dir", str(tmp_path)], timeout=300)
+    res = launch(
+        "torchrun",
+        os.path.join(root, "examples", "train_gpt.py"),
+        1,
+        ["--stage", str(stage), "--dtype", "bf16", "--steps", "60", "--out-dir", str(tmp_path)],
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "(nccl, cuda)" in res.stdout and "peak GPU memory on rank 0" in res.stdout
-    first, last = map(float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)",
-                                       res.stdout).groups())
+    first, last = map(
+        float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", res.stdout).groups()
+    )
     assert last < first - 0.5, res.stdout
     row = re.search(r"^0\s+(?:[\d.]+\s+){4}([\d.]+)\s+([\d.]+)\s+[\d.]+$", res.stdout, re.M)
-    assert row and row.group(1) == row.group(2), res.stdout    # measured total == the seeds' formula
+    assert row and row.group(1) == row.group(2), res.stdout  # measured total == the seeds' formula
 
 
 # every example that starts through examples/_device.py, on one GPU (a rank per GPU: NCCL on cuda:0)
 # (dcp_interop: DCP save and load of device shards; moe: expert groups of one rank; finetune: LoRA;
 # tensor_parallel: DTensor parameters over a tp mesh of one rank)
-GPU_EXAMPLES = ["quickstart", "fully_shard", "fully_shard_habits", "optimizers", "uneven_inputs", "muon",
-                "mixed_precision", "offload", "checkpoints", "llama_zero3", "deepspeed_config", "lightning_gpt",
-                "dcp_interop", "moe", "finetune", "tensor_parallel"]
+GPU_EXAMPLES = [
+    "quickstart",
+    "fully_shard",
+    "fully_shard_habits",
+    "optimizers",
+    "uneven_inputs",
+    "muon",
+    "mixed_precision",
+    "offload",
+    "checkpoints",
+    "llama_zero3",
+    "deepspeed_config",
+    "lightning_gpt",
+    "dcp_interop",
+    "moe",
+    "finetune",
+    "tensor_parallel",
+]
 
 
 @pytest.mark.parametrize("name", GPU_EXAMPLES)
@@ -258,9 +283,16 @@ def test_cuda_examples_run_where_the_user_is(name, tmp_path):
     (the unit test checks which branch each machine gets) and passes its own check."""
     import os
     import re
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = launch("torchrun", os.path.join(root, "examples", f"{name}.py"), 1,
-                 env={"TMPDIR": str(tmp_path), "ZEROSHARD_RECORD_DIR": str(tmp_path)}, cwd=root, timeout=300)
+    res = launch(
+        "torchrun",
+        os.path.join(root, "examples", f"{name}.py"),
+        1,
+        env={"TMPDIR": str(tmp_path), "ZEROSHARD_RECORD_DIR": str(tmp_path)},
+        cwd=root,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert re.search(rf"^{name}: ", res.stdout, re.MULTILINE), res.stdout[-3000:]
 
@@ -282,6 +314,7 @@ def _dropin_run(kind, stage, cls):
     """4 steps of bf16 autocast + GradScaler + torch's clip with a branch used every other
     step, on one GPU: plain torch (kind "torch") or zeroshard at ``stage``."""
     import torch.nn.functional as F
+
     torch.manual_seed(0)
     model = _Branchy().cuda()
     kw = dict(lr=1e-2, weight_decay=0.1) if cls is torch.optim.AdamW else dict(lr=0.05, momentum=0.9)
@@ -293,7 +326,7 @@ def _dropin_run(kind, stage, cls):
         opt = zs.ShardedOptimizer(net.parameters(), **kw, **extra)
     else:
         net, opt = model, zs.ShardedOptimizer(model.parameters(), stage=stage, **kw, **extra)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
     g = torch.Generator(device="cuda").manual_seed(3)
     for k in range(4):
         x = torch.randn(16, 64, device="cuda", generator=g)
@@ -330,8 +363,9 @@ def test_cuda_offload_steps_as_on_the_device(nccl_world1, offload, tmp_path):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(97, 131), torch.nn.GELU(), torch.nn.Linear(131, 7)).cuda()
         model = model.to(torch.bfloat16)
-        opt = zs.ShardedOptimizer(model.parameters(), stage=2, offload=off,
-                                  offload_dir=str(tmp_path) if off == "nvme" else None)
+        opt = zs.ShardedOptimizer(
+            model.parameters(), stage=2, offload=off, offload_dir=str(tmp_path) if off == "nvme" else None
+        )
         for i in range(3):
             x = torch.randn(8, 97, generator=torch.Generator().manual_seed(i)).cuda().to(torch.bfloat16)
             model(x).float().square().mean().backward()
@@ -340,12 +374,11 @@ def test_cuda_offload_steps_as_on_the_device(nccl_world1, offload, tmp_path):
         models.append(model)
         opts.append(opt)
     errs = [rel_err(p, q) for p, q in zip(models[0].parameters(), models[1].parameters())]
-    assert max(errs) < 1e-2, errs          # bf16 parameters: one rounding step apart at most
+    assert max(errs) < 1e-2, errs  # bf16 parameters: one rounding step apart at most
     rep = opts[1].memory_report()
     assert rep["host" if offload == "cpu" else "disk"] > 0 and rep["device"] < opts[0].memory_report()["device"]
     if offload == "cpu":
         assert all(seg.exp_avg.is_pinned() for seg in opts[1].source.segments if seg.streamed)
-
 
 
 @pytest.mark.gpu
@@ -370,7 +403,7 @@ def test_cuda_offload_params_keeps_the_shards_in_pinned_host_memory(nccl_world1)
     full = [m.state_dict() for m in models]
     errs = [rel_err(full[1][k], v) for k, v in full[0].items()]
     assert max(errs) < 1e-5, errs
-    pieces = [p.to_local() for p in models[1].parameters()]   # (a FullyShard parameter refuses is_pinned)
+    pieces = [p.to_local() for p in models[1].parameters()]  # (a FullyShard parameter refuses is_pinned)
     assert all(t.device.type == "cpu" and t.is_pinned() for t in pieces if t.numel())
     assert all(p.grad is None or p.grad.device.type == "cpu" for p in models[1].parameters())
     rep = opts[1].memory_report()
@@ -380,11 +413,14 @@ def test_cuda_offload_params_keeps_the_shards_in_pinned_host_memory(nccl_world1)
 def test_cuda_one_launch_over_shards_with_several_hyperparameter_sets():
     """[Note: one launch]: equal to one call per shard, and one kernel launch in all."""
     multi_equals_separate("cuda")
-    shards = [[torch.randn(n, device="cuda") for _ in range(3)] + [torch.rand(n, device="cuda")]
-              for n in (5, 70_001, 4096, 0, 12_345)]
+    shards = [
+        [torch.randn(n, device="cuda") for _ in range(3)] + [torch.rand(n, device="cuda")]
+        for n in (5, 70_001, 4096, 0, 12_345)
+    ]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        zs.fused_adamw_multi_(*[[s[k] for s in shards] for k in range(4)],
-                              [dict(lr=1e-3, step=1), dict(lr=1e-2, step=9)], [0, 1, 1, 0, 1])
+        zs.fused_adamw_multi_(
+            *[[s[k] for s in shards] for k in range(4)], [dict(lr=1e-3, step=1), dict(lr=1e-2, step=9)], [0, 1, 1, 0, 1]
+        )
         torch.cuda.synchronize()
     launches = [e for e in prof.events() if "adamw_multi_kernel" in e.name]
     assert len(launches) == 1, [e.name for e in prof.events()]
@@ -428,8 +464,9 @@ def _muon_run(kind, stage, cls, steps):
     """Muon (``cls``) over the 2-D weights and AdamW over the biases, clipped steps on
     CUDA: on a plain model ("torch") or through zeroshard at ``stage``; the final parameters."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(97, 131), torch.nn.GELU(), torch.nn.Linear(131, 61),
-                              torch.nn.GELU(), torch.nn.Linear(61, 7)).cuda()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(97, 131), torch.nn.GELU(), torch.nn.Linear(131, 61), torch.nn.GELU(), torch.nn.Linear(61, 7)
+    ).cuda()
     if kind == "zeroshard" and stage == 3:
         net = zs.FullyShard(net, wrap={torch.nn.Linear})
     hidden = [p for p in net.parameters() if p.dim() == 2]
@@ -440,8 +477,10 @@ def _muon_run(kind, stage, cls, steps):
     else:
         st = {} if stage == 3 else dict(stage=stage)
         vouch = {} if cls is torch.optim.Muon else dict(whole_tensor=True)
-        opts = [zs.ShardedOptimizer(hidden, optimizer_class=cls, **muon, **st, **vouch),
-                zs.ShardedOptimizer(rest, **adamw, **st)]
+        opts = [
+            zs.ShardedOptimizer(hidden, optimizer_class=cls, **muon, **st, **vouch),
+            zs.ShardedOptimizer(rest, **adamw, **st),
+        ]
     g = torch.Generator(device="cuda").manual_seed(7)
     for _ in range(steps):
         x = torch.randn(16, 97, device="cuda", generator=g)

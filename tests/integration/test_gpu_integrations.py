@@ -1,6 +1,7 @@
 """CUDA-only checks of the integrations on one GPU (the Hugging Face Trainer, Lightning's
 Trainer): each runs its job's --device mode under torchrun and compares zeroshard with the
 tool's own training. Skipped cleanly without a GPU (conftest marks them)."""
+
 import math
 
 import pytest
@@ -26,6 +27,7 @@ def test_cuda_hugging_face_trainer_matches_its_own_training(tmp_path):
     it was 1.6x the noise from the Trainer's bf16 run, which the old bound of half failed)."""
     pytest.importorskip("transformers")
     from support.checks import close, worst
+
     r = _device_job("hf_job.py", tmp_path)
     ref = r["fp32-0"]
     for stage in (1, 2, 3):
@@ -40,8 +42,10 @@ def test_cuda_hugging_face_trainer_matches_its_own_training(tmp_path):
     assert r["bf16-3"]["gathers"] == ["bfloat16"] and r["fp32-3"]["gathers"] == ["float32"]
     far = worst(r["bf16-3"]["params"], ref["params"])
     assert far <= 1.5 * noise, (far, noise)
-    print(f"bf16 on {torch.cuda.get_device_name()}: the Trainer's bf16 run {noise:.2e} from its fp32 run; "
-          f"stage 2 {near:.2e} from the Trainer's bf16 run; stage 3 {far:.2e} from the fp32 run")
+    print(
+        f"bf16 on {torch.cuda.get_device_name()}: the Trainer's bf16 run {noise:.2e} from its fp32 run; "
+        f"stage 2 {near:.2e} from the Trainer's bf16 run; stage 3 {far:.2e} from the fp32 run"
+    )
     for stage in (2, 3):
         assert close(r[f"bf16-{stage}"]["losses"], r["bf16-0"]["losses"], 1e-2), stage
 
@@ -65,10 +69,11 @@ def test_cuda_lightning_strategy_matches_ddp_strategy_in_32_true_and_16_mixed(tm
     tests bound bf16-mixed."""
     pytest.importorskip("lightning")
     from support.checks import close, worst
+
     r = _device_job("lightning_job.py", tmp_path)
     ref, half = r["ddp-32-true"], r["ddp-16-mixed"]
     noise = worst(half["params"], ref["params"])
-    assert half["scale"] is not None and half["scale"] < 2.0 ** 16 and noise > 0, (half["scale"], noise)
+    assert half["scale"] is not None and half["scale"] < 2.0**16 and noise > 0, (half["scale"], noise)
     loss_noise = max(abs(a - b) for a, b in zip(half["losses"], ref["losses"]) if abs(a - b) < float("inf"))
     for stage in (1, 2, 3):
         ours = r[f"stage{stage}-32-true"]

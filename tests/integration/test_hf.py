@@ -11,6 +11,7 @@ Trainer's DDP losses, logged grad_norm, evaluation losses and final parameters w
 as DDP; a resume equals the uninterrupted run exactly, and within 1e-5 from 2 ranks to
 3; the saved folders load with from_pretrained in one process.
 """
+
 import json
 import os
 
@@ -43,8 +44,10 @@ def logits(folder_or_params, model_name="gpt2"):
     """Logits of a fixed batch from a saved folder (from_pretrained, one process) or from a
     state dict loaded into the job's model."""
     from support.jobs import hf_job as _hf_job
+
     if isinstance(folder_or_params, str):
         from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(folder_or_params)
     else:
         model = _hf_job.gpt2() if model_name == "gpt2" else _hf_job.llama()
@@ -60,12 +63,12 @@ def logits(folder_or_params, model_name="gpt2"):
 def test_trainer_matches_its_own_ddp(results, world, stage):
     r, ddp = results[world][f"fp32-{stage}"], results[world]["fp32-0"]
     assert len(r["losses"]) == 8 and close(r["losses"], ddp["losses"]), (r["losses"], ddp["losses"])
-    assert close(r["norms"], ddp["norms"]) and len(r["norms"]) == 4        # the logged grad_norm: the global one
-    assert max(r["norms"]) > 0.5 > 0                                         # max_grad_norm=0.5 clipped something
-    assert r["lrs"] == ddp["lrs"] and r["lrs"][1] < r["lrs"][2]              # the warmup schedule stepped
+    assert close(r["norms"], ddp["norms"]) and len(r["norms"]) == 4  # the logged grad_norm: the global one
+    assert max(r["norms"]) > 0.5 > 0  # max_grad_norm=0.5 clipped something
+    assert r["lrs"] == ddp["lrs"] and r["lrs"][1] < r["lrs"][2]  # the warmup schedule stepped
     assert close(r["eval"], ddp["eval"]) and len(r["eval"]) == 2
     assert worst(r["params"], ddp["params"]) <= TOL
-    assert r["losses"][-1] < r["losses"][0] - 0.01                            # it trained
+    assert r["losses"][-1] < r["losses"][0] - 0.01  # it trained
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -111,7 +114,8 @@ def test_the_models_own_ep_plan_at_ep_size_2_equals_ddp(tp_results):
     assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"]), (r["losses"], ddp["losses"])
     assert worst(r["params"], ddp["params"]) <= TOL and ddp["losses"][-1] < ddp["losses"][0]
     assert worst(tp_results["ep-resume"]["params"], r["params"]) <= TOL
-    from transformers import AutoModelForCausalLM      # (the files hold the hub's per-expert tensors)
+    from transformers import AutoModelForCausalLM  # (the files hold the hub's per-expert tensors)
+
     loaded = AutoModelForCausalLM.from_pretrained(r["final"]).state_dict()
     assert worst(loaded, ddp["params"]) <= TOL and loaded["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
 
@@ -174,7 +178,7 @@ def test_fp16_skips_the_same_step_on_every_rank_as_ddp(results):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_resume_equals_the_uninterrupted_run(results, world, stage):
     r, full = results[world][f"resume-{stage}"], results[world][f"fp32-{stage}"]
-    assert r["losses"] == full["losses"][4:] and r["norms"] == full["norms"]   # (the log goes on from the checkpoint's)
+    assert r["losses"] == full["losses"][4:] and r["norms"] == full["norms"]  # (the log goes on from the checkpoint's)
     assert all(torch.equal(r["params"][k], full["params"][k]) for k in full["params"])
 
 
@@ -206,12 +210,12 @@ def test_saved_folders_load_with_from_pretrained_in_one_process(results, stage):
     for folder in (r["final"], os.path.join(r["out"], "checkpoint-4")):
         assert (logits(folder) - want).abs().max().item() <= TOL
         assert os.path.isdir(os.path.join(folder, "zeroshard")) == folder.endswith("checkpoint-4")
-    if stage == 3:     # max_shard_size="40KB": several files and their index, as save_pretrained writes
+    if stage == 3:  # max_shard_size="40KB": several files and their index, as save_pretrained writes
         with open(os.path.join(r["final"], "model.safetensors.index.json")) as f:
             index = json.load(f)
         files = set(index["weight_map"].values())
         assert len(files) >= 3 and all(os.path.isfile(os.path.join(r["final"], n)) for n in files)
-        assert "lm_head.weight" not in index["weight_map"]          # tied: once, as save_pretrained
+        assert "lm_head.weight" not in index["weight_map"]  # tied: once, as save_pretrained
         assert not os.path.exists(os.path.join(r["final"], ".zeroshard-save"))
 
 
@@ -219,7 +223,7 @@ def test_save_strategy_best_keeps_and_loads_the_best_checkpoint(results):
     r = results[2]["best-3"]
     best = os.path.join(r["out"], "checkpoint-1")
     assert r["best"] == best and sorted(os.listdir(r["out"])) == ["checkpoint-1", "final"]
-    assert (logits(best) - logits(r["params"])).abs().max().item() <= TOL     # load_best_model_at_end
+    assert (logits(best) - logits(r["params"])).abs().max().item() <= TOL  # load_best_model_at_end
 
 
 def test_save_model_on_rank_0_alone(results):
@@ -252,6 +256,7 @@ def test_accelerate_example_matches_its_ddp_and_resumes(results, stage):
 def test_accelerate_load_state_at_another_world_size_and_stage(results, saved, now):
     """A save_state of 2 ranks loads on 3, at another stage: the saved fp32 values exactly."""
     from zeroshard.checkpoint import read_full_state_dict
+
     state = os.path.join(os.path.dirname(results[2]["accelerate"][saved]["final"]), "state", "zeroshard")
     want = dict(read_full_state_dict(state, torch.float32))
     got = results[3]["accelerate-from-w2"][(saved, now)]
@@ -259,9 +264,15 @@ def test_accelerate_load_state_at_another_world_size_and_stage(results, saved, n
 
 
 def test_the_trainer_example_runs_on_two_ranks(tmp_path):
-    res = launch("torchrun", os.path.join(ROOT, "examples", "hf_trainer.py"), 2,
-                 ["--stage", "3", "--steps", "8", "--out", str(tmp_path)],
-                 env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}, cwd=ROOT, timeout=300)
+    res = launch(
+        "torchrun",
+        os.path.join(ROOT, "examples", "hf_trainer.py"),
+        2,
+        ["--stage", "3", "--steps", "8", "--out", str(tmp_path)],
+        env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("stage 3:")]
     assert line, res.stdout[-2000:]
@@ -272,21 +283,27 @@ def test_misuse_is_refused_with_a_clear_error(tmp_path):
     from transformers import TrainingArguments
 
     from zeroshard.integrations.hf import Options, ZeroShardTrainer
+
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     from support.jobs import hf_job as _hf_job
-    for bad, words in ((dict(stage=4), "stage is 1"), (dict(stages=2), "unknown zeroshard option"),
-                       (dict(stage=2, wrap=["GPT2Block"]), "wrap= chooses stage 3"),
-                       (dict(stage=1, offload_params=True), "offload_params=True"),
-                       (dict(offload="disk"), "offload='disk'"),
-                       (dict(stage=2, mixed_precision="bf16"), "mixed_precision= sets stage 3"),
-                       (dict(stage=3, mixed_precision="int8"), "mixed_precision='int8'"),
-                       (dict(tp_size=0), "tp_size=0"), (dict(tp_size=2, shard_size=2), "not supported yet"),
-                       (dict(stage=3, ep_size=2), "stages 1 and 2")):
+
+    for bad, words in (
+        (dict(stage=4), "stage is 1"),
+        (dict(stages=2), "unknown zeroshard option"),
+        (dict(stage=2, wrap=["GPT2Block"]), "wrap= chooses stage 3"),
+        (dict(stage=1, offload_params=True), "offload_params=True"),
+        (dict(offload="disk"), "offload='disk'"),
+        (dict(stage=2, mixed_precision="bf16"), "mixed_precision= sets stage 3"),
+        (dict(stage=3, mixed_precision="int8"), "mixed_precision='int8'"),
+        (dict(tp_size=0), "tp_size=0"),
+        (dict(tp_size=2, shard_size=2), "not supported yet"),
+        (dict(stage=3, ep_size=2), "stages 1 and 2"),
+    ):
         with pytest.raises((ValueError, TypeError), match=words):
             ZeroShardTrainer(model=_hf_job.gpt2(), args=args, zeroshard=bad)
     with pytest.raises(TypeError, match="takes a dict"):
         Options.parse(2, "ZeroShardTrainer")
-    with pytest.raises(ValueError, match="tp_size=2 is ZeroShardTrainer's"):      # (prepare, from_pretrained)
+    with pytest.raises(ValueError, match="tp_size=2 is ZeroShardTrainer's"):  # (prepare, from_pretrained)
         Options.parse(dict(tp_size=2), "prepare").trainer_only("prepare")
 
 
@@ -294,6 +311,7 @@ def test_versions_outside_the_tested_range_are_refused(monkeypatch):
     import transformers
 
     import zeroshard.integrations.hf as hf
+
     monkeypatch.setattr(transformers, "__version__", "5.30.0")
     with pytest.raises(ImportError, match=r"supports transformers >=5.24,<5.25 .* has transformers 5.30.0"):
         hf._check_versions()
@@ -309,18 +327,20 @@ def test_export_holds_one_file_of_tensors_at_a_time(tmp_path, monkeypatch):
     import zeroshard
     from zeroshard.integrations.hf import pretrained
     from support.jobs import hf_job as _hf_job
+
     model = _hf_job.gpt2()
-    zeroshard.save_checkpoint(tmp_path / "ck", model)              # one process, no process group
+    zeroshard.save_checkpoint(tmp_path / "ck", model)  # one process, no process group
     written, save_file = [], safetensors.torch.save_file
 
     def counting(tensors, filename, metadata=None):
         written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
         return save_file(tensors, filename, metadata=metadata)
+
     monkeypatch.setattr(pretrained.safetensors.torch, "save_file", counting)
     limit = 40 * 1000
     pretrained.export_pretrained(str(tmp_path / "ck"), model, str(tmp_path / "out"), max_shard_size=limit)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert len(written) >= 3 and sum(written) == total                        # every parameter once (tied once)
+    assert len(written) >= 3 and sum(written) == total  # every parameter once (tied once)
     assert max(written) <= max(limit, max(p.numel() * p.element_size() for p in model.parameters()))
     assert (logits(str(tmp_path / "out")) - logits(model.state_dict())).abs().max().item() == 0.0
 
@@ -353,9 +373,12 @@ def test_fine_tuning_from_loaded_weights_matches_ddp(results):
 def test_lora_save_model_writes_the_adapter_peft_loads(results, stage):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     r = results[2][f"lora-{stage}"]
-    assert sorted(f for f in os.listdir(r["final"]) if not f.endswith((".md", ".bin"))) == \
-        ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(f for f in os.listdir(r["final"]) if not f.endswith((".md", ".bin"))) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     base = AutoModelForCausalLM.from_pretrained(os.path.join(results[2]["dir"], "saved-llama"))
     model = PeftModel.from_pretrained(base, r["final"])
     got = {k: v for k, v in model.state_dict().items()}

@@ -11,6 +11,7 @@ DDP's own bf16 noise; 16-mixed (fp16 on the CPU) skips the step one rank overflo
 exactly, and within 1e-5 from 2 ranks to 3 (stage 3 to stages 3 and 2); ModelCheckpoint's
 top-k and last are directories; convert_checkpoint's file loads with load_from_checkpoint.
 """
+
 import os
 import sys
 
@@ -37,14 +38,14 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("stage", ["stage1", "stage2", "stage3"])
 def test_same_losses_parameters_and_predictions_as_ddp_strategy(results, world, stage):
     r, ddp = results[world][stage], results[world]["ddp"]
-    assert r["steps"] == ddp["steps"] == 4 and len(r["losses"]) == 8          # 2 epochs x 2 steps x 2 micro-batches
+    assert r["steps"] == ddp["steps"] == 4 and len(r["losses"]) == 8  # 2 epochs x 2 steps x 2 micro-batches
     assert close(r["losses"], ddp["losses"]), (r["losses"], ddp["losses"])
-    assert r["lrs"] == ddp["lrs"] and r["lrs"][0] < r["lrs"][-1]             # the warmup schedule stepped
+    assert r["lrs"] == ddp["lrs"] and r["lrs"][0] < r["lrs"][-1]  # the warmup schedule stepped
     assert close(r["val"], ddp["val"]) and len(r["val"]) == 2
     assert worst(r["params"], ddp["params"]) <= TOL
     assert worst(r["params"], results[world]["stage1"]["params"] if stage != "stage1" else ddp["params"]) <= TOL
     assert (r["predictions"] - ddp["predictions"]).abs().max().item() <= TOL
-    assert r["losses"][-1] < r["losses"][0] - 0.3                              # it trained
+    assert r["losses"][-1] < r["losses"][0] - 0.3  # it trained
 
 
 @pytest.mark.parametrize("stage", ["stage1", "stage2", "stage3"])
@@ -87,7 +88,7 @@ def test_16_mixed_skips_the_step_one_rank_overflowed_on_every_rank(results, stag
     between its 16-mixed and 32-true runs."""
     r = results[2]
     ours, half, ref = r[f"{stage}-fp16"], r["ddp-fp16"], r["ddp"]
-    assert half["scale"] is not None and half["scale"] < 2.0 ** 16, half["scale"]
+    assert half["scale"] is not None and half["scale"] < 2.0**16, half["scale"]
     assert ours["scale"] == half["scale"] and ours["steps"] == half["steps"], (ours["scale"], ours["steps"])
     noise = worst(half["params"], ref["params"])
     assert noise > 0 and worst(ours["params"], half["params"]) <= noise, (worst(ours["params"], half["params"]), noise)
@@ -102,7 +103,7 @@ def test_offload_strategies_match_ddp_strategy(results, name):
 def test_clipping_by_value_as_ddp_strategy(results):
     r, ddp = results[2]["stage3-value"], results[2]["ddp-value"]
     assert close(r["losses"], ddp["losses"]) and worst(r["params"], ddp["params"]) <= TOL
-    assert worst(ddp["params"], results[2]["ddp"]["params"]) > 100 * TOL        # the clamp changed the run
+    assert worst(ddp["params"], results[2]["ddp"]["params"]) > 100 * TOL  # the clamp changed the run
 
 
 def test_stage_3_initialises_a_model_built_on_meta_in_configure_model(results):
@@ -142,7 +143,7 @@ def test_resume_at_world_size_3_from_a_world_size_2_checkpoint(results, to_stage
 def test_model_checkpoint_keeps_top_k_and_last_as_directories(results):
     for world in (2, 3):
         for stage in (2, 3):
-            assert results[world]["listings"][stage] == ["epoch=1-step=4.ckpt", "last.ckpt"]   # epoch 0's removed
+            assert results[world]["listings"][stage] == ["epoch=1-step=4.ckpt", "last.ckpt"]  # epoch 0's removed
             every = os.path.join(results[world]["dir"], f"ckpt-stage{stage}", "every")
             assert sorted(os.listdir(every)) == ["epoch=0.ckpt", "epoch=1.ckpt"]
             assert all(os.path.isfile(os.path.join(every, c, "manifest.json")) for c in os.listdir(every))
@@ -152,6 +153,7 @@ def test_converted_checkpoint_loads_with_load_from_checkpoint_in_one_process(res
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from lightning_gpt import LitGPT, windows
     from zeroshard.integrations.lightning import convert_checkpoint
+
     r = results[2]
     out = tmp_path / "single.ckpt"
     written = convert_checkpoint(os.path.join(r["dir"], "ckpt-stage3", "best", "last.ckpt"), out)
@@ -160,7 +162,7 @@ def test_converted_checkpoint_loads_with_load_from_checkpoint_in_one_process(res
     assert dict(plain.hparams) == dict(LitGPT().hparams)
     sd = plain.state_dict()
     assert worst(sd, r["stage3"]["params"]) == 0.0 and worst(sd, r["ddp"]["params"]) <= TOL
-    x = windows(12, 32, offset=40_000).tensors[0][0::2]                    # rank 0's share of the predict set
+    x = windows(12, 32, offset=40_000).tensors[0][0::2]  # rank 0's share of the predict set
     with torch.no_grad():
         assert (plain(x)[:, -1] - r["stage3"]["predictions"]).abs().max().item() <= TOL
 
@@ -168,8 +170,15 @@ def test_converted_checkpoint_loads_with_load_from_checkpoint_in_one_process(res
 def test_registered_names_and_misuse_errors(tmp_path):
     from lightning.pytorch.strategies import StrategyRegistry
     from zeroshard.integrations.lightning import ZeroShardStrategy, convert_checkpoint
-    names = {"zeroshard": 2, "zeroshard_stage_1": 1, "zeroshard_stage_2": 2, "zeroshard_stage_3": 3,
-             "zeroshard_stage_2_offload": 2, "zeroshard_stage_3_offload": 3}
+
+    names = {
+        "zeroshard": 2,
+        "zeroshard_stage_1": 1,
+        "zeroshard_stage_2": 2,
+        "zeroshard_stage_3": 3,
+        "zeroshard_stage_2_offload": 2,
+        "zeroshard_stage_3_offload": 3,
+    }
     for name, stage in names.items():
         s = StrategyRegistry.get(name)
         assert isinstance(s, ZeroShardStrategy) and s.stage == stage

@@ -7,6 +7,7 @@ The same job with a plain init_process_group (`restart_job.py plain 1`, torch's 
 not a test here: whether it fails depends on which rank's restarted process gets to the
 store first, so it fails in most runs on this machine (gloo's connectFullMesh: connection
 refused or timed out, to the dead attempt's address) and comes up in some."""
+
 import os
 import socket
 import subprocess
@@ -23,8 +24,15 @@ JOB = job("restart_job.py")
 
 
 def _torchrun(mode, kills, restarts):
-    res = launch("torchrun", JOB, 2, [mode, str(kills)], env={"OMP_NUM_THREADS": "1"}, timeout=120,
-                 flags=["--max-restarts", str(restarts)])
+    res = launch(
+        "torchrun",
+        JOB,
+        2,
+        [mode, str(kills)],
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=120,
+        flags=["--max-restarts", str(restarts)],
+    )
     return res.returncode, res.stdout + res.stderr
 
 
@@ -42,10 +50,12 @@ def test_init_distributed_outside_torchrun_and_twice(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import torch.distributed as dist, zeroshard as zs\n"
-            "g = zs.init_distributed()\n"
-            "assert zs.init_distributed() is g is dist.group.WORLD and dist.get_backend() == 'gloo'\n"
-            "dist.destroy_process_group(); print('ok')\n")
+    code = (
+        "import torch.distributed as dist, zeroshard as zs\n"
+        "g = zs.init_distributed()\n"
+        "assert zs.init_distributed() is g is dist.group.WORLD and dist.get_backend() == 'gloo'\n"
+        "dist.destroy_process_group(); print('ok')\n"
+    )
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(k, None)
@@ -58,14 +68,18 @@ def test_more_ranks_on_a_node_than_gpus_is_a_clear_error(monkeypatch):
     clearly (invalid device ordinal, duplicate GPU); init_distributed says so up front and
     how to fix it. One rank per GPU, gloo, or hidden GPUs pass the check."""
     from zeroshard.comm import launch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(launch.dist, "is_nccl_available", lambda: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     for backend in (None, "nccl", "cpu:gloo,cuda:nccl"):
-        with pytest.raises(RuntimeError, match=r"started 2 ranks on this node but it has 1 GPU.*--nproc-per-node.*"
-                                               r"CUDA_VISIBLE_DEVICES="):
+        with pytest.raises(
+            RuntimeError,
+            match=r"started 2 ranks on this node but it has 1 GPU.*--nproc-per-node.*"
+            r"CUDA_VISIBLE_DEVICES=",
+        ):
             zs.init_distributed(backend)
     launch.check_gpus_per_rank("gloo")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")

@@ -2,6 +2,7 @@
 byte for byte what a blocking save writes, while training goes on; failures reach
 every rank through the Future; the next save, a load and the process's exit wait
 for it (gloo, world sizes 2 and 4)."""
+
 import os
 import warnings
 
@@ -27,8 +28,8 @@ def _background_equals_blocking(kind, root):
     extra = {"step": 3}
     with HeldWrite() as held:
         done = zs.save_checkpoint(os.path.join(root, "background"), model, opt, extra=extra, background=True)
-        if kind != "ddp" or dist.get_rank() == 0:     # (DDP: rank 0 writes the replicated state)
-            assert held.started.wait(60)    # the thread is at the write; training changes the state
+        if kind != "ddp" or dist.get_rank() == 0:  # (DDP: rank 0 writes the replicated state)
+            assert held.started.wait(60)  # the thread is at the write; training changes the state
         extra["step"] = 99
         train(model, opt, 2, first_step=3)
         assert not done.done()
@@ -45,9 +46,9 @@ def _background_equals_blocking(kind, root):
 @pytest.mark.parametrize("kind", ["ddp", 2, 3], ids=["ddp", "zero2", "zero3"])
 def test_a_background_save_writes_the_state_at_the_call_while_training_goes_on(tmp_path, kind):
     for same, got, err in launch("pool", 2).run(_background_equals_blocking, kind, str(tmp_path)):
-        assert same                           # byte for byte the blocking save's files
+        assert same  # byte for byte the blocking save's files
         assert got == {"step": 3}
-        assert err == 0.0                     # resumed from it, the two steps after it match
+        assert err == 0.0  # resumed from it, the two steps after it match
 
 
 def _failures(root):
@@ -61,6 +62,7 @@ def _failures(root):
 
     def disk_full(*args, **kw):
         raise OSError(28, "No space left on device")
+
     if rank == 1:
         files.write_safetensors = disk_full
     try:
@@ -97,8 +99,8 @@ def test_a_failed_background_save_raises_from_result_on_every_rank(tmp_path):
     assert m0["one_rank"] == "CheckpointError: rank 1 failed: OSError: [Errno 28] No space left on device", m0
     for m in (m0, m1):
         assert m["warned"], m
-        assert m["still"] == {"step": 2}, m           # the previous checkpoint is intact
-        assert m["left"] == ["ck"], m                 # and the partial directory is gone
+        assert m["still"] == {"step": 2}, m  # the previous checkpoint is intact
+        assert m["left"] == ["ck"], m  # and the partial directory is gone
         assert "not a zeroshard checkpoint; refusing" in m["not_a_checkpoint"], m
         assert m["kept"] == "keep me", m
 
@@ -117,7 +119,7 @@ def _next_calls_wait(root):
         second = zs.save_checkpoint(path, model, opt, extra={"step": 2}, background=True)
         held.release(after=0.5)
         again, again_opt = build(3, seed=7)
-        got = zs.load_checkpoint(path, again, again_opt)      # waits for the second; no result() called
+        got = zs.load_checkpoint(path, again, again_opt)  # waits for the second; no result() called
     return second.done(), got, max_err(again.state_dict(), model.state_dict())
 
 
@@ -129,8 +131,9 @@ def test_the_next_save_and_a_load_wait_for_a_background_save(tmp_path):
 def _hybrid_background(root, stage):
     model, opt = trained_hybrid(stage, steps=2)
     zs.save_checkpoint(os.path.join(root, "blocking"), model, opt, extra={"rank": dist.get_rank()})
-    zs.save_checkpoint(os.path.join(root, "background"), model, opt, extra={"rank": dist.get_rank()},
-                       background=True).result(timeout=120)
+    zs.save_checkpoint(
+        os.path.join(root, "background"), model, opt, extra={"rank": dist.get_rank()}, background=True
+    ).result(timeout=120)
     dist.barrier()
     return dir_bytes(os.path.join(root, "blocking")) == dir_bytes(os.path.join(root, "background"))
 
@@ -141,14 +144,21 @@ def test_a_hybrid_background_save_is_the_blocking_one(tmp_path):
 
 _SCRIPT = TINY_SCRIPT + (
     "opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()\n"
-    "zs.save_checkpoint(sys.argv[1], model, opt, extra=dist.get_rank(), background=True)\n")
+    "zs.save_checkpoint(sys.argv[1], model, opt, extra=dist.get_rank(), background=True)\n"
+)
 
 
 def _run_script(tmp_path, text):
     script = tmp_path / "train.py"
     script.write_text(text)
-    out = launch("torchrun", str(script), 2, [str(tmp_path / "ck")], env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
-                 timeout=180)
+    out = launch(
+        "torchrun",
+        str(script),
+        2,
+        [str(tmp_path / "ck")],
+        env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 
@@ -157,9 +167,14 @@ def test_a_script_that_exits_right_after_a_background_save_completes_it(tmp_path
     """The process's exit waits for the write; nothing calls result()."""
     _run_script(tmp_path, _SCRIPT)
     model, opt = build("plain")
-    assert sorted(os.listdir(tmp_path / "ck")) == ["extra0.pt", "extra1.pt", "manifest.json", "rank0.safetensors",
-                                                   "rank1.safetensors"]
-    with pytest.raises(zs.CheckpointError, match="another model"):    # complete: its manifest is read
+    assert sorted(os.listdir(tmp_path / "ck")) == [
+        "extra0.pt",
+        "extra1.pt",
+        "manifest.json",
+        "rank0.safetensors",
+        "rank1.safetensors",
+    ]
+    with pytest.raises(zs.CheckpointError, match="another model"):  # complete: its manifest is read
         zs.load_checkpoint(str(tmp_path / "ck"), model, opt)
     assert torch.load(tmp_path / "ck" / "extra1.pt") == 1
 
@@ -167,11 +182,14 @@ def test_a_script_that_exits_right_after_a_background_save_completes_it(tmp_path
 def test_destroying_the_process_group_under_a_background_save_says_what_to_do(tmp_path):
     """No crash and no hang: the save fails, saying to call result() first, and leaves
     no checkpoint."""
-    slow_write = ("import time; import zeroshard.checkpoint.files as files\n"     # the destroy comes mid-save
-                  "w = files.write_safetensors\n"
-                  "files.write_safetensors = lambda *a, **k: (time.sleep(1), w(*a, **k))[1]\n")
+    slow_write = (
+        "import time; import zeroshard.checkpoint.files as files\n"  # the destroy comes mid-save
+        "w = files.write_safetensors\n"
+        "files.write_safetensors = lambda *a, **k: (time.sleep(1), w(*a, **k))[1]\n"
+    )
     head, save = _SCRIPT.rsplit("zs.save_checkpoint", 1)
     out = _run_script(tmp_path, head + slow_write + "zs.save_checkpoint" + save + "dist.destroy_process_group()\n")
-    assert out.stderr.count("call result() on the Future save_checkpoint returned before "
-                            "destroy_process_group()") == 2, out.stderr[-3000:]
+    assert (
+        out.stderr.count("call result() on the Future save_checkpoint returned before destroy_process_group()") == 2
+    ), out.stderr[-3000:]
     assert not os.path.exists(tmp_path / "ck")

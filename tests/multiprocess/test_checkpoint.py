@@ -1,5 +1,6 @@
 """Checkpoints: resume across world sizes and stages, crash safety, bad files,
 export, and memory during save and load (gloo, world sizes 1, 2 and 3)."""
+
 import ctypes
 import gc
 import glob
@@ -25,11 +26,13 @@ from support.gpt import BATCH, DIM, SEQ, VOCAB, GPTBlock, build, loss_fn, make_g
 from support.jobs import TINY_SCRIPT
 from support.launch import launch
 
+
 def _save_after(kind, steps, path):
     model, opt = build(kind)
     train(model, opt, steps)
     from zeroshard.checkpoint import files
-    block, files.BLOCK = files.BLOCK, 256   # checksum blocks as fine as the tiny model
+
+    block, files.BLOCK = files.BLOCK, 256  # checksum blocks as fine as the tiny model
     try:
         zs.save_checkpoint(path, model, opt, extra={"step": steps})
     finally:
@@ -38,9 +41,10 @@ def _save_after(kind, steps, path):
 
 
 def _resume(kind, path, steps):
-    model, opt = build(kind, seed=7)         # other initial values: the load must replace them all
+    model, opt = build(kind, seed=7)  # other initial values: the load must replace them all
     extra = zs.load_checkpoint(path, model, opt)
     from zeroshard.checkpoint import files
+
     read = files.stats["bytes_read"]
     train(model, opt, steps, first_step=extra["step"])
     return max_err(model.state_dict(), reference(extra["step"] + steps)[0].state_dict()), read
@@ -83,8 +87,7 @@ def test_resume_across_world_sizes_and_stages_matches_an_uninterrupted_run(tmp_p
     assert _resume_plain(path, 5) <= 1e-5
     # DDP + torch AdamW at world size 2 (rank 0 writes the replicated state) -> ZeRO-3 at 3
     path = str(tmp_path / "ddp")
-    assert p2.run(_save_after, "ddp", 5, path)[0] == ["extra0.pt", "extra1.pt", "manifest.json",
-                                                     "rank0.safetensors"]
+    assert p2.run(_save_after, "ddp", 5, path)[0] == ["extra0.pt", "extra1.pt", "manifest.json", "rank0.safetensors"]
     assert max(err for err, _ in p3.run(_resume, 3, path, 5)) <= 1e-5
     # plain torch AdamW without a process group -> ZeRO-3 at 3 and ZeRO-2 at 2
     path = str(tmp_path / "plain")
@@ -160,6 +163,7 @@ def _save_and_die(rank, port, path, ref_file, dying, background=False):
                 f.flush()
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
+
         files.write_safetensors = write_half_then_die
     try:
         done = zs.save_checkpoint(path, model, opt, extra={"step": 3}, background=background)
@@ -174,8 +178,7 @@ def _run_killed_save(tmp_path, dying, background=False):
     path, ref_file = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_save_and_die, args=(r, port, path, ref_file, dying, background))
-             for r in range(2)]
+    procs = [ctx.Process(target=_save_and_die, args=(r, port, path, ref_file, dying, background)) for r in range(2)]
     for p in procs:
         p.start()
     deadline = time.time() + 150
@@ -215,7 +218,7 @@ def test_a_job_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
 @pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
 def test_a_rank_killed_during_a_save_makes_the_others_fail_not_hang(tmp_path, background):
     path, ref_file, codes = _run_killed_save(tmp_path, dying=(1,), background=background)
-    assert codes == [3, -signal.SIGKILL], codes      # rank 0 raised (exit 3) instead of hanging
+    assert codes == [3, -signal.SIGKILL], codes  # rank 0 raised (exit 3) instead of hanging
     _check_previous_checkpoint(path, ref_file)
 
 
@@ -224,14 +227,15 @@ def test_replacing_without_atomic_exchange_and_a_cut_between_the_renames(tmp_pat
     renames; a crash between them leaves the previous one beside the path, and
     load_checkpoint finds it."""
     from zeroshard.checkpoint import files
+
     monkeypatch.setattr(files, "exchange", lambda a, b: False)
     path = str(tmp_path / "ck")
     model, opt = build("plain")
     zs.save_checkpoint(path, model, opt, extra={"step": 0})
     train_plain(model, opt, 2)
     zs.save_checkpoint(path, model, opt, extra={"step": 2})
-    assert sorted(os.listdir(tmp_path)) == ["ck"]          # the previous one was removed after the swap
-    os.rename(path, str(tmp_path / ".ck.old-0123456789ab"))   # as if cut between the two renames
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # the previous one was removed after the swap
+    os.rename(path, str(tmp_path / ".ck.old-0123456789ab"))  # as if cut between the two renames
     again, again_opt = build("plain", seed=7)
     with pytest.warns(UserWarning, match="interrupted"):
         assert zs.load_checkpoint(path, again, again_opt) == {"step": 2}
@@ -262,6 +266,7 @@ def test_writeback_is_started_as_the_file_is_written(tmp_path, monkeypatch):
     """Every WRITEBACK_BYTES written, the writer asks the kernel to start writing the range
     back (sync_file_range), contiguous from the start; not at all with sync=False."""
     from zeroshard.checkpoint import files
+
     ranges = []
     monkeypatch.setattr(files, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: ranges.append((off, n, flags)) or 0)
     monkeypatch.setattr(files, "WRITEBACK_BYTES", 4096)
@@ -269,7 +274,7 @@ def test_writeback_is_started_as_the_file_is_written(tmp_path, monkeypatch):
     items = [(f"t{k}", t.dtype, t.shape, lambda t=t: t) for k, t in enumerate(ts)]
     _, size, _ = files.write_safetensors(str(tmp_path / "a.safetensors"), items)
     assert ranges and ranges[0][0] == 0 and all(f == 2 for *_, f in ranges)
-    assert all(a + n == b for (a, n, _), (b, _, _) in zip(ranges, ranges[1:]))      # contiguous
+    assert all(a + n == b for (a, n, _), (b, _, _) in zip(ranges, ranges[1:]))  # contiguous
     assert all(n >= 4096 for _, n, _ in ranges) and ranges[-1][0] + ranges[-1][1] <= size
     got = load_file(str(tmp_path / "a.safetensors"))
     assert all(torch.equal(got[f"t{k}"], t) for k, t in enumerate(ts))
@@ -284,19 +289,20 @@ def test_block_checksums_are_zlibs_crc32(tmp_path):
     any zlib reader agree."""
     import zlib
     from zeroshard.checkpoint import files
+
     g = torch.Generator().manual_seed(int(time.time()))
     data = memoryview(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).numpy().tobytes())
     for n in (0, 1, 15, 16, 63, 64, 65, 1021, 65537, 1 << 20, (3 << 20) - 7):
         for off in (0, 3):
-            chunk = data[off:off + n]
+            chunk = data[off : off + n]
             assert zs._C.crc32(chunk) == zlib.crc32(chunk), (n, off)
             assert files.crc32(chunk, 12345) == zlib.crc32(chunk, 12345), (n, off)
     t = torch.randn(300_007)
     _, _, placed = files.write_safetensors(str(tmp_path / "a.safetensors"), [("t", t.dtype, t.shape, lambda: t)])
     raw = open(tmp_path / "a.safetensors", "rb").read()
     off, crcs = placed[0]
-    body = raw[off:off + t.numel() * 4]
-    assert crcs == [zlib.crc32(body[k:k + files.BLOCK]) for k in range(0, len(body), files.BLOCK)]
+    body = raw[off : off + t.numel() * 4]
+    assert crcs == [zlib.crc32(body[k : k + files.BLOCK]) for k in range(0, len(body), files.BLOCK)]
 
 
 def test_the_replaced_checkpoint_is_deleted_in_the_background(tmp_path, monkeypatch):
@@ -309,18 +315,19 @@ def test_the_replaced_checkpoint_is_deleted_in_the_background(tmp_path, monkeypa
         if ".partial-" in os.path.basename(path):
             release.wait(30)
         return real(path, *a, **k)
+
     monkeypatch.setattr(shutil, "rmtree", held_rmtree)
     path = str(tmp_path / "ck")
     model, opt = build("plain")
     zs.save_checkpoint(path, model, opt, extra={"step": 0})
     train_plain(model, opt, 2)
-    zs.save_checkpoint(path, model, opt, extra={"step": 2})       # returns while the deletion waits
+    zs.save_checkpoint(path, model, opt, extra={"step": 2})  # returns while the deletion waits
     left = sorted(os.listdir(tmp_path))
     assert len(left) == 2 and left[0].startswith(".ck.partial-") and left[1] == "ck", left
     again, again_opt = build("plain", seed=7)
     assert zs.load_checkpoint(path, again, again_opt) == {"step": 2}
     release.set()
-    zs.save_checkpoint(path, model, opt, extra={"step": 3})       # waits for the deletion first
+    zs.save_checkpoint(path, model, opt, extra={"step": 3})  # waits for the deletion first
     deadline = time.time() + 30
     while len(os.listdir(tmp_path)) > 1 and time.time() < deadline:
         time.sleep(0.05)
@@ -335,14 +342,20 @@ def test_a_script_whose_last_call_is_a_save_exits_cleanly(tmp_path):
     two runs catch a regression only sometimes (about 1 in 5); they cost about 10 s."""
     script = tmp_path / "train.py"
     script.write_text(
-        TINY_SCRIPT +
-        "for _ in range(2):\n"
+        TINY_SCRIPT + "for _ in range(2):\n"
         "    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()\n"
         "zs.save_checkpoint(sys.argv[1], model, opt)\n"
-        "dist.destroy_process_group()\n")
+        "dist.destroy_process_group()\n"
+    )
     for k in range(2):
-        out = launch("torchrun", str(script), 2, [str(tmp_path / f"ckpt{k}")],
-                     env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, timeout=180)
+        out = launch(
+            "torchrun",
+            str(script),
+            2,
+            [str(tmp_path / f"ckpt{k}")],
+            env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+            timeout=180,
+        )
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         assert os.path.exists(tmp_path / f"ckpt{k}" / "manifest.json")
 
@@ -359,7 +372,7 @@ def _bad_files(root):
         for c in cases:
             shutil.copytree(good, os.path.join(root, c))
         f = os.path.join(root, "corrupt_byte", "rank1.safetensors")
-        with open(f, "r+b") as fh:      # flip one byte of tensor data (the last piece written)
+        with open(f, "r+b") as fh:  # flip one byte of tensor data (the last piece written)
             fh.seek(os.path.getsize(f) - 5)
             b = fh.read(1)
             fh.seek(-1, 1)
@@ -379,6 +392,7 @@ def _bad_files(root):
             msgs[name] = None
         except zs.CheckpointError as e:
             msgs[name] = str(e)
+
     for c in cases:
         attempt(c, os.path.join(root, c), *build(3))
     other = make_gpt()
@@ -417,7 +431,7 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(zs.CheckpointError, match="not a zeroshard checkpoint; refusing"):
         zs.save_checkpoint(str(tmp_path / "mine"), *build("plain"))
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-    assert os.listdir(tmp_path) == ["mine"]       # and no partial directory is left
+    assert os.listdir(tmp_path) == ["mine"]  # and no partial directory is left
 
 
 # ----------------------------------------------------------------- format
@@ -434,26 +448,26 @@ def test_export_writes_a_full_state_dict_and_the_files_are_safetensors(tmp_path)
     out = str(tmp_path / "model.safetensors")
     zs.export_full_state_dict(path, out)
     full = load_file(out)
-    assert full.keys() == sd.keys() and "tok.weight" in full and "head.weight" in full   # tied: both names
+    assert full.keys() == sd.keys() and "tok.weight" in full and "head.weight" in full  # tied: both names
     assert all(torch.equal(full[k], sd[k]) for k in sd)
     model = make_gpt(seed=7)
-    model.load_state_dict(full)                 # strict: loads into the unwrapped model
+    model.load_state_dict(full)  # strict: loads into the unwrapped model
     zs.export_full_state_dict(path, str(tmp_path / "bf16.safetensors"), dtype=torch.bfloat16)
     half = load_file(str(tmp_path / "bf16.safetensors"))
     assert half["blocks.0.fc.weight"].dtype == torch.bfloat16
     assert torch.equal(half["blocks.0.fc.weight"], sd["blocks.0.fc.weight"].to(torch.bfloat16))
-    assert half["temperature"].dtype == torch.float32     # buffers keep their dtype
+    assert half["temperature"].dtype == torch.float32  # buffers keep their dtype
     with pytest.raises(ValueError, match="safetensors"):
         zs.export_full_state_dict(path, str(tmp_path / "model.pt"))
     # every rank file is a safetensors file whose pieces are where the manifest says
     man = json.load(open(os.path.join(path, "manifest.json")))["body"]
     assert man["world_size"] == 3 and man["stage"] == 3
-    key = "exp_avg:tok.weight"             # the root unit's largest tensor: every rank holds a piece
+    key = "exp_avg:tok.weight"  # the root unit's largest tensor: every rank holds a piece
     entries = man["tensors"][key]["entries"]
     assert {e[0] for e in entries} == {"rank0.safetensors", "rank1.safetensors", "rank2.safetensors"}
     seen = 0
     for fname, _, start, numel, _ in entries:
-        assert start == seen                 # the pieces partition the tensor
+        assert start == seen  # the pieces partition the tensor
         with safe_open(os.path.join(path, fname), framework="pt") as f:
             piece = f.get_tensor(f"{key}@{start}")
         assert piece.shape == (numel,) and piece.dtype == torch.float32
@@ -487,7 +501,7 @@ def _peak_extra(fn):
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                    # resets VmHWM to the current resident size
+        f.write("5")  # resets VmHWM to the current resident size
     before = _rss("VmRSS")
     fn()
     return _rss("VmHWM") - before
@@ -499,31 +513,42 @@ def _memory(stage, path):
     if stage == 3:
         model = zs.FullyShard(net, wrap={WideBlock})
         opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3)
-        bound = model.memory_report()["max_unit"]            # one unit, full size
+        bound = model.memory_report()["max_unit"]  # one unit, full size
     else:
         model, opt = net, zs.ShardedOptimizer(net.parameters(), lr=1e-3, stage=2, bucket_mb=4)
-        bound = 4 * 2**20                                    # one bucket
+        bound = 4 * 2**20  # one bucket
     x = torch.randn(4, W)
     model(x).sum().backward()
     opt.step()
     persistent = opt.memory_report()["total"]
-    seen = {(r["group"], r["seq"]) for r in zs.flight_record()}     # (a ring: the newest records)
+    seen = {(r["group"], r["seq"]) for r in zs.flight_record()}  # (a ring: the newest records)
     save = _peak_extra(lambda: zs.save_checkpoint(path, model, opt))
     # what each rank sent in the save's exchanges (float64 words; its entries go through a file)
-    sent = [r["numel"] * 8 // dist.get_world_size() for r in zs.flight_record()
-            if (r["group"], r["seq"]) not in seen and "checkpoint outcome exchange (object bytes)" in (r["what"] or "")]
+    sent = [
+        r["numel"] * 8 // dist.get_world_size()
+        for r in zs.flight_record()
+        if (r["group"], r["seq"]) not in seen and "checkpoint outcome exchange (object bytes)" in (r["what"] or "")
+    ]
     load = _peak_extra(lambda: zs.load_checkpoint(path, model, opt))
     states = [t for reg in opt.regions for t in (reg.exp_avg, reg.exp_avg_sq)]
     meter = _peak_extra(lambda: [t.clone() for t in states])  # the meter sees a copy of the states
     state_bytes = sum(t.numel() * t.element_size() for t in states)
-    return dict(save=save, load=load, meter=meter, bound=bound, persistent=persistent, states=state_bytes,
-                sent=sent, pieces=len(opt.regions))
+    return dict(
+        save=save,
+        load=load,
+        meter=meter,
+        bound=bound,
+        persistent=persistent,
+        states=state_bytes,
+        sent=sent,
+        pieces=len(opt.regions),
+    )
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_peak_memory_of_save_and_load_stays_within_one_unit_or_bucket(tmp_path, stage):
     for r in launch("pool", 2).run(_memory, stage, str(tmp_path / "ck")):
-        assert r["meter"] >= 0.9 * r["states"] > 4 * r["bound"], r     # the measurement can fail
+        assert r["meter"] >= 0.9 * r["states"] > 4 * r["bound"], r  # the measurement can fail
         assert r["save"] <= r["bound"], r
         assert r["load"] <= r["bound"], r
         # a few bytes a rank whatever the model: not every rank's manifest entries to every rank
@@ -552,6 +577,7 @@ def _other_dtypes(stage, path):
             m = zs.FullyShard(m, wrap={Rotary})
             return m, zs.ShardedOptimizer(m.parameters(), lr=0.1)
         return m, zs.ShardedOptimizer(m.parameters(), lr=0.1, stage=stage)
+
     model, opt = built(0)
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
@@ -566,8 +592,11 @@ def _other_dtypes(stage, path):
         refused = ""
     except zs.CheckpointError as e:
         refused = str(e)
-    return (sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
-            {k: str(v.dtype) for k, v in loaded.items()}, refused)
+    return (
+        sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
+        {k: str(v.dtype) for k, v in loaded.items()},
+        refused,
+    )
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -1,4 +1,5 @@
 """zeroshard's collectives against torch.distributed's own, on gloo, world sizes 2 and 3."""
+
 import pytest
 import time
 
@@ -35,7 +36,7 @@ def _rs_vs_torch(shard, dtype, average):
         h = zs.reduce_scatter(xc, ours, average=average)
         h.wait()
         assert h.completed() and h.waited
-        ok &= torch.equal(xc, x)          # an input not marked scratch is left as it was
+        ok &= torch.equal(xc, x)  # an input not marked scratch is left as it was
         theirs = torch.empty(shard, dtype=dtype)
         dist.reduce_scatter_tensor(theirs, x.clone(), op=dist.ReduceOp.SUM)
         if average:
@@ -62,8 +63,8 @@ def _ar_vs_torch(numel, dtype, average):
     x = _inputs(numel, dtype, salt=2)
     ours = x.clone()
     h = zs.all_reduce(ours, average=average)
-    for _ in range(10000):    # completed() never blocks, and turns true once the backend is done
-        if h.completed():     # (gloo's native reduce-scatter only reports it in wait())
+    for _ in range(10000):  # completed() never blocks, and turns true once the backend is done
+        if h.completed():  # (gloo's native reduce-scatter only reports it in wait())
             break
         time.sleep(0.001)
     assert h.completed()
@@ -96,9 +97,13 @@ def _objects():
     """comm.all_gather_object against torch's, with objects of different sizes per rank
     (one a multiple of 8 bytes or not, one with a NaN and raw bytes)."""
     from zeroshard import comm
+
     rank = dist.get_rank()
-    objs = [{"rank": rank, "pad": "x" * (rank * 13 + 5), "nan": float("nan"), "raw": bytes(range(rank + 3))},
-            [rank] * (rank + 1), None]
+    objs = [
+        {"rank": rank, "pad": "x" * (rank * 13 + 5), "nan": float("nan"), "raw": bytes(range(rank + 3))},
+        [rank] * (rank + 1),
+        None,
+    ]
     out = []
     for obj in objs:
         theirs = [None] * dist.get_world_size()
@@ -123,11 +128,11 @@ def _bucketed_uneven_reduce():
     layout = zs.compute_layout(sizes, [torch.float32] * len(sizes), bucket_cap_bytes=512, world_size=world)
     flat = torch.zeros(layout.buffers[0].numel)
     for g, place in zip(grads, layout.tensors):
-        flat[place.offset:place.offset + place.numel] = g
+        flat[place.offset : place.offset + place.numel] = g
     shards, handles = [], []
     for b in layout.buckets:
         out = torch.empty(b.shard_numel)
-        handles.append(zs.reduce_scatter(flat[b.offset:b.offset + b.numel], out, average=True))
+        handles.append(zs.reduce_scatter(flat[b.offset : b.offset + b.numel], out, average=True))
         shards.append(out)
     for h in reversed(handles):
         h.wait()
@@ -137,8 +142,8 @@ def _bucketed_uneven_reduce():
         t /= world
     ok = True
     for p in layout.shard_pieces(rank):
-        mine = shards[p.bucket][p.shard_offset:p.shard_offset + p.numel]
-        want = full[p.tensor][p.tensor_offset:p.tensor_offset + p.numel]
+        mine = shards[p.bucket][p.shard_offset : p.shard_offset + p.numel]
+        want = full[p.tensor][p.tensor_offset : p.tensor_offset + p.numel]
         ok &= bool(torch.allclose(mine, want, rtol=1e-6, atol=1e-6))
     return ok, len(layout.buckets)
 
@@ -197,15 +202,15 @@ def _scratch_and_in_place():
         dist.reduce_scatter_tensor(theirs, x.clone())
         for alias in (False, True):
             scratch = x.clone()
-            out = scratch[rank * shard:(rank + 1) * shard] if alias else torch.empty(shard)
+            out = scratch[rank * shard : (rank + 1) * shard] if alias else torch.empty(shard)
             zs.reduce_scatter(scratch, out, average=False, input_is_scratch=True).wait()
             ok.append(torch.equal(out, theirs))
         full = _inputs(world * shard, torch.float32, salt=4)
-        mine = full[rank * shard:(rank + 1) * shard].clone()
+        mine = full[rank * shard : (rank + 1) * shard].clone()
         expect = torch.empty(world * shard)
         dist.all_gather_into_tensor(expect, mine)
-        buf = full.clone()                 # other chunks hold garbage before the gather
-        zs.all_gather(buf[rank * shard:(rank + 1) * shard], buf).wait()
+        buf = full.clone()  # other chunks hold garbage before the gather
+        zs.all_gather(buf[rank * shard : (rank + 1) * shard], buf).wait()
         ok.append(torch.equal(buf, expect))
     return ok
 
@@ -231,12 +236,12 @@ def _into_sent_chunks():
             theirs.append(torch.empty(shard))
             dist.reduce_scatter_tensor(theirs[-1], x.clone())
         srcs = [x.clone() for x in xs]
-        outs = [s[rank * shard:(rank + 1) * shard] if k % 2 == 0 else torch.empty(shard) for k, s in enumerate(srcs)]
+        outs = [s[rank * shard : (rank + 1) * shard] if k % 2 == 0 else torch.empty(shard) for k, s in enumerate(srcs)]
         hs = [zs.reduce_scatter(srcs[k], outs[k], average=k == 2, input_is_scratch=k != 1) for k in range(4)]
-        for k in (range(4) if rank % 2 else range(3, -1, -1)):
+        for k in range(4) if rank % 2 else range(3, -1, -1):
             hs[k].wait()
         ok += [torch.equal(outs[k], theirs[k] / world if k == 2 else theirs[k]) for k in range(4)]
-        ok.append(torch.equal(srcs[1], xs[1]))          # not scratch: left as it was
+        ok.append(torch.equal(srcs[1], xs[1]))  # not scratch: left as it was
     n = 1000
     ok.append(zs.comm.reduce_scatter_scratch_bytes(n, 4, world, True, input_is_scratch=True) == 4 * n)
     ok.append(zs.comm.reduce_scatter_scratch_bytes(n, 4, world, False, input_is_scratch=True) == 0)
@@ -269,11 +274,11 @@ def _in_pieces():
         for alias in (False, True):
             for average in (False, True):
                 src = x.clone()
-                out = src[rank * shard:(rank + 1) * shard] if alias else torch.empty(shard, dtype=dtype)
+                out = src[rank * shard : (rank + 1) * shard] if alias else torch.empty(shard, dtype=dtype)
                 h = zs.reduce_scatter(src, out, average=average, input_is_scratch=True)
                 whole = max(0, world - (1 if alias else 2)) * shard * dtype.itemsize
                 if zs.comm.reduce_scatter_scratch_bytes(shard, dtype.itemsize, world, alias) < whole:
-                    for _ in range(20000):    # in pieces: the thread's end shows in completed()
+                    for _ in range(20000):  # in pieces: the thread's end shows in completed()
                         if h.completed():
                             break
                         time.sleep(0.001)
@@ -281,13 +286,13 @@ def _in_pieces():
                 h.wait()
                 ok.append(torch.equal(out, theirs / world if average else theirs))
         pieced = zs.comm.reduce_scatter_scratch_bytes(shard, dtype.itemsize, world, True)
-        whole = (world - 1) * shard * dtype.itemsize       # in place, unpieced: a chunk per peer
-        ok.append(0 < pieced <= whole * (0.7 if shard < 10 ** 6 else 0.13))
+        whole = (world - 1) * shard * dtype.itemsize  # in place, unpieced: a chunk per peer
+        ok.append(0 < pieced <= whole * (0.7 if shard < 10**6 else 0.13))
     shard = 196625
     xs = [_exact_sum_inputs(world * shard, torch.float32, salt=6 + k) for k in range(2)]
     outs = [torch.empty(shard) for _ in xs]
     hs = [zs.reduce_scatter(x.clone(), o, average=False) for x, o in zip(xs, outs)]
-    for h in (hs if rank % 2 else hs[::-1]):
+    for h in hs if rank % 2 else hs[::-1]:
         h.wait()
     for x, o in zip(xs, outs):
         theirs = torch.empty(shard)
@@ -297,7 +302,7 @@ def _in_pieces():
 
 
 def _in_pieces_of(piece_bytes):
-    old = zs._C.set_reduce_scatter_piece_bytes(piece_bytes)   # cut test-sized buffers
+    old = zs._C.set_reduce_scatter_piece_bytes(piece_bytes)  # cut test-sized buffers
     try:
         return _in_pieces()
     finally:
@@ -306,8 +311,8 @@ def _in_pieces_of(piece_bytes):
 
 def test_reduce_scatter_in_pieces(dist_pool):
     # by default only chunks of more than two 4 MiB pieces are cut
-    assert zs.comm.reduce_scatter_scratch_bytes(2 ** 21, 4, 8, True) == 7 * 2 ** 23
-    assert zs.comm.reduce_scatter_scratch_bytes(2 ** 23, 4, 8, True) == 7 * 2 * 2 ** 22
+    assert zs.comm.reduce_scatter_scratch_bytes(2**21, 4, 8, True) == 7 * 2**23
+    assert zs.comm.reduce_scatter_scratch_bytes(2**23, 4, 8, True) == 7 * 2 * 2**22
     for ok in dist_pool.run(_in_pieces_of, 256 << 10):
         assert all(ok), [k for k, v in enumerate(ok) if not v]
 
@@ -316,6 +321,7 @@ def _flight(stage):
     import torch.nn as nn
     import torch.nn.functional as F
     import zeroshard as zs
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
     if stage == 3:
@@ -326,7 +332,7 @@ def _flight(stage):
     world = dist.group.WORLD.group_name
     # the pool's earlier tests issued collectives too: keep this run's
     after = max([r["seq"] for r in zs.flight_record() if r["group"] == world], default=0)
-    for _ in range(2):      # the first backward also agrees on the bucket order
+    for _ in range(2):  # the first backward also agrees on the bucket order
         opt.zero_grad()
         F.cross_entropy(model(torch.randn(4, 7)), torch.randint(0, 3, (4,))).backward()
         opt.step()
@@ -338,25 +344,27 @@ def test_flight_record_of_a_step(dist_pool, stage):
     records = dist_pool.run(_flight, stage)
     mine = records[0]
     last = [r for r in mine if r["what"] == "gradient statistics"][-1]
-    assert last["kind"] == "all_reduce" and last["numel"] == 2 * 4    # two floats per parameter
+    assert last["kind"] == "all_reduce" and last["numel"] == 2 * 4  # two floats per parameter
     for r in mine:
         assert r["end"] is not None and r["end"] >= r["start"], r
     seqs = [r["seq"] for r in mine]
-    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))        # one group, no gap
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one group, no gap
     if stage == 2:
         step2 = [r for r in mine if r["what"].startswith("step 2, bucket")]
         kinds = [r["kind"] for r in step2]
         n = kinds.count("reduce_scatter")
         assert n >= 2 and kinds == ["reduce_scatter"] * n + ["all_gather"] * n, kinds
-    else:   # forward gathers, backward gathers again in reverse, reduces, then the statistics
+    else:  # forward gathers, backward gathers again in reverse, reduces, then the statistics
         step = [(r["kind"], r["what"]) for r in mine[-7:]]
-        assert step == [("all_gather", "step 2 forward, unit '0' all-gather"),
-                        ("all_gather", "step 2 forward, unit '2' all-gather"),
-                        ("all_gather", "step 2 backward, unit '2' all-gather"),
-                        ("all_gather", "step 2 backward, unit '0' all-gather"),
-                        ("reduce_scatter", "step 2, unit '2' reduce-scatter"),
-                        ("reduce_scatter", "step 2, unit '0' reduce-scatter"),
-                        ("all_reduce", "gradient statistics")], step
+        assert step == [
+            ("all_gather", "step 2 forward, unit '0' all-gather"),
+            ("all_gather", "step 2 forward, unit '2' all-gather"),
+            ("all_gather", "step 2 backward, unit '2' all-gather"),
+            ("all_gather", "step 2 backward, unit '0' all-gather"),
+            ("reduce_scatter", "step 2, unit '2' reduce-scatter"),
+            ("reduce_scatter", "step 2, unit '0' reduce-scatter"),
+            ("all_reduce", "gradient statistics"),
+        ], step
     # every rank issued the same collectives, in the same order, with the same sizes (sequence
     # numbers counted from this run's first: an earlier test's rank-0-only check-in advanced rank 0's)
     strip = [[(r["seq"] - rs[0]["seq"], r["kind"], r["what"], r["numel"]) for r in rs] for rs in records]
@@ -389,8 +397,11 @@ def _forwarding_group():
     if "group" not in _FORWARDING:
         inner = dist.new_group(backend="gloo")
         if "forwarding" not in dist.Backend.backend_list:
-            dist.Backend.register_backend("forwarding", lambda store, rank, size, timeout: _Forwarding(
-                rank, size, _FORWARDING["inner"]), devices=["cpu"])
+            dist.Backend.register_backend(
+                "forwarding",
+                lambda store, rank, size, timeout: _Forwarding(rank, size, _FORWARDING["inner"]),
+                devices=["cpu"],
+            )
         _FORWARDING["inner"] = inner
         _FORWARDING["group"] = dist.new_group(backend="forwarding")
     return _FORWARDING["group"]
@@ -404,10 +415,10 @@ def _uneven(forwarding=False):
     group = _forwarding_group() if forwarding else None
     world, rank = dist.get_world_size(), dist.get_rank()
     ok = []
-    g = torch.Generator().manual_seed(7)             # the same bounds on every rank
+    g = torch.Generator().manual_seed(7)  # the same bounds on every rank
     for trial in range(6):
         lengths = [int(x) for x in torch.randint(0, 40, (world,), generator=g)]
-        lengths[trial % world] = 0 if trial < 2 else lengths[trial % world]    # empty chunks
+        lengths[trial % world] = 0 if trial < 2 else lengths[trial % world]  # empty chunks
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)

@@ -2,6 +2,7 @@
 compile under FullyShard (one graph for every block, no recompiles), the
 whole FullyShard model compiled, and stages 1/2 under torch.compile(model),
 each equal to the same training run eagerly."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from support.models import Residual, ResidualNet
 def _train(stage, how, layers=4, backend="aot_eager", steps=3):
     """Parameters after ``steps`` steps, and dynamo's counters for the run."""
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -33,7 +35,7 @@ def _train(stage, how, layers=4, backend="aot_eager", steps=3):
     r = dist.get_rank()
     for _ in range(steps):
         x, y = torch.randn(12, 11, generator=g), torch.randint(0, 3, (12,), generator=g)
-        F.cross_entropy(run(x[r * n:(r + 1) * n]), y[r * n:(r + 1) * n]).backward()
+        F.cross_entropy(run(x[r * n : (r + 1) * n]), y[r * n : (r + 1) * n]).backward()
         opt.step()
         opt.zero_grad()
     sd = {k: v.clone() for k, v in model.state_dict().items()}

@@ -2,6 +2,7 @@
 loaded with dcp.save / dcp.load against FSDP2 (fully_shard + torch.optim.AdamW through
 torch's get_state_dict / set_state_dict) and DDP, across world sizes 2 and 3 and stages 1-3:
 whoever loads a checkpoint then trains on exactly as the other tool does from it."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,9 +44,12 @@ def _train(model, opt, steps: range):
 
 # an optimizer by name: (torch class, its hyperparameters); zeroshard runs torch's SGD and AdamW with amsgrad
 # as elementwise optimizer_class, AdamW as its fused kernel
-OPTIMIZERS = {"adamw": (torch.optim.AdamW, HYPER), "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
-              "amsgrad": (torch.optim.AdamW, dict(HYPER, amsgrad=True)),
-              "adafactor": (torch.optim.Adafactor, dict(lr=1e-2))}     # whole-tensor: on owner ranks
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, HYPER),
+    "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
+    "amsgrad": (torch.optim.AdamW, dict(HYPER, amsgrad=True)),
+    "adafactor": (torch.optim.Adafactor, dict(lr=1e-2)),
+}  # whole-tensor: on owner ranks
 
 
 def _muon(kind: str):
@@ -62,8 +66,14 @@ def _muon(kind: str):
     if kind == "ddp":
         return model, [torch.optim.Muon(mats, **muon), torch.optim.AdamW(rest, **HYPER)], "torch"
     stage = {} if kind == "zs3" else dict(stage=2)
-    return model, [zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, **stage, **muon),
-                   zs.ShardedOptimizer(rest, **stage, **HYPER)], "zs"
+    return (
+        model,
+        [
+            zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, **stage, **muon),
+            zs.ShardedOptimizer(rest, **stage, **HYPER),
+        ],
+        "zs",
+    )
 
 
 def _build(kind: str):
@@ -76,6 +86,7 @@ def _build(kind: str):
     model = _model()
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
+
         for b in (model[1], model[2]):
             fully_shard(b)
         fully_shard(model)
@@ -110,10 +121,11 @@ def _save(kind: str, path: str, saver: str = "save"):
     model, opt, whose = _build(kind)
     _train(model, opt, range(2))
     msd, osd = _state_dicts(model, opt, whose)
-    if saver == "async_save":       # (its collectives in a group of their own, as torch's docs ask)
-        written = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path,
-                                 process_group=dist.new_group(backend="gloo"))
-        _train(model, opt, range(2, 4))      # (changes the shards the state dicts view)
+    if saver == "async_save":  # (its collectives in a group of their own, as torch's docs ask)
+        written = dcp.async_save(
+            {"model": msd, "optim": osd}, checkpoint_id=path, process_group=dist.new_group(backend="gloo")
+        )
+        _train(model, opt, range(2, 4))  # (changes the shards the state dicts view)
         written.result()
     else:
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -143,7 +155,7 @@ def _worst(a: dict, b: dict) -> float:
 def test_a_torch_checkpoint_at_world_2_trains_on_in_zeroshard_at_world_3(writer, tmp_path):
     path = str(tmp_path / "ckpt")
     launch("pool", 2).run(_save, writer, path)
-    want = launch("pool", 3).run(_load, writer, path)[0]          # the writer continuing from its checkpoint
+    want = launch("pool", 3).run(_load, writer, path)[0]  # the writer continuing from its checkpoint
     for stage in (3, 2, 1):
         got = launch("pool", 3).run(_load, f"zs{stage}", path)[0]
         assert _worst(got, want) < 1e-6, (writer, stage)
@@ -191,6 +203,7 @@ def test_converters_both_ways(tmp_path):
     as zeroshard does), and FSDP2's DCP checkpoint as a zeroshard one (loaded at another world size
     and stage, training on as FSDP2 does)."""
     from zeroshard.checkpoint import convert
+
     native, as_dcp = str(tmp_path / "native"), str(tmp_path / "as-dcp")
     ours = launch("pool", 2).run(_native_save, "zs3", native)[0]
     assert convert.main(["--to", "dcp", native, as_dcp]) == 0
@@ -200,7 +213,7 @@ def test_converters_both_ways(tmp_path):
     assert convert.main(["--to", "zeroshard", theirs, back]) == 0
     want = launch("pool", 3).run(_load, "fsdp2", theirs)[0]
     assert _worst(launch("pool", 3).run(_native_load, "zs2", back)[0], want) < 1e-6
-    assert convert.main(["--to", "dcp", native, back]) == 2          # an existing destination is refused
+    assert convert.main(["--to", "dcp", native, back]) == 2  # an existing destination is refused
 
 
 @pytest.mark.parametrize("which,peer", [("sgd", "fsdp2"), ("amsgrad", "fsdp2"), ("adafactor", "ddp")])
@@ -239,8 +252,9 @@ def _full_save(kind: str, path: str):
     """Full state dicts on rank 0 (``full_state_dict=True, cpu_offload=True``), torch.save'd there."""
     model, opt, whose = _build(kind)
     _train(model, opt, range(2))
-    msd, osd = get_state_dict(model, opt, options=FULL) if whose == "torch" else \
-        dcp_state_dict(model, opt, options=FULL)
+    msd, osd = (
+        get_state_dict(model, opt, options=FULL) if whose == "torch" else dcp_state_dict(model, opt, options=FULL)
+    )
     if dist.get_rank() == 0:
         torch.save({"model": msd, "optim": osd}, path)
     else:
@@ -256,13 +270,20 @@ def _full_load(kind: str, path: str):
     model, opt, whose = _build(kind)
     if whose == "torch":
         sd = torch.load(path, weights_only=False)
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=StateDictOptions(full_state_dict=True))
+        set_state_dict(
+            model,
+            opt,
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+            options=StateDictOptions(full_state_dict=True),
+        )
     else:
-        sd = torch.load(path, weights_only=False) if dist.get_rank() == 0 else \
-            {"model": {}, "optim": {"state": {}, "param_groups": []}}
-        load_dcp_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                            options=FROM_RANK0)
+        sd = (
+            torch.load(path, weights_only=False)
+            if dist.get_rank() == 0
+            else {"model": {}, "optim": {"state": {}, "param_groups": []}}
+        )
+        load_dcp_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=FROM_RANK0)
     _train(model, opt, range(2, 4))
     return _full(model, opt, whose)
 

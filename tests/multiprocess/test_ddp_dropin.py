@@ -2,6 +2,7 @@
 DDP + torch.optim.AdamW: torch's clip_grad_norm_, GradScaler (an overflow on
 one rank), p.grad norms, model.zero_grad() and accumulation over several
 syncing backwards; at stages 1, 2 and 3, on gloo at world sizes 2 and 3."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from support.launch import launch
 from support.models import Branchy, Residual, ResidualNet
 from support.records import Timeline
 
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("case", ["torch_clip", "opt_clip", "scaler", "model_zero_grad", "scaler_opt_clip"])
 def test_a_converted_ddp_script_equals_ddp(dist_pool, stage, case):
@@ -24,9 +26,9 @@ def test_a_converted_ddp_script_equals_ddp(dist_pool, stage, case):
         if case != "model_zero_grad":
             assert r["norm_err"] < 1e-5 and r["pnorm_err"] < 1e-5, r
         ours, ddp = r["scales"]
-        assert ours == ddp, r      # the overflow step is skipped everywhere; same scale after it
+        assert ours == ddp, r  # the overflow step is skipped everywhere; same scale after it
         if case in ("scaler", "scaler_opt_clip"):
-            assert ddp[2] < ddp[1], ddp   # the injected overflow did back the scale off
+            assert ddp[2] < ddp[1], ddp  # the injected overflow did back the scale off
 
 
 def _grad_misuse(stage):
@@ -35,7 +37,7 @@ def _grad_misuse(stage):
     F.cross_entropy(model(local(x)), local(y)).backward()
     p = next(iter(model.parameters()))
     try:
-        p.grad.add_(1.0)       # an in-place change the shards cannot take (reads gather: [Note: gradient reads])
+        p.grad.add_(1.0)  # an in-place change the shards cannot take (reads gather: [Note: gradient reads])
     except RuntimeError as e:
         msg = str(e)
     else:
@@ -66,15 +68,16 @@ def _consolidate(stage):
     _, ddp_opt = _train_steps("ddp")
     _, opt = _train_steps(stage)
     opt.consolidate_state_dict(to=0)
-    if dist.get_rank() != 0:        # rank 0 holds it: elsewhere an error at once, not a hang
+    if dist.get_rank() != 0:  # rank 0 holds it: elsewhere an error at once, not a hang
         with pytest.raises(RuntimeError, match="consolidated onto rank 0"):
             opt.state_dict()
         return None
-    sd, ref = opt.state_dict(), ddp_opt.state_dict()     # no communication on rank 0
-    plain = torch.optim.AdamW(ResidualNet().parameters())       # plain torch loads it
+    sd, ref = opt.state_dict(), ddp_opt.state_dict()  # no communication on rank 0
+    plain = torch.optim.AdamW(ResidualNet().parameters())  # plain torch loads it
     plain.load_state_dict(sd)
-    return max(rel_err(sd["state"][i][k], ref["state"][i][k]) for i in ref["state"] for k in ("exp_avg", "exp_avg_sq")), \
-        [float(sd["state"][i]["step"]) for i in sorted(sd["state"])]
+    return max(
+        rel_err(sd["state"][i][k], ref["state"][i][k]) for i in ref["state"] for k in ("exp_avg", "exp_avg_sq")
+    ), [float(sd["state"][i]["step"]) for i in sorted(sd["state"])]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -87,12 +90,13 @@ def test_consolidate_then_state_dict_on_rank_0_alone(dist_pool, stage):
 
 def _rank0_only(stage, timeout):
     import os
+
     model, opt = _train_steps(stage, steps=1)
     os.environ["ZEROSHARD_TIMEOUT"] = str(timeout)
     errors = []
     try:
         if dist.get_rank() == 0:
-            for call in (opt.state_dict, model.state_dict):   # each would wait forever for the others
+            for call in (opt.state_dict, model.state_dict):  # each would wait forever for the others
                 try:
                     call()
                 except RuntimeError as e:
@@ -100,18 +104,19 @@ def _rank0_only(stage, timeout):
     finally:
         del os.environ["ZEROSHARD_TIMEOUT"]
     dist.barrier()
-    opt.consolidate_state_dict(to=1)     # the ranks are still in step afterwards
+    opt.consolidate_state_dict(to=1)  # the ranks are still in step afterwards
     return errors, opt.state_dict() is not None if dist.get_rank() == 1 else None
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_state_dict_on_rank_0_alone_errors_instead_of_hanging(stage):
     import time
-    dist_pool = launch("pool", 2)      # (world 3 names its ranks alike: test_hangs.py runs both)
+
+    dist_pool = launch("pool", 2)  # (world 3 names its ranks alike: test_hangs.py runs both)
     t0 = time.time()
     res = dist_pool.run(_rank0_only, stage, 2)
     errors = res[0][0]
-    expected = 2 if stage == 3 else 1     # stages 1/2: model.state_dict() is local, as under DDP
+    expected = 2 if stage == 3 else 1  # stages 1/2: model.state_dict() is local, as under DDP
     assert len(errors) == expected, errors
     others = list(range(1, dist_pool.world_size))
     assert all(f"rank(s) {others} did not call it" in e and "[rank 0/" in e for e in errors), errors
@@ -124,9 +129,9 @@ def test_state_dict_on_rank_0_alone_errors_instead_of_hanging(stage):
 def test_parameters_without_gradient_are_left_alone_as_by_ddp_and_adamw(dist_pool, stage):
     for err, ours, ddp, same_none in dist_pool.run(compare_unused, stage):
         assert err < 1e-5
-        assert ours == ddp, (ours, ddp)       # per-parameter step counts
-        assert sorted(set(ddp.values())) == [5.0, 7.0], ddp   # the extra layer stepped 5 times of 7
-        assert same_none                      # p.grad is None exactly where DDP leaves it None
+        assert ours == ddp, (ours, ddp)  # per-parameter step counts
+        assert sorted(set(ddp.values())) == [5.0, 7.0], ddp  # the extra layer stepped 5 times of 7
+        assert same_none  # p.grad is None exactly where DDP leaves it None
 
 
 def _accumulated_branch(kind, steps=4):
@@ -161,8 +166,9 @@ def _frozen_midway(kind, steps=7, **zs_kw):
     root unit's, and every one of a block's (its unit takes no gradient at all)."""
     net, opt = branchy(kind, **zs_kw)
     params = dict(net.named_parameters())
-    names = [n for n in params if n.endswith(("blocks.0.fc.weight", "inp.bias", "blocks.1.fc.weight",
-                                              "blocks.1.fc.bias"))]
+    names = [
+        n for n in params if n.endswith(("blocks.0.fc.weight", "inp.bias", "blocks.1.fc.weight", "blocks.1.fc.bias"))
+    ]
     assert len(names) == 4, list(params)
     grads_none = []
     for k, (x, y) in enumerate(data(steps)):
@@ -183,14 +189,14 @@ def test_parameters_frozen_after_construction_are_left_alone_and_train_again_as_
     for ours, ddp in zip(dist_pool.run(_frozen_midway, stage), dist_pool.run(_frozen_midway, "ddp")):
         assert max(rel_err(ours[0][k], ddp[0][k]) for k in ddp[0]) < 1e-5
         assert ours[1] == ddp[1] and sorted(set(ddp[1].values())) == [5.0, 7.0], (ours[1], ddp[1])
-        assert ours[2] == ddp[2]              # p.grad is None exactly where DDP leaves it None
+        assert ours[2] == ddp[2]  # p.grad is None exactly where DDP leaves it None
 
 
 def _partly_frozen_unit_events():
     net, opt = branchy(3)
-    net.module.blocks[0].fc.weight.requires_grad_(False)     # after wrapping; its bias still trains
+    net.module.blocks[0].fc.weight.requires_grad_(False)  # after wrapping; its bias still trains
     timeline, block0 = Timeline(), net.units[[u.name for u in net.units].index("blocks.0")]
-    for u in net.units:     # each unit's gradients arriving (and, at the root's, where blocks.0 is)
+    for u in net.units:  # each unit's gradients arriving (and, at the root's, where blocks.0 is)
         timeline.grad_hooks((u.name, q.full) for q in u.trainable)
         if u.is_root:
             for q in u.trainable:
@@ -205,9 +211,9 @@ def test_a_unit_with_a_parameter_frozen_after_wrapping_is_reduced_when_the_rest_
     """Not held to the end of backward waiting for the frozen one's gradient (it would stay
     gathered all through backward, and its reduction would overlap nothing)."""
     for ev in dist_pool.run(_partly_frozen_unit_events):
-        ev = ev[ev.index(("grad", "blocks.1")):]          # the backward
+        ev = ev[ev.index(("grad", "blocks.1")) :]  # the backward
         last_root_grad = len(ev) - 1 - ev[::-1].index(("grad", ""))
-        assert ev[last_root_grad + 1] == ("blocks.0", "sharded"), ev      # resharded by then
+        assert ev[last_root_grad + 1] == ("blocks.0", "sharded"), ev  # resharded by then
         assert ev.index(("reduce_scatter", "blocks.0")) < last_root_grad, ev
 
 
@@ -218,7 +224,7 @@ def _launched_before_last_grad(stage):
     x, y = data(1)[0]
     counts, timeline = [], Timeline()
     timeline.grad_hooks(net.named_parameters())
-    for frozen in (False, False, True):     # (the first backward learns the launch order)
+    for frozen in (False, False, True):  # (the first backward learns the launch order)
         net.blocks[1].fc.weight.requires_grad_(not frozen)
         opt.zero_grad()
         start = len(timeline.events())
@@ -248,22 +254,22 @@ def _unfrozen_after_construction(stage):
     F.cross_entropy(net(local(x)), local(y)).backward()
     before = [piece_of(p).clone() for p in net.parameters()]
     msg, unchanged = None, True
-    if stage == 3:           # the forward laid its unit out again: this backward averaged its gradient
+    if stage == 3:  # the forward laid its unit out again: this backward averaged its gradient
         opt.step()
     else:
-        with pytest.raises(RuntimeError) as e:    # its gradient was not averaged: refused, naming the fix
+        with pytest.raises(RuntimeError) as e:  # its gradient was not averaged: refused, naming the fix
             opt.step()
         msg = str(e.value)
         unchanged = all(torch.equal(a, piece_of(p)) for a, p in zip(before, net.parameters()))
-        opt.zero_grad()                           # lays it out: it trains from this backward on
+        opt.zero_grad()  # lays it out: it trains from this backward on
         F.cross_entropy(net(local(x)), local(y)).backward()
         opt.step()
     trained = opt.param_steps[0] == 1
     groups = len(opt.param_groups)
-    try:                                      # transfer learning's other habit: a new head
+    try:  # transfer learning's other habit: a new head
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 1e-3})
         added = None
-    except ValueError as err:                 # (ZeRO-3: not a FullyShard parameter)
+    except ValueError as err:  # (ZeRO-3: not a FullyShard parameter)
         added = str(err)
     return msg, unchanged, trained, added, len(opt.param_groups) - groups
 
@@ -276,7 +282,8 @@ def test_unfreezing_a_parameter_frozen_at_construction_and_adding_a_group(dist_p
     add_param_group adds a plain parameter at stages 1/2, and refuses one that is not a
     FullyShard parameter at stage 3, leaving the groups as they were."""
     for rank, (msg, unchanged, trained, added, new_groups) in enumerate(
-            dist_pool.run(_unfrozen_after_construction, stage)):
+        dist_pool.run(_unfrozen_after_construction, stage)
+    ):
         if stage != 3:
             assert f"[rank {rank}/" in msg and "parameter 0 " in msg and "opt.zero_grad()" in msg, msg
         assert unchanged and trained
@@ -288,10 +295,10 @@ def test_unfreezing_a_parameter_frozen_at_construction_and_adding_a_group(dist_p
 
 def _converted_after_construction(stage, dtype):
     model, opt = build(stage)
-    if dtype is None:        # the same dtype and device (as model.cuda() on a GPU run): was silent
+    if dtype is None:  # the same dtype and device (as model.cuda() on a GPU run): was silent
         model.head.bias.data = model.head.bias.data.clone()
     else:
-        model.to(dtype)      # replaces every p.data: the model would train a copy no step writes
+        model.to(dtype)  # replaces every p.data: the model would train a copy no step writes
     x, y = data(1)[0]
     with pytest.raises(RuntimeError) as e:
         F.cross_entropy(model(local(x).to(dtype or torch.float32)), local(y)).backward()
@@ -324,8 +331,10 @@ def _other_optimizer(kind, name, steps=5):
         net = zs.FullyShard(model, wrap={Residual})
         opt = zs.ShardedOptimizer(net.parameters(), optimizer_class=cls, **kw)
     else:
-        net, opt = model, zs.ShardedOptimizer(model.parameters(), optimizer_class=cls, stage=kind,
-                                              bucket_mb=TINY_BUCKET_MB, **kw)
+        net, opt = (
+            model,
+            zs.ShardedOptimizer(model.parameters(), optimizer_class=cls, stage=kind, bucket_mb=TINY_BUCKET_MB, **kw),
+        )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     rank = dist.get_rank()
     for k, (x, y) in enumerate(data(steps)):
@@ -338,7 +347,7 @@ def _other_optimizer(kind, name, steps=5):
         return full_params(kind, net), opt.state_dict()
     opt.consolidate_state_dict(to=0)
     sd = opt.state_dict() if rank == 0 else None
-    if rank == 0:       # plain torch loads it
+    if rank == 0:  # plain torch loads it
         cls(Branchy().parameters(), **kw).load_state_dict(sd)
     return full_params(kind, net), sd, opt.memory_report()
 
@@ -350,8 +359,11 @@ def _compare_optimizer(stage, name):
     state_err = None
     if sd is not None:
         assert sd["state"].keys() == ref_sd["state"].keys(), (sd["state"].keys(), ref_sd["state"].keys())
-        state_err = max((rel_err(v, ref_sd["state"][i][k]) if v.dim() else abs(float(v) - float(ref_sd["state"][i][k])))
-                        for i, st in sd["state"].items() for k, v in st.items())
+        state_err = max(
+            (rel_err(v, ref_sd["state"][i][k]) if v.dim() else abs(float(v) - float(ref_sd["state"][i][k])))
+            for i, st in sd["state"].items()
+            for k, v in st.items()
+        )
     return err, state_err, rep
 
 
@@ -417,7 +429,7 @@ def _unused_ckpt_load(stage, path):
 
 def test_per_parameter_step_counts_survive_a_checkpoint_at_another_world_size_and_stage(tmp_path):
     saved = launch("pool", 2).run(_unused_ckpt_save, 2, str(tmp_path / "ck"))[0]
-    assert sorted(set(saved)) == [0, 1, 4], saved     # never used / used in one step / every step
+    assert sorted(set(saved)) == [0, 1, 4], saved  # never used / used in one step / every step
     for stage in (1, 3):
         steps, state = launch("pool", 3).run(_unused_ckpt_load, stage, str(tmp_path / "ck"))[0]
         assert steps == saved, (stage, steps, saved)
@@ -428,7 +440,7 @@ def _statistics_in_flight(stage):
     """(ended after backward, ended after step) of each step's statistics all-reduce."""
     torch.manual_seed(0)
     model = Branchy()
-    model.never.requires_grad_(False)      # (frozen: not a parameter that lacks a gradient)
+    model.never.requires_grad_(False)  # (frozen: not a parameter that lacks a gradient)
     if stage == 3:
         net = zs.FullyShard(model, wrap={Residual})
         opt = zs.ShardedOptimizer(net.parameters(), lr=1e-2)
@@ -441,7 +453,7 @@ def _statistics_in_flight(stage):
 
     for k, (x, y) in enumerate(data(3)):
         opt.zero_grad()
-        use = k != 1 or rank == 0      # step 1: the extra layer gets a gradient on rank 0 only
+        use = k != 1 or rank == 0  # step 1: the extra layer gets a gradient on rank 0 only
         F.cross_entropy(net(local(x), use_extra=use), local(y)).backward()
         after_backward = last()["end"] is not None
         opt.step()

@@ -3,6 +3,7 @@ over the ranks of an expert-parallel group (each rank its own experts, tokens ex
 with the other ranks of its ep group), the experts in a param group sharded over their
 expert-data-parallel group (``"device_mesh": mesh["edp"]``), against one process training
 the whole model on the whole batch with torch's AdamW. 4 gloo ranks: edp 2 x ep 2."""
+
 import math
 import os
 import sys
@@ -32,7 +33,7 @@ def _reference(top_k: int, world: int, micro: int, clip, starve: bool, steps: in
     """One process, every expert, every rank's tokens: parameters and clip norms after ``steps``."""
     torch.manual_seed(0)
     model = Net(top_k, call_every_expert=not starve)
-    model.moe.unrouted = [E - 1] if starve else []      # the last expert never gets a token
+    model.moe.unrouted = [E - 1] if starve else []  # the last expert never gets a token
     dense, experts = split(model)
     opt = torch.optim.AdamW([{"params": dense}, {"params": experts, "weight_decay": 0.3}], lr=1e-2)
     norms, first = [], None
@@ -50,6 +51,7 @@ def _reference(top_k: int, world: int, micro: int, clip, starve: bool, steps: in
 
 def _train(stage: int, top_k: int, ep: int, micro: int = 1, clip=None, starve: bool = False, torch_clip=False):
     from torch.distributed.device_mesh import init_device_mesh
+
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
     ref, ref_norms, ref_grads = _reference(top_k, world, micro, clip, starve)
@@ -57,17 +59,20 @@ def _train(stage: int, top_k: int, ep: int, micro: int = 1, clip=None, starve: b
     full = Net(top_k, call_every_expert=not starve)
     net = model = Net(top_k, mesh["ep"].get_group(), call_every_expert=not starve)
     net.moe.unrouted = [E - 1] if starve else []
-    with torch.no_grad():      # the whole model's values: this rank's experts among them
+    with torch.no_grad():  # the whole model's values: this rank's experts among them
         for name, p in model.named_parameters():
             p.copy_(full.get_parameter(global_name(net, name)))
-    if stage == 3:             # each expert a unit over its edp group, the rest over every rank
+    if stage == 3:  # each expert a unit over its edp group, the rest over every rank
         model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]})
         dense, experts = split(model)
         opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "weight_decay": 0.3}], lr=1e-2)
     else:
         dense, experts = split(model)
-        opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "weight_decay": 0.3,
-                                                       "device_mesh": mesh["edp"]}], lr=1e-2, stage=stage)
+        opt = zs.ShardedOptimizer(
+            [{"params": dense}, {"params": experts, "weight_decay": 0.3, "device_mesh": mesh["edp"]}],
+            lr=1e-2,
+            stage=stage,
+        )
     norms, grad_err = [], 0.0
     for step in range(STEPS):
         for m in range(micro):
@@ -87,21 +92,36 @@ def _train(stage: int, top_k: int, ep: int, micro: int = 1, clip=None, starve: b
             elif got is not None:
                 grad_err = max(grad_err, ((got - want).norm() / want.norm()).item())
         if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if torch_clip
-                               else opt.clip_grad_norm_(clip)))
+            norms.append(
+                float(
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    if torch_clip
+                    else opt.clip_grad_norm_(clip)
+                )
+            )
         opt.step()
         opt.zero_grad()
     err, moved = 0.0, False
-    for name, p in model.state_dict().items():     # (FullyShard: gathered, each rank's own experts)
+    for name, p in model.state_dict().items():  # (FullyShard: gathered, each rank's own experts)
         q = ref.get_parameter(global_name(net, name))
         err = max(err, ((p - q).norm() / q.norm()).item())
-        if global_name(net, name).startswith(f"moe.experts.{E - 1}."):     # the starved expert, where held
+        if global_name(net, name).startswith(f"moe.experts.{E - 1}."):  # the starved expert, where held
             moved = moved or not torch.equal(p, full.get_parameter(global_name(net, name)))
     rep = opt.memory_report()
     n_experts = sum(p.numel() for n, p in ref.named_parameters() if n.startswith("moe.experts."))
     n_dense = sum(p.numel() for n, p in ref.named_parameters() if not n.startswith("moe.experts."))
-    return dict(err=err, grad_err=grad_err, norms=norms, ref_norms=ref_norms, rep=rep, psi=(n_dense, n_experts),
-                moved=moved, starved_here=(E - 1) in net.moe.ids, stage=stage, ep=mesh["ep"].size())
+    return dict(
+        err=err,
+        grad_err=grad_err,
+        norms=norms,
+        ref_norms=ref_norms,
+        rep=rep,
+        psi=(n_dense, n_experts),
+        moved=moved,
+        starved_here=(E - 1) in net.moe.ids,
+        stage=stage,
+        ep=mesh["ep"].size(),
+    )
 
 
 def _check(results, clip=None):
@@ -146,34 +166,44 @@ def _muon_over_experts(stage: int, adafactor: bool = False):
     difference, and the Muon state bytes this rank holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from support.optimizers import Muon32
+
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
 
     def groups(model):
         dense, experts = split(model)
         return dense, [p for p in experts if p.dim() == 2], [p for p in experts if p.dim() != 2]
+
     torch.manual_seed(0)
     ref = Net(2)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     dense, mats, vecs = groups(ref)
-    cls, kw = (torch.optim.Adafactor, dict(lr=0.01)) if adafactor else \
-        (Muon32, dict(lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw"))
+    cls, kw = (
+        (torch.optim.Adafactor, dict(lr=0.01))
+        if adafactor
+        else (Muon32, dict(lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw"))
+    )
     ref_opts = [cls(mats, **kw), torch.optim.AdamW(dense + vecs, lr=1e-2)]
     net = Net(2, mesh["ep"].get_group())
     with torch.no_grad():
         for name, p in net.named_parameters():
             p.copy_(start[global_name(net, name)])
     vouch = {} if adafactor else dict(whole_tensor=True)
-    if stage == 3:      # each expert a unit over its edp group: its parameters carry their ranks
+    if stage == 3:  # each expert a unit over its edp group: its parameters carry their ranks
         model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]})
         dense, mats, vecs = groups(model)
-        opts = [zs.ShardedOptimizer(mats, optimizer_class=cls, **vouch, **kw),
-                zs.ShardedOptimizer(dense + vecs, lr=1e-2)]
+        opts = [
+            zs.ShardedOptimizer(mats, optimizer_class=cls, **vouch, **kw),
+            zs.ShardedOptimizer(dense + vecs, lr=1e-2),
+        ]
     else:
         model, (dense, mats, vecs), edp = net, groups(net), mesh["edp"]
-        opts = [zs.ShardedOptimizer([{"params": mats, "device_mesh": edp}], optimizer_class=cls, **vouch, **kw,
-                                    stage=stage),
-                zs.ShardedOptimizer([{"params": dense}, {"params": vecs, "device_mesh": edp}], lr=1e-2, stage=stage)]
+        opts = [
+            zs.ShardedOptimizer(
+                [{"params": mats, "device_mesh": edp}], optimizer_class=cls, **vouch, **kw, stage=stage
+            ),
+            zs.ShardedOptimizer([{"params": dense}, {"params": vecs, "device_mesh": edp}], lr=1e-2, stage=stage),
+        ]
     for step in range(STEPS):
         xs, ys = zip(*(_data(step, r) for r in range(world)))
         F.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
@@ -181,8 +211,9 @@ def _muon_over_experts(stage: int, adafactor: bool = False):
         for o in ref_opts + opts:
             o.step()
             o.zero_grad()
-    err = max(((p - ref.get_parameter(global_name(net, n))).norm() / p.norm()).item()
-              for n, p in model.state_dict().items())     # (FullyShard: each rank's own experts, whole)
+    err = max(
+        ((p - ref.get_parameter(global_name(net, n))).norm() / p.norm()).item() for n, p in model.state_dict().items()
+    )  # (FullyShard: each rank's own experts, whole)
     return err, opts[0].memory_report()["optimizer_state"]
 
 
@@ -196,26 +227,34 @@ def test_whole_tensor_optimizers_over_experts_equal_one_process(stage, adafactor
     assert max(err for err, _ in res) < 2e-5, res
     whole = Net(2)
     if not adafactor:
-        assert sum(b for _, b in res) == 4 * sum(p.numel() for n, p in whole.named_parameters()
-                                                 if n.startswith("moe.experts.") and p.dim() == 2)
+        assert sum(b for _, b in res) == 4 * sum(
+            p.numel() for n, p in whole.named_parameters() if n.startswith("moe.experts.") and p.dim() == 2
+        )
 
 
 def _expert_parallel(stage: int, ep: int, mesh_world: int, decay: float = 0.3):
     """A fresh model and optimizer at ``stage`` with ``ep`` ranks per expert-parallel group,
     its experts named as in the whole model (for checkpoints), weight decay ``decay`` on them."""
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (mesh_world // ep, ep), mesh_dim_names=("edp", "ep"))
     net = Net(2, mesh["ep"].get_group() if ep > 1 else None)
     if stage == 3:
         model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]}, expert_names=lambda n: global_name(net, n))
         dense, experts = split(model)
-        return net, model, zs.ShardedOptimizer([{"params": dense}, {"params": experts, "weight_decay": decay}],
-                                               lr=1e-2)
-    named = [(global_name(net, n), p) for n, p in net.named_parameters()]     # (torch: every group named)
+        return net, model, zs.ShardedOptimizer([{"params": dense}, {"params": experts, "weight_decay": decay}], lr=1e-2)
+    named = [(global_name(net, n), p) for n, p in net.named_parameters()]  # (torch: every group named)
     dense = [e for e in named if not e[0].startswith("moe.experts.")]
     experts = [e for e in named if e[0].startswith("moe.experts.")]
-    return net, net, zs.ShardedOptimizer([{"params": dense}, {"params": experts, "weight_decay": decay,
-                                                             "device_mesh": mesh["edp"]}], lr=1e-2, stage=stage)
+    return (
+        net,
+        net,
+        zs.ShardedOptimizer(
+            [{"params": dense}, {"params": experts, "weight_decay": decay, "device_mesh": mesh["edp"]}],
+            lr=1e-2,
+            stage=stage,
+        ),
+    )
 
 
 def _steps(model, steps, per_rank: int):
@@ -229,8 +268,9 @@ def _steps(model, steps, per_rank: int):
 
 
 def _error(net, model, ref) -> float:
-    return max(((p - ref.get_parameter(global_name(net, n))).norm() / p.norm()).item()
-               for n, p in model.state_dict().items())
+    return max(
+        ((p - ref.get_parameter(global_name(net, n))).norm() / p.norm()).item() for n, p in model.state_dict().items()
+    )
 
 
 def _checkpoint_across_layouts(tmp: str, save: bool, layouts):
@@ -242,7 +282,7 @@ def _checkpoint_across_layouts(tmp: str, save: bool, layouts):
     torch.manual_seed(0)
     path, errors = os.path.join(tmp, "moe"), {}
     if save:
-        start = Net(2)                          # the reference's start (seed 0)
+        start = Net(2)  # the reference's start (seed 0)
         net, model, opt = _expert_parallel(2, 2, world)
         with torch.no_grad():
             for name, p in net.named_parameters():
@@ -250,7 +290,7 @@ def _checkpoint_across_layouts(tmp: str, save: bool, layouts):
         _steps((model, opt), [0], 1)
         zs.save_checkpoint(path, model, opt)
     for stage, ep in layouts:
-        net, model, opt = _expert_parallel(stage, ep, world, decay=0.0)    # (the checkpoint's: 0.3)
+        net, model, opt = _expert_parallel(stage, ep, world, decay=0.0)  # (the checkpoint's: 0.3)
         zs.load_checkpoint(path, model, opt)
         _steps((model, opt), range(1, STEPS), 4 // world)
         errors[(stage, ep)] = _error(net, model, ref)
@@ -263,6 +303,7 @@ def test_checkpoints_resume_at_another_expert_parallel_degree_and_world_size(tmp
     ep 1 (every expert on every rank; stage 1), and on 2 ranks at ep 2 (stage 3): each ends
     where one process does; the export is the whole model's state dict."""
     from safetensors.torch import load_file
+
     for errors in launch("pool", 4).run(_checkpoint_across_layouts, str(tmp_path), True, [(3, 4), (1, 1)]):
         assert max(errors.values()) < 2e-5, errors
     for errors in launch("pool", 2).run(_checkpoint_across_layouts, str(tmp_path), False, [(3, 2)]):
@@ -270,7 +311,7 @@ def test_checkpoints_resume_at_another_expert_parallel_degree_and_world_size(tmp
     zs.export_full_state_dict(tmp_path / "moe", tmp_path / "full.safetensors")
     full = load_file(str(tmp_path / "full.safetensors"))
     want = _reference(2, 4, 1, None, False, steps=1)[0].state_dict()
-    assert set(full) == set(want)        # every expert once, under the whole model's names
+    assert set(full) == set(want)  # every expert once, under the whole model's names
     assert max(((full[n] - w).norm() / w.norm()).item() for n, w in want.items()) < 2e-5
 
 
@@ -278,6 +319,7 @@ def _skips_everywhere():
     """GradScaler: a non-finite gradient in an expert held by one ep group skips the step on
     every rank."""
     from torch.distributed.device_mesh import init_device_mesh
+
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
     torch.manual_seed(0)
@@ -287,7 +329,7 @@ def _skips_everywhere():
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     before = [p.detach().clone() for p in model.parameters()]
     x, y = _data(0, rank)
-    if rank == 3:       # an overflow in one expert's gradient on this rank only (before its reduction)
+    if rank == 3:  # an overflow in one expert's gradient on this rank only (before its reduction)
         model.moe.experts[0].up.weight.register_hook(lambda g: g * float("inf"))
     scaler.scale(F.mse_loss(model(x), y)).backward()
     scaler.step(opt)
@@ -303,6 +345,7 @@ def test_grad_scaler_skips_on_every_rank():
 def _refusals(tmp):
     """What expert parallelism does not do yet is refused on every rank, saying so."""
     from torch.distributed.device_mesh import init_device_mesh
+
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
     msgs = Refusals()
@@ -310,23 +353,31 @@ def _refusals(tmp):
     net = Net(1, mesh["ep"].get_group())
     dense, experts = split(net)
     opt = zs.ShardedOptimizer([{"params": dense}, {"params": experts, "device_mesh": mesh["edp"]}], stage=2)
-    catch("save2", lambda: zs.save_checkpoint(os.path.join(tmp, "a"), net, opt))     # (experts not named)
+    catch("save2", lambda: zs.save_checkpoint(os.path.join(tmp, "a"), net, opt))  # (experts not named)
     catch("model_only", lambda: zs.save_checkpoint(os.path.join(tmp, "c"), net))
     catch("state_dict", opt.state_dict)
-    catch("hybrid", lambda: zs.ShardedOptimizer([{"params": Net(1).parameters(), "device_mesh": mesh["edp"]}],
-                                                shard_size=2))
+    catch(
+        "hybrid",
+        lambda: zs.ShardedOptimizer([{"params": Net(1).parameters(), "device_mesh": mesh["edp"]}], shard_size=2),
+    )
     model = zs.FullyShard(Net(1, mesh["ep"].get_group()), expert_modules={Expert: mesh["edp"]})
     opt3 = zs.ShardedOptimizer(model.parameters())
     catch("save3", lambda: zs.save_checkpoint(os.path.join(tmp, "b"), model, opt3))
     net = Net(1, mesh["ep"].get_group())
     named = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]}, expert_names=lambda n: global_name(net, n))
     catch("dcp", lambda: zs.checkpoint.dcp_state_dict(named, zs.ShardedOptimizer(named.parameters())))
-    big = split(Net(1, mesh["ep"].get_group()))[1]      # an expert matrix larger than a bucket
-    catch("muon_split", lambda: zs.ShardedOptimizer([{"params": [p for p in big if p.dim() == 2],
-                                                      "device_mesh": mesh["edp"]}], bucket_mb=40 / 2**20,
-                                                    optimizer_class=torch.optim.Muon, stage=2))
+    big = split(Net(1, mesh["ep"].get_group()))[1]  # an expert matrix larger than a bucket
+    catch(
+        "muon_split",
+        lambda: zs.ShardedOptimizer(
+            [{"params": [p for p in big if p.dim() == 2], "device_mesh": mesh["edp"]}],
+            bucket_mb=40 / 2**20,
+            optimizer_class=torch.optim.Muon,
+            stage=2,
+        ),
+    )
     net = Net(1, mesh["ep"].get_group())
-    net.moe.experts[0].up.weight.requires_grad_(False)       # frozen when wrapped, unfrozen after
+    net.moe.experts[0].up.weight.requires_grad_(False)  # frozen when wrapped, unfrozen after
     model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]})
     model.moe.experts[0].up.weight.requires_grad_(True)
     catch("thaw", lambda: model(torch.randn(3, 5)))
@@ -334,9 +385,16 @@ def _refusals(tmp):
 
 
 def test_what_is_not_supported_yet_is_refused(tmp_path):
-    want = {"save2": ("moe.experts.0.up.weight", "(whole_model_name, p)"), "model_only": ("Pass that optimizer",), "state_dict": ("NotImplementedError", "own ranks"),
-            "muon_split": ("larger than a bucket", "raise bucket_mb"), "hybrid": ("hybrid sharding",),
-            "save3": ("moe.experts.0.up.weight", "expert_names=fn"), "dcp": ("not supported yet", "save_checkpoint"), "thaw": ("an expert unit over its own ranks",)}
+    want = {
+        "save2": ("moe.experts.0.up.weight", "(whole_model_name, p)"),
+        "model_only": ("Pass that optimizer",),
+        "state_dict": ("NotImplementedError", "own ranks"),
+        "muon_split": ("larger than a bucket", "raise bucket_mb"),
+        "hybrid": ("hybrid sharding",),
+        "save3": ("moe.experts.0.up.weight", "expert_names=fn"),
+        "dcp": ("not supported yet", "save_checkpoint"),
+        "thaw": ("an expert unit over its own ranks",),
+    }
     for msgs in launch("pool", 4).run(_refusals, str(tmp_path)):
         for key, parts in want.items():
             assert all(part in msgs.get(key, "") for part in parts), (key, msgs.get(key))

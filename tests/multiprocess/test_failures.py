@@ -2,6 +2,7 @@
 names the collective (from the flight record) and the rank that stopped
 answering, instead of gloo's bare "Connection reset by peer" or a hang. Real
 processes, SIGKILL; the store lives in rank 0, as without torchrun."""
+
 import multiprocessing as mp
 import os
 import signal
@@ -32,7 +33,7 @@ def _killed_in_backward(rank, port, stage, results):
     for k in range(3):
         opt.zero_grad()
         loss = F.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 3, (8,)))
-        if k == 2 and rank == 1:       # dies as its backward begins
+        if k == 2 and rank == 1:  # dies as its backward begins
             loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         try:
             loss.backward()
@@ -66,9 +67,9 @@ def test_a_rank_killed_mid_backward_makes_the_other_fail_naming_the_collective(s
     rank, kind, msg = results.get(timeout=5)
     assert rank == 0 and kind == "CollectiveError", (kind, msg)
     assert msg.startswith("[rank 0/2] collective #") and "process group" in msg, msg
-    expected = "step 3, bucket" if stage == 2 else "step 3"     # ZeRO-3: "step 3 backward, unit '...'"
+    expected = "step 3, bucket" if stage == 2 else "step 3"  # ZeRO-3: "step 3 backward, unit '...'"
     assert expected in msg and (stage == 2 or "unit '" in msg) and ("reduce_scatter" in msg or "all_gather" in msg), msg
     assert "stopped answering" in msg and "flight_record()" in msg
-    assert "Rank 1 did not answer" in msg, msg          # the dead rank, named
+    assert "Rank 1 did not answer" in msg, msg  # the dead rank, named
     assert "rank 0: last started #" in msg and "not completed" in msg, msg
-    assert elapsed < 60, elapsed          # at once, not after a timeout
+    assert elapsed < 60, elapsed  # at once, not after a timeout

@@ -3,6 +3,7 @@ without a word: ``set_gradient_divide_factor`` (torchtitan sums the gradients
 and normalises by global tokens), against FSDP2 on gloo at 2 and 3 ranks and hybrid
 sharding at 4; and FSDP2's initialisation idiom (build on meta, wrap, ``to_empty``, the
 model's own ``init_weights()``), against the same model initialised in one process."""
+
 import math
 
 import pytest
@@ -14,7 +15,7 @@ import zeroshard as zs
 from support.launch import launch
 from support.models import Residual
 
-D = 13          # no unit divides evenly over 2, 3 or 4 ranks
+D = 13  # no unit divides evenly over 2, 3 or 4 ranks
 
 
 class Net(nn.Module):
@@ -35,7 +36,7 @@ def _batches(steps, n=12):
 
 def _mine(x):
     k = x.shape[0] // dist.get_world_size()
-    return x[dist.get_rank() * k:(dist.get_rank() + 1) * k]
+    return x[dist.get_rank() * k : (dist.get_rank() + 1) * k]
 
 
 def _train(model, opt, steps=3):
@@ -62,9 +63,13 @@ def _ours(factor, shard_size):
 def _fsdp2(factor, shard_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")) \
-        if shard_size else init_device_mesh("cpu", (world,))
+    mesh = (
+        init_device_mesh("cpu", (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+        if shard_size
+        else init_device_mesh("cpu", (world,))
+    )
     torch.manual_seed(0)
     net = Net()
     for b in net.blocks:
@@ -72,7 +77,7 @@ def _fsdp2(factor, shard_size):
     fully_shard(net, mesh=mesh)
     for m in net.modules():
         if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)      # gloo: no AVG, no PREMUL_SUM
+            m.set_force_sum_reduction_for_comms(True)  # gloo: no AVG, no PREMUL_SUM
             if factor is not None:
                 m.set_gradient_divide_factor(factor)
     norms = _train(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -83,8 +88,9 @@ def _divide_factors(shard_size=None):
     out = {}
     for factor in (None, 1.0, 5.0):
         (norms, sd), (ref_norms, ref_sd) = _ours(factor, shard_size), _fsdp2(factor, shard_size)
-        out[factor] = dict(norms=norms, ref_norms=ref_norms,
-                           err=max((sd[k] - v).abs().max().item() for k, v in ref_sd.items()))
+        out[factor] = dict(
+            norms=norms, ref_norms=ref_norms, err=max((sd[k] - v).abs().max().item() for k, v in ref_sd.items())
+        )
     out["refused"] = _bad_factors()
     return out
 
@@ -96,7 +102,7 @@ def test_gradient_divide_factor_equals_fsdp2s(world, shard_size):
     every rank (replicas too) over F, as FSDP2's: the parameters after steps (clipped or not) and
     torch's clip_grad_norm_ equal FSDP2's."""
     for r in launch("pool", world).run(_divide_factors, shard_size):
-        said = r.pop("refused")          # (not a factor: 0, -1, inf, "2", True)
+        said = r.pop("refused")  # (not a factor: 0, -1, inf, "2", True)
         assert len(said) == 5 and all("positive, finite number" in s for s in said), said
         for factor, got in r.items():
             assert got["err"] < 1e-6, (factor, got)
@@ -119,7 +125,6 @@ def _bad_factors():
     return said
 
 
-
 # ------------------------------------------------------------- initialisation
 class Attention(nn.Module):
     def __init__(self):
@@ -128,8 +133,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(D, D)
 
     def init_weights(self, std):
-        nn.init.trunc_normal_(self.wqkv.weight, mean=0.0, std=0.02)       # torchtitan's
-        nn.init.trunc_normal_(self.wo.weight, std=std, a=-std / 4, b=std / 4)    # (nn.init's narrow branch)
+        nn.init.trunc_normal_(self.wqkv.weight, mean=0.0, std=0.02)  # torchtitan's
+        nn.init.trunc_normal_(self.wo.weight, std=std, a=-std / 4, b=std / 4)  # (nn.init's narrow branch)
         nn.init.zeros_(self.wo.bias)
 
 
@@ -165,7 +170,7 @@ class Titan(nn.Module):
         nn.init.normal_(self.emb.weight)
         for layer in self.layers:
             layer.init_weights(0.02 / math.sqrt(2))
-        nn.init.trunc_normal_(self.out.weight, std=0.02, a=-0.04, b=0.04)    # (nn.init's rejection loop)
+        nn.init.trunc_normal_(self.out.weight, std=0.02, a=-0.04, b=0.04)  # (nn.init's rejection loop)
         self.freqs = torch.arange(1.0, D + 1) ** -0.5
 
     def forward(self, x):
@@ -184,12 +189,14 @@ def _titan_on_meta(fully_shard):
 def _fsdp2_initialised():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 
     def wrap(m):
         for layer in m.layers:
             fully_shard(layer, mesh=mesh)
         return fully_shard(m, mesh=mesh)
+
     net = _titan_on_meta(wrap)
     net.to_empty(device="cpu")
     torch.manual_seed(1)
@@ -199,6 +206,7 @@ def _fsdp2_initialised():
 
 def _warnings(fn):
     import warnings
+
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         fn()
@@ -226,7 +234,7 @@ def _initialise():
     out["fsdp2_std"] = {k: ref2[k].std().item() for k in out["std"]}
     x = torch.tensor([[1, 2, 3]])
     out["warned_after_init"] = _warnings(lambda: model(x))
-    with torch.no_grad():                        # elementwise on the pieces (no whole value kept)
+    with torch.no_grad():  # elementwise on the pieces (no whole value kept)
         model.layers[1].ff.weight.mul_(2.0)
     out["doubled"] = torch.equal(model.state_dict()["layers.1.ff.weight"], 2 * want["layers.1.ff.weight"])
     # what needs a parameter whole is refused naming its module and the way
@@ -238,7 +246,7 @@ def _initialise():
     torch.manual_seed(2)
     w = nn.init.orthogonal_(torch.empty(wo.shape))
     with torch.no_grad():
-        wo.copy_(w)                                  # (the way it names)
+        wo.copy_(w)  # (the way it names)
     out["copied"] = torch.equal(model.state_dict()["layers.0.attn.wo.weight"], w)
     try:
         model.to_empty(device="meta")

@@ -2,6 +2,7 @@
 structured unit outputs, units called twice, outside the root's forward and through other
 methods, input casting, unused and frozen parameters, clipping by any norm, conversions and
 integer parameters. Against one process, DDP and FSDP2 on gloo, at 2 and 4 ranks."""
+
 import collections
 import dataclasses
 import math
@@ -14,7 +15,7 @@ import torch.nn as nn
 import zeroshard as zs
 from support.launch import launch
 
-D = 13          # awkward widths: no unit divides evenly over 2 or 4 ranks
+D = 13  # awkward widths: no unit divides evenly over 2 or 4 ranks
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ def model_output(h, aux):
         class BlockOutput(ModelOutput):
             h: torch.Tensor = None
             aux: torch.Tensor = None
+
         _MODEL_OUTPUT.append(BlockOutput)
     return _MODEL_OUTPUT[0](h=h, aux=aux)
 
@@ -51,15 +53,20 @@ class Block(nn.Module):
         self.kind = kind
         self.l = nn.Linear(D, D)
         self.a = nn.Linear(D, 7)
-        self.spare = nn.Linear(D, 3)          # never used: its gradient stays None
+        self.spare = nn.Linear(D, 3)  # never used: its gradient stays None
 
     def forward(self, x):
         h = torch.tanh(self.l(x)) + x
         aux = self.a(h).square().mean()
-        return {"dataclass": Out, "namedtuple": Pair, "dict": lambda h, aux: {"h": h, "aux": aux},
-                "list": lambda h, aux: [h, aux], "modeloutput": model_output}[self.kind](h, aux)
+        return {
+            "dataclass": Out,
+            "namedtuple": Pair,
+            "dict": lambda h, aux: {"h": h, "aux": aux},
+            "list": lambda h, aux: [h, aux],
+            "modeloutput": model_output,
+        }[self.kind](h, aux)
 
-    def forward_features(self, x):          # another method that needs the unit's parameters
+    def forward_features(self, x):  # another method that needs the unit's parameters
         return self.l(x) * 2
 
 
@@ -83,7 +90,7 @@ class Net(nn.Module):
     def forward(self, x):
         o1 = self.b1(x)
         o2 = self.shared(_h(o1))
-        o3 = self.shared(_h(o2))           # the same unit again
+        o3 = self.shared(_h(o2))  # the same unit again
         o4 = self.b2(_h(o3))
         return self.norm(_h(o4)), _aux(o1) + _aux(o2) + _aux(o3) + _aux(o4)
 
@@ -105,7 +112,7 @@ def data(steps, n=8, seed=1):
 def mine(x):
     r, w = dist.get_rank(), dist.get_world_size()
     k = x.shape[0] // w
-    return x[r * k:(r + 1) * k]
+    return x[r * k : (r + 1) * k]
 
 
 def single_process(make, steps, lr=0.05):
@@ -116,7 +123,7 @@ def single_process(make, steps, lr=0.05):
     for x in data(steps):
         opt.zero_grad()
         k = x.shape[0] // w
-        (sum(loss_of(ref, x[i * k:(i + 1) * k]) for i in range(w)) / w).backward()
+        (sum(loss_of(ref, x[i * k : (i + 1) * k]) for i in range(w)) / w).backward()
         opt.step()
     return ref.state_dict()
 
@@ -128,8 +135,12 @@ def worst(sd, ref):
 def _train_fully_shard(kind, register, steps, mixed_precision=None):
     torch.manual_seed(0)
     methods = ["forward_features"] if register == "argument" else []
-    model = zs.FullyShard(Net(kind), wrap={Block, nn.Linear} if kind == "list" else {Block},
-                          forward_methods=methods, mixed_precision=mixed_precision)
+    model = zs.FullyShard(
+        Net(kind),
+        wrap={Block, nn.Linear} if kind == "list" else {Block},
+        forward_methods=methods,
+        mixed_precision=mixed_precision,
+    )
     if register == "call":
         zs.register_forward_method(model, model.module.b1, "forward_features")
     opt = zs.ShardedOptimizer(model.parameters(), lr=0.05, optimizer_class=torch.optim.SGD)
@@ -145,6 +156,7 @@ def _train_fully_shard(kind, register, steps, mixed_precision=None):
 def _fsdp2(steps, param_dtype=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
     torch.manual_seed(0)
     net = Net("dataclass")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -152,7 +164,7 @@ def _fsdp2(steps, param_dtype=None):
     for m in (net.b1, net.shared, net.b2):
         fully_shard(m, mesh=mesh, mp_policy=policy)
     fully_shard(net, mesh=mesh, mp_policy=policy)
-    net.set_force_sum_reduction_for_comms(True)       # gloo's reduce-scatter ignores AVG
+    net.set_force_sum_reduction_for_comms(True)  # gloo's reduce-scatter ignores AVG
     register_fsdp_forward_method(net.b1, "forward_features")
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     for x in data(steps):
@@ -165,8 +177,13 @@ def _fsdp2(steps, param_dtype=None):
 def _how_units_are_called(steps=3):
     ref = single_process(lambda: (torch.manual_seed(0), Net("dataclass"))[1], steps)
     out = {}
-    for kind, register in (("dataclass", "argument"), ("namedtuple", "call"), ("dict", "call"),
-                           ("list", "argument"), ("modeloutput", "call")):
+    for kind, register in (
+        ("dataclass", "argument"),
+        ("namedtuple", "call"),
+        ("dict", "call"),
+        ("list", "argument"),
+        ("modeloutput", "call"),
+    ):
         sd, nones = _train_fully_shard(kind, register, steps)
         out[kind] = (worst(sd, ref), nones)
     out["fsdp2"] = worst(_fsdp2(steps), ref)
@@ -181,12 +198,18 @@ def test_structured_outputs_twice_called_units_chunked_heads_and_methods_train_a
     than forward were refused. Each now trains as one process and FSDP2 do (DDP refuses a
     parameter used outside its forward; its unused-parameter semantics are checked below)."""
     for r in dist_pool.run(_how_units_are_called):
-        assert r["fsdp2"] < 1e-5, r          # the references agree
+        assert r["fsdp2"] < 1e-5, r  # the references agree
         for kind in ("dataclass", "namedtuple", "dict", "list", "modeloutput"):
             err, nones = r[kind]
             assert err < 1e-5, (kind, r)
-            assert nones == ["b1.spare.bias", "b1.spare.weight", "b2.spare.bias",
-                                               "b2.spare.weight", "shared.spare.bias", "shared.spare.weight"]
+            assert nones == [
+                "b1.spare.bias",
+                "b1.spare.weight",
+                "b2.spare.bias",
+                "b2.spare.weight",
+                "shared.spare.bias",
+                "shared.spare.weight",
+            ]
 
 
 class Opaque:
@@ -225,7 +248,7 @@ def _refusals():
         model.module[0](torch.randn(2, D))
     except TypeError as e:
         out["opaque"] = str(e)
-    root = zs.FullyShard(Hiding())        # the model itself may: its root unit stays gathered
+    root = zs.FullyShard(Hiding())  # the model itself may: its root unit stays gathered
     root(torch.randn(2, D)).h.sum().backward()
     out["root_opaque"] = [n for n, p in root.named_parameters() if p.grad is not None]
     for prefetch in (0, 1):
@@ -239,7 +262,7 @@ def _refusals():
             out[f"stash{prefetch}"] = "no error"
         except RuntimeError as e:
             out[f"stash{prefetch}"] = str(e)
-        model(torch.randn(4, D)).sum().backward()      # the model still trains after it
+        model(torch.randn(4, D)).sum().backward()  # the model still trains after it
     return out
 
 
@@ -249,22 +272,27 @@ def test_hidden_outputs_are_refused_never_computed_on(world):
     for r in dist_pool.run(_refusals):
         assert "unit '0'" in r["opaque"] and "Opaque" in r["opaque"] and "'h'" in r["opaque"], r
         assert r["root_opaque"] == ["l.weight", "l.bias"], r
-        for k in ("stash0", "stash1"):     # loud: not gathered (storage released, or still in flight)
+        for k in ("stash0", "stash1"):  # loud: not gathered (storage released, or still in flight)
             assert "not gathered" in r[k] or "storage of size 0" in r[k], r
 
 
 def _cast_inputs():
     out = {}
     steps = 3
-    ours, _ = _train_fully_shard("dataclass", "argument", steps,
-                                 zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    ours, _ = _train_fully_shard(
+        "dataclass", "argument", steps, zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
     theirs = _fsdp2(steps, torch.bfloat16)
     ref = single_process(lambda: (torch.manual_seed(0), Net("dataclass"))[1], steps)
     out["vs_fsdp2"], out["fsdp2_vs_fp32"] = worst(ours, theirs), worst(theirs, ref)
     # off: the fp32 input meets bf16 weights, as in plain torch
-    model = zs.FullyShard(nn.Sequential(nn.Linear(D, D)), wrap={nn.Linear},
-                          mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=False,
-                                                            cast_root_forward_inputs=False))
+    model = zs.FullyShard(
+        nn.Sequential(nn.Linear(D, D)),
+        wrap={nn.Linear},
+        mixed_precision=zs.MixedPrecision(
+            param_dtype=torch.bfloat16, cast_forward_inputs=False, cast_root_forward_inputs=False
+        ),
+    )
     try:
         model(torch.randn(2, D))
     except RuntimeError as e:
@@ -375,13 +403,19 @@ def _frozen(world_hint):
         opt.step()
         opt.zero_grad(set_to_none=False)
         ropt.zero_grad()
-        (sum(ref(x[i * k:(i + 1) * k]).square().mean() for i in range(w)) / w).backward()
+        (sum(ref(x[i * k : (i + 1) * k]).square().mean() for i in range(w)) / w).backward()
         ropt.step()
     trainable = {u.name: sum(q.numel for q in u.params if q.requires_grad) for u in model.units}
-    return dict(err=worst(model.state_dict(), ref.state_dict()), sent=sent, trainable=trainable,
-                units={u.name: (u.numel, u.grad_numel) for u in model.units}, grad_elems=grad_elems,
-                report_grads=report["grads"], report={k: report[k] for k in REPORT_KEYS},
-                own_trainable=sum(q.local.numel() for u in model.units for q in u.params if q.requires_grad))
+    return dict(
+        err=worst(model.state_dict(), ref.state_dict()),
+        sent=sent,
+        trainable=trainable,
+        units={u.name: (u.numel, u.grad_numel) for u in model.units},
+        grad_elems=grad_elems,
+        report_grads=report["grads"],
+        report={k: report[k] for k in REPORT_KEYS},
+        own_trainable=sum(q.local.numel() for u in model.units for q in u.params if q.requires_grad),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"world{n}")
@@ -395,12 +429,13 @@ def test_frozen_parameters_are_gathered_but_never_reduced(world):
             # the reduce-scatter covers the trainable weight and the trainable bias in front of
             # the frozen weight (each 16-byte aligned), not the 4,096-element frozen weight
             assert grad_numel <= r["trainable"][name] + 2 * 4 and numel > 8 * grad_numel, r
-        assert r["sent"] == sum(g for _, g in r["units"].values()), r   # the root's head trains whole
-        assert r["report_grads"] == 4 * r["own_trainable"], r          # no gradient bytes for frozen ones
+        assert r["sent"] == sum(g for _, g in r["units"].values()), r  # the root's head trains whole
+        assert r["report_grads"] == 4 * r["own_trainable"], r  # no gradient bytes for frozen ones
     # gradient shards: each rank's chunk of the trainable prefix, every element held by one rank
     assert sum(r["grad_elems"] for r in res) == sum(g for _, g in res[0]["units"].values())
     # the planner counts the same bytes on every rank: no gradient or AdamW state for frozen elements
     from zeroshard.plan import plan_model
+
     plan = plan_model(_lora_ish_model, world, wrap=[LoRAish], transport="gloo")["stages"]["ZeRO-3"]["ranks"]
     for rank, r in enumerate(res):
         assert {k: plan[rank][k] for k in REPORT_KEYS} == r["report"], (rank, plan[rank], r["report"])
@@ -416,8 +451,11 @@ class Counter(nn.Module):
         return self.l(x)
 
 
-@pytest.mark.parametrize("world,norm_type", [(2, 2.0), (2, 1.0), (2, 3.0), (2, math.inf), (2, -math.inf),
-                                             (2, 0.0), (4, 1.0), (4, -math.inf)], ids=str)
+@pytest.mark.parametrize(
+    "world,norm_type",
+    [(2, 2.0), (2, 1.0), (2, 3.0), (2, math.inf), (2, -math.inf), (2, 0.0), (4, 1.0), (4, -math.inf)],
+    ids=str,
+)
 def test_clip_grad_norm_by_any_order_foreach_or_not_equals_ddp(world, norm_type):
     dist_pool = launch("pool", world)
     ddp = dist_pool.run(_clipped, "ddp", norm_type)
@@ -461,12 +499,15 @@ def _conversions():
     net.register_buffer("scale", torch.ones(3))
     model = zs.FullyShard(net, wrap={Counter})
     out = {"names": [n for n, _ in model.named_parameters()]}
-    model.float()                       # no change: fp32 shards on their device
+    model.float()  # no change: fp32 shards on their device
     model.to(torch.float32)
     model.to("cpu")
     out["buffer"] = str(model.module.scale.dtype)
-    for what, fn in (("double", lambda: model.to(torch.float64)), ("half", model.half),
-                     ("bf16", lambda: model.to(torch.bfloat16))):
+    for what, fn in (
+        ("double", lambda: model.to(torch.float64)),
+        ("half", model.half),
+        ("bf16", lambda: model.to(torch.bfloat16)),
+    ):
         try:
             fn()
             out[what] = "no error"
@@ -488,12 +529,13 @@ def test_conversions_after_wrapping_and_integer_parameters(world):
         assert r["buffer"] == "torch.float32"
         for what in ("double", "half", "bf16"):
             assert "MixedPrecision(param_dtype=" in r[what], r
-        assert r["counter"] == (torch.long, 0, "Parameter"), r     # left out of sharding, as it was
+        assert r["counter"] == (torch.long, 0, "Parameter"), r  # left out of sharding, as it was
 
 
 def test_the_planner_counts_no_gradient_or_state_for_frozen_parameters():
     from zeroshard.plan import plan_model
-    make = lambda: nn.Sequential(LoRAish(), LoRAish(), nn.Linear(64, 3))   # noqa: E731
+
+    make = lambda: nn.Sequential(LoRAish(), LoRAish(), nn.Linear(64, 3))  # noqa: E731
     n = sum(p.numel() for p in make().parameters())
     t = sum(p.numel() for p in make().parameters() if p.requires_grad)
     plan = plan_model(make, 2, wrap=[LoRAish])["stages"]["ZeRO-3"]["ranks"]
@@ -511,8 +553,9 @@ def _frozen_with(kind, steps, save=None, load=None):
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mats = [p for n, p in trainable if kind == "muon" and p.dim() == 2 and n.split(".")[-2] in ("down", "up")]
     rest = [p for n, p in trainable if all(p is not q for q in mats)]
-    opts = ([zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, lr=0.02)] if mats else []) + \
-        [zs.ShardedOptimizer(rest, lr=0.05)]
+    opts = ([zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, lr=0.02)] if mats else []) + [
+        zs.ShardedOptimizer(rest, lr=0.05)
+    ]
     if load:
         zs.load_checkpoint(load, model, opts[-1])
     for x in [torch.randn(12, 64, generator=torch.Generator().manual_seed(s)) for s in range(steps)]:
@@ -539,7 +582,7 @@ def _frozen_reference(kind, steps):
         for o in opts:
             o.zero_grad()
         k = x.shape[0] // w
-        (sum(ref(x[i * k:(i + 1) * k]).square().mean() for i in range(w)) / w).backward()
+        (sum(ref(x[i * k : (i + 1) * k]).square().mean() for i in range(w)) / w).backward()
         for o in opts:
             o.step()
     return ref.state_dict()
@@ -568,8 +611,9 @@ def _one_rank():
     import time
     from support.checks import max_err
     from support.gpt import GPTBlock, make_gpt, param_groups, reference, train_plain
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    alone = [dist.new_group([r]) for r in range(world)][rank]      # each rank a group of its own
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # each rank a group of its own
     ref = reference(3)[0].state_dict()
     res = {}
     for stage in (1, 2, 3):
@@ -579,9 +623,8 @@ def _one_rank():
             opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
         else:
             model = make_gpt()
-            opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2, stage=stage,
-                                      process_group=alone)
-        train_plain(model, opt, 3)       # whole batches, as one process
+            opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2, stage=stage, process_group=alone)
+        train_plain(model, opt, 3)  # whole batches, as one process
         issued = sorted({r["kind"] for r in zs.flight_record() if r["start"] >= t0})
         res[stage] = (max_err(model.state_dict(), ref), issued)
     return res

@@ -1,6 +1,7 @@
 """zeroshard.full_tensors: a sharded model's whole tensors, one unit at a time, under the
 unwrapped model's names, equal to its full state dict; streamed into an unsharded copy
 in one process, that copy computes what the sharded model does."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ class LM(nn.Module):
         self.emb = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(Layer(d) for _ in range(layers))
         self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight          # tied
+        self.head.weight = self.emb.weight  # tied
 
     def forward(self, tok):
         h = self.emb(tok)
@@ -48,25 +49,39 @@ def _stream(kind, dtype, bucket_mb, to):
     got = {}
     for name, t in zs.full_tensors(model, dtype=dtype, bucket_mb=bucket_mb, to=to):
         got[name] = t.clone()
-    with torch.no_grad():        # (a FullyShard forward is collective: every rank)
+    with torch.no_grad():  # (a FullyShard forward is collective: every rank)
         out = model(tok) if kind != "plain" else plain(tok)
     if to is not None and dist.get_rank() != to:
         return got == {}, None, None
     same_names = sorted(got) == sorted(expected)
-    exact = all(torch.equal(got[k], v.to(dtype) if dtype is not None and v.is_floating_point() and
-                            k not in ("layers.0.scale", "layers.1.scale", "layers.2.scale") else v)
-                for k, v in expected.items())
-    fresh = LM()                      # an unsharded copy, loaded from the stream alone
+    exact = all(
+        torch.equal(
+            got[k],
+            v.to(dtype)
+            if dtype is not None
+            and v.is_floating_point()
+            and k not in ("layers.0.scale", "layers.1.scale", "layers.2.scale")
+            else v,
+        )
+        for k, v in expected.items()
+    )
+    fresh = LM()  # an unsharded copy, loaded from the stream alone
     fresh.load_state_dict({k: v.float() for k, v in got.items()})
     with torch.no_grad():
         err = (fresh(tok) - out).abs().max().item() if dtype is None else 0.0
     return same_names, exact, err
 
 
-@pytest.mark.parametrize("kind,dtype,bucket_mb,to", [
-    ("sharded", None, 512, None), ("sharded", torch.bfloat16, 512, 0),
-    ("sharded", None, 300 / 2**20, None),      # every unit over the bucket: parameter by parameter
-    ("offload", torch.bfloat16, 512, None), ("plain", None, 512, None)])
+@pytest.mark.parametrize(
+    "kind,dtype,bucket_mb,to",
+    [
+        ("sharded", None, 512, None),
+        ("sharded", torch.bfloat16, 512, 0),
+        ("sharded", None, 300 / 2**20, None),  # every unit over the bucket: parameter by parameter
+        ("offload", torch.bfloat16, 512, None),
+        ("plain", None, 512, None),
+    ],
+)
 def test_full_tensors_streams_the_full_state_dict_unit_by_unit(dist_pool, kind, dtype, bucket_mb, to):
     for rank, (same_names, exact, err) in enumerate(dist_pool.run(_stream, kind, dtype, bucket_mb, to)):
         if to is not None and rank != to:
@@ -79,8 +94,10 @@ def test_full_tensors_streams_the_full_state_dict_unit_by_unit(dist_pool, kind, 
 def _refusals():
     out = {}
     model = zs.FullyShard(nn.Sequential(LM()), wrap={Layer})
-    for key, call in (("dtype", lambda: list(zs.full_tensors(model, dtype=torch.int32))),
-                      ("inner", lambda: list(zs.full_tensors(nn.Sequential(model))))):
+    for key, call in (
+        ("dtype", lambda: list(zs.full_tensors(model, dtype=torch.int32))),
+        ("inner", lambda: list(zs.full_tensors(nn.Sequential(model)))),
+    ):
         try:
             call()
         except (TypeError, ValueError) as e:

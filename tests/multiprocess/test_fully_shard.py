@@ -1,4 +1,5 @@
 """FullyShard (ZeRO-3) against single-process torch AdamW and FSDP2, on gloo at world sizes 2 and 3."""
+
 import copy
 import functools
 import time
@@ -10,8 +11,21 @@ import torch.nn as nn
 
 import zeroshard as zs
 from support.checks import max_err, rel_err
-from support.gpt import (DIM, GPT, LAYERS, SEQ, VOCAB, GPTBlock, batches, local, loss_fn, make_gpt, param_groups,
-                         reference, train)
+from support.gpt import (
+    DIM,
+    GPT,
+    LAYERS,
+    SEQ,
+    VOCAB,
+    GPTBlock,
+    batches,
+    local,
+    loss_fn,
+    make_gpt,
+    param_groups,
+    reference,
+    train,
+)
 from support.launch import launch
 from support.records import Timeline
 from zeroshard.zero3.records import UnitState
@@ -32,8 +46,9 @@ def err_after_training(model, steps):
 def bf16_effect(steps, world):
     """How far bf16 compute moves the reference from fp32 in ``steps`` steps (the
     largest relative error between the two): the scale of a bf16 run's own noise."""
-    return max_err(reference(steps, param_dtype=torch.bfloat16, world=world)[0].state_dict(),
-                   reference(steps)[0].state_dict())
+    return max_err(
+        reference(steps, param_dtype=torch.bfloat16, world=world)[0].state_dict(), reference(steps)[0].state_dict()
+    )
 
 
 def bf16_bound(steps, world):
@@ -64,9 +79,12 @@ def _parity(case, reshard):
     model = wrapped(ckpt=case == "checkpoint", reshard_after_forward=reshard, mixed_precision=mp)
     opt = zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2)
     norms = train(model, opt, 20, micro=micro, no_sync=case == "accumulate_no_sync", clip=clip)
-    out = {"unit_dtypes": unit_dtypes(since),        # the training's (before the state dict's gathers)
-           "err": max_err(model.state_dict(), ref.state_dict()), "report": model.memory_report(),
-           "tol": bf16_bound(20, dist.get_world_size()) if param_dtype else 1e-5}
+    out = {
+        "unit_dtypes": unit_dtypes(since),  # the training's (before the state dict's gathers)
+        "err": max_err(model.state_dict(), ref.state_dict()),
+        "report": model.memory_report(),
+        "tol": bf16_bound(20, dist.get_world_size()) if param_dtype else 1e-5,
+    }
     if clip is not None:
         out["norm_err"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
     return out
@@ -82,19 +100,19 @@ def test_parity_with_single_process_adamw(dist_pool, case):
 
 @pytest.mark.parametrize("case", _CASES)
 def test_parity_without_resharding_after_forward(case):
-    _check_parity(launch("pool", 2).run(_parity, case, False), case, False)   # world size 2 keeps the suite fast
+    _check_parity(launch("pool", 2).run(_parity, case, False), case, False)  # world size 2 keeps the suite fast
 
 
 def _check_parity(res, case, reshard):
-    gathered = "bfloat16" if case == "bf16" else "float32"     # the units gather in param_dtype and
-    for r in res:                                            # reduce-scatter in fp32 (reduce_dtype)
+    gathered = "bfloat16" if case == "bf16" else "float32"  # the units gather in param_dtype and
+    for r in res:  # reduce-scatter in fp32 (reduce_dtype)
         assert r["unit_dtypes"] == {("all_gather", gathered), ("reduce_scatter", "float32")}, r
-        assert r["err"] <= r["tol"], r          # bf16: see bf16_bound
+        assert r["err"] <= r["tol"], r  # bf16: see bf16_bound
         if "norm_err" in r:
             assert r["norm_err"] <= 1e-5, r
         rep = r["report"]
         if reshard:
-            assert rep["gathered_units_peak"] <= 2, rep     # prefetch=1: at most 2 units alive
+            assert rep["gathered_units_peak"] <= 2, rep  # prefetch=1: at most 2 units alive
             assert rep["gathered_peak"] <= 2 * rep["max_unit"], rep
 
 
@@ -110,12 +128,12 @@ def _against_fsdp2(param_dtype):
     for blk in theirs.blocks:
         fully_shard(blk, mesh=mesh, mp_policy=mp)
     fully_shard(theirs, mesh=mesh, mp_policy=mp)
-    theirs.set_force_sum_reduction_for_comms(True)   # gloo's reduce-scatter ignores AVG
+    theirs.set_force_sum_reduction_for_comms(True)  # gloo's reduce-scatter ignores AVG
     topt = torch.optim.AdamW(param_groups(theirs.named_parameters()), lr=1e-2, foreach=False)
     ours = wrapped(mixed_precision=zs.MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32))
     oopt = zs.ShardedOptimizer(param_groups(ours.named_parameters()), lr=1e-2)
     train(ours, oopt, 20)
-    for (x, y), in batches(20):
+    for ((x, y),) in batches(20):
         topt.zero_grad()
         loss_fn(theirs(local(x, rank, world)), local(y, rank, world)).backward()
         topt.step()
@@ -126,7 +144,7 @@ def _against_fsdp2(param_dtype):
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_parity_with_fsdp2(dist_pool, param_dtype):
     for err, tol in dist_pool.run(_against_fsdp2, param_dtype):
-        assert err <= tol, (err, tol)          # bf16: see bf16_bound
+        assert err <= tol, (err, tol)  # bf16: see bf16_bound
 
 
 # ---------------------------------------------------------------- memory
@@ -136,18 +154,25 @@ def _memory(prefetch):
     train(model, opt, 2)
     rep = model.memory_report()
     # the tensors that really exist on this rank, by bytes
-    real = sum(t.numel() * t.element_size() for u in model.units if u.params for t in (u.shard, u.reduction.grad.tensor))
+    real = sum(
+        t.numel() * t.element_size() for u in model.units if u.params for t in (u.shard, u.reduction.grad.tensor)
+    )
     real += sum(t.numel() * t.element_size() for reg in opt.regions for t in (reg.exp_avg, reg.exp_avg_sq))
-    owned = sum(p.to_local().numel() for p in model.parameters())   # this rank's pieces
-    return {"rep": rep, "opt_rep": opt.memory_report(), "real": real, "owned": owned,
-            "shard_numel": sum(u.shard_numel for u in model.units),
-            "psi": sum(p.numel() for p in make_gpt().parameters())}
+    owned = sum(p.to_local().numel() for p in model.parameters())  # this rank's pieces
+    return {
+        "rep": rep,
+        "opt_rep": opt.memory_report(),
+        "real": real,
+        "owned": owned,
+        "shard_numel": sum(u.shard_numel for u in model.units),
+        "psi": sum(p.numel() for p in make_gpt().parameters()),
+    }
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_memory_is_16_bytes_per_owned_element_and_gathers_are_bounded(dist_pool, prefetch):
     res = dist_pool.run(_memory, prefetch)
-    assert sum(r["owned"] for r in res) == res[0]["psi"]          # the shards partition the model
+    assert sum(r["owned"] for r in res) == res[0]["psi"]  # the shards partition the model
     for r in res:
         rep = r["rep"]
         assert rep == r["opt_rep"]
@@ -158,7 +183,7 @@ def test_memory_is_16_bytes_per_owned_element_and_gathers_are_bounded(dist_pool,
         # at most prefetch + 1 blocks gathered at once, besides the root
         assert 1 <= rep["gathered_units_peak"] <= prefetch + 1
         assert rep["gathered_peak"] <= (prefetch + 1) * rep["max_unit"]
-        assert rep["gathered"] == 0 and rep["grad_buffers"] == 0   # nothing transient left after a step
+        assert rep["gathered"] == 0 and rep["grad_buffers"] == 0  # nothing transient left after a step
 
 
 _FAKE_SCRIPT = r"""
@@ -196,7 +221,9 @@ print(repr((psi, sum(p.to_local().numel() for p in model.parameters()), model.me
 
 @pytest.mark.parametrize("n", [8, 1024])
 def test_memory_at_large_world_for_a_1b_model_on_meta(n):
-    res = launch("forked", None, 1, [str(n)], text=_FAKE_SCRIPT, timeout=300)   # (one rank forked from a process that imported torch)
+    res = launch(
+        "forked", None, 1, [str(n)], text=_FAKE_SCRIPT, timeout=300
+    )  # (one rank forked from a process that imported torch)
     code, out, err = res.returncode, res.stdout, res.stderr
     assert code == 0, err[-3000:]
     psi, owned, rep = eval(out.strip().splitlines()[-1])
@@ -232,8 +259,8 @@ def _grad_shard_lifetime():
 def test_gradient_shards_are_freed_by_zero_grad_and_not_held_in_forward(dist_pool):
     for in_forward, after_backward, zeroed, err in dist_pool.run(_grad_shard_lifetime):
         assert err <= 1e-5
-        assert not any(any(h) for h in in_forward[0::2])     # after zero_grad(set_to_none=True)
-        assert all(all(h) for h in in_forward[1::2])         # after set_to_none=False: kept
+        assert not any(any(h) for h in in_forward[0::2])  # after zero_grad(set_to_none=True)
+        assert all(all(h) for h in in_forward[1::2])  # after set_to_none=False: kept
         assert all(all(h) for h in after_backward) and all(zeroed)
 
 
@@ -243,10 +270,10 @@ def _comm(reshard):
     opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
     train(model, opt, 1)
     before = dict(model.comm_elements)
-    timeline = Timeline()     # the units' forwards and gradients among the collectives of the flight record
+    timeline = Timeline()  # the units' forwards and gradients among the collectives of the flight record
     for u in model.units:
         timeline.grad_hooks((u.name, q.full) for q in u.trainable)
-        if not u.is_root:     # (after FullyShard's hooks: its gather is issued, its reshard done)
+        if not u.is_root:  # (after FullyShard's hooks: its gather is issued, its reshard done)
             u.module.register_forward_pre_hook(lambda m, a, n=u.name: timeline.mark("forward", n))
             u.module.register_forward_hook(lambda m, a, o, n=u.name: timeline.mark("forward_end", n))
     train(model, opt, 1, first_step=1)
@@ -267,7 +294,7 @@ def test_communication_volume_per_step(dist_pool, reshard):
 
 def test_prefetch_and_overlap_order(dist_pool):
     events = dist_pool.run(_comm, True)[0][3]
-    step = events[-events[::-1].index(("all_gather", "")) - 1:]      # the last step, from its root gather
+    step = events[-events[::-1].index(("all_gather", "")) - 1 :]  # the last step, from its root gather
     names = [f"blocks.{i}" for i in range(LAYERS)]
     # forward: block i+1's gather is issued before block i runs ahead of it completes
     for i in range(LAYERS - 1):
@@ -282,13 +309,13 @@ def test_prefetch_and_overlap_order(dist_pool):
 def _meta_init():
     with torch.device("meta"):
         model = GPT()
-    torch.manual_seed(0)             # the seed make_gpt() builds with
+    torch.manual_seed(0)  # the seed make_gpt() builds with
     model = zs.FullyShard(model, wrap={GPTBlock})
     normal = make_gpt()
     sd, ref = model.state_dict(), normal.state_dict()
     assert sd.keys() == ref.keys()
     out = {"equal": all(torch.equal(sd[k], ref[k]) for k in ref)}
-    out["err"] = err_after_training(model, 3)    # and it trains like the normally built model
+    out["err"] = err_after_training(model, 3)  # and it trains like the normally built model
     return out
 
 
@@ -308,6 +335,7 @@ class WithFrequencies(nn.Module):
 
 def _meta_unsaved_buffer():
     import warnings
+
     with torch.device("meta"):
         model = WithFrequencies()
     with warnings.catch_warnings(record=True) as seen:
@@ -344,14 +372,14 @@ def test_state_dict_round_trip_across_world_sizes_and_the_unwrapped_model():
     for save, load in ((p2, p3), (p3, p2)):
         saved = save.run(_fs_save, 5)
         msd, osd = saved[0]
-        assert all(s == (None, None) for s in saved[1:])       # to=0: only rank 0 builds them
+        assert all(s == (None, None) for s in saved[1:])  # to=0: only rank 0 builds them
         assert max(load.run(_fs_resume, msd, osd, 5, 5)) <= 1e-5
     # into the unwrapped model and torch's AdamW, which continue identically
     model = make_gpt()
     model.load_state_dict(msd)
     opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=1e-2, foreach=False)
     opt.load_state_dict(copy.deepcopy(osd))
-    for (x, y), in batches(10)[5:]:
+    for ((x, y),) in batches(10)[5:]:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
@@ -364,7 +392,7 @@ def test_state_dict_round_trip_across_world_sizes_and_the_unwrapped_model():
 def model_and_opt_after(steps):
     model = make_gpt()
     opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=1e-2, foreach=False)
-    for (x, y), in batches(steps):
+    for ((x, y),) in batches(steps):
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
@@ -387,7 +415,8 @@ def _features():
         logits = model(local(x, rank, world))
     out["inference_err"] = rel_err(logits, make_gpt().eval()(local(x, rank, world)))
     out["gathered_after_inference"] = model.memory_report()["gathered"] + sum(
-        u.state is not UnitState.SHARDED for u in model.units)
+        u.state is not UnitState.SHARDED for u in model.units
+    )
     model.train()
     # frozen parameters (one in the root unit, one in a block) stay put; the rest trains like torch
     frozen = ("pos.weight", "blocks.1.fc.weight", "blocks.1.fc.bias")
@@ -399,7 +428,7 @@ def _features():
     opt = zs.ShardedOptimizer([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     train(model, opt, 5)
     ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, foreach=False)
-    for (bx, by), in batches(5):
+    for ((bx, by),) in batches(5):
         ropt.zero_grad()
         loss_fn(ref(bx), by).backward()
         ropt.step()
@@ -409,8 +438,9 @@ def _features():
     # nested wrapping: the linear layers inside each block are units of their own
     m = make_gpt()
     head = m.head
-    model = zs.FullyShard(m, wrap=lambda mod: isinstance(mod, GPTBlock) or (isinstance(mod, nn.Linear)
-                                                                         and mod is not head))
+    model = zs.FullyShard(
+        m, wrap=lambda mod: isinstance(mod, GPTBlock) or (isinstance(mod, nn.Linear) and mod is not head)
+    )
     out["nested_units"] = len(model.units)
     out["nested_err"] = err_after_training(model, 5)
     return out
@@ -442,16 +472,17 @@ def _bad_inputs():
         m = make_gpt()
         m.blocks[1].fc.weight = m.blocks[0].fc.weight
         zs.FullyShard(m, wrap={GPTBlock})
+
     catch("split_tie", split_tie)
 
     model = wrapped()
     x = torch.randint(0, VOCAB, (2, SEQ))
     h = torch.randn(2, SEQ, DIM)
-    ref = make_gpt()       # a unit or root-unit module called directly gathers itself, as under FSDP2
+    ref = make_gpt()  # a unit or root-unit module called directly gathers itself, as under FSDP2
     msgs["unit_direct"] = (model.module.blocks[1](h) - ref.blocks[1](h)).abs().max().item()
     with torch.no_grad():
         msgs["root_direct"] = (model.module.head(h) - ref.head(h)).abs().max().item()
-    msgs["still_works"] = tuple(model(x).shape)          # no hang, nothing left half-done
+    msgs["still_works"] = tuple(model(x).shape)  # no hang, nothing left half-done
 
     other = dist.new_group(list(range(dist.get_world_size())))
     catch("other_group", lambda: zs.ShardedOptimizer(model.parameters(), process_group=other))
@@ -462,6 +493,7 @@ def _bad_inputs():
         if rank == 1:
             m.blocks[2].fc = nn.Linear(DIM, 38)
         zs.FullyShard(m, wrap={GPTBlock})
+
     catch("different_models", different_models)
     return msgs
 
@@ -482,11 +514,12 @@ def _backward_that_raises():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = wrapped()
     opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)
-    (x, y), = batches(1)[0]
+    ((x, y),) = batches(1)[0]
     logits = model(local(x, rank, world))
 
     def boom(grad):
         raise ValueError("user error in backward")
+
     logits.register_hook(boom)
     try:
         loss_fn(logits, local(y, rank, world)).backward()
@@ -509,21 +542,28 @@ def _gathered_blocks():
     nothing left gathered after the block, an exception, or a refusal; training inside equals
     one process; modifier_rank's edit reaches every rank."""
     import zeroshard.zero3.gathered as gathered_module
+
     rank, world = dist.get_rank(), dist.get_world_size()
     model, plain = wrapped(), make_gpt()
-    (x, y), = batches(1)[0]
+    ((x, y),) = batches(1)[0]
     out, m = {}, model.module
-    held = lambda: model.memory_report()["gathered"]      # noqa: E731
+    held = lambda: model.memory_report()["gathered"]  # noqa: E731
     with model.gathered(), torch.no_grad():
         before = model.comm_elements["all_gather"]
         outs = [model(x) for _ in range(3)]
-        out["inside"] = dict(gathered=held(), gathers=model.comm_elements["all_gather"] - before,
-                             forward=max((o - plain(x)).abs().max().item() for o in outs),
-                             weight=(m.blocks[1].fc.weight - plain.blocks[1].fc.weight).abs().max().item())
+        out["inside"] = dict(
+            gathered=held(),
+            gathers=model.comm_elements["all_gather"] - before,
+            forward=max((o - plain(x)).abs().max().item() for o in outs),
+            weight=(m.blocks[1].fc.weight - plain.blocks[1].fc.weight).abs().max().item(),
+        )
     with model.gathered(dtype=torch.bfloat16, units=[m.blocks[1]]):
         w = m.blocks[1].fc.weight
-        out["copy"] = (w.dtype, torch.equal(w, plain.blocks[1].fc.weight.to(torch.bfloat16)),
-                       type(m.blocks[0].fc.weight).__name__)
+        out["copy"] = (
+            w.dtype,
+            torch.equal(w, plain.blocks[1].fc.weight.to(torch.bfloat16)),
+            type(m.blocks[0].fc.weight).__name__,
+        )
     try:
         with model.gathered():
             raise KeyError("inside the block")
@@ -550,7 +590,7 @@ def _gathered_blocks():
     finally:
         gathered_module.free_bytes = free
     out["after_refusal"] = held()
-    try:           # (last: the backward it stops leaves this model mid-step)
+    try:  # (last: the backward it stops leaves this model mid-step)
         with model.gathered(dtype=torch.bfloat16):
             loss_fn(model(local(x, rank, world)), local(y, rank, world)).backward()
         out["copy_backward"] = None
@@ -569,5 +609,6 @@ def test_gathered_blocks(dist_pool):
         assert r["train_err"] <= 1e-5 and r["inside_current"], r
         assert r["modified"] <= 1e-7, r
         assert "bytes" in r["refused"] and "units=" in r["refused"] and r["after_refusal"] == 0, r["refused"]
-        assert "gathered(dtype=...)" in r["copy_backward"] and "takes no gradients" in r["copy_backward"], \
-            r["copy_backward"]
+        assert "gathered(dtype=...)" in r["copy_backward"] and "takes no gradients" in r["copy_backward"], r[
+            "copy_backward"
+        ]

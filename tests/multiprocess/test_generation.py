@@ -4,6 +4,7 @@ sampled and beam-search decoding; between unshard() and reshard() nothing is gat
 generate that raises leaves nothing gathered; and the
 model's whole tensors stream (zeroshard.full_tensors) into an unsharded copy that computes
 the same logits."""
+
 import time
 
 import torch
@@ -15,8 +16,16 @@ from zeroshard.zero3.fully_shard import UnitState
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     plain = LlamaForCausalLM(cfg).eval()
     torch.manual_seed(0)
@@ -24,7 +33,7 @@ def _llama():
 
 
 def _count(fn):
-    t0 = time.time()          # (the flight record keeps the last few hundred: count by start time)
+    t0 = time.time()  # (the flight record keeps the last few hundred: count by start time)
     out = fn()
     return out, sum(r["kind"] == "all_gather" and r["start"] >= t0 for r in zs.flight_record())
 
@@ -33,27 +42,30 @@ def _generate():
     plain, model, fresh = _llama()
     prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
     res = {}
-    for name, kw in (("greedy", dict(do_sample=False)), ("beams", dict(do_sample=False, num_beams=2)),
-                     ("sampled", dict(do_sample=True, top_k=20, temperature=0.9))):
+    for name, kw in (
+        ("greedy", dict(do_sample=False)),
+        ("beams", dict(do_sample=False, num_beams=2)),
+        ("sampled", dict(do_sample=True, top_k=20, temperature=0.9)),
+    ):
         kw = dict(kw, max_new_tokens=12, pad_token_id=0)
-        torch.manual_seed(5)        # (the same seed on every rank: the same tokens everywhere)
+        torch.manual_seed(5)  # (the same seed on every rank: the same tokens everywhere)
         ours, gathers = _count(lambda: model.generate(prompt, **kw))
         torch.manual_seed(5)
         res[name] = (torch.equal(ours, plain.generate(prompt, **kw)), gathers)
-    model.generate_gathered = False           # today's per-token gathering, kept as an option
+    model.generate_gathered = False  # today's per-token gathering, kept as an option
     res["per_token"] = _count(lambda: model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))[1]
-    model.unshard(async_op=True).wait()       # FSDP2's explicit calls: held gathered until reshard()
-    model.unshard()                           # (a second changes nothing)
+    model.unshard(async_op=True).wait()  # FSDP2's explicit calls: held gathered until reshard()
+    model.unshard()  # (a second changes nothing)
     greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    ours, res["unsharded_gathers"] = _count(lambda: model.generate(prompt, **greedy))     # per token, yet none
+    ours, res["unsharded_gathers"] = _count(lambda: model.generate(prompt, **greedy))  # per token, yet none
     res["unsharded_same"] = torch.equal(ours, plain.generate(prompt, **greedy))
     res["held"] = all(u.state is UnitState.GATHERED for u in model.units)
     model.reshard()
     res["reshard"] = all(u.state is UnitState.SHARDED for u in model.units)
-    model.reshard()                           # (without unshard(): nothing)
+    model.reshard()  # (without unshard(): nothing)
     model.generate_gathered = True
     try:
-        model.generate(prompt, max_new_tokens=3, num_beams=2, num_return_sequences=5)   # more than beams
+        model.generate(prompt, max_new_tokens=3, num_beams=2, num_return_sequences=5)  # more than beams
         res["raised"] = False
     except ValueError:
         res["raised"] = True
@@ -66,11 +78,11 @@ def _generate():
 
 def test_generate_gathers_each_unit_once_per_call_with_the_unsharded_models_tokens(dist_pool):
     for res in dist_pool.run(_generate):
-        units = 5          # four decoder layers and the root
+        units = 5  # four decoder layers and the root
         for name in ("greedy", "beams", "sampled"):
             same, gathers = res[name]
             assert same and gathers == units, (name, res[name])
-        assert res["per_token"] >= 12 * units, res["per_token"]     # every unit, every token
+        assert res["per_token"] >= 12 * units, res["per_token"]  # every unit, every token
         assert res["unsharded_gathers"] == 0 and res["unsharded_same"] and res["held"] and res["reshard"], res
         assert res["raised"] and res["resharded"], res
         assert res["logits"] == 0.0, res["logits"]

@@ -5,6 +5,7 @@ gradient assigned by hand is that parameter's averaged gradient, after a backwar
 with none at all; ranks that set p.grad differently get an error before any parameter
 moves. And torch's ZeroRedundancyOptimizer details: the closure and keyword arguments
 reach optimizer_class's step, keys it adds to its param groups show in ours."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ import zeroshard as zs
 from support.models import Residual
 
 BATCH = 12
-TINY_BUCKET_MB = 500 / 2**20     # buckets split tensors
+TINY_BUCKET_MB = 500 / 2**20  # buckets split tensors
 
 
 class Net(nn.Module):
@@ -30,8 +31,10 @@ class Net(nn.Module):
         return self.head(self.layers(self.inp(x)))
 
 
-OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-              "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01))}
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01)),
+}
 
 
 def build(kind, opt_name, optimizer_class=None, vouch=False, **kw):
@@ -41,23 +44,27 @@ def build(kind, opt_name, optimizer_class=None, vouch=False, **kw):
     hyper = dict(hyper, **kw)
     if kind == "ddp":
         return DDP(model), (optimizer_class or cls)(model.parameters(), **hyper)
-    zs_cls = optimizer_class or (None if opt_name == "adamw" else cls)     # AdamW: the fused kernel
+    zs_cls = optimizer_class or (None if opt_name == "adamw" else cls)  # AdamW: the fused kernel
     if vouch:
         hyper["elementwise"] = True
     if kind == 3:
         model = zs.FullyShard(model, wrap={Residual})
         return model, zs.ShardedOptimizer(model.parameters(), optimizer_class=zs_cls, **hyper)
-    return model, zs.ShardedOptimizer(model.parameters(), optimizer_class=zs_cls, stage=kind,
-                                      bucket_mb=TINY_BUCKET_MB, **hyper)
+    return model, zs.ShardedOptimizer(
+        model.parameters(), optimizer_class=zs_cls, stage=kind, bucket_mb=TINY_BUCKET_MB, **hyper
+    )
 
 
 def batches(steps):
     g = torch.Generator().manual_seed(5)
     n = BATCH // dist.get_world_size()
     r = dist.get_rank()
-    return [(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
-            for x, y in ((torch.randn(BATCH, 7, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
-                         for _ in range(steps))]
+    return [
+        (x[r * n : (r + 1) * n], y[r * n : (r + 1) * n])
+        for x, y in (
+            (torch.randn(BATCH, 7, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(steps)
+        )
+    ]
 
 
 def named(kind, model):
@@ -77,19 +84,19 @@ def script(kind, opt_name):
     g = torch.Generator().manual_seed(11)
     for k, (x, y) in enumerate(batches(6)):
         opt.zero_grad()
-        if k != 3:        # step 3: no backward at all, every gradient made by hand
+        if k != 3:  # step 3: no backward at all, every gradient made by hand
             F.cross_entropy(model(x), y).backward()
-        if k == 1:        # skip two parameters this step (a frozen-for-a-step schedule)
+        if k == 1:  # skip two parameters this step (a frozen-for-a-step schedule)
             ps["layers.0.fc.weight"].grad = None
             ps["head.bias"].grad = None
-        if k == 2:        # one gradient replaced after reading it (the same on every rank)
+        if k == 2:  # one gradient replaced after reading it (the same on every rank)
             w = ps["layers.1.fc.weight"]
             w.grad = w.grad * 0.5 + 0.01 * torch.randn(w.shape, generator=g)
             ps["inp.bias"].grad = None
-        if k == 3:        # half the parameters get a gradient, the rest stay None (skipped)
+        if k == 3:  # half the parameters get a gradient, the rest stay None (skipped)
             for name in ("inp.weight", "layers.1.fc.bias", "head.weight"):
                 ps[name].grad = 0.1 * torch.randn(ps[name].shape, generator=g)
-        if k == 4 and kind != "ddp":      # the engine's clip after a drop
+        if k == 4 and kind != "ddp":  # the engine's clip after a drop
             ps["inp.weight"].grad = None
             norms.append(opt.clip_grad_norm_(0.3).item())
         elif k == 4:
@@ -121,9 +128,9 @@ def _disagree(stage, how):
     x, y = batches(1)[0]
     before = {k: v.clone() for k, v in final(stage, model).items()}
     F.cross_entropy(model(x), y).backward()
-    if how == "drop":         # each rank drops another parameter
+    if how == "drop":  # each rank drops another parameter
         ps[["inp.bias", "head.bias"][dist.get_rank() % 2]].grad = None
-    else:                     # a rank's own (unaveraged) gradient assigned
+    else:  # a rank's own (unaveraged) gradient assigned
         ps["head.bias"].grad = torch.full((3,), float(dist.get_rank()))
     try:
         opt.step()
@@ -171,16 +178,19 @@ def _inner_step(stage):
         F.cross_entropy(model(x), y).backward()
         F.cross_entropy(ref_model(x), y).backward()
         seen = []
-        if name == "kwarg":       # a closure that is not callable reaches the class untouched
+        if name == "kwarg":  # a closure that is not callable reaches the class untouched
             opt.step(0, kwarg=seen)
             ref.step(0, kwarg=[])
         else:
             opt.step()
             ref.step()
         ours, theirs = final(stage, model), final("ddp", ref_model)
-        out[name] = (seen, opt.param_groups[0].get("new_key"),
-                     max((ours[k] - theirs[k]).abs().max().item() for k in theirs))
-    model, opt = build(stage, "sgd")       # a callable closure: run once, its loss returned
+        out[name] = (
+            seen,
+            opt.param_groups[0].get("new_key"),
+            max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+        )
+    model, opt = build(stage, "sgd")  # a callable closure: run once, its loss returned
     ref_model, ref = build("ddp", "sgd")
     x, y = batches(1)[0]
     calls = []
@@ -192,7 +202,9 @@ def _inner_step(stage):
             loss = F.cross_entropy(m(x), y)
             loss.backward()
             return loss
+
         return run
+
     losses = (opt.step(closure(model, opt)).item(), ref.step(closure(ref_model, ref)).item())
     ours, theirs = final(stage, model), final("ddp", ref_model)
     out["closure"] = (len(calls), losses, max((ours[k] - theirs[k]).abs().max().item() for k in theirs))

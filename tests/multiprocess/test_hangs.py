@@ -5,6 +5,7 @@ diverged, and leave no process behind (see [Note: watchdog] in comm/watchdog.py)
 Real processes on gloo. As under torchrun, the store lives outside the ranks
 (here in the test process, as torchrun's agent holds it), so a rank that has
 already exited leaves its report readable."""
+
 import multiprocessing as mp
 import os
 import re
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 import zeroshard as zs
 
-TIMEOUT = 4.0          # ZEROSHARD_TIMEOUT in the ranks
+TIMEOUT = 4.0  # ZEROSHARD_TIMEOUT in the ranks
 
 
 class Stall(nn.Module):
@@ -125,23 +126,29 @@ def _rank(rank, world, port, name, stage, tmp, env, results):
     results.put((rank, time.time()) + out)
     results.close()
     results.join_thread()
-    sys.exit(0 if out[0] == "ok" else 3)     # a normal interpreter exit: it must not hang
+    sys.exit(0 if out[0] == "ok" else 3)  # a normal interpreter exit: it must not hang
 
 
 def _run(name, stage, tmp_path, world=2, debug=False):
     """Every rank's (kind, message) and its time to end, after asserting that
     every process ended within TIMEOUT + 30 s of the start."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    env = {"ZEROSHARD_TIMEOUT": str(TIMEOUT), "GLOO_SOCKET_IFNAME": "lo", "ZEROSHARD_RECORD_DIR": str(tmp_path),
-           "ZEROSHARD_DEBUG": "1" if debug else "0"}
+    env = {
+        "ZEROSHARD_TIMEOUT": str(TIMEOUT),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "ZEROSHARD_RECORD_DIR": str(tmp_path),
+        "ZEROSHARD_DEBUG": "1" if debug else "0",
+    }
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, store.port, name, stage, str(tmp_path), env, results))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, store.port, name, stage, str(tmp_path), env, results))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     got = {}
-    deadline = time.time() + 120          # process start and imports, then TIMEOUT + 30 s at most
+    deadline = time.time() + 120  # process start and imports, then TIMEOUT + 30 s at most
     while len(got) < world and time.time() < deadline:
         try:
             rank, t, kind, msg = results.get(timeout=1)
@@ -191,16 +198,21 @@ def _both_name_the_other(got, *words):
 
 def test_a_skipped_backward(tmp_path):
     got = _run("skipped_backward", 2, tmp_path)
-    _both_name_the_other(got, "rank 0 issued #", "(step 3, bucket 0 reduce-scatter); rank 1 issued #",
-                         "check_in of 0 bytes (save_checkpoint())")
+    _both_name_the_other(
+        got,
+        "rank 0 issued #",
+        "(step 3, bucket 0 reduce-scatter); rank 1 issued #",
+        "check_in of 0 bytes (save_checkpoint())",
+    )
 
 
 def test_a_skipped_backward_at_zero3_names_each_ranks_step_and_phase(tmp_path):
     """Rank 1 skips step 2's backward and step: rank 0 waits in step 2's backward
     all-gathers while rank 1 (whose step 2 never happened) gathers for step 2's forward again."""
     got = _run("skipped_backward", 3, tmp_path)
-    _both_name_the_other(got, "rank 0 issued #", "(step 2 backward, unit '", "rank 1 issued #",
-                         "(step 2 forward, unit '")
+    _both_name_the_other(
+        got, "rank 0 issued #", "(step 2 backward, unit '", "rank 1 issued #", "(step 2 forward, unit '"
+    )
 
 
 def test_one_extra_step(tmp_path):
@@ -212,7 +224,7 @@ def test_a_rank_sleeping_past_the_timeout_in_forward(tmp_path):
     kind0, msg0, _ = got[0]
     assert kind0 == "CollectiveTimeout" and "did not complete within 4 s" in msg0, msg0
     _assert_names(msg0, 1, "Rank 1 did not answer", "all-gather")
-    kind1, msg1, _ = got[1]      # wakes after rank 0 gave up: its collective fails, rank 0's report explains
+    kind1, msg1, _ = got[1]  # wakes after rank 0 gave up: its collective fails, rank 0's report explains
     assert kind1 == "CollectiveTimeout", msg1
     _assert_names(msg1, 0, "cause: timed out in #")
 
@@ -220,7 +232,7 @@ def test_a_rank_sleeping_past_the_timeout_in_forward(tmp_path):
 def test_a_checkpoint_save_entered_by_one_rank(tmp_path):
     got = _run("checkpoint_on_rank_0", 2, tmp_path)
     _both_name_the_other(got, "check_in of 0 bytes (save_checkpoint())", "step 2, bucket 0 reduce-scatter")
-    assert not os.path.exists(tmp_path / "ckpt")          # nothing half-written in its place
+    assert not os.path.exists(tmp_path / "ckpt")  # nothing half-written in its place
 
 
 def test_a_reduce_scatter_in_pieces_entered_by_one_rank(tmp_path):
@@ -251,12 +263,13 @@ def test_debug_mode_passes_a_correct_script_and_records_every_collective(tmp_pat
     assert got[0][0] == "ok" and got[1][0] == "ok", got
     kinds = got[0][1]
     assert kinds == got[1][1]
-    assert [k for k, _ in kinds].count("reduce_scatter") == 2 * 3       # 3 units, 2 steps
+    assert [k for k, _ in kinds].count("reduce_scatter") == 2 * 3  # 3 units, 2 steps
     assert kinds[-1] == ("all_gather", "checkpoint outcome exchange (object bytes)")
 
 
 def test_set_timeout_validates_and_overrides_the_environment(monkeypatch):
     from zeroshard.comm import watchdog as _incident
+
     monkeypatch.setenv("ZEROSHARD_TIMEOUT", "7")
     assert _incident.timeout() == 7.0
     zs.set_timeout(2.5)
@@ -276,19 +289,46 @@ def test_the_diagnosis_names_the_first_difference_and_the_silent_ranks():
     from zeroshard.comm import watchdog as _incident
 
     def rec(seq, kind, what, end=1.0, numel=10):
-        return {"seq": seq, "group": "0", "kind": kind, "what": what, "numel": numel, "dtype": "float32",
-                "start": 0.0, "end": end}
-    reports = {0: {"cause": "timed out in #3", "records": [rec(1, "all_reduce", "a"), rec(2, "all_gather", "b"),
-                                                            rec(3, "all_gather", "state_dict gather", None)]},
-               1: {"cause": "timed out in #3", "records": [rec(1, "all_reduce", "a"), rec(2, "all_gather", "b"),
-                                                            rec(3, "reduce_scatter", "step 2", None, 40)]},
-               3: {"cause": "failed", "records": [rec(1, "all_reduce", "a"), rec(2, "all_gather", "b")]}}
+        return {
+            "seq": seq,
+            "group": "0",
+            "kind": kind,
+            "what": what,
+            "numel": numel,
+            "dtype": "float32",
+            "start": 0.0,
+            "end": end,
+        }
+
+    reports = {
+        0: {
+            "cause": "timed out in #3",
+            "records": [
+                rec(1, "all_reduce", "a"),
+                rec(2, "all_gather", "b"),
+                rec(3, "all_gather", "state_dict gather", None),
+            ],
+        },
+        1: {
+            "cause": "timed out in #3",
+            "records": [
+                rec(1, "all_reduce", "a"),
+                rec(2, "all_gather", "b"),
+                rec(3, "reduce_scatter", "step 2", None, 40),
+            ],
+        },
+        3: {"cause": "failed", "records": [rec(1, "all_reduce", "a"), rec(2, "all_gather", "b")]},
+    }
     text = _incident.diagnose(reports, "0", 4, now=5.0)
-    assert "first differ at collective #3 on process group '0': rank 0 issued #3 all_gather of 10 float32 " \
-           "(state_dict gather); rank 1 issued #3 reduce_scatter of 40 float32 (step 2); rank 3 never issued it " \
-           "(its last: #2 all_gather of 10 float32 (b))" in text, text
-    assert "rank 0: last started #3 all_gather of 10 float32 (state_dict gather), not completed after 5 s; " \
-           "last completed #2" in text, text
+    assert (
+        "first differ at collective #3 on process group '0': rank 0 issued #3 all_gather of 10 float32 "
+        "(state_dict gather); rank 1 issued #3 reduce_scatter of 40 float32 (step 2); rank 3 never issued it "
+        "(its last: #2 all_gather of 10 float32 (b))" in text
+    ), text
+    assert (
+        "rank 0: last started #3 all_gather of 10 float32 (state_dict gather), not completed after 5 s; "
+        "last completed #2" in text
+    ), text
     assert "Rank 2 did not answer" in text
     same = {r: reports[0] for r in (0, 1)}
     assert _incident.first_difference(same, "0") is None

@@ -1,6 +1,7 @@
 """Hybrid sharding (shard_size / a 2-D DeviceMesh): ZeRO inside shard groups of
 S ranks, replicas across them; against single-process torch AdamW on gloo at
 world size 4 (2 replicas x 2 shards) and 6 (3 x 2 for ZeRO-1/2, 2 x 3 for ZeRO-3)."""
+
 import os
 
 import pytest
@@ -34,10 +35,14 @@ def _train(stage, shard_size, clip, mesh, micro=1):
     kw = dict(shard_size=shard_size)
     if mesh:
         from torch.distributed.device_mesh import init_device_mesh
+
         world = dist.get_world_size()
-        kw = dict(device_mesh=init_device_mesh("cpu", (world // shard_size, shard_size),
-                                               mesh_dim_names=("replicate", "shard")))
-    acc = dict(micro=micro, no_sync=micro > 1)      # micro-batches accumulated under no_sync()
+        kw = dict(
+            device_mesh=init_device_mesh(
+                "cpu", (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+            )
+        )
+    acc = dict(micro=micro, no_sync=micro > 1)  # micro-batches accumulated under no_sync()
     model, opt, norms = train_ours(1, stage, clip=clip, **acc, **kw)
     before = dict(opt.comm_elements)
     train_ours(STEPS - 1, stage, clip=clip, model=model, opt=opt, first_step=1, **acc)
@@ -47,20 +52,24 @@ def _train(stage, shard_size, clip, mesh, micro=1):
     rep = opt.memory_report()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     padded = sum(b.numel for b in opt.layout.buckets)
-    return dict(err=err, world=opt.world_size, rank=opt.rank, rep=rep, psi=psi, padded=padded, per_step=per_step,
-                norms=norms)
+    return dict(
+        err=err, world=opt.world_size, rank=opt.rank, rep=rep, psi=psi, padded=padded, per_step=per_step, norms=norms
+    )
 
 
 # (3 replicas of 2 shards at stage 2 with accumulation; the rest on 2 x 2, whose pool is warm)
-@pytest.mark.parametrize("hybrid,stage,micro", [((4, 2), 1, 1), ((4, 2), 2, 1), ((4, 2), 2, 2), ((6, 2), 2, 2)],
-                         ids=["world4-shard2-1-1", "world4-shard2-2-1", "world4-shard2-2-2", "world6-shard2-2-2"])
+@pytest.mark.parametrize(
+    "hybrid,stage,micro",
+    [((4, 2), 1, 1), ((4, 2), 2, 1), ((4, 2), 2, 2), ((6, 2), 2, 2)],
+    ids=["world4-shard2-1-1", "world4-shard2-2-1", "world4-shard2-2-2", "world6-shard2-2-2"],
+)
 def test_hybrid_equals_single_process_adamw(hybrid, stage, micro):
     pool, shard = _pool_and_shard(hybrid)
     res = pool.run(_train, stage, shard, None, False, micro)
     replicas = pool.world_size // shard
     for r, out in enumerate(res):
         assert out["err"] < 1e-5, (r, out["err"])
-        assert out["world"] == shard and out["rank"] == r % shard       # sharded over the shard group
+        assert out["world"] == shard and out["rank"] == r % shard  # sharded over the shard group
         # communication per step: inside the shard group Ψ (+ padding) each way, across
         # replicas only this rank's shard of it
         ps = out["per_step"]
@@ -85,6 +94,7 @@ def _train_fully_shard(shard_size, micro):
     import torch.nn as nn
     import torch.nn.functional as F
     import time
+
     rank, world, t0 = dist.get_rank(), dist.get_world_size(), time.time()
     model = zs.FullyShard(make_model(), wrap={nn.Linear}, shard_size=shard_size)
     opt = zs.ShardedOptimizer(param_groups(model))
@@ -96,8 +106,10 @@ def _train_fully_shard(shard_size, micro):
         opt.step()
     ref, _ = reference(STEPS, micro=micro)
     full = model.state_dict()
-    groups = {kind: {r["group"] for r in zs.flight_record() if kind in r["what"] and r["start"] >= t0}
-              for kind in ("replica all-reduce", "all-gather")}
+    groups = {
+        kind: {r["group"] for r in zs.flight_record() if kind in r["what"] and r["start"] >= t0}
+        for kind in ("replica all-reduce", "all-gather")
+    }
     return max(rel_err(full[k], v) for k, v in ref.state_dict().items()), model.comm_elements, groups
 
 
@@ -171,18 +183,25 @@ def _bad(kind):
         zs.ShardedOptimizer(model.parameters(), shard_size=2, process_group=dist.group.WORLD)
     elif kind == "3-D mesh":
         from torch.distributed.device_mesh import init_device_mesh
+
         zs.ShardedOptimizer(model.parameters(), device_mesh=init_device_mesh("cpu", (1, 2, dist.get_world_size() // 2)))
     elif kind == "fully shard":
         zs.FullyShard(model, shard_size=5)
 
 
-@pytest.mark.parametrize("kind,match", [
-    ("not dividing", r"\[rank \d/4\] ShardedOptimizer: shard_size must be a positive integer dividing the world "
-                     r"size \(4\), got 3"),
-    ("with process_group", "pass process_group or shard_size, not both"),
-    ("3-D mesh", r"device_mesh must be 1-D \(the ranks to shard over\) or 2-D"),
-    ("fully shard", r"FullyShard: shard_size must be a positive integer dividing the world size \(4\), got 5"),
-])
+@pytest.mark.parametrize(
+    "kind,match",
+    [
+        (
+            "not dividing",
+            r"\[rank \d/4\] ShardedOptimizer: shard_size must be a positive integer dividing the world "
+            r"size \(4\), got 3",
+        ),
+        ("with process_group", "pass process_group or shard_size, not both"),
+        ("3-D mesh", r"device_mesh must be 1-D \(the ranks to shard over\) or 2-D"),
+        ("fully shard", r"FullyShard: shard_size must be a positive integer dividing the world size \(4\), got 5"),
+    ],
+)
 def test_hybrid_misuse_is_a_clear_error(kind, match):
     pool = launch("pool", 4)
     with pytest.raises(AssertionError, match=match):
@@ -217,10 +236,9 @@ def test_a_hybrid_checkpoint_is_written_once_and_loads_flat_at_3_and_at_1(tmp_pa
     path = str(tmp_path / "ckpt")
     saved = launch("pool", 4).run(_save_hybrid, path, stage)
     params, state = saved[0]
-    assert all(_same(p, params) for p, _ in saved)                # the replicas agree
+    assert all(_same(p, params) for p, _ in saved)  # the replicas agree
     # each shard written once: the first shard group's two ranks, no replica's duplicate
-    assert sorted(f for f in os.listdir(path) if f.startswith("rank")) == ["rank0.safetensors",
-                                                                         "rank1.safetensors"]
+    assert sorted(f for f in os.listdir(path) if f.startswith("rank")) == ["rank0.safetensors", "rank1.safetensors"]
     for loaded, st, extra in launch("pool", 3).run(_load_flat, path, 2 if stage == 3 else 3):
         assert _same(loaded, params)
         assert st.keys() == state.keys() and all(_same(st[i], state[i]) for i in state)

@@ -2,6 +2,7 @@
 single-process torch AdamW and with no offload at stages 1, 2 and 3 on gloo at
 world sizes 2 and 3, the state's files and bytes by location, resident memory
 under nvme, checkpoints across offload settings, a kill mid-step, bad input."""
+
 import gc
 import multiprocessing as mp
 import os
@@ -26,14 +27,14 @@ from zeroshard import offload as _offload
 
 STEPS = 3
 CASES = [(None, 1.0), ("cpu", 0.3), ("cpu", 1.0), ("nvme", 0.3), ("nvme", 1.0)]
-WINDOW_MB = "0.004"    # 128-element windows: the tiny model's ranges take several, double buffering runs
+WINDOW_MB = "0.004"  # 128-element windows: the tiny model's ranges take several, double buffering runs
 
 
 def test_choose_takes_the_prefix_closest_to_the_fraction():
-    assert _offload.choose([5, 185, 37, 481], 0.3) == 3          # 227 of 708 (190 is further from 212.4)
+    assert _offload.choose([5, 185, 37, 481], 0.3) == 3  # 227 of 708 (190 is further from 212.4)
     assert _offload.choose([5, 185, 37, 481], 1.0) == 4
     assert _offload.choose([5, 185, 37, 481], 0.0) == 0
-    assert _offload.choose([500, 10], 0.01) == 1                 # f > 0 offloads at least one
+    assert _offload.choose([500, 10], 0.01) == 1  # f > 0 offloads at least one
     assert _offload.choose([10, 10, 10, 10], 0.5) == 2
     assert _offload.choose([], 0.5) == 0
 
@@ -59,12 +60,13 @@ def _parity(stage, cases):
     for offload, fraction in cases:
         with tempfile.TemporaryDirectory() as d:
             params, rep, sizes, (model, opt) = _train(stage, offload, fraction, d)
-            opt.zero_grad()     # (p.grad's placeholders refer to the optimizer until then)
-            del opt             # the optimizer's file goes with it, the model still alive
+            opt.zero_grad()  # (p.grad's placeholders refer to the optimizer until then)
+            del opt  # the optimizer's file goes with it, the model still alive
             gc.collect()
             left = os.listdir(d)
-        out[(offload, fraction)] = dict(err=max(rel_err(params[k], v) for k, v in ref.items()), rep=rep,
-                                        sizes=sizes, left=left, params=params)
+        out[(offload, fraction)] = dict(
+            err=max(rel_err(params[k], v) for k, v in ref.items()), rep=rep, sizes=sizes, left=left, params=params
+        )
     return out
 
 
@@ -88,16 +90,18 @@ def test_offload_equals_single_process_adamw_and_no_offload(world, stage):
             off = rep["host"] + rep["disk"]
             assert (rep["host"] > 0) == (kind == "cpu") and (rep["disk"] > 0) == (kind == "nvme"), (case, rep)
             if case[1] == 1.0 and kind:
-                assert state <= off <= state + rep["padding"], (case, rep)   # all of the state, with its padding
+                assert state <= off <= state + rep["padding"], (case, rep)  # all of the state, with its padding
             elif kind:
                 assert 0 < off < state, (case, rep)
             # nvme: one file per rank, exactly the offloaded bytes, removed with the optimizer
             assert out["sizes"] == ([rep["disk"]] if kind == "nvme" else []), (case, out["sizes"], rep)
             assert out["left"] == [], out["left"]
+
     # CPU device: no extra master; the offloaded parameters' own buffers change only how the
     # elements fall to the ranks and the padding
     def unpadded(case):
         return sum(res[case]["rep"]["total"] - res[case]["rep"]["padding"] for res in results)
+
     assert {unpadded(case) for case in cases} == {unpadded((None, 1.0))}
 
 
@@ -144,8 +148,8 @@ def _checkpoint(path, save):
 
 def test_offloaded_state_checkpoints_and_resumes_at_another_world_size_stage_and_offload(tmp_path):
     path = str(tmp_path / "ck")
-    assert launch("pool", 2).run(_checkpoint, path, True) == [True, True]   # stage 2, every state on disk, world size 2
-    for err in launch("pool", 3).run(_checkpoint, path, False):   # stage 1, 30% in host memory, world size 3
+    assert launch("pool", 2).run(_checkpoint, path, True) == [True, True]  # stage 2, every state on disk, world size 2
+    for err in launch("pool", 3).run(_checkpoint, path, False):  # stage 1, 30% in host memory, world size 3
         assert err < 1e-5, err
 
 
@@ -158,11 +162,19 @@ def _offload_params(directory, path):
     out = {}
     for offload_params, offload in [(False, None), (True, None), (True, "cpu"), (True, "nvme")]:
         model = zs.FullyShard(make_model(), wrap={nn.Linear}, offload_params=offload_params)
-        opt = zs.ShardedOptimizer(param_groups(model), offload=offload, offload_fraction=0.3,
-                                  offload_dir=directory if offload == "nvme" else None)
+        opt = zs.ShardedOptimizer(
+            param_groups(model),
+            offload=offload,
+            offload_fraction=0.3,
+            offload_dir=directory if offload == "nvme" else None,
+        )
         train_ours(STEPS, 3, micro=2, clip=0.5, model=model, opt=opt)
-        out[offload_params, offload] = dict(params=model.state_dict(), rep=opt.memory_report(),
-                                            fs_rep=model.memory_report(), devices={p.device.type for p in model.parameters()})
+        out[offload_params, offload] = dict(
+            params=model.state_dict(),
+            rep=opt.memory_report(),
+            fs_rep=model.memory_report(),
+            devices={p.device.type for p in model.parameters()},
+        )
         if offload == "cpu":
             zs.save_checkpoint(path, model, opt)
     # resumed without offload at stage 3: one more step equals the reference's next
@@ -172,10 +184,14 @@ def _offload_params(directory, path):
     train_ours(1, 3, micro=2, clip=0.5, model=model, opt=opt, first_step=STEPS)
     ref4 = reference(STEPS + 1, micro=2, clip=0.5)[0].state_dict()
     resumed = model.state_dict()
-    return ({k: (max(rel_err(o["params"][n], v) for n, v in ref.items()), o["rep"], o["fs_rep"], o["devices"])
-             for k, o in out.items()},
-            max(rel_err(out[True, None]["params"][n], v) for n, v in out[False, None]["params"].items()),
-            max(rel_err(resumed[n], v) for n, v in ref4.items()))
+    return (
+        {
+            k: (max(rel_err(o["params"][n], v) for n, v in ref.items()), o["rep"], o["fs_rep"], o["devices"])
+            for k, o in out.items()
+        },
+        max(rel_err(out[True, None]["params"][n], v) for n, v in out[False, None]["params"].items()),
+        max(rel_err(resumed[n], v) for n, v in ref4.items()),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -187,7 +203,7 @@ def test_fully_shard_offload_params_trains_as_without_and_counts_host_bytes(worl
         for (offload_params, offload), (err, rep, fs_rep, devices) in runs.items():
             assert err < 1e-5, (offload_params, offload, err)
             assert devices == {"cpu"}
-            assert rep == fs_rep      # the optimizer's report is the FullyShard's
+            assert rep == fs_rep  # the optimizer's report is the FullyShard's
             assert rep["device"] + rep["host"] + rep["disk"] == rep["total"] > 0
             if not offload_params:
                 assert rep["host"] == rep["disk"] == 0, rep
@@ -218,8 +234,13 @@ def _host_gradient_copies(stage, fraction, directory):
             model = make_model()
             if stage == 3:
                 model = zs.FullyShard(model, wrap={nn.Linear})
-            opt = zs.ShardedOptimizer(param_groups(model), stage=min(stage, 2), offload="nvme",
-                                      offload_fraction=fraction, offload_dir=directory)
+            opt = zs.ShardedOptimizer(
+                param_groups(model),
+                stage=min(stage, 2),
+                offload="nvme",
+                offload_fraction=fraction,
+                offload_dir=directory,
+            )
             for mbs in batches(STEPS, micro=2):
                 opt.zero_grad()
                 for x, y in mbs:
@@ -240,11 +261,11 @@ def test_host_gradient_copies_step_exactly_as_the_device_gradients(stage, tmp_pa
         for same, plain, copied in launch("pool", 2).run(_host_gradient_copies, stage, fraction, str(tmp_path)):
             assert same, (stage, fraction)
             assert plain["host"] == 0 < copied["host"] and plain["disk"] == copied["disk"] > 0, (plain, copied)
-            if stage == 3:     # the offloaded units' gradient shards moved from the device to host memory
+            if stage == 3:  # the offloaded units' gradient shards moved from the device to host memory
                 assert copied["total"] == plain["total"] and copied["device"] == plain["device"] - copied["host"]
-            else:              # a host copy of the offloaded buffers' gradient shards, beside the device's
+            else:  # a host copy of the offloaded buffers' gradient shards, beside the device's
                 assert copied["device"] == plain["device"] and copied["total"] == plain["total"] + copied["host"]
-            if fraction == 1.0 and stage == 2:    # the whole gradient shard, once more, in host memory
+            if fraction == 1.0 and stage == 2:  # the whole gradient shard, once more, in host memory
                 assert copied["host"] == plain["grads"] + (copied["padding"] - plain["padding"]), (plain, copied)
 
 
@@ -256,11 +277,12 @@ def _host_shard_statistics(directory):
     Returns, unforced and forced: the final parameters, the clip norms of each step, and
     how many gradient elements the statistics read after the backward."""
     from zeroshard.optim import grads
+
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for forced in (False, True):
         read, real = [], grads.squared_norms
-        spy = lambda views: (read.append(sum(v.numel() for v in views)), real(views))[1]   # noqa: E731
+        spy = lambda views: (read.append(sum(v.numel() for v in views)), real(views))[1]  # noqa: E731
         with _grads_to_host(forced), mock.patch.object(grads, "squared_norms", spy):
             model = zs.FullyShard(make_model(), wrap={nn.Linear})
             opt = zs.ShardedOptimizer(param_groups(model), offload="nvme", offload_dir=directory)
@@ -279,8 +301,8 @@ def _host_shard_statistics(directory):
 def test_fully_shard_takes_the_statistics_of_host_gradient_shards_before_the_copy(tmp_path):
     for out in launch("pool", 2).run(_host_shard_statistics, str(tmp_path)):
         (plain, plain_norms, plain_read), (forced, forced_norms, forced_read) = out[False], out[True]
-        assert all(torch.equal(forced[k], v) for k, v in plain.items())   # bit for bit
-        assert forced_norms == plain_norms and forced_norms[0] > 0.05      # the clip acted
+        assert all(torch.equal(forced[k], v) for k, v in plain.items())  # bit for bit
+        assert forced_norms == plain_norms and forced_norms[0] > 0.05  # the clip acted
         assert plain_read > 0 and forced_read == 0, (plain_read, forced_read)
 
 
@@ -293,8 +315,9 @@ def _resident(directory, offload):
     model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024))
     x = torch.randn(4, 1024)
     before = _reset_peak()
-    opt = zs.ShardedOptimizer(model.parameters(), stage=2, bucket_mb=1, offload=offload,
-                              offload_dir=directory if offload else None)
+    opt = zs.ShardedOptimizer(
+        model.parameters(), stage=2, bucket_mb=1, offload=offload, offload_dir=directory if offload else None
+    )
     built = _status("VmRSS") - before
     for _ in range(2):
         model(x).square().mean().backward()
@@ -308,7 +331,7 @@ def _resident(directory, offload):
 
 def _reset_peak():
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")     # VmHWM := VmRSS
+        f.write("5")  # VmHWM := VmRSS
     return _status("VmRSS")
 
 
@@ -329,9 +352,11 @@ def test_nvme_keeps_the_state_out_of_resident_memory(tmp_path):
     start from the same allocator state and differ only in where the state lives."""
     ctx = mp.get_context("spawn")
     queues = [ctx.Queue() for _ in range(2)]
-    procs = [ctx.Process(target=_resident_in_a_fresh_process, args=(_free_port(), str(tmp_path), offload, q))
-             for offload, q in zip((None, "nvme"), queues)]
-    for p in procs:      # side by side: each measures its own process
+    procs = [
+        ctx.Process(target=_resident_in_a_fresh_process, args=(_free_port(), str(tmp_path), offload, q))
+        for offload, q in zip((None, "nvme"), queues)
+    ]
+    for p in procs:  # side by side: each measures its own process
         p.start()
     out = [q.get(timeout=120) for q in queues]
     for p in procs:
@@ -357,8 +382,13 @@ def _free_port():
 
 
 def _killed_mid_step(rank, port, path, directory):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                      ZEROSHARD_OFFLOAD_WINDOW_MB=WINDOW_MB, ZEROSHARD_TIMEOUT="20")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        ZEROSHARD_OFFLOAD_WINDOW_MB=WINDOW_MB,
+        ZEROSHARD_TIMEOUT="20",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     model, opt, _ = train_ours(2, 2, offload="nvme", offload_dir=directory)
@@ -367,9 +397,10 @@ def _killed_mid_step(rank, port, path, directory):
 
     def dying(self, *args):
         calls[0] += 1
-        if calls[0] == 3 and rank == 0:     # mid-step: earlier windows already written back
+        if calls[0] == 3 and rank == 0:  # mid-step: earlier windows already written back
             os.kill(os.getpid(), signal.SIGKILL)
         return compute(self, *args)
+
     _offload.Streamer._compute = dying
     try:
         train_ours(1, 2, model=model, opt=opt, first_step=2)
@@ -389,8 +420,9 @@ def _load_after_kill(path):
 def test_a_kill_mid_step_leaves_the_last_checkpoint_loadable(tmp_path):
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_killed_mid_step, args=(r, port, str(tmp_path / "ck"), str(tmp_path)))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_killed_mid_step, args=(r, port, str(tmp_path / "ck"), str(tmp_path))) for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -416,23 +448,29 @@ def _bad(kind, directory):
         zs.ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, offload="cpu")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(offload="gpu"), r"offload must be None, 'cpu' or 'nvme', got 'gpu'"),
-    (dict(offload="cpu", offload_fraction=1.5), r"offload_fraction must be in \[0, 1\].*1.5"),
-    (dict(offload="cpu", offload_fraction="half"), r"offload_fraction must be a number"),
-    (dict(offload="nvme"), r"offload='nvme' needs offload_dir="),
-    (dict(offload="nvme", offload_dir="/nonexistent/zeroshard"), r"'/nonexistent/zeroshard' does not exist"),
-    (dict(offload="cpu", offload_dir="/tmp"), r"offload_dir='/tmp' is only used with offload='nvme'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(offload="gpu"), r"offload must be None, 'cpu' or 'nvme', got 'gpu'"),
+        (dict(offload="cpu", offload_fraction=1.5), r"offload_fraction must be in \[0, 1\].*1.5"),
+        (dict(offload="cpu", offload_fraction="half"), r"offload_fraction must be a number"),
+        (dict(offload="nvme"), r"offload='nvme' needs offload_dir="),
+        (dict(offload="nvme", offload_dir="/nonexistent/zeroshard"), r"'/nonexistent/zeroshard' does not exist"),
+        (dict(offload="cpu", offload_dir="/tmp"), r"offload_dir='/tmp' is only used with offload='nvme'"),
+    ],
+)
 def test_bad_offload_arguments_are_clear_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):     # checked before any communication
+    with pytest.raises(ValueError, match=match):  # checked before any communication
         zs.ShardedOptimizer([nn.Parameter(torch.zeros(3))], **kwargs)
 
 
-@pytest.mark.parametrize("kind,match", [
-    ("no disk space", r"rank 0.*has 0.00 GiB free but this rank's offloaded optimizer state needs"),
-    ("optimizer_class", r"offload='cpu' steps the offloaded state with zeroshard's fused AdamW.*SGD"),
-])
+@pytest.mark.parametrize(
+    "kind,match",
+    [
+        ("no disk space", r"rank 0.*has 0.00 GiB free but this rank's offloaded optimizer state needs"),
+        ("optimizer_class", r"offload='cpu' steps the offloaded state with zeroshard's fused AdamW.*SGD"),
+    ],
+)
 def test_misuse_with_a_process_group_is_a_clear_error(kind, match, tmp_path):
     with pytest.raises(Exception, match=match):
         launch("pool", 2).run(_bad, kind, str(tmp_path))

@@ -2,6 +2,7 @@
 ShardedOptimizer on gloo ranks: a state file truncated or deleted under a running job
 is an error naming it (never a wrong parameter), and an offload_dir whose filesystem
 refuses O_DIRECT is a ValueError naming the directory, the filesystem and the fix."""
+
 import os
 import re
 import shutil
@@ -16,10 +17,10 @@ from support.launch import launch
 
 
 def _broken_under_the_job(directory: str, how: str):
-    os.environ["ZEROSHARD_OFFLOAD_WINDOW_MB"] = "0.004"      # several windows a step
+    os.environ["ZEROSHARD_OFFLOAD_WINDOW_MB"] = "0.004"  # several windows a step
     try:
         model, opt, _ = train_ours(1, 2, offload="nvme", offload_dir=directory)
-        path, = (os.path.join(directory, f) for f in os.listdir(directory) if f"rank{dist.get_rank()}-" in f)
+        (path,) = (os.path.join(directory, f) for f in os.listdir(directory) if f"rank{dist.get_rank()}-" in f)
         if how == "truncated":
             os.truncate(path, 1000)
         else:
@@ -33,8 +34,14 @@ def _broken_under_the_job(directory: str, how: str):
         del os.environ["ZEROSHARD_OFFLOAD_WINDOW_MB"]
 
 
-@pytest.mark.parametrize("how,says", [("truncated", r" is 1000 bytes but holds \d+: it was truncated while the job ran"),
-                                      ("deleted", " was deleted while the job ran")], ids=["truncated", "deleted"])
+@pytest.mark.parametrize(
+    "how,says",
+    [
+        ("truncated", r" is 1000 bytes but holds \d+: it was truncated while the job ran"),
+        ("deleted", " was deleted while the job ran"),
+    ],
+    ids=["truncated", "deleted"],
+)
 def test_a_state_file_broken_under_the_job_is_an_error_naming_it(how, says):
     with on_disk() as d:
         for path, message in launch("pool", 2).run(_broken_under_the_job, d, how):
@@ -44,7 +51,7 @@ def test_a_state_file_broken_under_the_job_is_an_error_naming_it(how, says):
 
 def _refused(directory: str) -> str:
     real = shutil.disk_usage
-    shutil.disk_usage = lambda d: real(d)._replace(free=2**40)       # ramfs says it has no space at all
+    shutil.disk_usage = lambda d: real(d)._replace(free=2**40)  # ramfs says it has no space at all
     try:
         zs.ShardedOptimizer(make_model().parameters(), offload="nvme", offload_dir=directory)
     except ValueError as e:

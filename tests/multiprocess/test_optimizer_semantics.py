@@ -3,6 +3,7 @@ world sizes 1, 2 and 3: a step with no gradient is a no-op, step() passes keywor
 the class (whose step() is never called while building), the class's param-group keys are
 visible, sparse parameters and gradients are refused by name, and torch's Join over uneven
 inputs ends as DDP + Join does."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ def batch(step):
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(6, 7, generator=g)
     r, w = dist.get_rank(), dist.get_world_size()
-    return x[r * 6 // w:(r + 1) * 6 // w]
+    return x[r * 6 // w : (r + 1) * 6 // w]
 
 
 def _no_gradient_steps(stage):
@@ -62,6 +63,7 @@ def test_a_step_with_no_gradient_is_a_noop(world):
 class ScaledSGD(torch.optim.SGD):
     """An elementwise class whose step needs a keyword argument and whose __init__ adds a key
     of its own to every param group."""
+
     steps_called = 0
 
     def __init__(self, params, lr=0.1):
@@ -87,8 +89,13 @@ def _kwargs_and_keys(stage):
     else:
         if stage == 3:
             model = zs.FullyShard(model, wrap={nn.Linear})
-        opt = zs.ShardedOptimizer(model.parameters(), lr=0.1, optimizer_class=ScaledSGD, elementwise=True,
-                                  **({} if stage == 3 else {"stage": stage}))
+        opt = zs.ShardedOptimizer(
+            model.parameters(),
+            lr=0.1,
+            optimizer_class=ScaledSGD,
+            elementwise=True,
+            **({} if stage == 3 else {"stage": stage}),
+        )
     built_steps = ScaledSGD.steps_called
     tag = opt.param_groups[0]["tag"]
     for it in range(3):
@@ -105,7 +112,7 @@ def test_step_keyword_arguments_reach_the_class_and_its_group_keys_are_visible(w
     ref = pool.run(_kwargs_and_keys, "ddp")
     for stage in (1, 2, 3):
         for (sd, built_steps, tag), (rsd, _, rtag) in zip(pool.run(_kwargs_and_keys, stage), ref):
-            assert built_steps == 0, stage          # construction never calls the class's step()
+            assert built_steps == 0, stage  # construction never calls the class's step()
             assert tag == rtag == "scaled"
             assert max((sd[k] - v).abs().max().item() for k, v in rsd.items()) < 1e-6, stage
 
@@ -139,10 +146,13 @@ def _sparse():
     # a tensor-parallel model's parameter (a DTensor): refused, never flattened as if whole
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
     tp = nn.Linear(4, 6)
     tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), init_device_mesh("cpu", (2,)), [Shard(0)]))
-    for kind, build in (("dtensor", lambda: zs.ShardedOptimizer(tp.parameters(), lr=0.1, stage=2)),
-                        ("dtensor_fully_shard", lambda: zs.FullyShard(nn.Sequential(tp)))):
+    for kind, build in (
+        ("dtensor", lambda: zs.ShardedOptimizer(tp.parameters(), lr=0.1, stage=2)),
+        ("dtensor_fully_shard", lambda: zs.FullyShard(nn.Sequential(tp))),
+    ):
         try:
             build()
         except ValueError as e:
@@ -169,17 +179,17 @@ def _hyper_round_trip(stage, kwargs):
     model = make()
     if stage == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-        build = lambda: torch.optim.AdamW(model.parameters(), lr=0.05, **kwargs)   # noqa: E731
+        build = lambda: torch.optim.AdamW(model.parameters(), lr=0.05, **kwargs)  # noqa: E731
     else:
         if stage == 3:
             model = zs.FullyShard(model, wrap={nn.Linear})
         extra = {} if stage == 3 else {"stage": stage}
-        build = lambda: zs.ShardedOptimizer(model.parameters(), lr=0.05, **kwargs, **extra)   # noqa: E731
+        build = lambda: zs.ShardedOptimizer(model.parameters(), lr=0.05, **kwargs, **extra)  # noqa: E731
     opt = build()
     for it in range(4):
         if it == 2:
             sd = opt.state_dict()
-            del opt                          # (zeroshard refuses two live optimizers over one parameter)
+            del opt  # (zeroshard refuses two live optimizers over one parameter)
             opt = build()
             opt.load_state_dict(sd)
         model(batch(it)).square().mean().backward()
@@ -217,6 +227,7 @@ class WithNorm(nn.Module):
 def _uneven(stage, buffers):
     """Rank r trains on 2 + 2r batches inside torch's Join (the others shadow the rest)."""
     from torch.distributed.algorithms.join import Join
+
     torch.manual_seed(0)
     model = WithNorm() if buffers else make()
     if stage == "ddp":
@@ -245,7 +256,7 @@ def test_uneven_inputs_under_join_end_as_ddp_does(world, buffers):
     DDP + Join's parameters and buffers on every rank, at stages 1 and 2; at ZeRO-3 DDP's
     parameters (a FullyShard model broadcasts its buffers once, at wrapping, as FSDP2)."""
     pool = launch("pool", world)
-    ref = pool.run(_uneven, "ddp", buffers)[-1]       # the last rank to join trained every iteration
+    ref = pool.run(_uneven, "ddp", buffers)[-1]  # the last rank to join trained every iteration
     for stage in (1, 2, 3):
         for rank, sd in enumerate(pool.run(_uneven, stage, buffers)):
             assert sd.keys() == ref.keys()
@@ -256,6 +267,7 @@ def test_uneven_inputs_under_join_end_as_ddp_does(world, buffers):
 
 def _join_with_two_models():
     from torch.distributed.algorithms.join import Join
+
     a, b = zs.FullyShard(make(), wrap={nn.Linear}), zs.FullyShard(make(1), wrap={nn.Linear})
     opt = zs.ShardedOptimizer(list(a.parameters()) + list(b.parameters()), lr=0.05)
     try:
@@ -287,11 +299,19 @@ def _grad_reads(stage):
     for name, p in model.named_parameters():
         g = p.grad
         out[name] = {
-            "clone": g.clone(), "abs_max": g.abs().max(), "positive": (g > 0), "equal_self": torch.equal(g, g.clone()),
-            "allclose_zero": torch.allclose(g, torch.zeros_like(g.clone())), "finite": torch.isfinite(g).all(),
-            "sum": g.sum(), "norm": g.norm(), "scaled": g * 2 - 1, "first": g.reshape(-1)[0].item()}
-        torch.testing.assert_close(g, g.clone())      # (a subclass compared with its own values)
-    del opt     # (alive to here: an optimizer dropped before the backward's end puts no placeholder in p.grad)
+            "clone": g.clone(),
+            "abs_max": g.abs().max(),
+            "positive": (g > 0),
+            "equal_self": torch.equal(g, g.clone()),
+            "allclose_zero": torch.allclose(g, torch.zeros_like(g.clone())),
+            "finite": torch.isfinite(g).all(),
+            "sum": g.sum(),
+            "norm": g.norm(),
+            "scaled": g * 2 - 1,
+            "first": g.reshape(-1)[0].item(),
+        }
+        torch.testing.assert_close(g, g.clone())  # (a subclass compared with its own values)
+    del opt  # (alive to here: an optimizer dropped before the backward's end puts no placeholder in p.grad)
     return out
 
 
@@ -311,9 +331,11 @@ def test_reading_p_grad_gives_ddps_values(world):
                         assert got == v or abs(got - v) < 1e-6, (stage, name, k, got, v)
 
 
-ELEMENTWISE_CASES = {"adamw-amsgrad-maximize": (torch.optim.AdamW, dict(amsgrad=True, maximize=True)),
-                     "sgd-momentum": (torch.optim.SGD, dict(momentum=0.9, nesterov=True)),
-                     "nadam": (torch.optim.NAdam, dict(decoupled_weight_decay=True, weight_decay=0.1))}
+ELEMENTWISE_CASES = {
+    "adamw-amsgrad-maximize": (torch.optim.AdamW, dict(amsgrad=True, maximize=True)),
+    "sgd-momentum": (torch.optim.SGD, dict(momentum=0.9, nesterov=True)),
+    "nadam": (torch.optim.NAdam, dict(decoupled_weight_decay=True, weight_decay=0.1)),
+}
 
 
 def _elementwise_run(case, stage, path, phase):
@@ -362,7 +384,7 @@ def test_an_elementwise_optimizers_checkpoint_resumes_at_another_world_size_and_
             assert flags == ELEMENTWISE_CASES[case][1], flags
             err = max((sd[k] - v).abs().max().item() for k, v in ref.items())
             assert err < 1e-5, (saved_at, resumed_at, err)
-    if case.startswith("adamw"):      # the fused AdamW cannot run it: refused before anything is read
+    if case.startswith("adamw"):  # the fused AdamW cannot run it: refused before anything is read
         for msg in launch("pool", 2).run(_fused_loads, str(tmp_path / "ckpt2")):
             assert msg is not None and "amsgrad=True and maximize=True" in msg, msg
 
@@ -380,9 +402,15 @@ def _buffers_at_construction(how):
     elif how == "fully_shard":
         keep = zs.FullyShard(model, wrap={nn.Linear})
     elif how == "groups":
-        keep = zs.ShardedOptimizer([{"params": model.inp.parameters()},
-                                    {"params": model.out.parameters(), "lr": 0.1},
-                                    {"params": model.norm.parameters()}], lr=0.05, stage=1)
+        keep = zs.ShardedOptimizer(
+            [
+                {"params": model.inp.parameters()},
+                {"params": model.out.parameters(), "lr": 0.1},
+                {"params": model.norm.parameters()},
+            ],
+            lr=0.05,
+            stage=1,
+        )
     else:
         keep = zs.ShardedOptimizer(model.parameters(), lr=0.05, stage=2)
     out = {k: v.clone() for k, v in model.named_buffers()}
@@ -437,7 +465,7 @@ def _new_params(stage, cls):
             opt.add_param_group({"params": model.head.parameters(), "lr": 0.02})
         if it == 4 and stage != 3:
             model.tail.requires_grad_(True)
-            if stage == "ddp":      # (DDP averages only what was trainable when it was built)
+            if stage == "ddp":  # (DDP averages only what was trainable when it was built)
                 net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         opt.zero_grad()
         if it == 4 and stage == 3:  # (after zero_grad(): the forward lays its unit out again)
@@ -464,14 +492,20 @@ def test_add_param_group_and_unfreezing_train_as_torchs_optimizer(world):
 
 def _carried(stage, cls, path):
     from zeroshard.checkpoint import read_full_state_dict
+
     """bf16 parameters, tiny buckets: the fp32 masters (read from a checkpoint) and the full
     optimizer state of the first group, before and after add_param_group; the new group's
     parameters (different on each rank) after it."""
     torch.manual_seed(0)
     model = Headed().to(torch.bfloat16)
     kw = {} if cls is None else {"optimizer_class": cls, "momentum": 0.9}
-    opt = zs.ShardedOptimizer([{"params": model.body.parameters()}, {"params": model.tail.parameters()}],
-                              lr=0.05, stage=stage, bucket_mb=0.0001, **kw)
+    opt = zs.ShardedOptimizer(
+        [{"params": model.body.parameters()}, {"params": model.tail.parameters()}],
+        lr=0.05,
+        stage=stage,
+        bucket_mb=0.0001,
+        **kw,
+    )
     for it in range(2):
         opt.zero_grad()
         model(batch(it).bfloat16()).float().square().mean().backward()
@@ -484,10 +518,17 @@ def _carried(stage, cls, path):
             opt.add_param_group({"params": model.head.parameters(), "lr": 0.02})
         zs.save_checkpoint(f"{path}{k}", model, opt)
         sd = opt.state_dict()
-        seen.append(({n: t.tolist() for n, t in read_full_state_dict(f"{path}{k}", torch.float32)},
-                     {i: {key: torch.as_tensor(v).tolist() for key, v in st.items()}
-                      for i, st in sd["state"].items() if i < 4}))
-    return seen, model.head.weight.float().tolist()      # (lists: many small tensors cost the pool a descriptor each)
+        seen.append(
+            (
+                {n: t.tolist() for n, t in read_full_state_dict(f"{path}{k}", torch.float32)},
+                {
+                    i: {key: torch.as_tensor(v).tolist() for key, v in st.items()}
+                    for i, st in sd["state"].items()
+                    if i < 4
+                },
+            )
+        )
+    return seen, model.head.weight.float().tolist()  # (lists: many small tensors cost the pool a descriptor each)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -497,7 +538,8 @@ def test_add_param_group_carries_the_masters_and_state_exactly(tmp_path, stage):
     parameters are rank 0's on every rank, as DDP's constructor makes them."""
     for cls in (None, torch.optim.SGD):
         for rank, ((before, after), head) in enumerate(
-                launch("pool", 3).run(_carried, stage, cls, str(tmp_path / f"c{stage}{cls is None}"))):
+            launch("pool", 3).run(_carried, stage, cls, str(tmp_path / f"c{stage}{cls is None}"))
+        ):
             (mb, sb), (ma, sa) = before, after
             for name in ("body.weight", "body.bias", "tail.weight", "tail.bias"):
                 assert mb[name] == ma[name], (cls, name)

@@ -1,6 +1,7 @@
 """overlap_param_gather=True (stages 1 and 2): step() returns with the parameter
 all-gathers in flight and each module's forward waits for its own buckets only.
 Against single-process torch AdamW on gloo at world sizes 2 and 3."""
+
 import time
 
 import pytest
@@ -18,8 +19,7 @@ STEPS = 4
 
 
 def _parity(stage, clip, micro):
-    model, opt, norms = train_ours(STEPS, stage, clip=clip, micro=micro, no_sync=micro > 1,
-                                   overlap_param_gather=True)
+    model, opt, norms = train_ours(STEPS, stage, clip=clip, micro=micro, no_sync=micro > 1, overlap_param_gather=True)
     ref, ref_norms = reference(STEPS, clip=clip, micro=micro)
     opt.wait_params()
     err = max(rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))
@@ -39,12 +39,13 @@ def _in_flight(stage):
     model = make_model()
     opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=1000 / 2**20, overlap_param_gather=True)
     rank, world = dist.get_rank(), dist.get_world_size()
-    (x, y), = batches(1)[0]
+    ((x, y),) = batches(1)[0]
     F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
-    t0 = time.time()    # (the flight record also holds earlier tests' collectives)
+    t0 = time.time()  # (the flight record also holds earlier tests' collectives)
 
     def this_step():
         return [r for r in zs.flight_record() if r["kind"] == "all_gather" and r["start"] >= t0]
+
     opt.step()
     gathers = this_step()
     open_after_step = sum(r["end"] is None for r in gathers)
@@ -54,19 +55,18 @@ def _in_flight(stage):
     done = {r["what"]: r["end"] is not None for r in this_step()}
     opt.wait_params()
     ref = reference(1)[0]
-    return len(gathers), open_after_step, done, max(rel_err(p, q) for p, q in zip(model.parameters(),
-                                                                               ref.parameters()))
+    return len(gathers), open_after_step, done, max(rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_step_returns_with_the_gathers_in_flight_and_forward_waits_for_its_buckets(dist_pool, stage):
     for n, open_after_step, done, err in dist_pool.run(_in_flight, stage):
-        assert n > 3                          # tiny buckets: many all-gathers
-        assert open_after_step == n           # none was waited for inside step()
+        assert n > 3  # tiny buckets: many all-gathers
+        assert open_after_step == n  # none was waited for inside step()
         # the forward waited for the buckets of the modules it ran (a bucket holding only the
         # unused layer's parameters would still be open)
         assert sum(done.values()) >= n - 1, done
-        assert err < 1e-5, err                # after wait_params() every parameter is the stepped one
+        assert err < 1e-5, err  # after wait_params() every parameter is the stepped one
 
 
 def _fully_shard_refuses():

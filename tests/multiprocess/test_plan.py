@@ -1,4 +1,5 @@
 """The memory planner: the seeds' worked examples, the CLI, and agreement with memory_report()."""
+
 import importlib.util
 import os
 import subprocess
@@ -13,11 +14,14 @@ from zeroshard.plan import model_state_bytes
 GB = 1e9
 
 
-@pytest.mark.parametrize("params,world,dtype,totals", [
-    (7e9, 4, "bf16", (112, 49, 38.5, 28)),     # seed 003's table (mixed precision, 16 bytes)
-    (7e9, 8, "fp32", (112, 63, 38.5, 14)),     # seed 000's fp32 arithmetic
-    (1.5e9, 1, "fp16", (24, 24, 24, 24)),      # seed 002: a 1.5B model needs ~24 GB
-])
+@pytest.mark.parametrize(
+    "params,world,dtype,totals",
+    [
+        (7e9, 4, "bf16", (112, 49, 38.5, 28)),  # seed 003's table (mixed precision, 16 bytes)
+        (7e9, 8, "fp32", (112, 63, 38.5, 14)),  # seed 000's fp32 arithmetic
+        (1.5e9, 1, "fp16", (24, 24, 24, 24)),  # seed 002: a 1.5B model needs ~24 GB
+    ],
+)
 def test_seed_examples(params, world, dtype, totals):
     rows = model_state_bytes(params, world, dtype)
     assert [round(rows[s]["total"] / GB, 6) for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")] == list(totals)
@@ -29,20 +33,26 @@ def test_seed_003_breakdown():
 
 
 def test_cli_prints_the_table_and_rejects_bad_input():
-    out = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "4"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "4"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     lines = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
     assert lines["DDP"][4] == "112.00" and lines["ZeRO-2"][4] == "38.50"
-    assert lines["DDP"][5:] == ["no", "no", "no", "yes"]            # 24 / 40 / 80 / 141 GB cards
-    assert lines["ZeRO-1"][5:] == ["no", "no", "yes", "yes"]        # seed 003: fits on 80, not 40
+    assert lines["DDP"][5:] == ["no", "no", "no", "yes"]  # 24 / 40 / 80 / 141 GB cards
+    assert lines["ZeRO-1"][5:] == ["no", "no", "yes", "yes"]  # seed 003: fits on 80, not 40
     assert lines["ZeRO-2"][5:] == ["no", "yes", "yes", "yes"]
-    bad = subprocess.run([sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "0"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "0"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "--world-size must be >= 1" in bad.stderr
 
 
 def test_hybrid_sharding_formulas_and_the_slow_link(capsys):
     from zeroshard.plan import slow_link_bytes
+
     # per rank, sharding over S of N ranks holds what sharding over S ranks does
     assert model_state_bytes(7e9, 32, "bf16", shard_size=8) == model_state_bytes(7e9, 8, "bf16")
     assert model_state_bytes(7e9, 32, "bf16", shard_size=8)["ZeRO-3"]["total"] == 16 * 7e9 / 8
@@ -71,21 +81,33 @@ def test_expert_parallel_formulas(capsys):
     r = model_state_bytes(47e9, 64, "bf16", ep=8, experts=45e9)
     held = 2e9 + 45e9 / 8
     assert (r["DDP"]["params"], r["DDP"]["optimizer"]) == (2 * held, 12 * held)
-    assert (r["ZeRO-1"]["params"], r["ZeRO-1"]["grads"], r["ZeRO-1"]["optimizer"]) == (2 * held, 2 * held, 12 * 47e9 / 64)
+    assert (r["ZeRO-1"]["params"], r["ZeRO-1"]["grads"], r["ZeRO-1"]["optimizer"]) == (
+        2 * held,
+        2 * held,
+        12 * 47e9 / 64,
+    )
     assert (r["ZeRO-2"]["grads"], r["ZeRO-2"]["optimizer"]) == (2 * 47e9 / 64, 12 * 47e9 / 64)
     assert r["ZeRO-3"] == plain["ZeRO-3"]
-    for kw, msg in ((dict(ep=3), "ep must be an int >= 1 dividing the world size"),
-                    (dict(ep=8, experts=50e9), "must be in \\[0, params"),
-                    (dict(ep=8, experts=45e9, shard_size=8), "hybrid sharding")):
+    for kw, msg in (
+        (dict(ep=3), "ep must be an int >= 1 dividing the world size"),
+        (dict(ep=8, experts=50e9), "must be in \\[0, params"),
+        (dict(ep=8, experts=45e9, shard_size=8), "hybrid sharding"),
+    ):
         with pytest.raises(ValueError, match=msg):
             model_state_bytes(47e9, 64, "bf16", **kw)
     out = _cli(capsys, "--params", "47e9", "--world-size", "64", "--ep", "8", "--experts", "45e9")
-    assert "45B of them experts over ep 8" in out and out.splitlines()[3].split()[:5] == \
-        ["ZeRO-1", "15.25", "15.25", "8.81", "39.31"]
+    assert "45B of them experts over ep 8" in out and out.splitlines()[3].split()[:5] == [
+        "ZeRO-1",
+        "15.25",
+        "15.25",
+        "8.81",
+        "39.31",
+    ]
     with pytest.raises(SystemExit) as bad:
         _cli(capsys, "--model", "examples/train_gpt.py:build_model", "--world-size", "4", "--ep", "2")
-    assert bad.value.code == 2 and "--ep, --experts, --tp and --replicated plan with --params" in \
-        capsys.readouterr().err
+    assert (
+        bad.value.code == 2 and "--ep, --experts, --tp and --replicated plan with --params" in capsys.readouterr().err
+    )
 
 
 def test_tensor_parallel_formulas(capsys):
@@ -96,12 +118,17 @@ def test_tensor_parallel_formulas(capsys):
     assert model_state_bytes(7e9, 16, "bf16", tp=1) == model_state_bytes(7e9, 16, "bf16")
     held = (7e9 - 1e6) / 4 + 1e6
     r = model_state_bytes(7e9, 16, "bf16", tp=4, replicated=1e6)
-    assert (r["DDP"]["params"], r["ZeRO-1"]["optimizer"], r["ZeRO-3"]["total"]) == (2 * held, 12 * held / 4,
-                                                                                  16 * held / 4)
+    assert (r["DDP"]["params"], r["ZeRO-1"]["optimizer"], r["ZeRO-3"]["total"]) == (
+        2 * held,
+        12 * held / 4,
+        16 * held / 4,
+    )
     assert model_state_bytes(7e9, 16, "fp32", tp=4)["ZeRO-3"]["total"] == 16 * 7e9 / 16
-    for kw, msg in ((dict(tp=3), "tp must be an int >= 1 dividing the world size"),
-                    (dict(tp=4, replicated=8e9), "must be in \\[0, params"),
-                    (dict(tp=4, ep=2, experts=1e9), "not supported yet")):
+    for kw, msg in (
+        (dict(tp=3), "tp must be an int >= 1 dividing the world size"),
+        (dict(tp=4, replicated=8e9), "must be in \\[0, params"),
+        (dict(tp=4, ep=2, experts=1e9), "not supported yet"),
+    ):
         with pytest.raises(ValueError, match=msg):
             model_state_bytes(7e9, 16, "bf16", **kw)
     out = _cli(capsys, "--params", "7e9", "--world-size", "16", "--tp", "4", "--replicated", "1e6")
@@ -110,6 +137,7 @@ def test_tensor_parallel_formulas(capsys):
 
 def _reports(stage, dtype):
     from support.gpt import GPTBlock, make_gpt
+
     model = make_gpt()
     if stage == 3:
         model = zs.FullyShard(model, wrap={GPTBlock})
@@ -122,9 +150,16 @@ def _reports(stage, dtype):
     return n, opt.memory_report()
 
 
-@pytest.mark.parametrize("stage,dtype,conv", [(1, torch.float32, "fp32"), (2, torch.float32, "fp32"),
-                                              (1, torch.bfloat16, "bf16"), (2, torch.bfloat16, "bf16"),
-                                              (3, torch.float32, "fp32")])
+@pytest.mark.parametrize(
+    "stage,dtype,conv",
+    [
+        (1, torch.float32, "fp32"),
+        (2, torch.float32, "fp32"),
+        (1, torch.bfloat16, "bf16"),
+        (2, torch.bfloat16, "bf16"),
+        (3, torch.float32, "fp32"),
+    ],
+)
 def test_formula_matches_what_the_ranks_hold(dist_pool, stage, dtype, conv):
     """Replicated categories equal the formula on every rank; sharded ones sum to it over the ranks."""
     res = dist_pool.run(_reports, stage, dtype)
@@ -145,7 +180,7 @@ def test_formula_matches_what_the_ranks_hold(dist_pool, stage, dtype, conv):
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
-MODEL_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)   # awkward sizes: the layouts pad
+MODEL_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)  # awkward sizes: the layouts pad
 BATCH = 16
 
 
@@ -153,6 +188,7 @@ def _example():
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import train_gpt
+
     return train_gpt
 
 
@@ -183,8 +219,7 @@ def _measured(stage, dtype, bucket_mb=25, offload=None, model_kw=None, batch=BAT
             opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, **(offload or {}))
         else:
             model.to(pdt)
-            opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb,
-                                      **(offload or {}))
+            opt = zs.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, bucket_mb=bucket_mb, **(offload or {}))
         t.mark()
         for _ in range(2):
             model(x[:, :-1], x[:, 1:]).backward()
@@ -197,8 +232,9 @@ def _measured(stage, dtype, bucket_mb=25, offload=None, model_kw=None, batch=BAT
 def test_model_plan_matches_real_runs(dist_pool, dtype):
     """Model-state bytes equal every rank's memory_report() exactly; the predicted peak is within 10%."""
     from zeroshard.plan import plan_model
+
     world = dist_pool.world_size
-    plan = plan_model(_build, world, dtype, example=_batch, transport="gloo")   # measured on gloo
+    plan = plan_model(_build, world, dtype, example=_batch, transport="gloo")  # measured on gloo
     assert plan["wrap"] == ["Block"] and plan["max_unit"][0] == "blocks.0"
     padding = 0
     for stage in (1, 2, 3):
@@ -209,7 +245,7 @@ def test_model_plan_matches_real_runs(dist_pool, dtype):
             print(f"ZeRO-{stage} rank {r}: predicted peak {want['peak']} measured {peak}")
             assert abs(want["peak"] - peak) <= 0.10 * peak, (stage, r, want["peak"], peak)
             padding += rep["padding"]
-    assert padding > 0                                          # the awkward sizes do pad
+    assert padding > 0  # the awkward sizes do pad
 
 
 # a large root unit (embedding, tied head) next to small blocks, as in GPT-2: the root's
@@ -228,13 +264,15 @@ def test_zero3_plan_follows_gathered_units_through_the_step():
     the precondition's 4% to tell the two counts apart on every build."""
     from zeroshard.plan import plan_model
     from zeroshard.plan.planner import _fake_world
+
     tg = _example()
     kw = dict(BIG_ROOT_KW, dim=96)
-    plan = plan_model(lambda: tg.build_model("tiny", **kw), 4, "bf16",
-                      example=lambda: tg.example_batch("tiny", batch=4, **kw))["stages"]["ZeRO-3"]
+    plan = plan_model(
+        lambda: tg.build_model("tiny", **kw), 4, "bf16", example=lambda: tg.example_batch("tiny", batch=4, **kw)
+    )["stages"]["ZeRO-3"]
     with _fake_world(0, 4):
         rep, peak = _measured(3, "bf16", model_kw=kw, batch=4)
-    gathered = 2 * rep["max_unit"]      # what the whole-step count added (prefetch 1)
+    gathered = 2 * rep["max_unit"]  # what the whole-step count added (prefetch 1)
     assert gathered > 0.04 * peak, (gathered, peak)
     print(f"ZeRO-3 big root: predicted peak {plan['peak']} measured {peak}")
     assert abs(plan["peak"] - peak) <= 0.02 * peak, (plan["peak"], peak)
@@ -267,12 +305,23 @@ def test_wrapping_copies_no_unit_beside_the_whole_model(dist_pool):
 def test_model_cli(capsys):
     """--model in this process (the module itself runs in test_cli_prints_the_table_and_rejects_bad_input)."""
     model = os.path.join(EXAMPLES, "train_gpt.py") + ":build_model"
-    out = _cli(capsys, "--model", model, "--world-size", "4",
-               "--input", os.path.join(EXAMPLES, "train_gpt.py") + ":example_batch", "--batch", "4")
+    out = _cli(
+        capsys,
+        "--model",
+        model,
+        "--world-size",
+        "4",
+        "--input",
+        os.path.join(EXAMPLES, "train_gpt.py") + ":example_batch",
+        "--batch",
+        "4",
+    )
     assert "largest unit 'blocks.0'" in out and "ZeRO-3" in out
     # hybrid: 8 ranks as 4 replicas of 2 shards hold, per rank, what 2 ranks do
-    plans = [_cli(capsys, "--model", model, *args)
-             for args in (["--world-size", "8", "--shard-size", "2"], ["--world-size", "2"])]
+    plans = [
+        _cli(capsys, "--model", model, *args)
+        for args in (["--world-size", "8", "--shard-size", "2"], ["--world-size", "2"])
+    ]
     assert plans[0].startswith("hybrid sharding: 8 ranks = 4 replicas x 2 shards")
     assert plans[0].split("\n", 1)[1] == plans[1]
     with pytest.raises(SystemExit) as bad:
@@ -284,6 +333,7 @@ def test_meta_optimizer_plans_but_does_not_step():
     """What plan_model builds is for reports only: stepping it is a clear error, and it leaves no process group."""
     import torch.distributed as dist
     from zeroshard.plan.planner import _fake_world
+
     with _fake_world(1, 3):
         with torch.device("meta"):
             model = _build()
@@ -297,9 +347,11 @@ def test_meta_optimizer_plans_but_does_not_step():
 def test_model_plan_with_many_buckets(dist_pool):
     """ZeRO-2 with buckets much smaller than the model: the peak holds one bucket at the start of backward."""
     from zeroshard.plan import plan_model
+
     plan = plan_model(_build, dist_pool.world_size, "fp32", example=_batch, bucket_mb=0.15, transport="gloo")
     want = plan["stages"]["ZeRO-2"]
     from zeroshard.core.reduction import MAX_INFLIGHT_BUCKETS as MAX_INFLIGHT
+
     for r, (rep, peak) in enumerate(dist_pool.run(_measured, 2, "fp32", 0.15)):
         # on CPU the bucket pool is kept between steps ([Note: bucket buffers between steps]):
         # at most MAX_INFLIGHT + 1 buffers of at most the bucket size
@@ -311,6 +363,7 @@ def test_model_plan_with_many_buckets(dist_pool):
 
 def test_offload_splits_each_stage_by_where_it_lives(capsys):
     from zeroshard.plan import offloaded_bytes
+
     rows = offloaded_bytes(model_state_bytes(7e9, 2, "bf16"), 7e9, 2, "bf16", offload="nvme", fraction=0.5)
     # ZeRO-2, bf16, 2 ranks: 42 GB of master + Adam state per rank, half of it on disk
     assert (rows["ZeRO-2"]["device"], rows["ZeRO-2"]["disk"], rows["ZeRO-2"]["host"]) == (42 * GB, 21 * GB, 0)
@@ -323,8 +376,8 @@ def test_offload_splits_each_stage_by_where_it_lives(capsys):
         assert r["device"] + r["host"] + r["disk"] == pytest.approx(r["total"])
     out = _cli(capsys, "--params", "7e9", "--world-size", "2", "--offload", "nvme", "--offload-fraction", "0.5")
     lines = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
-    assert lines["ZeRO-2"][4:8] == ["63.00", "42.00", "0.00", "21.00"]     # total, device, host, disk
-    assert lines["ZeRO-2"][8:] == ["no", "no", "yes", "yes"]               # fits: the device's 42 GB
+    assert lines["ZeRO-2"][4:8] == ["63.00", "42.00", "0.00", "21.00"]  # total, device, host, disk
+    assert lines["ZeRO-2"][8:] == ["no", "no", "yes", "yes"]  # fits: the device's 42 GB
     with pytest.raises(SystemExit) as bad:
         _cli(capsys, "--params", "7e9", "--world-size", "2", "--offload", "cpu", "--offload-fraction", "1.5")
     assert bad.value.code == 2 and "--offload-fraction must be in [0, 1], got 1.5" in capsys.readouterr().err
@@ -334,6 +387,7 @@ def test_offload_splits_each_stage_by_where_it_lives(capsys):
 def test_model_plan_with_offload_matches_real_runs(dist_pool, offload, capsys, tmp_path):
     """--model with --offload: every rank's device / host / disk bytes as its memory_report() says."""
     from zeroshard.plan import plan_model
+
     world = dist_pool.world_size
     plan = plan_model(_build, world, "bf16", offload=offload, offload_fraction=0.4, transport="gloo")
     gpus = plan_model(_build, world, "bf16", offload=offload, offload_fraction=0.4)
@@ -350,20 +404,30 @@ def test_model_plan_with_offload_matches_real_runs(dist_pool, offload, capsys, t
             assert moved > 0 and gpu["disk"] == cpu["disk"], (stage, cpu, gpu)
             assert gpu["device"] == (cpu["device"] if stage < 3 else cpu["device"] - moved), (stage, cpu, gpu)
         assert want["device_state"] == max(v["device"] for v in want["ranks"].values()) < want["model_state"]
-    out = _cli(capsys, "--model", os.path.join(EXAMPLES, "train_gpt.py") + ":build_model", "--world-size", "8",
-               "--offload", offload, "--offload-fraction", "0.4")
+    out = _cli(
+        capsys,
+        "--model",
+        os.path.join(EXAMPLES, "train_gpt.py") + ":build_model",
+        "--world-size",
+        "8",
+        "--offload",
+        offload,
+        "--offload-fraction",
+        "0.4",
+    )
     header = out.splitlines()[1].split()
     assert header[-3:] == ["device", "host", "disk"] and f"offload={offload}, fraction 0.4" in out
     zero2 = next(line.split() for line in out.splitlines() if line.startswith("ZeRO-2"))
     device, host, disk = map(float, zero2[-3:])
     # host: the offloaded state (cpu) and the offloaded share's gradients (both, on GPUs)
     assert host > 0 and (disk > 0) == (offload == "nvme")
-    assert device + host + disk == pytest.approx(float(zero2[5]), abs=2e-3)     # the state column
+    assert device + host + disk == pytest.approx(float(zero2[5]), abs=2e-3)  # the state column
 
 
 def _cli(capsys, *argv):
     """``python -m zeroshard.plan`` in this process (test_cli_prints_the_table_and_rejects_bad_input
     runs the module itself)."""
     from zeroshard.plan import main
+
     main(list(argv))
     return capsys.readouterr().out

@@ -1,6 +1,7 @@
 """The Offload and Sharding policies against the loose keyword arguments they replace: the
 same run bit for bit, the loose form warning once per call naming the policy, the policy
 form silent; both forms together refused ([Note: options as policies])."""
+
 import warnings
 
 import torch
@@ -23,35 +24,54 @@ def _train(make_opt, wrap: bool):
         opt.step()
         opt.zero_grad()
     params = model.state_dict(to=None) if wrap else {k: v.clone() for k, v in model.state_dict().items()}
-    report = {k: v for k, v in opt.memory_report().items() if k in PERSISTENT + LOCATIONS}    # (not the transient peaks)
+    report = {k: v for k, v in opt.memory_report().items() if k in PERSISTENT + LOCATIONS}  # (not the transient peaks)
     return params, [(str(w.message), w.filename) for w in caught if w.category is FutureWarning], report
 
 
 def _both_forms():
-    pol, loose = (lambda m: (m, zs.ShardedOptimizer(m.parameters(), lr=1e-2, stage=2,
-                                                    sharding=zs.Sharding(shard_size=1),
-                                                    offload=zs.Offload(optimizer="cpu", fraction=0.5))),
-                  lambda m: (m, zs.ShardedOptimizer(m.parameters(), lr=1e-2, stage=2, shard_size=1,
-                                                    offload="cpu", offload_fraction=0.5)))
+    pol, loose = (
+        lambda m: (
+            m,
+            zs.ShardedOptimizer(
+                m.parameters(),
+                lr=1e-2,
+                stage=2,
+                sharding=zs.Sharding(shard_size=1),
+                offload=zs.Offload(optimizer="cpu", fraction=0.5),
+            ),
+        ),
+        lambda m: (
+            m,
+            zs.ShardedOptimizer(m.parameters(), lr=1e-2, stage=2, shard_size=1, offload="cpu", offload_fraction=0.5),
+        ),
+    )
 
     def wrapped(**kw):
         def make(m):
             fs = zs.FullyShard(m, wrap={Residual}, **kw)
             return fs, zs.ShardedOptimizer(fs.parameters(), lr=1e-2)
+
         return make
-    out = {"zero2": (_train(pol, False), _train(loose, False)),
-           "zero3": (_train(wrapped(sharding=zs.Sharding(shard_size=1), offload=zs.Offload(params="cpu")), True),
-                     _train(wrapped(shard_size=1, offload_params=True), True))}
+
+    out = {
+        "zero2": (_train(pol, False), _train(loose, False)),
+        "zero3": (
+            _train(wrapped(sharding=zs.Sharding(shard_size=1), offload=zs.Offload(params="cpu")), True),
+            _train(wrapped(shard_size=1, offload_params=True), True),
+        ),
+    }
     refused = {}
     model = ResidualNet()
-    for key, call in {"sharding and shard_size": lambda: zs.ShardedOptimizer(
-                          model.parameters(), sharding=zs.Sharding(), shard_size=1),
-                      "offload policy and offload_dir": lambda: zs.ShardedOptimizer(
-                          model.parameters(), offload=zs.Offload(optimizer="cpu"), offload_dir="/tmp"),
-                      "params on the optimizer": lambda: zs.ShardedOptimizer(
-                          model.parameters(), offload=zs.Offload(params="cpu")),
-                      "optimizer on FullyShard": lambda: zs.FullyShard(
-                          ResidualNet(), offload=zs.Offload(optimizer="cpu"))}.items():
+    for key, call in {
+        "sharding and shard_size": lambda: zs.ShardedOptimizer(
+            model.parameters(), sharding=zs.Sharding(), shard_size=1
+        ),
+        "offload policy and offload_dir": lambda: zs.ShardedOptimizer(
+            model.parameters(), offload=zs.Offload(optimizer="cpu"), offload_dir="/tmp"
+        ),
+        "params on the optimizer": lambda: zs.ShardedOptimizer(model.parameters(), offload=zs.Offload(params="cpu")),
+        "optimizer on FullyShard": lambda: zs.FullyShard(ResidualNet(), offload=zs.Offload(optimizer="cpu")),
+    }.items():
         try:
             call()
             refused[key] = None
@@ -68,7 +88,7 @@ def test_policies_equal_the_loose_arguments_which_warn_naming_them(dist_pool):
                 assert torch.equal(p_params[k], l_params[k]), (stage, k)
             assert p_report == l_report and p_report["host"] > 0, (stage, p_report, l_report)
             assert p_warned == [], (stage, p_warned)
-            assert all(f.endswith("test_policies.py") for _, f in l_warned), l_warned   # (the user's line)
+            assert all(f.endswith("test_policies.py") for _, f in l_warned), l_warned  # (the user's line)
             messages = " | ".join(m for m, _ in l_warned)
             assert "zeroshard.Sharding(shard_size=...)" in messages, messages
             want = "zeroshard.Offload(params='cpu')" if stage == "zero3" else "zeroshard.Offload(optimizer='cpu'"

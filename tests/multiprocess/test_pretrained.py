@@ -1,6 +1,7 @@
 """zeroshard.load_pretrained on plain PyTorch models: a FullyShard of a model built on meta and a
 plain model for stages 1/2, from safetensors files (three of them, bf16 or fp32) with awkward
 tensor sizes, at world sizes 2 and 3; against the model the files hold, exactly."""
+
 import os
 
 import pytest
@@ -17,13 +18,13 @@ class Block(nn.Module):
     def __init__(self, d):
         super().__init__()
         self.lin, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
-        self.register_buffer("scale", torch.ones(d))                             # persistent: in the files
-        self.register_buffer("freqs", torch.arange(d) / d, persistent=False)     # in no file
+        self.register_buffer("scale", torch.ones(d))  # persistent: in the files
+        self.register_buffer("freqs", torch.arange(d) / d, persistent=False)  # in no file
 
     def forward(self, x):
         return self.norm(torch.tanh(self.lin(x)) * self.scale + self.freqs)
 
-    def reset_parameters(self):           # FullyShard runs it on meta: the buffer in no file is set here
+    def reset_parameters(self):  # FullyShard runs it on meta: the buffer in no file is set here
         self.freqs.copy_(torch.arange(self.freqs.numel()) / self.freqs.numel())
 
 
@@ -33,7 +34,7 @@ class Net(nn.Module):
         self.emb = nn.Embedding(37, d)
         self.blocks = nn.ModuleList([Block(d) for _ in range(3)])
         self.head = nn.Linear(d, 37, bias=False)
-        self.head.weight = self.emb.weight          # tied: one parameter, in the files once
+        self.head.weight = self.emb.weight  # tied: one parameter, in the files once
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -57,7 +58,7 @@ def _reference(dtype):
 
 def _save(folder, sd, extra=None):
     keys = sorted(sd)
-    for i in range(3):                               # three files, as save_pretrained splits a model
+    for i in range(3):  # three files, as save_pretrained splits a model
         part = {k: sd[k].contiguous() for k in keys[i::3]}
         if i == 2 and extra:
             part.update(extra)
@@ -80,8 +81,8 @@ def _loads(folder, dtype, stage):
         tied = True
     else:
         tied = model.head.weight is model.emb.weight
-        opt = zs.ShardedOptimizer(model.parameters(), lr=0.1, stage=stage)   # built after loading: its masters
-        model(ids).square().mean().backward()                                # hold the loaded values
+        opt = zs.ShardedOptimizer(model.parameters(), lr=0.1, stage=stage)  # built after loading: its masters
+        model(ids).square().mean().backward()  # hold the loaded values
         opt.step()
     return dict(same=same, missing=result.missing_keys, unexpected=result.unexpected_keys, tied=tied)
 

@@ -1,6 +1,7 @@
 """zeroshard.resume: the newest complete checkpoint under a path, loaded at any
 world size and stage; torn ones skipped with a warning naming them; None to
 start fresh (see [Note: resume] in checkpoint/resume.py)."""
+
 import os
 import warnings
 
@@ -87,15 +88,17 @@ def _corrupt_byte(ckpt):
 @pytest.mark.parametrize("tear", [_truncate, _no_manifest, _corrupt_byte])
 def test_a_torn_newest_is_skipped_with_a_warning_naming_it(saved, tmp_path, tear):
     import shutil
+
     root = tmp_path / "dirs"
     shutil.copytree(saved / "dirs", root)
     newest = str(root / "step_000004")
     tear(newest)
-    os.utime(os.path.join(newest, "manifest.json") if os.path.exists(os.path.join(newest, "manifest.json"))
-             else newest)                                # still the newest
+    os.utime(
+        os.path.join(newest, "manifest.json") if os.path.exists(os.path.join(newest, "manifest.json")) else newest
+    )  # still the newest
     got = launch("pool", 2).run(_resume, str(root), 3, 2)
     for extra, _, err in got:
-        assert extra == {"step": 2} and err <= 1e-5      # the one before it, loaded
+        assert extra == {"step": 2} and err <= 1e-5  # the one before it, loaded
     warned = got[0][1]
     assert len(warned) == 1 and newest in warned[0] and "skipping" in warned[0], warned
 
@@ -103,6 +106,7 @@ def test_a_torn_newest_is_skipped_with_a_warning_naming_it(saved, tmp_path, tear
 def test_a_half_written_save_is_skipped(saved, tmp_path):
     """An interrupted save's partial directory, and a directory of files with no manifest."""
     import shutil
+
     root = tmp_path / "dirs"
     shutil.copytree(saved / "dirs", root)
     shutil.copytree(saved / "dirs" / "step_000004", root / ".step_000006.partial-0123456789ab")

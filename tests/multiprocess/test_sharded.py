@@ -1,4 +1,5 @@
 """ShardedOptimizer (ZeRO-1/2) against single-process torch.optim.AdamW, on gloo at world sizes 2 and 3."""
+
 import contextlib
 import copy
 import weakref
@@ -12,10 +13,10 @@ import torch.nn.functional as F
 
 import zeroshard as zs
 from support.checks import piece_of, rel_err
-from support.flat_net import (TINY_BUCKET_MB, Net, batches, local, make_model, param_groups, reference,
-                              train_ours)
+from support.flat_net import TINY_BUCKET_MB, Net, batches, local, make_model, param_groups, reference, train_ours
 from support.launch import launch
 from support.records import Timeline
+
 
 def max_param_err(model, ref):
     return max(rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))
@@ -35,8 +36,7 @@ def _parity(stage, micro, no_sync, clip):
 @pytest.mark.parametrize("case", ["plain", "accumulate", "accumulate_no_sync", "clip"])
 def test_parity_with_single_process_adamw(dist_pool, stage, case):
     micro = 2 if case.startswith("accumulate") else 1
-    res = dist_pool.run(_parity, stage, micro, case == "accumulate_no_sync",
-                        0.05 if case == "clip" else None)
+    res = dist_pool.run(_parity, stage, micro, case == "accumulate_no_sync", 0.05 if case == "clip" else None)
     for r in res:
         assert r["err"] <= 1e-5, r
         if case == "clip":
@@ -79,13 +79,12 @@ def test_memory_report_matches_formulas_exactly(dist_pool, stage):
     n = dist_pool.world_size
     reps = [r for r, _ in reports]
     for rep in reps:
-        assert rep["params"] == 4 * psi                 # full, fp32
+        assert rep["params"] == 4 * psi  # full, fp32
         if stage == 1:
-            assert rep["grads"] == 4 * psi              # full
-        assert rep["master"] == 0                       # fp32 params: no master copy
+            assert rep["grads"] == 4 * psi  # full
+        assert rep["master"] == 0  # fp32 params: no master copy
         assert rep["exp_avg"] == rep["exp_avg_sq"]
-        assert rep["total"] == sum(rep[k] for k in ("params", "grads", "master", "exp_avg",
-                                                    "exp_avg_sq", "padding"))
+        assert rep["total"] == sum(rep[k] for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding"))
     # sharded categories: every element owned by exactly one rank
     assert sum(r["exp_avg"] for r in reps) == 4 * psi
     if stage == 2:
@@ -116,14 +115,14 @@ def test_memory_formulas_at_large_world_with_fake_process_group(n):
         code, out, err = res.returncode, res.stdout, res.stderr
         assert code == 0, err[-3000:]
         psi, rep = eval(out.strip().splitlines()[-1])
-        assert rep["params"] == 2 * psi                             # bf16, full
+        assert rep["params"] == 2 * psi  # bf16, full
         assert rep["grads"] == (2 * psi if stage == 1 else rep["grads"])
         # the last rank owns psi/n elements up to padding: 12/n bytes of master + states
         owned = rep["exp_avg"] // 4
         assert rep["master"] == rep["exp_avg"] == rep["exp_avg_sq"] == 4 * owned
         assert abs(owned - psi / n) <= 16 * n, (owned, psi / n)
         if stage == 2:
-            assert rep["grads"] == 2 * owned                        # bf16 shard
+            assert rep["grads"] == 2 * owned  # bf16 shard
         per_rank = 2 * psi + (2 * psi if stage == 1 else 2 * owned) + 12 * owned
         assert rep["total"] - rep["padding"] == per_rank
 
@@ -138,7 +137,7 @@ def _comm_counts():
     padded = sum(b.numel for b in opt.layout.buckets)
     # DDP on the same model: count what its all-reduce moves
     ddp_model = make_model()
-    ddp_model.unused.requires_grad_(False)   # DDP would otherwise refuse the unused layer
+    ddp_model.unused.requires_grad_(False)  # DDP would otherwise refuse the unused layer
     counted = []
 
     def hook(state, bucket):
@@ -146,20 +145,27 @@ def _comm_counts():
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
+
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
     ddp.register_comm_hook(None, hook)
     x, y = batches(1)[0][0]
     F.cross_entropy(ddp(x), y).backward()
     ddp_psi = sum(p.numel() for p in ddp_model.parameters() if p.requires_grad)
-    return (after["reduce_scatter"] - before["reduce_scatter"], after["all_gather"] - before["all_gather"],
-            psi, padded, sum(counted), ddp_psi)
+    return (
+        after["reduce_scatter"] - before["reduce_scatter"],
+        after["all_gather"] - before["all_gather"],
+        psi,
+        padded,
+        sum(counted),
+        ddp_psi,
+    )
 
 
 def test_communication_volume_per_step(dist_pool):
     for rs, ag, psi, padded, ddp_allreduce, ddp_psi in dist_pool.run(_comm_counts):
-        assert rs == padded and ag == padded                 # Ψ + padding each way: 2Ψ in total
+        assert rs == padded and ag == padded  # Ψ + padding each way: 2Ψ in total
         assert padded - psi < 16 * dist_pool.world_size * 8  # padding is small
-        assert ddp_allreduce == ddp_psi                      # DDP: all-reduce of Ψ (= RS + AG = 2Ψ)
+        assert ddp_allreduce == ddp_psi  # DDP: all-reduce of Ψ (= RS + AG = 2Ψ)
 
 
 # -------------------------------------------------------------- overlap
@@ -169,7 +175,7 @@ def _overlap():
     model = make_model()
     model.unused.requires_grad_(False)
     opt = zs.ShardedOptimizer(param_groups(model), stage=2, bucket_mb=TINY_BUCKET_MB)
-    timeline = Timeline()       # the gradients' arrivals among the collectives of the flight record
+    timeline = Timeline()  # the gradients' arrivals among the collectives of the flight record
     timeline.grad_hooks(model.named_parameters())
     train_ours(1, 2, model=model, opt=opt)
     ev = timeline.events()
@@ -207,12 +213,12 @@ def test_state_dict_round_trip_across_world_sizes_and_plain_adamw():
     p2, p3 = launch("pool", 2), launch("pool", 3)
     saved = p2.run(_save, 5, 2)
     model_sd, opt_sd = saved[0]
-    assert saved[1] == (None, None)         # to=0: only rank 0 builds the dict
+    assert saved[1] == (None, None)  # to=0: only rank 0 builds the dict
     # ours (world 2) -> plain torch AdamW: continues identically
     model = make_model()
     model.load_state_dict(model_sd)
     plain = torch.optim.AdamW(param_groups(model), foreach=False)
-    plain.load_state_dict(copy.deepcopy(opt_sd))   # AdamW updates loaded tensors in place
+    plain.load_state_dict(copy.deepcopy(opt_sd))  # AdamW updates loaded tensors in place
     for mbs in batches(10)[5:]:
         plain.zero_grad()
         for x, y in mbs:
@@ -242,7 +248,8 @@ def test_torchrun_smoke(tmp_path):
         "    opt.zero_grad(); loss.backward(); opt.step()\n"
         "assert loss.item() < first, (first, loss.item())\n"
         "import sys; sys.stdout.write(f'rank {dist.get_rank()} ok {first} {loss.item()}\\n'); sys.stdout.flush()\n"
-        "dist.destroy_process_group()\n")
+        "dist.destroy_process_group()\n"
+    )
     out = launch("torchrun", str(script), 2, env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert sorted(line.split()[1] for line in out.stdout.splitlines() if " ok " in line) == ["0", "1"], out.stdout
@@ -262,27 +269,35 @@ def _bad_inputs():
 
     catch("stage", lambda: zs.ShardedOptimizer(make_model().parameters(), stage=3))
     # rank 1 builds a wider layer
-    catch("shapes", lambda: zs.ShardedOptimizer(
-        (nn.Linear(4, 5 + (rank == 1))).parameters()))
-    catch("devices", lambda: zs.ShardedOptimizer(
-        [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device="meta"))]))
+    catch("shapes", lambda: zs.ShardedOptimizer((nn.Linear(4, 5 + (rank == 1))).parameters()))
+    catch(
+        "devices",
+        lambda: zs.ShardedOptimizer(
+            [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device="meta"))]
+        ),
+    )
     # expert parallelism: each rank holds its own experts (same shapes, other names) without a
     # param group naming their ranks: refused, not averaged together; a group's mesh must be 1-D
     experts = nn.ModuleDict({str(2 * i + rank): nn.Linear(4, 4) for i in range(2)})
     catch("experts", lambda: zs.ShardedOptimizer(experts.parameters(), stage=2))
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
     dense = nn.Linear(4, 4)
-    catch("group_mesh", lambda: zs.ShardedOptimizer([{"params": dense.parameters()},
-                                                     {"params": nn.Linear(3, 3).parameters(), "device_mesh": mesh}]))
+    catch(
+        "group_mesh",
+        lambda: zs.ShardedOptimizer(
+            [{"params": dense.parameters()}, {"params": nn.Linear(3, 3).parameters(), "device_mesh": mesh}]
+        ),
+    )
     m = make_model()
     m.unused.requires_grad_(False)
     ddp = torch.nn.parallel.DistributedDataParallel(m)
     catch("ddp", lambda: zs.ShardedOptimizer(ddp.parameters()))
     model = make_model()
     opt = zs.ShardedOptimizer(model.parameters())
-    catch("step_first", opt.step)          # no gradient anywhere: a no-op, as torch's optimizers
-    with opt.no_sync():                    # gradients only accumulated locally: stepping them is refused
+    catch("step_first", opt.step)  # no gradient anywhere: a no-op, as torch's optimizers
+    with opt.no_sync():  # gradients only accumulated locally: stepping them is refused
         model(torch.randint(0, 37, (2, 3))).sum().backward()
     catch("step_unreduced", opt.step)
     return msgs
@@ -315,7 +330,7 @@ def _fp16_skip():
         before = [p.detach().clone() for p in model.parameters()]
         opt.zero_grad()
         out = model(x).float().sum()
-        if poison and rank == 1:          # only one rank sees the overflow
+        if poison and rank == 1:  # only one rank sees the overflow
             out = out * float("inf")
         out.backward()
         opt.step()
@@ -374,7 +389,7 @@ def _inflight_bound():
     model = make_model()
     model.unused.requires_grad_(False)
     opt = zs.ShardedOptimizer(param_groups(model), stage=2, bucket_mb=TINY_BUCKET_MB)
-    train_ours(1, 2, model=model, opt=opt)     # the first backward fixes the reduction order
+    train_ours(1, 2, model=model, opt=opt)  # the first backward fixes the reduction order
     opt.memory_report(reset_peak=True)
     train_ours(2, 2, model=model, opt=opt, first_step=1)
     rep = opt.memory_report()
@@ -384,6 +399,7 @@ def _inflight_bound():
 
 def test_stage2_bucket_memory_is_bounded(dist_pool):
     from zeroshard.core.reduction import MAX_INFLIGHT_BUCKETS as _MAX_INFLIGHT
+
     for peak, biggest, nb, full, nbuf, kept in dist_pool.run(_inflight_bound):
         assert nb > _MAX_INFLIGHT + 2
         # on CPU the pool stays between steps ([Note: bucket buffers between steps]): at most
@@ -407,7 +423,8 @@ def _grad_shard_lifetime():
     ref, _ = reference(4)
     held_in_forward = []
     model.register_forward_pre_hook(
-        lambda m, a: held_in_forward.append([b.reduced.tensor is not None for b in opt.source.buffers]))
+        lambda m, a: held_in_forward.append([b.reduced.tensor is not None for b in opt.source.buffers])
+    )
     after, reused = [], []
     for k, mbs in enumerate(batches(4)):
         before = [weakref.ref(b.reduced.tensor) for b in opt.source.buffers if b.reduced.tensor is not None]
@@ -416,7 +433,7 @@ def _grad_shard_lifetime():
         x, y = mbs[0]
         F.cross_entropy(model(local(x, rank, world)), local(y, rank, world)).backward()
         after.append(("backward", [b.reduced.tensor is not None for b in opt.source.buffers]))
-        if before:      # the very tensor of the last backward
+        if before:  # the very tensor of the last backward
             reused.append([ref() is b.reduced.tensor for ref, b in zip(before, opt.source.buffers)])
         opt.step()
     return held_in_forward, after, max_param_err(model, ref), reused
@@ -425,9 +442,9 @@ def _grad_shard_lifetime():
 def test_stage2_gradient_shard_is_dropped_by_zero_grad_and_not_a_gradient_in_forward(dist_pool):
     for held, after, err, reused in dist_pool.run(_grad_shard_lifetime):
         assert err <= 1e-5
-        assert len(reused) == 3 and all(all(r) for r in reused), reused   # CPU: kept by set_to_none too
-        assert not any(any(h) for h in held[0::2])        # steps after zero_grad(set_to_none=True)
-        assert all(all(h) for h in held[1::2])            # steps after set_to_none=False: kept, zeroed
+        assert len(reused) == 3 and all(all(r) for r in reused), reused  # CPU: kept by set_to_none too
+        assert not any(any(h) for h in held[0::2])  # steps after zero_grad(set_to_none=True)
+        assert all(all(h) for h in held[1::2])  # steps after set_to_none=False: kept, zeroed
         assert after[0] == ("zero_grad", [False] * len(after[0][1]))
         assert all(all(flags) for what, flags in after if what == "backward")
 
@@ -436,6 +453,7 @@ def _sharded_roundtrip(stage, dtype):
     """sharded_state_dict() saved mid-run (torch.save per rank) and loaded into a fresh
     model and optimizer continues bit for bit; another layout is refused on every rank."""
     import io
+
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def fresh(seed):
@@ -446,7 +464,7 @@ def _sharded_roundtrip(stage, dtype):
         return model, zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=TINY_BUCKET_MB)
 
     def steps(model, opt, first):
-        for (x, y), in batches(first + 3)[first:]:
+        for ((x, y),) in batches(first + 3)[first:]:
             opt.zero_grad()
             F.cross_entropy(model(local(x, rank, world)).float(), local(y, rank, world)).backward()
             opt.step()
@@ -455,19 +473,19 @@ def _sharded_roundtrip(stage, dtype):
     steps(model, opt, 0)
     buf = io.BytesIO()
     # stages 1/2: the optimizer's shards hold every trainable parameter; frozen ones are the model's
-    torch.save({"opt": opt.sharded_state_dict(), "model": model.state_dict() if stage == 3 else
-                model.frozen.state_dict()}, buf)
+    torch.save(
+        {"opt": opt.sharded_state_dict(), "model": model.state_dict() if stage == 3 else model.frozen.state_dict()}, buf
+    )
     steps(model, opt, 3)
     want = [piece_of(p).clone() for p in model.parameters()]
     buf.seek(0)
     saved = torch.load(buf)
-    model2, opt2 = fresh(7)                    # other initial values
+    model2, opt2 = fresh(7)  # other initial values
     (model2 if stage == 3 else model2.frozen).load_state_dict(saved["model"])
     opt2.load_sharded_state_dict(saved["opt"])
     steps(model2, opt2, 3)
     same = all(torch.equal(a, piece_of(b)) for a, b in zip(want, model2.parameters()))
-    other = zs.ShardedOptimizer(param_groups(make_model(dtype=dtype)), stage=stage if stage < 3 else 2,
-                                bucket_mb=1.0)
+    other = zs.ShardedOptimizer(param_groups(make_model(dtype=dtype)), stage=stage if stage < 3 else 2, bucket_mb=1.0)
     try:
         other.load_sharded_state_dict(saved["opt"])
         refused = ""
@@ -486,15 +504,16 @@ def test_sharded_state_dict_round_trip_is_exact(dist_pool, stage, dtype):
 def test_buffer_pool_recycles_by_size_and_keeps_at_most_keep():
     """_ordered.BufferPool, the one recycling policy of the stage-2 reducer and the planner's replay."""
     from zeroshard.core.pool import BufferPool
+
     made = []
     pool = BufferPool(2, lambda n, dt: made.append((n, dt)) or torch.empty(n, dtype=dt))
     a, b = pool.acquire(10, torch.float32), pool.acquire(7, torch.bfloat16)
     assert pool.live == pool.peak == 40 + 14
     pool.release(a)
-    assert pool.acquire(10, torch.float32) is a and len(made) == 2     # same size: recycled
-    c = pool.acquire(10, torch.float32)                                # none free: a new one
+    assert pool.acquire(10, torch.float32) is a and len(made) == 2  # same size: recycled
+    c = pool.acquire(10, torch.float32)  # none free: a new one
     assert len(made) == 3 and pool.peak == 94
-    for t in (a, b, c):       # the third release finds two free already: dropped
+    for t in (a, b, c):  # the third release finds two free already: dropped
         pool.release(t)
     assert pool.live == 54 and sum(len(v) for v in pool.free.values()) == 2
     pool.reset_peak()
@@ -547,7 +566,7 @@ def _statistics_ops(stage):
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Linear(13, 13) for _ in range(12)])   # 24 parameters
+    net = nn.Sequential(*[nn.Linear(13, 13) for _ in range(12)])  # 24 parameters
     if stage == 3:
         net = zs.FullyShard(net, wrap={nn.Linear})
     opt = zs.ShardedOptimizer(net.parameters(), stage=min(stage, 2))

@@ -2,6 +2,7 @@
 small GPT parallelized with torch's parallel styles and sequence parallelism
 (examples/tensor_parallel.py's), against one process training the whole model on every dp
 rank's batch with torch's AdamW. 4 gloo ranks: dp 2 x tp 2."""
+
 import math
 import os
 import sys
@@ -21,15 +22,18 @@ from tensor_parallel import GPT, V, Block, batch, loss_of, parallelize  # (examp
 STEPS = 3
 
 
-SGD = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)    # (an elementwise optimizer_class)
+SGD = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)  # (an elementwise optimizer_class)
 
 
 def _reference(dp: int, micro: int, clip, steps: int = STEPS, sgd: bool = False):
     """One process, the whole model, every dp rank's batch: parameters and clip norms."""
     torch.manual_seed(0)
     model = GPT()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if sgd else \
-        torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if sgd
+        else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    )
     norms = []
     for step in range(steps):
         for m in range(micro):
@@ -41,30 +45,45 @@ def _reference(dp: int, micro: int, clip, steps: int = STEPS, sgd: bool = False)
     return model, norms
 
 
-def _train(stage: int, micro: int = 1, clip=None, torch_clip: bool = False, bucket_mb: float = 25,
-           dtype=torch.float32, sgd: bool = False, vocab_parallel: bool = False):
+def _train(
+    stage: int,
+    micro: int = 1,
+    clip=None,
+    torch_clip: bool = False,
+    bucket_mb: float = 25,
+    dtype=torch.float32,
+    sgd: bool = False,
+    vocab_parallel: bool = False,
+):
     """``sgd``: torch's SGD with momentum through optimizer_class; ``vocab_parallel``: the
     logits split over the vocabulary, the loss under torch's loss_parallel()."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     ref, ref_norms = _reference(2, micro, clip, sgd=sgd)
     torch.manual_seed(0)
     model = parallelize(GPT(), mesh["tp"], loss_parallel=vocab_parallel).to(dtype)
     kw = SGD if sgd else dict(lr=1e-2)
-    if stage == 3:     # each block a unit: its tp pieces sharded over dp, gathered for its compute
-        model = zs.FullyShard(model, wrap={Block}, device_mesh=mesh["dp"],
-                              mixed_precision=zs.MixedPrecision(param_dtype=dtype) if dtype != torch.float32 else None)
+    if stage == 3:  # each block a unit: its tp pieces sharded over dp, gathered for its compute
+        model = zs.FullyShard(
+            model,
+            wrap={Block},
+            device_mesh=mesh["dp"],
+            mixed_precision=zs.MixedPrecision(param_dtype=dtype) if dtype != torch.float32 else None,
+        )
         opt = zs.ShardedOptimizer(model.parameters(), **kw)
     else:
         opt = zs.ShardedOptimizer(model.parameters(), stage=stage, device_mesh=mesh["dp"], bucket_mb=bucket_mb, **kw)
     norms, dp_rank = [], mesh["dp"].get_local_rank()
     for step in range(STEPS):
         for m in range(micro):
-            with opt.no_sync() if m < micro - 1 else torch.enable_grad(), \
-                    loss_parallel() if vocab_parallel else torch.enable_grad():
+            with (
+                opt.no_sync() if m < micro - 1 else torch.enable_grad(),
+                loss_parallel() if vocab_parallel else torch.enable_grad(),
+            ):
                 (loss_of(model, *batch(step * micro + m, dp_rank, "cpu")) / micro).backward()
-        if torch_clip:       # torch's own, over DTensor parameters of two meshes' worth of sharding
+        if torch_clip:  # torch's own, over DTensor parameters of two meshes' worth of sharding
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         else:
             norms.append(float(opt.clip_grad_norm_(clip or math.inf)))
@@ -74,10 +93,20 @@ def _train(stage: int, micro: int = 1, clip=None, torch_clip: bool = False, buck
     whole = model.state_dict() if stage == 3 else {n: p.full_tensor() for n, p in model.named_parameters()}
     err = max(((whole[n].float() - p).norm() / p.norm()).item() for n, p in ref.named_parameters())
     from torch.distributed.tensor import Shard
-    tp_sharded = sum(p.numel() for p in parallelize(GPT(), mesh["tp"]).parameters()
-                     if any(isinstance(pl, Shard) for pl in p.placements))
-    return dict(err=err, norms=norms, ref_norms=ref_norms, rep=opt.memory_report(), stage=stage,
-                psi=(tp_sharded, sum(p.numel() for p in ref.parameters()) - tp_sharded))
+
+    tp_sharded = sum(
+        p.numel()
+        for p in parallelize(GPT(), mesh["tp"]).parameters()
+        if any(isinstance(pl, Shard) for pl in p.placements)
+    )
+    return dict(
+        err=err,
+        norms=norms,
+        ref_norms=ref_norms,
+        rep=opt.memory_report(),
+        stage=stage,
+        psi=(tp_sharded, sum(p.numel() for p in ref.parameters()) - tp_sharded),
+    )
 
 
 def _check_plan(results):
@@ -97,6 +126,7 @@ def _built(stage: int, tp: int, seed: int = 1, replicas: int = 0):
     ``seed`` 0: the reference's start; another: values a load must replace. ``replicas``:
     hybrid sharding on the dp axis, a (replicate, shard) mesh of that many replicas."""
     from torch.distributed.device_mesh import init_device_mesh
+
     dp = dist.get_world_size() // tp
     if replicas:
         mesh = init_device_mesh("cpu", (replicas, dp // replicas, tp), mesh_dim_names=("rep", "shard", "tp"))
@@ -117,6 +147,7 @@ def _built(stage: int, tp: int, seed: int = 1, replicas: int = 0):
         if stage == 3:
             return model.state_dict()
         return {n: p.full_tensor() if tp > 1 else p.detach() for n, p in model.named_parameters()}
+
     return model, opt, dp_rank, whole
 
 
@@ -181,6 +212,7 @@ def test_checkpoints_resume_at_another_stage_and_tensor_parallel_degree(tmp_path
     (tp 1 to 2); each ends where one process does; the export is the whole model's state dict
     after the first step."""
     from safetensors.torch import load_file
+
     for phase, world in (("save", 4), ("tp1", 2), ("tp2", 4)):
         for errors in launch("pool", world).run(_across_tp_degrees, str(tmp_path), phase):
             assert max(errors) < 2e-5, (phase, errors)
@@ -221,42 +253,48 @@ def _skips_and_refusals(tmp: str):
     """GradScaler skips everywhere on an overflow on one rank; what is not supported yet is
     refused, saying so."""
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = parallelize(GPT(), mesh["tp"])
     opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2, stage=2, device_mesh=mesh["dp"])
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     before = [p.full_tensor() for p in model.parameters()]
-    if dist.get_rank() == 3:      # an overflow in one tp piece on one rank (dp 1, tp 1), before reduction
+    if dist.get_rank() == 3:  # an overflow in one tp piece on one rank (dp 1, tp 1), before reduction
         model.blocks[0].up.weight.register_hook(lambda g: g * float("inf"))
     scaler.scale(loss_of(model, *batch(0, mesh["dp"].get_local_rank(), "cpu"))).backward()
     scaler.step(opt)
     scaler.update()
-    skipped = scaler.get_scale() == 2.0 and all(torch.equal(a, p.full_tensor())
-                                                 for a, p in zip(before, model.parameters()))
+    skipped = scaler.get_scale() == 2.0 and all(
+        torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters())
+    )
     msgs = Refusals()
     catch = msgs.catch
-    catch("model_only", lambda: zs.save_checkpoint(os.path.join(tmp, "tp"), model))    # (its optimizer left out)
+    catch("model_only", lambda: zs.save_checkpoint(os.path.join(tmp, "tp"), model))  # (its optimizer left out)
     catch("dcp", lambda: zs.checkpoint.dcp_state_dict(model, opt))
     catch("state_dict", opt.state_dict)
-    catch("fully_shard", lambda: zs.FullyShard(parallelize(GPT(), mesh["tp"])))     # (over every rank)
+    catch("fully_shard", lambda: zs.FullyShard(parallelize(GPT(), mesh["tp"])))  # (over every rank)
     net = parallelize(GPT(), mesh["tp"])
-    sgd = zs.ShardedOptimizer(net.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9,
-                              device_mesh=mesh["dp"], stage=2)
+    sgd = zs.ShardedOptimizer(
+        net.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9, device_mesh=mesh["dp"], stage=2
+    )
     catch("sgd_save", lambda: zs.save_checkpoint(os.path.join(tmp, "sgd"), net, sgd))
     catch("world", lambda: zs.ShardedOptimizer(parallelize(GPT(), mesh["tp"]).parameters()))
     mats = [p for p in parallelize(GPT(), mesh["tp"]).parameters() if p.dim() == 2]
-    catch("muon", lambda: zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, device_mesh=mesh["dp"],
-                                              stage=2))
+    catch("muon", lambda: zs.ShardedOptimizer(mats, optimizer_class=torch.optim.Muon, device_mesh=mesh["dp"], stage=2))
     return skipped, dict(msgs)
 
 
 def test_grad_scaler_skips_everywhere_and_what_is_not_supported_yet_is_refused(tmp_path):
-    want = {"model_only": ("'embed.weight' is tensor-parallel", "no ShardedOptimizer steps it"),
-            "dcp": ("tensor-parallel model is not supported yet", "save_checkpoint"), "state_dict": ("tensor-parallel",),
-            "sgd_save": ("SGD's is not supported yet",),
-            "fully_shard": ("share ranks", "FullyShard(model, device_mesh=mesh['dp'])"),
-            "world": ("share ranks", "device_mesh=mesh['dp']"), "muon": ("whole-tensor optimizer", "tp pieces")}
+    want = {
+        "model_only": ("'embed.weight' is tensor-parallel", "no ShardedOptimizer steps it"),
+        "dcp": ("tensor-parallel model is not supported yet", "save_checkpoint"),
+        "state_dict": ("tensor-parallel",),
+        "sgd_save": ("SGD's is not supported yet",),
+        "fully_shard": ("share ranks", "FullyShard(model, device_mesh=mesh['dp'])"),
+        "world": ("share ranks", "device_mesh=mesh['dp']"),
+        "muon": ("whole-tensor optimizer", "tp pieces"),
+    }
     for skipped, msgs in launch("pool", 4).run(_skips_and_refusals, str(tmp_path)):
         assert skipped
         for key, parts in want.items():
@@ -267,6 +305,7 @@ def _norm_with_a_plain_parameter():
     """A plain parameter beside the DTensors (the same on every tp rank): the total norm counts it
     once, as the norm of the gradients read whole says. (our norm, the whole gradients' norm)"""
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model, scale = parallelize(GPT(), mesh["tp"]), torch.nn.Parameter(torch.full((V,), 1.5))
@@ -274,7 +313,7 @@ def _norm_with_a_plain_parameter():
     opt = zs.ShardedOptimizer(params, lr=1e-2, stage=2, device_mesh=mesh["dp"])
     x, y = batch(0, mesh["dp"].get_local_rank(), "cpu")
     torch.nn.functional.cross_entropy((model(x) * scale).reshape(-1, V), y.reshape(-1)).backward()
-    whole = torch.stack([p.grad.full_tensor().norm() for p in params]).norm()     # (collective reads)
+    whole = torch.stack([p.grad.full_tensor().norm() for p in params]).norm()  # (collective reads)
     return float(opt.clip_grad_norm_(math.inf)), float(whole)
 
 
@@ -289,9 +328,17 @@ def _runs_cover_the_local_pieces():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from zeroshard.core.tensor_parallel import placed_of
+
     mesh, bad = init_device_mesh("cpu", (3,)), 0
-    for shape, pl in [((11, 3), Shard(0)), ((3, 10), Shard(1)), ((2, 5, 3), Shard(1)), ((2, 3, 5), Shard(2)),
-                      ((4, 3), Replicate()), ((2, 2), Shard(1)), ((7,), Shard(0))]:
+    for shape, pl in [
+        ((11, 3), Shard(0)),
+        ((3, 10), Shard(1)),
+        ((2, 5, 3), Shard(1)),
+        ((2, 3, 5), Shard(2)),
+        ((4, 3), Replicate()),
+        ((2, 2), Shard(1)),
+        ((7,), Shard(0)),
+    ]:
         g = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
         dt = distribute_tensor(g, mesh, [pl])
         local, placed = dt.to_local().reshape(-1), placed_of(dt)
@@ -299,7 +346,7 @@ def _runs_cover_the_local_pieces():
             for n in range(local.numel() - s + 1):
                 runs = placed.runs(s, n)
                 bad += sum(r[2] for r in runs) != n
-                bad += sum(not torch.equal(g.reshape(-1)[a:a + k], local[s + o:s + o + k]) for a, o, k in runs)
+                bad += sum(not torch.equal(g.reshape(-1)[a : a + k], local[s + o : s + o + k]) for a, o, k in runs)
     return bad
 
 

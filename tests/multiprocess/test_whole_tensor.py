@@ -4,6 +4,7 @@ python/zeroshard/optim/whole.py). A Muon + AdamW script converted with two
 ShardedOptimizers equals DDP + the same two torch optimizers within DDP's own
 distance from single-process training, at stages 1, 2 and FullyShard, world
 sizes 2, 3 and 4."""
+
 import copy
 
 import pytest
@@ -56,15 +57,19 @@ VARIANTS = {
 
 def data(steps=STEPS, seed=5):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 37, (BATCH, 3), generator=g), torch.randint(0, 5, (BATCH,), generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randint(0, 37, (BATCH, 3), generator=g), torch.randint(0, 5, (BATCH,), generator=g))
+        for _ in range(steps)
+    ]
 
 
 def _groups(named, variant):
     mats = {n: p for n, p in named if p.ndim == 2 and not n.endswith(("emb.weight", "head.weight"))}
     rest = [p for n, p in named if n not in mats]
-    muon_groups = [dict(params=[mats[n] for n in mats if not n.endswith("b.weight")]),
-                   dict(params=[mats[n] for n in mats if n.endswith("b.weight")], lr=0.01)]   # 1 matrix, N ranks
+    muon_groups = [
+        dict(params=[mats[n] for n in mats if not n.endswith("b.weight")]),
+        dict(params=[mats[n] for n in mats if n.endswith("b.weight")], lr=0.01),
+    ]  # 1 matrix, N ranks
     muon_kw = dict(lr=0.02, momentum=0.95, weight_decay=0.05, **VARIANTS[variant])
     return muon_groups, muon_kw, rest, dict(lr=3e-3, weight_decay=0.1)
 
@@ -89,25 +94,30 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False,
     else:
         stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB, **options) if kind != 3 else {}
         vouch = dict(whole_tensor=True) if cls is Muon32 else {}
-        if adamw_first:     # (FullyShard: Muon's relayout binds it again over the new layout)
+        if adamw_first:  # (FullyShard: Muon's relayout binds it again over the new layout)
             adamw = zs.ShardedOptimizer(rest, **adamw_kw, **stage)
         muon = zs.ShardedOptimizer(muon_groups, optimizer_class=cls, **muon_kw, **vouch, **stage)
         if not adamw_first:
             adamw = zs.ShardedOptimizer(rest, **adamw_kw, **stage)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (muon, adamw)]
     # GradScaler over both optimizers; an inf on rank 0 at step 4 skips that step everywhere
-    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) if scaler else None
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if scaler else None
     n = BATCH // world
     for k, (tok, y) in enumerate(data()):
-        tok, y = tok[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-        if permute:         # the same batch, summed in another order
+        tok, y = tok[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+        if permute:  # the same batch, summed in another order
             order = torch.randperm(n, generator=torch.Generator().manual_seed(k))
             tok, y = tok[order], y[order]
-        halves = [(tok[: n // 2], y[: n // 2]), (tok[n // 2:], y[n // 2:])] if accumulate else [(tok, y)]
+        halves = [(tok[: n // 2], y[: n // 2]), (tok[n // 2 :], y[n // 2 :])] if accumulate else [(tok, y)]
         for j, (t, yy) in enumerate(halves):
             last = j == len(halves) - 1
-            syncs = [] if last or kind == "single" else [net.no_sync()] if kind == "ddp" else \
-                [muon.no_sync(), adamw.no_sync()]
+            syncs = (
+                []
+                if last or kind == "single"
+                else [net.no_sync()]
+                if kind == "ddp"
+                else [muon.no_sync(), adamw.no_sync()]
+            )
             for s in syncs:
                 s.__enter__()
             loss = F.cross_entropy(net(t, use_extra=k % 3 == 1), yy) / len(halves)
@@ -119,17 +129,18 @@ def _train(kind, variant, accumulate=False, cls=torch.optim.Muon, permute=False,
         for o in (muon, adamw) if gs is not None else ():
             gs.unscale_(o)
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
-        for o in (muon, adamw):     # each stepped and zeroed in turn (ZeRO-3: the second's
-            gs.step(o) if gs is not None else o.step()     # gradients outlive the first's zero_grad)
+        for o in (muon, adamw):  # each stepped and zeroed in turn (ZeRO-3: the second's
+            gs.step(o) if gs is not None else o.step()  # gradients outlive the first's zero_grad)
             o.zero_grad()
         if gs is not None:
             gs.update()
         for s in scheds:
             s.step()
     for o in (muon, adamw) if kind not in ("single", "ddp") else ():
-        o.wait_params()         # (overlap_param_gather: the last all-gathers)
-    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}, (None if kind in ("single", "ddp") else
-                                                                     muon.memory_report())
+        o.wait_params()  # (overlap_param_gather: the last all-gathers)
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}, (
+        None if kind in ("single", "ddp") else muon.memory_report()
+    )
 
 
 def _diff(a, b):
@@ -174,9 +185,11 @@ def test_muon_in_fp32_equals_ddp_to_fp32_rounding(dist_pool, stage):
         assert err < 2e-6 and noise < 2e-6, (rank, err, noise)
 
 
-@pytest.mark.parametrize("options", [dict(adamw_first=True), dict(offload_params=True),
-                                     dict(reshard_after_forward=False, prefetch=2)],
-                         ids=["adamw_first", "offload_params", "no_reshard_prefetch_2"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(adamw_first=True), dict(offload_params=True), dict(reshard_after_forward=False, prefetch=2)],
+    ids=["adamw_first", "offload_params", "no_reshard_prefetch_2"],
+)
 def test_fully_shard_relayout_with_the_other_optimizer_first_and_offload_equals_ddp(dist_pool, options):
     """[Note: uneven chunks]: the units laid out for Muon's owners, with AdamW built first
     (bound again over the new layout), with the shards in host memory, and with the
@@ -229,7 +242,7 @@ def test_grad_scaler_over_both_optimizers_equals_ddp(dist_pool, stage):
     step on every rank, for both, as under DDP."""
     for rank, (err, skipped_moves) in enumerate(dist_pool.run(_compare_scaled, stage)):
         assert err < 2e-6, (rank, err)
-        assert skipped_moves > 1e-3, skipped_moves      # the skipped step changed the result
+        assert skipped_moves > 1e-3, skipped_moves  # the skipped step changed the result
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -243,8 +256,9 @@ def _collectives_of_one_step(stage, bucket_mb=0.1):
     torch.manual_seed(0)
     model = Net()
     muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
-    muon = zs.ShardedOptimizer(muon_groups, optimizer_class=torch.optim.Muon, **muon_kw, stage=stage,
-                               bucket_mb=bucket_mb)
+    muon = zs.ShardedOptimizer(
+        muon_groups, optimizer_class=torch.optim.Muon, **muon_kw, stage=stage, bucket_mb=bucket_mb
+    )
     adamw = zs.ShardedOptimizer(rest, **adamw_kw, stage=stage, bucket_mb=bucket_mb)
     tok, y = data(1)[0]
     before = dict(muon.comm_elements)
@@ -254,8 +268,15 @@ def _collectives_of_one_step(stage, bucket_mb=0.1):
     sent = {k: v - before[k] for k, v in muon.comm_elements.items()}
     rule, layout = muon.whole_tensor_rule, muon.layout
     owners = {i: rule.owners[i] for i in muon.trainable}
-    return (sent, sum(b.numel for b in layout.buckets), len(rule.windows), owners, rule.balance(), rule.owned(),
-            sorted(i for w in rule.windows for i in w.slots))
+    return (
+        sent,
+        sum(b.numel for b in layout.buckets),
+        len(rule.windows),
+        owners,
+        rule.balance(),
+        rule.owned(),
+        sorted(i for w in rule.windows for i in w.slots),
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -266,14 +287,19 @@ def test_stages_1_and_2_lay_each_matrix_in_its_owners_shard_and_add_no_collectiv
     results = dist_pool.run(_collectives_of_one_step, stage)
     for rank, (sent, numel, windows, owners, load, owned, _) in enumerate(results):
         assert windows == 0, windows
-        assert sent == {"reduce_scatter": numel, "all_gather": numel, "all_reduce": sent["all_reduce"],
-                        "replica_all_reduce": 0}, (sent, numel)
+        assert sent == {
+            "reduce_scatter": numel,
+            "all_gather": numel,
+            "all_reduce": sent["all_reduce"],
+            "replica_all_reduce": 0,
+        }, (sent, numel)
         assert owners == results[0][3] and owned == sorted(i for i, r in owners.items() if r == rank)
-    assert sum(len(r[5]) for r in results) == len(results[0][3])     # each matrix owned once
+    assert sum(len(r[5]) for r in results) == len(results[0][3])  # each matrix owned once
     # with buckets smaller than the 211x13 matrix (Muon's parameter 1), it alone stays split
     # and is exchanged; the others still lie whole in their owners' shards
-    for sent, numel, windows, owners, load, owned, exchanged in dist_pool.run(_collectives_of_one_step, stage,
-                                                                             TINY_BUCKET_MB):
+    for sent, numel, windows, owners, load, owned, exchanged in dist_pool.run(
+        _collectives_of_one_step, stage, TINY_BUCKET_MB
+    ):
         assert exchanged == [1] and windows == 1, exchanged
 
 
@@ -284,8 +310,14 @@ def _fully_shard_step_record(whole: bool):
     torch.manual_seed(0)
     model = zs.FullyShard(Net(), wrap={nn.Linear})
     muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
-    opts = [zs.ShardedOptimizer(muon_groups, optimizer_class=torch.optim.Muon, **muon_kw),
-            zs.ShardedOptimizer(rest, **adamw_kw)] if whole else [zs.ShardedOptimizer(model.parameters(), **adamw_kw)]
+    opts = (
+        [
+            zs.ShardedOptimizer(muon_groups, optimizer_class=torch.optim.Muon, **muon_kw),
+            zs.ShardedOptimizer(rest, **adamw_kw),
+        ]
+        if whole
+        else [zs.ShardedOptimizer(model.parameters(), **adamw_kw)]
+    )
     world = dist.group.WORLD.group_name
     for k, (tok, y) in enumerate(data(2)):
         after = max([r["seq"] for r in zs.flight_record() if r["group"] == world], default=0)
@@ -307,7 +339,7 @@ def test_fully_shard_muon_step_sends_what_adamw_sends(dist_pool):
     """[Note: uneven chunks]: with the units laid out for Muon's owners, a step runs the
     units' all-gathers and reduce-scatters alone, as with AdamW over every parameter (no
     exchange window, no padding beyond alignment: each unit at most AdamW's length)."""
-    for (muon, adamw) in dist_pool.run(_fully_shard_sends):
+    for muon, adamw in dist_pool.run(_fully_shard_sends):
         (m_units, m_rest, m_numel, relaid), (a_units, a_rest, a_numel, _) = muon, adamw
         # (each optimizer takes its own gradient statistics: one small all-reduce more)
         assert [k for k, *_ in m_units] == [k for k, *_ in a_units], (m_units, a_units)
@@ -343,13 +375,12 @@ def _fully_shard_in_place(kind):
         net, opt = DDP(model), Muon32(model.parameters(), lr=0.02, momentum=0.95)
     else:
         net = model = zs.FullyShard(model, wrap={Stack})
-        opt = zs.ShardedOptimizer(model.parameters(), optimizer_class=Muon32, whole_tensor=True, lr=0.02,
-                                  momentum=0.95)
+        opt = zs.ShardedOptimizer(model.parameters(), optimizer_class=Muon32, whole_tensor=True, lr=0.02, momentum=0.95)
     g = torch.Generator().manual_seed(3)
     for _ in range(4):
         x, y = torch.randn(12, 16, generator=g), torch.randn(12, 7, generator=g)
         n = 12 // world
-        F.mse_loss(net(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        F.mse_loss(net(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
         opt.step()
         opt.zero_grad()
     full = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
@@ -374,8 +405,8 @@ def test_fully_shard_lays_every_matrix_inside_its_owners_chunk(dist_pool):
     for rank, (err, windowed, home) in enumerate(results):
         assert err < 2e-6, (rank, err)
         assert windowed == [], windowed
-    assert sorted(i for *_, home in results for i in home) == list(range(7))   # each once, in place
-    per_rank = [len(r[2]) for r in results]     # the six equal ones spread evenly, the head on top
+    assert sorted(i for *_, home in results for i in home) == list(range(7))  # each once, in place
+    per_rank = [len(r[2]) for r in results]  # the six equal ones spread evenly, the head on top
     assert max(per_rank) - min(per_rank) <= 1, per_rank
 
 
@@ -405,12 +436,17 @@ def _lopsided(kind):
     if kind == "ddp":
         net, opts = DDP(model), [Muon32(mats, lr=0.02, momentum=0.95), torch.optim.AdamW(rest, lr=1e-2)]
     else:
-        net, opts = model, [zs.ShardedOptimizer(mats, optimizer_class=Muon32, whole_tensor=True, lr=0.02,
-                                                momentum=0.95), zs.ShardedOptimizer(rest, lr=1e-2)]
+        net, opts = (
+            model,
+            [
+                zs.ShardedOptimizer(mats, optimizer_class=Muon32, whole_tensor=True, lr=0.02, momentum=0.95),
+                zs.ShardedOptimizer(rest, lr=1e-2),
+            ],
+        )
     g = torch.Generator().manual_seed(4)
     for _ in range(3):
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
-        F.mse_loss(net(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        F.mse_loss(net(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
         for o in opts:
             o.step()
             o.zero_grad()
@@ -438,8 +474,11 @@ def test_hybrid_sharding_and_overlapped_parameter_gather_at_4_ranks(stage):
     overlap_param_gather the owners' updates reach the next forward through the
     overlapped all-gather."""
     pool = launch("pool", 4)
-    _check(pool.run(_compare, stage, "nesterov", True, torch.optim.Muon,
-                    dict(shard_size=2, overlap_param_gather=True)), 4, replicas=2)
+    _check(
+        pool.run(_compare, stage, "nesterov", True, torch.optim.Muon, dict(shard_size=2, overlap_param_gather=True)),
+        4,
+        replicas=2,
+    )
 
 
 def _bf16(stage):
@@ -451,13 +490,20 @@ def _bf16(stage):
     model = Net().to(torch.bfloat16)
     masters = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
-    muon = zs.ShardedOptimizer(muon_groups, optimizer_class=Muon32, whole_tensor=True, **muon_kw, stage=stage,
-                               bucket_mb=TINY_BUCKET_MB, reduce_dtype=torch.float32)
+    muon = zs.ShardedOptimizer(
+        muon_groups,
+        optimizer_class=Muon32,
+        whole_tensor=True,
+        **muon_kw,
+        stage=stage,
+        bucket_mb=TINY_BUCKET_MB,
+        reduce_dtype=torch.float32,
+    )
     adamw = zs.ShardedOptimizer(rest, **adamw_kw, stage=stage, bucket_mb=TINY_BUCKET_MB, reduce_dtype=torch.float32)
     rank, world = dist.get_rank(), dist.get_world_size()
     n = BATCH // world
     for tok, y in batches:
-        F.cross_entropy(model(tok[rank * n:(rank + 1) * n]).float(), y[rank * n:(rank + 1) * n]).backward()
+        F.cross_entropy(model(tok[rank * n : (rank + 1) * n]).float(), y[rank * n : (rank + 1) * n]).backward()
         for o in (muon, adamw):
             o.step()
             o.zero_grad()
@@ -468,8 +514,9 @@ def _bf16(stage):
     master = {nm: masters[nm].clone().requires_grad_() for nm in names}
     by_param = {id(p): nm for nm, p in ref.named_parameters()}
     ref_muon_groups, _, ref_rest, _ = _groups(list(ref.named_parameters()), "nesterov")
-    ref_muon = Muon32([dict(g, params=[master[by_param[id(p)]] for p in g["params"]]) for g in ref_muon_groups],
-                      **muon_kw)
+    ref_muon = Muon32(
+        [dict(g, params=[master[by_param[id(p)]] for p in g["params"]]) for g in ref_muon_groups], **muon_kw
+    )
     ref_adamw = torch.optim.AdamW([master[by_param[id(p)]] for p in ref_rest], foreach=False, **adamw_kw)
     for tok, y in batches:
         with torch.no_grad():
@@ -477,14 +524,14 @@ def _bf16(stage):
                 p.copy_(master[nm])
         for nm in names:
             master[nm].grad = None
-        for r in range(world):      # each rank's bf16 gradient, summed in fp32 (reduce_dtype)
+        for r in range(world):  # each rank's bf16 gradient, summed in fp32 (reduce_dtype)
             ref.zero_grad()
-            F.cross_entropy(ref(tok[r * n:(r + 1) * n]).float(), y[r * n:(r + 1) * n]).backward()
+            F.cross_entropy(ref(tok[r * n : (r + 1) * n]).float(), y[r * n : (r + 1) * n]).backward()
             for nm, p in ref.named_parameters():
                 if p.grad is not None:
                     g = p.grad.float()
                     master[nm].grad = g if master[nm].grad is None else master[nm].grad + g
-        for nm in names:            # (stage 1 holds the averaged gradient in the parameters' dtype)
+        for nm in names:  # (stage 1 holds the averaged gradient in the parameters' dtype)
             if master[nm].grad is not None:
                 g = master[nm].grad / world
                 master[nm].grad = g.to(torch.bfloat16).float() if stage == 1 else g
@@ -494,7 +541,7 @@ def _bf16(stage):
     rounded = {nm: master[nm].detach().to(torch.bfloat16).float() for nm in names}
     moved = min(float((rounded[nm] - masters[nm]).abs().max()) for nm in names if not nm.startswith("extra"))
     # in bf16 steps of each tensor's largest element (2^-7 of it, at worst)
-    ulps = max(float((ours[nm] - rounded[nm]).abs().max() / (rounded[nm].abs().max() * 2 ** -7)) for nm in names)
+    ulps = max(float((ours[nm] - rounded[nm]).abs().max() / (rounded[nm].abs().max() * 2**-7)) for nm in names)
     return ulps, moved, sorted(i for w in muon.whole_tensor_rule.windows for i in w.slots), ours
 
 
@@ -507,19 +554,20 @@ def test_bf16_parameters_take_the_owners_update_rounded(dist_pool, stage):
     order differs in fp32's last bits, which can move a rounding)."""
     results = dist_pool.run(_bf16, stage)
     for rank, (err, moved, exchanged, ours) in enumerate(results):
-        assert exchanged == [1], exchanged      # the 211x13 matrix; the others lie whole
+        assert exchanged == [1], exchanged  # the 211x13 matrix; the others lie whole
         assert moved > 1e-3, moved
         assert err <= 1, (rank, err, moved)
-        assert all(torch.equal(ours[k], results[0][3][k]) for k in ours), rank    # the same model everywhere
+        assert all(torch.equal(ours[k], results[0][3][k]) for k in ours), rank  # the same model everywhere
 
 
 # ---------------------------------------------------------------- pure layout math
 def test_keep_balanced_releases_the_costliest_of_an_overloaded_rank():
     from zeroshard.native.layout import keep_balanced
+
     costs = {0: 10, 1: 10, 2: 10, 3: 10, 4: 1}
-    assert keep_balanced({0: 0, 1: 0, 2: 0, 3: 0}, costs, 2) == {2: 0, 3: 0}      # 40 of 41: keeps 20
-    assert keep_balanced({0: 0, 1: 0, 2: 1, 3: 1}, costs, 2) == {0: 0, 1: 0, 2: 1, 3: 1}   # balanced
-    assert keep_balanced({4: 1, 0: 0}, {0: 30, 4: 1, 1: 2}, 3) == {4: 1}   # 30 > 1.15 x 11: given back
+    assert keep_balanced({0: 0, 1: 0, 2: 0, 3: 0}, costs, 2) == {2: 0, 3: 0}  # 40 of 41: keeps 20
+    assert keep_balanced({0: 0, 1: 0, 2: 1, 3: 1}, costs, 2) == {0: 0, 1: 0, 2: 1, 3: 1}  # balanced
+    assert keep_balanced({4: 1, 0: 0}, {0: 30, 4: 1, 1: 2}, 3) == {4: 1}  # 30 > 1.15 x 11: given back
 
 
 def test_update_cost_grows_as_newton_schulz():
@@ -544,7 +592,7 @@ def test_owners_balance_the_cost_and_windows_hold_each_tensor_once():
             seen = [i for w in windows for i in w.slots]
             assert sorted(seen) == list(range(len(shapes)))
             for w in windows:
-                for r in range(world):       # a rank's values do not overlap and fit its chunk
+                for r in range(world):  # a rank's values do not overlap and fit its chunk
                     spans = sorted((off, off + numels[i]) for i, (o, off) in w.slots.items() if o == r)
                     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
                     assert all(e <= w.values for _, e in spans)
@@ -555,17 +603,17 @@ def test_owners_balance_the_cost_and_windows_hold_each_tensor_once():
 def _errors():
     out = []
     model = Net()
-    try:    # a vector given to Muon: named, and where it belongs
+    try:  # a vector given to Muon: named, and where it belongs
         zs.ShardedOptimizer([model.a.weight, model.a.bias], optimizer_class=torch.optim.Muon, lr=0.02)
     except ValueError as e:
         out.append(str(e))
     muon = zs.ShardedOptimizer([model.a.weight], optimizer_class=torch.optim.Muon, lr=0.02)
-    try:    # a parameter in both optimizers
+    try:  # a parameter in both optimizers
         zs.ShardedOptimizer([model.a.weight, model.b.weight], lr=1e-3)
     except ValueError as e:
         out.append(str(e))
     del muon
-    zs.ShardedOptimizer([model.a.weight, model.b.weight], lr=1e-3)   # once the first is gone
+    zs.ShardedOptimizer([model.a.weight, model.b.weight], lr=1e-3)  # once the first is gone
     return out
 
 
@@ -602,7 +650,7 @@ def _adafactor_and_state_dict(kind):
         return _full(model), opt.state_dict()
     opt.consolidate_state_dict(to=0)
     sd = opt.state_dict() if dist.get_rank() == 0 else None
-    if sd is not None:       # plain torch loads it
+    if sd is not None:  # plain torch loads it
         cls(Net().parameters(), **kw).load_state_dict(sd)
     return _full(model), sd
 
@@ -612,8 +660,11 @@ def _compare_adafactor(kind):
     state_err = None
     if sd is not None:
         assert sd["state"].keys() == ref_sd["state"].keys()
-        state_err = max(float((torch.as_tensor(v).float() - torch.as_tensor(ref_sd["state"][i][k]).float()).abs().max())
-                        for i, st in sd["state"].items() for k, v in st.items())
+        state_err = max(
+            float((torch.as_tensor(v).float() - torch.as_tensor(ref_sd["state"][i][k]).float()).abs().max())
+            for i, st in sd["state"].items()
+            for k, v in st.items()
+        )
     return _diff(ours, ref), state_err
 
 
@@ -632,8 +683,14 @@ def _two(kind, cls=Muon32):
         model = zs.FullyShard(model, wrap={nn.Linear})
     muon_groups, muon_kw, rest, adamw_kw = _groups(list(model.named_parameters()), "nesterov")
     stage = dict(stage=kind, bucket_mb=TINY_BUCKET_MB) if kind != 3 else {}
-    return model, model, [zs.ShardedOptimizer(muon_groups, optimizer_class=cls, whole_tensor=True, **muon_kw, **stage),
-                          zs.ShardedOptimizer(rest, **adamw_kw, **stage)]
+    return (
+        model,
+        model,
+        [
+            zs.ShardedOptimizer(muon_groups, optimizer_class=cls, whole_tensor=True, **muon_kw, **stage),
+            zs.ShardedOptimizer(rest, **adamw_kw, **stage),
+        ],
+    )
 
 
 def _steps(net, opts, batches, first=0):
@@ -641,7 +698,9 @@ def _steps(net, opts, batches, first=0):
     for k, (tok, y) in enumerate(batches, start=first):
         for o in opts:
             o.zero_grad()
-        F.cross_entropy(net(tok[rank * n:(rank + 1) * n], use_extra=k % 3 == 1), y[rank * n:(rank + 1) * n]).backward()
+        F.cross_entropy(
+            net(tok[rank * n : (rank + 1) * n], use_extra=k % 3 == 1), y[rank * n : (rank + 1) * n]
+        ).backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
         for o in opts:
             o.step()
@@ -673,8 +732,12 @@ def _resume(kind):
         fresh = Net()
         muon_groups, muon_kw, _, _ = _groups(list(fresh.named_parameters()), "nesterov")
         torch.optim.Muon(muon_groups, **muon_kw).load_state_dict(sd0[0])
-        assert {tuple(st["momentum_buffer"].shape) for st in sd0[0]["state"].values()} == \
-            {(41, 23), (13, 41), (211, 13), (13, 13)}
+        assert {tuple(st["momentum_buffer"].shape) for st in sd0[0]["state"].values()} == {
+            (41, 23),
+            (13, 41),
+            (211, 13),
+            (13, 13),
+        }
     return _diff(_full(model), straight)
 
 
@@ -703,8 +766,11 @@ def _ckpt_load(kind, path):
     return _full(model), extra, opts[0].param_steps
 
 
-@pytest.mark.parametrize("saved,loaded", [((1, 2), (1, 2)), ((3, 2), (3, 2)), ((2, 2), (3, 3)), ((3, 3), (1, 2))],
-                         ids=["stage1-same", "stage3-same", "2to3ranks-stage2to3", "3to2ranks-stage3to1"])
+@pytest.mark.parametrize(
+    "saved,loaded",
+    [((1, 2), (1, 2)), ((3, 2), (3, 2)), ((2, 2), (3, 3)), ((3, 3), (1, 2))],
+    ids=["stage1-same", "stage3-same", "2to3ranks-stage2to3", "3to2ranks-stage3to1"],
+)
 def test_checkpoints_of_muon_and_adamw_resume_at_any_world_size_and_stage(tmp_path, saved, loaded):
     path = str(tmp_path / "ck")
     straight, straight_steps = launch("pool", saved[1]).run(_ckpt_save, saved[0], path)[0]
@@ -721,8 +787,10 @@ def _sharded_round_trip(kind):
     model, net, opts = _two(kind)
     _steps(net, opts, batches[:3])
     msd = model.state_dict()
-    sds = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in o.sharded_state_dict()["state"].items()}
-           for o in opts]
+    sds = [
+        {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in o.sharded_state_dict()["state"].items()}
+        for o in opts
+    ]
     held = [dict(o.sharded_state_dict(), state=sd) for o, sd in zip(opts, sds)]
     _steps(net, opts, batches[3:], first=3)
     straight = _full(model)
@@ -740,20 +808,22 @@ def test_sharded_state_dict_holds_the_owned_state_and_resumes_exactly(dist_pool,
     for err, _ in res:
         assert err == 0.0, err
     owned = [k for _, keys in res for k in keys]
-    assert len(owned) == len(set(owned)) == 4, owned      # each matrix's momentum on one rank
+    assert len(owned) == len(set(owned)) == 4, owned  # each matrix's momentum on one rank
 
 
 # ---------------------------------------------------------------- the memory planner
-PLAN_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)   # awkward sizes
+PLAN_KW = dict(vocab=61, layers=3, dim=100, heads=4, seq=47)  # awkward sizes
 
 
 def _gpt():
     import os
     import sys
+
     examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
     import train_gpt
+
     return train_gpt
 
 
@@ -777,15 +847,17 @@ def _measured_reports(stage, optimizer):
         inside = {id(p) for m in model.modules() if isinstance(m, tg.Block) for p in m.parameters()}
         hidden = [p for p in model.parameters() if p.dim() == 2 and id(p) in inside]
         rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
-        opts = [zs.ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, lr=0.02, **kw),
-                zs.ShardedOptimizer(rest, lr=1e-3, **kw)]
+        opts = [
+            zs.ShardedOptimizer(hidden, optimizer_class=torch.optim.Muon, lr=0.02, **kw),
+            zs.ShardedOptimizer(rest, lr=1e-3, **kw),
+        ]
     for _ in range(2):
         model(x[:, :-1], x[:, 1:]).backward()
         for o in opts:
             o.step()
             o.zero_grad()
     reps = [o.memory_report() for o in opts]
-    if stage == 3:      # one FullyShard report, each optimizer's own state beside it
+    if stage == 3:  # one FullyShard report, each optimizer's own state beside it
         out = dict(reps[0])
         out["optimizer_state"] = sum(r.get("optimizer_state", 0) for r in reps)
         out["total"] = reps[0]["total"] + sum(r.get("optimizer_state", 0) for r in reps[1:])
@@ -796,6 +868,7 @@ def _measured_reports(stage, optimizer):
 @pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
 def test_the_planner_counts_whole_tensor_state_on_its_owner(dist_pool, optimizer):
     from zeroshard.plan import plan_model
+
     world = dist_pool.world_size
     plan = plan_model(_build_gpt, world, "fp32", optimizer=optimizer, transport="gloo")
     for stage in (1, 2, 3):
@@ -810,6 +883,7 @@ def test_the_planner_at_fake_world_sizes_holds_each_state_once():
     matrix's 4 bytes per element, once; at 64, each planned rank holds exactly its owned
     matrices'; Adafactor's factors (4 ranks) are rows + columns."""
     from zeroshard.plan import plan_model
+
     tg, model = _gpt(), _build_gpt()
     inside = {id(p) for m in model.modules() if isinstance(m, tg.Block) for p in m.parameters()}
     matrices = [p.shape for p in model.parameters() if p.dim() == 2 and id(p) in inside]
@@ -850,7 +924,8 @@ def _one_rank_muon(stage):
     ref_opt = torch.optim.Muon(ref_mats, **kw)
     steps = []
     hook = register_optimizer_step_pre_hook(
-        lambda o, args, kwargs: steps.append(o) if type(o) is torch.optim.Muon else None)
+        lambda o, args, kwargs: steps.append(o) if type(o) is torch.optim.Muon else None
+    )
     kept = True
     try:
         for k, (tok, y) in enumerate(data(seed=11 + rank)):
@@ -864,8 +939,11 @@ def _one_rank_muon(stage):
     finally:
         hook.remove()
     ours = _full(model)
-    err = max((ours[n] - p.detach()).abs().max().item()
-              for n, p in ref.named_parameters() if n in ours and any(p is q for q in ref_mats))
+    err = max(
+        (ours[n] - p.detach()).abs().max().item()
+        for n, p in ref.named_parameters()
+        if n in ours and any(p is q for q in ref_mats)
+    )
     return err, len(steps) / (2 * STEPS), kept
 
 
@@ -874,7 +952,7 @@ def test_at_one_rank_muon_steps_once_over_the_gradients_as_they_lie(stage):
     """At world size 1 without clipping nothing scales the gradients, so torch's Muon reads
     them where they lie (no copy) and steps every matrix in one call, as torch.optim.Muon
     does on the plain model: the same parameters to the bit, the gradients untouched."""
-    for err, muon_steps_per_step, kept in launch("pool", 2).run(_one_rank_muon, stage):   # two ranks, each alone
+    for err, muon_steps_per_step, kept in launch("pool", 2).run(_one_rank_muon, stage):  # two ranks, each alone
         assert err == 0.0, err
         assert muon_steps_per_step == 1.0, muon_steps_per_step
         assert kept

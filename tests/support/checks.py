@@ -18,6 +18,7 @@ def close(a: list, b: list, tol: float = 1e-5) -> bool:
     """Two equally long, non-empty lists of numbers within ``tol`` of each other."""
     return len(a) == len(b) > 0 and max(abs(x - y) for x, y in zip(a, b)) <= tol
 
+
 def rel_err(a, b):
     """The relative error of ``a`` against ``b`` (flattened, in double)."""
     a, b = a.detach().double().flatten(), b.detach().double().flatten()

@@ -1,6 +1,7 @@
 """The DDP comparisons: a training loop in the idioms of common DDP scripts run under DDP +
 torch AdamW and under a zeroshard stage on the same ResidualNet (or Branchy) and data, and
 what differs between the two runs' parameters, norms, loss scales and step counts."""
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,18 +14,17 @@ from .models import Branchy, Residual, ResidualNet
 BATCH = 12
 
 
-TINY_BUCKET_MB = 700 / 2**20     # buckets split tensors
+TINY_BUCKET_MB = 700 / 2**20  # buckets split tensors
 
 
 def data(steps, seed=3):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, 11, generator=g) * 2, torch.randint(0, 3, (BATCH,), generator=g))
-            for _ in range(steps)]
+    return [(torch.randn(BATCH, 11, generator=g) * 2, torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(steps)]
 
 
 def local(t):
     n = t.shape[0] // dist.get_world_size()
-    return t[dist.get_rank() * n:(dist.get_rank() + 1) * n]
+    return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
 
 
 def build(kind, **zs_kw):
@@ -36,8 +36,9 @@ def build(kind, **zs_kw):
     if kind == 3:
         model = zs.FullyShard(model, wrap={Residual}, **zs_kw)
         return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1)
-    return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
-                                      bucket_mb=TINY_BUCKET_MB, **zs_kw)
+    return model, zs.ShardedOptimizer(
+        model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind, bucket_mb=TINY_BUCKET_MB, **zs_kw
+    )
 
 
 def full_params(kind, model):
@@ -50,24 +51,24 @@ def script(kind, case, steps=6, overflow_at=2, **zs_kw):
     model, opt = build(kind, **zs_kw)
     rank, world = dist.get_rank(), dist.get_world_size()
     scaled = case in ("scaler", "scaler_opt_clip")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2) if scaled else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2) if scaled else None
     out = {"norms": [], "scales": [], "pnorms": []}
     for k, (x, y) in enumerate(data(steps)):
-        if case in ("model_zero_grad", "scaler_opt_clip"):     # (the Hugging Face Trainer's habit)
+        if case in ("model_zero_grad", "scaler_opt_clip"):  # (the Hugging Face Trainer's habit)
             model.zero_grad()
         else:
             opt.zero_grad(set_to_none=True)
         micro = 2 if case == "model_zero_grad" else 1
-        for j in range(micro):        # several syncing backwards accumulate, as under DDP
+        for j in range(micro):  # several syncing backwards accumulate, as under DDP
             loss = F.cross_entropy(model(local(x) * (j + 1)), local(y)) / micro
             if scaler is not None and k == overflow_at and rank == world - 1:
-                loss = loss * float("inf")        # overflow on one rank only
+                loss = loss * float("inf")  # overflow on one rank only
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.unscale_(opt)
         if case in ("torch_clip", "scaler", "opt_clip", "scaler_opt_clip"):
             out["pnorms"].append([p.grad.norm().item() for p in model.parameters()])
-            if case in ("opt_clip", "scaler_opt_clip") and kind != "ddp":   # the optimizer's own (no pass over
+            if case in ("opt_clip", "scaler_opt_clip") and kind != "ddp":  # the optimizer's own (no pass over
                 # the gradients); after a skipped step its coefficient must not reach the next one
                 out["norms"].append(opt.clip_grad_norm_(0.5).item())
             else:
@@ -86,12 +87,15 @@ def compare(stage, case, **zs_kw):
     """``script`` under stage ``stage`` and under DDP: the largest parameter, norm and per-parameter
     norm errors, and both runs' loss scales."""
     ours, ddp = script(stage, case, **zs_kw), script("ddp", case)
-    res = {"param_err": max(rel_err(ours["params"][k], ddp["params"][k]) for k in ddp["params"]),
-           "scales": (ours["scales"], ddp["scales"])}
+    res = {
+        "param_err": max(rel_err(ours["params"][k], ddp["params"][k]) for k in ddp["params"]),
+        "scales": (ours["scales"], ddp["scales"]),
+    }
     if ddp["norms"]:
         res["norm_err"] = max(abs(a - b) / b for a, b in zip(ours["norms"], ddp["norms"]))
-        res["pnorm_err"] = max(abs(a - b) / max(b, 1e-12) for pa, pb in zip(ours["pnorms"], ddp["pnorms"])
-                               for a, b in zip(pa, pb))
+        res["pnorm_err"] = max(
+            abs(a - b) / max(b, 1e-12) for pa, pb in zip(ours["pnorms"], ddp["pnorms"]) for a, b in zip(pa, pb)
+        )
     return res
 
 
@@ -101,12 +105,14 @@ def branchy(kind, seed=0, **zs_kw):
     model = Branchy()
     if kind == "ddp":
         return DDP(model, find_unused_parameters=True), torch.optim.AdamW(
-            model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+            model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False
+        )
     if kind == 3:
         net = zs.FullyShard(model, wrap={Residual}, **zs_kw)
         return net, zs.ShardedOptimizer(net.parameters(), lr=1e-2, weight_decay=0.1)
-    return model, zs.ShardedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind,
-                                      bucket_mb=TINY_BUCKET_MB, **zs_kw)
+    return model, zs.ShardedOptimizer(
+        model.parameters(), lr=1e-2, weight_decay=0.1, stage=kind, bucket_mb=TINY_BUCKET_MB, **zs_kw
+    )
 
 
 def unused(kind, steps=7, **zs_kw):
@@ -135,8 +141,12 @@ def compare_unused(stage, **zs_kw):
     """``unused`` under stage ``stage`` and under DDP: the largest parameter error, both runs'
     per-parameter step counts, and whether p.grad is None in the same places."""
     (ours, our_steps, our_none), (ddp, ddp_steps, ddp_none) = unused(stage, **zs_kw), unused("ddp")
-    return max(rel_err(ours[k], ddp[k]) if ddp[k].norm() > 0 else (ours[k] - ddp[k]).abs().max().item()
-               for k in ddp), our_steps, ddp_steps, our_none == ddp_none
+    return (
+        max(rel_err(ours[k], ddp[k]) if ddp[k].norm() > 0 else (ours[k] - ddp[k]).abs().max().item() for k in ddp),
+        our_steps,
+        ddp_steps,
+        our_none == ddp_none,
+    )
 
 
 def trained_hybrid(stage, steps):

@@ -1,6 +1,7 @@
 """Files the tests write and hold: directories on the repository's disk (for direct I/O),
 one whose filesystem refuses O_DIRECT, a checkpoint's bytes, and checkpoint writes held
 back until a test lets them go."""
+
 import contextlib
 import errno
 import os
@@ -36,8 +37,11 @@ def no_direct_io_directory(base):
             os.unlink(probe)
     mnt = os.path.join(base, "ramfs")
     os.mkdir(mnt)
-    if (os.geteuid() != 0 or shutil.which("mount") is None
-            or subprocess.run(["mount", "-t", "ramfs", "ramfs", mnt], capture_output=True).returncode):
+    if (
+        os.geteuid() != 0
+        or shutil.which("mount") is None
+        or subprocess.run(["mount", "-t", "ramfs", "ramfs", mnt], capture_output=True).returncode
+    ):
         yield None
         return
     try:
@@ -67,6 +71,7 @@ class HeldWrite:
             self.started.set()
             assert self._permits.acquire(timeout=60), "never released"
             return self._real(*args, **kw)
+
         files.write_safetensors = held
         return self
 

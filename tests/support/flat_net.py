@@ -1,6 +1,7 @@
 """The ZeRO-1/2 tests' model and its reference run: a Net of awkward sizes (prime widths, a
 parameter larger than a bucket, a frozen layer, a layer the forward never uses), its data,
 and single-process torch AdamW on the whole batch to compare ShardedOptimizer with."""
+
 import contextlib
 
 import torch
@@ -10,10 +11,10 @@ import torch.nn.functional as F
 
 import zeroshard as zs
 
-BATCH = 12          # divisible by 2 and 3: every rank gets an equal slice
+BATCH = 12  # divisible by 2 and 3: every rank gets an equal slice
 
 
-TINY_BUCKET_MB = 1000 / 2**20   # ~1000 bytes: buckets split tensors, big.weight spans several
+TINY_BUCKET_MB = 1000 / 2**20  # ~1000 bytes: buckets split tensors, big.weight spans several
 
 
 class Net(nn.Module):
@@ -46,25 +47,29 @@ def make_model(seed=0, dtype=torch.float32):
 def param_groups(model, lr=1e-2):
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
-    return [{"params": decay, "weight_decay": 0.1, "lr": lr},
-            {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
+    return [{"params": decay, "weight_decay": 0.1, "lr": lr}, {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
 
 
 def batches(steps, seed=1, micro=1):
     g = torch.Generator().manual_seed(seed)
-    return [[(torch.randint(0, 37, (BATCH, 5), generator=g), torch.randint(0, 3, (BATCH,), generator=g))
-             for _ in range(micro)] for _ in range(steps)]
+    return [
+        [
+            (torch.randint(0, 37, (BATCH, 5), generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+            for _ in range(micro)
+        ]
+        for _ in range(steps)
+    ]
 
 
 def local(x, rank, world):
     n = x.shape[0] // world
-    return x[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n]
 
 
 def reference(steps, micro=1, clip=None, dtype=torch.float32, state_after=None):
     """Single-process torch AdamW on the whole batch; returns the model (and norms)."""
     model = make_model(dtype=torch.float32)
-    if dtype != torch.float32:   # same (rounded) starting point as the low-precision run
+    if dtype != torch.float32:  # same (rounded) starting point as the low-precision run
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.to(dtype).float())
@@ -82,13 +87,26 @@ def reference(steps, micro=1, clip=None, dtype=torch.float32, state_after=None):
     return model, norms
 
 
-def train_ours(steps, stage, micro=1, no_sync=False, clip=None, dtype=torch.float32, reduce_dtype=None,
-               bucket_mb=TINY_BUCKET_MB, model=None, opt=None, first_step=0, **hybrid):
+def train_ours(
+    steps,
+    stage,
+    micro=1,
+    no_sync=False,
+    clip=None,
+    dtype=torch.float32,
+    reduce_dtype=None,
+    bucket_mb=TINY_BUCKET_MB,
+    model=None,
+    opt=None,
+    first_step=0,
+    **hybrid,
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     if model is None:
         model = make_model(dtype=dtype)
-        opt = zs.ShardedOptimizer(param_groups(model), stage=stage, bucket_mb=bucket_mb,
-                                  reduce_dtype=reduce_dtype, **hybrid)
+        opt = zs.ShardedOptimizer(
+            param_groups(model), stage=stage, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, **hybrid
+        )
     norms = []
     for mbs in batches(first_step + steps, micro=micro)[first_step:]:
         opt.zero_grad()
@@ -100,4 +118,3 @@ def train_ours(steps, stage, micro=1, no_sync=False, clip=None, dtype=torch.floa
             norms.append(opt.clip_grad_norm_(clip).item())
         opt.step()
     return model, opt, norms
-

@@ -19,6 +19,7 @@ out; the tests that involve it (train_gpt's, the chaos and restart tests, the GP
 rank-0 traps, the Hugging Face and Lightning jobs, the quickstart's torchrun run) launch
 with torchrun itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,20 +33,33 @@ from typing import Dict, List, Optional, Tuple
 _server: Optional[subprocess.Popen] = None
 
 
-def run(script: str, ranks: int, args: List[str], env: Dict[str, str], cwd: str,
-        timeout: float) -> Tuple[int, str, str]:
+def run(
+    script: str, ranks: int, args: List[str], env: Dict[str, str], cwd: str, timeout: float
+) -> Tuple[int, str, str]:
     """(exit code, stdout, stderr) of ``script args`` on ``ranks`` ranks: the first non-zero
     rank's code (or 0); -9 where the launch ran past ``timeout`` seconds and was killed."""
     global _server
     if _server is None or _server.poll() is not None:
         env0 = dict(os.environ, OMP_NUM_THREADS="1")
-        _server = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, env=env0)
-    job = dict(script=os.path.abspath(script), ranks=ranks, args=args, env=env, cwd=cwd, timeout=timeout,
-               id=time.monotonic_ns())
+        _server = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env0,
+        )
+    job = dict(
+        script=os.path.abspath(script),
+        ranks=ranks,
+        args=args,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+        id=time.monotonic_ns(),
+    )
     _server.stdin.write(json.dumps(job) + "\n")
     _server.stdin.flush()
-    while True:     # (an answer to a launch whose test was stopped before it came is skipped)
+    while True:  # (an answer to a launch whose test was stopped before it came is skipped)
         line = _server.stdout.readline()
         if not line:
             raise RuntimeError(f"the launch server exited (code {_server.wait()}) running {script}")
@@ -61,11 +75,23 @@ def run(script: str, ranks: int, args: List[str], env: Dict[str, str], cwd: str,
 
 def _rank_env(job: dict, rank: int, port: int) -> Dict[str, str]:
     n = str(job["ranks"])
-    return dict(job["env"], RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, ROLE_WORLD_SIZE=n, ROLE_NAME="default",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="none",
-                TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                TORCHELASTIC_USE_AGENT_STORE="False")
+    return dict(
+        job["env"],
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        WORLD_SIZE=n,
+        LOCAL_WORLD_SIZE=n,
+        ROLE_WORLD_SIZE=n,
+        ROLE_NAME="default",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID="none",
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_USE_AGENT_STORE="False",
+    )
 
 
 def _wait(pids: List[int], timeout: float) -> int:
@@ -100,6 +126,7 @@ def _serve():
     import tempfile
 
     from support.pool import free_port
+
     for line in sys.stdin:
         job = json.loads(line)
         fd_out, out_file = tempfile.mkstemp(suffix=".out")
@@ -124,10 +151,11 @@ def _run_rank(job: dict, rank: int, port: int) -> None:
     """In a forked rank: torchrun's environment, then the script as ``__main__``."""
     import runpy
     import tempfile
+
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.environ.update(_rank_env(job, rank, port))
-    tempfile.tempdir = None          # (TMPDIR is the launch's)
+    tempfile.tempdir = None  # (TMPDIR is the launch's)
     os.chdir(job["cwd"])
     sys.argv = [job["script"], *job["args"]]
     sys.path[0] = os.path.dirname(job["script"])
@@ -135,13 +163,14 @@ def _run_rank(job: dict, rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/: support.*
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: support.*
     import torch
     import torch._dynamo  # noqa: F401  (what constructing a torch optimizer imports)
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
     import zeroshard  # noqa: F401
+
     torch.set_num_threads(1)
     forked = _serve()
     if forked is not None:

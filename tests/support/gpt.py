@@ -2,6 +2,7 @@
 attention, awkward widths) of GPTBlock units, its data and loss, and single-process torch
 AdamW on the whole batch (optionally with bf16 compute over rank slices) to compare
 FullyShard with; ``build`` makes the GPT and its optimizer under each kind of training."""
+
 import contextlib
 
 import torch
@@ -25,7 +26,7 @@ class GPTBlock(nn.Module):
         self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
         self.proj = nn.Linear(DIM, DIM)
         self.ln2 = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, 37)        # awkward hidden width
+        self.fc = nn.Linear(DIM, 37)  # awkward hidden width
         self.out = nn.Linear(37, DIM)
 
     def _forward(self, x):
@@ -56,7 +57,7 @@ class GPT(nn.Module):
         self.tok.weight = self.head.weight
         self.register_buffer("temperature", torch.ones(1))
 
-    def reset_parameters(self):      # the buffer, for models built on meta
+    def reset_parameters(self):  # the buffer, for models built on meta
         self.temperature.fill_(1.0)
 
     def forward(self, idx):
@@ -73,13 +74,18 @@ def make_gpt(seed=0, ckpt=False):
 
 def batches(steps, micro=1, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [[(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
-             for _ in range(micro)] for _ in range(steps)]
+    return [
+        [
+            (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(micro)
+        ]
+        for _ in range(steps)
+    ]
 
 
 def local(x, rank, world):
     n = x.shape[0] // world
-    return x[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n]
 
 
 def loss_fn(logits, y):
@@ -88,9 +94,14 @@ def loss_fn(logits, y):
 
 def param_groups(named, lr=1e-2):
     named = list(named)
-    return [{"params": [p for n, p in named if n.endswith("weight") and "ln" not in n], "weight_decay": 0.1},
-            {"params": [p for n, p in named if not (n.endswith("weight") and "ln" not in n)],
-             "weight_decay": 0.0, "lr": lr / 2}]
+    return [
+        {"params": [p for n, p in named if n.endswith("weight") and "ln" not in n], "weight_decay": 0.1},
+        {
+            "params": [p for n, p in named if not (n.endswith("weight") and "ln" not in n)],
+            "weight_decay": 0.0,
+            "lr": lr / 2,
+        },
+    ]
 
 
 def reference(steps, micro=1, clip=None, param_dtype=None, world=1):
@@ -101,7 +112,7 @@ def reference(steps, micro=1, clip=None, param_dtype=None, world=1):
     master = make_gpt()
     opt = torch.optim.AdamW(param_groups(master.named_parameters()), lr=1e-2, foreach=False)
     compute = make_gpt() if param_dtype else master
-    if param_dtype:    # parameters only: FullyShard does not cast buffers
+    if param_dtype:  # parameters only: FullyShard does not cast buffers
         for p in compute.parameters():
             p.data = p.data.to(param_dtype)
     norms = []
@@ -144,8 +155,7 @@ def train(model, opt, steps, micro=1, no_sync=False, clip=None, first_step=0):
     return norms
 
 
-
-TINY_BUCKET_MB = 0.004      # buckets of ~1000 fp32 elements: parameters split across buckets
+TINY_BUCKET_MB = 0.004  # buckets of ~1000 fp32 elements: parameters split across buckets
 
 
 def build(kind, dtype=None, seed=0):
@@ -161,13 +171,13 @@ def build(kind, dtype=None, seed=0):
     if kind in ("plain", "ddp"):
         opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=1e-2, foreach=False)
         return (nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model), opt
-    return model, zs.ShardedOptimizer(param_groups(model.named_parameters()), lr=1e-2, stage=kind,
-                                      bucket_mb=TINY_BUCKET_MB)
+    return model, zs.ShardedOptimizer(
+        param_groups(model.named_parameters()), lr=1e-2, stage=kind, bucket_mb=TINY_BUCKET_MB
+    )
 
 
 def train_plain(model, opt, steps, first_step=0):
-    for (x, y), in batches(first_step + steps)[first_step:]:
+    for ((x, y),) in batches(first_step + steps)[first_step:]:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-

@@ -21,6 +21,7 @@
 ``torchrun_job`` and ``torchrun_jobs`` launch a job of support/jobs/ with torchrun and read
 back the results its rank 0 saved.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,15 @@ def environment(env: Optional[Dict[str, Optional[str]]]) -> Dict[str, str]:
     return out
 
 
-def _forked(script: Optional[str], ranks: int = 1, args: Sequence[str] = (), env=None, cwd: str = ROOT,
-            timeout: float = 240, text: Optional[str] = None) -> subprocess.CompletedProcess:
+def _forked(
+    script: Optional[str],
+    ranks: int = 1,
+    args: Sequence[str] = (),
+    env=None,
+    cwd: str = ROOT,
+    timeout: float = 240,
+    text: Optional[str] = None,
+) -> subprocess.CompletedProcess:
     path = script
     if text is not None:
         fd, path = tempfile.mkstemp(suffix=".py")
@@ -75,13 +83,31 @@ def _forked(script: Optional[str], ranks: int = 1, args: Sequence[str] = (), env
     return subprocess.CompletedProcess([path, *args], code, out, err)
 
 
-def _torchrun(script: str, ranks: int, args: Sequence[str] = (), env=None, cwd: Optional[str] = None,
-              timeout: float = 240, flags: Sequence[str] = (), wait: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           *flags, script, *args]
+def _torchrun(
+    script: str,
+    ranks: int,
+    args: Sequence[str] = (),
+    env=None,
+    cwd: Optional[str] = None,
+    timeout: float = 240,
+    flags: Sequence[str] = (),
+    wait: bool = True,
+):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        *flags,
+        script,
+        *args,
+    ]
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=environment(env), cwd=cwd)
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(env), cwd=cwd
+        )
     return subprocess.run(cmd, capture_output=True, text=True, env=environment(env), cwd=cwd, timeout=timeout)
 
 
@@ -91,20 +117,36 @@ def torchrun_jobs(tmp_path_factory, name: str, script: str, timeout: float) -> d
     resume what world 2 saved). Each writes ``results-w<world>.pt`` into its directory."""
     out = {}
     for world in (2, 3):
-        out[world] = torchrun_job(tmp_path_factory, f"{name}-w{world}", script, world, [] if world == 2 else
-                                  [out[2]["dir"]], f"results-w{world}.pt", timeout)
+        out[world] = torchrun_job(
+            tmp_path_factory,
+            f"{name}-w{world}",
+            script,
+            world,
+            [] if world == 2 else [out[2]["dir"]],
+            f"results-w{world}.pt",
+            timeout,
+        )
     return out
 
 
-def torchrun_job(tmp_path_factory, name: str, script: str, world: int, args: list, results: str,
-                 timeout: float) -> dict:
+def torchrun_job(
+    tmp_path_factory, name: str, script: str, world: int, args: list, results: str, timeout: float
+) -> dict:
     """Rank 0's results of ``script`` launched with torchrun at ``world`` ranks as ``script
     [--flags] DIR [args]``, DIR a fresh directory where rank 0 writes the file ``results``."""
     import torch
+
     d = tmp_path_factory.mktemp(name)
     flags = [a for a in args if a.startswith("--")]
-    res = launch("torchrun", script, world, [*flags, str(d), *[a for a in args if not a.startswith("--")]],
-                 env={"OMP_NUM_THREADS": "1", "TMPDIR": str(d)}, cwd=ROOT, timeout=timeout)
+    res = launch(
+        "torchrun",
+        script,
+        world,
+        [*flags, str(d), *[a for a in args if not a.startswith("--")]],
+        env={"OMP_NUM_THREADS": "1", "TMPDIR": str(d)},
+        cwd=ROOT,
+        timeout=timeout,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     out = torch.load(os.path.join(d, results), weights_only=False)
     out["dir"] = str(d)

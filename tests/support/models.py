@@ -2,6 +2,7 @@
 DDP, FSDP2, compile, hand-gradient and rank-0 tests shard); ``ResidualNet``, an input layer, ``layers``
 Residual blocks and a head; ``Branchy``, a ResidualNet with a branch some ranks take in
 some steps and a layer no step uses."""
+
 import torch
 import torch.nn as nn
 

@@ -7,6 +7,7 @@ results. A rank that raises fails the test with that rank's traceback; ranks
 that do not answer within the timeout (a hang in a collective) fail the test
 and the pool is torn down and rebuilt for the next test.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -36,8 +37,14 @@ def _worker(rank, world_size, port, tasks, results, sys_path):
     # On a hang the parent sends SIGUSR1: every thread's Python stack goes to a
     # file the parent puts in the test's failure message.
     faulthandler.register(signal.SIGUSR1, file=open(_stack_file(port, rank), "w"), all_threads=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     import torch
     import torch.distributed as dist
 
@@ -71,8 +78,11 @@ class DistPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_worker, daemon=True,
-                        args=(r, self.world_size, port, self._tasks[r], self._results, list(sys.path)))
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, self.world_size, port, self._tasks[r], self._results, list(sys.path)),
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -98,8 +108,10 @@ class DistPool:
             self.close()
             self._start()
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise RankError(f"{fn.__name__}: ranks {missing} did not finish within {timeout}s "
-                            f"(hang in a collective?){detail}{stuck}")
+            raise RankError(
+                f"{fn.__name__}: ranks {missing} did not finish within {timeout}s "
+                f"(hang in a collective?){detail}{stuck}"
+            )
         if errors:
             raise RankError("".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())))
         return [out[r] for r in range(self.world_size)]

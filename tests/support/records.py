@@ -12,6 +12,7 @@ class Timeline:
 
     def __init__(self):
         from zeroshard.comm import flight
+
         self._flight, self._start, self._marks = flight, flight.issued(), []
 
     def mark(self, what: str, name) -> None:
@@ -20,13 +21,17 @@ class Timeline:
     def grad_hooks(self, named_params) -> list:
         """Marks ("grad", name) each time autograd accumulates one of ``named_params``'
         gradients (after the library's own hook for it, registered earlier)."""
-        return [p.register_post_accumulate_grad_hook(lambda p, n=n: self.mark("grad", n))
-                for n, p in named_params if p.requires_grad]
+        return [
+            p.register_post_accumulate_grad_hook(lambda p, n=n: self.mark("grad", n))
+            for n, p in named_params
+            if p.requires_grad
+        ]
 
     def events(self) -> list:
         import re
+
         recs = self._flight.flight_record()
-        first = self._flight.issued() - len(recs) + 1      # the issue number of recs[0]
+        first = self._flight.issued() - len(recs) + 1  # the issue number of recs[0]
         out, marks = [], iter(self._marks)
         mark = next(marks, None)
         for n, rec in enumerate(recs, start=first):
@@ -45,6 +50,14 @@ class Timeline:
 def unit_gather_dtypes(since: float) -> list:
     """The dtypes of the units' all-gathers this rank issued since ``since`` (time.time()), from the flight record."""
     import zeroshard
-    return sorted({r["dtype"] for r in zeroshard.flight_record()
-                   if r["kind"] == "all_gather" and "all-gather" in r["what"] and ", unit '" in r["what"]
-                   and r["start"] >= since})
+
+    return sorted(
+        {
+            r["dtype"]
+            for r in zeroshard.flight_record()
+            if r["kind"] == "all_gather"
+            and "all-gather" in r["what"]
+            and ", unit '" in r["what"]
+            and r["start"] >= since
+        }
+    )

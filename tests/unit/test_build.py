@@ -1,4 +1,5 @@
 """The extension reports how it was built, and CI proves the CUDA code compiles and links."""
+
 import os
 
 import pytest
@@ -9,8 +10,9 @@ import zeroshard as zs
 
 def test_build_info_reports_torch_and_cuda():
     info = zs.build_info()
-    assert info["torch_version"].split("+")[0].split(".")[:2] == torch.__version__.split("+")[0].split(".")[:2], \
+    assert info["torch_version"].split("+")[0].split(".")[:2] == torch.__version__.split("+")[0].split(".")[:2], (
         "extension built against a different torch minor version than the one imported"
+    )
     assert isinstance(info["cuda"], bool)
     if torch.version.cuda is None:
         assert not info["cuda"], "a CUDA build needs a CUDA build of torch"
@@ -47,29 +49,29 @@ def test_the_cuda_adamw_launch_choices_set_and_read_back():
 
 
 def test_public_api():
-    for name in ("compute_layout", "fused_adamw_", "reduce_scatter", "all_gather", "all_reduce",
-                 "build_info"):
+    for name in ("compute_layout", "fused_adamw_", "reduce_scatter", "all_gather", "all_reduce", "build_info"):
         assert callable(getattr(zs, name)), name
 
 
 def _needed_libraries(path: str) -> list:
     """DT_NEEDED entries of a 64-bit little-endian ELF shared object (its dynamic section)."""
     import struct
+
     with open(path, "rb") as f:
         data = f.read()
     assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path} is not a 64-bit LE ELF file"
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     names = []
     for _, sh_type, _, _, off, size, link, _, _, entsize in sections:
-        if sh_type != 6:   # SHT_DYNAMIC
+        if sh_type != 6:  # SHT_DYNAMIC
             continue
         strtab = sections[link][4]
         for k in range(0, size, entsize):
             tag, val = struct.unpack_from("<qQ", data, off + k)
-            if tag == 1:   # DT_NEEDED
-                names.append(data[strtab + val:data.index(b"\0", strtab + val)].decode())
+            if tag == 1:  # DT_NEEDED
+                names.append(data[strtab + val : data.index(b"\0", strtab + val)].decode())
     return names
 
 
@@ -77,8 +79,10 @@ def test_extension_uses_the_shared_cxx_runtime():
     """A private static copy of libstdc++ crashes the first error message that
     formats a number (see [Note: shared C++ runtime] in CMakeLists.txt)."""
     from zeroshard import _C
+
     needed = _needed_libraries(_C.__file__)
     assert "libstdc++.so.6" in needed, f"{_C.__file__} links {needed}: the C++ runtime was linked statically"
-    with pytest.raises(ValueError, match="1009"):   # formats an int64 into the message
-        zs.fused_adamw_([torch.zeros(1009)], [torch.zeros(1008)], [torch.zeros(1009)], [torch.zeros(1009)],
-                        lr=1e-3, step=1)
+    with pytest.raises(ValueError, match="1009"):  # formats an int64 into the message
+        zs.fused_adamw_(
+            [torch.zeros(1009)], [torch.zeros(1008)], [torch.zeros(1009)], [torch.zeros(1009)], lr=1e-3, step=1
+        )

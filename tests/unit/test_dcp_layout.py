@@ -1,5 +1,6 @@
 """checkpoint/dcp.py's rectangles: a flat element range of a row-major tensor as the rectangular
 chunks DCP describes, each a contiguous run of the range, covering it exactly, in order."""
+
 import math
 
 from hypothesis import given, settings
@@ -15,7 +16,7 @@ def test_rectangles_cover_the_range_exactly(shape, data):
     start = data.draw(st.integers(0, total))
     numel = data.draw(st.integers(0, total - start))
     rects = rectangles(tuple(shape), start, numel)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     covered, pos = [], 0
     for off, size, at in rects:
         assert len(off) == len(size) == len(shape) and at == pos
@@ -23,7 +24,7 @@ def test_rectangles_cover_the_range_exactly(shape, data):
         first = sum(o * s for o, s in zip(off, strides))
         last = sum((o + z - 1) * s for o, z, s in zip(off, size, strides))
         n = math.prod(size)
-        assert last + 1 - first == n          # contiguous in the flat order: a view of the piece
+        assert last + 1 - first == n  # contiguous in the flat order: a view of the piece
         covered.extend(range(first, first + n))
         pos += n
     assert covered == list(range(start, start + numel))

@@ -4,6 +4,7 @@ README.md stays a short front page; every page in mkdocs.yml's nav exists and ev
 docs page is in the nav; every snippet a page includes (``--8<-- "path"``) exists;
 the API reference names every public name of zeroshard.
 """
+
 import ast
 import os
 import re
@@ -71,9 +72,12 @@ def test_every_snippet_include_exists():
 
 def test_api_reference_covers_the_public_api():
     tree = ast.parse(_read("python", "zeroshard", "__init__.py"))
-    public = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                  and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
-    api = _read("docs", "api.md")   # a mkdocstrings block, or a heading for a compiled class
+    public = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    )
+    api = _read("docs", "api.md")  # a mkdocstrings block, or a heading for a compiled class
     documented = set(re.findall(r"^::: zeroshard\.(\w+)\s*$", api, re.M))
     documented |= set(re.findall(r"^#+ `zeroshard\.(\w+)`", api, re.M))
     assert not set(public) - documented, f"public names missing from docs/api.md: {sorted(set(public) - documented)}"
@@ -83,10 +87,10 @@ def test_the_memory_table_is_the_planners():
     """The memory tables (README, home page, choosing a stage): each stage's 7B-on-8-GPUs figures are what the
     planner's formula gives for bf16 parameters with an fp32 master and for fp32 parameters."""
     from zeroshard.plan.formula import model_state_bytes
+
     want = {dt: {s: r["total"] / 1e9 for s, r in model_state_bytes(7e9, 8, dt).items()} for dt in ("bf16", "fp32")}
     for page in ("README.md", os.path.join("docs", "index.md"), os.path.join("docs", "choosing-a-stage.md")):
-        rows = [line.split("|")[1:-1] for line in _read(page).splitlines()
-                if re.match(r"\| (DDP|ZeRO-[123]) \|", line)]
+        rows = [line.split("|")[1:-1] for line in _read(page).splitlines() if re.match(r"\| (DDP|ZeRO-[123]) \|", line)]
         assert [r[0].strip() for r in rows] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], page
         for r in rows:
             stage = r[0].strip()
@@ -116,7 +120,12 @@ def test_the_product_speaks_of_itself_alone():
     """No page, the README nor the results name internal issue numbers or how the project's
     machines were used (torch.profiler's own "session" aside)."""
     pages = ["README.md", os.path.join("benchmarks", "RESULTS.md")] + [os.path.join("docs", p) for p in _doc_pages()]
-    hits = [(p, line) for p in pages for line in _read(p).splitlines()
-            if re.search(r"issue [0-9]+|session|device time", line, re.I) and "profiler" not in line
-            and not line.startswith("start is still running as the session ends")]
+    hits = [
+        (p, line)
+        for p in pages
+        for line in _read(p).splitlines()
+        if re.search(r"issue [0-9]+|session|device time", line, re.I)
+        and "profiler" not in line
+        and not line.startswith("start is still running as the session ends")
+    ]
     assert not hits, hits

@@ -1,6 +1,7 @@
 """examples/_device.py: which backend and device each example picks, for the machines users have
 (the CUDA branch is taken here with torch.cuda's answers replaced; on a GPU host it runs for real
 in tests/integration/test_gpu.py's examples)."""
+
 import importlib.util
 import os
 
@@ -19,15 +20,18 @@ def _load():
     return mod
 
 
-@pytest.mark.parametrize("gpus,local_rank,local_ranks,want", [
-    (0, "0", None, ("gloo", "cpu")),            # no GPU: plain python
-    (0, "1", "2", ("gloo", "cpu")),             # no GPU: torchrun, 2 ranks
-    (1, "0", None, ("nccl", "cuda:0")),         # one GPU, plain python
-    (2, "1", "2", ("nccl", "cuda:1")),          # a GPU per rank: each rank its own, never GPU 0
-    (8, "5", "8", ("nccl", "cuda:5")),
-    (1, "1", "2", ("gloo", "cpu")),             # 2 ranks on 1 GPU: NCCL cannot share it
-    (4, "3", "8", ("gloo", "cpu")),
-])
+@pytest.mark.parametrize(
+    "gpus,local_rank,local_ranks,want",
+    [
+        (0, "0", None, ("gloo", "cpu")),  # no GPU: plain python
+        (0, "1", "2", ("gloo", "cpu")),  # no GPU: torchrun, 2 ranks
+        (1, "0", None, ("nccl", "cuda:0")),  # one GPU, plain python
+        (2, "1", "2", ("nccl", "cuda:1")),  # a GPU per rank: each rank its own, never GPU 0
+        (8, "5", "8", ("nccl", "cuda:5")),
+        (1, "1", "2", ("gloo", "cpu")),  # 2 ranks on 1 GPU: NCCL cannot share it
+        (4, "3", "8", ("gloo", "cpu")),
+    ],
+)
 def test_backend_and_device(monkeypatch, gpus, local_rank, local_ranks, want):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

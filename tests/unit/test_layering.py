@@ -6,6 +6,7 @@ answers through protocols (``core/claims.py``'s ``Claimant``, ``zero3/records.py
 ``Stepper``, ``core/source.py``'s ``Rebind``). Per-object state lives in the package's own
 objects (a ``ShardedParameter``'s ``owner_ref``), not in module-level maps from ``id()``.
 """
+
 import ast
 import os
 import re
@@ -42,15 +43,24 @@ def _identifiers(tree: ast.AST):
 
 def optimizer_references(sources: dict) -> list:
     """``file:line: name`` for each identifier naming an optimizer, over ``sources`` ({rel: text})."""
-    return [f"{rel}:{line}: {name}" for rel, src in sorted(sources.items())
-            for line, name in _identifiers(ast.parse(src)) if OPTIMIZER_NAME.search(name)]
+    return [
+        f"{rel}:{line}: {name}"
+        for rel, src in sorted(sources.items())
+        for line, name in _identifiers(ast.parse(src))
+        if OPTIMIZER_NAME.search(name)
+    ]
 
 
 def _module_names(tree: ast.Module) -> set:
     out = set()
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AnnAssign, ast.AugAssign)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
         out.update(t.id for t in targets if isinstance(t, ast.Name))
     return out
 
@@ -67,19 +77,31 @@ def id_keyed_registries(sources: dict) -> list:
         tree = ast.parse(src)
         glob = _module_names(tree)
         for node in tree.body:
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call) and \
-                    "WeakIdKeyDictionary" in ast.unparse(node.value.func):
+            if (
+                isinstance(node, (ast.Assign, ast.AnnAssign))
+                and isinstance(node.value, ast.Call)
+                and "WeakIdKeyDictionary" in ast.unparse(node.value.func)
+            ):
                 bad.append(f"{rel}:{node.lineno}: {ast.unparse(node.value)}")
         for node in ast.walk(tree):
             name = None
             if isinstance(node, ast.Subscript) and _is_id_call(node.slice) and isinstance(node.value, ast.Name):
                 name = node.value.id
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr in KEYED_CALLS and node.args and _is_id_call(node.args[0]) and \
-                    isinstance(node.func.value, ast.Name):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in KEYED_CALLS
+                and node.args
+                and _is_id_call(node.args[0])
+                and isinstance(node.func.value, ast.Name)
+            ):
                 name = node.func.value.id
-            elif isinstance(node, ast.Compare) and _is_id_call(node.left) and \
-                    isinstance(node.ops[0], (ast.In, ast.NotIn)) and isinstance(node.comparators[0], ast.Name):
+            elif (
+                isinstance(node, ast.Compare)
+                and _is_id_call(node.left)
+                and isinstance(node.ops[0], (ast.In, ast.NotIn))
+                and isinstance(node.comparators[0], ast.Name)
+            ):
                 name = node.comparators[0].id
             if name in glob:
                 bad.append(f"{rel}:{node.lineno}: {name}")
@@ -101,32 +123,47 @@ def _package_sources(folders=None) -> dict:
 
 def test_the_model_side_never_names_an_optimizer():
     sources = _package_sources(MODEL_SIDE)
-    assert len(sources) > 15, sorted(sources)        # it sees zero3/ and zero12/
+    assert len(sources) > 15, sorted(sources)  # it sees zero3/ and zero12/
     bad = optimizer_references(sources)
-    assert not bad, ("zero3/ and zero12/ name an optimizer (expose what the model holds and answer through "
-                     "a protocol: Claimant, Stepper, Rebind):\n" + "\n".join(bad))
+    assert not bad, (
+        "zero3/ and zero12/ name an optimizer (expose what the model holds and answer through "
+        "a protocol: Claimant, Stepper, Rebind):\n" + "\n".join(bad)
+    )
 
 
 def test_the_optimizer_check_finds_planted_references():
-    planted = {"a.py": "from ..optim.sharded import ShardedOptimizer\n",
-               "b.py": "def f(opt):\n    opt.units_relaid()\n",
-               "c.py": "# the optimizer steps these\nx = 'optimizer'\n"}
+    planted = {
+        "a.py": "from ..optim.sharded import ShardedOptimizer\n",
+        "b.py": "def f(opt):\n    opt.units_relaid()\n",
+        "c.py": "# the optimizer steps these\nx = 'optimizer'\n",
+    }
     found = {line.split(": ", 1)[1] for line in optimizer_references(planted)}
-    assert found == {"optim.sharded", "ShardedOptimizer", "opt", "units_relaid"}, found     # (not c.py's words)
+    assert found == {"optim.sharded", "ShardedOptimizer", "opt", "units_relaid"}, found  # (not c.py's words)
 
 
 def test_no_module_keeps_a_registry_keyed_by_id():
     sources = _package_sources()
     assert len(sources) > 100
     bad = id_keyed_registries(sources)
-    assert not bad, ("module-level registries keyed by id() (keep the state in the package's own objects, "
-                     "or a weak set of live objects that answer for themselves):\n" + "\n".join(bad))
+    assert not bad, (
+        "module-level registries keyed by id() (keep the state in the package's own objects, "
+        "or a weak set of live objects that answer for themselves):\n" + "\n".join(bad)
+    )
 
 
 def test_the_registry_check_finds_planted_ones():
-    planted = {"r.py": ("import weakref\nfrom torch.utils.weak import WeakIdKeyDictionary\n_A = {}\n_B = set()\n"
-                        "_C = WeakIdKeyDictionary()\n"
-                        "def f(p, local):\n    _A[id(p)] = p\n    _B.add(id(p))\n    x = id(p) in _A\n"
-                        "    local[id(p)] = 1\n    return _A.get(id(p)), x\n")}
-    assert sorted(id_keyed_registries(planted)) == ["r.py:11: _A", "r.py:5: WeakIdKeyDictionary()", "r.py:7: _A",
-                                                    "r.py:8: _B", "r.py:9: _A"], id_keyed_registries(planted)
+    planted = {
+        "r.py": (
+            "import weakref\nfrom torch.utils.weak import WeakIdKeyDictionary\n_A = {}\n_B = set()\n"
+            "_C = WeakIdKeyDictionary()\n"
+            "def f(p, local):\n    _A[id(p)] = p\n    _B.add(id(p))\n    x = id(p) in _A\n"
+            "    local[id(p)] = 1\n    return _A.get(id(p)), x\n"
+        )
+    }
+    assert sorted(id_keyed_registries(planted)) == [
+        "r.py:11: _A",
+        "r.py:5: WeakIdKeyDictionary()",
+        "r.py:7: _A",
+        "r.py:8: _B",
+        "r.py:9: _A",
+    ], id_keyed_registries(planted)

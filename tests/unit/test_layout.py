@@ -1,4 +1,5 @@
 """Layout math from Python: property tests over random sizes, dtypes, caps and world sizes."""
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -13,14 +14,15 @@ def scatter_into_buffers(layout, tensors):
     """Build each flat buffer from the layout: tensor data at its offsets, zeros elsewhere."""
     bufs = [torch.zeros(b.numel, dtype=torch.float64) for b in layout.buffers]
     for t, place in zip(tensors, layout.tensors):
-        bufs[place.buffer][place.offset:place.offset + place.numel] = t
+        bufs[place.buffer][place.offset : place.offset + place.numel] = t
     return bufs
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    specs=st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(DTYPES), st.integers(0, 2)),
-                   min_size=1, max_size=10),
+    specs=st.lists(
+        st.tuples(st.integers(0, 5000), st.sampled_from(DTYPES), st.integers(0, 2)), min_size=1, max_size=10
+    ),
     world=st.integers(1, 9),
     cap=st.integers(1, 40_000),
 )
@@ -44,9 +46,10 @@ def test_shards_partition_buffers_exactly(specs, world, cap):
         assert (b.shard_numel * itemsize) % 16 == 0 and (b.offset * itemsize) % 16 == 0
         assert b.numel * itemsize <= max(cap, world * 16)
         # the rank shards tile the bucket: concatenating them gives the bucket back
-        shards = [bufs[b.buffer][b.offset + r * b.shard_numel:b.offset + (r + 1) * b.shard_numel]
-                  for r in range(world)]
-        bucket = bufs[b.buffer][b.offset:b.offset + b.numel]
+        shards = [
+            bufs[b.buffer][b.offset + r * b.shard_numel : b.offset + (r + 1) * b.shard_numel] for r in range(world)
+        ]
+        bucket = bufs[b.buffer][b.offset : b.offset + b.numel]
         assert torch.equal(torch.cat(shards), bucket)
         seen.index_add_(0, bucket.long(), torch.ones(b.numel, dtype=torch.int64))
     # each element of each tensor lies in exactly one bucket; padding is all that is left
@@ -63,8 +66,8 @@ def test_shards_partition_buffers_exactly(specs, world, cap):
     for r in range(world):
         for piece in layout.shard_pieces(r):
             b = layout.buckets[piece.bucket]
-            src = bufs[b.buffer][b.offset + r * b.shard_numel + piece.shard_offset:][:piece.numel]
-            dst = rebuilt[piece.tensor][piece.tensor_offset:piece.tensor_offset + piece.numel]
+            src = bufs[b.buffer][b.offset + r * b.shard_numel + piece.shard_offset :][: piece.numel]
+            dst = rebuilt[piece.tensor][piece.tensor_offset : piece.tensor_offset + piece.numel]
             assert torch.all(dst == -1), "two ranks own the same element"
             dst.copy_(src)
     for a, b in zip(rebuilt, ids):
@@ -79,21 +82,25 @@ def test_tensor_larger_than_bucket_is_split_and_cap_respected():
 
 
 def test_keys_and_dtypes_separate_buffers():
-    layout = zs.compute_layout([5, 5, 5, 5], [torch.float32, torch.bfloat16, torch.float32, torch.float32],
-                               1 << 20, 2, keys=[0, 0, 0, 1])
+    layout = zs.compute_layout(
+        [5, 5, 5, 5], [torch.float32, torch.bfloat16, torch.float32, torch.float32], 1 << 20, 2, keys=[0, 0, 0, 1]
+    )
     assert len(layout.buffers) == 3
     assert layout.tensors[2].buffer == layout.tensors[0].buffer
     assert layout.tensors[3].buffer != layout.tensors[0].buffer
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(numels=[3, -1], dtypes=[torch.float32] * 2, bucket_cap_bytes=64, world_size=2), "tensor 1"),
-    (dict(numels=[3], dtypes=[torch.float32], bucket_cap_bytes=64, world_size=0), "world_size"),
-    (dict(numels=[3], dtypes=[torch.float32], bucket_cap_bytes=0, world_size=2), "bucket_cap_bytes"),
-    (dict(numels=[3, 4], dtypes=[torch.float32], bucket_cap_bytes=64, world_size=2), "dtypes has 1"),
-    (dict(numels=[3], dtypes=["float32"], bucket_cap_bytes=64, world_size=2), r"dtypes\[0\]"),
-    (dict(numels=[3], dtypes=[torch.complex128], bucket_cap_bytes=64, world_size=2), "itemsize 16"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(numels=[3, -1], dtypes=[torch.float32] * 2, bucket_cap_bytes=64, world_size=2), "tensor 1"),
+        (dict(numels=[3], dtypes=[torch.float32], bucket_cap_bytes=64, world_size=0), "world_size"),
+        (dict(numels=[3], dtypes=[torch.float32], bucket_cap_bytes=0, world_size=2), "bucket_cap_bytes"),
+        (dict(numels=[3, 4], dtypes=[torch.float32], bucket_cap_bytes=64, world_size=2), "dtypes has 1"),
+        (dict(numels=[3], dtypes=["float32"], bucket_cap_bytes=64, world_size=2), r"dtypes\[0\]"),
+        (dict(numels=[3], dtypes=[torch.complex128], bucket_cap_bytes=64, world_size=2), "itemsize 16"),
+    ],
+)
 def test_bad_layout_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         zs.compute_layout(**kwargs)
@@ -103,15 +110,16 @@ def test_fill_flat_copies_sources_and_zeroes_the_rest():
     """Random non-overlapping pieces (bf16 sources into an fp32 buffer full of NaN):
     every covered element equals its source, every other element is zero."""
     from zeroshard.native.layout import fill_flat
+
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     n = 97
     cuts = sorted(torch.randperm(n, generator=g)[:12].tolist())
     pieces = [(a, torch.randn(b - a, generator=g).bfloat16()) for a, b in zip(cuts[0::2], cuts[1::2])]
     flat = torch.full((n,), float("nan"))
-    fill_flat(flat, pieces[::-1])          # any order
+    fill_flat(flat, pieces[::-1])  # any order
     want = torch.zeros(n)
     for a, src in pieces:
-        want[a:a + src.numel()] = src.float()
+        want[a : a + src.numel()] = src.float()
     assert torch.equal(flat, want)
 
 
@@ -131,7 +139,7 @@ def test_fill_flat_is_one_foreach_zero_and_one_foreach_copy():
             return func(*args, **(kwargs or {}))
 
     flat = torch.full((100,), float("nan"))
-    pieces = [(a, torch.randn(7)) for a in range(1, 100, 10)]     # 10 pieces, 11 gaps
+    pieces = [(a, torch.randn(7)) for a in range(1, 100, 10)]  # 10 pieces, 11 gaps
     with Count() as c:
         fill_flat(flat, pieces)
     writes = [op for op in c.ops if op not in ("aten.slice", "aten.view")]
@@ -146,11 +154,12 @@ def test_gaps_are_exactly_what_no_range_covers(numel, ranges):
     touch, end at or run past ``numel``; the gaps come out in order, non-empty
     and separated (two gaps never touch)."""
     from zeroshard.native.layout import gaps
+
     covered, taken = [], [False] * (numel + 80)
-    for offset, length in ranges:            # keep them non-overlapping, as gaps() requires
-        if not any(taken[offset:offset + length]):
+    for offset, length in ranges:  # keep them non-overlapping, as gaps() requires
+        if not any(taken[offset : offset + length]):
             covered.append((offset, length))
-            taken[offset:offset + length] = [True] * length
+            taken[offset : offset + length] = [True] * length
     out = gaps(numel, covered)
     mask = [False] * numel
     for start, end in out:
@@ -161,14 +170,18 @@ def test_gaps_are_exactly_what_no_range_covers(numel, ranges):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(-1, 6)), min_size=1, max_size=9),
-       st.integers(1, 6), st.sampled_from([1, 4, 8]))
+@given(
+    st.lists(st.tuples(st.integers(0, 3000), st.integers(-1, 6)), min_size=1, max_size=9),
+    st.integers(1, 6),
+    st.sampled_from([1, 4, 8]),
+)
 def test_owner_chunks_hold_each_whole_tensor_in_its_owners_chunk(specs, world, align):
     """owner_chunks ([Note: uneven chunks] in zero3/relayout.py): tensors never overlap and
     lie inside the flat buffer, each whole one inside its owner's chunk, every tensor and
     chunk aligned, no padding beyond alignment, and no chunk longer than it must be: the
     longest of its whole tensors' and the even share, plus one tensor cut at its start."""
     from zeroshard.native.layout import owner_chunks
+
     numels = [n for n, _ in specs]
     owners = {i: r % world for i, (_, r) in enumerate(specs) if r >= 0}
     L = owner_chunks(numels, owners, world, align)
@@ -176,6 +189,7 @@ def test_owner_chunks_hold_each_whole_tensor_in_its_owners_chunk(specs, world, a
 
     def up(x):
         return -(-x // align) * align
+
     assert len(b) == world + 1 and b[0] == 0 and all(x <= y for x, y in zip(b, b[1:]))
     spans = sorted((L.offsets[i], L.offsets[i] + n) for i, n in enumerate(numels) if n)
     assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:])) and (not spans or spans[-1][1] <= b[-1])
@@ -191,8 +205,11 @@ def test_owner_chunks_hold_each_whole_tensor_in_its_owners_chunk(specs, world, a
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(-1, 40)), min_size=1, max_size=9),
-       st.sampled_from([8, 64, 4096]), st.sampled_from([0, 64, 1 << 16]))
+@given(
+    st.lists(st.tuples(st.integers(0, 3000), st.integers(-1, 40)), min_size=1, max_size=9),
+    st.sampled_from([8, 64, 4096]),
+    st.sampled_from([0, 64, 1 << 16]),
+)
 def test_owner_chunks_with_a_least_fill_touch_few_chunks(specs, world, min_fill):
     """With ``min_fill``, the tensors updated elementwise fill chunks to at least that many
     elements: besides the owners' chunks, at most (their elements / min_fill) + 2 chunks
@@ -200,6 +217,7 @@ def test_owner_chunks_with_a_least_fill_touch_few_chunks(specs, world, min_fill)
     and no chunk passes max(its whole tensors, the even share, min_fill) by more than one
     cut tensor."""
     from zeroshard.native.layout import owner_chunks
+
     numels = [n for n, _ in specs]
     owners = {i: r % world for i, (_, r) in enumerate(specs) if r >= 0}
     L = owner_chunks(numels, owners, world, 4, min_fill)
@@ -207,6 +225,7 @@ def test_owner_chunks_with_a_least_fill_touch_few_chunks(specs, world, min_fill)
 
     def up(x):
         return -(-x // 4) * 4
+
     assert len(b) == world + 1 and b[0] == 0 and b[-1] <= sum(up(n) for n in numels)
     for i, r in owners.items():
         assert numels[i] == 0 or b[r] <= L.offsets[i] and L.offsets[i] + numels[i] <= b[r + 1]
@@ -227,6 +246,7 @@ def test_owner_chunks_of_gpt_blocks_balance_the_cost():
     them: at 2, 3 and 4 ranks each rank's Newton-Schulz cost is the mean, and no block
     is padded."""
     from zeroshard.native.layout import assign_owners, owner_chunks, update_cost
+
     d = 64
     shapes = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
     numels = [torch.Size(s).numel() for s in shapes]
@@ -237,8 +257,9 @@ def test_owner_chunks_of_gpt_blocks_balance_the_cost():
         load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
         assert max(load) == min(load), (world, load)
         for blk in range(8):
-            mine = dict(zip(mats, owners[blk * len(mats):(blk + 1) * len(mats)]))
+            mine = dict(zip(mats, owners[blk * len(mats) : (blk + 1) * len(mats)]))
             L = owner_chunks(numels, mine, world)
             assert L.bounds[-1] == sum(numels)
-            assert all(L.bounds[r] <= L.offsets[k] and L.offsets[k] + numels[k] <= L.bounds[r + 1]
-                       for k, r in mine.items())
+            assert all(
+                L.bounds[r] <= L.offsets[k] and L.offsets[k] + numels[k] <= L.bounds[r + 1] for k, r in mine.items()
+            )

@@ -3,6 +3,7 @@ processes: a fake fold policy and fake collectives (handles that complete when t
 record what the pipeline does, in order: the fixed launch order whatever order gradients
 arrive in, the cap on reduce-scatters in flight, the replicas' all-reduce under hybrid
 sharding, no_sync() (nothing launched, nothing folded) and abandon() (wait, fold nothing)."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -57,7 +58,7 @@ class Fold(FoldPolicy):
         return r.buffer, torch.zeros(r.buffer.numel() // 2), None
 
     def fold(self, r):
-        assert r.out is not None and r.handle is None        # the collectives on it were waited for
+        assert r.out is not None and r.handle is None  # the collectives on it were waited for
         self.log.append(("fold", r.name))
 
     def label(self, r, what):
@@ -69,17 +70,21 @@ def pipe(monkeypatch):
     """(make(max_inflight) -> a pipeline on the fakes, the log, the fake collectives)."""
     log = []
     fake = Collectives(log)
-    monkeypatch.setattr(reduction, "comm", SimpleNamespace(reduce_scatter=fake.reduce_scatter,
-                                                           all_reduce=fake.all_reduce))
+    monkeypatch.setattr(
+        reduction, "comm", SimpleNamespace(reduce_scatter=fake.reduce_scatter, all_reduce=fake.all_reduce)
+    )
 
     def make(max_inflight):
         return ReductionPipeline(Fold(log), max_inflight, {"reduce_scatter": 0, "replica_all_reduce": 0})
+
     return make, log, fake
 
 
 def records(names, pending=1, replicate=None, numel=8):
-    return [Reduction(name=n, owner=None, group=SHARDS, replicate=replicate, pending=pending,
-                      buffer=torch.zeros(numel)) for n in names]
+    return [
+        Reduction(name=n, owner=None, group=SHARDS, replicate=replicate, pending=pending, buffer=torch.zeros(numel))
+        for n in names
+    ]
 
 
 def launched(log):
@@ -92,21 +97,21 @@ def test_records_launch_in_the_fixed_order_whatever_order_gradients_arrive_in(pi
     a, b, c, d = rs = records("abcd")
     d.pending = 2
     p.start(rs)
-    for r in (c, b):                  # arrived, but ``a`` before them has not
+    for r in (c, b):  # arrived, but ``a`` before them has not
         p.arrived(r)
         p.advance()
     assert launched(log) == [] and not any(r.launched for r in rs)
     p.arrived(a)
     p.advance()
     assert launched(log) == ["a", "b", "c"] and [r.launched for r in rs] == [True, True, True, False]
-    p.arrived(d)                      # one of d's two gradients: it waits
+    p.arrived(d)  # one of d's two gradients: it waits
     p.advance()
     assert launched(log) == ["a", "b", "c"]
-    p.finish()                        # the end of backward: the rest launch, a missing gradient counting as zero
+    p.finish()  # the end of backward: the rest launch, a missing gradient counting as zero
     assert launched(log) == ["a", "b", "c", "d"] and set(fake.groups) == {SHARDS}
     assert [e for e in log if e[0] == "fold"] == [("fold", n) for n in "abcd"]
     assert p.comm_elements == {"reduce_scatter": 32, "replica_all_reduce": 0}
-    p.start(rs)                       # the next backward starts afresh
+    p.start(rs)  # the next backward starts afresh
     assert not any(r.launched for r in rs)
 
 
@@ -119,11 +124,18 @@ def test_at_most_max_inflight_reduce_scatters_are_held_and_completed_ones_retire
         p.arrived(r)
         p.advance()
     # launching a third first retires (waits for and folds) the oldest
-    assert log == [("reduce_scatter", "reduce-scatter a"), ("reduce_scatter", "reduce-scatter b"),
-                   ("reduce_scatter", "reduce-scatter c"), ("wait", "reduce-scatter a"), ("fold", "a"),
-                   ("reduce_scatter", "reduce-scatter d"), ("wait", "reduce-scatter b"), ("fold", "b")]
+    assert log == [
+        ("reduce_scatter", "reduce-scatter a"),
+        ("reduce_scatter", "reduce-scatter b"),
+        ("reduce_scatter", "reduce-scatter c"),
+        ("wait", "reduce-scatter a"),
+        ("fold", "a"),
+        ("reduce_scatter", "reduce-scatter d"),
+        ("wait", "reduce-scatter b"),
+        ("fold", "b"),
+    ]
     del log[:]
-    fake.handles[3].done = True       # d completed, c (older) not: nothing retires out of order
+    fake.handles[3].done = True  # d completed, c (older) not: nothing retires out of order
     p.retire_completed()
     assert log == []
     fake.handles[2].done = True
@@ -143,15 +155,27 @@ def test_under_hybrid_sharding_each_chunk_is_all_reduced_across_the_replicas_bef
         p.arrived(r)
         p.advance()
     # the replica all-reduce of one record stays in flight until the next record retires
-    assert log == [("reduce_scatter", "reduce-scatter a"),
-                   ("reduce_scatter", "reduce-scatter b"), ("wait", "reduce-scatter a"),
-                   ("all_reduce", "replica all-reduce a"),
-                   ("reduce_scatter", "reduce-scatter c"), ("wait", "reduce-scatter b"),
-                   ("all_reduce", "replica all-reduce b"), ("wait", "replica all-reduce a"), ("fold", "a")]
+    assert log == [
+        ("reduce_scatter", "reduce-scatter a"),
+        ("reduce_scatter", "reduce-scatter b"),
+        ("wait", "reduce-scatter a"),
+        ("all_reduce", "replica all-reduce a"),
+        ("reduce_scatter", "reduce-scatter c"),
+        ("wait", "reduce-scatter b"),
+        ("all_reduce", "replica all-reduce b"),
+        ("wait", "replica all-reduce a"),
+        ("fold", "a"),
+    ]
     del log[:]
     p.finish()
-    assert log == [("wait", "reduce-scatter c"), ("all_reduce", "replica all-reduce c"),
-                   ("wait", "replica all-reduce b"), ("fold", "b"), ("wait", "replica all-reduce c"), ("fold", "c")]
+    assert log == [
+        ("wait", "reduce-scatter c"),
+        ("all_reduce", "replica all-reduce c"),
+        ("wait", "replica all-reduce b"),
+        ("fold", "b"),
+        ("wait", "replica all-reduce c"),
+        ("fold", "c"),
+    ]
     assert fake.groups == [SHARDS, SHARDS, REPLICAS, SHARDS, REPLICAS, REPLICAS]
     assert p.comm_elements == {"reduce_scatter": 24, "replica_all_reduce": 12}
     assert all(r.out is None and r.handle is None for r in rs)
@@ -165,7 +189,7 @@ def test_no_sync_launches_and_folds_nothing_and_the_next_synced_backward_reduces
         assert not p.sync
         with p.no_sync():
             pass
-        assert not p.sync             # (nested: the outer one still holds)
+        assert not p.sync  # (nested: the outer one still holds)
         p.start(rs)
         for r in rs:
             p.arrived(r)
@@ -187,7 +211,7 @@ def test_abandon_waits_for_what_is_in_flight_folds_nothing_and_forgets_the_backw
     p = make(max_inflight=1)
     rs = records("abc", replicate=REPLICAS)
     p.start(rs)
-    for r in rs[:2]:                  # a's replica all-reduce and b's reduce-scatter in flight
+    for r in rs[:2]:  # a's replica all-reduce and b's reduce-scatter in flight
         p.arrived(r)
         p.advance()
     del log[:]
@@ -195,11 +219,11 @@ def test_abandon_waits_for_what_is_in_flight_folds_nothing_and_forgets_the_backw
     assert log == [("wait", "reduce-scatter b"), ("wait", "replica all-reduce a")]
     assert all(r.out is None and r.handle is None for r in rs)
     del log[:]
-    p.finish()                        # nothing left of the abandoned backward
+    p.finish()  # nothing left of the abandoned backward
     assert log == []
     for r in rs:
         r.pending = 1
-    p.start(rs)                       # the next backward launches from the first record
+    p.start(rs)  # the next backward launches from the first record
     for r in rs:
         p.arrived(r)
         p.advance()

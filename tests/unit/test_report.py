@@ -1,6 +1,7 @@
 """benchmarks/report.py on synthetic benchmark JSONs: plots, the generated docs
 page, the RESULTS.md section between its markers, idempotence,
 missing JSONs."""
+
 import importlib.util
 import json
 import os
@@ -15,35 +16,101 @@ _spec = importlib.util.spec_from_file_location("bench_report", _PATH)
 report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(report)
 
-MACHINE = {"description": "Test CPU 9000, 4 CPUs", "cpu": "Test CPU 9000", "cpus": 4, "gpu": None, "gpus": None,
-           "torch": "2.99.0", "python": "3.11.0", "os": "Linux", "commit": "abc1234"}
+MACHINE = {
+    "description": "Test CPU 9000, 4 CPUs",
+    "cpu": "Test CPU 9000",
+    "cpus": 4,
+    "gpu": None,
+    "gpus": None,
+    "torch": "2.99.0",
+    "python": "3.11.0",
+    "os": "Linux",
+    "commit": "abc1234",
+}
 P = 3_437_312
 
 
 def _step(variant, ms, mb, comm):
-    return {"variant": variant, "params": P, "step_ms": ms, "peak_mb": mb, "loss": 5.45,
-            "comm": {"all_reduce": {"calls": 1, "bytes": int(comm * 2**20)}}, "comm_mb": comm}
+    return {
+        "variant": variant,
+        "params": P,
+        "step_ms": ms,
+        "peak_mb": mb,
+        "loss": 5.45,
+        "comm": {"all_reduce": {"calls": 1, "bytes": int(comm * 2**20)}},
+        "comm_mb": comm,
+    }
 
 
-STEP = {"date": "2031-01-02", "torch": "2.99.0", "world_size": 2, "param_dtype": "float32",
-        "config": {"vocab": 1021, "seq": 64, "layers": 4, "dim": 256, "heads": 4}, "machine": MACHINE,
-        "device": "cpu", "backend": "CPU gloo", "dtype": "float32", "batch": 8, "steps": 6, "warmup": 2,
-        "prefetch": 1, "baseline": "ddp",
-        "rows": [_step("ddp", 368.1, 243.6, 13.1), _step("ddp+zero", 420.0, 230.0, 19.7),
-                 _step("fsdp2", 500.0, 225.0, 19.7), _step("zeroshard-1", 380.0, 229.0, 26.2),
-                 _step("zeroshard-2", 370.0, 226.0, 26.2), _step("zeroshard-2@5", 375.0, 224.0, 26.2),
-                 _step("fsdp2-3", 690.3, 220.6, 26.3), _step("zeroshard-3", 433.5, 227.0, 31.6)]}
-ADAMW = {"date": "2031-01-02", "commit": "abc1234", "torch": "2.99.0", "machine": MACHINE,
-         "bytes_per_param": {"zeroshard bf16": 28, "torch fused": 28},
-         "results": [{"device": "cpu", "device_name": "x86_64, 4 threads", "params": n, "variant": v,
-                      "seconds": t * n / 2**20, "gb_per_s": 28 * 2**20 / t / 1e9, "copy_gb_per_s": 25.0,
-                      "fraction_of_copy": 28 * 2**20 / t / 1e9 / 25.0, "time_vs_zeroshard_bf16": t / 1e-3}
-                     for n in (2**20, 2**22) for v, t in (("zeroshard bf16", 1e-3), ("torch fused", 1.1e-3))]}
-CKPT = {"date": "2031-01-02", "world_size": 2, "torch": "2.99.0", "backend": "CPU gloo", "machine": MACHINE,
-        "config": {"layers": 4, "dim": 512}, "repeats": 3,
-        "rows": [{"variant": v, "params": 13_166_080, "save_ms": s, "load_ms": lo, "mb_per_rank": [75.4, 75.3],
-                  "save_peak_mb": 0.4, "load_peak_mb": 0.2}
-                 for v, s, lo in (("fsdp2-3+dcp", 384.3, 275.1), ("zeroshard-3", 262.9, 77.7))]}
+STEP = {
+    "date": "2031-01-02",
+    "torch": "2.99.0",
+    "world_size": 2,
+    "param_dtype": "float32",
+    "config": {"vocab": 1021, "seq": 64, "layers": 4, "dim": 256, "heads": 4},
+    "machine": MACHINE,
+    "device": "cpu",
+    "backend": "CPU gloo",
+    "dtype": "float32",
+    "batch": 8,
+    "steps": 6,
+    "warmup": 2,
+    "prefetch": 1,
+    "baseline": "ddp",
+    "rows": [
+        _step("ddp", 368.1, 243.6, 13.1),
+        _step("ddp+zero", 420.0, 230.0, 19.7),
+        _step("fsdp2", 500.0, 225.0, 19.7),
+        _step("zeroshard-1", 380.0, 229.0, 26.2),
+        _step("zeroshard-2", 370.0, 226.0, 26.2),
+        _step("zeroshard-2@5", 375.0, 224.0, 26.2),
+        _step("fsdp2-3", 690.3, 220.6, 26.3),
+        _step("zeroshard-3", 433.5, 227.0, 31.6),
+    ],
+}
+ADAMW = {
+    "date": "2031-01-02",
+    "commit": "abc1234",
+    "torch": "2.99.0",
+    "machine": MACHINE,
+    "bytes_per_param": {"zeroshard bf16": 28, "torch fused": 28},
+    "results": [
+        {
+            "device": "cpu",
+            "device_name": "x86_64, 4 threads",
+            "params": n,
+            "variant": v,
+            "seconds": t * n / 2**20,
+            "gb_per_s": 28 * 2**20 / t / 1e9,
+            "copy_gb_per_s": 25.0,
+            "fraction_of_copy": 28 * 2**20 / t / 1e9 / 25.0,
+            "time_vs_zeroshard_bf16": t / 1e-3,
+        }
+        for n in (2**20, 2**22)
+        for v, t in (("zeroshard bf16", 1e-3), ("torch fused", 1.1e-3))
+    ],
+}
+CKPT = {
+    "date": "2031-01-02",
+    "world_size": 2,
+    "torch": "2.99.0",
+    "backend": "CPU gloo",
+    "machine": MACHINE,
+    "config": {"layers": 4, "dim": 512},
+    "repeats": 3,
+    "rows": [
+        {
+            "variant": v,
+            "params": 13_166_080,
+            "save_ms": s,
+            "load_ms": lo,
+            "mb_per_rank": [75.4, 75.3],
+            "save_peak_mb": 0.4,
+            "load_peak_mb": 0.2,
+        }
+        for v, s, lo in (("fsdp2-3+dcp", 384.3, 275.1), ("zeroshard-3", 262.9, 77.7))
+    ],
+}
 
 RESULTS = "# Benchmark results\n\nIntro paragraph.\n\n## Old run\n\nhand-written reading\n"
 PNGS = ["headline.png", "memory_by_stage.png", "step_time_ratio.png", "adamw.png", "checkpoint.png"]
@@ -72,12 +139,12 @@ def _links(text):
 def _section(text, markers):
     i, j = text.index(markers[0]), text.index(markers[1])
     assert text.count(markers[0]) == text.count(markers[1]) == 1
-    return text[i:j + len(markers[1])]
+    return text[i : j + len(markers[1])]
 
 
 def test_plots_sections_and_idempotent(tmp_path):
     out, results = _setup(tmp_path)
-    (out / "sweep_size.png").write_bytes(b"\x89PNG sweep.py's plot")   # drawn by another script: copied
+    (out / "sweep_size.png").write_bytes(b"\x89PNG sweep.py's plot")  # drawn by another script: copied
     changed, docs = _run(tmp_path, out, results)
     for png in PNGS:
         data = (docs / png).read_bytes()
@@ -104,7 +171,7 @@ def test_plots_sections_and_idempotent(tmp_path):
     assert all((docs / t).exists() for t in _links(page)), _links(page)
     tables = "\n".join(report.tables(report.load(str(out))))
     assert tables in page and tables in sec_res
-    assert "## Old run\n\nhand-written reading\n" in page     # RESULTS' hand-kept sections follow
+    assert "## Old run\n\nhand-written reading\n" in page  # RESULTS' hand-kept sections follow
 
     files = [results] + [docs / p for p in PNGS + ["index.md", "sweep_size.png"]]
     snapshot = {p: p.read_bytes() for p in files}
@@ -116,15 +183,19 @@ def test_plots_sections_and_idempotent(tmp_path):
 def test_docs_page_links_stay_inside_docs(tmp_path):
     out, results = _setup(tmp_path, files=[("step.json", STEP)])
     (out / "sweep_world.png").write_bytes(b"\x89PNG")
-    results.write_text("# R\n\n## GPU run (x)\n\n![plot](out/sweep_world.png) and [a file](gpu_run.sh), "
-                       "[site](https://example.com), [here](#gpu-run-x)\n")
+    results.write_text(
+        "# R\n\n## GPU run (x)\n\n![plot](out/sweep_world.png) and [a file](gpu_run.sh), "
+        "[site](https://example.com), [here](#gpu-run-x)\n"
+    )
     _, docs = _run(tmp_path, out, results)
     page = (docs / "index.md").read_text()
-    assert "![plot](sweep_world.png) and a file (`benchmarks/gpu_run.sh`), [site](https://example.com), " \
-           "[here](#gpu-run-x)" in page
-    assert page.count("](sweep_world.png)") == 1               # shown there, not again under Plots
+    assert (
+        "![plot](sweep_world.png) and a file (`benchmarks/gpu_run.sh`), [site](https://example.com), "
+        "[here](#gpu-run-x)" in page
+    )
+    assert page.count("](sweep_world.png)") == 1  # shown there, not again under Plots
     res = results.read_text()
-    assert "![plot](out/sweep_world.png)" in res                # RESULTS.md itself keeps its links
+    assert "![plot](out/sweep_world.png)" in res  # RESULTS.md itself keeps its links
 
 
 def test_missing_jsons_are_skipped(tmp_path):
@@ -156,7 +227,7 @@ def test_cli_and_broken_markers(tmp_path, capsys):
     capsys.readouterr()
     assert report.main(args) == 0
     printed = capsys.readouterr().out
-    assert "wrote" not in printed and printed.count("unchanged") == 5     # 3 plots, RESULTS, page
+    assert "wrote" not in printed and printed.count("unchanged") == 5  # 3 plots, RESULTS, page
     results.write_text(f"# R\n\n{report.RESULTS_MARKERS[0]}\nno end marker\n")
     with pytest.raises(ValueError, match="by hand"):
         report.main(args)
@@ -179,13 +250,27 @@ def test_paired_ratios_get_their_column(tmp_path):
 
 def test_paired_checkpoint_runs_give_each_launch_its_ratio(tmp_path):
     # two launches of two repeats: zeroshard's save 0.9x then 1.0x FSDP2's (per-repeat medians)
-    runs = [{"fsdp2-3+dcp save": [0.2, 0.4], "fsdp2-3+dcp load": [0.1, 0.1], "ddp+dcp save": [0.1, 0.2],
-             "ddp+dcp load": [0.2, 0.2], "zeroshard-3+dcp save": [0.18, 0.36], "zeroshard-3+dcp load": [0.05, 0.1]},
-            {"fsdp2-3+dcp save": [0.2, 0.2], "fsdp2-3+dcp load": [0.1, 0.1], "ddp+dcp save": [0.2, 0.2],
-             "ddp+dcp load": [0.2, 0.2], "zeroshard-3+dcp save": [0.2, 0.2], "zeroshard-3+dcp load": [0.1, 0.1]}]
+    runs = [
+        {
+            "fsdp2-3+dcp save": [0.2, 0.4],
+            "fsdp2-3+dcp load": [0.1, 0.1],
+            "ddp+dcp save": [0.1, 0.2],
+            "ddp+dcp load": [0.2, 0.2],
+            "zeroshard-3+dcp save": [0.18, 0.36],
+            "zeroshard-3+dcp load": [0.05, 0.1],
+        },
+        {
+            "fsdp2-3+dcp save": [0.2, 0.2],
+            "fsdp2-3+dcp load": [0.1, 0.1],
+            "ddp+dcp save": [0.2, 0.2],
+            "ddp+dcp load": [0.2, 0.2],
+            "zeroshard-3+dcp save": [0.2, 0.2],
+            "zeroshard-3+dcp load": [0.1, 0.1],
+        },
+    ]
     rows = {r["variant"]: r for r in report.paired_ratios(runs)}
     assert [round(x, 6) for x in rows["zeroshard-3+dcp"]["save"]["fsdp2-3+dcp"]] == [0.9, 1.0]
-    assert rows["zeroshard-3+dcp"]["save_ms"] == pytest.approx(200.0)    # the median of all four repeats
+    assert rows["zeroshard-3+dcp"]["save_ms"] == pytest.approx(200.0)  # the median of all four repeats
     assert report.ratio_range([0.9, 1.0]) == "0.90-1.00x" and report.ratio_range([0.901, 0.899]) == "0.90x"
     paired = {"date": "2031-01-02", "world_size": 2, "repeats": 2, "runs_s": runs, "machine": MACHINE}
     out, results = _setup(tmp_path, files=[("checkpoint.json", CKPT), ("checkpoint-paired.json", paired)])
@@ -206,12 +291,13 @@ def test_hybrid_runs_get_the_replica_traffic_column(tmp_path):
     _run(tmp_path, out, results)
     sec = _section(results.read_text(), report.RESULTS_MARKERS)
     assert "| comm MB/rank/step | across replicas MB |" in sec
-    assert "| 13.10 | - |" in sec and "| 26.20 | 3.25 |" in sec     # ddp: no replica group
+    assert "| 13.10 | - |" in sec and "| 26.20 | 3.25 |" in sec  # ddp: no replica group
 
 
 def test_comm_count_names_groups_by_their_ranks():
     spec = importlib.util.spec_from_file_location(
-        "bench_comm_count", os.path.join(os.path.dirname(_PATH), "comm_count.py"))
+        "bench_comm_count", os.path.join(os.path.dirname(_PATH), "comm_count.py")
+    )
     cc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cc)
     # world 6 = 3 replicas x 2 shards, rank 3: shard group {2, 3}, replica group {1, 3, 5}

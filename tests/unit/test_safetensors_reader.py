@@ -1,5 +1,6 @@
 """The safetensors reading under zeroshard.load_pretrained (checkpoint/pretrained.py): headers,
 the folders save_pretrained writes, element ranges read in chunks and converted."""
+
 import json
 
 import pytest
@@ -13,12 +14,23 @@ from zeroshard.checkpoint import pretrained
 
 def _files(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(7, 13, generator=g), "b": torch.randn(101, generator=g).to(torch.bfloat16),
-               "c": torch.randn(3, 5, 2, generator=g).half(), "d": torch.arange(11, dtype=torch.int64)}
+    tensors = {
+        "a": torch.randn(7, 13, generator=g),
+        "b": torch.randn(101, generator=g).to(torch.bfloat16),
+        "c": torch.randn(3, 5, 2, generator=g).half(),
+        "d": torch.arange(11, dtype=torch.int64),
+    }
     safetensors.torch.save_file({k: tensors[k] for k in "ab"}, str(tmp_path / "model-1.safetensors"))
     safetensors.torch.save_file({k: tensors[k] for k in "cd"}, str(tmp_path / "model-2.safetensors"))
-    index = {"metadata": {}, "weight_map": {"a": "model-1.safetensors", "b": "model-1.safetensors",
-                                            "c": "model-2.safetensors", "d": "model-2.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "a": "model-1.safetensors",
+            "b": "model-1.safetensors",
+            "c": "model-2.safetensors",
+            "d": "model-2.safetensors",
+        },
+    }
     (tmp_path / pretrained.INDEX_NAME).write_text(json.dumps(index))
     return tensors
 
@@ -29,9 +41,10 @@ def test_headers_and_folders(tmp_path):
     assert [f.split("/")[-1] for f in files] == ["model-1.safetensors", "model-2.safetensors"]
     assert pretrained.weight_files(files[0]) == [files[0]] and pretrained.weight_files(files) == files
     entries = pretrained.index(files)
-    assert {k: (e.dtype, e.shape) for k, e in entries.items()} == {k: (t.dtype, tuple(t.shape))
-                                                                   for k, t in tensors.items()}
-    (tmp_path / pretrained.INDEX_NAME).unlink()              # no index: every *.safetensors file
+    assert {k: (e.dtype, e.shape) for k, e in entries.items()} == {
+        k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()
+    }
+    (tmp_path / pretrained.INDEX_NAME).unlink()  # no index: every *.safetensors file
     assert pretrained.weight_files(str(tmp_path)) == files
     with pytest.raises(ValueError, match="'a' is in both"):
         pretrained.index(files + [files[0]])
@@ -44,8 +57,13 @@ def test_headers_and_folders(tmp_path):
 
 
 @settings(max_examples=25, deadline=None)
-@given(name=st.sampled_from("abcd"), start=st.integers(0, 100), length=st.integers(0, 100),
-       chunk=st.sampled_from([1, 2, 6, 24, 1 << 20]), out_dtype=st.sampled_from([torch.float32, torch.float64]))
+@given(
+    name=st.sampled_from("abcd"),
+    start=st.integers(0, 100),
+    length=st.integers(0, 100),
+    chunk=st.sampled_from([1, 2, 6, 24, 1 << 20]),
+    out_dtype=st.sampled_from([torch.float32, torch.float64]),
+)
 def test_element_ranges_read_in_chunks_and_converted(tmp_path_factory, name, start, length, chunk, out_dtype):
     tmp = tmp_path_factory.mktemp("st")
     tensors = _files(tmp)
@@ -54,14 +72,14 @@ def test_element_ranges_read_in_chunks_and_converted(tmp_path_factory, name, sta
     length = min(length, e.numel - start)
     out = torch.full((length,), -7.0, dtype=out_dtype)
     old = pretrained.READ_BYTES
-    pretrained.READ_BYTES = chunk            # reads of a few bytes: many chunks, each a whole element
+    pretrained.READ_BYTES = chunk  # reads of a few bytes: many chunks, each a whole element
     try:
         reader = pretrained.SafetensorsReader()
         reader.read(e, start, out)
         reader.close()
     finally:
         pretrained.READ_BYTES = old
-    assert torch.equal(out, tensors[name].reshape(-1)[start:start + length].to(out_dtype))
+    assert torch.equal(out, tensors[name].reshape(-1)[start : start + length].to(out_dtype))
 
 
 def test_a_truncated_file_is_an_error_not_garbage(tmp_path):

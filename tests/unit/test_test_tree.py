@@ -1,14 +1,21 @@
 """The tests' own layout (docs/architecture.md, "The tests"): three tiers of test modules,
 what they share in tests/support/, and no test module importing another. A newcomer finds
 a model, a reference run or a launcher in support/, never in another test file."""
+
 import ast
 import os
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIERS = ("unit", "multiprocess", "integration")
 # what starts processes: the unit tier (single-process, pure) uses none of it
-PROCESSES = ("support.launch", "support.pool", "support.forked", "subprocess", "multiprocessing",
-             "torch.multiprocessing")
+PROCESSES = (
+    "support.launch",
+    "support.pool",
+    "support.forked",
+    "subprocess",
+    "multiprocessing",
+    "torch.multiprocessing",
+)
 
 
 def _python_files():
@@ -32,8 +39,12 @@ def _imports(source: str) -> list:
 
 def _cross_imports(sources: dict) -> list:
     """'file imports module' for each import of a test module or of conftest."""
-    return [f"{path} imports {m}" for path, src in sorted(sources.items()) for m in _imports(src)
-            if m.split(".")[-1].startswith("test_") or m == "conftest"]
+    return [
+        f"{path} imports {m}"
+        for path, src in sorted(sources.items())
+        for m in _imports(src)
+        if m.split(".")[-1].startswith("test_") or m == "conftest"
+    ]
 
 
 def _read(rel):
@@ -49,11 +60,18 @@ def test_no_test_module_imports_another():
 
 
 def test_the_import_rule_finds_planted_violations():
-    planted = {"unit/test_a.py": "from test_b import Net\n", "unit/test_c.py": "def f():\n    import test_d\n",
-               "multiprocess/test_e.py": "from conftest import get_pool\nfrom support.models import Residual\n",
-               "support/x.py": "from multiprocess.test_f import g\n"}
-    assert _cross_imports(planted) == ["multiprocess/test_e.py imports conftest", "support/x.py imports multiprocess.test_f",
-                                       "unit/test_a.py imports test_b", "unit/test_c.py imports test_d"]
+    planted = {
+        "unit/test_a.py": "from test_b import Net\n",
+        "unit/test_c.py": "def f():\n    import test_d\n",
+        "multiprocess/test_e.py": "from conftest import get_pool\nfrom support.models import Residual\n",
+        "support/x.py": "from multiprocess.test_f import g\n",
+    }
+    assert _cross_imports(planted) == [
+        "multiprocess/test_e.py imports conftest",
+        "support/x.py imports multiprocess.test_f",
+        "unit/test_a.py imports test_b",
+        "unit/test_c.py imports test_d",
+    ]
 
 
 def test_shared_code_lives_in_support_and_tests_in_their_tier():
@@ -80,6 +98,9 @@ def test_unit_tests_start_no_processes():
         source = _read(os.path.join("unit", name))
         tree = ast.parse(source)
         bad += [f"unit/{name} imports {m}" for m in _imports(source) if m in PROCESSES]
-        bad += [f"unit/{name}: {f.name} takes dist_pool" for f in ast.walk(tree)
-                if isinstance(f, ast.FunctionDef) and "dist_pool" in [a.arg for a in f.args.args]]
+        bad += [
+            f"unit/{name}: {f.name} takes dist_pool"
+            for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef) and "dist_pool" in [a.arg for a in f.args.args]
+        ]
     assert not bad, "these belong in tests/multiprocess/ or tests/integration/:\n" + "\n".join(bad)

@@ -10,14 +10,22 @@ state dicts of the same pieces (``dcp``: ``dcp_state_dict``, ``load_dcp_state_di
 
 May import: ``native``, ``comm``, ``core``, ``optim``.
 """
-from .api import (export_full_state_dict, full_state_dict_meta, load_checkpoint, read_full_state_dict,
-                  save_checkpoint)
+
+from .api import export_full_state_dict, full_state_dict_meta, load_checkpoint, read_full_state_dict, save_checkpoint
 from .dcp import dcp_state_dict, load_dcp_state_dict
 from .files import CheckpointError
 from .pretrained import load_pretrained
 from .resume import resume
 
-__all__ = ["CheckpointError", "dcp_state_dict", "export_full_state_dict", "full_state_dict_meta", "load_checkpoint",
-           "load_dcp_state_dict", "load_pretrained",
-           "read_full_state_dict", "resume",
-           "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "dcp_state_dict",
+    "export_full_state_dict",
+    "full_state_dict_meta",
+    "load_checkpoint",
+    "load_dcp_state_dict",
+    "load_pretrained",
+    "read_full_state_dict",
+    "resume",
+    "save_checkpoint",
+]

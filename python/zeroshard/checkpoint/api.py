@@ -57,6 +57,7 @@ that could fail on one rank ends in an exchange of outcomes. So a bad file
 raises on every rank, naming the file and tensor, instead of leaving the
 other ranks waiting in a collective.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -79,9 +80,18 @@ from .files import CheckpointError
 from .holdings import Holdings, leave_out_frozen, optimizers_of
 from .peers import Peers
 
+
 # ------------------------------------------------------------------------ API
-def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *, sync_files: bool = True,
-                    background: bool = False, exclude_frozen: bool = False) -> Optional[concurrent.futures.Future]:
+def save_checkpoint(
+    path,
+    model: nn.Module,
+    optimizer=None,
+    extra: Any = None,
+    *,
+    sync_files: bool = True,
+    background: bool = False,
+    exclude_frozen: bool = False,
+) -> Optional[concurrent.futures.Future]:
     """Save ``model`` (and ``optimizer``) to the directory ``path``: every rank
     writes what it owns, concurrently, and the directory appears complete or not
     at all (see [Note: checkpoint format] in checkpoint/api.py).
@@ -122,10 +132,10 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *
     model's own values for them.
     """
     path = os.path.abspath(os.fspath(path))
-    save.wait()                                   # one save in flight per process
+    save.wait()  # one save in flight per process
     for opt in optimizers_of(optimizer):
-        getattr(opt, "wait_params", lambda: None)()   # overlap_param_gather: complete parameters
-    h = Holdings(model, optimizer, for_load=False)   # same outcome on every rank
+        getattr(opt, "wait_params", lambda: None)()  # overlap_param_gather: complete parameters
+    h = Holdings(model, optimizer, for_load=False)  # same outcome on every rank
     if exclude_frozen:
         leave_out_frozen(h, model)
     _check_in(h, "save_checkpoint()")
@@ -135,9 +145,13 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, extra: Any = None, *
 def _check_in(h: Holdings, what: str) -> None:
     """Every rank of the checkpoint's group calls it ([Note: rank-0 code] in comm/collectives.py)."""
     if h.group is not None and h.world > 1:
-        comm.check_in(what, types.SimpleNamespace(rank=h.rank, world_size=h.world), h.group,
-                      "A checkpoint is written by every rank together (each writes its shards); call it "
-                      "on every rank, not under `if rank == 0:`")
+        comm.check_in(
+            what,
+            types.SimpleNamespace(rank=h.rank, world_size=h.world),
+            h.group,
+            "A checkpoint is written by every rank together (each writes its shards); call it "
+            "on every rank, not under `if rank == 0:`",
+        )
 
 
 def previous_of(path: str) -> List[str]:
@@ -155,8 +169,10 @@ def find_checkpoint(path: str) -> str:
         return path
     old = [d for d in previous_of(path) if os.path.exists(os.path.join(d, files.MANIFEST))]
     if len(old) == 1:
-        warnings.warn(f"{path} is missing but a save replacing it was interrupted; loading the previous "
-                      f"checkpoint from {old[0]} (rename it to {path} to keep it)")
+        warnings.warn(
+            f"{path} is missing but a save replacing it was interrupted; loading the previous "
+            f"checkpoint from {old[0]} (rename it to {path} to keep it)"
+        )
         return old[0]
     return path
 
@@ -169,18 +185,22 @@ def _check_match(h: Holdings, man: dict, path: str, with_optimizer: bool, elsewh
     for key, s in {**h.specs, **h.local_specs}.items():
         t = tensors.get(key)
         if t is None and key.startswith(("exp_avg:", "exp_avg_sq:")):
-            continue          # saved before that parameter had optimizer state: it starts at zero
+            continue  # saved before that parameter had optimizer state: it starts at zero
         if t is None and not strict and key.startswith("param:"):
-            continue          # (strict=False: saved without it, exclude_frozen; it keeps the model's value)
+            continue  # (strict=False: saved without it, exclude_frozen; it keeps the model's value)
         if t is None:
             raise CheckpointError(f"{where} has no tensor '{key}'; it is a checkpoint of another model")
         if list(t["shape"]) != list(s.shape):
-            raise CheckpointError(f"{where}: tensor '{key}' has shape {tuple(t['shape'])} but the model's is "
-                                  f"{tuple(s.shape)}; it is a checkpoint of another model")
+            raise CheckpointError(
+                f"{where}: tensor '{key}' has shape {tuple(t['shape'])} but the model's is "
+                f"{tuple(s.shape)}; it is a checkpoint of another model"
+            )
     extra = [k for k in tensors if k.startswith(("param:", "buffer:")) and k not in h.specs and k not in elsewhere]
     if extra:
-        raise CheckpointError(f"{where} has tensors the model lacks, e.g. '{extra[0]}' ({len(extra)} in all); "
-                              "it is a checkpoint of another model")
+        raise CheckpointError(
+            f"{where} has tensors the model lacks, e.g. '{extra[0]}' ({len(extra)} in all); "
+            "it is a checkpoint of another model"
+        )
 
 
 def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = True) -> Any:
@@ -199,11 +219,11 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
     ``exclude_frozen=True``) keep the model's values; a tensor the model lacks is
     still refused.
     """
-    save.wait()                                   # a background save, maybe of this path
+    save.wait()  # a background save, maybe of this path
     path = find_checkpoint(os.path.abspath(os.fspath(path)))
     for opt in optimizers_of(optimizer):
-        getattr(opt, "wait_params", lambda: None)()   # no all-gather may still write the parameters
-    h = Holdings(model, optimizer, for_load=True)    # same outcome on every rank
+        getattr(opt, "wait_params", lambda: None)()  # no all-gather may still write the parameters
+    h = Holdings(model, optimizer, for_load=True)  # same outcome on every rank
     _check_in(h, "load_checkpoint()")
     peers = Peers(h.group)
     elsewhere = h.everyones_expert_keys()
@@ -254,8 +274,10 @@ def export_full_state_dict(path, out_file, dtype: Optional[torch.dtype] = None) 
     if not out_file.endswith(".safetensors"):
         raise ValueError(f"out_file {out_file!r}: export writes safetensors; give a name ending in .safetensors")
     man, reader, entries = _full_entries(path, dtype)
-    items = [(name, dt, tuple(man["tensors"][key]["shape"]), lambda key=key, dt=dt: reader.full(key).to(dt))
-             for name, key, dt in entries]
+    items = [
+        (name, dt, tuple(man["tensors"][key]["shape"]), lambda key=key, dt=dt: reader.full(key).to(dt))
+        for name, key, dt in entries
+    ]
     tmp = f"{out_file}.partial-{uuid.uuid4().hex[:12]}"
     try:
         files.write_safetensors(tmp, items)
@@ -266,8 +288,9 @@ def export_full_state_dict(path, out_file, dtype: Optional[torch.dtype] = None) 
             os.remove(tmp)
 
 
-def read_full_state_dict(path, dtype: Optional[torch.dtype] = None, *,
-                         tied: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+def read_full_state_dict(
+    path, dtype: Optional[torch.dtype] = None, *, tied: bool = True
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield a checkpoint's full model state dict as ``(name, tensor)`` pairs, one tensor
     read (and checksummed) at a time, under the unwrapped model's names (tied
     parameters under every name), on CPU.

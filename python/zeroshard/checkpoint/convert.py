@@ -11,6 +11,7 @@ here loads with ``dcp.load`` into FSDP2 or into zeroshard at any world size; a
 zeroshard checkpoint made here loads with ``load_checkpoint`` at any world size
 and stage (it is written as one rank's, whole tensors).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,13 +68,17 @@ def to_dcp(src: str, dst: str) -> None:
             entry = state.setdefault(name, {"step": torch.tensor(float(t.get("step") or 0))})
             entry[kind] = meta
             keys[f"{_STATE}{name}.{kind}"] = key
-    groups = [dict(_adamw_keys(g["hyper"]), **g["hyper"], params=list(g["params"]))
-              for g in man.get("param_groups") or []]
+    groups = [
+        dict(_adamw_keys(g["hyper"]), **g["hyper"], params=list(g["params"])) for g in man.get("param_groups") or []
+    ]
     reader = files.CheckpointReader(path, man)
     try:
-        save({"model": model, "optim": {"state": state, "param_groups": groups}},
-                 storage_writer=FileSystemWriter(dst, thread_count=1), planner=_Streaming(_Keys(reader, keys)),
-                 no_dist=True)
+        save(
+            {"model": model, "optim": {"state": state, "param_groups": groups}},
+            storage_writer=FileSystemWriter(dst, thread_count=1),
+            planner=_Streaming(_Keys(reader, keys)),
+            no_dist=True,
+        )
     finally:
         reader.close()
 
@@ -92,13 +97,13 @@ def to_zeroshard(src: str, dst: str) -> None:
     steps = {}
     for fqn in tensors:
         if fqn.startswith(_STATE) and fqn.endswith(".step"):
-            steps[fqn[len(_STATE):-len(".step")]] = int(float(_read(src, fqn, tensors[fqn]).item()))
+            steps[fqn[len(_STATE) : -len(".step")]] = int(float(_read(src, fqn, tensors[fqn]).item()))
     specs = {}
     for fqn, m in tensors.items():
         if fqn.startswith(_MODEL):
-            kind, name = "buffer" if not m.properties.dtype.is_floating_point else "param", fqn[len(_MODEL):]
+            kind, name = "buffer" if not m.properties.dtype.is_floating_point else "param", fqn[len(_MODEL) :]
         elif fqn.startswith(_STATE) and not fqn.endswith(".step"):
-            name, _, kind = fqn[len(_STATE):].rpartition(".")
+            name, _, kind = fqn[len(_STATE) :].rpartition(".")
         else:
             continue
         specs[f"{kind}:{name}"] = (fqn, m, steps.get(name) if kind not in ("param", "buffer") else None)
@@ -122,12 +127,15 @@ def _param_groups(src: str, md) -> List[dict]:
     load(got, checkpoint_id=src, no_dist=True)
     groups: Dict[int, dict] = {}
     for fqn, v in got.items():
-        idx, _, key = fqn[len("optim.param_groups."):].partition(".")
+        idx, _, key = fqn[len("optim.param_groups.") :].partition(".")
         groups.setdefault(int(idx), {})[key] = v
     out = []
     for _, g in sorted(groups.items()):
-        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
-                 if k != "params" and isinstance(v, (int, float, bool, str, list, tuple, type(None)))}
+        hyper = {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in g.items()
+            if k != "params" and isinstance(v, (int, float, bool, str, list, tuple, type(None)))
+        }
         out.append({"params": list(g.get("params") or []), "hyper": hyper})
     return out
 
@@ -138,19 +146,39 @@ def _write(dst: str, specs: dict, groups: List[dict], read) -> None:
     tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:12]}")
     os.makedirs(tmp)
     keys = sorted(specs)
-    items = [(f"{key}@0", specs[key][1].properties.dtype, (int(torch.Size(specs[key][1].size).numel()),),
-              lambda key=key: read(specs[key][0], specs[key][1]).reshape(-1)) for key in keys]
+    items = [
+        (
+            f"{key}@0",
+            specs[key][1].properties.dtype,
+            (int(torch.Size(specs[key][1].size).numel()),),
+            lambda key=key: read(specs[key][0], specs[key][1]).reshape(-1),
+        )
+        for key in keys
+    ]
     crc, size, placed = files.write_safetensors(os.path.join(tmp, "rank0.safetensors"), items)
     tensors = {}
     for key, (off, crcs) in zip(keys, placed):
         fqn, m, step = specs[key]
         n = int(torch.Size(m.size).numel())
         dt = files.dtype_name(m.properties.dtype)
-        tensors[key] = {"shape": list(m.size), "dtype": dt, "model_dtype": dt, "step": step,
-                        "entries": [["rank0.safetensors", off, 0, n, crcs]]}
-    body = {"world_size": 1, "stage": 0, "block_bytes": files.BLOCK, "tensors": tensors, "aliases": {},
-            "param_groups": groups, "files": {"rank0.safetensors": {"size": size, "crc32": crc}}, "extra": False,
-            "torch_version": torch.__version__}
+        tensors[key] = {
+            "shape": list(m.size),
+            "dtype": dt,
+            "model_dtype": dt,
+            "step": step,
+            "entries": [["rank0.safetensors", off, 0, n, crcs]],
+        }
+    body = {
+        "world_size": 1,
+        "stage": 0,
+        "block_bytes": files.BLOCK,
+        "tensors": tensors,
+        "aliases": {},
+        "param_groups": groups,
+        "files": {"rank0.safetensors": {"size": size, "crc32": crc}},
+        "extra": False,
+        "torch_version": torch.__version__,
+    }
     files.write_bytes(os.path.join(tmp, files.MANIFEST), files.manifest_bytes(body), True)
     files.fsync_dir(tmp, True)
     os.rename(tmp, dst)
@@ -158,8 +186,11 @@ def _write(dst: str, specs: dict, groups: List[dict], read) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m zeroshard.checkpoint.convert", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m zeroshard.checkpoint.convert",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--to", choices=("dcp", "zeroshard"), required=True)
     ap.add_argument("src")
     ap.add_argument("dst")

@@ -19,6 +19,7 @@ writes once. The optimizer's half has torch's format under the model's names
 get_state_dict`` gives for FSDP2; torch's helpers read module and optimizer
 internals zeroshard does not have, hence this pair beside them.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,15 +53,15 @@ def rectangles(shape: tuple, start: int, numel: int) -> List[Tuple[tuple, tuple,
         for off, size, p in rectangles(tuple(shape[1:]), a - i * row, end - a):
             out.append(((i,) + off, (1,) + size, pos + p))
 
-    if a % row:                                       # a partial first row
+    if a % row:  # a partial first row
         end = min(b, (a // row + 1) * row)
         part_row(a, end, pos)
         pos, a = pos + end - a, end
-    if b - a >= row:                                  # whole rows
+    if b - a >= row:  # whole rows
         r0, r1 = a // row, b // row
         out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:]), pos))
         pos, a = pos + (r1 - r0) * row, r1 * row
-    if a < b:                                         # a partial last row
+    if a < b:  # a partial last row
         part_row(a, b, pos)
     return out
 
@@ -84,9 +85,10 @@ def _local_shards(shape: tuple, dtype: torch.dtype, pieces: List[Piece], rank: i
     for piece in pieces:
         for off, size, pos in rectangles(shape, piece.start, piece.data.numel()):
             n = math.prod(size)
-            meta = ShardMetadata(shard_offsets=list(off), shard_sizes=list(size),
-                                 placement=f"rank:{rank}/{piece.data.device}")
-            shards.append(Shard(_own_storage(piece.data[pos:pos + n]).view(size), meta))
+            meta = ShardMetadata(
+                shard_offsets=list(off), shard_sizes=list(size), placement=f"rank:{rank}/{piece.data.device}"
+            )
+            shards.append(Shard(_own_storage(piece.data[pos : pos + n]).view(size), meta))
     if not shards and shape:
         # none of it here: an empty shard keeps the key in this rank's plans (DCP drops a
         # ShardedTensor with no local shard), placed past the end so that no chunk shares its
@@ -94,8 +96,9 @@ def _local_shards(shape: tuple, dtype: torch.dtype, pieces: List[Piece], rank: i
         dev = pieces[0].data.device if pieces else torch.device("cpu")
         empty = torch.empty([0] * len(shape), dtype=dtype, device=dev)
         at = [shape[0]] + [0] * (len(shape) - 1)
-        shards.append(Shard(empty, ShardMetadata(shard_offsets=at, shard_sizes=[0] * len(shape),
-                                                 placement=f"rank:{rank}/{dev}")))
+        shards.append(
+            Shard(empty, ShardMetadata(shard_offsets=at, shard_sizes=[0] * len(shape), placement=f"rank:{rank}/{dev}"))
+        )
     return shards
 
 
@@ -106,10 +109,18 @@ def _sharded_tensors(local: Dict[str, Tuple[tuple, torch.dtype, List[Shard]]], g
     everyone = comm.all_gather_object(mine, group=group, what="dcp_state_dict: the shards' layout")
     out = {}
     for key, (shape, dtype, shards) in local.items():
-        props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
-                                 memory_format=torch.contiguous_format, pin_memory=False)
-        meta = ShardedTensorMetadata(shards_metadata=[m for theirs in everyone for m in theirs[key]],
-                                     size=torch.Size(shape), tensor_properties=props)
+        props = TensorProperties(
+            dtype=dtype,
+            layout=torch.strided,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=False,
+        )
+        meta = ShardedTensorMetadata(
+            shards_metadata=[m for theirs in everyone for m in theirs[key]],
+            size=torch.Size(shape),
+            tensor_properties=props,
+        )
         out[key] = flat_sharded_tensor(shards, meta, group)
     return out
 
@@ -124,7 +135,7 @@ def dcp_state_dict(model: nn.Module, optimizer=None, *, options=None) -> Tuple[d
     ``options``: torch's ``StateDictOptions``. ``full_state_dict=True`` gives full tensors
     (each gathered in turn) on every rank, or with ``cpu_offload=True`` on rank 0 alone
     (the other ranks' dicts are empty), as ``get_state_dict`` does for FSDP2."""
-    fresh = _fresh(model, optimizer)      # no state yet: what a load fills, from the class
+    fresh = _fresh(model, optimizer)  # no state yet: what a load fills, from the class
     holdings = Holdings(model, optimizer, for_load=fresh is not None)
     _refuse_experts(holdings, "dcp_state_dict()")
     if fresh is not None:
@@ -139,7 +150,7 @@ def dcp_state_dict(model: nn.Module, optimizer=None, *, options=None) -> Tuple[d
     for key, t in (fresh or {"tensors": {}})["tensors"].items():
         shapes.setdefault(key, tuple(t["shape"]))
     local = {}
-    for key, shape in shapes.items():       # (a scalar is whole wherever it is: a plain tensor)
+    for key, shape in shapes.items():  # (a scalar is whole wherever it is: a plain tensor)
         pieces = by_key.get(key, [])
         if shape and not (pieces and pieces[0].replicated):
             dtype = pieces[0].data.dtype if pieces else torch.float32
@@ -150,18 +161,21 @@ def dcp_state_dict(model: nn.Module, optimizer=None, *, options=None) -> Tuple[d
         kind, _, name = key.partition(":")
         if key in sharded:
             value = sharded[key]
-        else:    # every rank plans every key: a scalar of a parameter held elsewhere is a stand-in here
+        else:  # every rank plans every key: a scalar of a parameter held elsewhere is a stand-in here
             value = by_key[key][0].data.view(shapes[key]) if key in by_key else torch.zeros(shapes[key])
         if kind in ("param", "buffer"):
             model_sd[name] = value
         else:
             entry = state.setdefault(name, {})
             entry[kind] = value
-            if kind == "exp_avg" and "step" not in entry:    # the fused AdamW's count (a class's own: its key)
+            if kind == "exp_avg" and "step" not in entry:  # the fused AdamW's count (a class's own: its key)
                 entry["step"] = torch.tensor(float(holdings.specs[key].step or 0) if key in holdings.specs else 0.0)
-    saved = iter(holdings.groups or [])     # each optimizer's groups in turn, with its class's keys
-    groups = [dict(_torch_group_keys(opt), **g["hyper"], params=list(g["params"]))
-              for opt in _optimizers(optimizer) for g in (next(saved) for _ in opt.param_groups)]
+    saved = iter(holdings.groups or [])  # each optimizer's groups in turn, with its class's keys
+    groups = [
+        dict(_torch_group_keys(opt), **g["hyper"], params=list(g["params"]))
+        for opt in _optimizers(optimizer)
+        for g in (next(saved) for _ in opt.param_groups)
+    ]
     if options is not None and options.full_state_dict:
         return _gathered(model_sd, state, groups, holdings.group, options.cpu_offload)
     return model_sd, {"state": state, "param_groups": groups}
@@ -177,13 +191,13 @@ def _gathered(model_sd: dict, state: dict, groups: list, group, rank0_only: bool
         if not isinstance(v, ShardedTensor):
             return v.detach().clone().cpu()
         shape = tuple(v.size())
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         flat = torch.zeros(math.prod(shape), dtype=v.dtype)
         for shard in v.local_shards():
             start, _ = _flat_range(shard, strides)
             t = shard.tensor.reshape(-1)
-            flat[start:start + t.numel()] = t.cpu()
-        if rank0_only:               # (the pieces are disjoint: their sum is the tensor)
+            flat[start : start + t.numel()] = t.cpu()
+        if rank0_only:  # (the pieces are disjoint: their sum is the tensor)
             dist.reduce(flat, dst, group=group)
         else:
             dist.all_reduce(flat, group=group)
@@ -201,9 +215,11 @@ def _refuse_experts(holdings: Holdings, what: str) -> None:
     expert checkpoints], [Note: tensor-parallel checkpoints] in checkpoint/parallel.py); the
     same outcome on every rank."""
     if holdings.has_experts or holdings.placed:
-        raise CheckpointError(f"{what} of an expert- or tensor-parallel model is not supported yet: save and "
-                              "load it with zeroshard.save_checkpoint / load_checkpoint, which keep every "
-                              "expert and tensor under its whole-model name")
+        raise CheckpointError(
+            f"{what} of an expert- or tensor-parallel model is not supported yet: save and "
+            "load it with zeroshard.save_checkpoint / load_checkpoint, which keep every "
+            "expert and tensor under its whole-model name"
+        )
 
 
 def _optimizers(optimizer) -> list:
@@ -218,9 +234,12 @@ def _fresh(model: nn.Module, optimizer) -> Optional[dict]:
     opts = [o for o in _optimizers(optimizer) if o.elementwise_rule is not None or o.whole_tensor_rule is not None]
     if not opts:
         return None
-    mine = any(bool(o.whole_tensor_rule.owned_states()) if o.whole_tensor_rule is not None else
-               any(o.elementwise_rule.piece_state(i, t) for (i, t) in o.elementwise_rule.piece_leaves())
-               for o in opts)
+    mine = any(
+        bool(o.whole_tensor_rule.owned_states())
+        if o.whole_tensor_rule is not None
+        else any(o.elementwise_rule.piece_state(i, t) for (i, t) in o.elementwise_rule.piece_leaves())
+        for o in opts
+    )
     if any(comm.all_gather_object(mine, group=opts[0].process_group, what="dcp_state_dict: optimizer state")):
         return None
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -236,7 +255,7 @@ def _fresh(model: nn.Module, optimizer) -> Optional[dict]:
 def _class_state(cls, kwargs: dict, shape: tuple) -> Dict[str, tuple]:
     """The state ``cls`` keeps for a parameter of ``shape``, each key's shape, from one step
     on a dummy whose dimensions are distinct primes (a state dimension of 1 stays 1)."""
-    primes = (3, 5, 7, 11, 13, 17)[:len(shape)]
+    primes = (3, 5, 7, 11, 13, 17)[: len(shape)]
     p = nn.Parameter(torch.zeros(primes))
     opt = cls([p], **kwargs)
     p.grad = torch.ones(primes)
@@ -245,8 +264,10 @@ def _class_state(cls, kwargs: dict, shape: tuple) -> Dict[str, tuple]:
     for kind, v in opt.state[p].items():
         dims = tuple(torch.as_tensor(v).shape)
         if any(d != 1 and d not in primes for d in dims):
-            raise NotImplementedError(f"dcp_state_dict: {cls.__name__} keeps '{kind}' of a shape zeroshard cannot "
-                                      "tell from the parameter's; save_checkpoint holds its state")
+            raise NotImplementedError(
+                f"dcp_state_dict: {cls.__name__} keeps '{kind}' of a shape zeroshard cannot "
+                "tell from the parameter's; save_checkpoint holds its state"
+            )
         out[kind] = tuple(1 if d == 1 else shape[primes.index(d)] for d in dims)
     return out
 
@@ -255,8 +276,10 @@ def _owner_scalars(holdings: Holdings, by_key: Dict[str, List[Piece]], group) ->
     """The shapes of the state tensors only their owners hold (a whole-tensor optimizer's),
     for every rank, and each owner's scalars given to every rank (a plain tensor DCP writes
     from whichever rank: all must hold its value)."""
-    mine = {k: (tuple(sp.shape), by_key[k][0].data.item() if not sp.shape else None)
-            for k, sp in holdings.local_specs.items()}
+    mine = {
+        k: (tuple(sp.shape), by_key[k][0].data.item() if not sp.shape else None)
+        for k, sp in holdings.local_specs.items()
+    }
     shapes = {}
     for theirs in comm.all_gather_object(mine, group=group, what="dcp_state_dict: owners' state"):
         for key, (shape, value) in theirs.items():
@@ -287,8 +310,9 @@ def _flat_range(shard, strides: List[int]) -> Tuple[int, int]:
 
 
 @torch.no_grad()
-def load_dcp_state_dict(model: nn.Module, optimizer=None, *, model_state_dict: dict,
-                        optim_state_dict: Optional[dict] = None, options=None) -> None:
+def load_dcp_state_dict(
+    model: nn.Module, optimizer=None, *, model_state_dict: dict, optim_state_dict: Optional[dict] = None, options=None
+) -> None:
     """Finish a load: ``model_state_dict`` / ``optim_state_dict`` from ``dcp_state_dict``,
     filled by ``dcp.load`` (or full tensors of the same names: each rank copies its own
     pieces). The optimizer takes the step counts and hyperparameters loaded. Collective
@@ -301,7 +325,7 @@ def load_dcp_state_dict(model: nn.Module, optimizer=None, *, model_state_dict: d
     if options is not None and options.broadcast_from_rank0:
         model_state_dict, optim_state_dict = _from_rank0(model_state_dict, optim_state_dict, holdings.group)
     tensors = {}
-    for name, entry in optim_state_dict["state"].items():     # what an elementwise class keeps
+    for name, entry in optim_state_dict["state"].items():  # what an elementwise class keeps
         step = int(float(entry.get("step", 0)))
         for kind, v in entry.items():
             tensors[f"{kind}:{name}"] = {"shape": list(v.shape), "dtype": "float32", "step": step}
@@ -309,18 +333,23 @@ def load_dcp_state_dict(model: nn.Module, optimizer=None, *, model_state_dict: d
     holdings.adopt(man)
     for key, spec in holdings.specs.items():
         kind, _, name = key.partition(":")
-        src = model_state_dict.get(name) if kind in ("param", "buffer") else \
-            optim_state_dict["state"].get(name, {}).get(kind)
+        src = (
+            model_state_dict.get(name)
+            if kind in ("param", "buffer")
+            else optim_state_dict["state"].get(name, {}).get(kind)
+        )
         if src is None:
             continue
         for piece in (p for p in holdings.pieces if p.key == key):
             _copy_in(piece, src)
-    for piece in holdings.pieces:          # an elementwise class's state, known from the manifest
+    for piece in holdings.pieces:  # an elementwise class's state, known from the manifest
         kind, _, name = piece.key.partition(":")
         if piece.key not in holdings.specs and kind in optim_state_dict["state"].get(name, {}):
             _copy_in(piece, optim_state_dict["state"][name][kind])
-    man["param_groups"] = [{"params": list(g["params"]), "hyper": {k: v for k, v in g.items() if k != "params"}}
-                           for g in optim_state_dict["param_groups"]]
+    man["param_groups"] = [
+        {"params": list(g["params"]), "hyper": {k: v for k, v in g.items() if k != "params"}}
+        for g in optim_state_dict["param_groups"]
+    ]
     holdings.finish_load(man)
 
 
@@ -329,9 +358,16 @@ def _from_rank0(model_sd: dict, optim_sd: dict, group) -> Tuple[dict, dict]:
     src = dist.get_global_rank(group, 0) if group is not None else 0
     layout = [None]
     if dist.get_rank(group) == 0:
-        layout = [({k: (tuple(v.shape), v.dtype) for k, v in model_sd.items()},
-                   {n: {k: (tuple(v.shape), torch.as_tensor(v).dtype) for k, v in e.items()}
-                    for n, e in optim_sd["state"].items()}, optim_sd["param_groups"])]
+        layout = [
+            (
+                {k: (tuple(v.shape), v.dtype) for k, v in model_sd.items()},
+                {
+                    n: {k: (tuple(v.shape), torch.as_tensor(v).dtype) for k, v in e.items()}
+                    for n, e in optim_sd["state"].items()
+                },
+                optim_sd["param_groups"],
+            )
+        ]
     dist.broadcast_object_list(layout, src=src, group=group)
     model_meta, state_meta, groups = layout[0]
     mine = dist.get_rank(group) == 0
@@ -340,9 +376,11 @@ def _from_rank0(model_sd: dict, optim_sd: dict, group) -> Tuple[dict, dict]:
         t = torch.as_tensor(value).detach().cpu().contiguous() if mine else torch.empty(meta[0], dtype=meta[1])
         dist.broadcast(t, src=src, group=group)
         return t
+
     model_out = {k: one(model_sd.get(k), m) for k, m in model_meta.items()}
-    state_out = {n: {k: one(optim_sd["state"][n][k] if mine else None, m) for k, m in e.items()}
-                 for n, e in state_meta.items()}
+    state_out = {
+        n: {k: one(optim_sd["state"][n][k] if mine else None, m) for k, m in e.items()} for n, e in state_meta.items()
+    }
     return model_out, {"state": state_out, "param_groups": groups}
 
 
@@ -352,17 +390,19 @@ def _copy_in(piece: Piece, src) -> None:
     n = piece.data.numel()
     if isinstance(src, ShardedTensor):
         shape = tuple(src.size())
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         for shard in src.local_shards():
             off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
             start, end = _flat_range(shard, strides)
             t = shard.tensor.reshape(-1)
             if end - start != t.numel():
-                raise ValueError(f"load_dcp_state_dict: a local shard at {list(off)} of size {list(size)} is not a "
-                                 "flat element range; pass the state dicts dcp_state_dict made, filled by dcp.load")
+                raise ValueError(
+                    f"load_dcp_state_dict: a local shard at {list(off)} of size {list(size)} is not a "
+                    "flat element range; pass the state dicts dcp_state_dict made, filled by dcp.load"
+                )
             lo, hi = max(start, piece.start), min(start + t.numel(), piece.start + n)
-            if lo < hi and t.data_ptr() != piece.data[lo - piece.start:].data_ptr():   # not loaded in place
-                piece.data[lo - piece.start:hi - piece.start].copy_(t[lo - start:hi - start])
+            if lo < hi and t.data_ptr() != piece.data[lo - piece.start :].data_ptr():  # not loaded in place
+                piece.data[lo - piece.start : hi - piece.start].copy_(t[lo - start : hi - start])
         return
     flat = src.reshape(-1)
-    piece.data.copy_(flat[piece.start:piece.start + n])
+    piece.data.copy_(flat[piece.start : piece.start + n])

@@ -16,6 +16,7 @@ none of a tensor keeps for the key's sake (checkpoint/dcp.py) costs no write, wh
 writer spends a fixed, measurable time on every item, empty or not. Everything else is
 ShardedTensor's own behaviour.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -35,6 +36,7 @@ _OWN = {torch.Tensor.size, torch.Tensor.shape.__get__, torch.Tensor.dim, torch.T
 
 class _Shared:
     """A value every copy of its holder shares: a deep copy is the box itself."""
+
     __slots__ = ("value",)
 
     def __init__(self, value):
@@ -67,27 +69,39 @@ class FlatShardedTensor(ShardedTensor):
         leaving out empty ones (a tensor with no element has one, so that its key is written)."""
         shards = [s for s in self.local_shards() if s.tensor.numel() or not self.metadata().size.numel()]
         props = self.metadata().tensor_properties
-        properties = TensorProperties(dtype=props.dtype, layout=props.layout, requires_grad=props.requires_grad,
-                                      memory_format=props.memory_format, pin_memory=props.pin_memory)
+        properties = TensorProperties(
+            dtype=props.dtype,
+            layout=props.layout,
+            requires_grad=props.requires_grad,
+            memory_format=props.memory_format,
+            pin_memory=props.pin_memory,
+        )
         items = []
         for shard in shards:
             md = shard.metadata
             offsets = torch.Size(md.shard_offsets)
-            items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(
-                                       chunk=ChunkStorageMetadata(offsets=offsets,
-                                                                  sizes=torch.Size(md.shard_sizes)),
-                                       properties=properties, size=self.metadata().size)))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(md.shard_sizes)),
+                        properties=properties,
+                        size=self.metadata().size,
+                    ),
+                )
+            )
         return items
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func is torch.Tensor.data_ptr:
-            return 0                  # (no storage of its own: the local shards hold the data)
+            return 0  # (no storage of its own: the local shards hold the data)
         if func is torch.Tensor.new_empty:
             this = args[0]
-            return torch.Tensor._make_wrapper_subclass(cls, this.size(), dtype=this.dtype, layout=torch.strided,
-                                                       requires_grad=False)
+            return torch.Tensor._make_wrapper_subclass(
+                cls, this.size(), dtype=this.dtype, layout=torch.strided, requires_grad=False
+            )
         if func in _OWN:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -103,7 +117,8 @@ def flat_sharded_tensor(shards: List[Shard], meta: ShardedTensorMetadata, group)
     quadratic in the ranks): the rectangles a flat
     range is cut into never overlap and tile it (tests/unit/test_dcp_layout.py)."""
     props = meta.tensor_properties
-    made = torch.Tensor._make_wrapper_subclass(FlatShardedTensor, meta.size, dtype=props.dtype,
-                                               layout=torch.strided, requires_grad=False)
+    made = torch.Tensor._make_wrapper_subclass(
+        FlatShardedTensor, meta.size, dtype=props.dtype, layout=torch.strided, requires_grad=False
+    )
     made.adopt(shards, meta, group if group is not None else dist.group.WORLD)
     return made

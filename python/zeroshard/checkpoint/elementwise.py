@@ -17,6 +17,7 @@ A load learns the keys from the manifest and gives each piece of this rank
 its part; a checkpoint without a ``step`` (the fused AdamW's) gives the
 class the step count the manifest records.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -29,16 +30,17 @@ from .files import parse_dtype
 from .pieces import Piece, Spec
 
 
-def elementwise_save(opt, rule, names: List[str], places: Dict[int, int]
-                     ) -> Tuple[Dict[str, Spec], Dict[str, Spec], List[Piece]]:
+def elementwise_save(
+    opt, rule, names: List[str], places: Dict[int, int]
+) -> Tuple[Dict[str, Spec], Dict[str, Spec], List[Piece]]:
     """The specs (the same on every rank, and this rank's alone: its experts') and this
     rank's pieces of ``rule``'s state (collective: the scalars and which keys each
     parameter has are gathered over the optimizer's ranks, by name). ``places``: each
     expert parameter's place among its own ranks ([Note: expert checkpoints] in
     checkpoint/parallel.py; the first writes its scalars)."""
     keys = rule.elementwise_keys
-    mine: Dict[str, dict] = {}       # param name -> {key: None (per element) or its scalar value}
-    for (i, t_off) in rule.piece_leaves():
+    mine: Dict[str, dict] = {}  # param name -> {key: None (per element) or its scalar value}
+    for i, t_off in rule.piece_leaves():
         for k, v in (rule.piece_state(i, t_off) or {}).items():
             if k in keys and isinstance(v, torch.Tensor):
                 mine.setdefault(names[i], {})[k] = None
@@ -58,7 +60,7 @@ def elementwise_save(opt, rule, names: List[str], places: Dict[int, int]
                 to[key] = Spec(tuple(v.shape), v.dtype, v.dtype, opt.param_steps[i])
                 if places.get(i, 0) == 0:
                     pieces.append(Piece(key, 0, v.reshape(-1), i not in places))
-    for (i, t_off) in rule.piece_leaves():
+    for i, t_off in rule.piece_leaves():
         for k, v in (rule.piece_state(i, t_off) or {}).items():
             if k in keys and isinstance(v, torch.Tensor):
                 pieces.append(Piece(f"{k}:{names[i]}", t_off, v.detach().reshape(-1), False))
@@ -71,7 +73,7 @@ class ElementwiseLoad:
 
     def __init__(self, opt, rule, names: List[str]):
         self.opt, self.rule, self.names = opt, rule, names
-        self.loaded: Dict[Tuple[int, int], dict] = {}      # (param, offset) -> its state
+        self.loaded: Dict[Tuple[int, int], dict] = {}  # (param, offset) -> its state
 
     def adopt(self, man: dict) -> List[Piece]:
         """The pieces to read: this rank's part of every state tensor the manifest holds for
@@ -102,12 +104,12 @@ class ElementwiseLoad:
         """Every piece of this rank takes its loaded state (none where the checkpoint has
         none); ``steps``: each parameter's step count, by name, from the manifest."""
         keeps_step = None
-        for (i, t_off) in self.rule.piece_leaves():
+        for i, t_off in self.rule.piece_leaves():
             st = self.loaded.get((i, t_off))
             if st is not None:
                 # scalars are shared by a parameter's pieces: each takes its own (step() updates them)
                 st = {k: v if k in self.rule.elementwise_keys else v.clone() for k, v in st.items()}
-                if "step" not in st:        # a fused AdamW checkpoint: the count is the manifest's
+                if "step" not in st:  # a fused AdamW checkpoint: the count is the manifest's
                     if keeps_step is None:
                         keeps_step = "step" in probe_state(self.rule.cls, self.rule.kwargs)
                     if keeps_step:

@@ -1,6 +1,7 @@
 """The checkpoint files: a streaming safetensors writer, the checksummed
 manifest, a block-verifying reader, and the filesystem steps of an atomic
 commit. See [Note: checkpoint format] in checkpoint/api.py."""
+
 from __future__ import annotations
 
 import bisect
@@ -17,17 +18,31 @@ import torch
 from ..native.ext import _C
 
 FORMAT, VERSION = "zeroshard-checkpoint", 1
-BLOCK = 1 << 20          # bytes per CRC block (saves): a load reads whole blocks around the ranges it needs
+BLOCK = 1 << 20  # bytes per CRC block (saves): a load reads whole blocks around the ranges it needs
 MANIFEST = "manifest.json"
 # safetensors' names of the dtypes it stores (a tensor of another dtype is refused, named)
-ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-            torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8", torch.bool: "BOOL",
-            torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+ST_DTYPE = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 # the blocks' checksum: zlib's CRC-32, from the C++ core where the CPU folds it with
 # PCLMULQDQ (well ahead of zlib's; csrc/crc32.h), else zlib's own
 crc32 = _C.crc32 if _C.crc32_is_fast() else zlib.crc32
-stats = {"bytes_read": 0}   # of this process's last load_checkpoint (tests and benchmarks read it)
+stats = {"bytes_read": 0}  # of this process's last load_checkpoint (tests and benchmarks read it)
 
 
 class CheckpointError(RuntimeError):
@@ -63,7 +78,7 @@ def _sync_file_range():
 
 
 _SYNC_FILE_RANGE = _sync_file_range()
-WRITEBACK_BYTES = 8 << 20    # start the disk writing every this many bytes written
+WRITEBACK_BYTES = 8 << 20  # start the disk writing every this many bytes written
 
 
 class Writeback:
@@ -81,7 +96,7 @@ class Writeback:
         if not self.ok or end - self.done < WRITEBACK_BYTES:
             return
         self.f.flush()
-        if _SYNC_FILE_RANGE(self.f.fileno(), self.done, end - self.done, 2) != 0:   # SYNC_FILE_RANGE_WRITE
+        if _SYNC_FILE_RANGE(self.f.fileno(), self.done, end - self.done, 2) != 0:  # SYNC_FILE_RANGE_WRITE
             self.ok = False
         self.done = end
 
@@ -123,9 +138,11 @@ def write_safetensors(path: str, items: list, sync: bool = True):
     for name, dtype, shape, _ in items:
         n = int(torch.Size(shape).numel()) * dtype.itemsize
         if dtype not in ST_DTYPE:
-            raise CheckpointError(f"{name.split('@')[0]} is {dtype}, which the safetensors format does not store "
-                                  f"(it stores {', '.join(dtype_name(d) for d in ST_DTYPE)}); keep that tensor "
-                                  "out of the state dict (a non-persistent buffer) or convert it")
+            raise CheckpointError(
+                f"{name.split('@')[0]} is {dtype}, which the safetensors format does not store "
+                f"(it stores {', '.join(dtype_name(d) for d in ST_DTYPE)}); keep that tensor "
+                "out of the state dict (a non-persistent buffer) or convert it"
+            )
         header[name] = {"dtype": ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -141,7 +158,7 @@ def write_safetensors(path: str, items: list, sync: bool = True):
             lo, hi = header[name]["data_offsets"]
             if mv.nbytes != hi - lo:
                 raise CheckpointError(f"{path}: tensor '{name}' has {mv.nbytes} bytes, expected {hi - lo}")
-            placed.append((len(head) + lo, [crc32(mv[k:k + BLOCK]) for k in range(0, mv.nbytes, BLOCK)]))
+            placed.append((len(head) + lo, [crc32(mv[k : k + BLOCK]) for k in range(0, mv.nbytes, BLOCK)]))
             f.write(mv)
             writeback.wrote(len(head) + hi)
         f.flush()
@@ -160,8 +177,9 @@ def write_bytes(path: str, data: bytes, sync: bool = True):
 
 def manifest_bytes(body: dict) -> bytes:
     text = json.dumps(body, sort_keys=True)
-    return json.dumps({"format": FORMAT, "version": VERSION, "crc32": zlib.crc32(text.encode()),
-                       "body": body}, sort_keys=True).encode()
+    return json.dumps(
+        {"format": FORMAT, "version": VERSION, "crc32": zlib.crc32(text.encode()), "body": body}, sort_keys=True
+    ).encode()
 
 
 def read_manifest(path: str) -> dict:
@@ -169,8 +187,10 @@ def read_manifest(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a checkpoint directory (it does not exist)")
     if not os.path.exists(mpath):
-        raise CheckpointError(f"{path} is not a complete zeroshard checkpoint: it has no {MANIFEST} (a save "
-                              "into it did not finish, or it is not a checkpoint)")
+        raise CheckpointError(
+            f"{path} is not a complete zeroshard checkpoint: it has no {MANIFEST} (a save "
+            "into it did not finish, or it is not a checkpoint)"
+        )
     try:
         with open(mpath, "rb") as f:
             doc = json.loads(f.read())
@@ -181,8 +201,9 @@ def read_manifest(path: str) -> dict:
     if not ok:
         raise CheckpointError(f"{mpath} is corrupt: its checksum does not match its contents")
     if doc["version"] > VERSION:
-        raise CheckpointError(f"{mpath} has format version {doc['version']}; this zeroshard reads up to "
-                              f"{VERSION}: upgrade zeroshard")
+        raise CheckpointError(
+            f"{mpath} has format version {doc['version']}; this zeroshard reads up to {VERSION}: upgrade zeroshard"
+        )
     return body
 
 
@@ -203,9 +224,9 @@ class CheckpointReader:
 
     def __init__(self, path: str, man: dict):
         self.path, self.man, self.files = path, man, {}
-        self._starts: Dict[str, List[int]] = {}   # key -> its entries' first elements (a load's lookups)
+        self._starts: Dict[str, List[int]] = {}  # key -> its entries' first elements (a load's lookups)
         self.block = int(man["block_bytes"])
-        self._staging = torch.empty(0, dtype=torch.uint8)   # reused: at most the largest read
+        self._staging = torch.empty(0, dtype=torch.uint8)  # reused: at most the largest read
 
     def close(self):
         for f in self.files.values():
@@ -220,12 +241,16 @@ class CheckpointReader:
         fpath = os.path.join(self.path, fname)
         info = self.man["files"].get(fname)
         if info is None:
-            raise CheckpointError(f"{os.path.join(self.path, MANIFEST)} names file {fname} for tensor '{key}' "
-                                  "but does not describe it: the manifest is corrupt")
+            raise CheckpointError(
+                f"{os.path.join(self.path, MANIFEST)} names file {fname} for tensor '{key}' "
+                "but does not describe it: the manifest is corrupt"
+            )
         problem = file_problem(self.path, fname, info)
         if problem is not None:
-            raise CheckpointError(f"{problem}; it holds tensor '{key}': the checkpoint is incomplete: restore the "
-                                  "file or load another checkpoint")
+            raise CheckpointError(
+                f"{problem}; it holds tensor '{key}': the checkpoint is incomplete: restore the "
+                "file or load another checkpoint"
+            )
         size = os.path.getsize(fpath)
         f = open(fpath, "rb")
         head = f.read(8)
@@ -233,8 +258,9 @@ class CheckpointReader:
         head += f.read(max(0, min(n, size)))
         if zlib.crc32(head) != info["crc32"]:
             f.close()
-            raise CheckpointError(f"{fpath}: the safetensors header fails its checksum (the file is corrupt; "
-                                  f"it holds tensor '{key}')")
+            raise CheckpointError(
+                f"{fpath}: the safetensors header fails its checksum (the file is corrupt; it holds tensor '{key}')"
+            )
         self.files[fname] = f
         return f
 
@@ -243,12 +269,12 @@ class CheckpointReader:
         lo..hi: elements a..b of the tensor are bytes x0..x1 of the entry, read as the
         whole blocks r0..r1."""
         item = parse_dtype(self.man["tensors"][key]["dtype"]).itemsize
-        entries = self.man["tensors"][key]["entries"]     # not overlapping; sorted by start (the save sorts them)
+        entries = self.man["tensors"][key]["entries"]  # not overlapping; sorted by start (the save sorts them)
         starts = self._starts.get(key)
         if starts is None:
             entries.sort(key=lambda e: e[2])
             starts = self._starts[key] = [e[2] for e in entries]
-        for e in entries[max(0, bisect.bisect_right(starts, lo) - 1):bisect.bisect_left(starts, hi)]:
+        for e in entries[max(0, bisect.bisect_right(starts, lo) - 1) : bisect.bisect_left(starts, hi)]:
             start, numel = e[2], e[3]
             a, b = max(lo, start), min(hi, start + numel)
             if a < b:
@@ -280,7 +306,7 @@ class CheckpointReader:
             if not into and self._staging.numel() < r1 - r0:
                 self._staging = torch.empty(0, dtype=torch.uint8)
                 self._staging = torch.empty(r1 - r0, dtype=torch.uint8)
-            buf = dest[a - lo:b - lo] if into else self._staging[:r1 - r0]
+            buf = dest[a - lo : b - lo] if into else self._staging[: r1 - r0]
             mv = memory(buf)
             f.seek(byte0 + r0)
             if f.readinto(mv) != r1 - r0:
@@ -292,13 +318,16 @@ class CheckpointReader:
                     raise CheckpointError(
                         f"{os.path.join(self.path, fname)}: tensor '{key}' fails its checksum in elements "
                         f"{start + (s_ + r0) // item}..{start + (e_ + r0) // item} (the file is corrupt); "
-                        "load another checkpoint")
+                        "load another checkpoint"
+                    )
             if not into:
-                dest[a - lo:b - lo].copy_(buf[x0 - r0:x1 - r0].view(dtype))
+                dest[a - lo : b - lo].copy_(buf[x0 - r0 : x1 - r0].view(dtype))
             done += b - a
         if done != hi - lo:
-            raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: tensor '{key}' elements {lo}..{hi} are "
-                                  f"not all in the checkpoint's files ({done} found); the manifest is corrupt")
+            raise CheckpointError(
+                f"{os.path.join(self.path, MANIFEST)}: tensor '{key}' elements {lo}..{hi} are "
+                f"not all in the checkpoint's files ({done} found); the manifest is corrupt"
+            )
 
     def full(self, key: str) -> torch.Tensor:
         t = self.man["tensors"][key]

@@ -4,6 +4,7 @@ the regions a sharded model (FullyShard) and a ShardedOptimizer describe
 ([Note: shard sources] in core/source.py), or from a plain model and
 torch AdamW.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,14 @@ import torch.nn as nn
 from .. import comm
 from .files import CheckpointError
 from .elementwise import ElementwiseLoad, elementwise_save
-from .parallel import (expert_colors, name_experts, name_group_experts, refuse_expert_buffers,
-                       refuse_unnamed_experts, tp_placements)
+from .parallel import (
+    expert_colors,
+    name_experts,
+    name_group_experts,
+    refuse_expert_buffers,
+    refuse_unnamed_experts,
+    tp_placements,
+)
 from .pieces import Piece, Spec
 from ..core.regions import ShardedModel
 from ..core.tensor_parallel import placed_of
@@ -34,22 +41,23 @@ class Holdings:
         sharded = _sharded_optimizers(optimizer)
         sharded_opt = sharded[0] if sharded else None
         plain = optimizers_of(optimizer)
-        optimizer = plain[0] if plain and not sharded else None     # a torch AdamW
+        optimizer = plain[0] if plain and not sharded else None  # a torch AdamW
         self._set_group(fs, sharded_opt)
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.stage = 3 if fs is not None else (sharded_opt.stage if sharded_opt is not None else 0)
         self.for_load = for_load
-        self.specs: Dict[str, Spec] = {}          # every rank's: the same on all
-        self.local_specs: Dict[str, Spec] = {}    # this rank's alone (whole-tensor optimizer states)
+        self.specs: Dict[str, Spec] = {}  # every rank's: the same on all
+        self.local_specs: Dict[str, Spec] = {}  # this rank's alone (whole-tensor optimizer states)
         self.pieces: List[Piece] = []
         self.groups: Optional[list] = None
         self.aliases: Dict[str, str] = {}
         self._finish: List[Callable[[dict], None]] = []
         if fs is not None and fs.device.type == "meta":
-            raise CheckpointError("this FullyShard keeps its shards on meta (device='meta'); it has no values "
-                                  "to save or load")
+            raise CheckpointError(
+                "this FullyShard keeps its shards on meta (device='meta'); it has no values to save or load"
+            )
 
-        self.names: Dict[int, str] = {}    # id(parameter) -> canonical name
+        self.names: Dict[int, str] = {}  # id(parameter) -> canonical name
         for name, p in (fs if fs is not None else inner).named_parameters(remove_duplicate=False):
             if id(p) in self.names:
                 self.aliases[name] = self.names[id(p)]
@@ -61,32 +69,36 @@ class Holdings:
         held, regions = fs.held_regions() if fs is not None else ([], [])
         self._tensor_parallel(held, sharded)
         # some parameters shard over their own ranks (the same on every rank)
-        self.has_experts = (any(expert_colors(o) is not None for o in sharded)
-                            or any(reg.place is not None for reg in regions))
+        self.has_experts = any(expert_colors(o) is not None for o in sharded) or any(
+            reg.place is not None for reg in regions
+        )
         if fs is None and not sharded:
             refuse_unnamed_experts(inner)
         covered = set()
         if fs is not None:
             self._sharded_model(fs, held, regions, covered)
-        self._later: List[Callable[[dict], None]] = []   # load: pieces known from the manifest only
+        self._later: List[Callable[[dict], None]] = []  # load: pieces known from the manifest only
         if sharded_opt is not None:
             for opt in sharded:
                 self._sharded_optimizer(opt, covered)
         elif optimizer is not None:
             if fs is not None:
-                raise CheckpointError("FullyShard parameters are updated by zeroshard.ShardedOptimizer; "
-                                      f"got {type(optimizer).__name__}")
+                raise CheckpointError(
+                    f"FullyShard parameters are updated by zeroshard.ShardedOptimizer; got {type(optimizer).__name__}"
+                )
             self._torch_adamw(optimizer, for_load)
         self._unsharded(inner, covered if fs is None else None)
 
     def _unsharded(self, inner: nn.Module, covered: Optional[set]):
         """What no region holds: the parameters not in ``covered`` (None: none, a FullyShard
         holds them all) and the persistent buffers, each whole."""
-        for p in (inner.parameters() if covered is not None else ()):
+        for p in inner.parameters() if covered is not None else ():
             if id(p) not in covered and (id(p) in self.placed or placed_of(p) is not None):
-                raise CheckpointError(f"parameter '{self.names[id(p)]}' is tensor-parallel (a DTensor) but no "
-                                      "ShardedOptimizer steps it (frozen, or the model saved without its optimizer): "
-                                      "checkpoints of those are not supported yet")
+                raise CheckpointError(
+                    f"parameter '{self.names[id(p)]}' is tensor-parallel (a DTensor) but no "
+                    "ShardedOptimizer steps it (frozen, or the model saved without its optimizer): "
+                    "checkpoints of those are not supported yet"
+                )
             if id(p) not in covered:
                 name = self.names[id(p)]
                 self._spec("param:" + name, Spec(tuple(p.shape), p.dtype, p.dtype), p)
@@ -113,15 +125,17 @@ class Holdings:
         their placements, and the checkpoint written over every rank."""
         self.placed = tp_placements(held, sharded)
         self.tp_rank, self.dp_replica = 0, 0
-        tp = [pl for pl in self.placed.values() if not pl.expert]     # (experts: by their own ranks)
+        tp = [pl for pl in self.placed.values() if not pl.expert]  # (experts: by their own ranks)
         if tp:
             mesh = tp[0].mesh
             if self.world * self.replicas * mesh.size() != dist.get_world_size():
-                raise CheckpointError(f"a checkpoint of a tensor-parallel model is written over every rank: its "
-                                      f"dp ({self.world * self.replicas}) x tp ({mesh.size()}) mesh must span the "
-                                      f"{dist.get_world_size()} ranks")
+                raise CheckpointError(
+                    f"a checkpoint of a tensor-parallel model is written over every rank: its "
+                    f"dp ({self.world * self.replicas}) x tp ({mesh.size()}) mesh must span the "
+                    f"{dist.get_world_size()} ranks"
+                )
             self.group, self.world, self.rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-            self.tp_rank = mesh.get_local_rank()     # (hybrid on dp: the first replica writes)
+            self.tp_rank = mesh.get_local_rank()  # (hybrid on dp: the first replica writes)
             self.dp_replica, self.every, self.replicas, self.replica_rank = self.replica_rank, None, 1, 0
 
     def _piece(self, key: str, p: torch.Tensor, start: int, data: torch.Tensor):
@@ -129,11 +143,11 @@ class Holdings:
         piece where it is tensor-parallel ([Note: tensor-parallel checkpoints])."""
         pl = self.placed.get(id(p))
         if pl is None or not pl.sharded:
-            if self.tp_rank == 0 == self.dp_replica or self.for_load:    # (replicated over tp: tp rank 0's)
+            if self.tp_rank == 0 == self.dp_replica or self.for_load:  # (replicated over tp: tp rank 0's)
                 self.pieces.append(Piece(key, start, data, False))
             return
         for at, off, n in pl.runs(start, data.numel()) if self.for_load or not self.dp_replica else ():
-            self.pieces.append(Piece(key, at, data[off:off + n], False))
+            self.pieces.append(Piece(key, at, data[off : off + n], False))
 
     def _set_group(self, fs, sharded_opt):
         """The process group the checkpoint is written over, and the replicas of hybrid sharding."""
@@ -154,8 +168,10 @@ class Holdings:
     def _name_of(self, p: torch.Tensor, i: int) -> str:
         name = self.names.get(id(p))
         if name is None:
-            raise CheckpointError(f"optimizer parameter {i} (shape {tuple(p.shape)}) is not a parameter of the "
-                                  "model; pass the model whose parameters the optimizer updates")
+            raise CheckpointError(
+                f"optimizer parameter {i} (shape {tuple(p.shape)}) is not a parameter of the "
+                "model; pass the model whose parameters the optimizer updates"
+            )
         return name
 
     def _whole(self, key: str, t: torch.Tensor, place: Optional[int] = None):
@@ -200,25 +216,26 @@ class Holdings:
                 saved = next((where[n] for n in names if n in where), None)
                 for k, v in (saved or {}).items():
                     g[k] = tuple(v) if k == "betas" else v
+
         self._finish.append(finish)
 
     def _sharded_optimizer(self, opt, covered: set):
         name_group_experts(self.names, self.parallel, opt)
         whole = opt.whole_tensor_rule
         names = [self._name_of(p, i) for i, p in enumerate(opt.params)]
-        if opt.elementwise_rule is not None:    # [Note: elementwise optimizer checkpoints]
+        if opt.elementwise_rule is not None:  # [Note: elementwise optimizer checkpoints]
             self._elementwise_state(opt, opt.elementwise_rule, names)
         if opt.fused and self.for_load:
             self._later.append(lambda man: _check_fused_can_run(man, set(names)))
         for i in opt.trainable if opt.fused else ():
             step, pl = opt.param_steps[i], self.placed.get(id(opt.params[i]))
-            shape = tuple(opt.full_shape(i) if pl is None else pl.shape)     # (a DTensor's: global)
+            shape = tuple(opt.full_shape(i) if pl is None else pl.shape)  # (a DTensor's: global)
             for kind in ("exp_avg", "exp_avg_sq"):
                 self._spec(f"{kind}:{names[i]}", Spec(shape, torch.float32, torch.float32, step), opt.params[i])
         if whole is not None:
             self._whole_tensor_state(opt, whole, names)
         for reg in opt.regions:
-            if reg.values is not None and not reg.model_owned:     # (ZeRO-3: the model's, saved above)
+            if reg.values is not None and not reg.model_owned:  # (ZeRO-3: the model's, saved above)
                 for i, *_ in reg.frags:
                     p = opt.params[i]
                     self._spec("param:" + names[i], Spec(tuple(p.shape), reg.values.dtype, p.dtype), p)
@@ -228,13 +245,13 @@ class Holdings:
                     self._piece("param:" + names[i], opt.params[i], start, reg.values[sl])
                 for kind in ("exp_avg", "exp_avg_sq") if opt.fused else ():
                     self._piece(f"{kind}:{names[i]}", opt.params[i], start, getattr(reg, kind)[sl])
-        group_names = [[n for i, n in enumerate(names) if opt.group_of(i) == gi]
-                       for gi in range(len(opt.param_groups))]
+        group_names = [[n for i, n in enumerate(names) if opt.group_of(i) == gi] for gi in range(len(opt.param_groups))]
         self._groups(opt, group_names)
 
         def finish(man):
             by = steps_by_name(man)
             opt.shards_loaded([by.get(n, 0) for n in names])
+
         self._finish.append(finish)
 
     def _elementwise_state(self, opt, rule, names: List[str]):
@@ -271,6 +288,7 @@ class Holdings:
                     data = torch.zeros(t["shape"], dtype=torch.float32, device=opt.device)
                     loaded.setdefault(owned[name], {})[kind] = data
                     self.pieces.append(Piece(key, 0, data.view(-1), False))
+
         self._later.append(adopt)
         self._finish.append(lambda man: rule.set_owned_states(loaded))
 
@@ -290,8 +308,10 @@ class Holdings:
 
     def _torch_adamw(self, opt, for_load: bool):
         if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
-            raise CheckpointError(f"optimizer {type(opt).__name__} is not supported: checkpoints hold "
-                                  "zeroshard.ShardedOptimizer or torch.optim.AdamW/Adam state")
+            raise CheckpointError(
+                f"optimizer {type(opt).__name__} is not supported: checkpoints hold "
+                "zeroshard.ShardedOptimizer or torch.optim.AdamW/Adam state"
+            )
         group_names = []
         for g in opt.param_groups:
             nm = []
@@ -303,9 +323,10 @@ class Holdings:
                     state = opt.state[p] = {
                         "step": torch.tensor(0.0, device=p.device if g.get("capturable") or g.get("fused") else None),
                         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
                 if state:
-                    step = int(float(state["step"]))   # once: a fused/capturable step is on the GPU
+                    step = int(float(state["step"]))  # once: a fused/capturable step is on the GPU
                     for kind in ("exp_avg", "exp_avg_sq"):
                         self.specs[f"{kind}:{name}"] = Spec(tuple(p.shape), state[kind].dtype, p.dtype, step)
                         self._whole(f"{kind}:{name}", state[kind])
@@ -317,6 +338,7 @@ class Holdings:
             for g, nm in zip(opt.param_groups, group_names):
                 for p, name in zip(g["params"], nm):
                     opt.state[p]["step"].fill_(by.get(name, 0))
+
         self._finish.append(finish)
 
     def finish_load(self, man: dict):
@@ -345,7 +367,8 @@ def _check_fused_can_run(man: dict, names: set) -> None:
             raise CheckpointError(
                 f"the checkpoint's optimizer ran with {' and '.join(f'{k}=True' for k in asked)}, which the "
                 f"fused AdamW does not run: build the ShardedOptimizer with {', '.join(f'{k}=True' for k in asked)} "
-                "(it then runs torch.optim.AdamW over its pieces) before loading it")
+                "(it then runs torch.optim.AdamW over its pieces) before loading it"
+            )
 
 
 def _persistent_buffers(module: nn.Module):
@@ -362,11 +385,14 @@ _MODEL_OR_ADAMW = ("param", "buffer", "exp_avg", "exp_avg_sq")
 def _sharded_optimizers(optimizer) -> list:
     """The ShardedOptimizers among those given (all of them, or none)."""
     from ..optim.sharded import ShardedOptimizer
+
     optimizers = optimizers_of(optimizer)
     sharded = [o for o in optimizers if isinstance(o, ShardedOptimizer)]
     if len(optimizers) > 1 and len(sharded) < len(optimizers):
-        raise CheckpointError("several optimizers are saved together only when each is a "
-                              "zeroshard.ShardedOptimizer (e.g. Muon over the matrices, AdamW over the rest)")
+        raise CheckpointError(
+            "several optimizers are saved together only when each is a "
+            "zeroshard.ShardedOptimizer (e.g. Muon over the matrices, AdamW over the rest)"
+        )
     return sharded
 
 

@@ -26,6 +26,7 @@ written by tp rank 0's dp group. So it loads at any dp size, stage and tp degree
 2 to 1 or 1 to 2: each rank reads its pieces' ranges), and exports as the whole
 model. The checkpoint is written over every rank (dp x tp: the mesh must span them).
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -46,8 +47,10 @@ def tp_placements(held, sharded: list) -> Dict[int, object]:
         placed.update({id(o.params[i]): pl for i, pl in (tp.placed.items() if tp is not None else ())})
         placed.update({id(o.params[i]): pl for i, pl in o.source.expert_placements().items()})
         if tp is not None and (o.whole_tensor_rule is not None or o.elementwise_rule is not None):
-            raise CheckpointError("checkpoints of tensor-parallel parameters hold the fused AdamW's state; "
-                                  f"{o.optimizer_class.__name__}'s is not supported yet")
+            raise CheckpointError(
+                "checkpoints of tensor-parallel parameters hold the fused AdamW's state; "
+                f"{o.optimizer_class.__name__}'s is not supported yet"
+            )
     return placed
 
 
@@ -63,7 +66,8 @@ def name_experts(names: Dict[int, str], parallel: Dict[int, int], held, regions)
                     "the ranks of different expert-parallel groups hold different experts under the same "
                     "names, so a checkpoint needs each one's name in the whole model. Pass "
                     "FullyShard(..., expert_names=fn), fn mapping a name in this rank's model to the whole "
-                    "model's (see docs/experts.md)")
+                    "model's (see docs/experts.md)"
+                )
             names[id(h.param)], parallel[id(h.param)] = h.whole_name, reg.place
 
 
@@ -73,7 +77,7 @@ def name_group_experts(names: Dict[int, str], parallel: Dict[int, int], opt) -> 
     colors, dtensors = expert_colors(opt), opt.source.expert_placements()
     given = {id(p): n for g in opt.param_groups for n, p in zip(g.get("param_names", ()), g["params"])}
     for i, p in enumerate(opt.params):
-        if colors is None or colors[i][1] == 1 or id(p) in parallel or i in dtensors:   # (DTensors: global)
+        if colors is None or colors[i][1] == 1 or id(p) in parallel or i in dtensors:  # (DTensors: global)
             continue
         if id(p) not in given:
             raise CheckpointError(
@@ -82,9 +86,11 @@ def name_group_experts(names: Dict[int, str], parallel: Dict[int, int], opt) -> 
                 "groups hold different experts under the same names, so a checkpoint needs each one's name "
                 "in the whole model. Name the optimizer's parameters (torch's named parameters, every "
                 "group), the experts' with their names in the whole model: {'params': [(whole_model_name, "
-                "p), ...], 'device_mesh': mesh['edp']} (see docs/experts.md)")
+                "p), ...], 'device_mesh': mesh['edp']} (see docs/experts.md)"
+            )
         names[id(p)] = given[id(p)]
         parallel[id(p)] = dist.get_rank(opt.source.param_process_group(i))
+
 
 def expert_colors(opt):
     """The statistics colors of an optimizer's param groups over their own ranks (experts);
@@ -102,7 +108,8 @@ def refuse_unnamed_experts(model: nn.Module) -> None:
                 f"parameter '{name}' is in a ShardedOptimizer param group sharded over its own ranks (expert "
                 "parallelism): the ranks of different expert-parallel groups hold different experts under the "
                 "same names. Pass that optimizer too (save_checkpoint(path, model, opt)): its param groups name "
-                "the experts in the whole model")
+                "the experts in the whole model"
+            )
 
 
 def refuse_expert_buffers(model: nn.Module, parallel: Dict[int, int]) -> None:
@@ -110,10 +117,11 @@ def refuse_expert_buffers(model: nn.Module, parallel: Dict[int, int]) -> None:
     for mname, m in model.named_modules():
         params = list(m.parameters())
         if params and all(id(p) in parallel for p in params):
-            saved = m.state_dict(keep_vars=True)        # (its persistent buffers are in it)
+            saved = m.state_dict(keep_vars=True)  # (its persistent buffers are in it)
             for bname, _ in m.named_buffers(recurse=False):
                 if bname in saved:
                     raise CheckpointError(
                         f"buffer '{mname}.{bname}' belongs to an expert module (its parameters are sharded over "
                         "their own ranks): checkpoints do not keep experts' buffers apart yet. Register it with "
-                        "persistent=False (and set it in the module's code), or keep it outside the expert")
+                        "persistent=False (and set it in the module's code), or keep it outside the expert"
+                    )

@@ -1,5 +1,6 @@
 """The exchange of outcomes that ends each step of a checkpoint save or load: every
 rank learns whether any rank failed, and raises if one did."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from .files import CheckpointError
 @dataclass(frozen=True)
 class Peers:
     """The ranks each step of a save or load exchanges its outcome with."""
-    group: Optional[dist.ProcessGroup]    # None: one process, nothing to exchange
+
+    group: Optional[dist.ProcessGroup]  # None: one process, nothing to exchange
 
     def run(self, fn: Callable[[], Any], gather: bool = False):
         """Run fn here and exchange the outcomes; if any rank failed, raise on every

@@ -21,6 +21,7 @@ meta gets them from its own code, ``_init_weights`` of a Hugging Face model
 (for modules without parameters of their own), after FullyShard has run the
 modules' ``reset_parameters()``; any left are named in a warning.
 """
+
 from __future__ import annotations
 
 import glob
@@ -43,19 +44,34 @@ SINGLE_NAME = "model.safetensors"
 # the largest read: one buffer of this many bytes is the loader's whole transient memory
 READ_BYTES = 64 << 20
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "C64": torch.complex64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True)
 class Entry:
     """One tensor of a safetensors file: where its bytes are."""
+
     file: str
     dtype: torch.dtype
     shape: tuple
-    offset: int          # of its first byte in the file
+    offset: int  # of its first byte in the file
 
     @property
     def numel(self) -> int:
@@ -77,8 +93,10 @@ def read_header(path: str) -> Dict[str, Entry]:
         if name == "__metadata__":
             continue
         if t["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor '{name}' has dtype {t['dtype']}, which the loader does not read "
-                             f"(it reads {sorted(DTYPES)})")
+            raise ValueError(
+                f"{path}: tensor '{name}' has dtype {t['dtype']}, which the loader does not read "
+                f"(it reads {sorted(DTYPES)})"
+            )
         out[name] = Entry(path, DTYPES[t["dtype"]], tuple(t["shape"]), 8 + n + t["data_offsets"][0])
     return out
 
@@ -101,8 +119,10 @@ def weight_files(path: Union[str, Sequence[str]]) -> List[str]:
         return [os.path.join(path, name) for name in files]
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"load_pretrained: {path} holds no safetensors file ({INDEX_NAME}, {SINGLE_NAME} "
-                                "or *.safetensors); save the model with save_pretrained(..., safe_serialization=True)")
+        raise FileNotFoundError(
+            f"load_pretrained: {path} holds no safetensors file ({INDEX_NAME}, {SINGLE_NAME} "
+            "or *.safetensors); save the model with save_pretrained(..., safe_serialization=True)"
+        )
     return files
 
 
@@ -136,14 +156,14 @@ class SafetensorsReader:
         done, n = 0, out.numel()
         while done < n:
             k = min(per, n - done)
-            view = self._buf[:k * item]
+            view = self._buf[: k * item]
             got, want, pos = 0, k * item, e.offset + (start + done) * item
             while got < want:
                 r = os.preadv(fd, [view[got:].numpy()], pos + got)
                 if r <= 0:
                     raise OSError(f"load_pretrained: {e.file} ends inside its tensor data (truncated file?)")
                 got += r
-            out[done:done + k].copy_(view.view(e.dtype))
+            out[done : done + k].copy_(view.view(e.dtype))
             done += k
 
     def close(self) -> None:
@@ -218,9 +238,14 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def load_pretrained(model: nn.Module, path: Union[str, Sequence[str]], *, strict: bool = True,
-                    device: Union[torch.device, str, None] = None,
-                    key_map: Union[Mapping[str, str], Callable[[str], str], None] = None):
+def load_pretrained(
+    model: nn.Module,
+    path: Union[str, Sequence[str]],
+    *,
+    strict: bool = True,
+    device: Union[torch.device, str, None] = None,
+    key_map: Union[Mapping[str, str], Callable[[str], str], None] = None,
+):
     """Pretrained weights from safetensors files into ``model`` ([Note: pretrained weights]).
 
     model: a ``FullyShard`` (of a model built on meta, or on CPU/CUDA) or a plain model
@@ -244,15 +269,17 @@ def load_pretrained(model: nn.Module, path: Union[str, Sequence[str]], *, strict
         made = materialize_meta(inner, torch.device(device) if device is not None else default_device())
         unset += reset_owners(inner, made)
         if device is not None:
-            inner.to(device)          # whatever was made elsewhere (an adapter on CPU) joins it
+            inner.to(device)  # whatever was made elsewhere (an adapter on CPU) joins it
     holdings = Holdings(model, None, for_load=True)
-    names: Dict[str, List[str]] = {}          # canonical name -> its other names (tied)
+    names: Dict[str, List[str]] = {}  # canonical name -> its other names (tied)
     for alias, canonical in holdings.aliases.items():
         names.setdefault(canonical, []).append(alias)
     source, missing, unexpected = _match(holdings, entries, names, _file_names(key_map))
     if strict and (missing or unexpected):
-        raise RuntimeError(f"load_pretrained: error(s) loading {type(inner).__name__} from {path}: missing key(s) "
-                           f"{missing}, unexpected key(s) {unexpected}; pass strict=False to load what matches")
+        raise RuntimeError(
+            f"load_pretrained: error(s) loading {type(inner).__name__} from {path}: missing key(s) "
+            f"{missing}, unexpected key(s) {unexpected}; pass strict=False to load what matches"
+        )
     reader = SafetensorsReader()
     try:
         for piece in holdings.pieces:
@@ -263,10 +290,12 @@ def load_pretrained(model: nn.Module, path: Union[str, Sequence[str]], *, strict
     holdings.finish_load({"tensors": {}, "param_groups": None})
     left = init_buffers(inner, unset)
     if left:
-        warnings.warn(f"load_pretrained: the non-persistent buffers {left} are in no file and the model has no "
-                      "code zeroshard can run to set them (a Hugging Face _init_weights, a module's "
-                      "reset_parameters()); set them as the module's __init__ computes them, or build the "
-                      "model with its buffers off meta")
+        warnings.warn(
+            f"load_pretrained: the non-persistent buffers {left} are in no file and the model has no "
+            "code zeroshard can run to set them (a Hugging Face _init_weights, a module's "
+            "reset_parameters()); set them as the module's __init__ computes them, or build the "
+            "model with its buffers off meta"
+        )
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
@@ -278,8 +307,7 @@ def _file_names(key_map) -> Callable[[str], str]:
     return lambda n: key_map.get(n, n)
 
 
-def _match(holdings: Holdings, entries: Dict[str, Entry], names: Dict[str, List[str]],
-           file_name: Callable[[str], str]):
+def _match(holdings: Holdings, entries: Dict[str, Entry], names: Dict[str, List[str]], file_name: Callable[[str], str]):
     """(the file entry of each checkpoint key found, the model's names missing from the
     files, the files' names the model lacks); a size mismatch raises."""
     source: Dict[str, Entry] = {}
@@ -294,7 +322,9 @@ def _match(holdings: Holdings, entries: Dict[str, Entry], names: Dict[str, List[
             continue
         e = entries[found]
         if e.numel != math.prod(spec.shape):
-            raise RuntimeError(f"load_pretrained: size mismatch for {found}: the file {e.file} has shape "
-                               f"{list(e.shape)}, the model's parameter has shape {list(spec.shape)}")
+            raise RuntimeError(
+                f"load_pretrained: size mismatch for {found}: the file {e.file} has shape "
+                f"{list(e.shape)}, the model's parameter has shape {list(spec.shape)}"
+            )
         source[key] = e
     return source, missing, sorted(k for k in entries if k not in known)

@@ -25,6 +25,7 @@ raised rather than starting fresh over them. Rank 0
 chooses and the other ranks take its choice, so every rank loads the same
 checkpoint even when their views of a shared filesystem lag.
 """
+
 from __future__ import annotations
 
 import os
@@ -117,9 +118,9 @@ def resume(path, model: nn.Module, optimizer=None) -> Any:
     for c in _choose(path):
         try:
             return load_checkpoint(c, model, optimizer)
-        except CheckpointError as e:     # raised on every rank (the load's exchanges of outcomes)
+        except CheckpointError as e:  # raised on every rank (the load's exchanges of outcomes)
             warnings.warn(f"zeroshard.resume: skipping {c}, it failed to load: {e}")
             first = first or e
-    if first is not None:     # checkpoints exist but none loads (another model?): never start over them
+    if first is not None:  # checkpoints exist but none loads (another model?): never start over them
         raise first
     return None

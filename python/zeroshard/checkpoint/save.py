@@ -23,6 +23,7 @@ needs its group. The cost: host memory for one copy of what this rank
 writes, held until the write ends, and the write's CPU time (checksums,
 copies into the page cache) beside the training's.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -52,7 +53,8 @@ class Taken:
     """What this rank writes, taken at the call: its pieces and the pickled
     ``extra``, or why taking them failed (raised in the first exchange, so every
     rank hears of it)."""
-    pieces: List[Tuple[str, int, torch.Tensor]] = field(default_factory=list)   # (key, start, 1-D values)
+
+    pieces: List[Tuple[str, int, torch.Tensor]] = field(default_factory=list)  # (key, start, 1-D values)
     extra: Optional[bytes] = None
     error: Optional[Exception] = None
 
@@ -62,7 +64,7 @@ class Taken:
         change; otherwise the live tensors, read while the save blocks."""
         taken = Taken()
         try:
-            if h.replica_rank != 0:      # hybrid sharding: the first shard group writes
+            if h.replica_rank != 0:  # hybrid sharding: the first shard group writes
                 return taken
             mine = [p for p in h.pieces if (not p.replicated or h.rank == 0) and p.data.numel()]
             for p in mine:
@@ -71,7 +73,7 @@ class Taken:
                     t = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
                 taken.pieces.append((p.key, p.start, t))
             if copy and any(p.data.is_cuda for p in mine):
-                torch.cuda.synchronize()     # the copies landed before the originals may change
+                torch.cuda.synchronize()  # the copies landed before the originals may change
             if extra is not None:
                 buf = io.BytesIO()
                 torch.save(extra, buf)
@@ -92,7 +94,7 @@ def save(h: Holdings, path: str, extra: Any, sync: bool, background: bool) -> Op
         return None
     peers = Peers(_checkpoint_group(group))
     done: concurrent.futures.Future = concurrent.futures.Future()
-    done.set_running_or_notify_cancel()       # a collective save cannot be cancelled
+    done.set_running_or_notify_cancel()  # a collective save cannot be cancelled
 
     def run():
         try:
@@ -101,12 +103,19 @@ def save(h: Holdings, path: str, extra: Any, sync: bool, background: bool) -> Op
             done.set_result(None)
         except BaseException as e:  # noqa: BLE001 - handed to result(), and said here
             gone = peers.group is not None and not dist.is_initialized()
-            warnings.warn(f"zeroshard: the background save of {path} failed ({type(e).__name__}: {e}); "
-                          f"{path} still holds the checkpoint before it, if there was one"
-                          + ("; the process group was destroyed before the save ended: call result() on "
-                             "the Future save_checkpoint returned before destroy_process_group()" if gone else ""),
-                          RuntimeWarning)
+            warnings.warn(
+                f"zeroshard: the background save of {path} failed ({type(e).__name__}: {e}); "
+                f"{path} still holds the checkpoint before it, if there was one"
+                + (
+                    "; the process group was destroyed before the save ended: call result() on "
+                    "the Future save_checkpoint returned before destroy_process_group()"
+                    if gone
+                    else ""
+                ),
+                RuntimeWarning,
+            )
             done.set_exception(e)
+
     thread = threading.Thread(target=run, name="zeroshard-checkpoint-save")
     _in_flight.append(thread)
     thread.start()
@@ -114,10 +123,10 @@ def save(h: Holdings, path: str, extra: Any, sync: bool, background: bool) -> Op
 
 
 _in_flight: List[threading.Thread] = []
-_groups: Dict[Tuple[int, ...], Tuple[Any, dist.ProcessGroup]] = {}   # ranks -> (WORLD when made, group)
+_groups: Dict[Tuple[int, ...], Tuple[Any, dist.ProcessGroup]] = {}  # ranks -> (WORLD when made, group)
 
 
-NICE = 19   # the writer thread's niceness: training's threads come first on a shared core
+NICE = 19  # the writer thread's niceness: training's threads come first on a shared core
 
 
 def _yield_cpu():
@@ -125,7 +134,7 @@ def _yield_cpu():
     write takes the cores training leaves idle instead of slowing its steps."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-    except (AttributeError, OSError):      # elsewhere the write runs at training's priority
+    except (AttributeError, OSError):  # elsewhere the write runs at training's priority
         pass
 
 
@@ -143,8 +152,10 @@ def _checkpoint_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.Proce
     ranks = tuple(dist.get_process_group_ranks(group))
     made = _groups.get(ranks)
     if made is None or made[0] is not dist.group.WORLD:
-        made = _groups[ranks] = (dist.group.WORLD, dist.new_group(list(ranks), backend="gloo",
-                                                                  use_local_synchronization=True))
+        made = _groups[ranks] = (
+            dist.group.WORLD,
+            dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True),
+        )
     return made[1]
 
 
@@ -155,6 +166,7 @@ def _save(h: Holdings, peers: Peers, path: str, taken: Taken, sync: bool) -> Non
         if taken.error is not None:
             raise taken.error
         return _prepare(path) if commits else None
+
     tmp = next(t for t in peers.run(prepare, gather=True) if t is not None)
     try:
         peers.run(lambda: _write(h, tmp, taken, sync) if h.replica_rank == 0 else None)
@@ -171,12 +183,15 @@ def _prepare(path: str) -> str:
     parent, name = os.path.split(path)
     _wait_discards()
     os.makedirs(parent, exist_ok=True)
-    if os.path.lexists(path) and not (os.path.isdir(path) and (
-            os.path.exists(os.path.join(path, files.MANIFEST)) or not os.listdir(path))):
-        raise CheckpointError(f"{path} exists and is not a zeroshard checkpoint; refusing to replace it "
-                              "(choose another path or remove it yourself)")
+    if os.path.lexists(path) and not (
+        os.path.isdir(path) and (os.path.exists(os.path.join(path, files.MANIFEST)) or not os.listdir(path))
+    ):
+        raise CheckpointError(
+            f"{path} exists and is not a zeroshard checkpoint; refusing to replace it "
+            "(choose another path or remove it yourself)"
+        )
     for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.partial-*")):
-        shutil.rmtree(stale, ignore_errors=True)     # an earlier save that never finished
+        shutil.rmtree(stale, ignore_errors=True)  # an earlier save that never finished
     tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:12]}")
     os.mkdir(tmp)
     return tmp
@@ -185,11 +200,12 @@ def _prepare(path: str) -> str:
 def _write(h: Holdings, tmp: str, taken: Taken, sync: bool):
     """This rank's files in ``tmp``, and its index for the committer: see ``_indexes``."""
     fname, entries, listing = f"rank{h.rank}.safetensors", [], {}
-    if taken.pieces:          # (a rank of a replicated model owns nothing and writes no file)
+    if taken.pieces:  # (a rank of a replicated model owns nothing and writes no file)
         items = [(f"{key}@{start}", t.dtype, (t.numel(),), lambda t=t: t) for key, start, t in taken.pieces]
         crc, size, placed = files.write_safetensors(os.path.join(tmp, fname), items, sync)
-        entries = [(key, [fname, off, start, t.numel(), crcs])
-                   for (key, start, t), (off, crcs) in zip(taken.pieces, placed)]
+        entries = [
+            (key, [fname, off, start, t.numel(), crcs]) for (key, start, t), (off, crcs) in zip(taken.pieces, placed)
+        ]
         listing[fname] = {"size": size, "crc32": crc}
     if taken.extra is not None:
         files.write_bytes(os.path.join(tmp, f"extra{h.rank}.pt"), taken.extra, sync)
@@ -198,7 +214,7 @@ def _write(h: Holdings, tmp: str, taken: Taken, sync: bool):
         pickle.dump((entries, listing, dict(h.local_specs), h.groups), f)
 
 
-INDEX = "index-of-rank"   # (a save's own file, read by the committer and deleted before the commit)
+INDEX = "index-of-rank"  # (a save's own file, read by the committer and deleted before the commit)
 
 
 def _indexes(tmp: str, world: int) -> list:
@@ -220,11 +236,18 @@ def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync:
     """The committer: write the manifest, then make ``tmp`` the checkpoint at ``path`` atomically."""
     parent, name = os.path.split(path)
     specs = dict(h.specs)
-    for _, _, local, _ in written:   # what some ranks alone hold (whole-tensor states, experts)
+    for _, _, local, _ in written:  # what some ranks alone hold (whole-tensor states, experts)
         specs.update(local)
-    tensors = {k: {"shape": list(s.shape), "dtype": files.dtype_name(s.dtype),
-                   "model_dtype": files.dtype_name(s.model_dtype), "step": s.step, "entries": []}
-               for k, s in specs.items()}
+    tensors = {
+        k: {
+            "shape": list(s.shape),
+            "dtype": files.dtype_name(s.dtype),
+            "model_dtype": files.dtype_name(s.model_dtype),
+            "step": s.step,
+            "entries": [],
+        }
+        for k, s in specs.items()
+    }
     listing = {}
     for entries, fl, _, _ in written:
         listing.update(fl)
@@ -232,18 +255,26 @@ def _commit(h: Holdings, tmp: str, path: str, written: list, taken: Taken, sync:
             tensors[key]["entries"].append(e)
     for t in tensors.values():
         t["entries"].sort(key=lambda e: e[2])
-    body = {"world_size": h.world, "stage": h.stage, "block_bytes": files.BLOCK, "tensors": tensors,
-            "aliases": h.aliases, "param_groups": _merged_groups([w[3] for w in written]), "files": listing, "extra": taken.extra is not None,
-            "torch_version": torch.__version__}
+    body = {
+        "world_size": h.world,
+        "stage": h.stage,
+        "block_bytes": files.BLOCK,
+        "tensors": tensors,
+        "aliases": h.aliases,
+        "param_groups": _merged_groups([w[3] for w in written]),
+        "files": listing,
+        "extra": taken.extra is not None,
+        "torch_version": torch.__version__,
+    }
     files.write_bytes(os.path.join(tmp, files.MANIFEST), files.manifest_bytes(body), sync)
     files.fsync_dir(tmp, sync)
     if not os.path.lexists(path):
         os.rename(tmp, path)
     elif files.exchange(tmp, path):
-        _discard(tmp)                       # tmp now holds the previous checkpoint
+        _discard(tmp)  # tmp now holds the previous checkpoint
     else:
         old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
-        os.rename(path, old)                # a crash here: load_checkpoint finds `old`
+        os.rename(path, old)  # a crash here: load_checkpoint finds `old`
         os.rename(tmp, path)
         files.fsync_dir(parent, sync)
         shutil.rmtree(old)
@@ -264,15 +295,17 @@ def _merged_groups(every: list) -> Optional[list]:
     return out
 
 
-_discards: List[threading.Thread] = []   # deleting replaced checkpoints (see [Note: checkpoint format])
+_discards: List[threading.Thread] = []  # deleting replaced checkpoints (see [Note: checkpoint format])
 
 
 def _discard(path: str):
     """Delete the replaced checkpoint ``path`` in a thread (not a daemon: the process's
     exit waits for it)."""
+
     def discard():
         _yield_cpu()
         shutil.rmtree(path, ignore_errors=True)
+
     t = threading.Thread(target=discard, name="zeroshard-checkpoint-discard")
     t.start()
     _discards.append(t)

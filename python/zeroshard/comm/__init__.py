@@ -9,9 +9,31 @@ nothing, for rehearsing rank r of N in one process (``noop``: ``noop_world``).
 May import: ``native``. Every other part issues its collectives through the
 names below.
 """
-from .collectives import (CommHandle, all_gather, all_gather_object, all_reduce, broadcast_bytes, check_in,
-                          group_name, on_rank, reduce_scatter, reduce_scatter_scratch_bytes)
+
+from .collectives import (
+    CommHandle,
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    broadcast_bytes,
+    check_in,
+    group_name,
+    on_rank,
+    reduce_scatter,
+    reduce_scatter_scratch_bytes,
+)
 from .noop import noop_world
 
-__all__ = ["CommHandle", "all_gather", "all_gather_object", "all_reduce", "broadcast_bytes", "check_in", "group_name",
-           "noop_world", "on_rank", "reduce_scatter", "reduce_scatter_scratch_bytes"]
+__all__ = [
+    "CommHandle",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "broadcast_bytes",
+    "check_in",
+    "group_name",
+    "noop_world",
+    "on_rank",
+    "reduce_scatter",
+    "reduce_scatter_scratch_bytes",
+]

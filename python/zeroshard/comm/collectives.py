@@ -12,6 +12,7 @@ So none is issued to the transport nor recorded: the copy is made (none when
 the output is the input, as in place) and a handle that is already done is
 returned, as FSDP2 issues nothing at world size 1.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -26,7 +27,6 @@ import torch.distributed as dist
 
 from . import flight, watchdog
 from ..native.ext import _C
-
 
 
 @atexit.register
@@ -77,26 +77,33 @@ def check_in(what: str, who, group: Optional[dist.ProcessGroup] = None, hint: st
     key = (what, group_name(group))
     _checkins[key] += 1
     rec = flight.start("check_in", key[1], what, None)
-    if watchdog.debug():       # a check-in is a collective of its own: kind and size agree first
+    if watchdog.debug():  # a check-in is a collective of its own: kind and size agree first
         watchdog.agree(rec, group)
     prefix = f"zeroshard/check_in/{key[1]}/{what}/{_checkins[key]}/"
     seconds = watchdog.checkin_timeout()
     missing = watchdog.meet(prefix, dist.get_process_group_ranks(group), "1", seconds)
     if missing:
         dist.distributed_c10d._get_default_store().delete_key(prefix + str(dist.get_rank()))
-        _checkins[key] -= 1      # the ranks stay in step for the next call
-        raise watchdog.check_in_timed_out(on_rank(who,
-            f"{what} is collective, but rank(s) {missing} did not call it within {seconds:g} s "
-            f"(zeroshard.set_timeout() or ZEROSHARD_TIMEOUT sets it). Call it on every rank. {hint}"),
-            key[1], rec)
+        _checkins[key] -= 1  # the ranks stay in step for the next call
+        raise watchdog.check_in_timed_out(
+            on_rank(
+                who,
+                f"{what} is collective, but rank(s) {missing} did not call it within {seconds:g} s "
+                f"(zeroshard.set_timeout() or ZEROSHARD_TIMEOUT sets it). Call it on every rank. {hint}",
+            ),
+            key[1],
+            rec,
+        )
     rec.end = time.time()
 
 
 def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     """The registered name of ``group`` (default: the world group)."""
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized; call "
-                           "torch.distributed.init_process_group() first (torchrun sets it up)")
+        raise RuntimeError(
+            "torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() first (torchrun sets it up)"
+        )
     if group is None:
         group = dist.group.WORLD
     return group.group_name
@@ -104,6 +111,7 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
 
 class _Done:
     """The transport handle of a collective over one rank: done when made (see [Note: one rank])."""
+
     waited = True
 
     @staticmethod
@@ -133,10 +141,11 @@ class CommHandle:
     ``all_reduce`` return one): ``wait()`` blocks (CPU) or orders the current stream
     (CUDA) until the result is ready, for at most the watchdog's timeout (see [Note:
     watchdog] in comm/watchdog.py), and marks the collective's flight record done."""
+
     __slots__ = ("handle", "record")
 
     def __init__(self, handle, record: flight.Record):
-        self.handle, self.record = handle, record      # (the C++ core's handle, its flight record)
+        self.handle, self.record = handle, record  # (the C++ core's handle, its flight record)
 
     def wait(self):
         """Wait for the result; raises CollectiveError naming the collective and what every
@@ -146,7 +155,7 @@ class CommHandle:
 
     def wait_for(self, seconds: float) -> bool:
         """``wait()`` for at most ``seconds``; False (the handle abandoned) if the time ran out."""
-        broken = watchdog.raised()     # then only a collective already done may pass
+        broken = watchdog.raised()  # then only a collective already done may pass
         try:
             done = self.handle.wait_for(0.0 if broken else seconds)
         except RuntimeError as e:
@@ -187,10 +196,16 @@ def _issue(kind: str, group, what: str, t: torch.Tensor, launch) -> CommHandle:
         raise (watchdog.raised() or watchdog.transport_failed(rec, e)) from e
 
 
-def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
-                   group: Optional[dist.ProcessGroup] = None, average: bool = True,
-                   input_is_scratch: bool = False, what: str = "",
-                   bounds: Optional[List[int]] = None) -> CommHandle:
+def reduce_scatter(
+    input: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    average: bool = True,
+    input_is_scratch: bool = False,
+    what: str = "",
+    bounds: Optional[List[int]] = None,
+) -> CommHandle:
     """``output`` = this rank's chunk of the sum (mean if ``average``) of ``input`` over ranks.
 
     ``input_is_scratch=True`` lets the collective overwrite ``input`` (a CPU
@@ -204,16 +219,27 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, *,
     ``bounds`` (world + 1 offsets): rank r's chunk is ``input[bounds[r]:bounds[r + 1]]``,
     of any length (see [Note: uneven collectives] in csrc/comm.h); None: equal chunks."""
     if _alone(group):
-        return _copied(input[:output.numel()], output)
+        return _copied(input[: output.numel()], output)
     if bounds is not None:
-        return _issue("reduce_scatter", group, what, input,
-                      lambda name: _C.reduce_scatter_v(name, input, output, list(bounds), bool(average)))
-    return _issue("reduce_scatter", group, what, input,
-                  lambda name: _C.reduce_scatter(name, input, output, bool(average), bool(input_is_scratch)))
+        return _issue(
+            "reduce_scatter",
+            group,
+            what,
+            input,
+            lambda name: _C.reduce_scatter_v(name, input, output, list(bounds), bool(average)),
+        )
+    return _issue(
+        "reduce_scatter",
+        group,
+        what,
+        input,
+        lambda name: _C.reduce_scatter(name, input, output, bool(average), bool(input_is_scratch)),
+    )
 
 
-def reduce_scatter_scratch_bytes(chunk_numel: int, itemsize: int, world_size: int, in_place: bool,
-                                 input_is_scratch: bool = False) -> int:
+def reduce_scatter_scratch_bytes(
+    chunk_numel: int, itemsize: int, world_size: int, in_place: bool, input_is_scratch: bool = False
+) -> int:
     """Bytes of scratch ``reduce_scatter`` holds while in flight on gloo, for a chunk of
     ``chunk_numel`` elements of ``itemsize`` bytes per rank (``in_place``: the output lies
     inside the input; ``input_is_scratch`` as passed to it). The planner counts it; NCCL
@@ -221,23 +247,34 @@ def reduce_scatter_scratch_bytes(chunk_numel: int, itemsize: int, world_size: in
     return _C.reduce_scatter_scratch_bytes(chunk_numel, itemsize, world_size, in_place, input_is_scratch)
 
 
-def all_gather(input: torch.Tensor, output: torch.Tensor, *,
-               group: Optional[dist.ProcessGroup] = None, what: str = "",
-               bounds: Optional[List[int]] = None) -> CommHandle:
+def all_gather(
+    input: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    what: str = "",
+    bounds: Optional[List[int]] = None,
+) -> CommHandle:
     """``output`` = concatenation over ranks of ``input``. In place when ``input``
     is this rank's chunk of ``output`` (on gloo it then runs as point-to-point
     messages, faster than gloo's all-gather; see csrc/comm.h). ``bounds``: chunks
     of different lengths, as for ``reduce_scatter``."""
     if _alone(group):
-        return _copied(input, output[:input.numel()])
+        return _copied(input, output[: input.numel()])
     if bounds is not None:
-        return _issue("all_gather", group, what, output,     # (the same size on every rank)
-                      lambda name: _C.all_gather_v(name, input, output, list(bounds)))
+        return _issue(
+            "all_gather",
+            group,
+            what,
+            output,  # (the same size on every rank)
+            lambda name: _C.all_gather_v(name, input, output, list(bounds)),
+        )
     return _issue("all_gather", group, what, input, lambda name: _C.all_gather(name, input, output))
 
 
-def all_reduce(tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
-               average: bool = False, what: str = "") -> CommHandle:
+def all_reduce(
+    tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None, average: bool = False, what: str = ""
+) -> CommHandle:
     """``tensor`` = sum (mean if ``average``) of ``tensor`` over ranks, in place."""
     if _alone(group):
         return CommHandle(_Done, None)
@@ -282,13 +319,13 @@ def all_gather_object(obj: Any, *, group: Optional[dist.ProcessGroup] = None, wh
         rec.end = time.time()
         return out
     data = pickle.dumps(obj)
-    lens = torch.zeros(world, dtype=torch.float64)   # exact for lengths < 2**53
+    lens = torch.zeros(world, dtype=torch.float64)  # exact for lengths < 2**53
     lens[rank] = len(data)
-    all_gather(lens[rank:rank + 1], lens, group=group, what=f"{what} (object sizes)").wait()
-    words = max(1, -(-int(lens.max().item()) // 8))   # the bytes travel as float64 bit patterns
+    all_gather(lens[rank : rank + 1], lens, group=group, what=f"{what} (object sizes)").wait()
+    words = max(1, -(-int(lens.max().item()) // 8))  # the bytes travel as float64 bit patterns
     buf = torch.zeros(world * words, dtype=torch.float64)
-    mine = buf[rank * words:(rank + 1) * words]
-    mine.view(torch.uint8)[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    mine = buf[rank * words : (rank + 1) * words]
+    mine.view(torch.uint8)[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     all_gather(mine, buf, group=group, what=f"{what} (object bytes)").wait()
     raw = buf.view(torch.uint8).numpy().tobytes()
-    return [pickle.loads(raw[r * words * 8:r * words * 8 + int(lens[r])]) for r in range(world)]
+    return [pickle.loads(raw[r * words * 8 : r * words * 8 + int(lens[r])]) for r in range(world)]

@@ -13,6 +13,7 @@ difference is where they took different branches. A collective that hangs or
 fails raises with every rank's records compared (see [Note: watchdog] in
 comm/watchdog.py).
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,27 +28,34 @@ RING = 4096
 
 _ring: collections.deque = collections.deque(maxlen=RING)
 _seq: collections.Counter = collections.Counter()
-_issued = 0        # collectives this rank issued since the process began
+_issued = 0  # collectives this rank issued since the process began
 
 
 @dataclass
 class Record:
-    seq: int                 # n-th zeroshard collective on this process group
-    group: str               # the process group's name
-    kind: str                # reduce_scatter / all_gather / all_reduce / all_gather_object
-    what: str                # what it serves
-    numel: int               # elements of the tensor it moves (the input; all_gather_object: bytes)
+    seq: int  # n-th zeroshard collective on this process group
+    group: str  # the process group's name
+    kind: str  # reduce_scatter / all_gather / all_reduce / all_gather_object
+    what: str  # what it serves
+    numel: int  # elements of the tensor it moves (the input; all_gather_object: bytes)
     dtype: str
-    start: float             # time.time() when issued
-    end: Optional[float] = None   # when a wait() or completed() saw it done
+    start: float  # time.time() when issued
+    end: Optional[float] = None  # when a wait() or completed() saw it done
 
 
 def start(kind: str, group: str, what: str, t: Optional[torch.Tensor], numel: Optional[int] = None) -> Record:
     global _issued
     _issued += 1
     _seq[group] += 1
-    rec = Record(_seq[group], group, kind, what, t.numel() if t is not None else int(numel or 0),
-                 str(t.dtype).replace("torch.", "") if t is not None else "bytes", time.time())
+    rec = Record(
+        _seq[group],
+        group,
+        kind,
+        what,
+        t.numel() if t is not None else int(numel or 0),
+        str(t.dtype).replace("torch.", "") if t is not None else "bytes",
+        time.time(),
+    )
     _ring.append(rec)
     return rec
 

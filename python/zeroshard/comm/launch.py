@@ -33,6 +33,7 @@ round), so with several nodes the counts can differ: launch those with
 on a new port, for every round, and then this prefix is not needed (no agent
 store is used: ``TORCHELASTIC_USE_AGENT_STORE`` is False).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -71,11 +72,17 @@ def check_gpus_per_rank(backend: str) -> None:
         f"init_distributed({backend!r}): torchrun started {ranks} ranks on this node but it has "
         f"{torch.cuda.device_count()} GPU(s), and NCCL needs one GPU per rank; start at most "
         f"{torch.cuda.device_count()} per node (--nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
-        "to run every rank on the CPU with gloo")
+        "to run every rank on the CPU with gloo"
+    )
 
 
-def init_distributed(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
-                     device_id: Optional[torch.device] = None, **kwargs) -> dist.ProcessGroup:
+def init_distributed(
+    backend: Optional[str] = None,
+    *,
+    timeout: Optional[datetime.timedelta] = None,
+    device_id: Optional[torch.device] = None,
+    **kwargs,
+) -> dist.ProcessGroup:
     """Create the default process group, so that a job torchrun restarts comes up
     (``torch.distributed.init_process_group`` with ``init_method="env://"`` does
     not reliably: see [Note: restarts] in comm/launch.py).
@@ -110,6 +117,13 @@ def init_distributed(backend: Optional[str] = None, *, timeout: Optional[datetim
     # the agent's store, as env:// would open it (a client: the agent hosts the server)
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     store.set_timeout(timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
-                            timeout=timeout, device_id=device_id, **kwargs)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix, store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=device_id,
+        **kwargs,
+    )
     return dist.group.WORLD

@@ -32,6 +32,7 @@ slots, one per group, so one all-reduce over every rank still serves: each
 rank reads its own group's slot, and the total norm sums every slot (each
 expert counted once).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class Sharding:
             a class is a unit sharded over that 1-D mesh's ranks (expert parallelism; at
             stages 1/2 a param group's ``"device_mesh"`` does it: docs/experts.md).
     """
+
     process_group: Optional[Any] = None
     shard_size: Optional[int] = None
     device_mesh: Optional[Any] = None
@@ -61,34 +63,44 @@ class Sharding:
 
     def __post_init__(self):
         if self.device_mesh is not None and (self.process_group is not None or self.shard_size is not None):
-            raise ValueError("Sharding: pass device_mesh alone (its dimensions already say which ranks shard and "
-                             "which replicate), not with process_group or shard_size")
+            raise ValueError(
+                "Sharding: pass device_mesh alone (its dimensions already say which ranks shard and "
+                "which replicate), not with process_group or shard_size"
+            )
         if self.shard_size is not None and self.process_group is not None:
-            raise ValueError("Sharding: pass process_group or shard_size, not both (shard_size splits the whole "
-                             "world into shard groups; for a sub-group, build a 2-D DeviceMesh over it)")
-        if self.shard_size is not None and (not isinstance(self.shard_size, int) or isinstance(self.shard_size, bool)
-                                            or self.shard_size < 1):
-            raise ValueError(f"Sharding: shard_size must be a positive integer dividing the world size, got "
-                             f"{self.shard_size!r}; usually the number of GPUs per node")
+            raise ValueError(
+                "Sharding: pass process_group or shard_size, not both (shard_size splits the whole "
+                "world into shard groups; for a sub-group, build a 2-D DeviceMesh over it)"
+            )
+        if self.shard_size is not None and (
+            not isinstance(self.shard_size, int) or isinstance(self.shard_size, bool) or self.shard_size < 1
+        ):
+            raise ValueError(
+                f"Sharding: shard_size must be a positive integer dividing the world size, got "
+                f"{self.shard_size!r}; usually the number of GPUs per node"
+            )
         if self.device_mesh is not None and getattr(self.device_mesh, "ndim", None) not in (1, 2):
-            raise ValueError(f"Sharding: device_mesh must be 1-D (the ranks to shard over) or 2-D, (replicate, "
-                             f"shard) as FSDP2's HSDP takes it; got {self.device_mesh!r}")
-        if self.expert_modules is not None and not (isinstance(self.expert_modules, dict) and all(
-                isinstance(c, type) for c in self.expert_modules)):
-            raise TypeError(f"Sharding: expert_modules must be a dict {{ExpertClass: mesh['edp']}}, got "
-                            f"{self.expert_modules!r}")
+            raise ValueError(
+                f"Sharding: device_mesh must be 1-D (the ranks to shard over) or 2-D, (replicate, "
+                f"shard) as FSDP2's HSDP takes it; got {self.device_mesh!r}"
+            )
+        if self.expert_modules is not None and not (
+            isinstance(self.expert_modules, dict) and all(isinstance(c, type) for c in self.expert_modules)
+        ):
+            raise TypeError(
+                f"Sharding: expert_modules must be a dict {{ExpertClass: mesh['edp']}}, got {self.expert_modules!r}"
+            )
 
     def groups(self, who: str) -> "Groups":
         """The groups this policy runs over (collective the first time a shard_size is used)."""
         return groups(self.process_group, self.shard_size, self.device_mesh, who)
 
 
-
 @dataclass(frozen=True)
 class Groups:
-    shard: dist.ProcessGroup                 # the S ranks that shard the state together
-    replicate: Optional[dist.ProcessGroup]   # the ranks holding the same shard; None: no replicas
-    every: dist.ProcessGroup                 # shard x replicate: what the statistics reduce over
+    shard: dist.ProcessGroup  # the S ranks that shard the state together
+    replicate: Optional[dist.ProcessGroup]  # the ranks holding the same shard; None: no replicas
+    every: dist.ProcessGroup  # shard x replicate: what the statistics reduce over
 
     @property
     def replicas(self) -> int:
@@ -104,10 +116,11 @@ class ShardGroup:
     """The ranks one flat buffer is sharded over ([Note: param groups over their own
     ranks]): the optimizer's shard group (color 0 of 1) or a param group's own, one of
     ``count`` disjoint groups of equal size that make up every rank."""
+
     group: dist.ProcessGroup
     world: int
-    rank: int                 # this rank's place in it
-    color: int = 0            # which of the ``count`` groups this rank's is
+    rank: int  # this rank's place in it
+    color: int = 0  # which of the ``count`` groups this rank's is
     count: int = 1
 
     @property
@@ -123,8 +136,12 @@ def shard_group(pg: dist.ProcessGroup) -> ShardGroup:
 def param_group_shards(param_groups: List[dict], groups: Groups, who: str) -> List[Optional[ShardGroup]]:
     """Each param group's own ShardGroup (from its ``"device_mesh"``), or None for the
     optimizer's; collective over every rank (one exchange, whatever the groups)."""
-    return mesh_shards([g.get("device_mesh") for g in param_groups], groups, who,
-                       [f"param group {gi}'s 'device_mesh'" for gi in range(len(param_groups))])
+    return mesh_shards(
+        [g.get("device_mesh") for g in param_groups],
+        groups,
+        who,
+        [f"param group {gi}'s 'device_mesh'" for gi in range(len(param_groups))],
+    )
 
 
 def mesh_shards(meshes: list, groups: Groups, who: str, labels: List[str]) -> List[Optional[ShardGroup]]:
@@ -135,12 +152,16 @@ def mesh_shards(meshes: list, groups: Groups, who: str, labels: List[str]) -> Li
     who = f"[rank {dist.get_rank()}/{dist.get_world_size()}] {who}"
     for label, m in zip(labels, meshes):
         if m is not None and (getattr(m, "ndim", None) != 1 or not hasattr(m, "get_group")):
-            raise ValueError(f"{who}: {label} must be a 1-D DeviceMesh (the ranks its parameters shard "
-                             f"over, e.g. mesh['edp'] of an (edp, ep) mesh); got {m!r}")
+            raise ValueError(
+                f"{who}: {label} must be a 1-D DeviceMesh (the ranks its parameters shard "
+                f"over, e.g. mesh['edp'] of an (edp, ep) mesh); got {m!r}"
+            )
     if groups.replicate is not None:
         first = next(label for label, m in zip(labels, meshes) if m is not None)
-        raise ValueError(f"{who}: ranks of their own ({first}: expert parallelism) cannot be combined with "
-                         "hybrid sharding (shard_size= or a 2-D device_mesh) yet; drop one of them")
+        raise ValueError(
+            f"{who}: ranks of their own ({first}: expert parallelism) cannot be combined with "
+            "hybrid sharding (shard_size= or a 2-D device_mesh) yet; drop one of them"
+        )
     pgs = [None if m is None else m.get_group() for m in meshes]
     mine = [None if pg is None else tuple(dist.get_process_group_ranks(pg)) for pg in pgs]
     everyone = [mine]
@@ -149,25 +170,29 @@ def mesh_shards(meshes: list, groups: Groups, who: str, labels: List[str]) -> Li
         dist.all_gather_object(everyone, mine, group=groups.every)
     world = sorted(dist.get_process_group_ranks(groups.every))
     out: List[Optional[ShardGroup]] = []
-    made: Dict[Any, ShardGroup] = {}       # entries over one mesh share its ShardGroup
+    made: Dict[Any, ShardGroup] = {}  # entries over one mesh share its ShardGroup
     for k, pg in enumerate(pgs):
         seen = [theirs[k] if k < len(theirs) else None for theirs in everyone]
         if any((s is None) != (pg is None) for s in seen):
-            raise ValueError(f"{who}: {labels[k]} is given on some ranks but not on others; every rank "
-                             "must build the same")
+            raise ValueError(
+                f"{who}: {labels[k]} is given on some ranks but not on others; every rank must build the same"
+            )
         if pg is None:
             out.append(None)
             continue
         distinct = sorted(set(seen))
         covered = sorted(r for ranks in distinct for r in ranks)
         if covered != world or len({len(d) for d in distinct}) != 1:
-            raise ValueError(f"{who}: {labels[k]}'s groups {distinct} do not split the {len(world)} "
-                             "data-parallel ranks into disjoint groups of one size; build it as one dimension "
-                             "of a DeviceMesh over all of them, e.g. init_device_mesh(device, (world // ep, "
-                             "ep), mesh_dim_names=('edp', 'ep'))['edp']")
+            raise ValueError(
+                f"{who}: {labels[k]}'s groups {distinct} do not split the {len(world)} "
+                "data-parallel ranks into disjoint groups of one size; build it as one dimension "
+                "of a DeviceMesh over all of them, e.g. init_device_mesh(device, (world // ep, "
+                "ep), mesh_dim_names=('edp', 'ep'))['edp']"
+            )
         if pg not in made:
-            made[pg] = ShardGroup(pg, dist.get_world_size(pg), dist.get_rank(pg), distinct.index(mine[k]),
-                                  len(distinct))
+            made[pg] = ShardGroup(
+                pg, dist.get_world_size(pg), dist.get_rank(pg), distinct.index(mine[k]), len(distinct)
+            )
         out.append(made[pg])
     return out
 
@@ -182,15 +207,19 @@ def groups(process_group: Optional[dist.ProcessGroup], shard_size: Optional[int]
     who = f"[rank {dist.get_rank()}/{dist.get_world_size()}] {who}"
     if device_mesh is not None:
         if process_group is not None or shard_size is not None:
-            raise ValueError(f"{who}: pass device_mesh alone (its dimensions already say which ranks shard "
-                             "and which replicate), not with process_group or shard_size")
-        if device_mesh.ndim == 1:     # (as FSDP2's: shard over its ranks; mesh["dp"] beside a tp axis)
+            raise ValueError(
+                f"{who}: pass device_mesh alone (its dimensions already say which ranks shard "
+                "and which replicate), not with process_group or shard_size"
+            )
+        if device_mesh.ndim == 1:  # (as FSDP2's: shard over its ranks; mesh["dp"] beside a tp axis)
             pg = device_mesh.get_group()
             return Groups(pg, None, pg)
         if device_mesh.ndim != 2:
-            raise ValueError(f"{who}: device_mesh must be 1-D (the ranks to shard over) or 2-D, (replicate, "
-                             f"shard) as FSDP2's HSDP takes it; got a {device_mesh.ndim}-D mesh of shape "
-                             f"{tuple(device_mesh.shape)}")
+            raise ValueError(
+                f"{who}: device_mesh must be 1-D (the ranks to shard over) or 2-D, (replicate, "
+                f"shard) as FSDP2's HSDP takes it; got a {device_mesh.ndim}-D mesh of shape "
+                f"{tuple(device_mesh.shape)}"
+            )
         shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
         every = dist.group.WORLD if device_mesh.size() == dist.get_world_size() else _plane(device_mesh, who)
         return Groups(shard, replicate if dist.get_world_size(replicate) > 1 else None, every)
@@ -198,12 +227,16 @@ def groups(process_group: Optional[dist.ProcessGroup], shard_size: Optional[int]
         pg = process_group if process_group is not None else dist.group.WORLD
         return Groups(pg, None, pg)
     if process_group is not None:
-        raise ValueError(f"{who}: pass process_group or shard_size, not both (shard_size splits the whole "
-                         "world into shard groups; for a sub-group, build a 2-D DeviceMesh over it)")
+        raise ValueError(
+            f"{who}: pass process_group or shard_size, not both (shard_size splits the whole "
+            "world into shard groups; for a sub-group, build a 2-D DeviceMesh over it)"
+        )
     world = dist.get_world_size()
     if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1 or world % shard_size:
-        raise ValueError(f"{who}: shard_size must be a positive integer dividing the world size ({world}), "
-                         f"got {shard_size!r}; usually the number of GPUs per node")
+        raise ValueError(
+            f"{who}: shard_size must be a positive integer dividing the world size ({world}), "
+            f"got {shard_size!r}; usually the number of GPUs per node"
+        )
     if shard_size == world:
         return Groups(dist.group.WORLD, None, dist.group.WORLD)
     made = _made.get(shard_size)
@@ -228,10 +261,12 @@ def _plane(device_mesh, who: str) -> dist.ProcessGroup:
     distinct = tuple(sorted(set(planes)))
     covered = sorted(r for plane in distinct for r in plane)
     if covered != list(range(dist.get_world_size())):
-        raise ValueError(f"{who}: the 2-D device_mesh's ranks {list(mine)} and the other ranks' do not split the "
-                         f"world into disjoint groups ({list(distinct)}); build it as two dimensions of one "
-                         "DeviceMesh over every rank, e.g. init_device_mesh(device, (rep, shard, tp), "
-                         "mesh_dim_names=('rep', 'shard', 'tp'))['rep', 'shard']")
+        raise ValueError(
+            f"{who}: the 2-D device_mesh's ranks {list(mine)} and the other ranks' do not split the "
+            f"world into disjoint groups ({list(distinct)}); build it as two dimensions of one "
+            "DeviceMesh over every rank, e.g. init_device_mesh(device, (rep, shard, tp), "
+            "mesh_dim_names=('rep', 'shard', 'tp'))['rep', 'shard']"
+        )
     made = _planes.get(distinct)
     if made is None or made[0] is not dist.group.WORLD:
         groups_made = [dist.new_group(list(plane)) for plane in distinct]

@@ -21,6 +21,7 @@ same collectives, each with the same number of tensors, at any N.
 Values computed from a float collective's output are meaningless; the
 timings, the call counts and the bytes each rank holds are what is measured.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,7 +34,7 @@ from torch._C._distributed_c10d import Backend
 
 NAME = "zeroshard_noop"
 
-calls: Counter = collections.Counter()   # (collective, number of tensors it was given) -> times called
+calls: Counter = collections.Counter()  # (collective, number of tensors it was given) -> times called
 
 
 class _Done(dist.Work):
@@ -134,10 +135,12 @@ def _create(store, rank, world_size, timeout):
 def noop_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """The default process group, for the ``with`` block, is rank ``rank`` of
     ``world_size`` over the no-op backend ([Note: no-op process group]); CPU tensors."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore   # (a store that stores nothing)
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # (a store that stores nothing)
+
     if dist.is_initialized():
-        raise RuntimeError("noop_world sets up the default process group: call it where torch.distributed "
-                           "is not initialized")
+        raise RuntimeError(
+            "noop_world sets up the default process group: call it where torch.distributed is not initialized"
+        )
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, devices=["cpu"])
     dist.init_process_group(NAME, rank=rank, world_size=world_size, store=FakeStore())

@@ -23,6 +23,7 @@ kind, size, dtype); a mismatch raises ``CollectiveMismatch`` on every rank at
 once, naming both sides, before any data moves. It costs a few store round
 trips per collective (see docs/hangs.md, "When something hangs").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,7 @@ from ..native.ext import _C
 from .flight import CollectiveError, Record
 
 PREFIX = "zeroshard/incident/"
-RECENT = 64               # flight records each rank posts in its report
+RECENT = 64  # flight records each rank posts in its report
 
 
 class CollectiveTimeout(CollectiveError):
@@ -54,7 +55,7 @@ class CollectiveMismatch(CollectiveError):
     one sequence number; the message names both sides."""
 
 
-_raised: Optional[CollectiveError] = None    # the first hang or failure of a collective here
+_raised: Optional[CollectiveError] = None  # the first hang or failure of a collective here
 
 
 def raised() -> Optional[CollectiveError]:
@@ -67,7 +68,7 @@ def _broken(err: CollectiveError) -> CollectiveError:
     global _raised
     if _raised is None:
         _raised = err
-        _C.abandon_unwaited()     # a dropped handle must not wait on a broken communicator
+        _C.abandon_unwaited()  # a dropped handle must not wait on a broken communicator
     return _raised
 
 
@@ -81,8 +82,10 @@ def set_timeout(seconds: Optional[float]) -> None:
     it, the default process group's own timeout."""
     global _override
     if seconds is not None and not float(seconds) > 0:
-        raise ValueError(f"zeroshard.set_timeout({seconds!r}): the timeout must be a positive number "
-                         "of seconds (or None for the default)")
+        raise ValueError(
+            f"zeroshard.set_timeout({seconds!r}): the timeout must be a positive number "
+            "of seconds (or None for the default)"
+        )
     _override = None if seconds is None else float(seconds)
 
 
@@ -98,8 +101,9 @@ def timeout() -> float:
         except ValueError:
             value = -1.0
         if not value > 0:
-            raise ValueError(f"ZEROSHARD_TIMEOUT={env!r} is not a positive number of seconds; "
-                             "unset it or set it to, e.g., 600")
+            raise ValueError(
+                f"ZEROSHARD_TIMEOUT={env!r} is not a positive number of seconds; unset it or set it to, e.g., 600"
+            )
         return value
     if _group_default is None:
         try:
@@ -109,7 +113,7 @@ def timeout() -> float:
     return _group_default
 
 
-CHECK_IN_DEFAULT = 60.0   # seconds: see checkin_timeout
+CHECK_IN_DEFAULT = 60.0  # seconds: see checkin_timeout
 
 
 def checkin_timeout() -> float:
@@ -142,20 +146,25 @@ def describe(rec) -> str:
 
 def timed_out(rec: Record) -> CollectiveTimeout:
     """The error for a wait on ``rec`` that ran out; opens an incident."""
-    head = (f"collective {describe(rec)} on process group '{rec.group}' did not complete "
-            f"within {timeout():g} s (ZEROSHARD_TIMEOUT or zeroshard.set_timeout()).")
+    head = (
+        f"collective {describe(rec)} on process group '{rec.group}' did not complete "
+        f"within {timeout():g} s (ZEROSHARD_TIMEOUT or zeroshard.set_timeout())."
+    )
     text, _ = incident(f"timed out in {describe(rec)}", rec.group, rec)
     return _broken(CollectiveTimeout(_on_rank(head) + "\n" + text))
 
 
 def transport_failed(rec: Record, err: BaseException) -> CollectiveError:
     """The error for ``rec`` failing in gloo/NCCL (a peer died); opens an incident."""
-    head = (f"collective #{rec.seq} on process group '{rec.group}' ({rec.kind} of {rec.numel} {rec.dtype}: "
-            f"{rec.what or 'unlabelled'}) failed in the transport: {err}\nAnother rank of the group stopped "
-            "answering (it crashed, was killed, ran out of memory, timed out, or took another branch and "
-            "waits elsewhere). zeroshard.flight_record() lists this rank's collectives up to this one.")
-    text, peer_timed_out = incident(f"failed in {describe(rec)}: "
-                                    f"{(str(err).splitlines() or [''])[0][:200]}", rec.group, rec)
+    head = (
+        f"collective #{rec.seq} on process group '{rec.group}' ({rec.kind} of {rec.numel} {rec.dtype}: "
+        f"{rec.what or 'unlabelled'}) failed in the transport: {err}\nAnother rank of the group stopped "
+        "answering (it crashed, was killed, ran out of memory, timed out, or took another branch and "
+        "waits elsewhere). zeroshard.flight_record() lists this rank's collectives up to this one."
+    )
+    text, peer_timed_out = incident(
+        f"failed in {describe(rec)}: {(str(err).splitlines() or [''])[0][:200]}", rec.group, rec
+    )
     # a peer whose wait ran out closed its connections: the root cause is the hang
     return _broken((CollectiveTimeout if peer_timed_out else CollectiveError)(_on_rank(head) + "\n" + text))
 
@@ -173,16 +182,25 @@ def incident(cause: str, group: str, rec: Optional[Record]) -> Tuple[str, bool]:
     """Post this rank's report, read the others', write them all to a file;
     returns the diagnosis and whether another rank timed out (see [Note: watchdog])."""
     rank = dist.get_rank()
-    mine = {"rank": rank, "cause": cause, "time": time.time(),
-            "stuck": dataclasses.asdict(rec) if rec is not None else None, "records": flight.recent(RECENT)}
+    mine = {
+        "rank": rank,
+        "cause": cause,
+        "time": time.time(),
+        "stuck": dataclasses.asdict(rec) if rec is not None else None,
+        "records": flight.recent(RECENT),
+    }
     reports, store_error = _exchange(mine)
     lines = [diagnose(reports, group, dist.get_world_size(), time.time())]
     if store_error:
-        lines.append(f"The store is unreachable ({store_error}): its host (rank 0's process, or torchrun's "
-                     "agent) has exited, so the other ranks' reports cannot be read.")
+        lines.append(
+            f"The store is unreachable ({store_error}): its host (rank 0's process, or torchrun's "
+            "agent) has exited, so the other ranks' reports cannot be read."
+        )
     path = _write(reports, "\n".join(lines))
-    lines.append(f"Every answering rank's last {RECENT} collectives: {path} (this rank's whole flight "
-                 "record included); see docs/hangs.md ('When something hangs').")
+    lines.append(
+        f"Every answering rank's last {RECENT} collectives: {path} (this rank's whole flight "
+        "record included); see docs/hangs.md ('When something hangs')."
+    )
     others_timed_out = any(v["cause"].startswith("timed out") for r, v in reports.items() if r != rank)
     return "\n".join(lines), others_timed_out
 
@@ -202,9 +220,9 @@ def meet(prefix: str, ranks: List[int], value: str, seconds: float) -> List[int]
 def _exchange(mine: dict) -> Tuple[Dict[int, dict], Optional[str]]:
     world = dist.get_world_size()
     try:
-        silent = set(meet(PREFIX, list(range(world)), json.dumps(mine), grace()))   # named in the diagnosis
+        silent = set(meet(PREFIX, list(range(world)), json.dumps(mine), grace()))  # named in the diagnosis
         store = dist.distributed_c10d._get_default_store()
-        answered = [r for r in range(world) if r not in silent]     # (one round trip to the store)
+        answered = [r for r in range(world) if r not in silent]  # (one round trip to the store)
         got = dict(zip(answered, map(json.loads, store.multi_get([f"{PREFIX}{r}" for r in answered]))))
         # a report older than this rank's last completed collective is an earlier
         # incident's, which the ranks got past (a caught check-in timeout, say)
@@ -215,7 +233,7 @@ def _exchange(mine: dict) -> Tuple[Dict[int, dict], Optional[str]]:
         return {mine["rank"]: mine}, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
-GROUPS = 8   # the most rank groups a diagnosis lists (the file has every rank's report)
+GROUPS = 8  # the most rank groups a diagnosis lists (the file has every rank's report)
 
 
 def ranks_text(ranks) -> str:
@@ -228,12 +246,12 @@ def ranks_text(ranks) -> str:
             runs.append(str(r) if lo == r else f"{lo}-{r}")
             lo = None
     if len(runs) > GROUPS:
-        runs = runs[:GROUPS - 1] + [f"... ({len(ranks)} in all)"]
+        runs = runs[: GROUPS - 1] + [f"... ({len(ranks)} in all)"]
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
 
 
 def _grouped(by_rank: Dict[int, str]) -> List[str]:
-    """"<ranks>: <text>" for each distinct text, most ranks first, at most GROUPS of them."""
+    """ "<ranks>: <text>" for each distinct text, most ranks first, at most GROUPS of them."""
     groups: Dict[str, List[int]] = {}
     for r, text in sorted(by_rank.items()):
         groups.setdefault(text, []).append(r)
@@ -241,8 +259,7 @@ def _grouped(by_rank: Dict[int, str]) -> List[str]:
     lines = [f"{ranks_text(rs)}{text}" for text, rs in order[:GROUPS]]
     rest = order[GROUPS:]
     if rest:
-        lines.append(f"{sum(len(rs) for _, rs in rest)} more rank(s) in {len(rest)} other state(s): "
-                     "see the file below")
+        lines.append(f"{sum(len(rs) for _, rs in rest)} more rank(s) in {len(rest)} other state(s): see the file below")
     return lines
 
 
@@ -261,17 +278,23 @@ def diagnose(reports: Dict[int, dict], group: str, world: int, now: float) -> st
         started = recs[-1] if recs else None
         done = next((x for x in reversed(recs) if x["end"] is not None), None)
         # (the wait, in whole seconds, so ranks stuck in one collective share a line)
-        state = "" if started is None or started["end"] is not None else \
-            f", not completed after {int(now - started['start']):d} s"
-        states[r] = (f": last started {describe(started)}{state}; last completed {describe(done)}; "
-                     f"cause: {reports[r]['cause']}")
+        state = (
+            ""
+            if started is None or started["end"] is not None
+            else f", not completed after {int(now - started['start']):d} s"
+        )
+        states[r] = (
+            f": last started {describe(started)}{state}; last completed {describe(done)}; cause: {reports[r]['cause']}"
+        )
     states.update({r: f" (no recent collective on this group): cause: {reports[r]['cause']}" for r in others})
     lines += ["  " + line for line in _grouped(states)]
     silent = [r for r in range(world) if r not in reports]
     if silent:
-        lines.append(f"{ranks_text(silent).capitalize()} did not answer within {grace():g} s: dead, or busy "
-                     "outside zeroshard (a long computation, a torch collective, a sleep, a wait on a different "
-                     "group).")
+        lines.append(
+            f"{ranks_text(silent).capitalize()} did not answer within {grace():g} s: dead, or busy "
+            "outside zeroshard (a long computation, a torch collective, a sleep, a wait on a different "
+            "group)."
+        )
     return "\n".join(lines)
 
 
@@ -286,9 +309,16 @@ def first_difference(reports: Dict[int, dict], group: str) -> Optional[str]:
         sides = {r: s.get(n) for r, s in seqs.items()}
         sigs = {None if x is None else (x["kind"], x["numel"], x["dtype"], x["what"]) for x in sides.values()}
         if len(sigs) > 1:
-            said = _grouped({r: (f" issued {describe(x)}" if x is not None else
-                                 f" never issued it (its last: {describe(seqs[r][max(seqs[r])])})")
-                             for r, x in sides.items()})
+            said = _grouped(
+                {
+                    r: (
+                        f" issued {describe(x)}"
+                        if x is not None
+                        else f" never issued it (its last: {describe(seqs[r][max(seqs[r])])})"
+                    )
+                    for r, x in sides.items()
+                }
+            )
             return f"The ranks first differ at collective #{n} on process group '{group}': " + "; ".join(said) + "."
     return None
 
@@ -296,8 +326,11 @@ def first_difference(reports: Dict[int, dict], group: str) -> Optional[str]:
 def _write(reports: Dict[int, dict], message: str) -> str:
     folder = os.environ.get("ZEROSHARD_RECORD_DIR") or tempfile.gettempdir()
     path = os.path.join(folder, f"zeroshard-flight-rank{dist.get_rank()}-pid{os.getpid()}.json")
-    body = {"message": message, "reports": {str(r): v for r, v in reports.items()},
-            "flight_record": flight.flight_record()}
+    body = {
+        "message": message,
+        "reports": {str(r): v for r, v in reports.items()},
+        "flight_record": flight.flight_record(),
+    }
     try:
         with open(path, "w") as f:
             json.dump(body, f, indent=1)
@@ -313,17 +346,23 @@ def agree(rec: Record, group: Optional[dist.ProcessGroup]) -> None:
     key = f"zeroshard/debug/{rec.group}/"
     missing = meet(f"{key}{rec.seq}/", ranks, json.dumps([rec.kind, rec.numel, rec.dtype, rec.what]), timeout())
     if missing:
-        raise CollectiveTimeout(_on_rank(
-            f"ZEROSHARD_DEBUG: {ranks_text(missing)} did not issue collective #{rec.seq} on process group "
-            f"'{rec.group}' within {timeout():g} s; this rank issued {describe(rec)}.\n")
-            + incident(f"timed out in the debug check of {describe(rec)}", rec.group, rec)[0])
+        raise CollectiveTimeout(
+            _on_rank(
+                f"ZEROSHARD_DEBUG: {ranks_text(missing)} did not issue collective #{rec.seq} on process group "
+                f"'{rec.group}' within {timeout():g} s; this rank issued {describe(rec)}.\n"
+            )
+            + incident(f"timed out in the debug check of {describe(rec)}", rec.group, rec)[0]
+        )
     store = dist.distributed_c10d._get_default_store()
     sides = dict(zip(ranks, (json.loads(v) for v in store.multi_get([f"{key}{rec.seq}/{r}" for r in ranks]))))
-    if rec.seq > 1:       # every rank has read seq-1's keys before posting seq's
+    if rec.seq > 1:  # every rank has read seq-1's keys before posting seq's
         store.delete_key(f"{key}{rec.seq - 1}/{dist.get_rank()}")
     if any(s[:3] != sides[ranks[0]][:3] for s in sides.values()):
         said = "; ".join(_grouped({r: f": {s[0]} of {s[1]} {s[2]} ({s[3] or 'unlabelled'})" for r, s in sides.items()}))
-        raise CollectiveMismatch(_on_rank(
-            f"ZEROSHARD_DEBUG: the ranks issue different collectives as #{rec.seq} on process group "
-            f"'{rec.group}': {said}. They took different branches before this point (a rank-dependent "
-            "condition around a backward, step, state_dict or checkpoint call); nothing was exchanged."))
+        raise CollectiveMismatch(
+            _on_rank(
+                f"ZEROSHARD_DEBUG: the ranks issue different collectives as #{rec.seq} on process group "
+                f"'{rec.group}': {said}. They took different branches before this point (a rank-dependent "
+                "condition around a backward, step, state_dict or checkpoint call); nothing was exchanged."
+            )
+        )

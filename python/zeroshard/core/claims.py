@@ -15,6 +15,7 @@ stops with that error: once training has begun, and for a mix it cannot step
 (some of its parameters wrapped, others not), naming both orders that work.
 The same claimants refuse a second optimizer over parameters a live one holds.
 """
+
 from __future__ import annotations
 
 import gc
@@ -27,6 +28,7 @@ import torch
 class Claimant(Protocol):
     """What a claimant of plain parameters answers (a ShardedOptimizer's ``regrouping``):
     ``opt``, the optimizer it claims them for."""
+
     opt: object
 
     def holds(self, p: torch.Tensor) -> bool:
@@ -60,11 +62,14 @@ def check_unclaimed(opt: Claimant, params: List[torch.Tensor], err) -> None:
     gc.collect()
     for i, p in enumerate(params):
         if claimant_other(p, opt):
-            raise ValueError(err(
-                f"parameter {i} (shape {tuple(p.shape)}) is already in another live ShardedOptimizer: "
-                "both would reduce and update it. Give each optimizer its own parameters (e.g. Muon "
-                "over the hidden matrices, AdamW over the rest), or drop the first optimizer (del opt) "
-                "before building a new one over the same model"))
+            raise ValueError(
+                err(
+                    f"parameter {i} (shape {tuple(p.shape)}) is already in another live ShardedOptimizer: "
+                    "both would reduce and update it. Give each optimizer its own parameters (e.g. Muon "
+                    "over the hidden matrices, AdamW over the rest), or drop the first optimizer (del opt) "
+                    "before building a new one over the same model"
+                )
+            )
 
 
 def claimant_other(p: torch.Tensor, opt: Claimant) -> bool:

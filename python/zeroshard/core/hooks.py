@@ -1,5 +1,6 @@
 """Autograd hooks as the gradient sources install them: held weakly, removed together,
 refusing sparse gradients."""
+
 from __future__ import annotations
 
 import weakref
@@ -18,6 +19,7 @@ def weak_hook(method):
     def hook(*args):
         fn = ref()
         return None if fn is None else fn(*args)
+
     return hook
 
 
@@ -31,7 +33,10 @@ def check_dense_grad(grad: torch.Tensor, what: Callable[[], str], err: Callable[
     """Refuse a sparse gradient of parameter ``what()`` (e.g. from ``nn.Embedding(sparse=True)``);
     the name is made only then: this runs once per parameter every backward."""
     if grad.layout != torch.strided:
-        raise RuntimeError(err(
-            f"{what()} got a sparse gradient ({grad.layout}): zeroshard reduces dense gradients in flat "
-            "buffers. Build its module with sparse=False (nn.Embedding, nn.EmbeddingBag), or keep the "
-            "parameter out of the optimizer"))
+        raise RuntimeError(
+            err(
+                f"{what()} got a sparse gradient ({grad.layout}): zeroshard reduces dense gradients in flat "
+                "buffers. Build its module with sparse=False (nn.Embedding, nn.EmbeddingBag), or keep the "
+                "parameter out of the optimizer"
+            )
+        )

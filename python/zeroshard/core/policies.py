@@ -12,6 +12,7 @@ is mapped onto its policy and warns once (a FutureWarning naming the policy to
 pass). ``process_group`` stays a keyword of its own too (torch's DDP and
 ZeroRedundancyOptimizer take it): the same as ``Sharding(process_group=...)``.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -25,8 +26,12 @@ from ..offload import Offload
 
 def _warn(who: str, loose: Dict[str, Any], policy: str) -> None:
     given = ", ".join(f"{k}={v!r}" for k, v in loose.items())
-    warnings.warn(f"{who}({given}): these keyword arguments are replaced by a policy and will be removed in the "
-                  f"next release; pass {policy}", FutureWarning, stacklevel=_caller_level())
+    warnings.warn(
+        f"{who}({given}): these keyword arguments are replaced by a policy and will be removed in the "
+        f"next release; pass {policy}",
+        FutureWarning,
+        stacklevel=_caller_level(),
+    )
 
 
 def _caller_level() -> int:
@@ -69,8 +74,10 @@ def offload_of(who: str, offload: Optional[Offload], **loose) -> Offload:
     if params:
         raise ValueError(f"{who}: pass offload_params inside offload=zeroshard.Offload(params='cpu'), not beside it")
     if offload.optimizer is not None:
-        raise ValueError(f"{who}: Offload(optimizer={offload.optimizer!r}) places the optimizer's state: pass it "
-                         "to ShardedOptimizer(offload=...), which steps it; FullyShard takes Offload(params='cpu')")
+        raise ValueError(
+            f"{who}: Offload(optimizer={offload.optimizer!r}) places the optimizer's state: pass it "
+            "to ShardedOptimizer(offload=...), which steps it; FullyShard takes Offload(params='cpu')"
+        )
     return offload
 
 
@@ -79,16 +86,26 @@ def optimizer_offload_of(who: str, offload, offload_dir, offload_fraction) -> tu
     warning, naming the policy, where the loose form was used."""
     if offload is None or isinstance(offload, Offload):
         if offload_dir is not None or offload_fraction is not None:
-            loose = {k: v for k, v in dict(offload_dir=offload_dir, offload_fraction=offload_fraction).items()
-                     if v is not None}
+            loose = {
+                k: v
+                for k, v in dict(offload_dir=offload_dir, offload_fraction=offload_fraction).items()
+                if v is not None
+            }
             if isinstance(offload, Offload):
-                raise ValueError(f"{who}: pass {', '.join(loose)} inside offload=zeroshard.Offload(...), not "
-                                 "beside it")
+                raise ValueError(f"{who}: pass {', '.join(loose)} inside offload=zeroshard.Offload(...), not beside it")
             _warn(who, loose, "offload=zeroshard.Offload(optimizer=..., directory=..., fraction=...)")
         return offload, offload_dir, offload_fraction
-    loose = {k: v for k, v in dict(offload=offload, offload_dir=offload_dir,
-                                   offload_fraction=offload_fraction).items() if v is not None}
-    _warn(who, loose, f"offload=zeroshard.Offload(optimizer={offload!r}"
-                      + (", directory=..." if offload_dir is not None else "")
-                      + (", fraction=..." if offload_fraction is not None else "") + ")")
+    loose = {
+        k: v
+        for k, v in dict(offload=offload, offload_dir=offload_dir, offload_fraction=offload_fraction).items()
+        if v is not None
+    }
+    _warn(
+        who,
+        loose,
+        f"offload=zeroshard.Offload(optimizer={offload!r}"
+        + (", directory=..." if offload_dir is not None else "")
+        + (", fraction=..." if offload_fraction is not None else "")
+        + ")",
+    )
     return offload, offload_dir, offload_fraction

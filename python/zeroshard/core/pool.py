@@ -1,5 +1,6 @@
 """Reduction buffers recycled by size and dtype, the one policy the stage-1/2 reducer
 and the planner's replay of it share."""
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List

@@ -34,6 +34,7 @@ backward may reduce over different groups.
 * ``no_sync()``: nothing is launched; the policy accumulates locally and the
   next synced backward reduces everything.
 """
+
 from __future__ import annotations
 
 import abc
@@ -58,15 +59,16 @@ MAX_INFLIGHT_UNITS = 1
 @dataclass(kw_only=True, eq=False)
 class Reduction:
     """A range of gradients reduced together by one reduce-scatter (a bucket, a unit)."""
-    name: str                        # in the collectives' labels: "bucket 3", "unit 'layers.0'"
-    owner: object                    # the bucket or unit whose gradients these are
-    group: dist.ProcessGroup         # the reduce-scatter's ranks
-    replicate: Optional[dist.ProcessGroup] = None   # hybrid sharding: all-reduced across these after
-    pending: int = 0                 # gradients (or inputs) still to arrive in this backward
-    buffer: Optional[torch.Tensor] = None   # the flat gradients reduced (when the policy allocates them)
-    out: Optional[torch.Tensor] = None      # where the reduce-scatter wrote this rank's chunk of the sum
-    handle: Optional[comm.CommHandle] = None   # the collective in flight on ``out``
-    launched: bool = False           # its reduce-scatter was issued in this backward
+
+    name: str  # in the collectives' labels: "bucket 3", "unit 'layers.0'"
+    owner: object  # the bucket or unit whose gradients these are
+    group: dist.ProcessGroup  # the reduce-scatter's ranks
+    replicate: Optional[dist.ProcessGroup] = None  # hybrid sharding: all-reduced across these after
+    pending: int = 0  # gradients (or inputs) still to arrive in this backward
+    buffer: Optional[torch.Tensor] = None  # the flat gradients reduced (when the policy allocates them)
+    out: Optional[torch.Tensor] = None  # where the reduce-scatter wrote this rank's chunk of the sum
+    handle: Optional[comm.CommHandle] = None  # the collective in flight on ``out``
+    launched: bool = False  # its reduce-scatter was issued in this backward
     # what the fold writes: the averaged gradient ([Note: one meaning for a gradient])
     grad: GradShard = field(default_factory=GradShard)
 
@@ -135,9 +137,9 @@ class ReductionPipeline:
 
     def __init__(self, policy: FoldPolicy, max_inflight: int, comm_elements: Dict[str, int]):
         self.policy, self.comm_elements = policy, comm_elements
-        self.sync = True             # False under no_sync(): nothing is launched
+        self.sync = True  # False under no_sync(): nothing is launched
         self._order = ReductionOrder(self._launch, self._retire, max_inflight)
-        self._replicating: List[Reduction] = []    # hybrid: replica all-reduces in flight
+        self._replicating: List[Reduction] = []  # hybrid: replica all-reduces in flight
 
     def start(self, order: List[Reduction]):
         """A backward begins: ``order`` is the launch order (the caller has set each
@@ -191,8 +193,15 @@ class ReductionPipeline:
         src, r.out, bounds = self.policy.reduce_input(r)
         # the input is never read afterwards (stage 1 zeroes the other ranks' chunks,
         # the other buffers are recycled), so the transport may use it as scratch
-        r.handle = comm.reduce_scatter(src, r.out, group=r.group, average=False, input_is_scratch=True,
-                                       bounds=bounds, what=self.policy.label(r, "reduce-scatter"))
+        r.handle = comm.reduce_scatter(
+            src,
+            r.out,
+            group=r.group,
+            average=False,
+            input_is_scratch=True,
+            bounds=bounds,
+            what=self.policy.label(r, "reduce-scatter"),
+        )
         r.launched = True
         self.comm_elements["reduce_scatter"] += src.numel()
 

@@ -2,6 +2,7 @@
 sharded over the ranks in rank order), the parameters a sharded model holds, and the
 one memory-report schema.
 """
+
 from __future__ import annotations
 
 import abc
@@ -43,6 +44,7 @@ def add_locations(rep: Dict[str, int], placed) -> Dict[str, int]:
 class Piece(NamedTuple):
     """A parameter's piece of a region: which parameter, where the piece starts in it and
     in the region, how many elements."""
+
     param: int
     param_offset: int
     region_offset: int
@@ -53,9 +55,10 @@ class Piece(NamedTuple):
 class Region:
     """A range sharded over the ranks in rank order (a bucket or a unit): what this rank
     holds of it, for state dicts and checkpoints ([Note: shard sources])."""
+
     shard_numel: int
-    frags: List[Piece]         # each parameter's piece of the region
-    exp_avg: Optional[torch.Tensor] = None      # this rank's shard (None for another optimizer_class)
+    frags: List[Piece]  # each parameter's piece of the region
+    exp_avg: Optional[torch.Tensor] = None  # this rank's shard (None for another optimizer_class)
     exp_avg_sq: Optional[torch.Tensor] = None
     # this rank's fp32 values: ZeRO-1/2 the master (or fp32 parameter) shard, the optimizer's
     # to save; ZeRO-3 the unit's shard, the model's to save (``model_owned``)
@@ -94,6 +97,7 @@ class HeldParam:
     where the model was told it (FullyShard's ``expert_names``); None otherwise. ``placed``:
     a tensor-parallel parameter's placements (its regions hold its local piece, ``shape``
     is the global one); None otherwise."""
+
     param: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
@@ -107,11 +111,12 @@ class ShardedModel(abc.ABC):
     wrapped model), ``device``, ``process_group``, ``groups`` (as ShardSource's),
     ``uninitialised_buffers`` (a model built on meta: the non-persistent buffers its
     modules' own code did not set; ``load_pretrained`` sets a Hugging Face model's)."""
+
     module: torch.nn.Module
     device: torch.device
     process_group: dist.ProcessGroup
     groups: Groups
-    uninitialised_buffers: List[str]     # built on meta: non-persistent buffers nothing set
+    uninitialised_buffers: List[str]  # built on meta: non-persistent buffers nothing set
 
     @abc.abstractmethod
     def held_regions(self) -> Tuple[List[HeldParam], List[Region]]:

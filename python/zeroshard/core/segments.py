@@ -1,6 +1,7 @@
 """What the update engine updates: segments, flat ranges of a shard each updated by one
 fused call, and the averaged gradient they read ([Note: one meaning for a gradient]).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class GradShard:
     rules, the statistics, ``p.grad`` reads and anything later (a quantized
     reduction's error feedback, a gradient shard written to disk) take it as it is:
     no scale travels with it."""
+
     # the averaged gradient; None: not allocated (no backward since zero_grad(set_to_none=True))
     tensor: Optional[torch.Tensor] = None
     # a ZeRO-3 shard in host memory: {piece's offset in the shard: its squared norm}, taken on the
@@ -42,6 +44,7 @@ class GradShard:
 class SegmentPiece(NamedTuple):
     """A trainable parameter's range within a segment: [start, stop) of the segment's
     tensors, which is the flattened parameter's [offset, offset + stop - start)."""
+
     param: int
     start: int
     stop: int
@@ -51,6 +54,7 @@ class SegmentPiece(NamedTuple):
 class Ranges(NamedTuple):
     """A flat range's tensors one update call steps: parameter (fp32 master or fp32
     shard), averaged gradient, AdamW's two moments and the low-precision output (or None)."""
+
     param: torch.Tensor
     grad: torch.Tensor
     exp_avg: Optional[torch.Tensor]
@@ -61,6 +65,7 @@ class Ranges(NamedTuple):
 class UpdatePart(NamedTuple):
     """One flat range of a step: its param group, the step count after this step, whether
     its state is streamed from host memory or disk, and its tensors."""
+
     group: int
     step: int
     streamed: bool
@@ -70,18 +75,19 @@ class UpdatePart(NamedTuple):
 @dataclass(kw_only=True)
 class Segment:
     """A flat range updated by one fused AdamW call."""
-    group: int                 # param group index
-    param: torch.Tensor        # fp32 master (or fp32 parameter) shard range
+
+    group: int  # param group index
+    param: torch.Tensor  # fp32 master (or fp32 parameter) shard range
     # the averaged gradient this segment reads (its tensor allocated and freed as backward and
     # zero_grad go, [Note: one meaning for a gradient]), and the range in it
     reduced: GradShard
-    grad_range: tuple          # (start, stop) in that tensor
-    exp_avg: Optional[torch.Tensor] = None      # the fused AdamW's state (None for another optimizer_class)
+    grad_range: tuple  # (start, stop) in that tensor
+    exp_avg: Optional[torch.Tensor] = None  # the fused AdamW's state (None for another optimizer_class)
     exp_avg_sq: Optional[torch.Tensor] = None
-    out: Optional[torch.Tensor] = None   # low-precision parameter range to write, or None
+    out: Optional[torch.Tensor] = None  # low-precision parameter range to write, or None
     # each trainable parameter's range within this segment
     pieces: List[SegmentPiece] = field(default_factory=list)
-    streamed: bool = False     # the state is offloaded: stepped window by window ([Note: offload])
+    streamed: bool = False  # the state is offloaded: stepped window by window ([Note: offload])
     # ZeRO-1/2, state the CPU steps: the host copy of the gradient, refreshed as backward
     # reduces it, that the step reads ([Note: offloaded gradients] in offload/copies.py)
     mirror: Optional[torch.Tensor] = None
@@ -93,7 +99,7 @@ class Segment:
     def grad(self) -> torch.Tensor:
         """Looked up at each use: gradient shards are allocated by backward's
         reductions and freed by zero_grad(set_to_none=True)."""
-        return self.reduced.tensor[self.grad_range[0]:self.grad_range[1]]
+        return self.reduced.tensor[self.grad_range[0] : self.grad_range[1]]
 
     @property
     def has_grad(self) -> bool:
@@ -128,7 +134,18 @@ def update_parts(segments: List[Segment], used: List[bool], steps: List[int]) ->
             ranges = [(i, a, b) for i, a, b, _ in seg.pieces if used[i]]
         grad = seg.grad if seg.mirror is None else seg.mirror
         for i, a, b in ranges:
-            parts.append(UpdatePart(seg.group, steps[i] + 1, seg.streamed,
-                                    Ranges(seg.param[a:b], grad[a:b], seg.exp_avg[a:b], seg.exp_avg_sq[a:b],
-                                           None if seg.out is None else seg.out[a:b])))
+            parts.append(
+                UpdatePart(
+                    seg.group,
+                    steps[i] + 1,
+                    seg.streamed,
+                    Ranges(
+                        seg.param[a:b],
+                        grad[a:b],
+                        seg.exp_avg[a:b],
+                        seg.exp_avg_sq[a:b],
+                        None if seg.out is None else seg.out[a:b],
+                    ),
+                )
+            )
     return parts

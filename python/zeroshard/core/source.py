@@ -14,6 +14,7 @@ optional low-precision output) and *regions* (ranges sharded over the ranks
 in rank order, which state dicts and checkpoints read), say when gradients
 are ready, and are told when a step is done.
 """
+
 from __future__ import annotations
 
 import abc
@@ -30,14 +31,15 @@ from ..offload import Storage
 from .regions import Region
 from .segments import Segment
 
-SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)   # parameter, gradient and reduce dtypes
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)  # parameter, gradient and reduce dtypes
 
 
 class GradState(enum.Enum):
     """Where a gradient source stands between two steps (both sources use it)."""
-    EMPTY = "empty"        # no reduced gradients to step on: after a step, zero_grad, or a no_sync() backward
+
+    EMPTY = "empty"  # no reduced gradients to step on: after a step, zero_grad, or a no_sync() backward
     BACKWARD = "backward"  # a backward is running
-    READY = "ready"        # a backward outside no_sync() finished: the shards hold the reduced gradients
+    READY = "ready"  # a backward outside no_sync() finished: the shards hold the reduced gradients
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Rebind:
     optimizer) when the model lays those shards out again for another party:
     ``blocker()``: why that may not happen now, or None; ``relaid()``: it happened, bind
     anew. The model side calls these and knows nothing of who answers."""
+
     blocker: Callable[[], Optional[str]]
     relaid: Callable[[], None]
 
@@ -60,6 +63,7 @@ class ShardSource(abc.ABC):
     over), ``world_size``, ``rank`` (in it), ``groups`` (with the replica
     and statistics groups of hybrid sharding; see [Note: hybrid sharding] in
     comm/mesh.py)."""
+
     segments: List[Segment]
     regions: List[Region]
     full_shapes: Dict[int, torch.Size]

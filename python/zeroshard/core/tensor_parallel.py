@@ -28,6 +28,7 @@ total norm counts every element of the model once and an overflow on any rank
 of either axis skips the step everywhere. ``p.grad.full_tensor()`` is the
 whole (global) averaged gradient, gathered over both axes.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,15 +66,19 @@ def settle(p: torch.Tensor) -> None:
             p.grad = g.redistribute(g.device_mesh, tuple(p.placements))
 
 
-def check_disjoint(tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, err: Callable[[str], str],
-                   fix: str) -> None:
+def check_disjoint(
+    tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, err: Callable[[str], str], fix: str
+) -> None:
     """The tp mesh's ranks and the ranks sharding over dp meet in this rank alone."""
     both = set(dist.get_process_group_ranks(tp_group)) & set(dist.get_process_group_ranks(dp_group))
     if both != {dist.get_rank()}:
-        raise ValueError(err(
-            f"the DTensor parameters' mesh (ranks {dist.get_process_group_ranks(tp_group)}) and the ranks sharded "
-            f"over (ranks {dist.get_process_group_ranks(dp_group)}) share ranks {sorted(both)}: shard a "
-            f"tensor-parallel model over the other axis of its mesh, {fix} for a model parallelized over mesh['tp']"))
+        raise ValueError(
+            err(
+                f"the DTensor parameters' mesh (ranks {dist.get_process_group_ranks(tp_group)}) and the ranks sharded "
+                f"over (ranks {dist.get_process_group_ranks(dp_group)}) share ranks {sorted(both)}: shard a "
+                f"tensor-parallel model over the other axis of its mesh, {fix} for a model parallelized over mesh['tp']"
+            )
+        )
 
 
 def check_model(module: nn.Module, dp_group: dist.ProcessGroup, experts: bool, err: Callable[[str], str]) -> None:
@@ -87,8 +92,12 @@ def check_model(module: nn.Module, dp_group: dist.ProcessGroup, experts: bool, e
         if isinstance(p, DTensor):
             mesh = p.device_mesh
             if p.device.type == "meta" or experts:
-                raise ValueError(err(f"parameter '{name}' is a DTensor: FullyShard does not shard tensor-parallel "
-                                     "parameters on meta, nor beside expert_modules, yet"))
+                raise ValueError(
+                    err(
+                        f"parameter '{name}' is a DTensor: FullyShard does not shard tensor-parallel "
+                        "parameters on meta, nor beside expert_modules, yet"
+                    )
+                )
     if mesh is not None:
         check_disjoint(mesh.get_group(), dp_group, err, "FullyShard(model, device_mesh=mesh['dp'])")
 
@@ -123,11 +132,12 @@ def compute_param(view: torch.Tensor, placed: Optional["Placed"], requires_grad:
 @dataclass(frozen=True)
 class Placed:
     """How a DTensor parameter is laid over its tp mesh."""
-    mesh: object                       # its 1-D DeviceMesh
+
+    mesh: object  # its 1-D DeviceMesh
     placements: Tuple[object, ...]
-    shape: torch.Size                  # the global shape
+    shape: torch.Size  # the global shape
     stride: Tuple[int, ...]
-    expert: bool = False               # an expert over an ep mesh ([Note: expert DTensors]), not tp
+    expert: bool = False  # an expert over an ep mesh ([Note: expert DTensors]), not tp
 
     @property
     def sharded(self) -> bool:
@@ -145,8 +155,8 @@ class Placed:
         size, rank = self.mesh.size(), self.mesh.get_local_rank()
         chunk = -(-g[d] // size)
         lo = min(rank * chunk, g[d])
-        local = g[:d] + [max(0, min(g[d], lo + chunk) - lo)] + g[d + 1:]
-        block, inner = math.prod(local[d:]), math.prod(g[d + 1:])
+        local = g[:d] + [max(0, min(g[d], lo + chunk) - lo)] + g[d + 1 :]
+        block, inner = math.prod(local[d:]), math.prod(g[d + 1 :])
         out, at = [], start
         while at < start + n:
             outer, k = divmod(at, block)
@@ -157,8 +167,9 @@ class Placed:
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """``local`` as this parameter's DTensor (no communication, no copy)."""
-        return DTensor.from_local(local, self.mesh, self.placements, shape=self.shape, stride=self.stride,
-                                  run_check=False)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, shape=self.shape, stride=self.stride, run_check=False
+        )
 
 
 class TensorParallel:
@@ -166,13 +177,14 @@ class TensorParallel:
     mesh they share, and what sharding their local pieces needs."""
 
     def __init__(self, placed: Dict[int, Placed], group: dist.ProcessGroup, n: int):
-        self.placed, self.n = placed, n     # (``n``: the optimizer's parameters, DTensors or not)
+        self.placed, self.n = placed, n  # (``n``: the optimizer's parameters, DTensors or not)
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
     @staticmethod
-    def of(params: List[Optional[torch.Tensor]], dp_group: dist.ProcessGroup,
-           err: Callable[[str], str]) -> Optional["TensorParallel"]:
+    def of(
+        params: List[Optional[torch.Tensor]], dp_group: dist.ProcessGroup, err: Callable[[str], str]
+    ) -> Optional["TensorParallel"]:
         """The tensor-parallel parameters among ``params`` (None: none is a DTensor; a None
         entry is left out), checked."""
         placed, mesh = {}, None
@@ -216,19 +228,23 @@ class TensorParallel:
         """A whole-tensor optimizer (Muon, Adafactor) over tp-sharded matrices: not yet."""
         split = [i for i in self.placed if self.sharded(i)]
         if split:
-            raise ValueError(err(
-                f"parameter {split[0]} is sharded over the tensor-parallel mesh ({self.placed[split[0]].placements}): "
-                "a whole-tensor optimizer (Muon, Adafactor) steps each matrix whole, and zeroshard does not gather "
-                "its tp pieces yet. Give it the replicated matrices only and AdamW the tp-sharded ones, or train "
-                "without tensor parallelism"))
+            raise ValueError(
+                err(
+                    f"parameter {split[0]} is sharded over the tensor-parallel mesh ({self.placed[split[0]].placements}): "
+                    "a whole-tensor optimizer (Muon, Adafactor) steps each matrix whole, and zeroshard does not gather "
+                    "its tp pieces yet. Give it the replicated matrices only and AdamW the tp-sharded ones, or train "
+                    "without tensor parallelism"
+                )
+            )
 
     def sharded(self, i: int) -> bool:
         pl = self.placed.get(i)
         return pl is not None and pl.sharded
 
 
-def expert_placements(params: List[torch.Tensor], own: set, groups: List[dist.ProcessGroup],
-                      err: Callable[[str], str]) -> Dict[int, Placed]:
+def expert_placements(
+    params: List[torch.Tensor], own: set, groups: List[dist.ProcessGroup], err: Callable[[str], str]
+) -> Dict[int, Placed]:
     """[Note: expert DTensors] An expert-parallel model whose experts are DTensors over the
     ep dimension of an (edp, ep) mesh (transformers' ``ep_plan``: each layer's experts one
     tensor ``Shard(0)`` over ep, each rank computing on its local experts) has them in a
@@ -245,9 +261,13 @@ def expert_placements(params: List[torch.Tensor], own: set, groups: List[dist.Pr
             continue
         pl = placed_of(p)
         if p.device_mesh.ndim != 1 or any(type(x) is not Shard for x in p.placements):
-            raise ValueError(err(f"parameter {i} (shape {tuple(p.shape)}) is a DTensor with placements {p.placements} "
-                                 "in a param group over its own ranks: an expert there is a Shard DTensor over one "
-                                 "mesh dimension (mesh['ep']) or a plain tensor"))
+            raise ValueError(
+                err(
+                    f"parameter {i} (shape {tuple(p.shape)}) is a DTensor with placements {p.placements} "
+                    "in a param group over its own ranks: an expert there is a Shard DTensor over one "
+                    "mesh dimension (mesh['ep']) or a plain tensor"
+                )
+            )
         check_disjoint(p.device_mesh.get_group(), groups[i], err, "{'params': experts, 'device_mesh': mesh['edp']}")
         out[i] = replace(pl, expert=True)
     return out
@@ -259,13 +279,19 @@ def refused(p: DTensor, mesh=None) -> Optional[str]:
     if not isinstance(p, DTensor):
         return None
     if p.device_mesh.ndim != 1:
-        return (f"over a {p.device_mesh.ndim}-D mesh: ShardedOptimizer takes parameters parallelized over one "
-                "mesh dimension (mesh['tp']) and shards them over another (device_mesh=mesh['dp'])")
+        return (
+            f"over a {p.device_mesh.ndim}-D mesh: ShardedOptimizer takes parameters parallelized over one "
+            "mesh dimension (mesh['tp']) and shards them over another (device_mesh=mesh['dp'])"
+        )
     for pl in p.placements:
         if type(pl) not in (Shard, Replicate):
-            return (f"with placement {pl}: tensor-parallel parameters are Shard or Replicate over mesh['tp'] "
-                    "(torch's ColwiseParallel, RowwiseParallel, SequenceParallel)")
+            return (
+                f"with placement {pl}: tensor-parallel parameters are Shard or Replicate over mesh['tp'] "
+                "(torch's ColwiseParallel, RowwiseParallel, SequenceParallel)"
+            )
     if mesh is not None and p.device_mesh != mesh:
-        return (f"over another mesh ({p.device_mesh}) than the other DTensor parameters ({mesh}): every "
-                "tensor-parallel parameter must share one tp mesh")
+        return (
+            f"over another mesh ({p.device_mesh}) than the other DTensor parameters ({mesh}): every "
+            "tensor-parallel parameter must share one tp mesh"
+        )
     return None

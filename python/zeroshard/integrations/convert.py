@@ -5,6 +5,7 @@ AdamW for ``torch.optim.AdamW``), hyperparameters and param groups, at stage 3
 over the ``FullyShard`` pieces of the same parameters; LR schedulers built over
 the old optimizer are pointed at the new one.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
@@ -31,8 +32,13 @@ def _whole_tensor_elsewhere(cls) -> bool:
     return (cls.__module__.split(".")[0], cls.__name__) in WHOLE_TENSOR_ELSEWHERE
 
 
-def to_sharded(opt: torch.optim.Optimizer, options: dict, pieces: Optional[Dict[str, torch.Tensor]] = None,
-               names: Optional[Dict[int, str]] = None, experts_mesh=None) -> "zeroshard.ShardedOptimizer":
+def to_sharded(
+    opt: torch.optim.Optimizer,
+    options: dict,
+    pieces: Optional[Dict[str, torch.Tensor]] = None,
+    names: Optional[Dict[int, str]] = None,
+    experts_mesh=None,
+) -> "zeroshard.ShardedOptimizer":
     """A ShardedOptimizer reproducing ``opt``: its class, defaults and param groups.
     ``pieces`` (stage 3): name -> FullyShard piece, and ``names``: id of a plain
     parameter -> its name, taken before the wrap. Group entries an LR scheduler
@@ -57,10 +63,13 @@ def to_sharded(opt: torch.optim.Optimizer, options: dict, pieces: Optional[Dict[
 
 def _over_experts(group: dict, gi: int, mesh) -> dict:
     from torch.distributed.tensor import DTensor
+
     experts = [isinstance(p, DTensor) for p in group["params"]]
     if any(experts) and not all(experts):
-        raise ValueError(f"param group {gi} holds expert-parallel (DTensor) and other parameters together; the "
-                         "experts shard over their own ranks: give them param groups of their own")
+        raise ValueError(
+            f"param group {gi} holds expert-parallel (DTensor) and other parameters together; the "
+            "experts shard over their own ranks: give them param groups of their own"
+        )
     return dict(group, device_mesh=mesh) if any(experts) else group
 
 

@@ -6,6 +6,7 @@ and the Lightning strategy's ``offload`` / ``offload_dir`` / ``offload_fraction`
 ``Offload`` and ``Sharding`` policies ([Note: options as policies]), so no
 integration meets the loose keyword arguments' warning.
 """
+
 from __future__ import annotations
 
 import zeroshard
@@ -19,8 +20,11 @@ def as_policies(options: dict) -> dict:
     out = {k: v for k, v in options.items() if k not in OFFLOAD_KEYS + SHARDING_KEYS}
     off = {k: options.get(k) for k in OFFLOAD_KEYS}
     if off["offload"] is not None or off["offload_dir"] is not None:
-        out["offload"] = zeroshard.Offload(optimizer=off["offload"], directory=off["offload_dir"],
-                                           fraction=1.0 if off["offload_fraction"] is None else off["offload_fraction"])
+        out["offload"] = zeroshard.Offload(
+            optimizer=off["offload"],
+            directory=off["offload_dir"],
+            fraction=1.0 if off["offload_fraction"] is None else off["offload_fraction"],
+        )
     sharding = {k: options[k] for k in SHARDING_KEYS if options.get(k) is not None}
     if sharding:
         out["sharding"] = zeroshard.Sharding(**sharding)

@@ -1,4 +1,5 @@
 """Loads the compiled core, with a clear message when it is missing."""
+
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 try:

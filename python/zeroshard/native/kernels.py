@@ -1,4 +1,5 @@
 """Fused AdamW over flat shards (csrc/adamw.h, csrc/ops.cpp)."""
+
 from __future__ import annotations
 
 from typing import List, Mapping, Optional, Sequence
@@ -38,8 +39,18 @@ def fused_adamw_(
     On CUDA nothing here synchronises with the host.
     """
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
-    fused_adamw_multi_(params, grads, exp_avgs, exp_avg_sqs, [hyper], [0] * len(params),
-                       outs=outs, scale=scale, noop=noop, found_inf=found_inf)
+    fused_adamw_multi_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [hyper],
+        [0] * len(params),
+        outs=outs,
+        scale=scale,
+        noop=noop,
+        found_inf=found_inf,
+    )
 
 
 _HYPER_KEYS = {"lr", "beta1", "beta2", "eps", "weight_decay", "step"}
@@ -67,13 +78,31 @@ def fused_adamw_multi_(
     for k, h in enumerate(hypers):
         unknown = sorted(set(h) - _HYPER_KEYS)
         if unknown:
-            raise ValueError(f"fused_adamw_multi_: hyperparameter set {k} has unknown keys {unknown}; a set takes "
-                             f"{sorted(_HYPER_KEYS)} (the gradient is taken as it is: a GradScaler's inverse scale "
-                             "is the scale= tensor)")
-    sets: List = [_C.AdamWOptions(lr=float(h["lr"]), beta1=float(h.get("beta1", 0.9)),
-                                  beta2=float(h.get("beta2", 0.999)), eps=float(h.get("eps", 1e-8)),
-                                  weight_decay=float(h.get("weight_decay", 0.0)), step=int(h["step"]))
-            for h in hypers]
-    _C.fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-                    [] if outs is None else list(outs), sets, [int(k) for k in hyper_of], scale, noop,
-                    found_inf)
+            raise ValueError(
+                f"fused_adamw_multi_: hyperparameter set {k} has unknown keys {unknown}; a set takes "
+                f"{sorted(_HYPER_KEYS)} (the gradient is taken as it is: a GradScaler's inverse scale "
+                "is the scale= tensor)"
+            )
+    sets: List = [
+        _C.AdamWOptions(
+            lr=float(h["lr"]),
+            beta1=float(h.get("beta1", 0.9)),
+            beta2=float(h.get("beta2", 0.999)),
+            eps=float(h.get("eps", 1e-8)),
+            weight_decay=float(h.get("weight_decay", 0.0)),
+            step=int(h["step"]),
+        )
+        for h in hypers
+    ]
+    _C.fused_adamw_(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        [] if outs is None else list(outs),
+        sets,
+        [int(k) for k in hyper_of],
+        scale,
+        noop,
+        found_inf,
+    )

@@ -3,6 +3,7 @@
 The math is in C++ (csrc/layout.cpp, see [Note: layout rules] there); this
 module turns torch dtypes into the itemsizes and keys it takes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,12 +42,10 @@ def compute_layout(
     numels = [int(n) for n in numels]
     dtypes = list(dtypes)
     if len(dtypes) != len(numels):
-        raise ValueError(f"dtypes has {len(dtypes)} entries but numels has {len(numels)}; "
-                         "pass one dtype per tensor")
+        raise ValueError(f"dtypes has {len(dtypes)} entries but numels has {len(numels)}; pass one dtype per tensor")
     keys = [0] * len(numels) if keys is None else [int(k) for k in keys]
     if len(keys) != len(numels):
-        raise ValueError(f"keys has {len(keys)} entries but numels has {len(numels)}; "
-                         "pass one key per tensor")
+        raise ValueError(f"keys has {len(keys)} entries but numels has {len(numels)}; pass one key per tensor")
     for i, dt in enumerate(dtypes):
         if not isinstance(dt, torch.dtype):
             raise ValueError(f"dtypes[{i}] is {dt!r}, not a torch.dtype")
@@ -56,10 +55,10 @@ def compute_layout(
     itemsizes = [dt.itemsize for dt in dtypes]
     costs = [] if costs is None else [int(c) for c in costs]
     if costs and len(costs) != len(numels):
-        raise ValueError(f"costs has {len(costs)} entries but numels has {len(numels)}; "
-                         "pass one cost per tensor (-1: not whole)")
-    return _C.compute_layout(numels, itemsizes, ids, int(bucket_cap_bytes), int(world_size),
-                             int(align_bytes), costs)
+        raise ValueError(
+            f"costs has {len(costs)} entries but numels has {len(numels)}; pass one cost per tensor (-1: not whole)"
+        )
+    return _C.compute_layout(numels, itemsizes, ids, int(bucket_cap_bytes), int(world_size), int(align_bytes), costs)
 
 
 def update_cost(shape: Sequence[int]) -> int:
@@ -87,8 +86,9 @@ def assign_owners(costs: Sequence[int], world_size: int, load: Optional[Sequence
     return owners
 
 
-def keep_balanced(owners: Dict[int, int], costs: Dict[int, int], world_size: int,
-                  tolerance: float = 0.15) -> Dict[int, int]:
+def keep_balanced(
+    owners: Dict[int, int], costs: Dict[int, int], world_size: int, tolerance: float = 0.15
+) -> Dict[int, int]:
     """Of ``owners`` (tensor -> the rank that holds it whole, by chance of the layout),
     those each rank keeps: while a rank's cost exceeds the mean over the ranks of all of
     ``costs`` by more than ``tolerance``, it releases its costliest tensor (which is then
@@ -117,12 +117,14 @@ def chunk_span(bounds: Optional[Sequence[int]], shard_numel: int, rank: int) -> 
 @dataclass(frozen=True)
 class ChunkLayout:
     """A flat buffer cut into one chunk per rank, of different lengths."""
-    offsets: List[int]          # each tensor's offset in the flat buffer
-    bounds: List[int]           # rank r's chunk is [bounds[r], bounds[r + 1]); bounds[-1]: the length
+
+    offsets: List[int]  # each tensor's offset in the flat buffer
+    bounds: List[int]  # rank r's chunk is [bounds[r], bounds[r + 1]); bounds[-1]: the length
 
 
-def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int, align: int = 4,
-                 min_fill: int = 0) -> ChunkLayout:
+def owner_chunks(
+    numels: Sequence[int], owners: Dict[int, int], world_size: int, align: int = 4, min_fill: int = 0
+) -> ChunkLayout:
     """One flat buffer (a FullyShard unit) cut into chunks of different lengths so that
     each *whole* tensor (``owners``: tensor -> rank) lies inside its owner's chunk.
 
@@ -147,7 +149,7 @@ def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int,
         size[r] += up(numels[i])
     rest = [i for i in range(len(numels)) if i not in owners]
     stream = sum(up(numels[i]) for i in rest)
-    lo, hi = 0, up(max(size) + stream)          # the common length the fill reaches
+    lo, hi = 0, up(max(size) + stream)  # the common length the fill reaches
     while lo < hi:
         mid = (lo + hi) // 2 // align * align
         if sum(max(0, mid - s) for s in size) >= stream:
@@ -156,11 +158,11 @@ def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int,
             lo = mid + align
     level = max(lo, up(min(min_fill, stream)))
     offsets = [0] * len(numels)
-    bounds, pos, k, carry_end = [0], 0, 0, 0     # carry_end: the end of a tensor cut at the last bound
+    bounds, pos, k, carry_end = [0], 0, 0, 0  # carry_end: the end of a tensor cut at the last bound
     for r in range(n):
         start, last = pos, r == n - 1
         if carry_end > start and not mine[r] and not last and carry_end > start + level:
-            pos = start + level                  # a long tensor crosses this chunk too
+            pos = start + level  # a long tensor crosses this chunk too
             bounds.append(pos)
             continue
         pos = max(pos, carry_end)
@@ -172,7 +174,7 @@ def owner_chunks(numels: Sequence[int], owners: Dict[int, int], world_size: int,
             i = rest[k]
             offsets[i], k = pos, k + 1
             if pos + up(numels[i]) > end and not last:
-                carry_end, pos = pos + up(numels[i]), end    # cut: its rest opens the next chunk
+                carry_end, pos = pos + up(numels[i]), end  # cut: its rest opens the next chunk
                 break
             pos += up(numels[i])
         bounds.append(pos)
@@ -204,4 +206,6 @@ def fill_flat(flat: torch.Tensor, pieces: Sequence) -> None:
     if holes:
         torch._foreach_zero_(holes)
     if pieces:
-        torch._foreach_copy_([flat[offset:offset + src.numel()] for offset, src in pieces], [src for _, src in pieces])
+        torch._foreach_copy_(
+            [flat[offset : offset + src.numel()] for offset, src in pieces], [src for _, src in pieces]
+        )

@@ -17,11 +17,26 @@ them ([Note: offload] in ``offload/policy.py``):
 May import: ``native`` (the CPU AdamW kernel, the I/O engine). The other parts use it through
 the names below.
 """
+
 from .copies import HostCopies
 from .policy import NO_OFFLOAD, Offload, Placement, check_directory, choose, offloaded_params, parse_offload
 from .storage import Storage, host_empty, host_zeros, on_accelerator, planning_for_host
 from .streamer import Streamer, window_elements
 
-__all__ = ["HostCopies", "NO_OFFLOAD", "Offload", "Placement", "check_directory", "choose", "offloaded_params",
-           "parse_offload", "Storage", "host_empty", "host_zeros", "on_accelerator", "planning_for_host", "Streamer",
-           "window_elements"]
+__all__ = [
+    "HostCopies",
+    "NO_OFFLOAD",
+    "Offload",
+    "Placement",
+    "check_directory",
+    "choose",
+    "offloaded_params",
+    "parse_offload",
+    "Storage",
+    "host_empty",
+    "host_zeros",
+    "on_accelerator",
+    "planning_for_host",
+    "Streamer",
+    "window_elements",
+]

@@ -16,6 +16,7 @@ the gradients, made as backward reduces them rather than in step():
   device (``GradShard.sumsq``), not over host memory after the backward.
 ``memory_report()`` counts both as host bytes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,4 +51,3 @@ class HostCopies:
         if self.pending:
             self.stream.synchronize()
             self.pending = False
-

@@ -2,6 +2,7 @@
 read and written by offset through the I/O engine (O_DIRECT: [Note: I/O engine] in
 csrc/io_engine.h), and mapped shared for state dicts and checkpoints ([Note: offload]
 in offload/policy.py)."""
+
 from __future__ import annotations
 
 import os
@@ -25,17 +26,25 @@ class DiskFile:
         nbytes = max(4, 4 * numel)
         free = shutil.disk_usage(directory).free
         if free < nbytes:
-            raise ValueError(err(f"offload_dir {directory!r} has {free / 2**30:.2f} GiB free but this rank's "
-                                 f"offloaded optimizer state needs {nbytes / 2**30:.2f} GiB; free space, use "
-                                 "another directory or a smaller offload_fraction"))
+            raise ValueError(
+                err(
+                    f"offload_dir {directory!r} has {free / 2**30:.2f} GiB free but this rank's "
+                    f"offloaded optimizer state needs {nbytes / 2**30:.2f} GiB; free space, use "
+                    "another directory or a smaller offload_fraction"
+                )
+            )
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._cleanup = weakref.finalize(self, _close, self.fd, self.path)
         try:
             os.posix_fallocate(self.fd, 0, nbytes)
         except OSError as e:
             self._cleanup()
-            raise ValueError(err(f"cannot allocate {nbytes / 2**30:.2f} GiB for the offloaded optimizer state in "
-                                 f"{directory!r}: {e.strerror}; free space or use another directory")) from None
+            raise ValueError(
+                err(
+                    f"cannot allocate {nbytes / 2**30:.2f} GiB for the offloaded optimizer state in "
+                    f"{directory!r}: {e.strerror}; free space or use another directory"
+                )
+            ) from None
         try:
             self.engine = IoEngine(self.path)
         except IoError as e:
@@ -47,7 +56,7 @@ class DiskFile:
 
     def take(self, n: int) -> torch.Tensor:
         """The next ``n`` elements of the file, as a mapped view (zeros)."""
-        t = self.mapped[self.used:self.used + n]
+        t = self.mapped[self.used : self.used + n]
         self.used += n
         return t
 
@@ -71,7 +80,7 @@ class DiskFile:
         """``n`` elements of ``buf`` (with a block to spare) placed for moving ``view``'s bytes:
         congruent with its file offset, so whole blocks move without a copy."""
         k = congruent_start(buf, 4 * view.storage_offset())
-        return buf[k:k + n]
+        return buf[k : k + n]
 
     @property
     def nbytes(self) -> int:
@@ -86,4 +95,3 @@ def _close(fd: int, path: str) -> None:
             os.unlink(path)
         except OSError:
             pass
-

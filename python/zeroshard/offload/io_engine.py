@@ -8,6 +8,7 @@ the C++ core's I/O engine ([Note: I/O engine] in csrc/io_engine.h), with the GIL
 ZEROSHARD_IO_BACKEND (``auto``, ``io_uring`` or ``aio``) and ZEROSHARD_IO_DEPTH (requests
 in flight, 8 by default) choose the queue; an argument given to IoEngine wins.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ import torch
 
 from ..native.ext import _C
 
-BLOCK = 4096                     # direct I/O's unit, in memory and in the file
-IoError = _C.IoError             # an OSError
+BLOCK = 4096  # direct I/O's unit, in memory and in the file
+IoError = _C.IoError  # an OSError
 _BACKEND_ENV, _DEPTH_ENV = "ZEROSHARD_IO_BACKEND", "ZEROSHARD_IO_DEPTH"
 
 
@@ -49,8 +50,9 @@ class IoEngine:
     """Reads and writes of ``path`` by O_DIRECT through io_uring (or the kernel's AIO where
     io_uring is refused); see [Note: I/O engine] in csrc/io_engine.h."""
 
-    def __init__(self, path: str, *, backend: Optional[str] = None, depth: Optional[int] = None,
-                 piece_bytes: int = 1 << 20):
+    def __init__(
+        self, path: str, *, backend: Optional[str] = None, depth: Optional[int] = None, piece_bytes: int = 1 << 20
+    ):
         backend = backend or os.environ.get(_BACKEND_ENV, "auto")
         depth = int(depth if depth is not None else os.environ.get(_DEPTH_ENV, "8"))
         self.native = _C.IoEngine(str(path), backend, depth, piece_bytes)

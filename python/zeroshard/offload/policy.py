@@ -35,6 +35,7 @@ branch inside them:
   unit shard) is copied in and back; a low-precision parameter on CUDA is
   written from the updated fp32 master.
 """
+
 from __future__ import annotations
 
 import enum
@@ -47,9 +48,10 @@ import torch
 
 class Placement(enum.Enum):
     """Where a state shard lives."""
-    DEVICE = "device"   # with the parameters (no offload)
-    HOST = "host"       # host memory: offload="cpu"
-    DISK = "disk"       # a file under offload_dir: offload="nvme"
+
+    DEVICE = "device"  # with the parameters (no offload)
+    HOST = "host"  # host memory: offload="cpu"
+    DISK = "disk"  # a file under offload_dir: offload="nvme"
 
 
 def checked_fraction(value, what: str) -> float:
@@ -59,8 +61,9 @@ def checked_fraction(value, what: str) -> float:
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a number in [0, 1], got {value!r}") from None
     if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"{what} must be in [0, 1] (the share of this rank's shard whose state is "
-                         f"offloaded), got {value!r}")
+        raise ValueError(
+            f"{what} must be in [0, 1] (the share of this rank's shard whose state is offloaded), got {value!r}"
+        )
     return fraction
 
 
@@ -84,6 +87,7 @@ class Offload:
         fraction: the share of this rank's optimizer state offloaded, 0 to 1
             (whole parameters or units, in the order backward reduces them).
     """
+
     optimizer: Optional[str] = None
     params: Optional[str] = None
     directory: Optional[str] = None
@@ -95,19 +99,25 @@ class Offload:
         if self.params not in (None, "cpu", "nvme"):
             raise ValueError(f"Offload(params=...) must be None or 'cpu', got {self.params!r}")
         if self.params == "nvme":
-            raise NotImplementedError("Offload(params='nvme'): parameter shards on disk are not supported yet; "
-                                      "params='cpu' keeps them in host memory, and optimizer='nvme' puts the "
-                                      "optimizer's state (12 of its 16 bytes a parameter) on disk")
+            raise NotImplementedError(
+                "Offload(params='nvme'): parameter shards on disk are not supported yet; "
+                "params='cpu' keeps them in host memory, and optimizer='nvme' puts the "
+                "optimizer's state (12 of its 16 bytes a parameter) on disk"
+            )
         object.__setattr__(self, "fraction", checked_fraction(self.fraction, "Offload(fraction=...)"))
         if self.optimizer == "nvme":
             if self.directory is None:
-                raise ValueError("offload of the optimizer to 'nvme' needs a directory on a fast local disk for "
-                                 "the optimizer-state files (one per rank): Offload(optimizer='nvme', directory=...)")
+                raise ValueError(
+                    "offload of the optimizer to 'nvme' needs a directory on a fast local disk for "
+                    "the optimizer-state files (one per rank): Offload(optimizer='nvme', directory=...)"
+                )
             object.__setattr__(self, "directory", str(self.directory))
             check_directory(self.directory)
         elif self.directory is not None:
-            raise ValueError(f"Offload(directory={self.directory!r}) is only used with optimizer='nvme' "
-                             f"(got optimizer={self.optimizer!r})")
+            raise ValueError(
+                f"Offload(directory={self.directory!r}) is only used with optimizer='nvme' "
+                f"(got optimizer={self.optimizer!r})"
+            )
 
     @property
     def placement(self) -> Placement:
@@ -132,29 +142,35 @@ def parse_offload(offload, offload_dir, offload_fraction, optimizer_class=None) 
         if offload not in KINDS:
             raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r} (or a zeroshard.Offload policy)")
         if offload == "nvme" and offload_dir is None:
-            raise ValueError("offload='nvme' needs offload_dir=<a directory on a fast local disk> for the "
-                             "optimizer-state files (one per rank)")
+            raise ValueError(
+                "offload='nvme' needs offload_dir=<a directory on a fast local disk> for the "
+                "optimizer-state files (one per rank)"
+            )
         if offload != "nvme" and offload_dir is not None:
             raise ValueError(f"offload_dir={offload_dir!r} is only used with offload='nvme' (got offload={offload!r})")
         fraction = 1.0 if offload_fraction is None else checked_fraction(offload_fraction, "offload_fraction")
         policy = Offload(optimizer=offload, directory=offload_dir, fraction=fraction)
     if policy.params is not None:
-        raise ValueError(f"Offload(params={policy.params!r}) is FullyShard's: parameter shards are the model's; "
-                         "pass it to zeroshard.FullyShard(offload=...), and the optimizer's to ShardedOptimizer")
+        raise ValueError(
+            f"Offload(params={policy.params!r}) is FullyShard's: parameter shards are the model's; "
+            "pass it to zeroshard.FullyShard(offload=...), and the optimizer's to ShardedOptimizer"
+        )
     if policy.optimizer is not None and optimizer_class is not None:
-        raise ValueError(f"offload={policy.optimizer!r} steps the offloaded state with zeroshard's fused AdamW; "
-                         f"optimizer_class={optimizer_class.__name__} keeps its own state on the parameters' "
-                         "device: drop offload or optimizer_class")
+        raise ValueError(
+            f"offload={policy.optimizer!r} steps the offloaded state with zeroshard's fused AdamW; "
+            f"optimizer_class={optimizer_class.__name__} keeps its own state on the parameters' "
+            "device: drop offload or optimizer_class"
+        )
     return policy
 
 
 def check_directory(directory: str) -> None:
     if not os.path.isdir(directory):
-        raise ValueError(f"offload_dir {directory!r} does not exist or is not a directory; create it on a "
-                         "fast local disk")
+        raise ValueError(
+            f"offload_dir {directory!r} does not exist or is not a directory; create it on a fast local disk"
+        )
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"offload_dir {directory!r} is not writable by this process; pick a directory it "
-                         "can write")
+        raise ValueError(f"offload_dir {directory!r} is not writable by this process; pick a directory it can write")
 
 
 def choose(sizes: Sequence[int], fraction: float) -> int:
@@ -181,5 +197,4 @@ def offloaded_params(params: List[torch.Tensor], trainable: List[int], offload: 
     """ZeRO-1/2: the trainable parameters whose state is offloaded, whole ones in the
     order backward reduces them (the reverse of ``trainable``)."""
     order = list(reversed(trainable))
-    return set(order[:choose([params[i].numel() for i in order], offload.fraction)] if offload.active else ())
-
+    return set(order[: choose([params[i].numel() for i in order], offload.fraction)] if offload.active else ())

@@ -16,6 +16,7 @@ for them once, before the CPU step reads them. On a CPU-only machine the
 "device" is host memory already: the option only changes where
 ``memory_report()`` counts the bytes (``host``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,7 +56,7 @@ class Storage:
             return
         w = window_elements()
         for a in range(0, dst.numel(), w):
-            self.disk.write(dst[a:a + w], src[a:a + w].to("cpu", torch.float32).contiguous()).wait()
+            self.disk.write(dst[a : a + w], src[a : a + w].to("cpu", torch.float32).contiguous()).wait()
 
     def streamed(self, placement: Placement) -> bool:
         """Whether state in ``placement`` is stepped by the Streamer (see [Note: offload])."""
@@ -71,14 +72,16 @@ class Storage:
         """ZeRO-1/2: the host copy of a buffer's reduced gradient shard, or None."""
         if not self.grads_to_host(placement):
             return None
-        return (torch.zeros(n, dtype=dtype, device="meta") if self.device.type == "meta"
-                else host_zeros(n, self.device, dtype))
+        return (
+            torch.zeros(n, dtype=dtype, device="meta")
+            if self.device.type == "meta"
+            else host_zeros(n, self.device, dtype)
+        )
 
     def streamer_for_step(self) -> "Streamer":
         if self.streamer is None:
             self.streamer = Streamer(self.disk)
         return self.streamer
-
 
 
 # set while the planner plans a run of CPU processes (gloo) on meta tensors
@@ -111,4 +114,3 @@ def host_empty(n: int, device: torch.device, dtype: torch.dtype = torch.float32)
 def host_zeros(n: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """As host_empty, zeroed."""
     return host_empty(n, device, dtype).zero_()
-

@@ -2,6 +2,7 @@
 offload/policy.py): two I/O threads move the next and the last window, through the
 file's I/O engine ([Note: I/O engine] in csrc/io_engine.h), while zeroshard's CPU
 AdamW updates the current one."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -17,6 +18,7 @@ from .io_engine import BLOCK
 # elements per state tensor in one window of the streamed step (two windows of
 # four fp32 tensors: 64 MiB by default); ZEROSHARD_OFFLOAD_WINDOW_MB sets the total
 _WINDOW_ENV = "ZEROSHARD_OFFLOAD_WINDOW_MB"
+
 
 def window_elements() -> int:
     mb = float(os.environ.get(_WINDOW_ENV, "64"))
@@ -41,7 +43,7 @@ class Streamer:
         while len(self.slots) <= s:
             self.slots.append({})
         slot = self.slots[s]
-        n += BLOCK // 4     # a block to spare: each transfer's window sits congruent with its file offset
+        n += BLOCK // 4  # a block to spare: each transfer's window sits congruent with its file offset
         for k in keys:
             if k not in slot or slot[k].numel() < n:
                 slot[k] = torch.empty(n, pin_memory=pin)
@@ -58,7 +60,7 @@ class Streamer:
     def update(self, parts: list, hyper: dict, step: int) -> None:
         """AdamW on each (param, grad, exp_avg, exp_avg_sq, out) range of ``parts``."""
         if self.disk is not None:
-            self.disk.check()       # deleted or truncated under the job: an error naming it
+            self.disk.check()  # deleted or truncated under the job: an error naming it
         total = sum(part[0].numel() for part in parts)
         # windows of at most a quarter of what this call steps: the two buffers together
         # hold at most half of it, however small the shard is against the window
@@ -76,9 +78,10 @@ class Streamer:
         upcoming = self.io.submit(self._load, chunks[0], self._slot(0, pin, n, keys))
         for k, chunk in enumerate(chunks):
             slot, loading = self._slot(k % 2, pin, n, keys), upcoming
-            if k + 1 < len(chunks):   # the other buffer is free once window k-1 is written back
-                upcoming = self.io.submit(self._after, last, self._load, chunks[k + 1],
-                                          self._slot((k + 1) % 2, pin, n, keys))
+            if k + 1 < len(chunks):  # the other buffer is free once window k-1 is written back
+                upcoming = self.io.submit(
+                    self._after, last, self._load, chunks[k + 1], self._slot((k + 1) % 2, pin, n, keys)
+                )
             loading.result()
             self._compute(chunk, slot, hyper, step)
             older, last = last, self.io.submit(self._store, chunk, slot)
@@ -111,13 +114,23 @@ class Streamer:
     def _load(self, chunk, slot) -> None:
         self._free(slot)
         (p, _, m, v, _), a, b = chunk
-        _wait_all([self.disk.read(self._window(slot, key, t, a, b - a), t[a:b])
-                   for key, t in (("p", p), ("m", m), ("v", v)) if self._staged(t)])
+        _wait_all(
+            [
+                self.disk.read(self._window(slot, key, t, a, b - a), t[a:b])
+                for key, t in (("p", p), ("m", m), ("v", v))
+                if self._staged(t)
+            ]
+        )
 
     def _store(self, chunk, slot) -> None:
         (p, _, m, v, _), a, b = chunk
-        _wait_all([self.disk.write(t[a:b], self._window(slot, key, t, a, b - a))
-                   for key, t in (("p", p), ("m", m), ("v", v)) if self._staged(t)])
+        _wait_all(
+            [
+                self.disk.write(t[a:b], self._window(slot, key, t, a, b - a))
+                for key, t in (("p", p), ("m", m), ("v", v))
+                if self._staged(t)
+            ]
+        )
 
     def _compute(self, chunk, slot, hyper: dict, step: int) -> None:
         (p, g, m, v, out), a, b = chunk
@@ -126,19 +139,20 @@ class Streamer:
         for key, t in (("p", p), ("m", m), ("v", v)):
             if self._staged(t):
                 host[key] = self._window(slot, key, t, a, n)
-            elif t.device.type != "cpu":        # ZeRO-3's fp32 unit shard on CUDA: in and back out
+            elif t.device.type != "cpu":  # ZeRO-3's fp32 unit shard on CUDA: in and back out
                 host[key] = slot[key][:n].copy_(t[a:b])
             else:
                 host[key] = t[a:b]
         grad = g[a:b] if g.device.type == "cpu" else slot["g"][:n].copy_(g[a:b])
         host_out = out is not None and out.device.type == "cpu"
-        fused_adamw_([host["p"]], [grad], [host["m"]], [host["v"]], outs=[out[a:b]] if host_out else None,
-                     step=step, **hyper)
+        fused_adamw_(
+            [host["p"]], [grad], [host["m"]], [host["v"]], outs=[out[a:b]] if host_out else None, step=step, **hyper
+        )
         if p.device.type != "cpu":
             p[a:b].copy_(host["p"], non_blocking=True)
         if out is not None and not host_out:
             out[a:b].copy_(host["p"], non_blocking=True)
-        in_slot = self._staged(p) or p.device.type != "cpu"     # host["p"] is the window buffer's
+        in_slot = self._staged(p) or p.device.type != "cpu"  # host["p"] is the window buffer's
         if in_slot and (p.device.type != "cpu" or (out is not None and not host_out)):
             # the copies above read the window buffer after this call returns, while the
             # I/O thread may already load a later window into it: it waits for this event

@@ -38,6 +38,7 @@ gradient. ``opt.zero_grad()`` and ``model.zero_grad()`` both clear them. The
 hooks exist only while placeholders are placed: a loop that zeroes its
 gradients after each step runs none of them.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -60,8 +61,9 @@ class ShardedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, index: int, grads: "ReducedGrads", dtype=None, device=None):
-        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype,
-                                                device=device or like.device)
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=dtype or like.dtype, device=device or like.device
+        )
         t.index, t.grads = index, grads
         return t
 
@@ -73,10 +75,11 @@ class ShardedGrad(torch.Tensor):
         handler = _HANDLERS.get(func)
         if handler is not None and isinstance(first, ShardedGrad):
             return handler(first.grads, *args, **(kwargs or {}))
-        if not writes(func):            # a read: on the full gradients ([Note: gradient reads])
+        if not writes(func):  # a read: on the full gradients ([Note: gradient reads])
             return read(func, args, kwargs, ShardedGrad)
-        owner = first if isinstance(first, ShardedGrad) else next(
-            (a for a in args if isinstance(a, ShardedGrad)), first)
+        owner = (
+            first if isinstance(first, ShardedGrad) else next((a for a in args if isinstance(a, ShardedGrad)), first)
+        )
         raise RuntimeError(unsupported(owner.grads, owner.index, str(func)))
 
     def full_tensor(self) -> torch.Tensor:
@@ -85,8 +88,10 @@ class ShardedGrad(torch.Tensor):
         return full_gradient(self.grads, self.index).to(self.device, self.dtype)
 
     def __repr__(self):
-        return (f"ShardedGrad(parameter {self.index}, shape {tuple(self.shape)}, {self.dtype}: sharded over the "
-                "ranks; p.grad.full_tensor() on every rank gathers it, see docs/converting-ddp.md)")
+        return (
+            f"ShardedGrad(parameter {self.index}, shape {tuple(self.shape)}, {self.dtype}: sharded over the "
+            "ranks; p.grad.full_tensor() on every rank gathers it, see docs/converting-ddp.md)"
+        )
 
 
 def _norm(grads, g, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -143,16 +148,23 @@ def _clamp(grads, g, min=None, max=None):
 
 
 _HANDLERS: Dict[object, Callable] = {
-    aten.linalg_vector_norm.default: _norm, aten._foreach_norm.Scalar: _foreach_norm,
-    aten.mul_.Tensor: _scale, aten.mul_.Scalar: _scale,
-    aten.div_.Tensor: _divide, aten.div_.Scalar: _divide,
-    aten._foreach_mul_.Tensor: _foreach_scale, aten._foreach_mul_.Scalar: _foreach_scale,
+    aten.linalg_vector_norm.default: _norm,
+    aten._foreach_norm.Scalar: _foreach_norm,
+    aten.mul_.Tensor: _scale,
+    aten.mul_.Scalar: _scale,
+    aten.div_.Tensor: _divide,
+    aten.div_.Scalar: _divide,
+    aten._foreach_mul_.Tensor: _foreach_scale,
+    aten._foreach_mul_.Scalar: _foreach_scale,
     aten.zero_.default: _zero,
     aten._foreach_zero_.default: lambda grads, gs: grads.scale_([g.index for g in gs], 0.0),
     aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale,
-    aten.detach.default: _detach, aten.alias.default: _detach, aten._to_copy.default: _convert,
+    aten.detach.default: _detach,
+    aten.alias.default: _detach,
+    aten._to_copy.default: _convert,
     # torch.nn.utils.clip_grad_value_ (per gradient, or foreach=True)
-    aten.clamp_.default: _clamp, aten.clamp_.Tensor: _clamp,
+    aten.clamp_.default: _clamp,
+    aten.clamp_.Tensor: _clamp,
     aten.clamp_min_.default: lambda grads, g, v: _clamp(grads, g, v, None),
     aten.clamp_max_.default: lambda grads, g, v: _clamp(grads, g, None, v),
     aten._foreach_clamp_min_.Scalar: lambda grads, gs, v: grads.clamp_([g.index for g in gs], v, None),
@@ -191,39 +203,41 @@ class ReducedGrads(norms.NormQueries):
         # the same pieces in one list, and their parameter indices (fixed: built once)
         self.flat = [(seg, a, b) for pieces in self.pieces.values() for seg, a, b in pieces]
         self._segments = list({id(seg): seg for seg, _, _ in self.flat}.values())
-        self.flat_index = torch.tensor([i for i, pieces in self.pieces.items() for _ in pieces],
-                                       dtype=torch.long, device=source.device)
+        self.flat_index = torch.tensor(
+            [i for i, pieces in self.pieces.items() for _ in pieces], dtype=torch.long, device=source.device
+        )
         self.placeholders = {i: ShardedGrad(params[i], i, self) for i in trainable}
-        self.kept: Dict[int, Optional[torch.Tensor]] = {}   # p.grad the source had before the placeholder
+        self.kept: Dict[int, Optional[torch.Tensor]] = {}  # p.grad the source had before the placeholder
         self.placed: Dict[int, Optional[torch.Tensor]] = {}  # what backward_done put in p.grad
-        self.used: List[bool] = [False] * len(params)       # got a gradient on some rank (this step)
-        self.seen: List[bool] = [False] * len(params)       # ... or, at its place, in another ep group
+        self.used: List[bool] = [False] * len(params)  # got a gradient on some rank (this step)
+        self.seen: List[bool] = [False] * len(params)  # ... or, at its place, in another ep group
         # per statistics slot (optim/slots.py: a parameter's, or one per group of its ranks): squared
         # 2-norm of the averaged gradient
         self.slots = Slots(source.param_colors(), len(params), source.device)
         # tensor-parallel: statistics summed over tp too, a replicated parameter counted on tp rank 0
-        self.tp = source.tensor_parallel()       # ([Note: tensor-parallel parameters])
+        self.tp = source.tensor_parallel()  # ([Note: tensor-parallel parameters])
         self._uncounted = torch.tensor(self.tp.uncounted() if self.tp else [], dtype=torch.long, device=source.device)
         self._sq: Optional[torch.Tensor] = None
-        self.stale: set = set()   # parameters clamped since: their squared norms are taken again when read
-        self.coef: Optional[torch.Tensor] = None    # the engine's clip coefficient, folded into the step
+        self.stale: set = set()  # parameters clamped since: their squared norms are taken again when read
+        self.coef: Optional[torch.Tensor] = None  # the engine's clip coefficient, folded into the step
         self.maxabs: Optional[torch.Tensor] = None  # per parameter: inf-norm, taken when first asked for
         self.pnorms: Dict[float, torch.Tensor] = {}  # per order (not 2 nor inf): per parameter, when asked for
-        self._inflight = None     # the statistics' all-reduce, until settle() (see backward_done)
+        self._inflight = None  # the statistics' all-reduce, until settle() (see backward_done)
         self._trainable = set(trainable)
-        self._subsets: Dict[tuple, torch.Tensor] = {}   # flat_index of a subset of the pieces (_index)
-        self._trainable_index = torch.tensor(self.slots.own_of(sorted(trainable)), dtype=torch.long,
-                                             device=source.device)
+        self._subsets: Dict[tuple, torch.Tensor] = {}  # flat_index of a subset of the pieces (_index)
+        self._trainable_index = torch.tensor(
+            self.slots.own_of(sorted(trainable)), dtype=torch.long, device=source.device
+        )
         # on the trainable leaves, kept from one backward to the next (registering and removing
         # one per parameter every step cost more host time than the no-op call a loop that zeroes
         # its gradients after each step makes); removed with this object
         self.hooks: List[torch.utils.hooks.RemovableHandle] = []
         weakref.finalize(self, remove_hooks, self.hooks)
         self._leaves = [i for i in trainable if params[i].grad_fn is None]
-        self._hooked: List[int] = []    # the leaves self.hooks are on
+        self._hooked: List[int] = []  # the leaves self.hooks are on
         # what the script set in p.grad, taken ([Note: gradients set by the script] in optim/hand_grads.py)
-        self.by_hand = False           # gradients assigned with no backward since zero_grad: a step steps
-        self.uncounted_hand = None     # parameters whose gradient no statistic counts (set to None), or None
+        self.by_hand = False  # gradients assigned with no backward since zero_grad: a step steps
+        self.uncounted_hand = None  # parameters whose gradient no statistic counts (set to None), or None
         source.listeners.append(weak_hook(self.backward_done))
 
     # ----------------------------------------------------------- statistics
@@ -242,7 +256,7 @@ class ReducedGrads(norms.NormQueries):
         ks = [k for k, t in enumerate(taken) if t is not None]
         if ks:
             out.index_add_(0, self.piece_index(ks), torch.stack([taken[k] for k in ks]).to(out.device))
-        for here in (True, False):   # gradient shards in host memory: their values in one copy
+        for here in (True, False):  # gradient shards in host memory: their values in one copy
             ks = [k for k, v in enumerate(views) if (v.device == out.device) == here and taken[k] is None]
             if ks:
                 vals = fn([views[k] for k in ks]).to(out.device)
@@ -272,7 +286,7 @@ class ReducedGrads(norms.NormQueries):
         arrived = self.source.arrived()
         known = self._trainable.issubset(arrived)
         if known and len(arrived) == len(self.trainable):
-            stats[S:].index_fill_(0, self._trainable_index, 1.0)   # (the usual step: no host-to-device copy)
+            stats[S:].index_fill_(0, self._trainable_index, 1.0)  # (the usual step: no host-to-device copy)
         elif arrived:
             stats[S:].index_fill_(0, torch.tensor(self.slots.own_of(arrived), device=stats.device), 1.0)
         self._inflight = (comm.all_reduce(stats, group=groups.every, what="gradient statistics"), stats, known)
@@ -284,7 +298,7 @@ class ReducedGrads(norms.NormQueries):
             self.settle()
         for i in self.trainable:
             p = self.params[i]
-            if i not in self.placed or p.grad is not self.placed[i]:   # (ZeRO-3: backward re-set it)
+            if i not in self.placed or p.grad is not self.placed[i]:  # (ZeRO-3: backward re-set it)
                 self.kept[i] = self.source.resting_grad(i, p.grad)
             # (a param group over its own ranks: a p.grad wherever some group's parameter here got a
             # gradient, so torch's clip_grad_norm_ sums the same parameters on every rank; it steps
@@ -315,7 +329,7 @@ class ReducedGrads(norms.NormQueries):
             _over_tp(self.tp, stats, self.source)
             S = self.slots.size
             self._sq = stats[:S]
-            if not known:     # read on the host: which parameters step, and which have a p.grad
+            if not known:  # read on the host: which parameters step, and which have a p.grad
                 self.used = (self.slots.own(stats[S:]) > 0).tolist()
                 self.seen = self.used if self.slots.identity else (self.slots.summed(stats[S:]) > 0).tolist()
 
@@ -398,12 +412,15 @@ class ReducedGrads(norms.NormQueries):
         idx = torch.tensor(indices, device=sq.device)
         at = idx if self.slots.identity else torch.tensor(self.slots.of_params(indices), device=sq.device)
         if not isinstance(factor, torch.Tensor) and factor == 0:
-            sq[at] = 0.0           # exact, even where the gradient was inf or NaN
+            sq[at] = 0.0  # exact, even where the gradient was inf or NaN
             if self.maxabs is not None:
                 self.maxabs[idx] = 0.0
             return
-        f = factor.to(self.sumsq.device, torch.float32).reshape(()) if isinstance(factor, torch.Tensor) \
+        f = (
+            factor.to(self.sumsq.device, torch.float32).reshape(())
+            if isinstance(factor, torch.Tensor)
             else torch.tensor(float(factor), device=sq.device)
+        )
         sq[at] = sq[at] * (f * f)
         if self.maxabs is not None:
             self.maxabs[idx] = self.maxabs[idx] * f.abs()
@@ -426,7 +443,7 @@ class ReducedGrads(norms.NormQueries):
         """GradScaler's unscale: multiply by ``inv_scale``; ``found_inf`` becomes 1 if
         any of these gradients holds an inf or NaN on any rank."""
         self.scale_(indices, inv_scale)
-        sq = self.slot_sumsq      # (every group's slots: an overflow on any rank skips the step everywhere)
+        sq = self.slot_sumsq  # (every group's slots: an overflow on any rank skips the step everywhere)
         bad = (~torch.isfinite(sq[torch.tensor(self.slots.of_params(indices), device=sq.device)])).any()
         found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape)))
 
@@ -465,11 +482,14 @@ class ReducedGrads(norms.NormQueries):
         placed, self.kept, self.placed = self.placed, {}, {}
         if gone and from_backward:
             if len(gone) < sum(g is not None for g in placed.values()):
-                raise RuntimeError(self.err(
-                    f"p.grad of parameters {gone[:8]} was replaced or set to None outside opt.zero_grad(), "
-                    "but not of the others: their sharded gradients cannot be cleared one by one; call "
-                    "opt.zero_grad() (or model.zero_grad()) to clear every gradient"))
-            self.source.zero_grad(set_to_none=True)   # model.zero_grad() cleared every gradient
+                raise RuntimeError(
+                    self.err(
+                        f"p.grad of parameters {gone[:8]} was replaced or set to None outside opt.zero_grad(), "
+                        "but not of the others: their sharded gradients cannot be cleared one by one; call "
+                        "opt.zero_grad() (or model.zero_grad()) to clear every gradient"
+                    )
+                )
+            self.source.zero_grad(set_to_none=True)  # model.zero_grad() cleared every gradient
 
 
 def unsupported(grads, i: int, what: str) -> str:
@@ -482,4 +502,5 @@ def unsupported(grads, i: int, what: str) -> str:
         "number, zero_(); and any read (comparisons, clone(), abs(), isfinite, ...), which gathers "
         "the full gradient on every rank. For another change, assign the new gradient to p.grad on every "
         "rank (p.grad = p.grad.full_tensor() + ...: it is then the parameter's averaged gradient), or change "
-        "the gradients inside opt.no_sync() (local, unreduced)")
+        "the gradients inside opt.no_sync() (local, unreduced)"
+    )

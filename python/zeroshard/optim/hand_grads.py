@@ -36,6 +36,7 @@ Refused by name, before any parameter moves: a sparse gradient, and hand
 gradients of tensor-parallel, expert-parallel or own-ranks param-group
 parameters (a rank's pieces there belong to other ranks' parameters).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -51,7 +52,7 @@ def touched(grads) -> Tuple[List[int], Dict[int, torch.Tensor]]:
     p.grad}) since the placeholders were placed (or, without them, since zero_grad)."""
     dropped, assigned = [], {}
     src = grads.source
-    backward = None       # what autograd accumulated since zero_grad (inside no_sync(): not the script's)
+    backward = None  # what autograd accumulated since zero_grad (inside no_sync(): not the script's)
     for i in grads.trainable:
         g = grads.params[i].grad
         if i in grads.placed:
@@ -86,8 +87,13 @@ def _agree(grads, dropped: List[int], assigned: Dict[int, torch.Tensor]) -> None
     if torch.distributed.get_world_size(every) == 1:
         return
     what = "step() on gradients the script set in p.grad"
-    comm.check_in(what, src, every, "Set p.grad (to None, or to a tensor) on every rank alike, as under DDP, "
-                                    "where replicas that differ stop being replicas")
+    comm.check_in(
+        what,
+        src,
+        every,
+        "Set p.grad (to None, or to a tensor) on every rank alike, as under DDP, "
+        "where replicas that differ stop being replicas",
+    )
     mine = (sorted(dropped), {i: _checksum(g) for i, g in sorted(assigned.items())})
     everyone = comm.all_gather_object(mine, group=every, what=what)
     if all(theirs == everyone[0] for theirs in everyone):
@@ -96,12 +102,17 @@ def _agree(grads, dropped: List[int], assigned: Dict[int, torch.Tensor]) -> None
     for r, (d, a) in enumerate(everyone):
         lines.append(f"rank {r}: p.grad None for {d or 'none'}, assigned for {sorted(a) or 'none'}")
     differ = sorted({i for _, a in everyone for i in a if any(a.get(i) != o.get(i) for _, o in everyone)})
-    raise RuntimeError(grads.err(
-        "the ranks set p.grad differently after the backward (" + "; ".join(lines) + ")"
-        + (f"; the gradients assigned to {[_name(grads, i) for i in differ]} differ across ranks" if differ else "")
-        + ". An assigned p.grad is the parameter's averaged gradient, the same on every rank: average a "
-          "rank's own gradient first (torch.distributed.all_reduce(g, op=ReduceOp.AVG)), and set p.grad to "
-          "None on every rank or on none. No parameter was updated"))
+    raise RuntimeError(
+        grads.err(
+            "the ranks set p.grad differently after the backward ("
+            + "; ".join(lines)
+            + ")"
+            + (f"; the gradients assigned to {[_name(grads, i) for i in differ]} differ across ranks" if differ else "")
+            + ". An assigned p.grad is the parameter's averaged gradient, the same on every rank: average a "
+            "rank's own gradient first (torch.distributed.all_reduce(g, op=ReduceOp.AVG)), and set p.grad to "
+            "None on every rank or on none. No parameter was updated"
+        )
+    )
 
 
 def _refuse(grads, dropped: List[int], assigned: Dict[int, torch.Tensor]) -> None:
@@ -113,11 +124,14 @@ def _refuse(grads, dropped: List[int], assigned: Dict[int, torch.Tensor]) -> Non
         special |= set(assigned) | set(dropped)
     bad = sorted(special & (set(assigned) | set(dropped)))
     if bad:
-        raise RuntimeError(grads.err(
-            f"p.grad of {[_name(grads, i) for i in bad]} was replaced or set to None after the backward, but "
-            "under tensor or expert parallelism (or a param group over its own ranks) a rank's pieces of the "
-            "gradient are not the whole parameter's: scale or zero it in place (p.grad.mul_(0) skips its "
-            "update but not its weight decay), or change the loss instead. No parameter was updated"))
+        raise RuntimeError(
+            grads.err(
+                f"p.grad of {[_name(grads, i) for i in bad]} was replaced or set to None after the backward, but "
+                "under tensor or expert parallelism (or a param group over its own ranks) a rank's pieces of the "
+                "gradient are not the whole parameter's: scale or zero it in place (p.grad.mul_(0) skips its "
+                "update but not its weight decay), or change the loss instead. No parameter was updated"
+            )
+        )
 
 
 @torch.no_grad()
@@ -133,7 +147,7 @@ def _write(grads, assigned: Dict[int, torch.Tensor]) -> None:
             g = assigned.get(i)
             if g is None or b <= a:
                 continue
-            piece = g.detach().reshape(-1)[t_off:t_off + b - a]
+            piece = g.detach().reshape(-1)[t_off : t_off + b - a]
             for view in seg.grad_views(a, b):
                 vals = piece.to(view.device, torch.float32)
                 view.copy_(vals / coef.to(view.device) if coef is not None else vals)
@@ -155,7 +169,7 @@ def take(grads) -> bool:
 def _taken(grads, dropped: List[int], assigned: List[int]) -> None:
     """The ``assigned`` gradients are in the shards: which parameters step and count now,
     statistics taken again when next read, placeholders over the assigned ones."""
-    had = bool(grads.placed)      # (else no backward since zero_grad: no statistics yet)
+    had = bool(grads.placed)  # (else no backward since zero_grad: no statistics yet)
     n = len(grads.params)
     used, seen = (list(grads.used), list(grads.seen)) if had else ([False] * n, [False] * n)
     for i in dropped:
@@ -165,8 +179,7 @@ def _taken(grads, dropped: List[int], assigned: List[int]) -> None:
     grads.used, grads.seen = used, seen
     grads.by_hand = grads.by_hand or not had or bool(assigned)
     uncounted = [i for i in grads.trainable if not seen[i]]
-    grads.uncounted_hand = torch.tensor(uncounted, dtype=torch.long, device=grads.source.device) \
-        if uncounted else None
+    grads.uncounted_hand = torch.tensor(uncounted, dtype=torch.long, device=grads.source.device) if uncounted else None
     grads.stale.update(dropped + assigned if had else grads.trainable)
     grads.maxabs, grads.pnorms = None, {}
     for i in assigned:

@@ -34,6 +34,7 @@ one model (a FullyShard) whose one forward and backward make an iteration,
 and every rank at least one batch (a rank that trained none has no inputs
 to replay: it raises, naming the fix).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -67,8 +68,8 @@ class JoinSide:
     The optimizer is the ``Joinable`` torch sees; its join methods ask this part."""
 
     def __init__(self, opt):
-        self._opt = weakref.ref(opt)     # (the optimizer holds this part)
-        self.notified = False            # this iteration took part in Join's count
+        self._opt = weakref.ref(opt)  # (the optimizer holds this part)
+        self.notified = False  # this iteration took part in Join's count
         self.replay: Optional[_ForwardReplay] = None
 
     @property
@@ -80,10 +81,14 @@ class JoinSide:
         if opt.stage == 3:
             models = opt.source.owners
             if len(models) != 1:
-                raise NotImplementedError(comm.on_rank(opt,
-                    f"Join over the parameters of {len(models)} FullyShard models: a joined rank replays one "
-                    "model's forward; wrap them in one FullyShard (or give every rank the same number "
-                    "of batches, e.g. DistributedSampler(drop_last=True))"))
+                raise NotImplementedError(
+                    comm.on_rank(
+                        opt,
+                        f"Join over the parameters of {len(models)} FullyShard models: a joined rank replays one "
+                        "model's forward; wrap them in one FullyShard (or give every rank the same number "
+                        "of batches, e.g. DistributedSampler(drop_last=True))",
+                    )
+                )
             self.replay = _ForwardReplay(models[0], weak_hook(self.iteration_begins), weak_hook(self.err))
         return _ShadowIteration(self)
 
@@ -113,7 +118,7 @@ class JoinSide:
         rank 0 of the group, or inside torch's Join the highest rank still training (a rank
         that joined has stale statistics), as DDP picks it (collective then)."""
         opt = self.opt
-        if not opt._join_config.enable:     # (torch's Joinable: whether a Join is enabled)
+        if not opt._join_config.enable:  # (torch's Joinable: whether a Join is enabled)
             return dist.get_global_rank(opt.join_process_group, 0)
         return self._highest(training)
 
@@ -130,7 +135,7 @@ class JoinSide:
         """One training iteration's collectives with a zero gradient on every parameter
         (this rank has no batch left); see [Note: uneven inputs]."""
         opt, bound = self.opt, self.opt.bound
-        self.notified = True       # (joined: this rank is not counted again)
+        self.notified = True  # (joined: this rank is not counted again)
         if bound.buffers is not None:
             bound.buffers.shadow()
         opt.zero_grad(set_to_none=True)
@@ -158,20 +163,27 @@ class _ForwardReplay:
 
     def shadow(self) -> None:
         if self.inputs is None:
-            raise RuntimeError(self.err(
-                "this rank joined torch's Join without a training forward of its FullyShard model: a joined "
-                "rank replays its last batch's forward with a zero gradient (the units' gathers need one). "
-                "Give every rank at least one batch"))
+            raise RuntimeError(
+                self.err(
+                    "this rank joined torch's Join without a training forward of its FullyShard model: a joined "
+                    "rank replays its last batch's forward with a zero gradient (the units' gathers need one). "
+                    "Give every rank at least one batch"
+                )
+            )
         buffers = [b.detach().clone() for b in self.model.buffers()]
         devices = [self.model.device] if self.model.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             out = self.model(*self.inputs[0], **self.inputs[1])
             outs = output_tensors(out, "the model's output", self.err, strict=False)
             if not outs:
-                raise RuntimeError(self.err("the FullyShard model's output holds no tensor requiring grad, so "
-                                            "a joined rank cannot replay its backward"))
+                raise RuntimeError(
+                    self.err(
+                        "the FullyShard model's output holds no tensor requiring grad, so "
+                        "a joined rank cannot replay its backward"
+                    )
+                )
             torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
-        with torch.no_grad():       # (after the backward: it may read what the forward saved)
+        with torch.no_grad():  # (after the backward: it may read what the forward saved)
             for b, saved in zip(self.model.buffers(), buffers):
                 b.copy_(saved)
 

@@ -8,6 +8,7 @@ elements and any other order p from the sum of ``|g|^p`` (summed over the ranks,
 one replica counting under hybrid sharding). Each piece holds its averaged gradient
 divided by the engine's pending clip coefficient, which scales the result.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,12 +31,12 @@ def p_norms(grads, ord: float) -> torch.Tensor:
     """Per parameter: the norm of order ``ord`` (not 2, not inf) of its averaged gradient."""
     if ord == -math.inf:
         return _across_ranks(grads, _extremes(grads, "amin"), "amin") * _scale(grads)
-    if ord == 0.0:               # how many elements are not zero
+    if ord == 0.0:  # how many elements are not zero
         local = grads.local_values(lambda vs: torch.stack([(g != 0).sum().float() for g in vs]))
     else:
         local = grads.local_values(lambda vs: torch.stack([g.float().abs().pow(ord).sum() for g in vs]))
         local = local * _scale(grads) ** ord
-    if grads.source.groups.replica_rank != 0:     # the replicas hold equal shards: one counts
+    if grads.source.groups.replica_rank != 0:  # the replicas hold equal shards: one counts
         local.zero_()
     comm.all_reduce(local, group=grads.source.groups.every, what=f"gradient norms of order {ord:g}").wait()
     grads.source.comm_elements["all_reduce"] += local.numel()
@@ -64,8 +65,9 @@ def _across_ranks(grads, local: torch.Tensor, reduce: str) -> torch.Tensor:
     world, rank = grads.source.world_size, grads.source.rank
     every = local.new_zeros(world, local.numel())
     every[rank].copy_(local)
-    comm.all_gather(every[rank].view(-1), every.view(-1), group=grads.source.process_group,
-                    what=f"gradient norms ({reduce})").wait()
+    comm.all_gather(
+        every[rank].view(-1), every.view(-1), group=grads.source.process_group, what=f"gradient norms ({reduce})"
+    ).wait()
     return getattr(every, reduce)(0)
 
 
@@ -79,9 +81,12 @@ class NormQueries:
         if ord == 2.0:
             return self.slot_sumsq.sum().sqrt()
         if not self.slots.identity:
-            raise ValueError(self.err(
-                f"a gradient norm of order {ord:g} over param groups sharded over their own ranks (expert "
-                "parallelism) is not supported yet: use the 2-norm (norm_type=2, clip_grad_norm_'s default)"))
+            raise ValueError(
+                self.err(
+                    f"a gradient norm of order {ord:g} over param groups sharded over their own ranks (expert "
+                    "parallelism) is not supported yet: use the 2-norm (norm_type=2, clip_grad_norm_'s default)"
+                )
+            )
         if ord == math.inf:
             return self.inf_norms().max()
         used = [i for i in self.trainable if self.used[i]]
@@ -103,8 +108,8 @@ class NormQueries:
         if self.slots.identity or self.slots.counts[i] == 1:
             return self.norm(i, ord)
         if ord != 2.0:
-            self.total_norm(ord)       # (refused, naming what to do)
-        return self.slots.summed(self.slot_sumsq)[i].sqrt()      # (device ops only: no host copy)
+            self.total_norm(ord)  # (refused, naming what to do)
+        return self.slots.summed(self.slot_sumsq)[i].sqrt()  # (device ops only: no host copy)
 
     def inf_norms(self) -> torch.Tensor:
         """Per parameter: the largest absolute gradient element (collective on first use per step)."""

@@ -26,6 +26,7 @@ A whole-tensor ``optimizer_class`` (Muon, Adafactor) keeps each
 parameter's state on an owner rank chosen for the whole layout: a new group
 is refused there (build another ShardedOptimizer for it).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -49,11 +50,14 @@ def refuse_unaveraged(params: List[torch.Tensor], frozen: List[int], err) -> Non
     that gradient was not averaged over the ranks; refused, naming the call that fixes it."""
     for i in unfrozen(params, frozen):
         if params[i].grad is not None:
-            raise RuntimeError(err(
-                f"parameter {i} (shape {tuple(params[i].shape)}) was frozen when the ShardedOptimizer laid "
-                "out its parameters and requires grad now: the backward gave it a gradient that was not "
-                "averaged over the ranks. Call opt.zero_grad() after unfreezing it and before the next "
-                "backward: zero_grad() lays it out, and it trains from that backward on"))
+            raise RuntimeError(
+                err(
+                    f"parameter {i} (shape {tuple(params[i].shape)}) was frozen when the ShardedOptimizer laid "
+                    "out its parameters and requires grad now: the backward gave it a gradient that was not "
+                    "averaged over the ranks. Call opt.zero_grad() after unfreezing it and before the next "
+                    "backward: zero_grad() lays it out, and it trains from that backward on"
+                )
+            )
 
 
 def _targets(regions, rank: int) -> Dict[int, list]:
@@ -77,18 +81,20 @@ def carry_streams(opt, old_regions, read: Callable, write: Callable, names: List
             if local is None:
                 continue
             whole = torch.empty(reg.numel(opt.world_size), dtype=local.dtype, device=opt.device)
-            comm.all_gather(local.to(opt.device), whole, group=opt.process_group, bounds=reg.bounds,
-                            what=f"add_param_group: {name}").wait()
+            comm.all_gather(
+                local.to(opt.device), whole, group=opt.process_group, bounds=reg.bounds, what=f"add_param_group: {name}"
+            ).wait()
             for i, t_off, r_off, n in reg.frags:
                 for start, new, sl in mine.get(i, ()):
                     a, b = max(t_off, start), min(t_off + n, start + sl.stop - sl.start)
                     if a < b:
                         dest = write(new, i, start, sl, name)
-                        dest[a - start:b - start].copy_(whole[r_off + a - t_off:r_off + b - t_off])
+                        dest[a - start : b - start].copy_(whole[r_off + a - t_off : r_off + b - t_off])
 
 
 def carry_state(opt, old_regions, old_rule, old_steps: List[int]) -> None:
     """The old layout's values and update-rule state into ``opt``'s new one (collective)."""
+
     def read(reg, name):
         if name == "values":
             return reg.values if reg.values is not None and not reg.model_owned else None
@@ -109,9 +115,9 @@ def carry_state(opt, old_regions, old_rule, old_steps: List[int]) -> None:
     keys = ["values"] + sorted(old_rule.elementwise_keys)
     carry_streams(opt, old_regions, read, write, keys)
     if new_rule is not None:
-        scalars = gather_scalars(opt, old_rule)      # (collective)
-        for (i, t_off) in new_rule.piece_leaves():
-            if i < len(old_steps) and old_steps[i]:      # (a new parameter has no state yet)
+        scalars = gather_scalars(opt, old_rule)  # (collective)
+        for i, t_off in new_rule.piece_leaves():
+            if i < len(old_steps) and old_steps[i]:  # (a new parameter has no state yet)
                 st = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.get(i, {}).items()}
                 st.update(states.get((i, t_off), {}))
                 new_rule.set_piece_state(i, t_off, st)
@@ -124,7 +130,7 @@ class Regrouping:
     claimant of its plain parameters (core/claims.py) and answers a relayout (``Rebind``)."""
 
     def __init__(self, opt):
-        self._opt = weakref.ref(opt)     # (the optimizer holds this part)
+        self._opt = weakref.ref(opt)  # (the optimizer holds this part)
 
     @property
     def opt(self):
@@ -143,28 +149,34 @@ class Regrouping:
             check_unclaimed(self, opt.param_groups[n]["params"], self.err)
             self.relayout()
         except BaseException:
-            del opt.param_groups[n:]      # (refused before anything changed)
+            del opt.param_groups[n:]  # (refused before anything changed)
             raise
 
     def check_can_relayout(self, what: str) -> None:
         opt = self.opt
         opt.state_dicts.refuse_own_ranks(what)
         if opt.whole_tensor_rule is not None:
-            raise NotImplementedError(self.err(
-                f"{what} with the whole-tensor optimizer_class {opt.optimizer_class.__name__}: each "
-                "parameter's state lives on an owner rank chosen for the whole layout; build another "
-                "ShardedOptimizer over the new parameters"))
+            raise NotImplementedError(
+                self.err(
+                    f"{what} with the whole-tensor optimizer_class {opt.optimizer_class.__name__}: each "
+                    "parameter's state lives on an owner rank chosen for the whole layout; build another "
+                    "ShardedOptimizer over the new parameters"
+                )
+            )
         if opt.source.in_backward() or opt.source.grads_ready():
-            raise RuntimeError(self.err(
-                f"{what} while reduced gradients wait for step(): call it after step() (or zero_grad()) "
-                "and before the next backward"))
+            raise RuntimeError(
+                self.err(
+                    f"{what} while reduced gradients wait for step(): call it after step() (or zero_grad()) "
+                    "and before the next backward"
+                )
+            )
 
     def relayout(self, lay_out: bool = True) -> None:
         """Lay every parameter out again, carrying the state over; see [Note: new parameters].
         ``lay_out``: have the source's owners lay out parameters unfrozen since (else they did)."""
         opt, old = self.opt, self.opt.bound
         old.source.settle()
-        old_steps, old_regions = list(old.param_steps), old.source.regions   # (each keeps its cut)
+        old_steps, old_regions = list(old.param_steps), old.source.regions  # (each keeps its cut)
         if lay_out:
             old.source.lay_out_trainable()
         opt.bind()
@@ -195,9 +207,12 @@ class Regrouping:
         ZeRO-3, in the same param groups. See [Note: construction order]."""
         opt = self.opt
         if any(opt.param_steps) or opt.source.in_backward() or opt.source.grads_ready():
-            raise RuntimeError(self.err(
-                "FullyShard wrapped parameters of a ShardedOptimizer that has already run a backward or a "
-                "step: wrap the model before training (the optimizer may be built before or after)"))
+            raise RuntimeError(
+                self.err(
+                    "FullyShard wrapped parameters of a ShardedOptimizer that has already run a backward or a "
+                    "step: wrap the model before training (the optimizer may be built before or after)"
+                )
+            )
         replaced = {id(plain): sharded for plain, sharded in pairs}
         for g in opt.param_groups:
             g["params"] = [replaced.get(id(p), p) for p in g["params"]]

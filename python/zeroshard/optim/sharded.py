@@ -9,6 +9,7 @@ parameters of zeroshard.FullyShard models (ZeRO-3). Whatever the source, the
 update runs over *segments* and the state dict over *regions*, so step,
 clipping and checkpoints are shared.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -60,13 +61,15 @@ def _resolve_class(optimizer_class, kwargs: dict):
     kwargs = dict(kwargs)
     if optimizer_class in (None, torch.optim.AdamW):
         if kwargs.get("differentiable"):
-            raise NotImplementedError("ShardedOptimizer(differentiable=True): the sharded step is not "
-                                      "differentiable through autograd; drop differentiable=True")
+            raise NotImplementedError(
+                "ShardedOptimizer(differentiable=True): the sharded step is not "
+                "differentiable through autograd; drop differentiable=True"
+            )
         for k in _IMPLEMENTATION_ONLY:
             kwargs.pop(k, None)
         for k in ("amsgrad", "maximize"):
             if k in kwargs and not kwargs[k]:
-                del kwargs[k]                 # AdamW's default: the fused kernel does the same
+                del kwargs[k]  # AdamW's default: the fused kernel does the same
         if kwargs.keys() & {"amsgrad", "maximize"}:
             optimizer_class = torch.optim.AdamW
     fused = optimizer_class is None or (optimizer_class is torch.optim.AdamW and not kwargs)
@@ -76,8 +79,10 @@ def _resolve_class(optimizer_class, kwargs: dict):
 def _adamw_defaults(given: dict, extra: dict) -> dict:
     """The fused AdamW's param-group defaults from the arguments given (checked)."""
     if extra:
-        raise TypeError(f"unexpected keyword argument(s) {sorted(extra)} for the fused AdamW; to use another "
-                        "optimizer pass optimizer_class=... (its keyword arguments go to it)")
+        raise TypeError(
+            f"unexpected keyword argument(s) {sorted(extra)} for the fused AdamW; to use another "
+            "optimizer pass optimizer_class=... (its keyword arguments go to it)"
+        )
     h = dict(_ADAMW_DEFAULTS, **given)
     lr, betas, eps, weight_decay = h["lr"], tuple(h["betas"]), h["eps"], h["weight_decay"]
     if not lr >= 0:
@@ -88,13 +93,24 @@ def _adamw_defaults(given: dict, extra: dict) -> dict:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
-                foreach=None, capturable=False, differentiable=False, fused=None)
+    return dict(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=False,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+    )
 
 
 def _rebind(ref: "weakref.ref[ShardedOptimizer]") -> Rebind:
     """The optimizer's answers when FullyShard lays its units out again for another party
     (while the optimizer ``ref`` lives): refused once it has stepped, else it binds anew."""
+
     def blocker() -> Optional[str]:
         opt = ref()
         if opt is not None and any(opt.param_steps):
@@ -105,6 +121,7 @@ def _rebind(ref: "weakref.ref[ShardedOptimizer]") -> Rebind:
         opt = ref()
         if opt is not None:
             opt.regrouping.units_relaid()
+
     return Rebind(blocker, relaid)
 
 
@@ -112,22 +129,31 @@ def _check_dense(params: List[torch.Tensor], err) -> None:
     """Sparse (or other non-strided) parameters have no place in a flat buffer: refused, named."""
     for i, p in enumerate(params):
         if p.layout != torch.strided:
-            raise ValueError(err(
-                f"parameter {i} (shape {tuple(p.shape)}) is a {p.layout} tensor: ShardedOptimizer shards "
-                "dense parameters laid out in flat buffers. Make it dense (e.g. nn.Embedding without "
-                "sparse=True), or keep it out of the optimizer"))
+            raise ValueError(
+                err(
+                    f"parameter {i} (shape {tuple(p.shape)}) is a {p.layout} tensor: ShardedOptimizer shards "
+                    "dense parameters laid out in flat buffers. Make it dense (e.g. nn.Embedding without "
+                    "sparse=True), or keep it out of the optimizer"
+                )
+            )
 
 
 def _check_ready(device: torch.device, source: ShardSource, what: str, err, by_hand: bool = False) -> None:
     if device.type == "meta":
-        raise RuntimeError(err(
-            f"{what} on parameters on the meta device: they have no data (an optimizer over meta "
-            "parameters is for planning, as zeroshard.plan does); build or materialize the model "
-            "on CPU or CUDA to train"))
+        raise RuntimeError(
+            err(
+                f"{what} on parameters on the meta device: they have no data (an optimizer over meta "
+                "parameters is for planning, as zeroshard.plan does); build or materialize the model "
+                "on CPU or CUDA to train"
+            )
+        )
     if not (source.grads_ready() or by_hand):
-        raise RuntimeError(err(
-            f"{what} called before any backward() since the last step (or only under no_sync()); "
-            "run loss.backward() outside no_sync() first"))
+        raise RuntimeError(
+            err(
+                f"{what} called before any backward() since the last step (or only under no_sync()); "
+                "run loss.backward() outside no_sync() first"
+            )
+        )
 
 
 def _run_closure(closure, kwargs: dict, fused: bool, err):
@@ -136,8 +162,12 @@ def _run_closure(closure, kwargs: dict, fused: bool, err):
     step may call it: no second backward); one that is not callable goes to the class
     untouched, as torch's ZeroRedundancyOptimizer passes it, as do ``kwargs``."""
     if fused and kwargs:
-        raise TypeError(err(f"step() got keyword arguments {sorted(kwargs)}: the fused AdamW's step takes only "
-                            "a closure (they go to optimizer_class's step when one is set)"))
+        raise TypeError(
+            err(
+                f"step() got keyword arguments {sorted(kwargs)}: the fused AdamW's step takes only "
+                "a closure (they go to optimizer_class's step when one is set)"
+            )
+        )
     if callable(closure):
         with torch.enable_grad():
             loss = closure()
@@ -188,19 +218,36 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         **optimizer_kwargs: ``optimizer_class``'s other arguments.
     """
 
-    def __init__(self, params, lr: Optional[float] = None, betas=None, eps: Optional[float] = None,
-                 weight_decay: Optional[float] = None, *, stage: int = 2, bucket_mb: float = 25,
-                 process_group: Optional[dist.ProcessGroup] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, optimizer_class=None, elementwise: bool = False,
-                 whole_tensor: bool = False, sharding: Optional[Sharding] = None,
-                 offload: Union[Offload, str, None] = None, overlap_param_gather: bool = False,
-                 broadcast_buffers: bool = True, shard_size: Optional[int] = None, device_mesh=None,
-                 offload_dir=None, offload_fraction: Optional[float] = None, **optimizer_kwargs):
+    def __init__(
+        self,
+        params,
+        lr: Optional[float] = None,
+        betas=None,
+        eps: Optional[float] = None,
+        weight_decay: Optional[float] = None,
+        *,
+        stage: int = 2,
+        bucket_mb: float = 25,
+        process_group: Optional[dist.ProcessGroup] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
+        optimizer_class=None,
+        elementwise: bool = False,
+        whole_tensor: bool = False,
+        sharding: Optional[Sharding] = None,
+        offload: Union[Offload, str, None] = None,
+        overlap_param_gather: bool = False,
+        broadcast_buffers: bool = True,
+        shard_size: Optional[int] = None,
+        device_mesh=None,
+        offload_dir=None,
+        offload_fraction: Optional[float] = None,
+        **optimizer_kwargs,
+    ):
         _check_arguments(stage, bucket_mb, reduce_dtype)
-        sharding = sharding_of("ShardedOptimizer", sharding, process_group, shard_size=shard_size,
-                               device_mesh=device_mesh)      # [Note: options as policies]
-        given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items()
-                 if v is not None}
+        sharding = sharding_of(
+            "ShardedOptimizer", sharding, process_group, shard_size=shard_size, device_mesh=device_mesh
+        )  # [Note: options as policies]
+        given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).items() if v is not None}
         # the fused AdamW unless another optimizer (or AdamW with options the kernel lacks) is asked for
         optimizer_class, optimizer_kwargs, fused = _resolve_class(optimizer_class, optimizer_kwargs)
         placement = offload_policy(offload, offload_dir, offload_fraction, None if fused else optimizer_class)
@@ -212,15 +259,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             class_kwargs = dict(given, **optimizer_kwargs)
             defaults = probe_defaults(optimizer_class, class_kwargs)
         self.optimizer_class, self.fused_requested = optimizer_class or torch.optim.AdamW, fused
-        modules = modules_given(params)      # (before torch reads the generators)
+        modules = modules_given(params)  # (before torch reads the generators)
         super().__init__(params, defaults)
         # each parameter's name where the optimizer was given a module's parameters (or
         # torch's named parameters): the ranks must hold the same parameter at each place
         names = {id(p): n for m in modules for n, p in m.named_parameters(remove_duplicate=False)}
         names.update((id(p), n) for g in self.param_groups for n, p in zip(g.get("param_names", ()), g["params"]))
         if not dist.is_initialized():
-            raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
-                               "torch.distributed.init_process_group() first (torchrun sets it up)")
+            raise RuntimeError(
+                "ShardedOptimizer needs torch.distributed: call "
+                "torch.distributed.init_process_group() first (torchrun sets it up)"
+            )
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, max(1, int(bucket_mb * 2**20))
         pg = sharding.process_group if sharding.process_group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
@@ -228,22 +277,37 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.state_dicts, self.regrouping, self.joining = StateDicts(self), Regrouping(self), JoinSide(self)
         check_unclaimed(self.regrouping, [p for g in self.param_groups for p in g["params"]], self._err)
         _check_dense([p for g in self.param_groups for p in g["params"]], self._err)
-        self._binding = Binding(sharding=sharding, stage=stage, adam=fused, bucket_bytes=self.bucket_bytes,
-                                reduce_dtype=reduce_dtype, offload=placement, names=names,
-                                overlap_param_gather=overlap_param_gather, whole=whole,
-                                optimizer_class=self.optimizer_class, optimizer_kwargs=class_kwargs,
-                                broadcast_buffers=self.broadcast_buffers)
+        self._binding = Binding(
+            sharding=sharding,
+            stage=stage,
+            adam=fused,
+            bucket_bytes=self.bucket_bytes,
+            reduce_dtype=reduce_dtype,
+            offload=placement,
+            names=names,
+            overlap_param_gather=overlap_param_gather,
+            whole=whole,
+            optimizer_class=self.optimizer_class,
+            optimizer_kwargs=class_kwargs,
+            broadcast_buffers=self.broadcast_buffers,
+        )
         self.bind()
-        if self._bound.buffers is not None:    # equal from here on, as DDP's constructor makes them
+        if self._bound.buffers is not None:  # equal from here on, as DDP's constructor makes them
             sync_buffers(modules, self.source.groups.every, self._bound.buffers.src)
-        claim(self.regrouping)          # FullyShard, wrapping these later, hands over its own
-        Joinable.__init__(self)         # torch's Join ([Note: uneven inputs] in optim/join.py)
+        claim(self.regrouping)  # FullyShard, wrapping these later, hands over its own
+        Joinable.__init__(self)  # torch's Join ([Note: uneven inputs] in optim/join.py)
 
     def bind(self) -> None:
         """Lay out and hook the parameters of the param groups: a new ``bound`` (the shard
         source, the gradient statistics, the update rule over it), again for each new layout."""
-        self._bound = build_bound(self.param_groups, self._binding, self._err, _rebind(weakref.ref(self)),
-                                  self.joining, getattr(self, "_bound", None))
+        self._bound = build_bound(
+            self.param_groups,
+            self._binding,
+            self._err,
+            _rebind(weakref.ref(self)),
+            self.joining,
+            getattr(self, "_bound", None),
+        )
         source = self._bound.source
         self.process_group, self.device = source.process_group, source.device
         self.stage, self.world_size, self.rank = source.stage, source.world_size, source.rank
@@ -315,7 +379,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         applied inside the fused step."""
         hand_grads.take(self._bound.grads)
         _check_ready(self.device, self._bound.source, "clip_grad_norm_", self._err, self._bound.grads.by_hand)
-        return self._bound.grads.clip_(max_norm, norm_type)   # the coefficient lives with these gradients
+        return self._bound.grads.clip_(max_norm, norm_type)  # the coefficient lives with these gradients
 
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
@@ -325,17 +389,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         gradient; ``p.grad`` set to None or assigned by the script is what it uses ([Note:
         gradients set by the script] in optim/hand_grads.py)."""
         loss, given = _run_closure(closure, kwargs, self._bound.rule.fused, self._err)
-        self.joining.next_iteration()      # the next collective begins another iteration
+        self.joining.next_iteration()  # the next collective begins another iteration
         if self._bound.no_gradient_anywhere():
             return loss
         _check_ready(self.device, self._bound.source, "step()", self._err, self._bound.grads.by_hand)
         refuse_unaveraged(self._bound.params, self._bound.frozen, self._err)
         self.last_step_skipped = False
-        if self._bound.source.check_finite:    # every rank agrees: the statistics are summed over the ranks
-            self.last_step_skipped = bool(self._bound.grads.nonfinite().item())   # the fp16 path syncs here
+        if self._bound.source.check_finite:  # every rank agrees: the statistics are summed over the ranks
+            self.last_step_skipped = bool(self._bound.grads.nonfinite().item())  # the fp16 path syncs here
         if not self.last_step_skipped:
             self._bound.update(self.param_groups, kwargs, given)
-        self._bound.grads.settle()     # (its all-reduce ran during the update: see ReducedGrads.backward_done)
+        self._bound.grads.settle()  # (its all-reduce ran during the update: see ReducedGrads.backward_done)
         self._bound.source.step_done(updated=not self.last_step_skipped)
         if not self.last_step_skipped:
             self.state_dicts.forget()
@@ -358,7 +422,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise RuntimeError(self._err("zero_grad() called during backward"))
         self._bound.grads.clear()
         self._bound.source.zero_grad(set_to_none)
-        for i in self._bound.frozen:      # (not laid out: their own gradients, as torch's)
+        for i in self._bound.frozen:  # (not laid out: their own gradients, as torch's)
             p = self._bound.params[i]
             if set_to_none or p.grad is None:
                 p.grad = None
@@ -405,7 +469,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def fused(self) -> bool:
         """Whether the step is zeroshard's fused AdamW (else ``optimizer_class``'s own)."""
         return self._bound.rule.fused
-
 
     # ------------------------------------------- state dicts (optim/state_dict.py: StateDicts)
     def state_dict(self, to: Optional[int] = None):
@@ -462,7 +525,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def add_param_group(self, param_group: dict):
         """torch's ``add_param_group``: the group's parameters join the shards (collective:
         call it on every rank) and are stepped from the next step; see [Note: new parameters]."""
-        if getattr(self, "_bound", None) is None:     # torch's __init__ adding the constructor's groups
+        if getattr(self, "_bound", None) is None:  # torch's __init__ adding the constructor's groups
             return super().add_param_group(param_group)
         self.regrouping.add(param_group)
 
@@ -483,4 +546,4 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @property
     def join_process_group(self):
-        return self.source.groups.every      # every rank holding a copy takes part in the count
+        return self.source.groups.every  # every rank holding a copy takes part in the count

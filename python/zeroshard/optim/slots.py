@@ -9,6 +9,7 @@ over every rank, a rank reads its own slots for its parameters' values, and the
 whole vector holds every distinct parameter's once (the total norm, an overflow
 anywhere). Without such groups the slots are the parameter indices themselves.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -37,8 +38,9 @@ class Slots:
             mine = [s + color for s, (color, _) in zip(self.starts, colors)]
         self.mine_list = mine
         self.mine = torch.tensor(mine, dtype=torch.long, device=device)
-        self.param_of = torch.tensor([i for i, c in enumerate(self.counts) for _ in range(c)], dtype=torch.long,
-                                     device=device)
+        self.param_of = torch.tensor(
+            [i for i, c in enumerate(self.counts) for _ in range(c)], dtype=torch.long, device=device
+        )
 
     def spread(self, local: torch.Tensor) -> torch.Tensor:
         """A per-parameter vector of this rank's values, in the slots (zero in the others')."""

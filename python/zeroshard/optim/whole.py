@@ -49,6 +49,7 @@ The price of that exchange: besides the stage's own collectives, each step
 moves the split parameters (none under FullyShard) three more times (gradient and value to the
 owner, value back) instead of running every matrix's update on every rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,8 +77,9 @@ class Window:
     """Tensors exchanged in one reduce-scatter and one all-gather. Each rank's chunk
     holds its tensors' values in ``[0, values)`` and their gradients in
     ``[values, 2 * values)``."""
+
     values: int = 0
-    slots: Dict[int, tuple] = field(default_factory=dict)   # index -> (owner, offset of its value)
+    slots: Dict[int, tuple] = field(default_factory=dict)  # index -> (owner, offset of its value)
 
     @property
     def chunk(self) -> int:
@@ -92,7 +94,7 @@ def plan_windows(numels: Dict[int, int], owners: Dict[int, int], world_size: int
     for i in sorted(numels, key=lambda i: (-numels[i], i)):
         mine[owners[i]].append(i)
     windows: List[Window] = []
-    used = [0] * world_size          # value elements of each rank in the open window
+    used = [0] * world_size  # value elements of each rank in the open window
     for k in range(max((len(m) for m in mine), default=0)):
         round_ = [(r, m[k]) for r, m in enumerate(mine) if k < len(m)]
         grown = [used[r] + sum(numels[i] for q, i in round_ if q == r) for r in range(world_size)]
@@ -114,20 +116,25 @@ def check_shapes(cls, full_shapes: Dict[int, torch.Size], err) -> None:
         return
     for i, shape in sorted(full_shapes.items()):
         if len(shape) != 2:
-            raise ValueError(err(
-                f"parameter {i} has shape {tuple(shape)} ({len(shape)}-D), but {cls.__name__} updates "
-                "2-D matrices only: put it in the other optimizer (e.g. a ShardedOptimizer with the "
-                "default AdamW, as with torch: embeddings, the output head, norms and biases)"))
+            raise ValueError(
+                err(
+                    f"parameter {i} has shape {tuple(shape)} ({len(shape)}-D), but {cls.__name__} updates "
+                    "2-D matrices only: put it in the other optimizer (e.g. a ShardedOptimizer with the "
+                    "default AdamW, as with torch: embeddings, the output head, norms and biases)"
+                )
+            )
 
 
 class WholeTensor:
     """An instance of ``cls`` over whole tensors on their owners; see
     [Note: whole-tensor optimizers]."""
+
     fused = False
     elementwise_keys: frozenset = frozenset()
 
-    def __init__(self, cls, kwargs: dict, source, group_of: List[int], param_groups: List[dict],
-                 cap_elements: int, err):
+    def __init__(
+        self, cls, kwargs: dict, source, group_of: List[int], param_groups: List[dict], cap_elements: int, err
+    ):
         self.cls, self.source, self.err = cls, source, err
         self.rank, self.world_size = source.rank, source.world_size
         shapes = dict(source.full_shapes)
@@ -135,21 +142,22 @@ class WholeTensor:
         self.shapes = shapes
         # a parameter of a param group over its own ranks (an expert's: [Note: param groups over
         # their own ranks] in comm/mesh.py) has its owner among those ranks, numbered there
-        self.own_ranks = {i: dist.get_rank(pg) for i in sorted(shapes)
-                          if (pg := source.param_process_group(i)) is not source.process_group}
+        self.own_ranks = {
+            i: dist.get_rank(pg)
+            for i in sorted(shapes)
+            if (pg := source.param_process_group(i)) is not source.process_group
+        }
         # the parameters the layout keeps whole in their owner's shard, and the others
         self.owners = {i: o for i in sorted(shapes) if (o := source.whole_owner(i)) is not None}
         split = [i for i in sorted(shapes) if i not in self.owners]
         if any(i in self.own_ranks for i in split):
-            raise ValueError(err(
-                f"parameters {[i for i in split if i in self.own_ranks]} of a param group over its own ranks "
-                f"are larger than a bucket, so the layout cannot keep each whole in one rank's shard, and "
-                f"{cls.__name__} over such a group steps whole tensors only there: raise bucket_mb above the "
-                "largest of them"))
-        self.owners.update(zip(split, assign_owners([update_cost(shapes[i]) for i in split], self.world_size,
-                                                    self.balance())))    # (on top of the whole ones' load)
-        self.windows = plan_windows({i: shapes[i].numel() for i in split}, self.owners, self.world_size,
-                                    max(2, cap_elements))
+            raise _larger_than_a_bucket([i for i in split if i in self.own_ranks], cls, err)
+        self.owners.update(
+            zip(split, assign_owners([update_cost(shapes[i]) for i in split], self.world_size, self.balance()))
+        )  # (on top of the whole ones' load)
+        self.windows = plan_windows(
+            {i: shapes[i].numel() for i in split}, self.owners, self.world_size, max(2, cap_elements)
+        )
         # param index -> [(segment, start, stop, offset in the flattened parameter)] on this rank
         self.pieces: Dict[int, list] = {}
         for seg in source.segments:
@@ -167,26 +175,43 @@ class WholeTensor:
         # steps it holds no data (the values live in the shards)
         # (made with one element of storage: the class only checks the shape when it is built)
         self.leaves: Dict[int, torch.Tensor] = {
-            i: torch.empty_strided(shapes[i], (0,) * len(shapes[i]), dtype=torch.float32,
-                                   device=self.home[i][0].param.device if i in self.home else source.device)
-            for i in shapes if self.owners[i] == self.rank_of(i)}
+            i: torch.empty_strided(
+                shapes[i],
+                (0,) * len(shapes[i]),
+                dtype=torch.float32,
+                device=self.home[i][0].param.device if i in self.home else source.device,
+            )
+            for i in shapes
+            if self.owners[i] == self.rank_of(i)
+        }
         self.kwargs, self.group_of = kwargs, group_of
-        self.step_kwargs: dict = {}     # what the current step() passes to the class's step
+        self.step_kwargs: dict = {}  # what the current step() passes to the class's step
         by_group: List[list] = [[] for _ in param_groups]
         for i, leaf in self.leaves.items():
             by_group[group_of[i]].append(leaf)
         self.group_index = [gi for gi, ps in enumerate(by_group) if ps]
-        self.inner = cls([dict(_hyper(param_groups[gi]), params=by_group[gi]) for gi in self.group_index],
-                         **kwargs) if self.group_index else None
+        self.inner = (
+            cls([dict(_hyper(param_groups[gi]), params=by_group[gi]) for gi in self.group_index], **kwargs)
+            if self.group_index
+            else None
+        )
         self._empty = torch.empty(0, dtype=torch.float32, device=source.device)
-        self._probes: Dict[tuple, list] = {}     # (dimensions, param group) -> state (shape, itemsize)
+        self._probes: Dict[tuple, list] = {}  # (dimensions, param group) -> state (shape, itemsize)
         for leaf in self.leaves.values():
             leaf.data = leaf.new_empty(0)
 
-    def update(self, segments, groups: List[dict], used: List[bool], steps: List[int],
-               scale: Optional[torch.Tensor], step_kwargs: Optional[dict] = None, closure=None):
+    def update(
+        self,
+        segments,
+        groups: List[dict],
+        used: List[bool],
+        steps: List[int],
+        scale: Optional[torch.Tensor],
+        step_kwargs: Optional[dict] = None,
+        closure=None,
+    ):
         self.step_kwargs = dict(step_kwargs or {}, **({} if closure is None else {"closure": closure}))
-        if self.inner is not None:          # an LR scheduler changes ours; the instance follows
+        if self.inner is not None:  # an LR scheduler changes ours; the instance follows
             for inner_group, gi in zip(self.inner.param_groups, self.group_index):
                 inner_group.update(_hyper(groups[gi]))
         # the gradients are used as they lie where the class only reads them and nothing
@@ -212,8 +237,7 @@ class WholeTensor:
         return pieces[0]
 
     @torch.no_grad()
-    def _step_local(self, stepping: List[int], scale: Optional[torch.Tensor],
-                    as_they_lie: bool = False):
+    def _step_local(self, stepping: List[int], scale: Optional[torch.Tensor], as_they_lie: bool = False):
         """Owned parameters that lie whole in this rank's shard: stepped in place (their
         gradients handed over as they lie where ``as_they_lie``, else scaled copies)."""
         if not stepping:
@@ -242,18 +266,24 @@ class WholeTensor:
         for i, (owner, off) in w.slots.items():
             base = owner * w.chunk + off
             for seg, a, b, t_off in self.pieces.get(i, ()):
-                buf[base + t_off:base + t_off + b - a].copy_(seg.param[a:b])
+                buf[base + t_off : base + t_off + b - a].copy_(seg.param[a:b])
                 if used[i]:
                     g0 = base + w.values + t_off
-                    buf[g0:g0 + b - a].copy_(seg.grad[a:b])
-        mine = buf[self.rank * w.chunk:(self.rank + 1) * w.chunk]
-        comm.reduce_scatter(buf, mine, group=pg, average=False, input_is_scratch=True,
-                            what=f"whole-tensor window {k}: gradients and values to owners").wait()
+                    buf[g0 : g0 + b - a].copy_(seg.grad[a:b])
+        mine = buf[self.rank * w.chunk : (self.rank + 1) * w.chunk]
+        comm.reduce_scatter(
+            buf,
+            mine,
+            group=pg,
+            average=False,
+            input_is_scratch=True,
+            what=f"whole-tensor window {k}: gradients and values to owners",
+        ).wait()
         stepping = [i for i, (owner, _) in w.slots.items() if owner == self.rank and used[i]]
         for i in stepping:
             off, numel, leaf = w.slots[i][1], self.shapes[i].numel(), self.leaves[i]
-            leaf.data = mine[off:off + numel].view(self.shapes[i])
-            g = mine[w.values + off:w.values + off + numel].view(self.shapes[i])
+            leaf.data = mine[off : off + numel].view(self.shapes[i])
+            g = mine[w.values + off : w.values + off + numel].view(self.shapes[i])
             leaf.grad = g.mul_(scale) if scale is not None else g
         if stepping:
             self.inner.step(**self.step_kwargs)
@@ -261,15 +291,15 @@ class WholeTensor:
             self.leaves[i].grad = None
             self.leaves[i].data = self._empty
         out = torch.empty(n * w.values, dtype=torch.float32, device=dev)
-        own = out[self.rank * w.values:(self.rank + 1) * w.values]
-        own.copy_(mine[:w.values])
+        own = out[self.rank * w.values : (self.rank + 1) * w.values]
+        own.copy_(mine[: w.values])
         comm.all_gather(own, out, group=pg, what=f"whole-tensor window {k}: updated values from owners").wait()
         for i, (owner, off) in w.slots.items():
             if not used[i]:
                 continue
             base = owner * w.values + off
             for seg, a, b, t_off in self.pieces.get(i, ()):
-                src = out[base + t_off:base + t_off + b - a]
+                src = out[base + t_off : base + t_off + b - a]
                 seg.param[a:b].copy_(src)
                 if seg.out is not None:
                     seg.out[a:b].copy_(src)
@@ -307,10 +337,12 @@ class WholeTensor:
             for i in batch:
                 st = self.owner_state(i)
                 if st is not None:
-                    mine[i] = {key: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                               for key, v in st.items()}
-            for theirs in comm.all_gather_object(mine, group=opt.process_group,
-                                                 what=f"state_dict gather: whole-tensor batch {k}"):
+                    mine[i] = {
+                        key: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for key, v in st.items()
+                    }
+            for theirs in comm.all_gather_object(
+                mine, group=opt.process_group, what=f"state_dict gather: whole-tensor batch {k}"
+            ):
                 if keep:
                     full.update(theirs)
         return full if keep else None
@@ -324,11 +356,16 @@ class WholeTensor:
                 continue
             for key, v in st.items():
                 if isinstance(v, torch.Tensor) and v.numel() > self.shapes[i].numel():
-                    raise ValueError(self.err(f"state of parameter {i}: {key} has shape {tuple(v.shape)}, larger "
-                                              f"than the parameter's {tuple(self.shapes[i])}; the state dict "
-                                              "is of another model"))
-            owned[i] = {key: (v.to(self.source.device).clone() if isinstance(v, torch.Tensor) else v)
-                        for key, v in st.items()}
+                    raise ValueError(
+                        self.err(
+                            f"state of parameter {i}: {key} has shape {tuple(v.shape)}, larger "
+                            f"than the parameter's {tuple(self.shapes[i])}; the state dict "
+                            "is of another model"
+                        )
+                    )
+            owned[i] = {
+                key: (v.to(self.source.device).clone() if isinstance(v, torch.Tensor) else v) for key, v in st.items()
+            }
         self.set_owned_states(owned)
 
     def state_bytes(self) -> int:
@@ -338,15 +375,19 @@ class WholeTensor:
             return 0
         if self.source.device.type == "meta":
             return sum(self._planned_bytes(i) for i in self.owned())
-        return sum(v.numel() * v.element_size() for st in self.inner.state.values() for v in st.values()
-                   if isinstance(v, torch.Tensor))
+        return sum(
+            v.numel() * v.element_size()
+            for st in self.inner.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
 
     def _planned_bytes(self, i: int) -> int:
         """The state bytes the class keeps for parameter ``i``, from one step on a small
         probe tensor of the same dimensions (each a distinct prime, so every state
         dimension maps back to the parameter's own)."""
         shape = self.shapes[i]
-        probe_dims = _PRIMES[:len(shape)]
+        probe_dims = _PRIMES[: len(shape)]
         key = (len(shape), self.group_of[i])
         if key not in self._probes:
             p = torch.zeros(probe_dims)
@@ -354,24 +395,40 @@ class WholeTensor:
             o = self.cls([dict(_hyper(group), params=[p])], **self.kwargs)
             p.grad = torch.ones(probe_dims)
             o.step()
-            self._probes[key] = [(tuple(v.shape), v.element_size()) for v in o.state[p].values()
-                                 if isinstance(v, torch.Tensor)]
+            self._probes[key] = [
+                (tuple(v.shape), v.element_size()) for v in o.state[p].values() if isinstance(v, torch.Tensor)
+            ]
         back = dict(zip(probe_dims, shape))
         return sum(math.prod(back.get(d, d) for d in dims) * size for dims, size in self._probes[key])
 
     def transient_bytes(self) -> int:
         """The most bytes a step holds at once beyond the state: one window's
         reduce-scatter and all-gather buffers, or one local batch's scaled gradients."""
-        return max([4 * self.world_size * (w.chunk + w.values) for w in self.windows]
-                   + [4 * sum(self.shapes[i].numel() for i in batch) for batch in self.local], default=0)
+        return max(
+            [4 * self.world_size * (w.chunk + w.values) for w in self.windows]
+            + [4 * sum(self.shapes[i].numel() for i in batch) for batch in self.local],
+            default=0,
+        )
 
     def balance(self) -> List[int]:
         """Each rank's summed update cost (``update_cost``) of the tensors it owns."""
         load = [0] * self.world_size
         for i, r in self.owners.items():
-            if i not in self.own_ranks:      # (a param group over its own ranks balances there)
+            if i not in self.own_ranks:  # (a param group over its own ranks balances there)
                 load[r] += update_cost(self.shapes[i])
         return load
+
+
+def _larger_than_a_bucket(ids: List[int], cls, err) -> ValueError:
+    """Parameters ``ids`` of a param group over its own ranks, too large for the layout to
+    keep each whole in one rank's shard."""
+    return ValueError(
+        err(
+            f"parameters {ids} of a param group over its own ranks are larger than a bucket, so the layout "
+            f"cannot keep each whole in one rank's shard, and {cls.__name__} over such a group steps whole "
+            "tensors only there: raise bucket_mb above the largest of them"
+        )
+    )
 
 
 def _batches(indices: List[int], numels: Dict[int, int], cap: int) -> List[List[int]]:

@@ -1,4 +1,5 @@
 """``python -m zeroshard.plan``: the memory planner's command line."""
-from .planner import main
+
+from .cli import main
 
 main()

@@ -1,6 +1,7 @@
 """The planner's trace of one training step on fake tensors: the live bytes of
 every tensor a forward and backward create, with a stage's gradient policy
 replayed (see [Note: model plan] in plan/planner.py)."""
+
 from __future__ import annotations
 
 import weakref
@@ -23,31 +24,32 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 @dataclass
 class PlannedReduction:
-    names: List[str]    # parameters whose gradients it takes
-    buffer: int         # bytes of its flat gradient buffer
-    shard: int          # gradient-shard bytes allocated when it retires (ZeRO-3's units)
-    scratch: int = 0    # transport scratch while in flight (gloo's point-to-point reduce-scatter)
+    names: List[str]  # parameters whose gradients it takes
+    buffer: int  # bytes of its flat gradient buffer
+    shard: int  # gradient-shard bytes allocated when it retires (ZeRO-3's units)
+    scratch: int = 0  # transport scratch while in flight (gloo's point-to-point reduce-scatter)
 
 
 @dataclass
 class Gather:
-    module: str         # a non-root ZeRO-3 unit's module path
-    nbytes: int         # its gathered (full, padded) parameters
-    names: List[str]    # its trainable parameters: resharded in backward once all their gradients arrived
+    module: str  # a non-root ZeRO-3 unit's module path
+    nbytes: int  # its gathered (full, padded) parameters
+    names: List[str]  # its trainable parameters: resharded in backward once all their gradients arrived
 
 
 @dataclass
 class Policy:
     """A stage's gradient lifetimes, replayed in the fake backward; see [Note: model plan]."""
-    reductions: List[PlannedReduction]   # in launch order
-    inflight: int                  # reductions in flight at once
-    first: int                     # bytes allocated by the first launch (ZeRO-2's gradient shard)
-    keep: int = 0                  # buffers kept free for reuse (ZeRO-2's pool; ZeRO-3 keeps none)
-    pooled: bool = False           # the pool and the gradient shard are kept between steps (CPU:
-                                   # [Note: bucket buffers between steps] in zero12/reducer.py): the step
-                                   # starts with them as the last one left them
-    gathers: List[Gather] = field(default_factory=list)   # ZeRO-3's non-root units, in forward order
-    prefetch: int = 0              # units gathered ahead of the one running (FullyShard's prefetch)
+
+    reductions: List[PlannedReduction]  # in launch order
+    inflight: int  # reductions in flight at once
+    first: int  # bytes allocated by the first launch (ZeRO-2's gradient shard)
+    keep: int = 0  # buffers kept free for reuse (ZeRO-2's pool; ZeRO-3 keeps none)
+    pooled: bool = False  # the pool and the gradient shard are kept between steps (CPU:
+    # [Note: bucket buffers between steps] in zero12/reducer.py): the step
+    # starts with them as the last one left them
+    gathers: List[Gather] = field(default_factory=list)  # ZeRO-3's non-root units, in forward order
+    prefetch: int = 0  # units gathered ahead of the one running (FullyShard's prefetch)
 
 
 class _PolicyReplay:
@@ -83,7 +85,7 @@ class _PolicyReplay:
     def _arrived(self, name, items):
         for it in items:
             it.pending -= 1
-        self.gathers.arrived(name)     # (the unit is resharded before its gradients are flattened)
+        self.gathers.arrived(name)  # (the unit is resharded before its gradients are flattened)
         self.ordered.advance()
 
     def _launch(self, it):
@@ -126,8 +128,9 @@ class _GatherReplay:
         for k, name in enumerate(self.fwd):
             mod = model.get_submodule(name)
             # (a forward in backward is recomputation: gathered, no prefetch, kept until its gradients)
-            mod.register_forward_pre_hook(lambda m, a, k=k: self._gather(self.fwd[k]) if self.backward
-                                          else self._run(self.fwd, k))
+            mod.register_forward_pre_hook(
+                lambda m, a, k=k: self._gather(self.fwd[k]) if self.backward else self._run(self.fwd, k)
+            )
             mod.register_forward_hook(lambda m, a, o, name=name: None if self.backward else self._reshard(name))
             mod.register_full_backward_pre_hook(lambda m, go, k=k: self._run(self.bwd, last - k))
         if self.fwd:
@@ -150,7 +153,7 @@ class _GatherReplay:
         self._prefetch(order, pos)
 
     def _prefetch(self, order: List[str], pos: int):
-        for name in order[pos + 1:pos + 1 + self.prefetch]:
+        for name in order[pos + 1 : pos + 1 + self.prefetch]:
             if name in self.full:
                 continue
             if len(self.full) >= self.prefetch + 1:
@@ -221,10 +224,11 @@ def activation_bytes(build: Callable, example: Callable, dtype: str = "fp32", po
     with one, gradients, reduction buffers and gradient shards live as that
     stage's policy keeps them (see [Note: model plan])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     pdt = torch_dtype(dtype)
     fake = FakeTensorMode()
     default = torch.get_default_dtype()
-    torch.set_default_dtype(pdt)   # (module.to() cannot convert fake parameters in place)
+    torch.set_default_dtype(pdt)  # (module.to() cannot convert fake parameters in place)
     try:
         with fake:
             model = build()

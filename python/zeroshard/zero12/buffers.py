@@ -20,6 +20,7 @@ buffers are equal from construction on. Given a list of tensors it knows no
 module until the first forward, which then makes them equal. FullyShard
 broadcasts buffers once, at wrapping, as FSDP2 does.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -37,8 +38,14 @@ class BufferSync:
     """Broadcasts the buffers of the module holding ``params`` from ``src`` over ``group``
     before each training forward; see [Note: module buffers]."""
 
-    def __init__(self, params: List[torch.Tensor], group: dist.ProcessGroup, src: int,
-                 before: Optional[Callable[[], None]] = None, source: Optional[Callable[[bool], int]] = None):
+    def __init__(
+        self,
+        params: List[torch.Tensor],
+        group: dist.ProcessGroup,
+        src: int,
+        before: Optional[Callable[[], None]] = None,
+        source: Optional[Callable[[bool], int]] = None,
+    ):
         """``before()``: called before each broadcast (the first collective of an iteration);
         ``source(training)``: the global rank to broadcast from, when it is not always ``src``
         (collective: under torch's Join, the highest rank still training)."""
@@ -52,7 +59,7 @@ class BufferSync:
         if self.module is not None or not any(id(p) in self.ids for p in module.parameters()):
             return
         if self.use(module):
-            self._broadcast(module, args)      # (this call's own hooks were collected already)
+            self._broadcast(module, args)  # (this call's own hooks were collected already)
 
     def use(self, module: nn.Module) -> bool:
         """Broadcast ``module``'s buffers before each of its training forwards from now on (the
@@ -95,7 +102,7 @@ def sync_buffers(modules: List[nn.Module], group: dist.ProcessGroup, src: int) -
     """Every rank's buffers of ``modules`` become global rank ``src``'s: one broadcast per
     (dtype, device), of its bytes (any dtype: complex, unsigned), none without buffers or
     over one rank (collective)."""
-    if dist.get_world_size(group) == 1:      # ([Note: one rank] in comm/collectives.py)
+    if dist.get_world_size(group) == 1:  # ([Note: one rank] in comm/collectives.py)
         return
     by_kind, seen = {}, set()
     for m in modules:
@@ -109,7 +116,7 @@ def sync_buffers(modules: List[nn.Module], group: dist.ProcessGroup, src: int) -
             comm.broadcast_bytes(flat, src, group)
             offset = 0
             for b in bufs:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
 
 
@@ -122,7 +129,7 @@ def modules_given(params) -> List[nn.Module]:
     optimizer iterates them: such a generator, not yet started, holds its module as
     ``self``. A list of tensors names no module (then []). See [Note: module buffers]."""
     given = [params]
-    if isinstance(params, (list, tuple)):       # param groups: each group's "params"
+    if isinstance(params, (list, tuple)):  # param groups: each group's "params"
         given += [d.get("params") for d in params if isinstance(d, dict)]
     found = []
     for g in given:

@@ -1,6 +1,7 @@
 """The ZeRO-1 and ZeRO-2 fold policies: what a bucket's reduce-scatter reads and
 where its reduced chunk goes ([Note: reduction pipeline] in core/reduction.py;
 [Note: sharded optimizer policy] in zero12/reducer.py)."""
+
 from __future__ import annotations
 
 import enum
@@ -30,9 +31,9 @@ from ..native.layout import fill_flat, gaps
 # once per step, as DDP does, instead of zeroing the buffer and then adding to
 # it (12 MB of memset a step at 3M parameters).
 class GradFill(enum.Enum):
-    ACCUMULATE = "accumulate"   # every element holds a value to add to (zeros or this rank's gradients)
-    OVERWRITE = "overwrite"     # stale: each gradient's first arrival copies, launch zeroes the rest
-    REDUCED = "reduced"         # this rank's chunks reduced; the other ranks' chunks stale
+    ACCUMULATE = "accumulate"  # every element holds a value to add to (zeros or this rank's gradients)
+    OVERWRITE = "overwrite"  # stale: each gradient's first arrival copies, launch zeroes the rest
+    REDUCED = "reduced"  # this rank's chunks reduced; the other ranks' chunks stale
 
 
 def bucket_of(r: Reduction) -> FlatBucket:
@@ -45,7 +46,7 @@ class _BucketFold(FoldPolicy):
 
     def __init__(self, reducer):
         self.src = reducer
-        self.shard_fresh = True    # no synced backward since zero_grad: nothing reduced to add to
+        self.shard_fresh = True  # no synced backward since zero_grad: nothing reduced to add to
 
     def backward_started(self):
         """The first gradient of a backward is about to be taken."""
@@ -71,7 +72,7 @@ class InPlaceFold(_BucketFold):
 
     def __init__(self, reducer):
         super().__init__(reducer)
-        self.fill = GradFill.ACCUMULATE   # the gradient buffers (zeros when built)
+        self.fill = GradFill.ACCUMULATE  # the gradient buffers (zeros when built)
         # hybrid, accumulating onto a synced backward: this rank's chunks as they were
         # before it, by bucket index (the replica all-reduce counts them once per replica)
         self.kept: Optional[dict] = None
@@ -84,7 +85,7 @@ class InPlaceFold(_BucketFold):
         src = self.src
         if self.fill is GradFill.REDUCED:
             _zero_other_chunks(src.buckets)
-            for b in src.buckets:      # the averages back to sums, which this backward adds to
+            for b in src.buckets:  # the averages back to sums, which this backward adds to
                 b.own(b.buffer.grads).mul_(src.divisor)
             self.fill = GradFill.ACCUMULATE
         if src.groups.replicate is not None and self.kept is None and not self.shard_fresh:
@@ -93,7 +94,7 @@ class InPlaceFold(_BucketFold):
     def grad_arrived(self, i: int, p: torch.Tensor):
         view, grad = self.src.grad_view(i), local_tensor(p.grad)
         if grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)   # p.grad was replaced or re-created: it holds the total
+            view.copy_(grad)  # p.grad was replaced or re-created: it holds the total
             p.grad = self.src.grad_for(i, view)
 
     def synced(self):
@@ -110,20 +111,21 @@ class InPlaceFold(_BucketFold):
         b, src = bucket_of(r), self.src
         buf, rank = b.buffer, b.buffer.shard.rank
         rdt = src.reduce_dtype_of(buf.dtype)
-        whole = buf.grads[b.offset:b.offset + b.numel]
-        if self.fill is GradFill.OVERWRITE:   # what no gradient wrote is stale: zero it
-            for start, end in gaps(b.numel, [(f.bucket_offset, f.numel) for i, f in b.frags
-                                             if i in src.arrived_since_zero]):
+        whole = buf.grads[b.offset : b.offset + b.numel]
+        if self.fill is GradFill.OVERWRITE:  # what no gradient wrote is stale: zero it
+            for start, end in gaps(
+                b.numel, [(f.bucket_offset, f.numel) for i, f in b.frags if i in src.arrived_since_zero]
+            ):
                 whole[start:end].zero_()
-        whole = whole.to(rdt) if whole.dtype != rdt else whole   # reduce in rdt, store back in the grad dtype
-        return whole, whole[rank * b.shard_numel:(rank + 1) * b.shard_numel], None
+        whole = whole.to(rdt) if whole.dtype != rdt else whole  # reduce in rdt, store back in the grad dtype
+        return whole, whole[rank * b.shard_numel : (rank + 1) * b.shard_numel], None
 
     def fold(self, r: Reduction):
         b, src = bucket_of(r), self.src
-        own = b.own(r.grad.tensor)      # (the full gradient buffer: this rank's chunk reduced in place)
-        if self.kept is not None:      # hybrid: counted once per replica (see before_grad)
+        own = b.own(r.grad.tensor)  # (the full gradient buffer: this rank's chunk reduced in place)
+        if self.kept is not None:  # hybrid: counted once per replica (see before_grad)
             r.out.sub_(self.kept[b.index].to(r.out.dtype), alpha=src.groups.replicas - 1)
-        if r.out.data_ptr() != own.data_ptr():   # (reduced in reduce_dtype: divided there, rounded once)
+        if r.out.data_ptr() != own.data_ptr():  # (reduced in reduce_dtype: divided there, rounded once)
             own.copy_(r.out.div_(src.divisor))
         else:
             own.div_(src.divisor)
@@ -138,7 +140,7 @@ class AddToShardFold(_BucketFold):
 
     def __init__(self, reducer):
         super().__init__(reducer)
-        self.copies_left: dict = {}   # param index -> buckets still to copy its gradient (then freed)
+        self.copies_left: dict = {}  # param index -> buckets still to copy its gradient (then freed)
 
     def backward_started(self):
         self.copies_left = {i: len(self.src.where[i].frags) for i in self.src.trainable}
@@ -147,15 +149,21 @@ class AddToShardFold(_BucketFold):
         b, src = bucket_of(r), self.src
         buf = b.buffer
         rdt = src.reduce_dtype_of(buf.dtype)
-        inp = r.buffer = src.pool.acquire(b.numel, rdt)   # (uninitialised: every element is written)
+        inp = r.buffer = src.pool.acquire(b.numel, rdt)  # (uninitialised: every element is written)
         # gradients that never arrived on this rank count as zero, as does padding
-        fill_flat(inp, [(f.bucket_offset, _flat_range(src.params[i].grad, f.tensor_offset, f.numel))
-                        for i, f in b.frags if src.params[i].grad is not None])
+        fill_flat(
+            inp,
+            [
+                (f.bucket_offset, _flat_range(src.params[i].grad, f.tensor_offset, f.numel))
+                for i, f in b.frags
+                if src.params[i].grad is not None
+            ],
+        )
         for i, _ in b.frags:
             self.copies_left[i] -= 1
             if self.copies_left[i] == 0:
                 src.params[i].grad = None
-        if r.grad.tensor is None:   # freed by zero_grad(set_to_none=True)
+        if r.grad.tensor is None:  # freed by zero_grad(set_to_none=True)
             # every bucket writes its whole piece of the shard: no zeroing needed
             r.grad.tensor, buf.spare_shard = buf.spare_shard, None
             if r.grad.tensor is None:
@@ -169,7 +177,7 @@ class AddToShardFold(_BucketFold):
         b, src = bucket_of(r), self.src
         shard = b.shard_of(r.grad.tensor)
         if r.out.data_ptr() != shard.data_ptr():
-            shard.add_(r.out.div_(src.divisor))      # (the buffer's chunk: scratch)
+            shard.add_(r.out.div_(src.divisor))  # (the buffer's chunk: scratch)
         else:
             shard.div_(src.divisor)
         if b.buffer.grad_mirror is not None:
@@ -178,15 +186,14 @@ class AddToShardFold(_BucketFold):
         r.buffer = None
 
 
-
 def _flat_range(grad: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     """Elements [start, start + numel) of the gradient, flattened (a DTensor's local piece's);
     as few new tensor objects as can be: this runs once per parameter every backward."""
     g = local_tensor(grad)
-    if g.requires_grad:        # (a create_graph backward)
+    if g.requires_grad:  # (a create_graph backward)
         g = g.detach()
     g = g.reshape(-1) if g.dim() != 1 else g
-    return g if start == 0 and numel == g.numel() else g[start:start + numel]
+    return g if start == 0 and numel == g.numel() else g[start : start + numel]
 
 
 @torch.no_grad()
@@ -194,6 +201,6 @@ def _zero_other_chunks(buckets: List[FlatBucket]) -> None:
     """Stage 1: zero every bucket's chunks of the gradient buffer but this rank's."""
     for b in buckets:
         rank = b.buffer.shard.rank
-        whole = b.buffer.grads[b.offset:b.offset + b.numel]
-        whole[:rank * b.shard_numel].zero_()
-        whole[(rank + 1) * b.shard_numel:].zero_()
+        whole = b.buffer.grads[b.offset : b.offset + b.numel]
+        whole[: rank * b.shard_numel].zero_()
+        whole[(rank + 1) * b.shard_numel :].zero_()

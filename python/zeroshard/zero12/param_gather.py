@@ -18,6 +18,7 @@ torch.profiler session right after a step (torch's profiler corrupts its
 results when a collective it saw start is still running as the session
 ends). Hence opt-in; the default waits for every gather inside ``step()``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -47,15 +48,23 @@ def _settle_all() -> None:
 class ParamGather:
     """The all-gathers of one FlatReducer's buckets, each over its buffer's ranks (see the Note above)."""
 
-    def __init__(self, buffers: list, params: List[torch.Tensor], where: Dict[int, "ParamPlace"], *,
-                 overlap: bool, comm_elements: dict, hook_factory):
+    def __init__(
+        self,
+        buffers: list,
+        params: List[torch.Tensor],
+        where: Dict[int, "ParamPlace"],
+        *,
+        overlap: bool,
+        comm_elements: dict,
+        hook_factory,
+    ):
         self.buffers, self.overlap = buffers, overlap
         self.comm_elements = comm_elements
         # parameter -> the buckets holding its elements (by identity: tensors compare elementwise)
         self.buckets_of = {id(params[i]): sorted({f.bucket for f in place.frags}) for i, place in where.items()}
-        self.pending: Dict[int, comm.CommHandle] = {}    # bucket index -> its all-gather in flight
+        self.pending: Dict[int, comm.CommHandle] = {}  # bucket index -> its all-gather in flight
         self._hook = None
-        self._hook_fn = hook_factory(self._before_forward)   # held weakly by the caller's factory
+        self._hook_fn = hook_factory(self._before_forward)  # held weakly by the caller's factory
         _LIVE.add(self)
 
     def launch(self, step: int) -> None:
@@ -64,9 +73,10 @@ class ParamGather:
         self.settle()
         for buf in self.buffers:
             for b in buf.buckets:
-                region = buf.params[b.offset:b.offset + b.numel]
-                self.pending[b.index] = comm.all_gather(b.own(buf.params), region, group=buf.shard.group,
-                                                        what=f"step {step}, bucket {b.index} all-gather")
+                region = buf.params[b.offset : b.offset + b.numel]
+                self.pending[b.index] = comm.all_gather(
+                    b.own(buf.params), region, group=buf.shard.group, what=f"step {step}, bucket {b.index} all-gather"
+                )
                 self.comm_elements["all_gather"] += b.numel
         if not self.overlap:
             self.settle()

@@ -42,6 +42,7 @@
   shards; ``p.grad`` is then a placeholder whose operations run on them
   (see [Note: sharded gradients] in optim/grads.py).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -83,10 +84,22 @@ from ..core.tensor_parallel import TensorParallel, expert_placements, local_tens
 class FlatReducer(ShardSource):
     """The ZeRO-1/2 source; see [Note: sharded optimizer policy] in this module."""
 
-    def __init__(self, params: List[torch.Tensor], group_of: List[int], *, stage: int, adam: bool, bucket_bytes: int,
-                 reduce_dtype: Optional[torch.dtype], groups: Groups, offload: Offload = NO_OFFLOAD,
-                 overlap_param_gather: bool = False, whole: bool = False, names: Optional[List[Optional[str]]] = None,
-                 shards: Optional[List[Optional[ShardGroup]]] = None):
+    def __init__(
+        self,
+        params: List[torch.Tensor],
+        group_of: List[int],
+        *,
+        stage: int,
+        adam: bool,
+        bucket_bytes: int,
+        reduce_dtype: Optional[torch.dtype],
+        groups: Groups,
+        offload: Offload = NO_OFFLOAD,
+        overlap_param_gather: bool = False,
+        whole: bool = False,
+        names: Optional[List[Optional[str]]] = None,
+        shards: Optional[List[Optional[ShardGroup]]] = None,
+    ):
         super().__init__()
         self.params, self.group_of, self.stage = params, group_of, stage
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
@@ -95,8 +108,8 @@ class FlatReducer(ShardSource):
         self.process_group = process_group = groups.shard
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self._state = GradState.EMPTY
-        self.steps_done = 0         # steps that updated the shards (names the collectives)
-        self.arrived_since_zero = set()   # parameters with a gradient since zero_grad(set_to_none=True)
+        self.steps_done = 0  # steps that updated the shards (names the collectives)
+        self.arrived_since_zero = set()  # parameters with a gradient since zero_grad(set_to_none=True)
         # what the stage does around the one reduction pipeline ([Note: reduction pipeline])
         self.fold = InPlaceFold(self) if stage == 1 else AddToShardFold(self)
         self._pipeline = ReductionPipeline(self.fold, MAX_INFLIGHT_BUCKETS, self.comm_elements)
@@ -115,34 +128,63 @@ class FlatReducer(ShardSource):
         check_same_across_ranks(params, groups.every, self.err, names, [self.shards[g] for g in group_of])
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         offloaded = offloaded_params(params, self.trainable, offload)
-        flat = build_flat(params, group_of, self.trainable, stage=stage, adam=adam, bucket_bytes=bucket_bytes,
-                          device=self.device, shards=self.shards, src=dist.get_global_rank(groups.every, 0),
-                          everyone=groups.every, storage=self.storage, offloaded=offloaded, whole=whole)
-        self.buffers, self.buckets, self.where = flat.buffers, flat.buckets, flat.where
-        # the layout of each shard group's parameters (the optimizer's ranks' first)
-        self.layouts = flat.layouts
-        self.layout = flat.layouts[0]
-        self.launch_order, self.whole_owners = flat.launch_order, flat.whole_owners
-        for b in self.buckets:
-            b.reduction = Reduction(name=f"bucket {b.index}", owner=b, group=b.buffer.shard.group,
-                                    replicate=groups.replicate, grad=b.buffer.reduced)
-        self._gather = ParamGather(self.buffers, params, self.where, overlap=overlap_param_gather, comm_elements=self.comm_elements,
-                                   hook_factory=weak_hook)
+        flat = build_flat(
+            params,
+            group_of,
+            self.trainable,
+            stage=stage,
+            adam=adam,
+            bucket_bytes=bucket_bytes,
+            device=self.device,
+            shards=self.shards,
+            src=dist.get_global_rank(groups.every, 0),
+            everyone=groups.every,
+            storage=self.storage,
+            offloaded=offloaded,
+            whole=whole,
+        )
+        self._adopt(flat, params, overlap_param_gather)
         self._order_learned = False
         self._arrival: List[int] = []
         # the folds divide the sums by N, every data-parallel rank ([Note: one meaning for a gradient]),
         # for a param group over its own ranks too ([Note: param groups over their own ranks])
         self.divisor = dist.get_world_size(groups.every)
         self.check_finite = any(buf.dtype == torch.float16 for buf in self.buffers)
-        with torch.no_grad():       # (a DTensor's: its local piece's)
+        with torch.no_grad():  # (a DTensor's: its local piece's)
             self.full_shapes = {i: local_tensor(params[i]).shape for i in self.trainable}
         self.regions, self.segments = _regions_and_segments(self, self.stage)
-        self.host_copies = HostCopies(self.device)    # to the mirrors ([Note: offloaded gradients])
+        self.host_copies = HostCopies(self.device)  # to the mirrors ([Note: offloaded gradients])
         on_grad = weak_hook(self._on_grad)
-        self._hooks = [params[i].register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i, p))
-                       for i in self.trainable]
-        if stage == 1:     # [Note: stage-1 gradient buffer]
+        self._hooks = [
+            params[i].register_post_accumulate_grad_hook(lambda p, i=i: on_grad(i, p)) for i in self.trainable
+        ]
+        if stage == 1:  # [Note: stage-1 gradient buffer]
             self._hooks += [params[i].register_hook(weak_hook(self.fold.before_grad)) for i in self.trainable]
+
+    def _adopt(self, flat, params: List[torch.Tensor], overlap_param_gather: bool):
+        """The flat buffers ``build_flat`` made: their buckets, each with its reduction,
+        and the gather of the parameters after a step."""
+        self.buffers, self.buckets, self.where = flat.buffers, flat.buckets, flat.where
+        # the layout of each shard group's parameters (the optimizer's ranks' first)
+        self.layouts = flat.layouts
+        self.layout = flat.layouts[0]
+        self.launch_order, self.whole_owners = flat.launch_order, flat.whole_owners
+        for b in self.buckets:
+            b.reduction = Reduction(
+                name=f"bucket {b.index}",
+                owner=b,
+                group=b.buffer.shard.group,
+                replicate=self.groups.replicate,
+                grad=b.buffer.reduced,
+            )
+        self._gather = ParamGather(
+            self.buffers,
+            params,
+            self.where,
+            overlap=overlap_param_gather,
+            comm_elements=self.comm_elements,
+            hook_factory=weak_hook,
+        )
 
     # ------------------------------------------------------------------ setup
     def err(self, msg: str) -> str:
@@ -155,11 +197,11 @@ class FlatReducer(ShardSource):
     # --------------------------------------------------------------- backward
     def _start_backward(self):
         check_views(self.params, self.trainable, self.where, self.err)
-        self.settle()     # parameters no forward waited for: done before the reductions start
+        self.settle()  # parameters no forward waited for: done before the reductions start
         for fn in self.backward_listeners:
             fn()
         self._state = GradState.BACKWARD
-        for b in self.buckets:   # (a parameter frozen since construction takes no gradient)
+        for b in self.buckets:  # (a parameter frozen since construction takes no gradient)
             b.reduction.pending = sum(self.params[i].requires_grad for i in b.params)
         self._pipeline.start([self.buckets[b].reduction for b in self.launch_order])
         self.fold.backward_started()
@@ -182,10 +224,13 @@ class FlatReducer(ShardSource):
         for f in self.where[i].frags:
             r = self.buckets[f.bucket].reduction
             if r.launched:
-                raise RuntimeError(self.err(
-                    f"parameter {i} received a gradient after its bucket {f.bucket} was reduced in this "
-                    "backward pass (a second backward through the same parameters without a new "
-                    "forward?); call backward once per forward, or accumulate under no_sync()"))
+                raise RuntimeError(
+                    self.err(
+                        f"parameter {i} received a gradient after its bucket {f.bucket} was reduced in this "
+                        "backward pass (a second backward through the same parameters without a new "
+                        "forward?); call backward once per forward, or accumulate under no_sync()"
+                    )
+                )
             self._pipeline.arrived(r)
         # launches every bucket now complete, in order (a tensor split over several
         # buckets recycles their buffers as it goes)
@@ -194,11 +239,11 @@ class FlatReducer(ShardSource):
     def _finish_backward(self):
         sync = self._pipeline.sync
         self._pipeline.finish()
-        if self.device.type != "cpu":    # [Note: bucket buffers between steps]
+        if self.device.type != "cpu":  # [Note: bucket buffers between steps]
             self.pool.clear()
         if sync and not self._order_learned:
             self._learn_launch_order()
-        self.host_copies.wait()       # the CPU step reads the mirrors
+        self.host_copies.wait()  # the CPU step reads the mirrors
         self._state = GradState.READY if sync else GradState.EMPTY
         if sync:
             self.fold.synced()
@@ -264,7 +309,7 @@ class FlatReducer(ShardSource):
 
     @torch.no_grad()
     def allocate_grads(self):
-        for buf in self.buffers:     # (stage 1's full buffer is always held)
+        for buf in self.buffers:  # (stage 1's full buffer is always held)
             if self.stage == 2 and buf.reduced.tensor is None:
                 shard, buf.spare_shard = buf.spare_shard, None
                 if shard is None:
@@ -277,7 +322,7 @@ class FlatReducer(ShardSource):
         """Stage 1: parameter ``i``'s view of its flat buffer's full gradient."""
         buf, offset = self.where[i].buffer, self.where[i].offset
         shape = self.full_shapes[i]
-        return buf.grads[offset:offset + shape.numel()].view(shape)
+        return buf.grads[offset : offset + shape.numel()].view(shape)
 
     def step_done(self, updated: bool):
         if updated:
@@ -301,7 +346,7 @@ class FlatReducer(ShardSource):
             if buf.master is not None:
                 for b in buf.buckets:
                     b.own(buf.params).copy_(b.shard_of(buf.master))
-        self.gather_params()     # in place: no transient memory
+        self.gather_params()  # in place: no transient memory
         self.settle()
 
     @torch.no_grad()
@@ -315,11 +360,11 @@ class FlatReducer(ShardSource):
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool):
         for buf in self.buffers:
-            if buf.grads is not None and not set_to_none:   # [Note: stage-1 gradient buffer]
+            if buf.grads is not None and not set_to_none:  # [Note: stage-1 gradient buffer]
                 buf.grads.zero_()
-            if set_to_none and self.stage == 2:     # the next backward allocates it again
+            if set_to_none and self.stage == 2:  # the next backward allocates it again
                 if self.device.type == "cpu" and buf.reduced.tensor is not None:
-                    buf.spare_shard = buf.reduced.tensor     # [Note: bucket buffers between steps]
+                    buf.spare_shard = buf.reduced.tensor  # [Note: bucket buffers between steps]
                 buf.reduced.tensor = None
             elif self.stage == 2 and buf.reduced.tensor is not None:
                 buf.reduced.tensor.zero_()
@@ -355,30 +400,45 @@ def _regions_and_segments(src: "FlatReducer", stage: int):
     """One region per bucket (what state dicts read) and one segment per bucket
     shard (what a fused call updates), with each parameter's piece of it."""
     regions = [
-        Region(shard_numel=bk.shard_numel, exp_avg=_shard_of(bk, bk.buffer.exp_avg),
-               exp_avg_sq=_shard_of(bk, bk.buffer.exp_avg_sq),
-               frags=[Piece(i, fr.tensor_offset, fr.bucket_offset, fr.numel) for i, fr in bk.frags],
-               values=bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params))
-        for bk in src.buckets]
+        Region(
+            shard_numel=bk.shard_numel,
+            exp_avg=_shard_of(bk, bk.buffer.exp_avg),
+            exp_avg_sq=_shard_of(bk, bk.buffer.exp_avg_sq),
+            frags=[Piece(i, fr.tensor_offset, fr.bucket_offset, fr.numel) for i, fr in bk.frags],
+            values=bk.shard_of(bk.buffer.master) if bk.buffer.master is not None else bk.own(bk.buffer.params),
+        )
+        for bk in src.buckets
+    ]
     region_of = {bk.index: reg for bk, reg in zip(src.buckets, regions)}
-    for buf in src.buffers:       # a param group's own ranks: the region's chunks are theirs
+    for buf in src.buffers:  # a param group's own ranks: the region's chunks are theirs
         for b in buf.buckets if buf.shard.own else ():
             region_of[b.index].place = buf.shard.rank
     segments = []
-    for buf in src.buffers:     # the host copy the CPU step reads ([Note: offloaded gradients])
-        buf.grad_mirror = src.storage.grad_mirror(buf.placement, buf.shard_numel,
-                                                  buf.dtype if stage == 1 else src.reduce_dtype_of(buf.dtype))
+    for buf in src.buffers:  # the host copy the CPU step reads ([Note: offloaded gradients])
+        buf.grad_mirror = src.storage.grad_mirror(
+            buf.placement, buf.shard_numel, buf.dtype if stage == 1 else src.reduce_dtype_of(buf.dtype)
+        )
         rank = buf.shard.rank
         for b in buf.buckets:
             # stage 1: this rank's reduced chunk of the full gradient buffer; stage 2: the shard
             start = b.offset + rank * b.shard_numel if stage == 1 else b.shard_offset
             low = buf.master is not None
-            segments.append(Segment(
-                group=buf.group, param=b.shard_of(buf.master) if low else b.own(buf.params), reduced=buf.reduced,
-                grad_range=(start, start + b.shard_numel), exp_avg=_shard_of(b, buf.exp_avg),
-                exp_avg_sq=_shard_of(b, buf.exp_avg_sq), out=b.own(buf.params) if low else None,
-                pieces=[SegmentPiece(i, sl.start, sl.stop, t_off) for i, t_off, sl in region_of[b.index].owned(rank)],
-                streamed=src.storage.streamed(buf.placement), mirror=_shard_of(b, buf.grad_mirror)))
+            segments.append(
+                Segment(
+                    group=buf.group,
+                    param=b.shard_of(buf.master) if low else b.own(buf.params),
+                    reduced=buf.reduced,
+                    grad_range=(start, start + b.shard_numel),
+                    exp_avg=_shard_of(b, buf.exp_avg),
+                    exp_avg_sq=_shard_of(b, buf.exp_avg_sq),
+                    out=b.own(buf.params) if low else None,
+                    pieces=[
+                        SegmentPiece(i, sl.start, sl.stop, t_off) for i, t_off, sl in region_of[b.index].owned(rank)
+                    ],
+                    streamed=src.storage.streamed(buf.placement),
+                    mirror=_shard_of(b, buf.grad_mirror),
+                )
+            )
     return regions, segments
 
 
@@ -387,8 +447,12 @@ def _check_tensor_parallel(tp: Optional[TensorParallel], own_shards: list, whole
     if tp is None:
         return
     if own_shards:
-        raise ValueError(err("a param group over its own ranks ('device_mesh': expert parallelism) together with "
-                             "tensor-parallel (DTensor) parameters is not supported yet"))
+        raise ValueError(
+            err(
+                "a param group over its own ranks ('device_mesh': expert parallelism) together with "
+                "tensor-parallel (DTensor) parameters is not supported yet"
+            )
+        )
     if whole:
         tp.refuse_whole(err)
 
@@ -413,7 +477,7 @@ def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
             gi = src.reduce_dtype_of(buf.dtype).itemsize
             rep["grads"] += mine * gi
             rep["padding"] += (shard_len - mine) * gi
-        if buf.grad_mirror is not None:     # its host copy ([Note: offloaded gradients])
+        if buf.grad_mirror is not None:  # its host copy ([Note: offloaded gradients])
             rep["grads"] += mine * buf.grad_mirror.element_size()
             rep["padding"] += (shard_len - mine) * buf.grad_mirror.element_size()
         for name in ("master", "exp_avg", "exp_avg_sq"):
@@ -421,9 +485,11 @@ def _memory_report(src: "FlatReducer", reset_peak: bool) -> Dict[str, int]:
                 rep[name] += mine * 4
                 rep["padding"] += (shard_len - mine) * 4
     rep["total"] = sum(rep.values())
-    add_locations(rep, [(t, buf.placement) for buf in src.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq)
-                        if t is not None] + [(buf.grad_mirror, Placement.HOST) for buf in src.buffers
-                                             if buf.grad_mirror is not None])
+    add_locations(
+        rep,
+        [(t, buf.placement) for buf in src.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq) if t is not None]
+        + [(buf.grad_mirror, Placement.HOST) for buf in src.buffers if buf.grad_mirror is not None],
+    )
     rep["comm_buffers"] = src.pool.live
     rep["comm_buffers_peak"] = src.pool.peak
     if reset_peak:

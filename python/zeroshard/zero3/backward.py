@@ -3,6 +3,7 @@ once everything its backward waits for has come, and its gradients reduced on
 the one reduction pipeline ([Note: reduction pipeline] in
 core/reduction.py) with ZeRO-3's fold (zero3/fold.py). See [Note: fully
 shard policy] in zero3/fully_shard.py."""
+
 from __future__ import annotations
 
 import math
@@ -26,12 +27,13 @@ from .records import Param, Unit, UnitState
 @dataclass(frozen=True, kw_only=True)
 class BackwardContext:
     """What one FullyShard's backward works with besides its units and gatherer."""
+
     device: torch.device
-    world: int                     # FullyShard's shard ranks (x the replicas: the gradients' divisor)
-    replicate: Optional[dist.ProcessGroup]   # hybrid sharding's replicas ([Note: hybrid sharding])
+    world: int  # FullyShard's shard ranks (x the replicas: the gradients' divisor)
+    replicate: Optional[dist.ProcessGroup]  # hybrid sharding's replicas ([Note: hybrid sharding])
     reduce_dtype: torch.dtype
-    comm_elements: dict            # elements each kind of collective moved (FullyShard's)
-    calls: Callable[[], List[int]]   # the units called since the last backward began, in call order
+    comm_elements: dict  # elements each kind of collective moved (FullyShard's)
+    calls: Callable[[], List[int]]  # the units called since the last backward began, in call order
     err: Callable[[str], str]
 
 
@@ -43,16 +45,20 @@ class UnitBackward:
         # the gradient is divided by every rank, the replicas' too (an expert unit's too: its
         # group's sum covers the whole batch, [Note: param groups over their own ranks])
         divisor = ctx.world * (dist.get_world_size(ctx.replicate) if ctx.replicate is not None else 1)
-        self.fold = DivideIntoShardFold(device=ctx.device, reduce_dtype=ctx.reduce_dtype,
-                                    divisor=divisor, label=lambda what: gatherer.label(what, phase=False))
+        self.fold = DivideIntoShardFold(
+            device=ctx.device,
+            reduce_dtype=ctx.reduce_dtype,
+            divisor=divisor,
+            label=lambda what: gatherer.label(what, phase=False),
+        )
         self._pipeline = ReductionPipeline(self.fold, MAX_INFLIGHT_UNITS, ctx.comm_elements)
         self.fold.retire_completed = self._pipeline.retire_completed
         for u in units:
             u.reduction = Reduction(name=f"unit '{u.name}'", owner=u, group=u.ranks.group, replicate=ctx.replicate)
         self.state = GradState.EMPTY
-        self.order: List[int] = []   # reverse call order of the non-root units, fixed at backward start
-        self._cursor = 0             # how far the backward has come along ``order`` (prefetch)
-        self.listeners: List[Callable[[], None]] = []   # told when a synced backward has finished
+        self.order: List[int] = []  # reverse call order of the non-root units, fixed at backward start
+        self._cursor = 0  # how far the backward has come along ``order`` (prefetch)
+        self.listeners: List[Callable[[], None]] = []  # told when a synced backward has finished
 
     @property
     def sync(self) -> bool:
@@ -71,7 +77,7 @@ class UnitBackward:
         first = list(reversed(dict.fromkeys(calls)))
         called = set(first)
         rest = [u.index for u in self.units[1:] if u.index not in called]
-        for u in self.units:     # (a parameter frozen since wrapping takes no gradient: see _swap)
+        for u in self.units:  # (a parameter frozen since wrapping takes no gradient: see _swap)
             u.reduction.pending = sum(q.full.requires_grad for q in u.trainable) + u.input_waits
             u.input_waits = 0
             for q in u.params:
@@ -84,13 +90,13 @@ class UnitBackward:
         """Before ``u``'s backward (None: the root's outputs, the first of the backward): gather it, prefetch."""
         self.start()
         bwd = self.order
-        if u is None:              # root: its outputs' gradient is the first of the backward
+        if u is None:  # root: its outputs' gradient is the first of the backward
             self.gatherer.gather(self.units[0])
             self.gatherer.prefetch_after(bwd, -1)
             return
         self._pipeline.retire_completed()
         self.gatherer.gather(u)
-        if u.index in bwd[self._cursor:]:
+        if u.index in bwd[self._cursor :]:
             pos = bwd.index(u.index, self._cursor)
             self._cursor = pos + 1
             self.gatherer.prefetch_after(bwd, pos)
@@ -99,16 +105,19 @@ class UnitBackward:
     def on_grad(self, u: Unit, q: Param):
         """Autograd accumulated ``q``'s gradient on its full parameter."""
         self.start()
-        if u.state != UnitState.GATHERED:     # [Note: unit outputs]
-            raise RuntimeError(self.err(
-                f"the gradient of '{q.names[0]}' was computed while unit '{u.name or '<root>'}' was not gathered "
-                f"({u.state.value}): the backward reached the unit through a tensor its output hooks did not see "
-                "(kept on a module or a global, or inside an object). Return every tensor the loss depends on "
-                "from the unit's forward, in a tuple, list, dict, namedtuple or dataclass"))
+        if u.state != UnitState.GATHERED:  # [Note: unit outputs]
+            raise RuntimeError(
+                self.err(
+                    f"the gradient of '{q.names[0]}' was computed while unit '{u.name or '<root>'}' was not gathered "
+                    f"({u.state.value}): the backward reached the unit through a tensor its output hooks did not see "
+                    "(kept on a module or a global, or inside an object). Return every tensor the loss depends on "
+                    "from the unit's forward, in a tuple, list, dict, namedtuple or dataclass"
+                )
+            )
         check_dense_grad(q.full.grad, lambda: f"'{q.names[0]}'", self.err)
-        if q.placed is not None:        # [Note: tensor-parallel parameters]
+        if q.placed is not None:  # [Note: tensor-parallel parameters]
             settle(q.full)
-        if u.reduction.buffer is not None:   # accumulating into an existing flat buffer: add as they come
+        if u.reduction.buffer is not None:  # accumulating into an existing flat buffer: add as they come
             self.fold.move_grad(u, q)
         q.got_grad = True
         if not q.arrived:
@@ -135,7 +144,7 @@ class UnitBackward:
     def _finish(self):
         self._pipeline.finish()
         if self.sync:
-            self.fold.host_copies.wait()     # the gradient shards in host memory are complete: the CPU steps them
+            self.fold.host_copies.wait()  # the gradient shards in host memory are complete: the CPU steps them
         self.gatherer.reshard_all()
         self.gatherer.phase = "forward"
         self.state = GradState.READY if self.sync else GradState.EMPTY
@@ -154,8 +163,9 @@ class UnitBackward:
         self.gatherer.reshard_all()
         self.gatherer.phase = "forward"
         self.state = GradState.EMPTY
-        warnings.warn("FullyShard: the previous backward did not finish (it raised); its partial "
-                      "gradients were dropped")
+        warnings.warn(
+            "FullyShard: the previous backward did not finish (it raised); its partial gradients were dropped"
+        )
 
     def step_done(self, updated: bool):
         """The optimizer stepped the shards (``updated``) or skipped the step: the gradients are consumed."""
@@ -194,4 +204,3 @@ class UnitBackward:
         """Accumulate gradients locally (full size, in reduce_dtype) without
         communication; the next backward outside this context reduces them all."""
         return self._pipeline.no_sync()
-

@@ -3,6 +3,7 @@ all have arrived, reduce-scattered (SUM), then divided by every rank and written
 (or added) into the unit's fp32 gradient shard, on the device or in host memory
 ([Note: reduction pipeline] in core/reduction.py; [Note: fully shard policy]
 in zero3/fully_shard.py)."""
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
@@ -24,11 +25,10 @@ class DivideIntoShardFold(FoldPolicy):
     too), or the factor ``set_gradient_divide_factor`` set; ``label``: names a collective
     of this FullyShard's current step."""
 
-    def __init__(self, *, device: torch.device, reduce_dtype: torch.dtype, divisor: float,
-                 label: Callable[[str], str]):
+    def __init__(self, *, device: torch.device, reduce_dtype: torch.dtype, divisor: float, label: Callable[[str], str]):
         self.device, self.reduce_dtype, self.divisor = device, reduce_dtype, divisor
         self._label = label
-        self.grad_bytes = 0          # flat gradient buffers alive now
+        self.grad_bytes = 0  # flat gradient buffers alive now
         self.grad_bytes_peak = 0
         # to gradient shards in host memory ([Note: offloaded gradients] in offload/copies.py)
         self.host_copies = HostCopies(device)
@@ -42,7 +42,7 @@ class DivideIntoShardFold(FoldPolicy):
     def move_grad(u: Unit, q: Param):
         """Add ``q``'s gradient into the unit's flat buffer (accumulating) and free it."""
         flat = u.reduction.buffer
-        flat[q.offset:q.offset + q.numel].add_(local_tensor(q.full.grad).reshape(-1))
+        flat[q.offset : q.offset + q.numel].add_(local_tensor(q.full.grad).reshape(-1))
         q.full.grad = None
 
     def flatten(self, u: Unit):
@@ -50,24 +50,26 @@ class DivideIntoShardFold(FoldPolicy):
         flat gradient buffer, allocated now: not at the unit's first gradient,
         while the unit's activations are still alive (the peak of backward)."""
         r = u.reduction
-        if r.buffer is not None:       # accumulating: add what arrived since
+        if r.buffer is not None:  # accumulating: add what arrived since
             for q in u.trainable:
                 if q.full.grad is not None:
                     self.move_grad(u, q)
             return
-        self.retire_completed()          # free finished reductions' buffers before taking another
+        self.retire_completed()  # free finished reductions' buffers before taking another
         r.buffer = torch.empty(u.grad_numel, dtype=self.reduce_dtype, device=self.device)
         self.grad_bytes += r.buffer.numel() * r.buffer.element_size()
         self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes)
         # one pass: gradients copied in; padding and gradients that never arrived are zero
-        fill_flat(r.buffer, [(q.offset, local_tensor(q.full.grad).reshape(-1)) for q in u.trainable
-                             if q.full.grad is not None])
+        fill_flat(
+            r.buffer,
+            [(q.offset, local_tensor(q.full.grad).reshape(-1)) for q in u.trainable if q.full.grad is not None],
+        )
         for q in u.trainable:
             q.full.grad = None
 
     def reduce_input(self, r: Reduction) -> Tuple[torch.Tensor, torch.Tensor, Optional[List[int]]]:
         u: Unit = r.owner
-        self.flatten(u)        # a unit some gradient never reached: the rest count as zero
+        self.flatten(u)  # a unit some gradient never reached: the rest count as zero
         # overwrite the shard unless the user kept gradients from an earlier backward
         u.fresh = r.grad.tensor is None
         return r.buffer, u.own_grad(r.buffer, u.ranks.rank), u.reduce_bounds()
@@ -76,23 +78,23 @@ class DivideIntoShardFold(FoldPolicy):
         """Divide the reduced chunk by every rank and write (or add) it into the fp32 shard."""
         u: Unit = r.owner
         chunk, g = r.out, r.grad
-        if g.tensor is None:     # first reduction since zero_grad(set_to_none=True)
+        if g.tensor is None:  # first reduction since zero_grad(set_to_none=True)
             # with the fp32 shard, or in host memory ([Note: offloaded gradients]); not
             # zeroed: u.fresh, so each path below overwrites the whole chunk's length
             where = torch.device("cpu") if u.grad_to_host else u.shard.device
             g.tensor = host_or_device_empty(chunk.numel(), where, self.device)
             u.fresh = True
-        written = g.tensor       # the fresh values, on the reducing device
-        if g.tensor.device != chunk.device:      # in host memory: divide here, then to host
-            written = chunk.float().div_(self.divisor)   # (the chunk is scratch: freed below)
-            if u.fresh:     # asynchronous into pinned memory; the backward's end waits before the step reads it
+        written = g.tensor  # the fresh values, on the reducing device
+        if g.tensor.device != chunk.device:  # in host memory: divide here, then to host
+            written = chunk.float().div_(self.divisor)  # (the chunk is scratch: freed below)
+            if u.fresh:  # asynchronous into pinned memory; the backward's end waits before the step reads it
                 self.host_copies.copy(g.tensor, written)
             else:
                 g.tensor.add_(written.cpu())
         elif u.fresh and chunk.dtype == torch.float32:
-            torch.div(chunk, self.divisor, out=g.tensor)     # one pass
+            torch.div(chunk, self.divisor, out=g.tensor)  # one pass
         elif u.fresh:
-            g.tensor.copy_(chunk).div_(self.divisor)          # divide in fp32
+            g.tensor.copy_(chunk).div_(self.divisor)  # divide in fp32
         else:
             g.tensor.add_(chunk.float().div_(self.divisor))
         # the statistics' squared norms of a shard bound for host memory, taken here on the
@@ -113,7 +115,7 @@ def _sumsq_of_pieces(u: Unit, shard: torch.Tensor) -> dict:
     pieces = [q for q in u.trainable if q.local.numel() > 0]
     if not pieces:
         return {}
-    vals = squared_norms([shard[q.shard_offset:q.shard_offset + q.local.numel()] for q in pieces])
+    vals = squared_norms([shard[q.shard_offset : q.shard_offset + q.local.numel()] for q in pieces])
     return {q.shard_offset: vals[k] for k, q in enumerate(pieces)}
 
 
@@ -126,5 +128,5 @@ def expose_grads(u: Unit):
     shard = u.reduction.grad.tensor
     same = shard.device == u.shard.device
     for q in u.trainable:
-        piece = shard[q.shard_offset:q.shard_offset + q.local.numel()]
+        piece = shard[q.shard_offset : q.shard_offset + q.local.numel()]
         q.sharded.grad = ShardedTensor(piece, q.full_shape, q.names[0]) if same and q.got_grad else None

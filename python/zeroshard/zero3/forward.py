@@ -20,6 +20,7 @@ freed after the call when not. Without gradients, a call that gathers checks
 in first ([Note: rank-0 code] in comm/collectives.py): evaluation of one
 unit under ``if rank == 0:`` raises instead of hanging.
 """
+
 from __future__ import annotations
 
 from typing import Callable, List
@@ -73,19 +74,29 @@ def _watch_inputs(args: tuple, kwargs: dict, done: Callable[[], None]):
 class UnitForward:
     """The forward side of one FullyShard's units."""
 
-    def __init__(self, units: List[Unit], gatherer: Gatherer, backward: UnitBackward, *, root: nn.Module,
-                 mixed_precision: MixedPrecision, param_dtype: torch.dtype, reshard_after_forward: bool,
-                 err: Callable[[str], str], check_in: Callable[[], None]):
+    def __init__(
+        self,
+        units: List[Unit],
+        gatherer: Gatherer,
+        backward: UnitBackward,
+        *,
+        root: nn.Module,
+        mixed_precision: MixedPrecision,
+        param_dtype: torch.dtype,
+        reshard_after_forward: bool,
+        err: Callable[[str], str],
+        check_in: Callable[[], None],
+    ):
         """``root``: the wrapped model; ``check_in()``: every rank must run this gathering too
         (a forward without gradients)."""
         self.units, self.gatherer, self.backward, self.root = units, gatherer, backward, root
         self.mp, self.param_dtype, self.reshard_after_forward = mixed_precision, param_dtype, reshard_after_forward
         self.err, self.check_in = err, check_in
         self.in_forward = False
-        self.order: List[int] = []       # recorded forward order of non-root units (prefetch)
-        self.seen: List[int] = []        # the units the current forward ran
-        self.calls: List[int] = []       # units called with gradients since the last backward began
-        self.root_calls = 0              # root-unit modules running outside the model's forward
+        self.order: List[int] = []  # recorded forward order of non-root units (prefetch)
+        self.seen: List[int] = []  # the units the current forward ran
+        self.calls: List[int] = []  # units called with gradients since the last backward began
+        self.root_calls = 0  # root-unit modules running outside the model's forward
         self.unit_of = {id(u.module): u for u in units[1:]}
         self._install()
 
@@ -121,8 +132,11 @@ class UnitForward:
         changed = self.mp.casts_inputs(root=False)
         if changed:
             args, kwargs = cast_inputs(self.param_dtype, args, kwargs)
-        if torch.is_grad_enabled() and not self.backward.active and \
-                any(not (q.requires_grad and q.sharded.requires_grad) for q in u.params):
+        if (
+            torch.is_grad_enabled()
+            and not self.backward.active
+            and any(not (q.requires_grad and q.sharded.requires_grad) for q in u.params)
+        ):
             args, kwargs, watched = _watch_inputs(args, kwargs, lambda: self.backward.inputs_done(u))
             u.input_waits += watched
             changed = changed or watched
@@ -134,13 +148,13 @@ class UnitForward:
     def _pre_forward(self, u: Unit):
         u.calls += 1
         with torch.no_grad():
-            if self.backward.active:            # recomputation (activation checkpointing)
+            if self.backward.active:  # recomputation (activation checkpointing)
                 self.gatherer.gather(u)
                 return
             grad = torch.is_grad_enabled()
             if grad and len(self.calls) < 8 * len(self.units) + 64:
-                self.calls.append(u.index)      # the next backward's order follows the calls
-            if not self.in_forward:             # called directly ([Note: units called directly])
+                self.calls.append(u.index)  # the next backward's order follows the calls
+            if not self.in_forward:  # called directly ([Note: units called directly])
                 if not grad and u.state == UnitState.SHARDED:
                     self.check_in()
                 self.gatherer.gather(u)
@@ -171,18 +185,18 @@ class UnitForward:
     def _root_module_pre_forward(self, module, args):
         if self.in_forward or self.backward.active or self.root_calls:
             return
-        if self.units[0].state == UnitState.GATHERED:    # kept from the model's forward to its backward
+        if self.units[0].state == UnitState.GATHERED:  # kept from the model's forward to its backward
             return
         if not torch.is_grad_enabled():
             self.check_in()
-        self.root_calls = 1                     # this call gathered it ([Note: units called directly])
+        self.root_calls = 1  # this call gathered it ([Note: units called directly])
         with torch.no_grad():
             self.gatherer.gather(self.units[0])
 
     def _root_module_post_forward(self, module, args, out):
         if self.root_calls and not (self.in_forward or self.backward.active):
             self.root_calls = 0
-            if not torch.is_grad_enabled():     # with grad: kept to the end of backward, as the model's
+            if not torch.is_grad_enabled():  # with grad: kept to the end of backward, as the model's
                 with torch.no_grad():
                     self.gatherer.reshard(self.units[0])
 
@@ -190,17 +204,22 @@ class UnitForward:
     def register_method(self, module: nn.Module, name: str):
         """Make ``module.<name>(...)`` gather as ``forward`` does; see FullyShard.register_forward_method."""
         if id(module) not in self.unit_of and module is not self.root:
-            raise ValueError(self.err(
-                f"register_forward_method: {type(module).__name__} is not a sharding unit of this FullyShard "
-                "(nor the model it wraps); pass the unit's module (a module the wrap policy selected), or add "
-                "its class to wrap="))
+            raise ValueError(
+                self.err(
+                    f"register_forward_method: {type(module).__name__} is not a sharding unit of this FullyShard "
+                    "(nor the model it wraps); pass the unit's module (a module the wrap policy selected), or add "
+                    "its class to wrap="
+                )
+            )
         method = getattr(module, name, None)
         if not callable(method):
             raise ValueError(self.err(f"register_forward_method: {type(module).__name__} has no method '{name}'"))
         if module is self.root:
+
             def gathered(*args, **kwargs):
                 return self.around_root(method, args, kwargs)
         else:
+
             def gathered(*args, **kwargs):
                 cast = self.unit_pre_forward(module, args, kwargs)
                 if cast is not None:
@@ -208,6 +227,7 @@ class UnitForward:
                 out = method(*args, **kwargs)
                 self.unit_post_forward(module, args, out)
                 return out
+
         setattr(module, name, gathered)
 
     # ------------------------------------------------------ the model's forward
@@ -228,8 +248,8 @@ class UnitForward:
         if self.backward.active:
             if torch._C._current_graph_task_id() != -1:
                 raise RuntimeError(self.err("the FullyShard model was called during its own backward"))
-            self.backward.abandon()     # the last backward raised before it finished
-        if not torch.is_grad_enabled():       # evaluation: every rank must run it too
+            self.backward.abandon()  # the last backward raised before it finished
+        if not torch.is_grad_enabled():  # evaluation: every rank must run it too
             self.check_in()
         root = self.units[0]
         self.in_forward = True
@@ -255,11 +275,12 @@ class UnitForward:
         self.in_forward = False
         grad = torch.is_grad_enabled()
         if self.seen != self.order:
-            self.order = list(self.seen)     # (re-)record the order
+            self.order = list(self.seen)  # (re-)record the order
         with torch.no_grad():
-            for u in self.units[1:]:                  # prefetched but not run
-                if u.state == UnitState.GATHERING or (u.state == UnitState.GATHERED and self.reshard_after_forward
-                                                      and u.index not in self.seen):
+            for u in self.units[1:]:  # prefetched but not run
+                if u.state == UnitState.GATHERING or (
+                    u.state == UnitState.GATHERED and self.reshard_after_forward and u.index not in self.seen
+                ):
                     self.gatherer.reshard(u)
             if not grad:
                 self.gatherer.reshard_all()

@@ -65,6 +65,7 @@
   per unit until the recompile limit. ``torch.compile(model)`` of the whole
   FullyShard model works the same way: compiled between the hooks.
 """
+
 from __future__ import annotations
 
 __all__ = ["FullyShard", "MixedPrecision", "UnitState", "register_forward_method"]
@@ -102,8 +103,10 @@ def _check_arguments(module, mixed_precision, prefetch) -> MixedPrecision:
     if isinstance(module, FullyShard):
         raise ValueError("this module is already a FullyShard; wrap the inner model once")
     if not dist.is_initialized():
-        raise RuntimeError("FullyShard needs torch.distributed: call "
-                           "torch.distributed.init_process_group() first (torchrun sets it up)")
+        raise RuntimeError(
+            "FullyShard needs torch.distributed: call "
+            "torch.distributed.init_process_group() first (torchrun sets it up)"
+        )
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     mp = mixed_precision or MixedPrecision()
@@ -128,9 +131,13 @@ def _check_dtype(dt, what):
 def _check_in_evaluation(fs):
     """A forward without gradients is where evaluation under ``if rank == 0:`` reaches
     the units' all-gathers: check in first ([Note: rank-0 code] in comm/collectives.py)."""
-    comm.check_in("a FullyShard forward without gradients (evaluation)", fs, fs.process_group,
-                  "Run evaluation on every rank (each on its own batches), or evaluate on one rank a plain "
-                  "copy of the model loaded from model.state_dict(to=0), called on every rank")
+    comm.check_in(
+        "a FullyShard forward without gradients (evaluation)",
+        fs,
+        fs.process_group,
+        "Run evaluation on every rank (each on its own batches), or evaluate on one rank a plain "
+        "copy of the model loaded from model.state_dict(to=0), called on every rank",
+    )
 
 
 # longer: FSDP2's module API over nn.Module's, each method documented here and answered by a part
@@ -174,17 +181,30 @@ class FullyShard(nn.Module, ShardedModel):
         shard_size, device_mesh, offload_params, expert_modules: the loose forms of
             the policies; they work for this release and warn ([Note: options as policies]).
     """
+
     # model.generate(...) gathers every unit once per call; False: per token, as forwards do
     # ([Note: generation in one gather] in zero3/generation.py)
     generate_gathered: bool = True
 
-    def __init__(self, module: nn.Module, wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
-                 mixed_precision: Optional[MixedPrecision] = None, reshard_after_forward: bool = True,
-                 prefetch: int = 1, process_group: Optional[dist.ProcessGroup] = None, *,
-                 device: Union[torch.device, str, None] = None, sharding: Optional[Sharding] = None,
-                 offload: Optional[Offload] = None, forward_methods: Iterable[str] = (),
-                 expert_names: Optional[Callable[[str], str]] = None, shard_size: Optional[int] = None,
-                 device_mesh=None, offload_params: bool = False, expert_modules: Optional[Dict[type, object]] = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
+        mixed_precision: Optional[MixedPrecision] = None,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        device: Union[torch.device, str, None] = None,
+        sharding: Optional[Sharding] = None,
+        offload: Optional[Offload] = None,
+        forward_methods: Iterable[str] = (),
+        expert_names: Optional[Callable[[str], str]] = None,
+        shard_size: Optional[int] = None,
+        device_mesh=None,
+        offload_params: bool = False,
+        expert_modules: Optional[Dict[type, object]] = None,
+    ):
         super().__init__()
         mp = _check_arguments(module, mixed_precision, prefetch)
         self.module = module
@@ -193,40 +213,49 @@ class FullyShard(nn.Module, ShardedModel):
         self.mixed_precision = mp
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = prefetch
-        self.sharding = sharding_of("FullyShard", sharding, process_group, shard_size=shard_size,
-                                    device_mesh=device_mesh, expert_modules=expert_modules)
+        self.sharding = sharding_of(
+            "FullyShard",
+            sharding,
+            process_group,
+            shard_size=shard_size,
+            device_mesh=device_mesh,
+            expert_modules=expert_modules,
+        )
         self.offload = offload_of("FullyShard", offload, offload_params=offload_params)
         self.groups = self.sharding.groups("FullyShard")
         self.process_group = self.groups.shard
         self.world_size, self.rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
         self._src = dist.get_global_rank(self.groups.every, 0)
         self.comm_elements = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
-        self._steppers = Steppers()    # the sources stepping the shards (weakly), their state shards by unit
+        self._steppers = Steppers()  # the sources stepping the shards (weakly), their state shards by unit
         self._device = pick_device(module, device, self.process_group, self._err)
         self.offload_params = self.offload.params is not None
         host, taken = shard_device(self._device, self.offload_params), claimed(module)
         experts = dict(self.sharding.expert_modules or {})
-        check_model(module, self.groups.every, bool(experts), self._err)    # DTensor parameters: tensor parallel
+        check_model(module, self.groups.every, bool(experts), self._err)  # DTensor parameters: tensor parallel
         self._expert_names = _check_expert_names(expert_names)
-        own = mesh.mesh_shards(list(experts.values()), self.groups, "FullyShard",
-                               [f"expert_modules[{c.__name__}]" for c in experts])
-        self._setup = Setup(module=module, device=self._device, group=self.process_group, world=self.world_size,
-                            rank=self.rank, src=self._src, param_dtype=self.param_dtype, err=self._err,
-                            everyone=self.groups.every, shard_device=host,
-                            ranks=mesh.shard_group(self.process_group), experts=dict(zip(experts, own)))
-        self.init_watch = InitWatch(module, self._device)    # [Note: initialising sharded parameters]
+        own = mesh.mesh_shards(
+            list(experts.values()), self.groups, "FullyShard", [f"expert_modules[{c.__name__}]" for c in experts]
+        )
+        self._setup = Setup(
+            module=module,
+            device=self._device,
+            group=self.process_group,
+            world=self.world_size,
+            rank=self.rank,
+            src=self._src,
+            param_dtype=self.param_dtype,
+            err=self._err,
+            everyone=self.groups.every,
+            shard_device=host,
+            ranks=mesh.shard_group(self.process_group),
+            experts=dict(zip(experts, own)),
+        )
+        self.init_watch = InitWatch(module, self._device)  # [Note: initialising sharded parameters]
         self._units, self._named = build(self._setup, wrap, FullyShard)
         # built on meta: the non-persistent buffers nothing initialised (load_pretrained sets an HF model's)
         self.uninitialised_buffers: List[str] = list(self._setup.unset_buffers)
-        self._gatherer = Gatherer(self._units, device=self._device, prefetch=prefetch,
-                                  comm_elements=self.comm_elements, err=self._err)
-        self._backward = UnitBackward(self._units, self._gatherer, BackwardContext(
-            device=self._device, world=self.world_size,
-            replicate=self.groups.replicate, reduce_dtype=self.reduce_dtype, comm_elements=self.comm_elements,
-            calls=lambda: self._forward.take_calls(), err=self._err))
-        self._forward = UnitForward(self._units, self._gatherer, self._backward, root=module, mixed_precision=mp,
-                                    param_dtype=self.param_dtype, reshard_after_forward=self.reshard_after_forward,
-                                    err=self._err, check_in=lambda: _check_in_evaluation(self))
+        self._gatherer, self._backward, self._forward = self._passes(module, mp)
         register_owner(self, self._units)
         # called with the model's (args, kwargs) as each forward of the model begins, before
         # any gather (an optimizer under torch's Join: [Note: uneven inputs] in optim/join.py)
@@ -237,7 +266,38 @@ class FullyShard(nn.Module, ShardedModel):
             for mod in [u.module for u in self._units]:
                 if callable(getattr(mod, name, None)):
                     self.register_forward_method(mod, name)
-        hand_over(taken, self._named, self._err)     # [Note: construction order]
+        hand_over(taken, self._named, self._err)  # [Note: construction order]
+
+    def _passes(self, module: nn.Module, mp: MixedPrecision):
+        """The units' gatherer and their backward and forward passes."""
+        gatherer = Gatherer(
+            self._units, device=self._device, prefetch=self.prefetch, comm_elements=self.comm_elements, err=self._err
+        )
+        backward = UnitBackward(
+            self._units,
+            gatherer,
+            BackwardContext(
+                device=self._device,
+                world=self.world_size,
+                replicate=self.groups.replicate,
+                reduce_dtype=self.reduce_dtype,
+                comm_elements=self.comm_elements,
+                calls=lambda: self._forward.take_calls(),
+                err=self._err,
+            ),
+        )
+        forward = UnitForward(
+            self._units,
+            gatherer,
+            backward,
+            root=module,
+            mixed_precision=mp,
+            param_dtype=self.param_dtype,
+            reshard_after_forward=self.reshard_after_forward,
+            err=self._err,
+            check_in=lambda: _check_in_evaluation(self),
+        )
+        return gatherer, backward, forward
 
     # ------------------------------------------------------------------ setup
     def _err(self, msg: str) -> str:
@@ -281,11 +341,14 @@ class FullyShard(nn.Module, ShardedModel):
             out = None
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.device != probe.device:
             dtype, device = getattr(out, "dtype", "?"), getattr(out, "device", "?")
-            raise ValueError(self._err(
-                f"converting a FullyShard model after wrapping (to {dtype} on {device}) is not supported: its "
-                f"parameters are fp32 shards on {self._device}, the master weights. To compute in bf16 or fp16 "
-                "pass mixed_precision=zeroshard.MixedPrecision(param_dtype=...) to FullyShard; to change the "
-                "device, move the model (or build it on meta) before wrapping, or pass device="))
+            raise ValueError(
+                self._err(
+                    f"converting a FullyShard model after wrapping (to {dtype} on {device}) is not supported: its "
+                    f"parameters are fp32 shards on {self._device}, the master weights. To compute in bf16 or fp16 "
+                    "pass mixed_precision=zeroshard.MixedPrecision(param_dtype=...) to FullyShard; to change the "
+                    "device, move the model (or build it on meta) before wrapping, or pass device="
+                )
+            )
         for mod in self.module.modules():
             for name, b in mod._buffers.items():
                 if b is not None:
@@ -303,9 +366,9 @@ class FullyShard(nn.Module, ShardedModel):
     # ---------------------------------------------------------------- gather
     def forward(self, *args, **kwargs):
         self.init_watch.before_forward()
-        if any(p.requires_grad for p in self._frozen_when_wrapped):    # unfrozen since: laid out again
+        if any(p.requires_grad for p in self._frozen_when_wrapped):  # unfrozen since: laid out again
             self.lay_out_trainable(by=None)
-        for fn in self.forward_listeners:     # before the root's gather (torch's Join counts first)
+        for fn in self.forward_listeners:  # before the root's gather (torch's Join counts first)
             fn(args, kwargs)
         return self._forward.around_root(self.module, args, kwargs)
 
@@ -323,9 +386,17 @@ class FullyShard(nn.Module, ShardedModel):
         gathering if the device has no room for them. ``modifier_rank=r``: on exit, rank r's
         values become every rank's fp32 shards (gathered in float32). Collective. See
         [Note: gathered blocks] in zero3/gathered.py."""
-        return gathered_block(self._units, self._gatherer, dtype=dtype, gather_dtype=self.param_dtype,
-                              chosen=units, every=self.groups.every, modifier_rank=modifier_rank, who=self,
-                              err=self._err)
+        return gathered_block(
+            self._units,
+            self._gatherer,
+            dtype=dtype,
+            gather_dtype=self.param_dtype,
+            chosen=units,
+            every=self.groups.every,
+            modifier_rank=modifier_rank,
+            who=self,
+            err=self._err,
+        )
 
     def unshard(self, async_op: bool = False) -> UnshardHandle:
         """FSDP2's ``unshard``: every unit gathered and kept so until ``reshard()``, as in a
@@ -373,8 +444,15 @@ class FullyShard(nn.Module, ShardedModel):
     def memory_report(self, reset_peak: bool = False) -> Dict[str, int]:
         """Bytes held on this rank, by category and by location (device, host,
         disk); see zero3/state_dict.py's memory_report for each key."""
-        return memory_report(self._units, self._steppers, self.param_dtype, self._gatherer,
-                                        self._backward, reset_peak, self.offload_params)
+        return memory_report(
+            self._units,
+            self._steppers,
+            self.param_dtype,
+            self._gatherer,
+            self._backward,
+            reset_peak,
+            self.offload_params,
+        )
 
     # ------------------------------------------- what an optimizer's source uses
     @property
@@ -428,8 +506,15 @@ class FullyShard(nn.Module, ShardedModel):
         self._frozen_when_wrapped = [p for p in self._frozen_when_wrapped if not p.requires_grad]
 
     # ------------------------------------------------------------ state dict
-    def state_dict(self, *, to: Optional[int] = None, prefix: str = "", keep_vars: bool = False,
-                   destination=None, keys: Optional[Iterable[str]] = None):
+    def state_dict(
+        self,
+        *,
+        to: Optional[int] = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        destination=None,
+        keys: Optional[Iterable[str]] = None,
+    ):
         """The full, unsharded state dict of the wrapped model (original names,
         dtypes and shapes, on CPU), loadable into the unwrapped model.
 

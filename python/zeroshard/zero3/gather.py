@@ -1,6 +1,7 @@
 """ZeRO-3 gathering: a unit's full parameters all-gathered from the shards
 before use and freed after, with the modules' parameter slots swapped to
 match (the one place that swaps tensors into modules), and prefetch."""
+
 from __future__ import annotations
 
 from typing import Callable, List
@@ -16,15 +17,16 @@ from .records import Unit, UnitState
 class Gatherer:
     """Gathers and reshards the units of one FullyShard; counts the gathered memory."""
 
-    def __init__(self, units: List[Unit], *, device: torch.device, prefetch: int, comm_elements: dict,
-                 err: Callable[[str], str]):
+    def __init__(
+        self, units: List[Unit], *, device: torch.device, prefetch: int, comm_elements: dict, err: Callable[[str], str]
+    ):
         # (each unit gathers over its own ranks: ``Unit.ranks``)
         self.units, self.device, self.prefetch = units, device, prefetch
         self.comm_elements, self.err = comm_elements, err
-        self.gathered_bytes = 0      # full parameters of non-root units alive now
-        self.unsharded = None        # the gathered() block unshard() entered, until reshard()
+        self.gathered_bytes = 0  # full parameters of non-root units alive now
+        self.unsharded = None  # the gathered() block unshard() entered, until reshard()
         self.gathered_peak = 0
-        self.alive_peak = 0          # most non-root units gathered (or gathering) at once
+        self.alive_peak = 0  # most non-root units gathered (or gathering) at once
         # what the collectives' labels say (the flight record, the hang diagnosis): the step
         # they belong to (as stages 1/2 count it: steps that updated the shards, plus one)
         # and the phase, set by UnitBackward when a backward starts and ends
@@ -40,14 +42,18 @@ class Gatherer:
         parameters into the modules."""
         if u.state == UnitState.SHARDED and u.params:
             if self.device.type == "meta":
-                raise RuntimeError(self.err("this FullyShard keeps its shards on meta (device='meta'); "
-                                            "it can report memory but not run"))
+                raise RuntimeError(
+                    self.err(
+                        "this FullyShard keeps its shards on meta (device='meta'); it can report memory but not run"
+                    )
+                )
             u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
             own = u.own(u.full, u.ranks.rank)
             # (offload_params: from pinned host memory, ordered before the all-gather on the stream)
             own.copy_(u.shard, non_blocking=True)
-            u.gather = comm.all_gather(own, u.full, group=u.ranks.group, bounds=u.bounds,
-                                       what=self.label(f"unit '{u.name}' all-gather"))
+            u.gather = comm.all_gather(
+                own, u.full, group=u.ranks.group, bounds=u.bounds, what=self.label(f"unit '{u.name}' all-gather")
+            )
             self.comm_elements["all_gather"] += u.numel
             u.state = UnitState.GATHERING
             if not u.is_root:
@@ -79,7 +85,7 @@ class Gatherer:
 
     def prefetch_after(self, order: List[int], pos: int):
         """Start gathering the units after position ``pos`` of ``order``."""
-        for ui in order[pos + 1:pos + 1 + self.prefetch]:
+        for ui in order[pos + 1 : pos + 1 + self.prefetch]:
             u = self.units[ui]
             if u.state != UnitState.SHARDED:
                 continue
@@ -102,21 +108,29 @@ class Gatherer:
         copy made from the shards whose parameters take no gradient."""
         if u.copy is not None and u.copy[0].dtype != dtype or u.copy is None and u.held and dtype != u.full.dtype:
             have = u.copy[0].dtype if u.copy is not None else u.full.dtype
-            raise RuntimeError(self.err(
-                f"unit '{u.name}' is held gathered in {have} by an enclosing gathered() block and asked for "
-                f"in {dtype} by this one: nest gathered() blocks with one dtype"))
+            raise RuntimeError(
+                self.err(
+                    f"unit '{u.name}' is held gathered in {have} by an enclosing gathered() block and asked for "
+                    f"in {dtype} by this one: nest gathered() blocks with one dtype"
+                )
+            )
         if dtype == u.full.dtype:
             self.gather(u)
         elif u.copy is None:
             if u.state != UnitState.SHARDED:
-                raise RuntimeError(self.err(
-                    f"gathered(dtype={dtype}) while unit '{u.name}' is gathered for a forward or backward in "
-                    f"progress (in {u.full.dtype}): enter the block before the forward or after the backward, "
-                    "or leave dtype unset"))
+                raise RuntimeError(
+                    self.err(
+                        f"gathered(dtype={dtype}) while unit '{u.name}' is gathered for a forward or backward in "
+                        f"progress (in {u.full.dtype}): enter the block before the forward or after the backward, "
+                        "or leave dtype unset"
+                    )
+                )
             flat = torch.empty(u.numel, dtype=dtype, device=self.device)
             self._fill(u, flat, f"unit '{u.name}' all-gather in {dtype} (gathered())")
-            params = [compute_param(flat[q.offset:q.offset + q.numel].view(q.shape), q.placed,
-                                    q.sharded.requires_grad) for q in u.params]
+            params = [
+                compute_param(flat[q.offset : q.offset + q.numel].view(q.shape), q.placed, q.sharded.requires_grad)
+                for q in u.params
+            ]
             for q, p in zip(u.params, params):
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda _, q=q: self._no_grad_on_copy(q, dtype))
@@ -162,19 +176,22 @@ class Gatherer:
         flat = self.full_buffer(u)
         dist.broadcast(flat, src=src, group=group)
         own = u.own(flat, u.ranks.rank)
-        u.shard[:own.numel()].copy_(own)
+        u.shard[: own.numel()].copy_(own)
 
     def _fill(self, u: Unit, flat: torch.Tensor, what: str):
         own = u.own(flat, u.ranks.rank)
-        own.copy_(u.shard[:own.numel()])
+        own.copy_(u.shard[: own.numel()])
         comm.all_gather(own, flat, group=u.ranks.group, bounds=u.bounds, what=self.label(what)).wait()
         self.comm_elements["all_gather"] += u.numel
 
     def _no_grad_on_copy(self, q, dtype: torch.dtype):
-        raise RuntimeError(self.err(
-            f"a gradient reached parameter '{q.names[0]}' as gathered in {dtype} by gathered(dtype=...): that "
-            "copy takes no gradients (its shards stay as they are). Run the backward outside the block, or "
-            "gather without dtype= (the gather dtype) to train inside it"))
+        raise RuntimeError(
+            self.err(
+                f"a gradient reached parameter '{q.names[0]}' as gathered in {dtype} by gathered(dtype=...): that "
+                "copy takes no gradients (its shards stay as they are). Run the backward outside the block, or "
+                "gather without dtype= (the gather dtype) to train inside it"
+            )
+        )
 
 
 def _swap(u: Unit, gathered: bool):

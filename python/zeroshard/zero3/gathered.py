@@ -43,6 +43,7 @@ rank-0 code] in comm/collectives.py).
   shards' dtype, so the edit is kept at full precision (another ``dtype`` is
   refused); units of expert modules (their own ranks) are refused.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -87,29 +88,40 @@ def pick_units(units: List[Unit], chosen, err) -> List[Unit]:
     picked = set()
     for x in chosen:
         if not isinstance(x, (nn.Module, torch.Tensor)):
-            raise TypeError(err(f"gathered(units=...) takes modules and parameters of the model, got "
-                                f"{type(x).__name__}"))
+            raise TypeError(
+                err(f"gathered(units=...) takes modules and parameters of the model, got {type(x).__name__}")
+            )
         params = list(x.parameters()) if isinstance(x, nn.Module) else [x]
         found = [where[id(p)] for p in params if id(p) in where]
         if not found:
             what = type(x).__name__ if isinstance(x, nn.Module) else f"parameter of shape {tuple(x.shape)}"
-            raise ValueError(err(f"gathered(units=...): the {what} holds no parameter of this FullyShard model; "
-                                 "pass its modules (model.module.blocks[0]) or their parameters"))
+            raise ValueError(
+                err(
+                    f"gathered(units=...): the {what} holds no parameter of this FullyShard model; "
+                    "pass its modules (model.module.blocks[0]) or their parameters"
+                )
+            )
         picked.update(found)
     return [u for u in units if u.index in picked]
 
 
 def check_fits(units: List[Unit], dtype: torch.dtype, gatherer: Gatherer, err) -> None:
     """Refuse, before gathering, units whose full parameters the device has no room for."""
-    need = sum(u.numel * dtype.itemsize for u in units
-               if (u.state == UnitState.SHARDED if dtype == u.full.dtype else u.copy is None))
+    need = sum(
+        u.numel * dtype.itemsize
+        for u in units
+        if (u.state == UnitState.SHARDED if dtype == u.full.dtype else u.copy is None)
+    )
     free = free_bytes(gatherer.device) if need else None
     if free is not None and need > free:
-        raise RuntimeError(err(
-            f"gathered(): the {len(units)} unit(s) asked for need {need} bytes ({need / 2**30:.2f} GiB) of "
-            f"{gatherer.device} memory gathered in {dtype}, but {free} bytes ({free / 2**30:.2f} GiB) are free. "
-            "Gather part of the model at a time with units=[...] (modules or parameters, e.g. "
-            "units=[model.module.blocks[0]]), or a smaller dtype="))
+        raise RuntimeError(
+            err(
+                f"gathered(): the {len(units)} unit(s) asked for need {need} bytes ({need / 2**30:.2f} GiB) of "
+                f"{gatherer.device} memory gathered in {dtype}, but {free} bytes ({free / 2**30:.2f} GiB) are free. "
+                "Gather part of the model at a time with units=[...] (modules or parameters, e.g. "
+                "units=[model.module.blocks[0]]), or a smaller dtype="
+            )
+        )
 
 
 def _check_dtype(dtype, gather_dtype: torch.dtype, modifier_rank, experts: bool, err) -> torch.dtype:
@@ -117,19 +129,35 @@ def _check_dtype(dtype, gather_dtype: torch.dtype, modifier_rank, experts: bool,
         raise TypeError(err(f"gathered(dtype=...) takes a floating torch.dtype or None, got {dtype!r}"))
     dtype = dtype or gather_dtype
     if modifier_rank is not None and dtype != torch.float32:
-        raise ValueError(err(
-            f"gathered(modifier_rank={modifier_rank}) writes the gathered values into the fp32 shards: gather "
-            f"in torch.float32 (dtype=torch.float32), not {dtype}, or the whole units would be rounded to it"))
+        raise ValueError(
+            err(
+                f"gathered(modifier_rank={modifier_rank}) writes the gathered values into the fp32 shards: gather "
+                f"in torch.float32 (dtype=torch.float32), not {dtype}, or the whole units would be rounded to it"
+            )
+        )
     if modifier_rank is not None and experts:
-        raise NotImplementedError(err(
-            "gathered(modifier_rank=...) over units of expert modules (sharded over their own ranks): each "
-            "expert-parallel rank holds other experts; edit them with load_state_dict instead"))
+        raise NotImplementedError(
+            err(
+                "gathered(modifier_rank=...) over units of expert modules (sharded over their own ranks): each "
+                "expert-parallel rank holds other experts; edit them with load_state_dict instead"
+            )
+        )
     return dtype
 
 
 @contextlib.contextmanager
-def gathered_block(units: List[Unit], gatherer: Gatherer, *, dtype: Optional[torch.dtype], gather_dtype, chosen,
-                   every, modifier_rank: Optional[int], who, err) -> Iterable[None]:
+def gathered_block(
+    units: List[Unit],
+    gatherer: Gatherer,
+    *,
+    dtype: Optional[torch.dtype],
+    gather_dtype,
+    chosen,
+    every,
+    modifier_rank: Optional[int],
+    who,
+    err,
+) -> Iterable[None]:
     """FullyShard.gathered (see the Note): ``gather_dtype``: its param_dtype; ``every``: the
     model's ranks; ``who``: the FullyShard (its rank, for the check-in)."""
     picked = pick_units(units, chosen, err)
@@ -137,8 +165,12 @@ def gathered_block(units: List[Unit], gatherer: Gatherer, *, dtype: Optional[tor
     ranks = torch.distributed.get_process_group_ranks(every)
     if modifier_rank is not None and modifier_rank not in ranks:
         raise ValueError(err(f"gathered(modifier_rank={modifier_rank}): not one of the model's ranks {ranks}"))
-    comm.check_in("FullyShard.gathered()", who, every,
-                  "gathered() all-gathers the units: enter it on every rank, and edit on one rank inside it")
+    comm.check_in(
+        "FullyShard.gathered()",
+        who,
+        every,
+        "gathered() all-gathers the units: enter it on every rank, and edit on one rank inside it",
+    )
     check_fits(picked, dtype, gatherer, err)
     held: List[tuple] = []
     try:

@@ -15,6 +15,7 @@ False`` keeps the per-token gathering for it. Collective, as every forward of
 the model is: every rank calls ``generate`` with the same number of decoding
 steps (greedy decoding and a sampler seeded alike on every rank give that).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +24,7 @@ import functools
 
 def gathered_generate(fs, generate):
     """``generate`` (the wrapped model's) run with ``fs``'s units gathered once per call."""
+
     @functools.wraps(generate)
     def run(*args, **kwargs):
         if not fs.generate_gathered:
@@ -31,7 +33,10 @@ def gathered_generate(fs, generate):
             try:
                 stack.enter_context(fs.gathered())
             except RuntimeError as e:
-                raise RuntimeError(f"{e}. For generate(): or set model.generate_gathered = False to gather "
-                                   "unit by unit for every token, as a forward does") from e
+                raise RuntimeError(
+                    f"{e}. For generate(): or set model.generate_gathered = False to gather "
+                    "unit by unit for every token, as a forward does"
+                ) from e
             return generate(*args, **kwargs)
+
     return run

@@ -17,6 +17,7 @@ gathered to the end of the backward. And a
 gradient that arrives for a unit whose parameters are not gathered is
 refused too (``UnitBackward.on_grad``), whatever hid its output.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,7 +57,7 @@ def _walk(obj, found: list, seen: set, depth: int, where: str, err):
     if dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
             _walk(getattr(obj, f.name, None), found, seen, depth + 1, where, err)
-        if isinstance(obj, Mapping):     # (ModelOutput: a dataclass and a mapping)
+        if isinstance(obj, Mapping):  # (ModelOutput: a dataclass and a mapping)
             for v in obj.values():
                 _walk(v, found, seen, depth + 1, where, err)
         return
@@ -70,12 +71,15 @@ def _walk(obj, found: list, seen: set, depth: int, where: str, err):
         return
     hidden = _hidden_tensor(obj) if err is not None else None
     if hidden is not None:
-        raise TypeError(err(
-            f"{where} returned a {type(obj).__module__}.{type(obj).__qualname__} whose attribute "
-            f"'{hidden}' holds a tensor that requires grad, inside an object zeroshard cannot see into: its "
-            "backward would run without the unit's parameters gathered. Return tensors in a tuple, list, "
-            "dict, namedtuple or dataclass, or register the type with "
-            "torch.utils._pytree.register_pytree_node"))
+        raise TypeError(
+            err(
+                f"{where} returned a {type(obj).__module__}.{type(obj).__qualname__} whose attribute "
+                f"'{hidden}' holds a tensor that requires grad, inside an object zeroshard cannot see into: its "
+                "backward would run without the unit's parameters gathered. Return tensors in a tuple, list, "
+                "dict, namedtuple or dataclass, or register the type with "
+                "torch.utils._pytree.register_pytree_node"
+            )
+        )
 
 
 def _hidden_tensor(obj) -> Optional[str]:
@@ -93,8 +97,10 @@ def _hidden_tensor(obj) -> Optional[str]:
 def cast_inputs(dtype: torch.dtype, args: tuple, kwargs: dict):
     """``args`` and ``kwargs`` with every floating tensor in them cast to ``dtype``
     (as FSDP2's ``cast_forward_inputs``); integer and other tensors unchanged."""
+
     def cast(t):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
             return t.to(dtype)
         return t
+
     return tree_map(cast, args), tree_map(cast, kwargs)

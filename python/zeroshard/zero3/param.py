@@ -22,6 +22,7 @@ Its ``.grad`` between backward and step is the optimizer's ``ShardedGrad``
 ([Note: sharded gradients]); with no ShardedOptimizer, a ``ShardedTensor``
 of the same shape whose ``to_local()`` is this rank's gradient piece.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,9 +35,11 @@ aten = torch.ops.aten
 
 
 # what a user wrote, for the torch ops it reaches us as
-_SAID = {"aten.detach.default": "detach(), p.data or a module's state_dict()",
-         "aten._to_copy.default": ".to(), .float(), .cpu() or module.to()",
-         "aten.empty_like.default": "empty_like or a module's to_empty() (call the FullyShard model's)"}
+_SAID = {
+    "aten.detach.default": "detach(), p.data or a module's state_dict()",
+    "aten._to_copy.default": ".to(), .float(), .cpu() or module.to()",
+    "aten.empty_like.default": "empty_like or a module's to_empty() (call the FullyShard model's)",
+}
 
 
 # ops of torch's optimizers' steps (fused, foreach and single-tensor): one reaching a sharded
@@ -46,28 +49,38 @@ _STEP_OPS = ("_fused_adam", "_fused_sgd", "_foreach_", "addcdiv", "addcmul", "le
 
 def _refuse(name: str, what: str, shape, func=None, whole: bool = True) -> str:
     said = _SAID.get(what, what)
-    head = (f"FullyShard parameter '{name}' (shape {tuple(shape)}) is sharded over the ranks: {said} needs its full "
-            "data, which no rank holds between steps. ")
+    head = (
+        f"FullyShard parameter '{name}' (shape {tuple(shape)}) is sharded over the ranks: {said} needs its full "
+        "data, which no rank holds between steps. "
+    )
     if any(op in what for op in _STEP_OPS):
-        return head + ("A torch optimizer cannot step FullyShard parameters: build zeroshard.ShardedOptimizer("
-                       "model.parameters(), ...) over them, which steps each rank's shard (AdamW by default; "
-                       "optimizer_class=torch.optim.Adam, say, for another torch optimizer)")
-    read = ("For a state dict call model.state_dict(to=0) on every rank (the FullyShard model, not a module inside "
-            "it); this rank's piece is p.to_local()")
+        return head + (
+            "A torch optimizer cannot step FullyShard parameters: build zeroshard.ShardedOptimizer("
+            "model.parameters(), ...) over them, which steps each rank's shard (AdamW by default; "
+            "optimizer_class=torch.optim.Adam, say, for another torch optimizer)"
+        )
+    read = (
+        "For a state dict call model.state_dict(to=0) on every rank (the FullyShard model, not a module inside "
+        "it); this rank's piece is p.to_local()"
+    )
     if func is None or not (func._schema.is_mutable or any(r.alias_info is not None for r in func._schema.returns)):
         return head + read
     # a write, a view or an index: most likely initialising it
     if not whole:
-        return (f"{head}It is a tensor-parallel or an expert parameter: elementwise in-place ops work on it, but "
-                "a random fill or a copy would not give each rank its part of the one full tensor; initialise "
-                f"module '{param_init.module_of(name)}' before wrapping, or load its values (model.load_state_dict)")
-    return (f"{head}To initialise it: nn.init's fills (uniform_, normal_, trunc_normal_, constant_, zeros_, ones_, "
-            "xavier_*, kaiming_*, eye_) and elementwise in-place ops work on it under torch.no_grad(), applied to "
-            "the parameter itself (not to p.data or an index of it). For any other initialisation fill a full "
-            "tensor and copy it in, on every rank, seeded alike (each keeps its piece): with torch.no_grad(): "
-            "w = torch.empty(p.shape); nn.init.orthogonal_(w); p.copy_(w); or give module "
-            f"'{param_init.module_of(name)}' its values before wrapping (a model partly on meta keeps them). "
-            "To read it: model.state_dict(to=0) on every rank, or p.to_local() for this rank's piece")
+        return (
+            f"{head}It is a tensor-parallel or an expert parameter: elementwise in-place ops work on it, but "
+            "a random fill or a copy would not give each rank its part of the one full tensor; initialise "
+            f"module '{param_init.module_of(name)}' before wrapping, or load its values (model.load_state_dict)"
+        )
+    return (
+        f"{head}To initialise it: nn.init's fills (uniform_, normal_, trunc_normal_, constant_, zeros_, ones_, "
+        "xavier_*, kaiming_*, eye_) and elementwise in-place ops work on it under torch.no_grad(), applied to "
+        "the parameter itself (not to p.data or an index of it). For any other initialisation fill a full "
+        "tensor and copy it in, on every rank, seeded alike (each keeps its piece): with torch.no_grad(): "
+        "w = torch.empty(p.shape); nn.init.orthogonal_(w); p.copy_(w); or give module "
+        f"'{param_init.module_of(name)}' its values before wrapping (a model partly on meta keeps them). "
+        "To read it: model.state_dict(to=0) on every rank, or p.to_local() for this rank's piece"
+    )
 
 
 class ShardedTensor(torch.Tensor):
@@ -102,14 +115,22 @@ class ShardedParameter(nn.Parameter):
     """A FullyShard model's parameter between uses; see [Note: sharded parameters]."""
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, shape: torch.Size, name: str, requires_grad: bool = True,
-                start: int = 0, whole: bool = True):
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
-                                                requires_grad=requires_grad)
+    def __new__(
+        cls,
+        local: torch.Tensor,
+        shape: torch.Size,
+        name: str,
+        requires_grad: bool = True,
+        start: int = 0,
+        whole: bool = True,
+    ):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
+        )
         # ``start``: where the piece begins in the flattened full tensor; ``whole``: the pieces
         # are ranges of the one full tensor (False: a tensor-parallel or an expert parameter)
         t.piece, t.param_name, t.start, t.whole = local, name, start, whole
-        t.owner_ref = None      # a weak reference to the FullyShard that made it (records.register_owner)
+        t.owner_ref = None  # a weak reference to the FullyShard that made it (records.register_owner)
         return t
 
     def to_local(self) -> torch.Tensor:
@@ -134,11 +155,21 @@ class ShardedParameter(nn.Parameter):
         out = param_init.apply(func, args, kwargs or {}, lambda a: isinstance(a, ShardedParameter))
         if out is not NotImplemented:
             return out
-        owner = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (ShardedParameter, ShardedTensor))),
-                     None)
-        raise RuntimeError(_refuse(getattr(owner, "param_name", "?"), str(func), getattr(owner, "shape", ()), func,
-                                   getattr(owner, "whole", True)))
+        owner = next(
+            (a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (ShardedParameter, ShardedTensor))), None
+        )
+        raise RuntimeError(
+            _refuse(
+                getattr(owner, "param_name", "?"),
+                str(func),
+                getattr(owner, "shape", ()),
+                func,
+                getattr(owner, "whole", True),
+            )
+        )
 
     def __repr__(self):
-        return (f"ShardedParameter('{self.param_name}', shape {tuple(self.shape)}, {self.dtype}, this rank's piece "
-                f"{self.piece.numel()} elements; see zeroshard's docs, 'ZeRO-3: FullyShard')")
+        return (
+            f"ShardedParameter('{self.param_name}', shape {tuple(self.shape)}, {self.dtype}, this rank's piece "
+            f"{self.piece.numel()} elements; see zeroshard's docs, 'ZeRO-3: FullyShard')"
+        )

@@ -55,6 +55,7 @@ A model built on meta whose classes define their own initialisation
 after wrapping (no init op, no load) warns at its first forward, naming those
 methods: its parameters hold torch's ``reset_parameters()`` defaults.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,13 +74,33 @@ from .records import owner_of
 
 aten = torch.ops.aten
 
-_RANDOM = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor,
-           aten.exponential_.default, aten.log_normal_.default, aten.cauchy_.default, aten.geometric_.default,
-           aten.random_.default, aten.random_.to, getattr(aten.random_, "from")}
+_RANDOM = {
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.bernoulli_.float,
+    aten.bernoulli_.Tensor,
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    aten.random_.to,
+    getattr(aten.random_, "from"),
+}
 _OVERWRITES = _RANDOM | {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.copy_.default}
-_SHAPE_ONLY = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-               aten.rand_like.default, aten.randn_like.default, aten.new_empty.default, aten.new_zeros.default,
-               aten.new_ones.default, aten.new_full.default, aten.new_empty_strided.default}
+_SHAPE_ONLY = {
+    aten.empty_like.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+}
 # method names of a model's own initialisation (torchtitan's init_weights, HF's _init_weights)
 _INIT_METHOD = re.compile(r"^_?(init_weights?|initiali[sz]e_weights|init_param(eter)?s|initiali[sz]e_param(eter)?s)$")
 
@@ -87,8 +108,9 @@ _INIT_METHOD = re.compile(r"^_?(init_weights?|initiali[sz]e_weights|init_param(e
 @dataclass
 class _Whole:
     """The whole value of the parameter last overwritten ([Note: initialising sharded parameters])."""
-    param: Any            # weakref to the ShardedParameter
-    value: torch.Tensor   # fp32, its full shape
+
+    param: Any  # weakref to the ShardedParameter
+    value: torch.Tensor  # fp32, its full shape
 
 
 _last: Optional[_Whole] = None
@@ -110,7 +132,7 @@ def _keep(p, value: torch.Tensor) -> None:
     """``value`` is ``p``'s whole value now: its range into the piece, kept for later reads."""
     global _last
     n = p.piece.numel()
-    p.piece.copy_(value.reshape(-1)[p.start:p.start + n])
+    p.piece.copy_(value.reshape(-1)[p.start : p.start + n])
     _last = _Whole(weakref.ref(p), value)
     _mark_written(p)
 
@@ -143,9 +165,10 @@ def apply(func, args: tuple, kwargs: dict, is_param: Callable[[Any], bool]):
         # (with device=, an inner module's to_empty(): it would swap plain tensors in, refused)
         a2, k2 = tree_map(lambda a: _stand_in(a) if is_param(a) else a, (args, kwargs))
         return func(*a2, **k2)
-    if torch.is_grad_enabled() or any(r.alias_info is not None and not r.alias_info.is_write
-                                      for r in func._schema.returns):
-        return NotImplemented       # (a view, or an op autograd records: refused)
+    if torch.is_grad_enabled() or any(
+        r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+    ):
+        return NotImplemented  # (a view, or an op autograd records: refused)
     written = _written_args(func, args, kwargs, is_param)
     if len(written) > 1:
         return NotImplemented
@@ -153,7 +176,7 @@ def apply(func, args: tuple, kwargs: dict, is_param: Callable[[Any], bool]):
     others = [p for p in params if p is not target]
     if any(_whole_of(p) is None for p in others):
         return NotImplemented
-    if target is None:              # a read of parameters whose whole values are known
+    if target is None:  # a read of parameters whose whole values are known
         return _run(func, args, kwargs, is_param, {})
     whole = _whole_of(target)
     if whole is None and (is_out or func in _OVERWRITES) and target.whole:
@@ -165,8 +188,16 @@ def apply(func, args: tuple, kwargs: dict, is_param: Callable[[Any], bool]):
         _keep(target, whole)
         return target
     # (a tensor-parallel or expert piece is no range of the one full tensor: with numbers only)
-    if torch.Tag.pointwise in func.tags and not others and (target.whole or not any(
-            isinstance(a, torch.Tensor) and a.dim() > 0 and not is_param(a) for a in tree_flatten((args, kwargs))[0])):
+    if (
+        torch.Tag.pointwise in func.tags
+        and not others
+        and (
+            target.whole
+            or not any(
+                isinstance(a, torch.Tensor) and a.dim() > 0 and not is_param(a) for a in tree_flatten((args, kwargs))[0]
+            )
+        )
+    ):
         _run(func, args, kwargs, is_param, {id(target): target.piece}, piece_of=target)
         _mark_written(target)
         return target
@@ -176,13 +207,15 @@ def apply(func, args: tuple, kwargs: dict, is_param: Callable[[Any], bool]):
 def _run(func, args, kwargs, is_param, values: dict, piece_of=None):
     """``func`` with each ShardedParameter replaced by ``values[id]`` or its whole value;
     with ``piece_of``, every other tensor of the full shape by its range of the piece's."""
+
     def swap(a):
         if is_param(a):
             return values[id(a)] if id(a) in values else _whole_of(a)
         if piece_of is not None and isinstance(a, torch.Tensor) and a.dim() > 0:
             full = a.expand(piece_of.shape).reshape(-1)
-            return full[piece_of.start:piece_of.start + piece_of.piece.numel()]
+            return full[piece_of.start : piece_of.start + piece_of.piece.numel()]
         return a
+
     a2, k2 = tree_map(swap, (args, kwargs))
     return func(*a2, **k2)
 
@@ -201,17 +234,26 @@ def check_generators(p, generator: Optional[torch.Generator]) -> None:
         return
     watch.generators_checked = True
     dev = p.piece.device
-    state = generator.get_state() if generator is not None else \
-        torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+    state = (
+        generator.get_state()
+        if generator is not None
+        else torch.cuda.get_rng_state(dev)
+        if dev.type == "cuda"
+        else torch.get_rng_state()
+    )
     digest = hashlib.sha1(state.cpu().numpy().tobytes()).hexdigest()
     everyone = comm.all_gather_object(digest, group=fs.groups.every, what="random init: generator states")
     if len(set(everyone)) > 1:
         differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
-        raise RuntimeError(comm.on_rank(fs,
-            f"a random fill of sharded parameter '{p.param_name}': the ranks' random generators differ (ranks "
-            f"{differ} from rank 0's), so each rank's piece would come from another stream and the values would "
-            "depend on the world size. Seed every rank alike before initialising (torch.manual_seed(seed) on "
-            "every rank); seed per rank after it, for dropout"))
+        raise RuntimeError(
+            comm.on_rank(
+                fs,
+                f"a random fill of sharded parameter '{p.param_name}': the ranks' random generators differ (ranks "
+                f"{differ} from rank 0's), so each rank's piece would come from another stream and the values would "
+                "depend on the world size. Seed every rank alike before initialising (torch.manual_seed(seed) on "
+                "every rank); seed per rank after it, for dropout",
+            )
+        )
 
 
 def check_to_empty(device, shards_on: torch.device, err: Callable[[str], str]) -> None:
@@ -220,10 +262,13 @@ def check_to_empty(device, shards_on: torch.device, err: Callable[[str], str]) -
     if want.type == "cuda" and want.index is None and torch.cuda.is_available():
         want = torch.device("cuda", torch.cuda.current_device())
     if want != shards_on:
-        raise ValueError(err(
-            f"to_empty(device={want}) after wrapping: this model's shards were allocated on {shards_on} when it "
-            f"was wrapped, and FullyShard does not move them. Pass device={want} to FullyShard (a model built on "
-            "meta is allocated where device= says); to_empty is then optional"))
+        raise ValueError(
+            err(
+                f"to_empty(device={want}) after wrapping: this model's shards were allocated on {shards_on} when it "
+                f"was wrapped, and FullyShard does not move them. Pass device={want} to FullyShard (a model built on "
+                "meta is allocated where device= says); to_empty is then optional"
+            )
+        )
 
 
 class InitWatch:
@@ -233,8 +278,8 @@ class InitWatch:
     def __init__(self, module: nn.Module, device: torch.device):
         built_on_meta = device.type != "meta" and any(p.is_meta for p in module.parameters())
         self.custom: List[str] = own_init_methods(module) if built_on_meta else []
-        self.written = False               # an init op or a load wrote the parameters since wrapping
-        self.generators_checked = False    # check_generators ran
+        self.written = False  # an init op or a load wrote the parameters since wrapping
+        self.generators_checked = False  # check_generators ran
 
     def values_given(self) -> None:
         """Values were loaded into the shards (a state dict, a checkpoint)."""
@@ -252,7 +297,9 @@ class InitWatch:
                 "lost. As with FSDP2, run it after wrapping: model.to_empty(device=...), then "
                 "model.init_weights() (nn.init's fills work on the sharded parameters: each rank keeps its "
                 "piece, the same values at any world size); or load values (model.load_state_dict, "
-                "zeroshard.load_pretrained)", stacklevel=3)
+                "zeroshard.load_pretrained)",
+                stacklevel=3,
+            )
         self.custom = []
 
 

@@ -1,5 +1,6 @@
 """FullyShard's records: MixedPrecision, a parameter (Param), a sharding unit
 (Unit) with its state, and the parties stepping its shards (Steppers)."""
+
 from __future__ import annotations
 
 import enum
@@ -15,6 +16,7 @@ from .. import comm
 from ..core.reduction import Reduction
 from ..native.layout import chunk_span
 from ..offload import Placement
+
 
 def left_out(p: torch.Tensor) -> bool:
     """An integer or bool parameter (a step counter, a mask): FullyShard leaves it out of
@@ -43,6 +45,7 @@ class MixedPrecision:
     Both default to True when ``param_dtype`` is set (None: that default);
     integer inputs (token ids) are never cast.
     """
+
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: Optional[bool] = None
@@ -58,20 +61,20 @@ class MixedPrecision:
 
 @dataclass
 class Param:
-    names: List[str]                    # every name it is registered under, first is canonical
+    names: List[str]  # every name it is registered under, first is canonical
     slots: List[Tuple[nn.Module, str]]  # (module, attribute) registrations
     shape: torch.Size
-    dtype: torch.dtype                  # original dtype (state_dict returns it)
+    dtype: torch.dtype  # original dtype (state_dict returns it)
     requires_grad: bool
-    offset: int = 0                     # in the unit's flat buffer
-    full: Optional[nn.Parameter] = None     # compute parameter (view of the gathered buffer)
-    local: Optional[torch.Tensor] = None    # this rank's piece (1-D view of the shard)
+    offset: int = 0  # in the unit's flat buffer
+    full: Optional[nn.Parameter] = None  # compute parameter (view of the gathered buffer)
+    local: Optional[torch.Tensor] = None  # this rank's piece (1-D view of the shard)
     sharded: Optional[nn.Parameter] = None  # what the modules hold between uses: a ShardedParameter
-                                            # over ``local`` ([Note: sharded parameters] in zero3/param.py)
-    shard_offset: int = 0               # where the piece starts in the shard
-    tensor_offset: int = 0              # where the piece starts in the flattened parameter
-    arrived: bool = False               # gradient arrived in this backward
-    got_grad: bool = False              # a gradient arrived since zero_grad(set_to_none=True)
+    # over ``local`` ([Note: sharded parameters] in zero3/param.py)
+    shard_offset: int = 0  # where the piece starts in the shard
+    tensor_offset: int = 0  # where the piece starts in the flattened parameter
+    arrived: bool = False  # gradient arrived in this backward
+    got_grad: bool = False  # a gradient arrived since zero_grad(set_to_none=True)
     # a DTensor parameter's placements over its tp mesh (``shape`` is then its local piece's:
     # [Note: tensor-parallel parameters] in core/tensor_parallel.py); None otherwise
     placed: Optional[object] = None
@@ -88,21 +91,21 @@ class Param:
 
 class UnitState(enum.Enum):
     """Where a unit's full parameters are."""
-    SHARDED = "sharded"       # only this rank's shard exists; the full buffer's storage is freed
-    GATHERING = "gathering"   # an all-gather into the full buffer is in flight (prefetch)
-    GATHERED = "gathered"     # the full buffer holds every rank's shard; the module computes on it
 
+    SHARDED = "sharded"  # only this rank's shard exists; the full buffer's storage is freed
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight (prefetch)
+    GATHERED = "gathered"  # the full buffer holds every rank's shard; the module computes on it
 
 
 @dataclass
 class Unit:
     index: int
-    name: str                     # module path, '' for the root
+    name: str  # module path, '' for the root
     module: nn.Module
     params: List[Param]
-    ranks: object = None          # its shards' ranks: a ShardGroup (comm/mesh.py), an expert's own or FullyShard's
-    numel: int = 0                # padded flat size (world_size * shard_numel, or bounds[-1])
-    shard_numel: int = 0          # this rank's chunk of it
+    ranks: object = None  # its shards' ranks: a ShardGroup (comm/mesh.py), an expert's own or FullyShard's
+    numel: int = 0  # padded flat size (world_size * shard_numel, or bounds[-1])
+    shard_numel: int = 0  # this rank's chunk of it
     # rank r's chunk is [bounds[r], bounds[r + 1]) when the unit is laid out for a
     # whole-tensor optimizer ([Note: uneven chunks] in zero3/relayout.py); None: equal chunks
     bounds: Optional[List[int]] = None
@@ -111,11 +114,11 @@ class Unit:
     # never reduced ([Note: frozen parameters] in zero3/wrap.py)
     grad_numel: int = 0
     grad_bounds: Optional[List[int]] = None
-    shard: Optional[torch.Tensor] = None        # fp32, this rank's shard
+    shard: Optional[torch.Tensor] = None  # fp32, this rank's shard
     # the gradient shard lives in (pinned) host memory: an optimizer steps this unit on the
     # CPU while it trains on a device ([Note: offloaded gradients] in offload/copies.py)
     grad_to_host: bool = False
-    full: Optional[torch.Tensor] = None         # param_dtype flat buffer; storage freed when sharded
+    full: Optional[torch.Tensor] = None  # param_dtype flat buffer; storage freed when sharded
     state: UnitState = UnitState.SHARDED
     gather: Optional[comm.CommHandle] = None
     # its gradients' reduction ([Note: reduction pipeline] in core/reduction.py): its
@@ -123,8 +126,8 @@ class Unit:
     # what the unit's backward still waits for (trainable parameters' gradients, inputs');
     # its ``grad`` the fp32 averaged gradient shard (its tensor None until reduced)
     reduction: Optional[Reduction] = None
-    fresh: bool = True            # the reduction overwrites the gradient shard (no accumulation)
-    calls: int = 0                # its forwards (or registered methods) running now, nested
+    fresh: bool = True  # the reduction overwrites the gradient shard (no accumulation)
+    calls: int = 0  # its forwards (or registered methods) running now, nested
     # calls since the last backward began whose inputs' gradients are still to come: a unit
     # with frozen parameters is done with its backward only then ([Note: frozen parameters])
     input_waits: int = 0
@@ -139,7 +142,7 @@ class Unit:
         return self.index == 0
 
     @functools.cached_property
-    def trainable(self) -> List[Param]:   # read once the units are built (every backward)
+    def trainable(self) -> List[Param]:  # read once the units are built (every backward)
         return [p for p in self.params if p.requires_grad]
 
     def thawed(self, params: List[Param]) -> None:
@@ -177,7 +180,6 @@ class Unit:
         return None
 
 
-
 def register_owner(fs, units: List[Unit]):
     """Record ``fs`` (weakly) as the owner of its units' sharded parameters."""
     fs_ref = weakref.ref(fs)
@@ -208,7 +210,7 @@ class Steppers:
     def __init__(self):
         self._entries: List[tuple] = []
         self._stepped: set = set()
-        self._deferred_zero: Optional[bool] = None   # set_to_none of a zero_grad() held back
+        self._deferred_zero: Optional[bool] = None  # set_to_none of a zero_grad() held back
 
     def register(self, owner: object, states: Dict[int, Dict[str, torch.Tensor]], places: Dict[int, Placement]):
         """``owner``'s state shards by unit index, and where each unit's live (``places``)."""
@@ -224,14 +226,19 @@ class Steppers:
     def states_by_unit(self) -> Dict[int, Dict[str, torch.Tensor]]:
         out: Dict[int, Dict[str, torch.Tensor]] = {}
         for ref, states, _ in self._entries:
-            if ref() is not None:       # (an optimizer with its own state registers none)
+            if ref() is not None:  # (an optimizer with its own state registers none)
                 out.update({k: v for k, v in states.items() if v})
         return out
 
     def placed(self) -> List[Tuple[torch.Tensor, Placement]]:
         """Each live state shard with where it lives."""
-        return [(t, places[k]) for ref, states, places in self._entries if ref() is not None
-                for k, st in states.items() for t in st.values()]
+        return [
+            (t, places[k])
+            for ref, states, places in self._entries
+            if ref() is not None
+            for k, st in states.items()
+            for t in st.values()
+        ]
 
     def live(self) -> list:
         """The live steppers, in registration order."""
@@ -256,8 +263,7 @@ class Steppers:
         backward and another live optimizer has not yet (a loop that steps and zeroes
         each optimizer in turn). The zeroing then runs once the last one has stepped."""
         live = self.live()
-        if by is None or not grads_ready or id(by) not in self._stepped or \
-                all(id(o) in self._stepped for o in live):
+        if by is None or not grads_ready or id(by) not in self._stepped or all(id(o) in self._stepped for o in live):
             return False
         self._deferred_zero = set_to_none if self._deferred_zero is None else self._deferred_zero and set_to_none
         return True

@@ -37,6 +37,7 @@ The price: the chunks of one unit, so each rank's memory for it, differ (the
 balance holds over the units together), and NCCL runs uneven collectives as
 grouped broadcasts and reduces rather than its ring kernels.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
@@ -57,17 +58,20 @@ from .wrap import Setup, host_or_device_zeros, layout_align, place_piece, set_gr
 MIN_FILL = 1 << 16
 
 
-def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int], backward,
-            steppers: Steppers, by: object):
+def lay_out(
+    cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int], backward, steppers: Steppers, by: object
+):
     """``lay_out_for_owners`` for a FullyShard (its UnitBackward ``backward``) and the
     whole-tensor update of stepper ``by``; the other steppers over moved units are told
     (``Stepper.relaid``: their optimizers bind again)."""
+
     def busy(u: Unit) -> Optional[str]:
         if backward.active or u.state != UnitState.SHARDED:
             return "a forward or backward is running"
         if backward.gatherer.steps_done or u.reduction.grad.tensor is not None or u.reduction.buffer is not None:
             return "the model has already trained (it holds gradients, or it has stepped)"
         return next((why for s in steppers.over({u.index}) if s is not by and (why := s.relayout_blocker())), None)
+
     moved = lay_out_for_owners(cfg, units, costs, load, busy)
     for s in steppers.over({u.index for u in moved}):
         if s is not by:
@@ -75,8 +79,9 @@ def lay_out(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int
 
 
 @torch.no_grad()
-def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int],
-                       busy: Callable[[Unit], Optional[str]]) -> List[Unit]:
+def lay_out_for_owners(
+    cfg: Setup, units: List[Unit], costs: Dict[int, int], load: List[int], busy: Callable[[Unit], Optional[str]]
+) -> List[Unit]:
     """Lay the units holding any of ``costs``' tensors (id of a sharded parameter ->
     its update cost) out so each lies inside its owner's chunk, the owners chosen by
     longest-processing-time packing within each group of ranks the units shard over:
@@ -88,7 +93,8 @@ def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], loa
     by_ranks: Dict[int, tuple] = {}
     for u in units:
         by_ranks.setdefault(id(u.ranks), (u.ranks, []))[1].extend(
-            q for q in u.params if id(q.sharded) in costs and q.requires_grad and q.numel)
+            q for q in u.params if id(q.sharded) in costs and q.requires_grad and q.numel
+        )
     for ranks, whole in by_ranks.values():
         room = load if not ranks.own else [0] * ranks.world
         owner.update(zip(map(id, whole), assign_owners([costs[id(q.sharded)] for q in whole], ranks.world, room)))
@@ -98,18 +104,25 @@ def lay_out_for_owners(cfg: Setup, units: List[Unit], costs: Dict[int, int], loa
     for u in units:
         if not any(id(q) in owner for q in u.params):
             continue
-        layout = owner_chunks([q.numel for q in u.params], {k: owner[id(q)] for k, q in enumerate(u.params)
-                                                            if id(q) in owner}, u.ranks.world,
-                              layout_align(cfg.param_dtype), MIN_FILL)
+        layout = owner_chunks(
+            [q.numel for q in u.params],
+            {k: owner[id(q)] for k, q in enumerate(u.params) if id(q) in owner},
+            u.ranks.world,
+            layout_align(cfg.param_dtype),
+            MIN_FILL,
+        )
         now = [u.span(r)[0] for r in range(u.ranks.world)] + [u.numel]
         if layout.offsets == [q.offset for q in u.params] and layout.bounds == now:
             continue
         why = busy(u)
         if why:
-            raise RuntimeError(cfg.err(
-                f"a whole-tensor optimizer needs FullyShard unit '{u.name}' laid out again (each of its "
-                f"tensors inside its owner's chunk), but {why}. Build the whole-tensor ShardedOptimizer "
-                "before training (before the first forward and backward)"))
+            raise RuntimeError(
+                cfg.err(
+                    f"a whole-tensor optimizer needs FullyShard unit '{u.name}' laid out again (each of its "
+                    f"tensors inside its owner's chunk), but {why}. Build the whole-tensor ShardedOptimizer "
+                    "before training (before the first forward and backward)"
+                )
+            )
         _move(cfg, u, layout.offsets, layout.bounds)
         moved.append(u)
     return moved
@@ -127,27 +140,36 @@ def thaw(cfg: Setup, units: List[Unit], backward, steppers: Steppers, by: object
         thawed = [q for q in u.params if not q.requires_grad and q.sharded.requires_grad]
         if not thawed:
             continue
-        why = ("a forward or backward is running" if backward.active or u.state != UnitState.SHARDED else
-               "gradients wait for step()" if backward.state == GradState.READY or u.reduction.buffer is not None
-               else "it is laid out for a whole-tensor optimizer" if u.bounds is not None else
-               "it is an expert unit over its own ranks (expert_modules), not laid out again yet" if u.ranks.own
-               else None)
+        why = (
+            "a forward or backward is running"
+            if backward.active or u.state != UnitState.SHARDED
+            else "gradients wait for step()"
+            if backward.state == GradState.READY or u.reduction.buffer is not None
+            else "it is laid out for a whole-tensor optimizer"
+            if u.bounds is not None
+            else "it is an expert unit over its own ranks (expert_modules), not laid out again yet"
+            if u.ranks.own
+            else None
+        )
         if why:
-            raise RuntimeError(cfg.err(
-                f"parameter '{thawed[0].names[0]}' of FullyShard unit '{u.name}' was frozen when the model was "
-                f"wrapped and is unfrozen now; laying the unit out again for its gradient is refused: {why}. "
-                "Unfreeze it after step() (or zero_grad()) and before the next forward, or wrap the model with "
-                "it trainable and freeze it with requires_grad_(False) until it should train"))
+            raise RuntimeError(
+                cfg.err(
+                    f"parameter '{thawed[0].names[0]}' of FullyShard unit '{u.name}' was frozen when the model was "
+                    f"wrapped and is unfrozen now; laying the unit out again for its gradient is refused: {why}. "
+                    "Unfreeze it after step() (or zero_grad()) and before the next forward, or wrap the model with "
+                    "it trainable and freeze it with requires_grad_(False) until it should train"
+                )
+            )
         u.thawed(thawed)
         for q in thawed:
             q.full.requires_grad_(True)
         offsets, shard_numel = unit_layout(cfg, u)
         _move(cfg, u, offsets, [r * shard_numel for r in range(cfg.world + 1)])
-        u.bounds, u.reduction.grad.tensor = None, None     # (equal chunks; the gradients were zeroed)
+        u.bounds, u.reduction.grad.tensor = None, None  # (equal chunks; the gradients were zeroed)
         set_grad_extent(u, cfg.world)
         moved.append(u)
         thawed_all += [(u, q) for q in thawed]
-    for s in steppers.live() if moved else ():   # (any may hold the thawed ones, frozen; each binds anew)
+    for s in steppers.live() if moved else ():  # (any may hold the thawed ones, frozen; each binds anew)
         if s is not by:
             s.relaid()
     return thawed_all
@@ -159,8 +181,9 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
     values = None
     if dev.type != "meta":
         values = torch.empty(u.numel, dtype=torch.float32, device=dev)
-        comm.all_gather(u.shard.to(dev), values, group=u.ranks.group, bounds=u.bounds,
-                        what=f"relayout: unit '{u.name}' values").wait()
+        comm.all_gather(
+            u.shard.to(dev), values, group=u.ranks.group, bounds=u.bounds, what=f"relayout: unit '{u.name}' values"
+        ).wait()
     old = [q.offset for q in u.params]
     lo, hi = bounds[u.ranks.rank], bounds[u.ranks.rank + 1]
     u.bounds, u.numel, u.shard_numel = list(bounds), bounds[-1], hi - lo
@@ -171,9 +194,9 @@ def _move(cfg: Setup, u: Unit, offsets: List[int], bounds: List[int]):
         place_piece(u, q, lo, hi)
         n = q.local.numel()
         if values is not None and n:
-            q.local.copy_(values[was + q.tensor_offset:was + q.tensor_offset + n])
+            q.local.copy_(values[was + q.tensor_offset : was + q.tensor_offset + n])
         q.sharded.place(q.local, q.tensor_offset)
-        point_at(q.full, u.full[q.offset:q.offset + q.numel].view(q.shape))
-    set_grad_extent(u, u.ranks.world)      # ([Note: frozen parameters]: over the new offsets)
+        point_at(q.full, u.full[q.offset : q.offset + q.numel].view(q.shape))
+    set_grad_extent(u, u.ranks.world)  # ([Note: frozen parameters]: over the new offsets)
     if dev.type != "meta":
         u.full.untyped_storage().resize_(0)

@@ -5,6 +5,7 @@ shards the gradients; this source adds exp_avg/exp_avg_sq shards per unit,
 and after a step drops the units' gathered copies (the next forward gathers
 the new ones). See [Note: shard sources] in core/source.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,18 @@ class UnitSource(ShardSource):
     """The ZeRO-3 source over the FullyShard models that own ``params``
     (``owners[i]`` is the FullyShard of ``params[i]``; none is None)."""
 
-    def __init__(self, params: List[torch.Tensor], group_of: List[int], owners: list, sharding: Sharding,
-                 reduce_dtype, adam: bool = True, offload: Offload = NO_OFFLOAD, whole: bool = False,
-                 rebind: Optional[Rebind] = None):
+    def __init__(
+        self,
+        params: List[torch.Tensor],
+        group_of: List[int],
+        owners: list,
+        sharding: Sharding,
+        reduce_dtype,
+        adam: bool = True,
+        offload: Offload = NO_OFFLOAD,
+        whole: bool = False,
+        rebind: Optional[Rebind] = None,
+    ):
         """``sharding``: the optimizer's policy (FullyShard's decides; see ``_check``);
         ``offload``: where the state shards of which units go ([Note: offload]);
         ``whole``: a whole-tensor optimizer's (each of its tensors is laid inside one
@@ -40,8 +50,8 @@ class UnitSource(ShardSource):
         to report when another party has the units laid out again."""
         super().__init__()
         self._rebind = rebind
-        self.owners = []     # each FullyShard once (``owners`` has one entry per parameter)
-        for fs in owners:       # (None: an integer parameter FullyShard left out of sharding)
+        self.owners = []  # each FullyShard once (``owners`` has one entry per parameter)
+        for fs in owners:  # (None: an integer parameter FullyShard left out of sharding)
             if fs is not None and all(fs is not o for o in self.owners):
                 self.owners.append(fs)
         first, self.adam = self.owners[0], adam
@@ -52,20 +62,26 @@ class UnitSource(ShardSource):
         self.check_finite = any(torch.float16 in (fs.param_dtype, fs.reduce_dtype) for fs in self.owners)
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.full_shapes, self.segments, self.regions = {}, [], []
-        self._ranks: Dict[int, object] = {}     # param index -> its unit's ShardGroup
+        self._ranks: Dict[int, object] = {}  # param index -> its unit's ShardGroup
         group = {id(params[i]): group_of[i] for i in self.trainable}
         index = self._index = {id(p): i for i, p in enumerate(params)}
         # tensor-parallel parameters ([Note: tensor-parallel parameters] in core/tensor_parallel.py)
-        placed = {index[id(q.sharded)]: q.placed for fs in self.owners for u in fs.units for q in u.params
-                  if q.placed is not None and id(q.sharded) in index}
+        placed = {
+            index[id(q.sharded)]: q.placed
+            for fs in self.owners
+            for u in fs.units
+            for q in u.params
+            if q.placed is not None and id(q.sharded) in index
+        }
         self.tp = TensorParallel(placed, next(iter(placed.values())).mesh.get_group(), len(params)) if placed else None
         if self.tp is not None and whole:
             self.tp.refuse_whole(self.err)
         if whole:
             load = [0] * self.world_size
             for fs in self.owners:
-                fs.lay_out_for_owners({id(params[i]): update_cost(params[i].shape) for i in self.trainable},
-                                      load, by=self)
+                fs.lay_out_for_owners(
+                    {id(params[i]): update_cost(params[i].shape) for i in self.trainable}, load, by=self
+                )
         self.storage = Storage(offload, self.device, dist.get_rank(), self.err)
         placed = self._placements(offload, group)
         for fs in self.owners:
@@ -93,8 +109,9 @@ class UnitSource(ShardSource):
             return self.tp.colors()
         if not any(sg.own for sg in self._ranks.values()):
             return None
-        return [(sg.color, sg.count) if (sg := self._ranks.get(i)) is not None else (0, 1)
-                for i in range(len(self._index))]
+        return [
+            (sg.color, sg.count) if (sg := self._ranks.get(i)) is not None else (0, 1) for i in range(len(self._index))
+        ]
 
     def param_process_group(self, i: int):
         sg = self._ranks.get(i)
@@ -111,31 +128,47 @@ class UnitSource(ShardSource):
     def _check(self, sharding: Sharding, reduce_dtype):
         process_group = sharding.process_group
         if (sharding.shard_size, sharding.device_mesh, sharding.expert_modules) != (None, None, None):
-            raise ValueError(self.err(
-                "these are FullyShard parameters: their sharding is FullyShard's, so pass shard_size / "
-                "device_mesh / expert_modules to zeroshard.FullyShard (its sharding=...), not to ShardedOptimizer"))
+            raise ValueError(
+                self.err(
+                    "these are FullyShard parameters: their sharding is FullyShard's, so pass shard_size / "
+                    "device_mesh / expert_modules to zeroshard.FullyShard (its sharding=...), not to ShardedOptimizer"
+                )
+            )
         if reduce_dtype is not None:
-            raise ValueError(self.err("reduce_dtype is set by FullyShard's mixed_precision for FullyShard "
-                                      "parameters; do not pass it to ShardedOptimizer"))
+            raise ValueError(
+                self.err(
+                    "reduce_dtype is set by FullyShard's mixed_precision for FullyShard "
+                    "parameters; do not pass it to ShardedOptimizer"
+                )
+            )
         for fs in self.owners:
             if process_group is not None and fs.process_group is not process_group:
-                raise ValueError(self.err(
-                    "the FullyShard parameters are sharded over another process group than the one "
-                    "given to ShardedOptimizer; pass the FullyShard's process_group (or none)"))
+                raise ValueError(
+                    self.err(
+                        "the FullyShard parameters are sharded over another process group than the one "
+                        "given to ShardedOptimizer; pass the FullyShard's process_group (or none)"
+                    )
+                )
             if fs.process_group is not self.owners[0].process_group:
-                raise ValueError(self.err("the parameters come from FullyShard models on different "
-                                          "process groups; use one optimizer per process group"))
+                raise ValueError(
+                    self.err(
+                        "the parameters come from FullyShard models on different "
+                        "process groups; use one optimizer per process group"
+                    )
+                )
 
     def _placements(self, offload: Offload, group: Dict[int, int]) -> Dict[int, Placement]:
         """id(unit) -> where its state goes: whole units in the order backward reduces
         them (the last first), and this rank's file sized for them; [Note: offload params]."""
-        units = [u for fs in self.owners for u in reversed(fs.units)
-                 if any(id(q.sharded) in group for q in u.trainable)]
+        units = [
+            u for fs in self.owners for u in reversed(fs.units) if any(id(q.sharded) in group for q in u.trainable)
+        ]
         k = choose([u.shard_numel for u in units], offload.fraction) if offload.active and self.adam else 0
-        self.storage.reserve_disk(2 * sum(u.shard_numel for u in units[:k])
-                                  if offload.placement is Placement.DISK else 0)
+        self.storage.reserve_disk(
+            2 * sum(u.shard_numel for u in units[:k]) if offload.placement is Placement.DISK else 0
+        )
         placed = {id(u): offload.placement for u in units[:k]}
-        for fs in self.owners:      # offload_params: the state joins the shard in host memory at least
+        for fs in self.owners:  # offload_params: the state joins the shard in host memory at least
             placed.update({id(u): Placement.HOST for u in fs.units if fs.offload_params and id(u) not in placed})
         return placed
 
@@ -147,33 +180,54 @@ class UnitSource(ShardSource):
         # the fused AdamW's state shards (another optimizer keeps its own: optim/rules.py), over
         # this rank's chunk of the unit's gradients ([Note: frozen parameters] in zero3/wrap.py)
         lo, hi = u.grad_span(u.ranks.rank)
-        st = {n: self.storage.zeros(placement, hi - lo) if self.adam else None
-              for n in ("exp_avg", "exp_avg_sq")}
+        st = {n: self.storage.zeros(placement, hi - lo) if self.adam else None for n in ("exp_avg", "exp_avg_sq")}
         for q in mine:
             self.full_shapes[index[id(q.sharded)]] = q.shape
             self._ranks[index[id(q.sharded)]] = u.ranks
-            holder = u.holder(q.offset, q.numel, u.ranks.world) if q.numel else None   # (its place in u.ranks)
+            holder = u.holder(q.offset, q.numel, u.ranks.world) if q.numel else None  # (its place in u.ranks)
             if holder is not None:
-                self.whole_owners[index[id(q.sharded)]] = holder     # inside one chunk
+                self.whole_owners[index[id(q.sharded)]] = holder  # inside one chunk
         u.grad_to_host = u.grad_to_host or self.storage.grads_to_host(placement)
-        self.regions.append(Region(shard_numel=hi - lo, exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"],
-                                   frags=[Piece(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine],
-                                   values=u.shard[:hi - lo], model_owned=True, bounds=u.reduce_bounds(),
-                                   place=u.ranks.rank if u.ranks.own else None))
+        self.regions.append(
+            Region(
+                shard_numel=hi - lo,
+                exp_avg=st["exp_avg"],
+                exp_avg_sq=st["exp_avg_sq"],
+                frags=[Piece(index[id(q.sharded)], 0, q.offset, q.numel) for q in mine],
+                values=u.shard[: hi - lo],
+                model_owned=True,
+                bounds=u.reduce_bounds(),
+                place=u.ranks.rank if u.ranks.own else None,
+            )
+        )
         # runs of consecutive pieces with one param group (padding between them is harmless:
         # zero parameters with zero gradients stay zero)
         pieces = sorted((q for q in u.params if q.local.numel() > 0), key=lambda q: q.shard_offset)
         for g, run in itertools.groupby(pieces, key=lambda q: group.get(id(q.sharded))):
-            if g is None:        # frozen, or not given to this optimizer
+            if g is None:  # frozen, or not given to this optimizer
                 continue
             run = list(run)
             a, b = run[0].shard_offset, run[-1].shard_offset + run[-1].local.numel()
-            pieces = [SegmentPiece(index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.local.numel(),
-                                   q.tensor_offset) for q in run]
+            pieces = [
+                SegmentPiece(
+                    index[id(q.sharded)], q.shard_offset - a, q.shard_offset - a + q.local.numel(), q.tensor_offset
+                )
+                for q in run
+            ]
             ea, eas = (None if t is None else t[a:b] for t in (st["exp_avg"], st["exp_avg_sq"]))
-            self.segments.append(Segment(group=g, param=u.shard[a:b], reduced=u.reduction.grad,
-                                         grad_range=(a, b), exp_avg=ea, exp_avg_sq=eas, pieces=pieces,
-                                         streamed=self.storage.streamed(placement), norms_taken=True))
+            self.segments.append(
+                Segment(
+                    group=g,
+                    param=u.shard[a:b],
+                    reduced=u.reduction.grad,
+                    grad_range=(a, b),
+                    exp_avg=ea,
+                    exp_avg_sq=eas,
+                    pieces=pieces,
+                    streamed=self.storage.streamed(placement),
+                    norms_taken=True,
+                )
+            )
         return {n: t for n, t in st.items() if t is not None}
 
     # ------------------------------------------- a relayout by another party
@@ -205,8 +259,13 @@ class UnitSource(ShardSource):
         return any(fs.in_backward() for fs in self.owners)
 
     def arrived(self) -> List[int]:
-        return sorted(self._index[id(q.sharded)] for fs in self.owners for u in fs.units for q in u.trainable
-                      if q.got_grad and id(q.sharded) in self._index)
+        return sorted(
+            self._index[id(q.sharded)]
+            for fs in self.owners
+            for u in fs.units
+            for q in u.trainable
+            if q.got_grad and id(q.sharded) in self._index
+        )
 
     def at_rest(self, i: int, grad: torch.Tensor) -> bool:
         """Between steps a FullyShard parameter's p.grad is its gradient shard's ShardedTensor."""
@@ -222,7 +281,7 @@ class UnitSource(ShardSource):
                     u.reduction.grad.tensor = torch.zeros(hi - lo, dtype=torch.float32, device=where)
 
     def step_done(self, updated: bool):
-        for fs in self.owners:      # gathered copies are stale; the next forward gathers
+        for fs in self.owners:  # gathered copies are stale; the next forward gathers
             fs.step_done(updated, by=self)
 
     def zero_grad(self, set_to_none: bool):
@@ -247,4 +306,3 @@ class UnitSource(ShardSource):
 
     def params_loaded(self):
         """The units' shards are the master weights: nothing derives from them here."""
-

@@ -1,5 +1,6 @@
 """FullyShard's memory accounting and full state dicts, through its public API
 (``units``, ``module``, ``device``, ``process_group``, ``invalidate``)."""
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple
@@ -14,8 +15,9 @@ from .records import Steppers, Unit
 from ..core.tensor_parallel import local_piece
 
 
-def held_regions(units: List[Unit], expert_names: Optional[Callable[[str], str]] = None
-                 ) -> Tuple[List[HeldParam], List[Region]]:
+def held_regions(
+    units: List[Unit], expert_names: Optional[Callable[[str], str]] = None
+) -> Tuple[List[HeldParam], List[Region]]:
     """FullyShard.held_regions: each unit's fp32 shard is a region over its parameters; an
     expert unit's ([Note: param groups over their own ranks] in comm/mesh.py) over its own
     ranks, its parameters under their names in the whole model where ``expert_names`` says."""
@@ -27,13 +29,28 @@ def held_regions(units: List[Unit], expert_names: Optional[Callable[[str], str]]
             whole = expert_names(q.names[0]) if u.ranks.own and expert_names is not None else None
             params.append(HeldParam(q.sharded, q.full_shape, q.dtype, whole, q.placed))
         if frags:
-            regions.append(Region(shard_numel=u.shard_numel, frags=frags, values=u.shard, model_owned=True,
-                                  bounds=u.bounds, place=u.ranks.rank if u.ranks.own else None))
+            regions.append(
+                Region(
+                    shard_numel=u.shard_numel,
+                    frags=frags,
+                    values=u.shard,
+                    model_owned=True,
+                    bounds=u.bounds,
+                    place=u.ranks.rank if u.ranks.own else None,
+                )
+            )
     return params, regions
 
 
-def memory_report(units: List[Unit], steppers: Steppers, param_dtype: torch.dtype,
-                  gatherer, backward, reset_peak: bool, shards_on_host: bool = False) -> Dict[str, int]:
+def memory_report(
+    units: List[Unit],
+    steppers: Steppers,
+    param_dtype: torch.dtype,
+    gatherer,
+    backward,
+    reset_peak: bool,
+    shards_on_host: bool = False,
+) -> Dict[str, int]:
     """FullyShard.memory_report. ``states``: an optimizer's state shards by unit index;
     ``shards_on_host``: offload_params (the shards and gradient shards are host bytes);
     a unit's gradient shard kept in host memory (``grad_to_host``) is host bytes too.
@@ -53,11 +70,11 @@ def memory_report(units: List[Unit], steppers: Steppers, param_dtype: torch.dtyp
     gradient buffers of backward). Peaks count since construction or the last
     call with ``reset_peak=True``."""
     rep, states = empty_report(), steppers.states_by_unit()
-    grads_on_host = 0    # gradient shards kept in host memory ([Note: offloaded gradients])
+    grads_on_host = 0  # gradient shards kept in host memory ([Note: offloaded gradients])
     for u in units:
         if not u.params:
             continue
-        lo, hi = u.grad_span(u.ranks.rank)     # (frozen parameters past the last trainable: no gradient)
+        lo, hi = u.grad_span(u.ranks.rank)  # (frozen parameters past the last trainable: no gradient)
         grads_on_host += 4 * (hi - lo) if u.grad_to_host and u.trainable else 0
         own = sum(q.local.numel() for q in u.params)
         own_t = sum(q.local.numel() for q in u.trainable)
@@ -69,15 +86,20 @@ def memory_report(units: List[Unit], steppers: Steppers, param_dtype: torch.dtyp
             rep["padding"] += t.numel() * t.element_size() - 4 * own_t
     rep["total"] = sum(rep.values())
     add_locations(rep, steppers.placed())
-    if shards_on_host:   # the states of offloaded shards are never on the device ([Note: offload params])
+    if shards_on_host:  # the states of offloaded shards are never on the device ([Note: offload params])
         rep["host"], rep["device"] = rep["host"] + rep["device"], 0
     else:
         rep["host"], rep["device"] = rep["host"] + grads_on_host, rep["device"] - grads_on_host
     item = param_dtype.itemsize
-    rep.update(gathered=gatherer.gathered_bytes, gathered_peak=gatherer.gathered_peak,
-               gathered_units_peak=gatherer.alive_peak, root_gathered=units[0].numel * item,
-               max_unit=max([u.numel * item for u in units[1:]], default=0),
-               grad_buffers=backward.fold.grad_bytes, grad_buffers_peak=backward.fold.grad_bytes_peak)
+    rep.update(
+        gathered=gatherer.gathered_bytes,
+        gathered_peak=gatherer.gathered_peak,
+        gathered_units_peak=gatherer.alive_peak,
+        root_gathered=units[0].numel * item,
+        max_unit=max([u.numel * item for u in units[1:]], default=0),
+        grad_buffers=backward.fold.grad_bytes,
+        grad_buffers_peak=backward.fold.grad_bytes_peak,
+    )
     if reset_peak:
         gatherer.reset_peaks()
         backward.fold.grad_bytes_peak = backward.fold.grad_bytes
@@ -88,9 +110,13 @@ def memory_report(units: List[Unit], steppers: Steppers, param_dtype: torch.dtyp
 def full_state_dict(fs, *, to: Optional[int], prefix: str, destination, keys=None) -> Optional[dict]:
     """See FullyShard.state_dict: units gathered one at a time and copied to CPU
     (``keys``: only these entries; a unit holding none of them is not gathered)."""
-    comm.check_in("FullyShard.state_dict()", fs, fs.process_group,
-                  "For a checkpoint written by rank 0 alone, call model.state_dict(to=0) on every rank "
-                  "(it returns None elsewhere), or use zeroshard.save_checkpoint")
+    comm.check_in(
+        "FullyShard.state_dict()",
+        fs,
+        fs.process_group,
+        "For a checkpoint written by rank 0 alone, call model.state_dict(to=0) on every rank "
+        "(it returns None elsewhere), or use zeroshard.save_checkpoint",
+    )
     keep = to is None or dist.get_rank() == to
     template = fs.module.state_dict(keep_vars=True)
     wanted = set(template) if keys is None else set(keys)
@@ -102,13 +128,18 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination, keys=Non
         if not any(n in wanted for q in u.params for n in q.names):
             continue
         flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
-        comm.all_gather(u.shard.to(fs.device), flat, group=u.ranks.group, bounds=u.bounds,   # (an expert: its own)
-                        what=f"state_dict gather: unit '{u.name}'").wait()
+        comm.all_gather(
+            u.shard.to(fs.device),
+            flat,
+            group=u.ranks.group,
+            bounds=u.bounds,  # (an expert: its own)
+            what=f"state_dict gather: unit '{u.name}'",
+        ).wait()
         if not keep and all(q.placed is None for q in u.params):
             continue
         for q in u.params:
-            t = flat[q.offset:q.offset + q.numel].view(q.shape)
-            if q.placed is not None:     # a DTensor parameter: its whole tensor, gathered over tp
+            t = flat[q.offset : q.offset + q.numel].view(q.shape)
+            if q.placed is not None:  # a DTensor parameter: its whole tensor, gathered over tp
                 t = q.placed.wrap(t).full_tensor()
             if keep:
                 t = t.to("cpu", q.dtype).clone()
@@ -130,8 +161,13 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
     missing = [k for k in template if k not in state_dict]
     unexpected = [k for k in state_dict if k not in template]
     if strict and (missing or unexpected):
-        raise RuntimeError(comm.on_rank(fs, f"state dict mismatch: missing keys {missing}, unexpected keys "
-                               f"{unexpected}; it must be the unwrapped model's state dict"))
+        raise RuntimeError(
+            comm.on_rank(
+                fs,
+                f"state dict mismatch: missing keys {missing}, unexpected keys "
+                f"{unexpected}; it must be the unwrapped model's state dict",
+            )
+        )
     param_names = set()
     for u in fs.units:
         for q in u.params:
@@ -139,15 +175,20 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
             src = next((state_dict[n] for n in q.names if n in state_dict), None)
             if src is None:
                 continue
-            if q.placed is not None and src.shape == q.full_shape:     # the whole tensor: this rank's tp piece
+            if q.placed is not None and src.shape == q.full_shape:  # the whole tensor: this rank's tp piece
                 src = local_piece(src.to(fs.device), q.placed)
             if src.numel() != q.numel:
-                raise ValueError(comm.on_rank(fs, f"state dict entry '{q.names[0]}' has shape {tuple(src.shape)} "
-                                     f"but the parameter has shape {tuple(q.shape)}"))
+                raise ValueError(
+                    comm.on_rank(
+                        fs,
+                        f"state dict entry '{q.names[0]}' has shape {tuple(src.shape)} "
+                        f"but the parameter has shape {tuple(q.shape)}",
+                    )
+                )
             n = q.local.numel()
-            u.shard[q.shard_offset:q.shard_offset + n].copy_(src.reshape(-1)[q.tensor_offset:q.tensor_offset + n])
+            u.shard[q.shard_offset : q.shard_offset + n].copy_(src.reshape(-1)[q.tensor_offset : q.tensor_offset + n])
     for k, v in template.items():
         if k not in param_names and k in state_dict and isinstance(v, torch.Tensor):
             v.copy_(state_dict[k])
-    fs.invalidate()       # (after the copy: units a gathered() block holds are gathered from the new shards)
+    fs.invalidate()  # (after the copy: units a gathered() block holds are gathered from the new shards)
     return nn.modules.module._IncompatibleKeys(missing, unexpected)

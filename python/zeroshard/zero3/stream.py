@@ -14,6 +14,7 @@ as they are. The walk is collective over the model's ranks (each gather is):
 every rank iterates it to the end; with ``to=r`` the others yield nothing.
 Persistent buffers follow the parameters, in their own dtype.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Optional, Tuple
@@ -27,8 +28,9 @@ from .fully_shard import FullyShard
 from .records import Unit
 
 
-def full_tensors(model: nn.Module, dtype: Optional[torch.dtype] = torch.bfloat16, bucket_mb: float = 512, *,
-                 to: Optional[int] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+def full_tensors(
+    model: nn.Module, dtype: Optional[torch.dtype] = torch.bfloat16, bucket_mb: float = 512, *, to: Optional[int] = None
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)``: every parameter of ``model`` whole, under the unwrapped
     model's names (tied ones under each name), in ``dtype`` (floating parameters; None:
     the model's dtype), then its persistent buffers; one FullyShard unit gathered at a
@@ -45,8 +47,10 @@ def full_tensors(model: nn.Module, dtype: Optional[torch.dtype] = torch.bfloat16
         return
     inner = [n for n, m in model.named_modules() if isinstance(m, FullyShard)]
     if inner:
-        raise TypeError(f"full_tensors(model): '{inner[0]}' inside it is a FullyShard model; pass the "
-                        "FullyShard model itself (the outermost one)")
+        raise TypeError(
+            f"full_tensors(model): '{inner[0]}' inside it is a FullyShard model; pass the "
+            "FullyShard model itself (the outermost one)"
+        )
     keep = to is None or (dist.is_initialized() and dist.get_rank() == to) or (not dist.is_initialized() and to == 0)
     if not keep:
         return
@@ -61,12 +65,21 @@ def _cast(dtype: Optional[torch.dtype], like: torch.dtype) -> torch.dtype:
 
 
 def _sharded(fs: FullyShard, dtype, bucket_bytes: int, to: Optional[int]):
-    comm.check_in("zeroshard.full_tensors()", fs, fs.process_group,
-                  "Iterate full_tensors(model, to=0) on every rank: the others yield nothing")
+    comm.check_in(
+        "zeroshard.full_tensors()",
+        fs,
+        fs.process_group,
+        "Iterate full_tensors(model, to=0) on every rank: the others yield nothing",
+    )
     if any(u.ranks.own for u in fs.units):
-        raise NotImplementedError(comm.on_rank(fs, "full_tensors of a model with expert units (their ranks hold "
-                                               "different experts): save a checkpoint and read it whole with "
-                                               "zeroshard.checkpoint.read_full_state_dict"))
+        raise NotImplementedError(
+            comm.on_rank(
+                fs,
+                "full_tensors of a model with expert units (their ranks hold "
+                "different experts): save a checkpoint and read it whole with "
+                "zeroshard.checkpoint.read_full_state_dict",
+            )
+        )
     keep = to is None or dist.get_rank() == to
     for u in fs.units:
         if not u.params:
@@ -88,10 +101,15 @@ def _sharded(fs: FullyShard, dtype, bucket_bytes: int, to: Optional[int]):
 @torch.no_grad()
 def _whole_unit(fs: FullyShard, u: Unit, gather_dtype: torch.dtype, dtype, keep: bool):
     flat = torch.empty(u.numel, dtype=gather_dtype, device=fs.device)
-    comm.all_gather(u.shard.to(fs.device, gather_dtype), flat, group=u.ranks.group, bounds=u.bounds,
-                    what=f"full_tensors: unit '{u.name}'").wait()
+    comm.all_gather(
+        u.shard.to(fs.device, gather_dtype),
+        flat,
+        group=u.ranks.group,
+        bounds=u.bounds,
+        what=f"full_tensors: unit '{u.name}'",
+    ).wait()
     for q in u.params:
-        t = flat[q.offset:q.offset + q.numel].view(q.shape)
+        t = flat[q.offset : q.offset + q.numel].view(q.shape)
         yield from _named(q, t.to(_cast(dtype, q.dtype)), keep)
     del flat
 
@@ -103,13 +121,18 @@ def _one_param(fs: FullyShard, u: Unit, q, dtype: torch.dtype, keep: bool):
     starts = u.bounds if u.bounds is not None else [r * u.shard_numel for r in range(world + 1)]
     bounds = [min(max(s, q.offset), q.offset + q.numel) - q.offset for s in starts]
     out = torch.empty(q.numel, dtype=dtype, device=fs.device)
-    comm.all_gather(q.local.to(fs.device, dtype), out, group=u.ranks.group, bounds=bounds,
-                    what=f"full_tensors: parameter '{q.names[0]}'").wait()
+    comm.all_gather(
+        q.local.to(fs.device, dtype),
+        out,
+        group=u.ranks.group,
+        bounds=bounds,
+        what=f"full_tensors: parameter '{q.names[0]}'",
+    ).wait()
     yield from _named(q, out.view(q.shape), keep)
 
 
 def _named(q, t: torch.Tensor, keep: bool):
-    if q.placed is not None:      # a DTensor parameter: its whole tensor, gathered over tp (collective)
+    if q.placed is not None:  # a DTensor parameter: its whole tensor, gathered over tp (collective)
         t = q.placed.wrap(t).full_tensor()
     if keep:
         for name in q.names:

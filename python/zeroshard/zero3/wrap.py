@@ -1,6 +1,7 @@
 """FullyShard's setup: where the shards live, the sharding units, their flat
 layout and shards, buffers, and initialising a model built on meta unit by
 unit. Functions of a ``Setup`` (what FullyShard decided before building)."""
+
 from __future__ import annotations
 
 import warnings
@@ -20,26 +21,27 @@ from .param import ShardedParameter
 from .records import Param, Unit, left_out, owner_of
 from ..native.layout import compute_layout
 
-_NO_CAP = 1 << 62        # bucket cap for unit layouts: one bucket per unit
+_NO_CAP = 1 << 62  # bucket cap for unit layouts: one bucket per unit
 
 
 @dataclass(kw_only=True)
 class Setup:
     """What the setup functions need from the FullyShard being built."""
+
     module: nn.Module
     device: torch.device
-    group: object                  # the process group
+    group: object  # the process group
     world: int
     rank: int
-    src: int                       # global rank whose values everyone takes (rank 0 of ``everyone``)
+    src: int  # global rank whose values everyone takes (rank 0 of ``everyone``)
     param_dtype: torch.dtype
-    err: Callable[[str], str]      # rank-prefixed error message
-    everyone: object               # every rank holding a copy: ``group`` x the replicas (hybrid sharding)
-    ranks: object = None           # ``group`` as a ShardGroup (comm/mesh.py): the units' ranks
+    err: Callable[[str], str]  # rank-prefixed error message
+    everyone: object  # every rank holding a copy: ``group`` x the replicas (hybrid sharding)
+    ranks: object = None  # ``group`` as a ShardGroup (comm/mesh.py): the units' ranks
     # expert_modules: module class -> the ShardGroup its instances' units shard over ([Note:
     # param groups over their own ranks] in comm/mesh.py)
     experts: dict = field(default_factory=dict)
-    shard_device: torch.device     # where the fp32 shards live: ``device``, or host memory (offload_params)
+    shard_device: torch.device  # where the fp32 shards live: ``device``, or host memory (offload_params)
     # a model built on meta: its non-persistent buffers nothing initialised (materialize)
     unset_buffers: List[str] = field(default_factory=list)
     # a model partly on meta: the parameters that had values (kept, not initialised)
@@ -66,13 +68,21 @@ def pick_device(module: nn.Module, device, group, err: Callable[[str], str]) -> 
     devs = {p.device for p in module.parameters()}
     real = {d for d in devs if d.type != "meta"}
     if len(real) > 1:
-        raise ValueError(err(f"the model's parameters are on several devices {sorted(map(str, real))}; "
-                                   "move the model to one device (or build it on meta) before FullyShard"))
+        raise ValueError(
+            err(
+                f"the model's parameters are on several devices {sorted(map(str, real))}; "
+                "move the model to one device (or build it on meta) before FullyShard"
+            )
+        )
     if device is not None:
         device = torch.device(device)
         if real and device not in real and not (device.type == "cuda" and device.index is None):
-            raise ValueError(err(f"device={device} but the parameters are on {next(iter(real))}; "
-                                       "move the model there first or build it on meta"))
+            raise ValueError(
+                err(
+                    f"device={device} but the parameters are on {next(iter(real))}; "
+                    "move the model there first or build it on meta"
+                )
+            )
     elif real:
         device = next(iter(real))
     elif torch.cuda.is_available() and dist.get_backend(group) not in ("gloo", "fake"):
@@ -100,29 +110,39 @@ def _wrap_predicate(module: nn.Module, wrap) -> Callable[[nn.Module], bool]:
     for c in classes:
         if not any(issubclass(t, c) for t in present):
             names = ", ".join(sorted({t.__name__ for t in present}))
-            raise ValueError(f"wrap names {c.__name__}, but no module of that class is in the model "
-                             f"(classes present: {names}); list the classes of the blocks to shard")
+            raise ValueError(
+                f"wrap names {c.__name__}, but no module of that class is in the model "
+                f"(classes present: {names}); list the classes of the blocks to shard"
+            )
     return lambda m: isinstance(m, classes)
 
 
 def _check_not_sparse(mod: nn.Module, path: str, err: Callable[[str], str]):
     if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and mod.weight.requires_grad:
-        raise ValueError(err(f"'{path or type(mod).__name__}' is an {type(mod).__name__} with sparse=True: its "
-                             "gradients would be sparse, and FullyShard reduces dense gradients in flat "
-                             "buffers. Build it with sparse=False"))
+        raise ValueError(
+            err(
+                f"'{path or type(mod).__name__}' is an {type(mod).__name__} with sparse=True: its "
+                "gradients would be sparse, and FullyShard reduces dense gradients in flat "
+                "buffers. Build it with sparse=False"
+            )
+        )
 
 
 @dataclass
 class Kept:
     """A parameter left out of sharding (integer or bool: it takes no gradient). It
     stays on its module, moved to the shards' device and broadcast as buffers are."""
+
     sharded: nn.Parameter
 
 
 def _check_param(cfg: "Setup", name: str, p: torch.Tensor) -> None:
     if p.dtype not in SUPPORTED:
-        raise ValueError(cfg.err(f"parameter '{name}' has dtype {p.dtype}; FullyShard "
-                                 "supports float32, bfloat16 and float16 parameters"))
+        raise ValueError(
+            cfg.err(
+                f"parameter '{name}' has dtype {p.dtype}; FullyShard supports float32, bfloat16 and float16 parameters"
+            )
+        )
     why = refused(p)
     if why:
         raise ValueError(cfg.err(f"parameter '{name}' is a DTensor {why}"))
@@ -134,7 +154,7 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
     pred = _wrap_predicate(cfg.module, wrap)
     units = [Unit(index=0, name="", module=cfg.module, params=[], ranks=cfg.ranks)]
     owner: Dict[int, Tuple[int, Param]] = {}
-    named: List[Tuple[str, Param]] = []   # every registration, in named_parameters() order
+    named: List[Tuple[str, Param]] = []  # every registration, in named_parameters() order
 
     def visit(mod: nn.Module, path: str, unit: Unit):
         _check_not_sparse(mod, path, cfg.err)
@@ -149,19 +169,13 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
             if seen is None or seen[0] == unit.index:
                 named.append((name, seen[1] if seen else None))
             if seen is None:
-                q = Param(names=[name], slots=[(mod, attr)], shape=local_tensor(p.detach()).shape, dtype=p.dtype,
-                          requires_grad=p.requires_grad, placed=placed_of(p))
+                q = _param_of(name, mod, attr, p)
                 owner[id(p)] = (unit.index, q)
                 unit.params.append(q)
                 named[-1] = (name, q)
                 _check_param(cfg, name, p)
             elif seen[0] != unit.index:
-                other = units[seen[0]].name or "<root>"
-                here = unit.name or "<root>"
-                raise ValueError(cfg.err(
-                    f"parameter '{seen[1].names[0]}' is shared with '{name}', but they are in different "
-                    f"sharding units ('{other}' and '{here}'); a shared parameter must live in one unit: "
-                    "wrap a module that contains both users, or leave both to the root unit"))
+                raise _shared_across_units(cfg, seen[1].names[0], name, units[seen[0]].name, unit.name)
             else:
                 seen[1].names.append(name)
                 seen[1].slots.append((mod, attr))
@@ -172,8 +186,13 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
             if pred(child) or isinstance(child, tuple(cfg.experts)):
                 if isinstance(child, nested):
                     raise ValueError(f"'{cpath}' is already a FullyShard; wrap the inner model once")
-                u = Unit(index=len(units), name=cpath, module=child, params=[], ranks=next(
-                    (sg for c, sg in cfg.experts.items() if isinstance(child, c)), cfg.ranks))
+                u = Unit(
+                    index=len(units),
+                    name=cpath,
+                    module=child,
+                    params=[],
+                    ranks=next((sg for c, sg in cfg.experts.items() if isinstance(child, c)), cfg.ranks),
+                )
                 units.append(u)
                 visit(child, cpath, u)
             else:
@@ -188,28 +207,57 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
     return units, named
 
 
+def _param_of(name: str, mod: nn.Module, attr: str, p: torch.Tensor) -> Param:
+    """The record of parameter ``p``, registered as ``mod.<attr>`` (its path ``name``)."""
+    return Param(
+        names=[name],
+        slots=[(mod, attr)],
+        shape=local_tensor(p.detach()).shape,
+        dtype=p.dtype,
+        requires_grad=p.requires_grad,
+        placed=placed_of(p),
+    )
+
+
+def _shared_across_units(cfg: "Setup", first: str, name: str, other: str, here: str) -> ValueError:
+    """A parameter registered as ``first`` in unit ``other`` and as ``name`` in unit ``here``."""
+    return ValueError(
+        cfg.err(
+            f"parameter '{first}' is shared with '{name}', but they are in different sharding units "
+            f"('{other or '<root>'}' and '{here or '<root>'}'); a shared parameter must live in one unit: "
+            "wrap a module that contains both users, or leave both to the root unit"
+        )
+    )
+
+
 def _check_experts(cfg: "Setup", units: List[Unit], meta_init: bool):
     """What expert units ([Note: param groups over their own ranks]) do not do yet: refused."""
     for u in units:
         if not u.ranks.own:
             continue
-        if meta_init or any(True for _ in u.module.buffers()) or \
-                any(left_out(p) for p in u.module.parameters()):
+        if meta_init or any(True for _ in u.module.buffers()) or any(left_out(p) for p in u.module.parameters()):
             what = "was built on meta" if meta_init else "holds buffers or integer parameters"
-            raise ValueError(cfg.err(f"expert module '{u.name}' {what}: expert_modules does not initialise a "
-                                     "model built on meta nor keep per-expert buffers yet; build the model with "
-                                     "values and keep buffers out of the experts"))
+            raise ValueError(
+                cfg.err(
+                    f"expert module '{u.name}' {what}: expert_modules does not initialise a "
+                    "model built on meta nor keep per-expert buffers yet; build the model with "
+                    "values and keep buffers out of the experts"
+                )
+            )
 
 
 def check_same_model(cfg: "Setup", units: List[Unit]):
-    mine = [(u.name, [(q.names[0], tuple(q.shape), str(q.dtype), q.requires_grad) for q in u.params])
-            for u in units]
+    mine = [(u.name, [(q.names[0], tuple(q.shape), str(q.dtype), q.requires_grad) for q in u.params]) for u in units]
     everyone = comm.all_gather_object(mine, group=cfg.everyone, what="setup: same model on every rank")
     for r, theirs in enumerate(everyone):
         if theirs != everyone[0]:
-            raise ValueError(cfg.err(f"rank {r} and rank 0 built different models "
-                                       f"({_first_difference(theirs, everyone[0])}); every rank "
-                                       "must build the same model"))
+            raise ValueError(
+                cfg.err(
+                    f"rank {r} and rank 0 built different models "
+                    f"({_first_difference(theirs, everyone[0])}); every rank "
+                    "must build the same model"
+                )
+            )
 
 
 def _layout_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -245,9 +293,15 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
         u.full = torch.empty(u.numel, dtype=cfg.param_dtype, device=dev)
         for q in u.params:
             place_piece(u, q, lo, hi)
-            q.sharded = ShardedParameter(q.local, q.full_shape, q.names[0], requires_grad=q.requires_grad,
-                                         start=q.tensor_offset, whole=q.placed is None and not u.ranks.own)
-            q.full = compute_param(u.full[q.offset:q.offset + q.numel].view(q.shape), q.placed, q.requires_grad)
+            q.sharded = ShardedParameter(
+                q.local,
+                q.full_shape,
+                q.names[0],
+                requires_grad=q.requires_grad,
+                start=q.tensor_offset,
+                whole=q.placed is None and not u.ranks.own,
+            )
+            q.full = compute_param(u.full[q.offset : q.offset + q.numel].view(q.shape), q.placed, q.requires_grad)
             for mod, attr in q.slots:
                 mod._parameters[attr] = q.sharded
         if dev.type != "meta":
@@ -258,8 +312,9 @@ def unit_layout(cfg: "Setup", u: Unit) -> Tuple[List[int], int]:
     """(each parameter's offset, the chunk length) of ``u``'s flat buffer in equal chunks,
     its trainable parameters first ([Note: frozen parameters])."""
     order = sorted(range(len(u.params)), key=lambda k: not u.params[k].requires_grad)
-    L = compute_layout([u.params[k].numel for k in order], [_layout_dtype(cfg.param_dtype)] * len(u.params),
-                       _NO_CAP, u.ranks.world)
+    L = compute_layout(
+        [u.params[k].numel for k in order], [_layout_dtype(cfg.param_dtype)] * len(u.params), _NO_CAP, u.ranks.world
+    )
     assert len(L.buckets) == 1
     offsets = [0] * len(u.params)
     for k, place in zip(order, L.tensors):
@@ -303,10 +358,10 @@ def set_grad_extent(u: Unit, world: int):
 def place_piece(u: Unit, q: Param, lo: int, hi: int):
     """``q``'s piece in this rank's chunk ``[lo, hi)`` of ``u``'s flat buffer (at ``q.offset``)."""
     a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
-    if a >= b:                   # this rank owns none of it: an empty piece
+    if a >= b:  # this rank owns none of it: an empty piece
         a = b = lo
     q.shard_offset, q.tensor_offset = a - lo, max(0, a - q.offset)
-    q.local = u.shard[a - lo:b - lo]
+    q.local = u.shard[a - lo : b - lo]
 
 
 def _fill_shard(cfg: "Setup", u: Unit, lo: int, hi: int):
@@ -318,20 +373,21 @@ def _fill_shard(cfg: "Setup", u: Unit, lo: int, hi: int):
     beside them would be the peak of the whole run (GPT-2's embedding: 154 MB)."""
     for q in u.params:
         src = local_tensor(q.slots[0][0]._parameters[q.slots[0][1]].detach())
-        if src.is_meta:                  # a model built on meta: materialize initialises it
+        if src.is_meta:  # a model built on meta: materialize initialises it
             continue
         cfg.valued.add(id(q))
-        if src.device != cfg.device:     # a model partly on meta (an adapter made on CPU)
+        if src.device != cfg.device:  # a model partly on meta (an adapter made on CPU)
             src = src.to(cfg.device)
-        group, first = (cfg.everyone, cfg.src) if not u.ranks.own else \
-            (u.ranks.group, dist.get_global_rank(u.ranks.group, 0))     # (an expert: its edp group's)
+        group, first = (
+            (cfg.everyone, cfg.src) if not u.ranks.own else (u.ranks.group, dist.get_global_rank(u.ranks.group, 0))
+        )  # (an expert: its edp group's)
         if dist.get_world_size(group) > 1:
             if not src.is_contiguous():
                 src = src.contiguous()
             dist.broadcast(src, src=first, group=group)
         a, b = max(lo, q.offset), min(hi, q.offset + q.numel)
         if a < b:
-            u.shard[a - lo:b - lo].copy_(src.reshape(-1)[a - q.offset:b - q.offset])
+            u.shard[a - lo : b - lo].copy_(src.reshape(-1)[a - q.offset : b - q.offset])
 
 
 def shard_device(device: torch.device, offload_params: bool) -> torch.device:
@@ -406,7 +462,7 @@ def materialize(cfg: "Setup", units: List[Unit]):
         owned = [unit_of[id(mod), attr] for attr in mod._parameters if (id(mod), attr) in unit_of]
         has_buffers = any(b is not None for b in mod._buffers.values())
         if owned and all(id(q) in cfg.valued for _, q in owned) and not has_buffers:
-            initialised.update(id(q) for _, q in owned)          # its values were given: kept
+            initialised.update(id(q) for _, q in owned)  # its values were given: kept
         elif callable(getattr(mod, "reset_parameters", None)) and (owned or has_buffers):
             for u, q in owned:
                 if u.index not in temp:
@@ -414,7 +470,7 @@ def materialize(cfg: "Setup", units: List[Unit]):
                 initialised.add(id(q))
             mod.reset_parameters()
         elif has_buffers:
-            saved = mod.state_dict(keep_vars=True)      # (its persistent buffers only)
+            saved = mod.state_dict(keep_vars=True)  # (its persistent buffers only)
             for n, b in mod._buffers.items():
                 if b is not None:
                     full = f"{names[id(mod)]}.{n}".lstrip(".")
@@ -427,7 +483,8 @@ def materialize(cfg: "Setup", units: List[Unit]):
             "FullyShard: the model was built on meta; these parameters/buffers have no module "
             f"reset_parameters() to initialise them, so they start at zero: {missing + uninitialised_buffers}. "
             "Load their values (model.load_state_dict, zeroshard.load_pretrained) or give their modules "
-            "reset_parameters().")
+            "reset_parameters()."
+        )
     cfg.unset_buffers.extend(unsaved)
     if unsaved:
         warnings.warn(
@@ -435,7 +492,8 @@ def materialize(cfg: "Setup", units: List[Unit]):
             "reset_parameters() to initialise them, so they start at zero, and no state dict or checkpoint "
             "holds them: loading one leaves them zero (a rotary embedding's inv_freq computed in __init__ is "
             "one). zeroshard.load_pretrained sets them for a Hugging Face model; otherwise set them after "
-            "wrapping as the module's __init__ computes them, or build the model with its buffers off meta")
+            "wrapping as the module's __init__ computes them, or build the model with its buffers off meta"
+        )
 
 
 def _keep_initialised(cfg: "Setup", u: Unit, flat: torch.Tensor):
@@ -445,7 +503,7 @@ def _keep_initialised(cfg: "Setup", u: Unit, flat: torch.Tensor):
     for q in u.params:
         if id(q) not in cfg.valued:
             n = q.local.numel()
-            u.shard[q.shard_offset:q.shard_offset + n].copy_(mine[q.shard_offset:q.shard_offset + n])
+            u.shard[q.shard_offset : q.shard_offset + n].copy_(mine[q.shard_offset : q.shard_offset + n])
         for mod, attr in q.slots:
             mod._parameters[attr] = q.sharded
 
@@ -454,7 +512,7 @@ def _full_fp32_views(u: Unit, device: torch.device) -> torch.Tensor:
     """An fp32 full-size buffer for unit u, its parameters' modules pointing at views of it."""
     flat = torch.zeros(u.numel, dtype=torch.float32, device=device)
     for q in u.params:
-        view = nn.Parameter(flat[q.offset:q.offset + q.numel].view(q.shape), requires_grad=q.requires_grad)
+        view = nn.Parameter(flat[q.offset : q.offset + q.numel].view(q.shape), requires_grad=q.requires_grad)
         for mod, attr in q.slots:
             mod._parameters[attr] = view
     return flat
@@ -491,7 +549,10 @@ def hand_over(found: List[tuple], named: List[Tuple[str, Param]], err: Callable[
         try:
             c.params_replaced([(p, sharded[name]) for name, p, k in found if k is c])
         except (ValueError, RuntimeError) as e:
-            raise type(e)(err(
-                "a ShardedOptimizer was built over this model's parameters before FullyShard wrapped it "
-                f"(DDP's order), and it cannot step the sharded ones: {e} -- build it over "
-                "model.parameters() after the wrap, or over parameters all inside the wrapped model")) from None
+            raise type(e)(
+                err(
+                    "a ShardedOptimizer was built over this model's parameters before FullyShard wrapped it "
+                    f"(DDP's order), and it cannot step the sharded ones: {e} -- build it over "
+                    "model.parameters() after the wrap, or over parameters all inside the wrapped model"
+                )
+            ) from None

@@ -11,11 +11,11 @@ ranks of a pool:
 * ``TINY_SCRIPT``: the start of the torchrun scripts the checkpoint tests write.
 """
 
-TINY_SCRIPT = (      # a torchrun script's start: a tiny ZeRO-3 model, its optimizer, a batch
+TINY_SCRIPT = (  # a torchrun script's start: a tiny ZeRO-3 model, its optimizer, a batch
     "import sys, torch, torch.distributed as dist, torch.nn as nn, zeroshard as zs\n"
     "dist.init_process_group('gloo')\n"
     "torch.manual_seed(0)\n"
     "model = zs.FullyShard(nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 1)), wrap={nn.Linear})\n"
     "opt = zs.ShardedOptimizer(model.parameters(), lr=1e-2)\n"
-    "x = torch.randn(8, 7)\n")
-
+    "x = torch.randn(8, 7)\n"
+)

@@ -5,6 +5,7 @@ gradient_predivide_factor, the script's own loss.backward() (engine.scale(loss) 
 a parameter nothing uses (at stages 0-3), deepspeed.zero.Init against zeroshard.zero.Init, and a model
 built on meta. SGD without clipping where a factor on the gradients is in question (Adam's
 step does not see one)."""
+
 import copy
 import warnings
 
@@ -20,8 +21,14 @@ SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 
 def sgd(stage, **extra):
     zero = extra.pop("zero", {})
-    return base(stage, optimizer=copy.deepcopy(SGD), zero_allow_untested_optimizer=True, gradient_clipping=0.0,
-                zero_optimization=dict({"stage": stage}, **zero), **extra)
+    return base(
+        stage,
+        optimizer=copy.deepcopy(SGD),
+        zero_allow_untested_optimizer=True,
+        gradient_clipping=0.0,
+        zero_optimization=dict({"stage": stage}, **zero),
+        **extra,
+    )
 
 
 def train(init, cfg, steps=2, direct=None, model=None, start=None, make=Net):
@@ -57,9 +64,10 @@ def pair(cfg, steps=2, **kw):
     out = []
     for init, theirs in ((deepspeed.initialize, True), (zeroshard.initialize, False)):
         engine, losses = train(init, cfg, steps, **kw)
-        norm = engine.get_global_grad_norm()         # (DeepSpeed's stage 0 keeps none)
-        out.append(dict(params=params_of(engine, deepspeed=theirs), norm=None if norm is None else float(norm),
-                        losses=losses))
+        norm = engine.get_global_grad_norm()  # (DeepSpeed's stage 0 keeps none)
+        out.append(
+            dict(params=params_of(engine, deepspeed=theirs), norm=None if norm is None else float(norm), losses=losses)
+        )
     return out
 
 
@@ -127,6 +135,7 @@ def zero_init():
     """deepspeed.zero.Init and zeroshard.zero.Init on Filled, trained at stage 3 (and stage 2,
     zeroshard's only); the values right after construction; a plain Filled for reference."""
     from zeroshard.integrations.deepspeed import zero_init as zi
+
     deepspeed = ds_setup()
     torch.manual_seed(0)
     plain = {k: v.detach().clone() for k, v in Filled().named_parameters()}
@@ -140,13 +149,20 @@ def zero_init():
         def build():
             with zeroshard.zero.Init(config_dict_or_path=base(stage)):
                 return Filled()
+
         ours, said = _recorded(build)
         held, whole = zi.held_numel(ours)
         meta = all(p.is_meta for p in ours.parameters())
         engine = zeroshard.initialize(model=ours, model_parameters=ours.parameters(), config=base(stage))[0]
         first = params_of(engine)
-        out[stage] = dict(held=held, whole=whole, meta=meta, said=said, first=first,
-                          params=params_of(train(zeroshard.initialize, base(stage), start=engine)[0]))
+        out[stage] = dict(
+            held=held,
+            whole=whole,
+            meta=meta,
+            said=said,
+            first=first,
+            params=params_of(train(zeroshard.initialize, base(stage), start=engine)[0]),
+        )
     out["plain"] = plain
     with torch.device("meta"):
         on_meta = Filled()
@@ -167,18 +183,24 @@ def front_door():
     # DeepSpeed's ZeRO-3 with gradient_predivide_factor = world size (zeroshard refuses it): one step's norm
     deepspeed = ds_setup()
     at_world = {"gradient_predivide_factor": float(world), "zero": {"reduce_scatter": False}}
-    res["ds-stage3-factor"] = [float(train(deepspeed.initialize, sgd(3, **kw), 1)[0].get_global_grad_norm())
-                               for kw in (at_world, {})]
+    res["ds-stage3-factor"] = [
+        float(train(deepspeed.initialize, sgd(3, **kw), 1)[0].get_global_grad_norm()) for kw in (at_world, {})
+    ]
     # a parameter nothing uses: DeepSpeed's ZeRO steps it with a zero gradient (AdamW's decay moves it)
     res.update({f"unused-stage{st}": pair(base(st), 3, make=Unused) for st in (0, 1, 2, 3)})
     torch.manual_seed(0)
     res["unused-initial"] = Unused().extra.weight.detach().clone()
-    offload = base(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"},
-                                         "ignore_unused_parameters": False}, zero_force_ds_cpu_optimizer=False)
+    offload = base(
+        2,
+        zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}, "ignore_unused_parameters": False},
+        zero_force_ds_cpu_optimizer=False,
+    )
     res["unused-refused"] = refusals(offload, ("zeroshard",), make=Unused)
-    res["refused"] = {"sum-stage3": refusals(sgd(3, gradient_allreduce_op="sum")),
-                      "prescale-stage2": refusals(sgd(2, prescale_gradients=True)),
-                      "predivide-stage3": refusals(sgd(3, gradient_predivide_factor=2.0)),
-                      "fp16-plain-backward": refusals(fp16, direct="plain")}
+    res["refused"] = {
+        "sum-stage3": refusals(sgd(3, gradient_allreduce_op="sum")),
+        "prescale-stage2": refusals(sgd(2, prescale_gradients=True)),
+        "predivide-stage3": refusals(sgd(3, gradient_predivide_factor=2.0)),
+        "fp16-plain-backward": refusals(fp16, direct="plain"),
+    }
     res["zero_init"] = zero_init()
     return res if dist.get_rank() == 0 else None

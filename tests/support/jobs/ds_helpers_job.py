@@ -9,6 +9,7 @@ parameters compared; attribute forwarding and empty_partition_cache on the way.
 offload, an untested optimizer class with and without ``zero_allow_untested_optimizer``,
 LRRangeTest. ``second_initialize(stage)``: a second initialize over the first engine's model.
 """
+
 import copy
 import functools
 
@@ -19,8 +20,16 @@ import zeroshard
 from zeroshard.integrations import deepspeed as zsds
 from support.ds import Net, base, batch, ds_setup
 
-NAMES = ["inp.weight", "inp.bias", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias",
-         "out.weight", "out.bias"]
+NAMES = [
+    "inp.weight",
+    "inp.bias",
+    "blocks.0.weight",
+    "blocks.0.bias",
+    "blocks.1.weight",
+    "blocks.1.bias",
+    "out.weight",
+    "out.bias",
+]
 
 
 class Tagged(Net):
@@ -52,6 +61,7 @@ def _api(ds):
     """(initialize, GatheredParameters, utils) of DeepSpeed (``ds``) or zeroshard (None)."""
     if ds is not None:
         import deepspeed.utils
+
         return ds.initialize, ds.zero.GatheredParameters, deepspeed.utils
     return zeroshard.initialize, zsds.zero.GatheredParameters, zsds.utils
 
@@ -108,8 +118,9 @@ def _set_full(utils, stage, deepspeed: bool, name: str):
     def set_(p, value, *key):
         part, rank = p.ds_tensor.numel(), dist.get_rank()
         flat = torch.zeros(part * dist.get_world_size())
-        flat[:value.numel()] = value.reshape(-1).float()
-        local(p, flat[rank * part:(rank + 1) * part], *key)
+        flat[: value.numel()] = value.reshape(-1).float()
+        local(p, flat[rank * part : (rank + 1) * part], *key)
+
     return set_
 
 
@@ -118,8 +129,10 @@ def _edit(engine, gp, utils, stage, deepspeed: bool):
     DeepSpeed's engine also gets the edit into its fp32 master (safe_set_full_fp32_param), and at
     stages 1/2 (where its GatheredParameters does nothing) on every rank: the run both then train."""
     last, named = dist.get_world_size() - 1, _named(engine)
-    target = {"blocks.0.weight": utils.safe_get_full_fp32_param(named["blocks.0.weight"]) * 0.5,
-              "out.bias": utils.safe_get_full_fp32_param(named["out.bias"]) + 1.0}
+    target = {
+        "blocks.0.weight": utils.safe_get_full_fp32_param(named["blocks.0.weight"]) * 0.5,
+        "out.bias": utils.safe_get_full_fp32_param(named["out.bias"]) + 1.0,
+    }
     with gp([named["blocks.0.weight"], named["out.bias"]], modifier_rank=last):
         if dist.get_rank() == last or (deepspeed and stage < 3):
             m = engine.module
@@ -135,8 +148,7 @@ def _local_or_full(utils, stage, deepspeed, get, set_full, p, fn, *key):
     """``fn`` applied to ``p``'s local part (zeroshard at every stage, DeepSpeed at stage 3, where
     its local API exists), else to the whole value: the same change either way."""
     if deepspeed and stage < 3:
-        _set_full(utils, stage, deepspeed, set_full)(p, fn(getattr(utils, get.replace("local", "full"))(p, *key)),
-                                                      *key)
+        _set_full(utils, stage, deepspeed, set_full)(p, fn(getattr(utils, get.replace("local", "full"))(p, *key)), *key)
     else:
         getattr(utils, get.replace("get", "set"))(p, fn(getattr(utils, get)(p, *key)), *key)
 
@@ -144,21 +156,38 @@ def _local_or_full(utils, stage, deepspeed, get, set_full, p, fn, *key):
 def _boundary_helpers(engine, utils, stage, deepspeed):
     """At the accumulation boundary: every getter read, then one setter of each kind."""
     named = _named(engine)
-    read = dict(grads={n: utils.safe_get_full_grad(p).float().clone() for n, p in named.items()},
-                values=full_params(engine, utils),
-                exp_avg={n: utils.safe_get_full_optimizer_state(p, "exp_avg").clone() for n, p in named.items()},
-                exp_avg_sq={n: utils.safe_get_full_optimizer_state(p, "exp_avg_sq").clone()
-                            for n, p in named.items()})
+    read = dict(
+        grads={n: utils.safe_get_full_grad(p).float().clone() for n, p in named.items()},
+        values=full_params(engine, utils),
+        exp_avg={n: utils.safe_get_full_optimizer_state(p, "exp_avg").clone() for n, p in named.items()},
+        exp_avg_sq={n: utils.safe_get_full_optimizer_state(p, "exp_avg_sq").clone() for n, p in named.items()},
+    )
     full = functools.partial(_set_full, utils, stage, deepspeed)
     full("safe_set_full_grad")(named["inp.weight"], read["grads"]["inp.weight"] * 3)
-    _local_or_full(utils, stage, deepspeed, "safe_get_local_grad", "safe_set_full_grad", named["blocks.1.weight"],
-                   lambda g: g * 2)
+    _local_or_full(
+        utils, stage, deepspeed, "safe_get_local_grad", "safe_set_full_grad", named["blocks.1.weight"], lambda g: g * 2
+    )
     full("safe_set_full_fp32_param")(named["out.weight"], read["values"]["out.weight"] * 0.5)
-    _local_or_full(utils, stage, deepspeed, "safe_get_local_fp32_param", "safe_set_full_fp32_param",
-                   named["blocks.0.bias"], lambda v: v + 0.01)
+    _local_or_full(
+        utils,
+        stage,
+        deepspeed,
+        "safe_get_local_fp32_param",
+        "safe_set_full_fp32_param",
+        named["blocks.0.bias"],
+        lambda v: v + 0.01,
+    )
     full("safe_set_full_optimizer_state")(named["blocks.0.weight"], torch.zeros(13, 13), "exp_avg")
-    _local_or_full(utils, stage, deepspeed, "safe_get_local_optimizer_state", "safe_set_full_optimizer_state",
-                   named["inp.bias"], lambda v: v * 0.5, "exp_avg_sq")
+    _local_or_full(
+        utils,
+        stage,
+        deepspeed,
+        "safe_get_local_optimizer_state",
+        "safe_set_full_optimizer_state",
+        named["inp.bias"],
+        lambda v: v * 0.5,
+        "exp_avg_sq",
+    )
     return read
 
 
@@ -205,8 +234,12 @@ def bf16_edit():
 
 
 def _client_pair(init, stage, optimizer, scheduler=None, **extra):
-    cfg = base(stage, zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}},
-               zero_force_ds_cpu_optimizer=False, **extra)
+    cfg = base(
+        stage,
+        zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}},
+        zero_force_ds_cpu_optimizer=False,
+        **extra,
+    )
     del cfg["optimizer"]
     if scheduler is not None:
         cfg["scheduler"] = scheduler
@@ -226,8 +259,15 @@ def _refusal(fn):
     return None
 
 
-LRRT = {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2,
-                                         "lr_range_test_step_rate": 3.0, "lr_range_test_staircase": True}}
+LRRT = {
+    "type": "LRRangeTest",
+    "params": {
+        "lr_range_test_min_lr": 1e-3,
+        "lr_range_test_step_size": 2,
+        "lr_range_test_step_rate": 3.0,
+        "lr_range_test_staircase": True,
+    },
+}
 
 
 def client_optimizers():
@@ -237,8 +277,12 @@ def client_optimizers():
     cases = {
         "adam-l2": (2, lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1), LRRT, {}),
         "adam": (3, lambda ps: torch.optim.Adam(ps, lr=1e-2), None, {}),
-        "untested": (1, lambda ps: SignSGD(ps, lr=1e-2), dict(LRRT, params=dict(
-            LRRT["params"], lr_range_test_staircase=False)), {"zero_allow_untested_optimizer": True}),
+        "untested": (
+            1,
+            lambda ps: SignSGD(ps, lr=1e-2),
+            dict(LRRT, params=dict(LRRT["params"], lr_range_test_staircase=False)),
+            {"zero_allow_untested_optimizer": True},
+        ),
     }
     out = {}
     for name, (stage, make, sched, extra) in cases.items():
@@ -248,8 +292,10 @@ def client_optimizers():
             engine, lrs = _client_pair(init, stage, make, sched, **extra)
             pair.append((full_params(engine, utils), lrs))
         out[name] = pair
-    out["refused"] = [_refusal(lambda: _client_pair(init, 1, lambda ps: SignSGD(ps)))
-                      for init in (ds.initialize, zeroshard.initialize)]
+    out["refused"] = [
+        _refusal(lambda: _client_pair(init, 1, lambda ps: SignSGD(ps)))
+        for init in (ds.initialize, zeroshard.initialize)
+    ]
     return out
 
 
@@ -320,8 +366,7 @@ def frozen_checkpoint(stage, root):
         second.load_checkpoint(f"{root}/frozen-{who}{stage}", load_module_strict=False)
         _steps(second, 2, 1)
         frozen = ["blocks.0.weight", "blocks.0.bias"]
-        out[who] = {n: utils.safe_get_full_fp32_param(p).clone() for n, p in _named(second).items()
-                    if n not in frozen}
+        out[who] = {n: utils.safe_get_full_fp32_param(p).clone() for n, p in _named(second).items() if n not in frozen}
         out[who].update(_gathered_values(second, gp, frozen))
         out[f"{who}-fresh"] = {n: fresh[n] for n in frozen}
     return out

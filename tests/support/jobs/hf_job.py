@@ -12,6 +12,7 @@ directory; the parent compares.
 one): the Trainer's own training against zeroshard at stages 1-3, fp32 and bf16, into
 results-device.pt (tests/integration/test_gpu.py).
 """
+
 import importlib.util
 import os
 import shutil
@@ -21,14 +22,21 @@ import time
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 import zeroshard
 from zeroshard.integrations.hf import ZeroShardTrainer, ZeroShardTrainerMixin, from_pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.join(ROOT, "tests"))      # (support.*, where torchrun runs this file)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # (support.*, where torchrun runs this file)
 from support.records import unit_gather_dtypes  # noqa: E402
 
 VOCAB, SEQ = 101, 16
@@ -37,39 +45,87 @@ transformers.logging.set_verbosity_error()
 
 def gpt2(seed=0):
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                      eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def llama(seed=0):
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=56,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
-                                        pad_token_id=0))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=56,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def mixtral(seed=0):
     """A Mixtral (top-2 of 4 experts per layer; transformers 5 holds each layer's experts as
     3-D parameters)."""
     from transformers import MixtralConfig, MixtralForCausalLM
+
     torch.manual_seed(seed)
-    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-                                            bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def qwen3_moe(seed=0):
     """A Qwen3-MoE (top-2 of 4 experts, q/k norms)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24,
-                                              moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                              max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
-                                              pad_token_id=0))
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=24,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def rows(n, seed):
@@ -80,7 +136,7 @@ def rows(n, seed):
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
-TRAIN, EVAL = rows(120, 1), rows(22, 5)       # 22: evaluation batches that split unevenly over the ranks
+TRAIN, EVAL = rows(120, 1), rows(22, 5)  # 22: evaluation batches that split unevenly over the ranks
 
 
 class Recorder(TrainerCallback):
@@ -107,8 +163,7 @@ class Losses:
     """Every training micro-batch's loss, unrounded (the Trainer's logs round to 4 digits)."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                   num_items_in_batch=num_items_in_batch)
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if model.training:
             self.losses.append((out[0] if return_outputs else out).item())
         return out
@@ -123,11 +178,28 @@ class ZeroT(Losses, ZeroShardTrainer):
 
 
 def arguments(out, **kw):
-    base = dict(output_dir=out, per_device_train_batch_size=12, gradient_accumulation_steps=2, max_steps=4,
-                learning_rate=2e-3, warmup_steps=2, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
-                eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=6, save_strategy="steps",
-                save_steps=2, report_to=[], seed=3, use_cpu=True, disable_tqdm=True,
-                accelerator_config={"split_batches": True}, dataloader_drop_last=True)
+    base = dict(
+        output_dir=out,
+        per_device_train_batch_size=12,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=2e-3,
+        warmup_steps=2,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=6,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        seed=3,
+        use_cpu=True,
+        disable_tqdm=True,
+        accelerator_config={"split_batches": True},
+        dataloader_drop_last=True,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -135,6 +207,7 @@ def arguments(out, **kw):
 def full_params(trainer, stage):
     """The whole model's tensors (tensor-parallel ones gathered over tp: collective)."""
     from torch.distributed.tensor import DTensor
+
     runner = trainer.zeroshard_model if stage else trainer.model
     sd = runner.state_dict()
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in sd.items()}
@@ -152,14 +225,20 @@ def run(stage, out, model_fn=gpt2, resume=None, trainer_cls=None, hook=None, **k
     t.losses, rec.trainer = [], t
     t.train(resume_from_checkpoint=resume)
     logs = t.state.log_history
-    result = dict(losses=t.losses, reduced=rec.reduced, out=out,
-                  norms=[h["grad_norm"] for h in logs if "grad_norm" in h],
-                  lrs=[h["learning_rate"] for h in logs if "learning_rate" in h and "loss" in h],
-                  eval=[h["eval_loss"] for h in logs if "eval_loss" in h],
-                  params=full_params(t, stage), best=t.state.best_model_checkpoint,
-                  device=str(next(iter(t.model.parameters())).device), gathers=unit_gather_dtypes(t0))
+    result = dict(
+        losses=t.losses,
+        reduced=rec.reduced,
+        out=out,
+        norms=[h["grad_norm"] for h in logs if "grad_norm" in h],
+        lrs=[h["learning_rate"] for h in logs if "learning_rate" in h and "loss" in h],
+        eval=[h["eval_loss"] for h in logs if "eval_loss" in h],
+        params=full_params(t, stage),
+        best=t.state.best_model_checkpoint,
+        device=str(next(iter(t.model.parameters())).device),
+        gathers=unit_gather_dtypes(t0),
+    )
     final = os.path.join(out, "final")
-    t.save_model(final)                    # every rank, as Trainer scripts do
+    t.save_model(final)  # every rank, as Trainer scripts do
     result["final"] = final
     return result, t
 
@@ -193,6 +272,7 @@ def nan_on_rank_1_at_step_2(model):
             if dist.get_rank() == 1 and len(calls) == 5:
                 return output * float("inf")
         return output
+
     model.transformer.wte.register_forward_hook(hook)
 
 
@@ -216,8 +296,13 @@ def fp16_run(stage, out):
     extra = dict(zeroshard=dict(stage=stage)) if stage else {}
     # adamw_torch: with the fused AdamW, torch's GradScaler calls step() even on an overflow (the kernel
     # skips inside), so Accelerate reports the step as taken and the DDP run's schedule moves on
-    t = cls(model=model, args=arguments(out, fp16=True, eval_strategy="no", save_strategy="no", optim="adamw_torch"),
-            train_dataset=TRAIN, callbacks=[skips], **extra)
+    t = cls(
+        model=model,
+        args=arguments(out, fp16=True, eval_strategy="no", save_strategy="no", optim="adamw_torch"),
+        train_dataset=TRAIN,
+        callbacks=[skips],
+        **extra,
+    )
     t.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     t.losses, skips.trainer = [], t
     t.train()
@@ -234,23 +319,43 @@ def sft_run(out):
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
-                                  pad_token="t0", eos_token="t0", unk_token="t1")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+        pad_token="t0",
+        eos_token="t0",
+        unk_token="t1",
+    )
 
     class SFT(ZeroShardTrainerMixin, trl.SFTTrainer):
         pass
+
     ds = datasets.Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in TRAIN[:48]])
-    cfg = trl.SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=3, learning_rate=2e-3,
-                        logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
-                        max_length=SEQ, seed=3)
-    from transformers import AutoModelForCausalLM     # the model from_pretrained wrapped: the mixin takes it
-    opts = dict(stage=3, mixed_precision="bf16")      # SFTConfig's bf16=True by default: bf16 gathers
+    cfg = trl.SFTConfig(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=2e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        max_length=SEQ,
+        seed=3,
+    )
+    from transformers import AutoModelForCausalLM  # the model from_pretrained wrapped: the mixin takes it
+
+    opts = dict(stage=3, mixed_precision="bf16")  # SFTConfig's bf16=True by default: bf16 gathers
     model = from_pretrained(AutoModelForCausalLM, os.path.join(os.path.dirname(out), "saved-gpt2"), zeroshard=opts)
     t = SFT(model=model, args=cfg, train_dataset=ds, processing_class=tok, zeroshard=opts)
     t.train()
     t.save_model(os.path.join(out, "final"))
-    return dict(losses=[h["loss"] for h in t.state.log_history if "loss" in h], final=os.path.join(out, "final"),
-                params=full_params(t, 3), is_zeroshard=isinstance(t.optimizer.optimizer, zeroshard.ShardedOptimizer))
+    return dict(
+        losses=[h["loss"] for h in t.state.log_history if "loss" in h],
+        final=os.path.join(out, "final"),
+        params=full_params(t, 3),
+        is_zeroshard=isinstance(t.optimizer.optimizer, zeroshard.ShardedOptimizer),
+    )
 
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -260,6 +365,7 @@ def loaded_logits(d):
     """A Llama and a GPT-2 (tied, Conv1D) saved in files of 20 KB, loaded by from_pretrained at
     stages 2 and 3: the logits of a fixed batch, and the files' count."""
     from transformers import AutoModelForCausalLM
+
     ids, out = torch.stack([r["input_ids"] for r in rows(3, 9)]), {}
     for name, fn in (("llama", llama), ("gpt2", gpt2)):
         folder = os.path.join(d, f"saved-{name}")
@@ -281,32 +387,37 @@ def fine_tunes(d):
     zeroshard's started); the gradient bytes memory_report counts, over the ranks."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
     folder, out = os.path.join(d, "saved-llama"), {}
-    plain = lambda: AutoModelForCausalLM.from_pretrained(folder)   # noqa: E731
+    plain = lambda: AutoModelForCausalLM.from_pretrained(folder)  # noqa: E731
     kw = dict(model_fn=plain, save_strategy="no", eval_strategy="no")
     out["ft-0"], _ = run(0, os.path.join(d, "ft-0"), **kw)
     kw["model_fn"] = lambda: from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=3))  # noqa: E731
     out["ft-3"], _ = run(3, os.path.join(d, "ft-3"), zeroshard=dict(stage=3), **kw)
     for stage in (2, 3):
         torch.manual_seed(11)
-        model = from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=stage),
-                                peft_config=LoraConfig(**LORA))
+        model = from_pretrained(
+            AutoModelForCausalLM, folder, zeroshard=dict(stage=stage), peft_config=LoraConfig(**LORA)
+        )
         if stage == 3:
             names = [n for n, p in model.module.named_parameters() if p.requires_grad]
             start = model.state_dict(keys=names)
-        kw["model_fn"] = lambda: model     # noqa: E731
+        kw["model_fn"] = lambda: model  # noqa: E731
         out[f"lora-{stage}"], t = run(stage, os.path.join(d, f"lora-{stage}"), gradient_checkpointing=True, **kw)
         grads = torch.tensor(float(t.zeroshard_model.memory_report()["grads"] if stage == 3 else 0))
         dist.all_reduce(grads)
         out[f"lora-{stage}"]["grad_bytes"] = int(grads)
-    wrapped = from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=3))     # gathers in fp32
+    wrapped = from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=3))  # gathers in fp32
     for name, given in (("precision", dict(stage=3)), ("stage", dict(stage=2))):
         try:
-            ZeroT(model=wrapped, args=arguments(os.path.join(d, "refused"), bf16=True, eval_strategy="no"),
-                  zeroshard=given)
+            ZeroT(
+                model=wrapped,
+                args=arguments(os.path.join(d, "refused"), bf16=True, eval_strategy="no"),
+                zeroshard=given,
+            )
         except ValueError as e:
             out[f"refused-{name}"] = str(e)
-    kw["model_fn"] = lambda: get_peft_model(plain(), LoraConfig(**LORA))   # noqa: E731
+    kw["model_fn"] = lambda: get_peft_model(plain(), LoraConfig(**LORA))  # noqa: E731
     out["lora-0"], _ = run(0, os.path.join(d, "lora-0"), hook=lambda m: m.load_state_dict(start, strict=False), **kw)
     return out
 
@@ -322,9 +433,10 @@ def accelerate_runs(d):
     ex = example()
     out = {}
     from accelerate.state import AcceleratorState
+
     for stage in (0, 2, 3):
         o = os.path.join(d, f"acc{stage}")
-        AcceleratorState._reset_state()          # the Trainers before left their precision in the singleton
+        AcceleratorState._reset_state()  # the Trainers before left their precision in the singleton
         out[stage] = ex.train(stage, 6, o, save_at=3)
         AcceleratorState._reset_state()
         out[f"{stage}-resumed"] = ex.train(stage, 6, o, resume=True, save_at=3)
@@ -337,12 +449,13 @@ def accelerate_loads(from_w2):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from zeroshard.integrations import hf
+
     ex = example()
     out = {}
     for saved, now in ((2, 3), (3, 2)):
         AcceleratorState._reset_state()
         accelerator = Accelerator(gradient_accumulation_steps=2)
-        model = ex.build_model(seed=7)                                  # other weights than the saved ones
+        model = ex.build_model(seed=7)  # other weights than the saved ones
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
         model, opt = hf.prepare(accelerator, model, opt, stage=now)
         accelerator.load_state(os.path.join(from_w2, f"acc{saved}", "state"))
@@ -357,8 +470,9 @@ def main_device(d):
     res = {}
     for prec, stages in (("fp32", (0, 1, 2, 3)), ("bf16", (0, 2, 3))):
         for stage in stages:
-            res[f"{prec}-{stage}"], _ = run(stage, os.path.join(d, f"{prec}-{stage}"), use_cpu=not cuda,
-                                            save_strategy="no", bf16=prec == "bf16")
+            res[f"{prec}-{stage}"], _ = run(
+                stage, os.path.join(d, f"{prec}-{stage}"), use_cpu=not cuda, save_strategy="no", bf16=prec == "bf16"
+            )
     torch.save(res, os.path.join(d, "results-device.pt"))
     dist.destroy_process_group()
 
@@ -370,34 +484,53 @@ def main_tp(d):
     against the Trainer's DDP at world 4, its checkpoint resumed at stage 1; what is not
     supported refused."""
     from torch.distributed.tensor import DTensor
+
     dist.init_process_group("gloo")
     res = {}
     for stage in (1, 2, 3):
-        res[f"tp-{stage}"], t = run(stage, os.path.join(d, f"tp-{stage}"), model_fn=llama,
-                                    zeroshard=dict(stage=stage, tp_size=2))
+        res[f"tp-{stage}"], t = run(
+            stage, os.path.join(d, f"tp-{stage}"), model_fn=llama, zeroshard=dict(stage=stage, tp_size=2)
+        )
         res[f"tp-{stage}"]["tp"] = t.zeroshard_mesh["tp"].size()
-        if stage != 3:     # (at stage 3 the DTensors exist while a unit computes)
+        if stage != 3:  # (at stage 3 the DTensors exist while a unit computes)
             res[f"tp-{stage}"]["dtensors"] = sum(isinstance(p, DTensor) for p in t.model.parameters())
-    res["tp-resume"], _ = run(2, os.path.join(d, "tp-resume"), model_fn=llama, zeroshard=dict(stage=2, tp_size=2),
-                              resume=os.path.join(d, "tp-3", "checkpoint-2"))
+    res["tp-resume"], _ = run(
+        2,
+        os.path.join(d, "tp-resume"),
+        model_fn=llama,
+        zeroshard=dict(stage=2, tp_size=2),
+        resume=os.path.join(d, "tp-3", "checkpoint-2"),
+    )
     # expert parallelism: the Qwen3-MoE's own ep_plan over 2 ranks (each its own batch, the tokens
     # exchanged all-to-all), the experts sharded over the 2 ranks holding the same ones
     no_eval = dict(model_fn=qwen3_moe, eval_strategy="no")
     res["ep-0"], _ = run(0, os.path.join(d, "ep-0"), save_strategy="no", **no_eval)
     res["ep-2"], t = run(2, os.path.join(d, "ep-2"), zeroshard=dict(stage=2, ep_size=2), **no_eval)
     res["ep-2"]["experts"] = sum(isinstance(p, DTensor) for p in t.model.parameters())
-    res["ep-resume"], _ = run(1, os.path.join(d, "ep-resume"), zeroshard=dict(stage=1, ep_size=2), save_strategy="no",
-                              resume=os.path.join(d, "ep-2", "checkpoint-2"), **no_eval)
+    res["ep-resume"], _ = run(
+        1,
+        os.path.join(d, "ep-resume"),
+        zeroshard=dict(stage=1, ep_size=2),
+        save_strategy="no",
+        resume=os.path.join(d, "ep-2", "checkpoint-2"),
+        **no_eval,
+    )
     refused = {}
     for name, fn, tp in (("no-plan", gpt2, 2), ("styles", qwen3_moe, 2), ("world", llama, 3)):
         try:
-            ZeroT(model=fn(), args=arguments(os.path.join(d, "refused"), eval_strategy="no"),
-                  zeroshard=dict(stage=2, tp_size=tp))
+            ZeroT(
+                model=fn(),
+                args=arguments(os.path.join(d, "refused"), eval_strategy="no"),
+                zeroshard=dict(stage=2, tp_size=tp),
+            )
         except ValueError as e:
             refused[name] = str(e)
     try:
-        ZeroT(model=llama(), args=arguments(os.path.join(d, "refused"), eval_strategy="no"),
-              zeroshard=dict(stage=2, ep_size=2))
+        ZeroT(
+            model=llama(),
+            args=arguments(os.path.join(d, "refused"), eval_strategy="no"),
+            zeroshard=dict(stage=2, ep_size=2),
+        )
     except ValueError as e:
         refused["no-ep-plan"] = str(e)
     res["tp-refused"] = refused
@@ -422,9 +555,9 @@ def main():
         res[f"fp32-{stage}"], trainers[stage] = run(stage, os.path.join(d, f"fp32-{stage}"), **kw)
     if from_w2 is None:
         res["rank0-save"] = rank_0_saves(trainers, d)
-    for stage in (2, 3):      # resume at step 2 of the same world size: the same final state
+    for stage in (2, 3):  # resume at step 2 of the same world size: the same final state
         ck, out = os.path.join(d, f"fp32-{stage}", "checkpoint-2"), os.path.join(d, f"resume-{stage}")
-        if stage == 2:        # resume_from_checkpoint=True: the newest checkpoint in output_dir
+        if stage == 2:  # resume_from_checkpoint=True: the newest checkpoint in output_dir
             if dist.get_rank() == 0:
                 shutil.copytree(ck, os.path.join(out, "checkpoint-2"))
             dist.barrier()
@@ -433,7 +566,7 @@ def main():
     res["loaded"] = loaded_logits(d)
     if from_w2 is None:
         res.update(fine_tunes(d))
-    if from_w2 is not None:   # world 3: resume world 2's stage-3 checkpoint, at stages 3 and 2
+    if from_w2 is not None:  # world 3: resume world 2's stage-3 checkpoint, at stages 3 and 2
         for stage in (2, 3):
             ck = os.path.join(from_w2, "fp32-3", "checkpoint-2")
             res[f"from-w2-{stage}"], _ = run(stage, os.path.join(d, f"from-w2-{stage}"), resume=ck)
@@ -441,33 +574,53 @@ def main():
     else:
         for stage in (2, 3):  # a checkpoint of the Trainer's own DDP run: its weights and optimizer.pt
             ck = os.path.join(d, "fp32-0", "checkpoint-2")
-            res[f"from-ddp-{stage}"], _ = run(stage, os.path.join(d, f"from-ddp-{stage}"), resume=ck,
-                                              save_strategy="no")
-        res["offload-2"], _ = run(2, os.path.join(d, "offload-2"), zeroshard=dict(stage=2, offload="cpu"),
-                                  save_strategy="no")
-        res["offload-3"], _ = run(3, os.path.join(d, "offload-3"), save_strategy="no",
-                                  zeroshard=dict(stage=3, offload="cpu", offload_params=True))
+            res[f"from-ddp-{stage}"], _ = run(
+                stage, os.path.join(d, f"from-ddp-{stage}"), resume=ck, save_strategy="no"
+            )
+        res["offload-2"], _ = run(
+            2, os.path.join(d, "offload-2"), zeroshard=dict(stage=2, offload="cpu"), save_strategy="no"
+        )
+        res["offload-3"], _ = run(
+            3,
+            os.path.join(d, "offload-3"),
+            save_strategy="no",
+            zeroshard=dict(stage=3, offload="cpu", offload_params=True),
+        )
         for stage in (0, 2, 3):
             res[f"bf16-{stage}"], _ = run(stage, os.path.join(d, f"bf16-{stage}"), bf16=True)
         for stage in (0, 2):
             res[f"fp16-{stage}"] = fp16_run(stage, os.path.join(d, f"fp16-{stage}"))
         for stage in (0, 3):
-            res[f"llama-{stage}"], _ = run(stage, os.path.join(d, f"llama-{stage}"), model_fn=llama,
-                                           save_strategy="no")
-        for name, fn in (("mixtral", mixtral), ("qwen3moe", qwen3_moe)):    # mixtures of experts
+            res[f"llama-{stage}"], _ = run(stage, os.path.join(d, f"llama-{stage}"), model_fn=llama, save_strategy="no")
+        for name, fn in (("mixtral", mixtral), ("qwen3moe", qwen3_moe)):  # mixtures of experts
             for stage in (0, 2, 3):
-                res[f"{name}-{stage}"], _ = run(stage, os.path.join(d, f"{name}-{stage}"), model_fn=fn,
-                                                eval_strategy="no", save_strategy="no")
+                res[f"{name}-{stage}"], _ = run(
+                    stage, os.path.join(d, f"{name}-{stage}"), model_fn=fn, eval_strategy="no", save_strategy="no"
+                )
         for optim in ("sgd", "adafactor"):
             for stage in (0, 2):
                 # Llama: no biases (GPT-2's attention key bias has a zero gradient, whose rounding noise
                 # Adafactor's normalisation turns into updates of the learning rate's size)
-                res[f"{optim}-{stage}"], _ = run(stage, os.path.join(d, f"{optim}-{stage}"), model_fn=llama,
-                                                 optim=optim, eval_strategy="no", save_strategy="no")
+                res[f"{optim}-{stage}"], _ = run(
+                    stage,
+                    os.path.join(d, f"{optim}-{stage}"),
+                    model_fn=llama,
+                    optim=optim,
+                    eval_strategy="no",
+                    save_strategy="no",
+                )
         # "best" = the highest evaluation loss: the first evaluation's checkpoint, loaded at the end
-        res["best-3"], _ = run(3, os.path.join(d, "best-3"), save_strategy="best", metric_for_best_model="eval_loss",
-                               greater_is_better=True, load_best_model_at_end=True, eval_steps=1, max_steps=3,
-                               save_total_limit=1)
+        res["best-3"], _ = run(
+            3,
+            os.path.join(d, "best-3"),
+            save_strategy="best",
+            metric_for_best_model="eval_loss",
+            greater_is_better=True,
+            load_best_model_at_end=True,
+            eval_steps=1,
+            max_steps=3,
+            save_total_limit=1,
+        )
         res["sft"] = sft_run(os.path.join(d, "sft"))
         res["accelerate"] = accelerate_runs(d)
     if dist.get_rank() == 0:

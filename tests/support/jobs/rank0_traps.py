@@ -6,6 +6,7 @@ catches the error and exits would.
 
     torchrun --nproc-per-node 2 tests/support/jobs/rank0_traps.py eval|opt_state_dict|save DIR
 """
+
 import json
 import os
 import sys
@@ -18,10 +19,10 @@ import torch.nn as nn
 import zeroshard as zs
 import zeroshard.comm.watchdog as watchdog
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))   # tests/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
 from support.models import Residual  # noqa: E402
 
-watchdog.CHECK_IN_DEFAULT = float(os.environ.get("CHECK_IN_SECONDS", "4"))   # the 60 s default, scaled down
+watchdog.CHECK_IN_DEFAULT = float(os.environ.get("CHECK_IN_SECONDS", "4"))  # the 60 s default, scaled down
 
 
 def main(scenario, out_dir):

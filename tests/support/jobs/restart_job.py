@@ -1,6 +1,7 @@
 """tests/integration/test_restarts.py's job: rank 1 kills itself in the first `kills` attempts; in
 every later attempt it reaches the process group 2 s after rank 0 (as after a longer
 import). `plain`: torch.distributed.init_process_group; `zeroshard`: zeroshard.init_distributed."""
+
 import datetime
 import os
 import signal
@@ -15,7 +16,7 @@ rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_CO
 if mode == "zeroshard":
     import zeroshard
 if rank == 1 and attempt > 0:
-    time.sleep(2)                                   # arrives late, as after a longer import
+    time.sleep(2)  # arrives late, as after a longer import
 timeout = datetime.timedelta(seconds=15)
 if mode == "zeroshard":
     zeroshard.init_distributed("gloo", timeout=timeout)

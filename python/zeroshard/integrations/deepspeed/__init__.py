@@ -15,6 +15,7 @@ See docs/deepspeed.md.
 May import: the public API only (``zeroshard``, ``zeroshard.checkpoint``,
 ``zeroshard.comm``, ``zeroshard.plan``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -28,10 +29,21 @@ from .engine import DeepSpeedEngine
 __all__ = ["initialize", "DeepSpeedEngine", "Config", "parse", "zero", "utils", "lr_schedules", "zero_to_fp32"]
 
 
-def initialize(args: Any = None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, distributed_port: Optional[int] = None, mpu: Any = None,
-               dist_init_required: Optional[bool] = None, collate_fn: Optional[Callable] = None, config=None,
-               mesh_param: Any = None, config_params=None):
+def initialize(
+    args: Any = None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: Optional[int] = None,
+    mpu: Any = None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn: Optional[Callable] = None,
+    config=None,
+    mesh_param: Any = None,
+    config_params=None,
+):
     """``deepspeed.initialize``'s call and return, on zeroshard: replace
     ``deepspeed.initialize`` by ``zeroshard.initialize`` and the script runs.
 
@@ -73,15 +85,17 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
             raise ValueError("a DeepSpeed config both in args.deepspeed_config and config=; pass one of them")
         config = from_args
     if config is None:
-        raise ValueError("zeroshard.initialize needs a DeepSpeed config: config= (a dict or a JSON file's path) "
-                         "or args.deepspeed_config")
+        raise ValueError(
+            "zeroshard.initialize needs a DeepSpeed config: config= (a dict or a JSON file's path) "
+            "or args.deepspeed_config"
+        )
     build.refuse_unsupported(model, mpu)
     build.init_distributed(dist_init_required)
     cfg, raw = parse(config, dist.get_world_size()), load(config)
-    wrapped = build.take_over(model, cfg)         # a second initialize over the same model
+    wrapped = build.take_over(model, cfg)  # a second initialize over the same model
     model = zero_init.prepare_model(model, cfg) if wrapped is None else model
     spec = build.optimizer_spec(model, cfg, optimizer, model_parameters)
-    names = {id(p): n for n, p in model.named_parameters()}     # a tied parameter: its first name
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter: its first name
     runner = zero_init.wrap_model(model, cfg, wrapped)
     opt = build.make_optimizer(spec, names, runner, cfg, bool(raw.get("zero_allow_untested_optimizer", False)))
     sched = build.make_scheduler(lr_scheduler, cfg, opt)

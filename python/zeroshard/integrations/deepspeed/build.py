@@ -3,6 +3,7 @@ the process group, the model's dtype and device, ``FullyShard`` at stage 3,
 the ``ShardedOptimizer`` (the config's optimizer or the client's, its param
 groups carried over), the schedule and the data loader.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,16 @@ from ..policies import as_policies, fully_shard_policies
 IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable", "initial_lr", "decoupled_weight_decay"}
 ADAM_KEYS = {"lr", "betas", "eps", "weight_decay"}
 # DeepSpeed's Adam/AdamW params that only choose its implementation
-DS_ADAM_IMPLEMENTATION = {"torch_adam", "adam_w_mode", "fp32_optimizer_states", "bias_correction", "set_grad_none",
-                          "foreach", "fused", "amsgrad"}
+DS_ADAM_IMPLEMENTATION = {
+    "torch_adam",
+    "adam_w_mode",
+    "fp32_optimizer_states",
+    "bias_correction",
+    "set_grad_none",
+    "foreach",
+    "fused",
+    "amsgrad",
+}
 DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -36,11 +45,14 @@ def on_cuda() -> bool:
     if want == "cpu":
         return False
     if want not in ("", "cuda"):
-        raise NotImplementedError(f"DS_ACCELERATOR={want!r}: zeroshard runs on CUDA GPUs and on the CPU; "
-                                  "set it to 'cuda' or 'cpu', or leave it unset")
+        raise NotImplementedError(
+            f"DS_ACCELERATOR={want!r}: zeroshard runs on CUDA GPUs and on the CPU; "
+            "set it to 'cuda' or 'cpu', or leave it unset"
+        )
     if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("DS_ACCELERATOR='cuda' but torch sees no CUDA device; set DS_ACCELERATOR='cpu' "
-                           "to train on the CPU")
+        raise RuntimeError(
+            "DS_ACCELERATOR='cuda' but torch sees no CUDA device; set DS_ACCELERATOR='cpu' to train on the CPU"
+        )
     return torch.cuda.is_available()
 
 
@@ -50,8 +62,10 @@ def init_distributed(dist_init_required: Optional[bool]) -> None:
     if dist.is_initialized():
         return
     if dist_init_required is False:
-        raise RuntimeError("zeroshard.initialize(dist_init_required=False) but no process group exists; call "
-                           "torch.distributed.init_process_group() first, or leave dist_init_required unset")
+        raise RuntimeError(
+            "zeroshard.initialize(dist_init_required=False) but no process group exists; call "
+            "torch.distributed.init_process_group() first, or leave dist_init_required unset"
+        )
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -68,21 +82,27 @@ def refuse_unsupported(model: nn.Module, mpu) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"zeroshard.initialize needs model= an nn.Module, got {type(model).__name__}")
     if mpu is not None:
-        raise NotImplementedError("zeroshard.initialize(mpu=...): zeroshard has no model (tensor/pipeline) "
-                                  "parallelism; it shards over the data-parallel ranks only")
+        raise NotImplementedError(
+            "zeroshard.initialize(mpu=...): zeroshard has no model (tensor/pipeline) "
+            "parallelism; it shards over the data-parallel ranks only"
+        )
     for m in model.modules():
         kind = type(m).__module__ + "." + type(m).__name__
         if kind.startswith("deepspeed.runtime.pipe"):
-            raise NotImplementedError("a DeepSpeed PipelineModule: zeroshard has no pipeline parallelism; pass "
-                                      "the plain model (the layers in an nn.Sequential)")
+            raise NotImplementedError(
+                "a DeepSpeed PipelineModule: zeroshard has no pipeline parallelism; pass "
+                "the plain model (the layers in an nn.Sequential)"
+            )
         if kind.startswith("deepspeed.moe"):
-            raise NotImplementedError(f"{type(m).__name__} is a DeepSpeed mixture-of-experts layer: zeroshard has "
-                                      "no expert parallelism")
+            raise NotImplementedError(
+                f"{type(m).__name__} is a DeepSpeed mixture-of-experts layer: zeroshard has no expert parallelism"
+            )
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise NotImplementedError(
             "the model was built under deepspeed.zero.Init (its parameters are DeepSpeed-partitioned): build it "
             "under zeroshard.zero.Init instead (the same arguments; each module's parameters are sharded as it "
-            "is built), and zeroshard.initialize takes it at any stage")
+            "is built), and zeroshard.initialize takes it at any stage"
+        )
 
 
 def take_over(model: nn.Module, cfg: Config) -> Optional[nn.Module]:
@@ -106,7 +126,8 @@ def take_over(model: nn.Module, cfg: Config) -> Optional[nn.Module]:
             f"{had[0]}, reduced in {had[1]}, offload_param {had[2]}): the new engine reuses that sharding, so "
             f"its config must ask for stage 3 with the same fp16/bf16, communication_data_type and "
             f"offload_param (it asks for stage {cfg.zero.stage}, {want[0]}, {want[1]}, offload_param {want[2]}); "
-            "or build a fresh model and load the first engine's checkpoint into it")
+            "or build a fresh model and load the first engine's checkpoint into it"
+        )
     return fs
 
 
@@ -155,10 +176,20 @@ def wrap_model(model: nn.Module, cfg: Config, reuse: Optional[nn.Module] = None)
     reduce = reduce_dtype(cfg)
     mp = zeroshard.MixedPrecision(param_dtype=low, reduce_dtype=reduce) if (low or reduce) else None
     if cfg.zero.offload_param.device == "nvme":
-        warnings.warn("zero_optimization.offload_param.device \"nvme\": zeroshard keeps offloaded parameters in host "
-                      "memory (the optimizer state still goes to offload_optimizer's nvme_path)", stacklevel=4)
-    return live.wrapped(model, zeroshard.FullyShard(model, wrap=block_units(model), mixed_precision=mp,
-                                                    **fully_shard_policies(cfg.zero.offload_param.device != "none")))
+        warnings.warn(
+            "zero_optimization.offload_param.device \"nvme\": zeroshard keeps offloaded parameters in host "
+            "memory (the optimizer state still goes to offload_optimizer's nvme_path)",
+            stacklevel=4,
+        )
+    return live.wrapped(
+        model,
+        zeroshard.FullyShard(
+            model,
+            wrap=block_units(model),
+            mixed_precision=mp,
+            **fully_shard_policies(cfg.zero.offload_param.device != "none"),
+        ),
+    )
 
 
 def _groups(model_parameters, model: nn.Module) -> list:
@@ -173,8 +204,10 @@ def config_optimizer(kind: str, params: dict):
     config's optimizer section, with DeepSpeed's meaning of each type."""
     params = dict(params)
     if "max_grad_norm" in params:
-        raise ValueError("DeepSpeed config optimizer.params.max_grad_norm: DeepSpeed refuses it too; use the "
-                         "top-level \"gradient_clipping\"")
+        raise ValueError(
+            "DeepSpeed config optimizer.params.max_grad_norm: DeepSpeed refuses it too; use the "
+            "top-level \"gradient_clipping\""
+        )
     name = kind.lower()
     if name in ("adam", "adamw"):
         adam_w = name == "adamw" or bool(params.get("adam_w_mode", True))
@@ -182,20 +215,26 @@ def config_optimizer(kind: str, params: dict):
         wd_default = 0.01 if (params.get("torch_adam") and adam_w) else 0.0
         extra = sorted(set(params) - ADAM_KEYS - DS_ADAM_IMPLEMENTATION)
         if extra or params.get("amsgrad"):
-            raise ValueError(f"DeepSpeed config optimizer {kind}: params {extra or ['amsgrad']} are not Adam's "
-                             "(lr, betas, eps, weight_decay)")
+            raise ValueError(
+                f"DeepSpeed config optimizer {kind}: params {extra or ['amsgrad']} are not Adam's "
+                "(lr, betas, eps, weight_decay)"
+            )
         kw = {k: params[k] for k in ADAM_KEYS if k in params}
         kw.setdefault("weight_decay", wd_default)
         if adam_w or kw["weight_decay"] == 0:
-            return None, kw                      # decoupled decay (or none): the fused AdamW
-        return torch.optim.Adam, kw              # Adam with L2 decay: torch's, over the shards
+            return None, kw  # decoupled decay (or none): the fused AdamW
+        return torch.optim.Adam, kw  # Adam with L2 decay: torch's, over the shards
     if name == "muon":
-        raise NotImplementedError("DeepSpeed optimizer Muon: zeroshard has no Muon (its orthogonalisation needs "
-                                  "whole matrices, not shards); use Adam, AdamW or SGD")
+        raise NotImplementedError(
+            "DeepSpeed optimizer Muon: zeroshard has no Muon (its orthogonalisation needs "
+            "whole matrices, not shards); use Adam, AdamW or SGD"
+        )
     cls = getattr(torch.optim, kind, None)
     if cls is None or not isinstance(cls, type):
-        raise NotImplementedError(f"DeepSpeed optimizer type {kind!r}: zeroshard runs Adam, AdamW, SGD and torch's "
-                                  "other elementwise optimizers; or pass optimizer= a torch optimizer")
+        raise NotImplementedError(
+            f"DeepSpeed optimizer type {kind!r}: zeroshard runs Adam, AdamW, SGD and torch's "
+            "other elementwise optimizers; or pass optimizer= a torch optimizer"
+        )
     return cls, params
 
 
@@ -204,8 +243,11 @@ def client_optimizer(opt: torch.optim.Optimizer):
     cls = type(opt)
     groups = [dict(g) for g in opt.param_groups]
     # torch's Adam with no weight decay (or decoupled: AdamW's) is AdamW: the fused kernel, offloadable
-    adamw = cls is torch.optim.AdamW or cls is torch.optim.Adam and all(
-        g.get("decoupled_weight_decay") or not g.get("weight_decay") for g in groups)
+    adamw = (
+        cls is torch.optim.AdamW
+        or cls is torch.optim.Adam
+        and all(g.get("decoupled_weight_decay") or not g.get("weight_decay") for g in groups)
+    )
     fused = adamw and not any(g.get("amsgrad") or g.get("maximize") for g in groups)
     keep = ADAM_KEYS if fused else set(opt.defaults) - IMPLEMENTATION_KEYS - {"params"}
     groups = [dict({k: g[k] for k in keep if k in g}, params=list(g["params"])) for g in groups]
@@ -222,8 +264,9 @@ def optimizer_spec(model: nn.Module, cfg: Config, optimizer, model_parameters):
     if isinstance(optimizer, torch.optim.Optimizer):
         return client_optimizer(optimizer)
     if optimizer is not None:
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable returning one, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or a callable returning one, got {type(optimizer).__name__}"
+        )
     if cfg.optimizer is None:
         return None
     cls, kwargs = config_optimizer(*cfg.optimizer)
@@ -238,15 +281,19 @@ def _untested(cls, allowed: bool, offload: str) -> dict:
     options = {}
     if getattr(torch.optim, cls.__name__, None) is not cls:
         if not allowed:
-            raise ValueError(f"the client optimizer {cls.__module__}.{cls.__name__} is not one ZeRO is tested with: "
-                             "add \"zero_allow_untested_optimizer\": true to the DeepSpeed config (as DeepSpeed asks) "
-                             "to run it; zeroshard then steps it elementwise on each rank's pieces of every "
-                             "parameter, as DeepSpeed steps it on its flat partitions")
+            raise ValueError(
+                f"the client optimizer {cls.__module__}.{cls.__name__} is not one ZeRO is tested with: "
+                "add \"zero_allow_untested_optimizer\": true to the DeepSpeed config (as DeepSpeed asks) "
+                "to run it; zeroshard then steps it elementwise on each rank's pieces of every "
+                "parameter, as DeepSpeed steps it on its flat partitions"
+            )
         options["elementwise"] = True
     if offload != "none" and on_cuda():
-        warnings.warn(f"zero_optimization.offload_optimizer with {cls.__name__}: zeroshard offloads the state of "
-                      "its fused AdamW only (Adam/AdamW without L2 decay); this optimizer's state stays on the GPU",
-                      stacklevel=4)
+        warnings.warn(
+            f"zero_optimization.offload_optimizer with {cls.__name__}: zeroshard offloads the state of "
+            "its fused AdamW only (Adam/AdamW without L2 decay); this optimizer's state stays on the GPU",
+            stacklevel=4,
+        )
     return options
 
 
@@ -262,24 +309,34 @@ def make_optimizer(spec, names: dict, runner: nn.Module, cfg: Config, allow_unte
         groups = [dict(g, params=[pieces[names[id(p)]] for p in g["params"]]) for g in groups]
     zero, reduce = cfg.zero, reduce_dtype(cfg)
     off = zero.offload_optimizer
-    options = dict(offload=None if off.device == "none" else off.device, offload_fraction=off.ratio,
-                   offload_dir=off.nvme_path if off.device == "nvme" else None)
+    options = dict(
+        offload=None if off.device == "none" else off.device,
+        offload_fraction=off.ratio,
+        offload_dir=off.nvme_path if off.device == "nvme" else None,
+    )
     if zero.stage != 3:
         item = reduce.itemsize if reduce is not None else next(p for g in groups for p in g["params"]).element_size()
         # reduce_bucket_size counts elements; absent, zeroshard's 25 MiB (DeepSpeed's 5e8 would be 2 GB of fp32)
-        options.update(stage=max(1, zero.stage), reduce_dtype=reduce,
-                       bucket_mb=zero.reduce_bucket_size * item / 2**20 if zero.reduce_bucket_size else 25)
+        options.update(
+            stage=max(1, zero.stage),
+            reduce_dtype=reduce,
+            bucket_mb=zero.reduce_bucket_size * item / 2**20 if zero.reduce_bucket_size else 25,
+        )
     if cls is not None:
-        options.update(optimizer_class=cls, offload=None, offload_fraction=1.0, offload_dir=None,
-                       **_untested(cls, allow_untested, off.device))
+        options.update(
+            optimizer_class=cls,
+            offload=None,
+            offload_fraction=1.0,
+            offload_dir=None,
+            **_untested(cls, allow_untested, off.device),
+        )
     return zeroshard.ShardedOptimizer(groups, **kwargs, **as_policies(options))
 
 
 def make_scheduler(lr_scheduler, cfg: Config, optimizer):
     """The client's schedule (an object, or a callable taking the optimizer), else the config's."""
     if lr_scheduler is not None:
-        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
-            else lr_scheduler
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
     if cfg.scheduler is not None:
         if optimizer is None:
             raise ValueError("DeepSpeed config has a scheduler but no optimizer (none in the config, none passed)")
@@ -292,5 +349,10 @@ def make_dataloader(training_data, collate_fn, cfg: Config):
     if training_data is None:
         return None
     sampler = torch.utils.data.distributed.DistributedSampler(training_data)
-    return torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                                       sampler=sampler, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+    return torch.utils.data.DataLoader(
+        training_data,
+        batch_size=cfg.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
+    )

@@ -7,6 +7,7 @@ the last save wrote. Inside ``<tag>/`` is a zeroshard checkpoint
 loadable at any world size and stage); its ``extra`` holds the engine's
 counters, the schedule's and loss scale's states and ``client_state``.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,32 +47,51 @@ def save(engine, save_dir, tag, client_state: dict, save_latest: bool, exclude_f
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     root = os.fspath(save_dir)
     os.makedirs(root, exist_ok=True)
-    extra = {"format": FORMAT, "client_state": client_state, "global_steps": engine.global_steps,
-             "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
-             "micro_steps": engine.micro_steps, "loss_scaler": engine.loss_scaler.state_dict(),
-             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-             "zero_stage": engine.zero_optimization_stage(), "world_size": engine.world_size}
-    zeroshard.save_checkpoint(os.path.join(root, tag), engine.runner, engine.optimizer, extra=extra,
-                              exclude_frozen=exclude_frozen)
+    extra = {
+        "format": FORMAT,
+        "client_state": client_state,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "zero_stage": engine.zero_optimization_stage(),
+        "world_size": engine.world_size,
+    }
+    zeroshard.save_checkpoint(
+        os.path.join(root, tag), engine.runner, engine.optimizer, extra=extra, exclude_frozen=exclude_frozen
+    )
     if save_latest and engine.global_rank == 0:
         _write_latest(root, tag)
     dist.barrier()
     return True
 
 
-def load(engine, load_dir, tag, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-         load_module_only: bool, custom_load_fn):
+def load(
+    engine,
+    load_dir,
+    tag,
+    strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+    custom_load_fn,
+):
     if custom_load_fn is not None:
-        raise NotImplementedError("load_checkpoint(custom_load_fn=...): a zeroshard checkpoint loads only into "
-                                  "the model it was saved from")
+        raise NotImplementedError(
+            "load_checkpoint(custom_load_fn=...): a zeroshard checkpoint loads only into the model it was saved from"
+        )
     path = tag_dir(load_dir, tag)
     if path is None or not os.path.isdir(path):
-        warnings.warn(f"load_checkpoint: no checkpoint at {path or os.path.join(os.fspath(load_dir), LATEST)}; "
-                      "nothing loaded (as DeepSpeed, returning (None, None))", stacklevel=3)
+        warnings.warn(
+            f"load_checkpoint: no checkpoint at {path or os.path.join(os.fspath(load_dir), LATEST)}; "
+            "nothing loaded (as DeepSpeed, returning (None, None))",
+            stacklevel=3,
+        )
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    extra = zeroshard.load_checkpoint(path, engine.runner, engine.optimizer if with_optimizer else None,
-                                      strict=strict)
+    extra = zeroshard.load_checkpoint(path, engine.runner, engine.optimizer if with_optimizer else None, strict=strict)
     if not with_optimizer and engine.optimizer is not None:
         _refresh_master(engine)
     extra = extra if isinstance(extra, dict) and extra.get("format") == FORMAT else {"client_state": extra}

@@ -19,6 +19,7 @@ Micro-batches before the boundary run under ``no_sync()`` at stages 0 and 1
 (one reduction per step, as DeepSpeed's ZeRO-1) and are reduced each time at
 stages 2 and 3 (so the gradients stay sharded).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,11 +63,12 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
     """What ``zeroshard.initialize`` returns first: call it as the model, then
     ``engine.backward(loss)`` and ``engine.step()`` after every micro-batch."""
 
-    def __init__(self, module: nn.Module, runner: nn.Module, optimizer, lr_scheduler, cfg: Config, config: dict,
-                 dataloader=None):
+    def __init__(
+        self, module: nn.Module, runner: nn.Module, optimizer, lr_scheduler, cfg: Config, config: dict, dataloader=None
+    ):
         super().__init__()
-        self.module = module                                # the user's model (DeepSpeed's engine.module)
-        object.__setattr__(self, "runner", runner)          # what forward calls; not a second submodule
+        self.module = module  # the user's model (DeepSpeed's engine.module)
+        object.__setattr__(self, "runner", runner)  # what forward calls; not a second submodule
         self.optimizer, self.lr_scheduler, self.cfg, self.config = optimizer, lr_scheduler, cfg, config
         self.training_dataloader = dataloader
         self.loss_scaler = LossScaler(cfg.fp16)
@@ -74,15 +76,15 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = _device_of(runner)        # where inputs go: x.to(engine.device), as with DeepSpeed
-        self._boundary: Optional[bool] = None                 # set_gradient_accumulation_boundary()
+        self.device = _device_of(runner)  # where inputs go: x.to(engine.device), as with DeepSpeed
+        self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary()
         self._step_applied = False
         self._grad_norm: Optional[float] = None
-        self._in_engine_backward = 0        # engine.backward() running: its loss is divided already
-        self._scaled_by_user = False        # engine.scale(loss) since the last forward
+        self._in_engine_backward = 0  # engine.backward() running: its loss is divided already
+        self._scaled_by_user = False  # engine.scale(loss) since the last forward
         self._names = {id(p): n for n, p in runner.named_parameters()}
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self.track()                        # (live.Tracked: destroy(), the helpers' lookups)
+        self.track()  # (live.Tracked: destroy(), the helpers' lookups)
 
     # ------------------------------------------------------------- config
     def train_batch_size(self) -> int:
@@ -152,10 +154,12 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
         if self._in_engine_backward:
             return grad
         if self.loss_scaler.scale != 1.0 and not self._scaled_by_user:
-            raise RuntimeError("loss.backward() with fp16 loss scaling on a loss the scale was not applied to: "
-                               "call engine.scale(loss).backward(), or engine.backward(loss) (DeepSpeed 0.19 "
-                               "refuses it too with dynamic scaling, and with a static loss_scale divides the "
-                               "gradients by a scale the loss never had)")
+            raise RuntimeError(
+                "loss.backward() with fp16 loss scaling on a loss the scale was not applied to: "
+                "call engine.scale(loss).backward(), or engine.backward(loss) (DeepSpeed 0.19 "
+                "refuses it too with dynamic scaling, and with a static loss_scale divides the "
+                "gradients by a scale the loss never had)"
+            )
         gas = self.gradient_accumulation_steps()
         return grad / gas if gas != 1 else grad
 
@@ -167,7 +171,7 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
 
     def train(self, mode: bool = True):
         super().train(mode)
-        if self.runner is not self.module:            # stage 3: the FullyShard wrapper too
+        if self.runner is not self.module:  # stage 3: the FullyShard wrapper too
             self.runner.train(mode)
         return self
 
@@ -186,7 +190,7 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
         local = self.cfg.zero.stage <= 1 and not self.is_gradient_accumulation_boundary()
         self._in_engine_backward += 1
         try:
-            with self._timed("backward"), (self.optimizer.no_sync() if local else contextlib.nullcontext()):
+            with self._timed("backward"), self.optimizer.no_sync() if local else contextlib.nullcontext():
                 scaled.backward(retain_graph=retain_graph)
         finally:
             self._in_engine_backward -= 1
@@ -238,15 +242,24 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
         hand: [Note: gradients set by the script]). With ``ignore_unused_parameters`` false
         DeepSpeed stops at them at stages 1-2 with optimizer offload, and so does zeroshard."""
         zero = self.cfg.zero
-        idle = [(self._names.get(id(p), f"#{i}"), p) for g in self.optimizer.param_groups
-                for i, p in enumerate(g["params"]) if p.requires_grad and p.grad is None]
-        if idle and not zero.ignore_unused_parameters and zero.stage in (1, 2) and \
-                zero.offload_optimizer.device != "none":
+        idle = [
+            (self._names.get(id(p), f"#{i}"), p)
+            for g in self.optimizer.param_groups
+            for i, p in enumerate(g["params"])
+            if p.requires_grad and p.grad is None
+        ]
+        if (
+            idle
+            and not zero.ignore_unused_parameters
+            and zero.stage in (1, 2)
+            and zero.offload_optimizer.device != "none"
+        ):
             raise RuntimeError(
                 f"zeroshard.initialize: parameters {[n for n, _ in idle[:8]]}{' ...' if len(idle) > 8 else ''} got "
                 "no gradient on any rank since the last step, and zero_optimization.ignore_unused_parameters is "
                 "false (with offload_optimizer at stage 1-2 DeepSpeed stops there too); set it true to step them "
-                "with a zero gradient, as DeepSpeed then does, or use them in the loss")
+                "with a zero gradient, as DeepSpeed then does, or use them in the loss"
+            )
         for _, p in idle:
             p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
 
@@ -280,30 +293,57 @@ class DeepSpeedEngine(live.Tracked, nn.Module):
             return
         every = self.cfg.steps_per_print
         if every and self.global_steps % every == 0:
-            print(f"[zeroshard] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
-                  f"mom={self.get_mom()}", flush=True)
+            print(
+                f"[zeroshard] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+                f"mom={self.get_mom()}",
+                flush=True,
+            )
         if self.cfg.wall_clock_breakdown:
             t = self._times
-            print(f"[zeroshard] time (ms) | forward: {t['forward'] * 1e3:.2f} | backward: {t['backward'] * 1e3:.2f} "
-                  f"| step: {t['step'] * 1e3:.2f}", flush=True)
+            print(
+                f"[zeroshard] time (ms) | forward: {t['forward'] * 1e3:.2f} | backward: {t['backward'] * 1e3:.2f} "
+                f"| step: {t['step'] * 1e3:.2f}",
+                flush=True,
+            )
             self._times = dict.fromkeys(t, 0.0)
 
     # -------------------------------------------------------- checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state: Optional[dict] = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state: Optional[dict] = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """Collective: write ``save_dir/tag`` (default ``global_step{N}``), a zeroshard
         checkpoint holding the engine's counters, schedule, loss scale and
         ``client_state``, and (``save_latest``) the ``latest`` file naming it."""
         return checkpoints.save(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn=None):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn=None,
+    ):
         """Collective: load ``load_dir/tag`` (default: the tag ``latest`` names) at any
         world size and stage; returns (its path, the ``client_state`` saved with it), or
         (None, None) when there is none."""
-        return checkpoints.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                load_lr_scheduler_states, load_module_only, custom_load_fn)
+        return checkpoints.load(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            custom_load_fn,
+        )
 
     def module_state_dict(self) -> dict:
         """The model's full state dict, on every rank (collective at stage 3)."""

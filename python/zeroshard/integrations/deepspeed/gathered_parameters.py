@@ -23,6 +23,7 @@ Nothing is written back when the block raises. ``fwd_module`` (DeepSpeed
 registers the parameters as its external parameters) is accepted and not
 needed: a unit is gathered whenever its modules run.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,10 @@ def _as_list(params) -> list:
     out = list(params.values() if isinstance(params, dict) else params)
     for p in out:
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"GatheredParameters takes a parameter or an iterable of parameters, got an item of "
-                            f"type {type(p).__name__}")
+            raise TypeError(
+                f"GatheredParameters takes a parameter or an iterable of parameters, got an item of "
+                f"type {type(p).__name__}"
+            )
     return out
 
 
@@ -57,13 +60,16 @@ class GatheredParameters:
     def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module=None, enabled: bool = True):
         self.params = _as_list(params) if enabled else []
         self.modifier_rank, self.enabled = modifier_rank, enabled and bool(self.params)
-        if modifier_rank is not None and not (isinstance(modifier_rank, int) and dist.is_initialized()
-                                              and 0 <= modifier_rank < dist.get_world_size()):
-            raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank!r}): expected a rank of the "
-                             f"world ({dist.get_world_size() if dist.is_initialized() else 'no process group'}) "
-                             "or None")
+        if modifier_rank is not None and not (
+            isinstance(modifier_rank, int) and dist.is_initialized() and 0 <= modifier_rank < dist.get_world_size()
+        ):
+            raise ValueError(
+                f"GatheredParameters(modifier_rank={modifier_rank!r}): expected a rank of the "
+                f"world ({dist.get_world_size() if dist.is_initialized() else 'no process group'}) "
+                "or None"
+            )
         self._stack: Optional[contextlib.ExitStack] = None
-        self._whole: list = []            # (optimizer or None, its parameters here)
+        self._whole: list = []  # (optimizer or None, its parameters here)
 
     def __enter__(self):
         if not self.enabled:

@@ -10,6 +10,7 @@ FullyShard each stage-3 engine wrapped its model in (alive as long as the
 model: its hooks hold it), which a second ``initialize`` over the same model
 reuses.
 """
+
 from __future__ import annotations
 
 import gc
@@ -32,9 +33,9 @@ class Tracked:
     ``optimizer`` are the engine's."""
 
     def track(self) -> None:
-        self.destroyed = False           # destroy(), or a later initialize over the same model
+        self.destroyed = False  # destroy(), or a later initialize over the same model
         self.serial = next(_SERIAL)
-        self.param_index: Dict[int, int] = {}    # parameter id -> index in optimizer.params (index_of)
+        self.param_index: Dict[int, int] = {}  # parameter id -> index in optimizer.params (index_of)
         _ENGINES.add(self)
 
     def __getattr__(self, name: str):
@@ -49,8 +50,10 @@ class Tracked:
             try:
                 return getattr(module, name)
             except AttributeError:
-                raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module, "
-                                     f"a {type(module).__name__})") from None
+                raise AttributeError(
+                    f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module, "
+                    f"a {type(module).__name__})"
+                ) from None
 
     def destroy(self) -> None:
         """DeepSpeed's ``engine.destroy()``: the optimizer lets go of the parameters (its hooks
@@ -80,9 +83,11 @@ class Tracked:
 
     def _check_alive(self, what: str) -> None:
         if self.destroyed:
-            raise RuntimeError(f"{what} on a destroyed engine: engine.destroy() ran, or a later zeroshard.initialize "
-                               "over the same model took the model over (as DeepSpeed's does); train with the "
-                               "engine that initialize returned last")
+            raise RuntimeError(
+                f"{what} on a destroyed engine: engine.destroy() ran, or a later zeroshard.initialize "
+                "over the same model took the model over (as DeepSpeed's does); train with the "
+                "engine that initialize returned last"
+            )
 
 
 def engines() -> list:

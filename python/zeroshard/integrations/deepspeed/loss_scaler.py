@@ -14,6 +14,7 @@ divides the gradients by the new scale, half the one the backward used
 scale the backward used, as ``torch.amp.GradScaler`` and DDP do; the scale
 and the skipped steps are DeepSpeed's (tests/integration/test_deepspeed_engine.py).
 """
+
 from __future__ import annotations
 
 from .config import LossScaling
@@ -24,7 +25,7 @@ class LossScaler:
 
     def __init__(self, cfg: LossScaling):
         self.dynamic = cfg.enabled and cfg.dynamic
-        self.scale = float(2 ** cfg.initial_scale_power) if self.dynamic else (cfg.loss_scale if cfg.enabled else 1.0)
+        self.scale = float(2**cfg.initial_scale_power) if self.dynamic else (cfg.loss_scale if cfg.enabled else 1.0)
         self.window, self.min_scale = cfg.loss_scale_window, cfg.min_loss_scale
         self.hysteresis = self.delayed_shift = cfg.hysteresis
         self.consecutive = cfg.consecutive_hysteresis
@@ -37,9 +38,11 @@ class LossScaler:
         if overflow:
             if self.delayed_shift == 1 or self.hysteresis == 1:
                 if self.scale == self.min_scale:
-                    raise RuntimeError(f"fp16 loss scale is already at min_loss_scale {self.min_scale} and the "
-                                       "gradients still overflow (DeepSpeed stops here too); check the model for "
-                                       "inf/NaN or lower the learning rate")
+                    raise RuntimeError(
+                        f"fp16 loss scale is already at min_loss_scale {self.min_scale} and the "
+                        "gradients still overflow (DeepSpeed stops here too); check the model for "
+                        "inf/NaN or lower the learning rate"
+                    )
                 self.scale = max(self.scale / 2.0, self.min_scale)
             else:
                 self.hysteresis -= 1
@@ -55,8 +58,9 @@ class LossScaler:
         self.iteration += 1
 
     def state_dict(self) -> dict:
-        return dict(scale=self.scale, hysteresis=self.hysteresis, iteration=self.iteration,
-                    last_overflow=self.last_overflow)
+        return dict(
+            scale=self.scale, hysteresis=self.hysteresis, iteration=self.iteration, last_overflow=self.last_overflow
+        )
 
     def load_state_dict(self, sd: dict) -> None:
         self.scale, self.hysteresis = sd["scale"], sd["hysteresis"]

@@ -4,6 +4,7 @@ OneCycle and LRRangeTest. Like DeepSpeed's, each writes ``lr`` (OneCycle also ``
 into the optimizer's param groups, is stepped once per optimizer step that was
 applied, and keeps ``last_batch_iteration`` as its whole state.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,9 @@ LOG, LINEAR = "log", "linear"
 def _per_group(optimizer, value, name: str) -> list:
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
-            raise ValueError(f"{name}: expected {len(optimizer.param_groups)} values (one per param group), "
-                             f"got {len(value)}")
+            raise ValueError(
+                f"{name}: expected {len(optimizer.param_groups)} values (one per param group), got {len(value)}"
+            )
         return list(value)
     return [value] * len(optimizer.param_groups)
 
@@ -44,8 +46,9 @@ class _Schedule:
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def step(self, last_batch_iteration: Optional[int] = None) -> None:
-        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None \
-            else last_batch_iteration
+        self.last_batch_iteration = (
+            self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        )
         self._write(self.get_lr())
 
     def get_last_lr(self) -> List[float]:
@@ -64,8 +67,15 @@ class WarmupLR(_Schedule):
     """From ``warmup_min_lr`` to ``warmup_max_lr`` (default: the optimizer's lr) over
     ``warmup_num_steps`` steps (at least 2), log or linear, then constant."""
 
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps: int = 1000,
-                 warmup_type: str = LOG, last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr=0.0,
+        warmup_max_lr=None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = LOG,
+        last_batch_iteration: int = -1,
+    ):
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
         super().__init__(optimizer, last_batch_iteration)
@@ -98,26 +108,43 @@ class WarmupDecayLR(WarmupLR):
     """WarmupLR's warmup (``warmup_max_lr`` defaults to 0.001 here, as DeepSpeed's),
     then linear decay to 0 at ``total_num_steps``."""
 
-    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr=0.0, warmup_max_lr=0.001,
-                 warmup_num_steps: int = 1000, warmup_type: str = LOG, last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = LOG,
+        last_batch_iteration: int = -1,
+    ):
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
             return self._warmup()
-        return max(0.0, float(self.total_num_steps - self.last_batch_iteration)
-                   / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
+        return max(
+            0.0,
+            float(self.total_num_steps - self.last_batch_iteration)
+            / float(max(1.0, self.total_num_steps - self.warmup_num_steps)),
+        )
 
 
 class WarmupCosineLR(_Schedule):
     """The optimizer's lr times a ratio: from ``warmup_min_ratio`` to 1 over the warmup,
     then a cosine to ``cos_min_ratio`` at ``total_num_steps``, held there after."""
 
-    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = LOG,
-                 last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = LOG,
+        last_batch_iteration: int = -1,
+    ):
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
         super().__init__(optimizer, last_batch_iteration)
@@ -154,10 +181,23 @@ class OneCycle(_Schedule):
     ``cycle_momentum``, beta1 cycles inversely between ``cycle_max_mom`` and
     ``cycle_min_mom`` and beta2 is set to 0.99, as DeepSpeed does."""
 
-    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate=0.0, cycle_first_step_size=2000,
-                 cycle_second_step_size=None, cycle_first_stair_count=0, cycle_second_stair_count=None,
-                 decay_step_size=0, cycle_momentum=True, cycle_min_mom=0.8, cycle_max_mom=0.9, decay_mom_rate=0.0,
-                 last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        cycle_min_lr,
+        cycle_max_lr,
+        decay_lr_rate=0.0,
+        cycle_first_step_size=2000,
+        cycle_second_step_size=None,
+        cycle_first_stair_count=0,
+        cycle_second_stair_count=None,
+        decay_step_size=0,
+        cycle_momentum=True,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+        decay_mom_rate=0.0,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer, last_batch_iteration)
         first = float(cycle_first_step_size)
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
@@ -167,8 +207,9 @@ class OneCycle(_Schedule):
         self.total_size = first + second
         self.step_ratio = first / self.total_size
         self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = cycle_first_stair_count if cycle_second_stair_count is None \
-            else cycle_second_stair_count
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
         self.decay_step_size = decay_step_size
         self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
         self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
@@ -195,8 +236,11 @@ class OneCycle(_Schedule):
             scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
         if stairs > 0:
             at = it % self.total_size
-            pos = at * stairs / self.first_step_size if at <= self.first_step_size \
+            pos = (
+                at * stairs / self.first_step_size
+                if at <= self.first_step_size
                 else (self.total_size - at) * stairs / self.second_step_size
+            )
             scale = math.floor(pos) / stairs
         return scale
 
@@ -232,9 +276,15 @@ class LRRangeTest(_Schedule):
     k / lr_range_test_step_size)`` after k steps (``k // step_size`` with
     ``lr_range_test_staircase``), growing without bound."""
 
-    def __init__(self, optimizer, lr_range_test_min_lr=1e-3, lr_range_test_step_size: int = 2000,
-                 lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False,
-                 last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        lr_range_test_min_lr=1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ):
         if not isinstance(lr_range_test_step_size, int) or lr_range_test_step_size <= 0:
             raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size!r}")
         super().__init__(optimizer, last_batch_iteration)
@@ -256,8 +306,10 @@ SCHEDULES = {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, On
 def from_config(kind: str, params: dict, optimizer):
     """The schedule a config's ``scheduler`` section names, over ``optimizer``."""
     if kind not in SCHEDULES:
-        raise NotImplementedError(f"DeepSpeed scheduler type {kind!r}: zeroshard has {sorted(SCHEDULES)}; "
-                                  "or pass lr_scheduler= (a torch scheduler, or a callable taking the optimizer)")
+        raise NotImplementedError(
+            f"DeepSpeed scheduler type {kind!r}: zeroshard has {sorted(SCHEDULES)}; "
+            "or pass lr_scheduler= (a torch scheduler, or a callable taking the optimizer)"
+        )
     try:
         return SCHEDULES[kind](optimizer, **params)
     except TypeError as e:

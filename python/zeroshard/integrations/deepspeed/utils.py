@@ -27,6 +27,7 @@ reduced shards ([Note: sharded gradients] in optim/grads.py).
   live engine) reads as None and ignores writes; gradients are there from
   ``engine.backward`` to the step (the fp16 loss scale still in them).
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional
@@ -38,10 +39,21 @@ from zeroshard import comm
 
 from . import live
 
-__all__ = ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad", "safe_set_full_grad",
-           "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
-           "safe_set_local_fp32_param", "safe_get_local_grad", "safe_set_local_grad",
-           "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized"]
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_set_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_set_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_set_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_set_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
+]
 
 
 def _locate(param):
@@ -54,8 +66,9 @@ def _locate(param):
 def _spans(opt, i: int) -> List[tuple]:
     """(region, offset in the flattened parameter, slice of this rank's shard) of each piece
     of parameter ``i`` this rank holds, in the parameter's order."""
-    return sorted(((reg, t_off, sl) for reg in opt.regions for j, t_off, sl in reg.owned(opt.rank) if j == i),
-                  key=lambda s: s[1])
+    return sorted(
+        ((reg, t_off, sl) for reg in opt.regions for j, t_off, sl in reg.owned(opt.rank) if j == i), key=lambda s: s[1]
+    )
 
 
 def _state_of(opt, key: Optional[str]):
@@ -69,11 +82,14 @@ def _state_of(opt, key: Optional[str]):
         return lambda reg, t_off: getattr(reg, key)
     rule = opt.elementwise_rule
     if rule is None:
-        raise NotImplementedError(f"optimizer state of a whole-tensor optimizer ({opt.optimizer_class.__name__}): "
-                                  "each parameter's state is on its owner rank; read it with opt.state_dict()")
+        raise NotImplementedError(
+            f"optimizer state of a whole-tensor optimizer ({opt.optimizer_class.__name__}): "
+            "each parameter's state is on its owner rank; read it with opt.state_dict()"
+        )
     if key not in rule.elementwise_keys:
-        raise ValueError(f"optimizer state {key!r}: {opt.optimizer_class.__name__} keeps "
-                         f"{sorted(rule.elementwise_keys)} per element")
+        raise ValueError(
+            f"optimizer state {key!r}: {opt.optimizer_class.__name__} keeps {sorted(rule.elementwise_keys)} per element"
+        )
     return lambda reg, t_off: rule.region_state(reg, key, opt.rank, opt.device)
 
 
@@ -81,8 +97,10 @@ def _piece_state(opt, i: int, t_off: int, key: str) -> torch.Tensor:
     """The elementwise class's ``key`` tensor of parameter ``i``'s piece at ``t_off`` (to write)."""
     st = opt.elementwise_rule.piece_state(i, t_off)
     if st is None or key not in st:
-        raise ValueError(f"parameter {i} has no optimizer state {key!r} yet: {opt.optimizer_class.__name__} "
-                         "makes it at its first step")
+        raise ValueError(
+            f"parameter {i} has no optimizer state {key!r} yet: {opt.optimizer_class.__name__} "
+            "makes it at its first step"
+        )
     return st[key]
 
 
@@ -90,10 +108,11 @@ def _full(opt, i: int, key: Optional[str]) -> torch.Tensor:
     shape, read = opt.full_shape(i), _state_of(opt, key)
     out = torch.zeros(shape.numel(), dtype=torch.float32, device=opt.device)
     for reg, t_off, sl in _spans(opt, i):
-        out[t_off:t_off + sl.stop - sl.start] = read(reg, t_off)[sl].to(out.device, torch.float32)
+        out[t_off : t_off + sl.stop - sl.start] = read(reg, t_off)[sl].to(out.device, torch.float32)
     if opt.world_size > 1:
-        comm.all_reduce(out, group=opt.process_group, what=f"safe_get_full ({key or 'fp32 value'}): "
-                                                            f"parameter {i}").wait()
+        comm.all_reduce(
+            out, group=opt.process_group, what=f"safe_get_full ({key or 'fp32 value'}): parameter {i}"
+        ).wait()
     return out.view(shape)
 
 
@@ -107,23 +126,26 @@ def _local(opt, i: int, key: Optional[str]) -> torch.Tensor:
 def _write(opt, i: int, key: Optional[str], value: torch.Tensor, local: bool) -> None:
     """This rank's pieces of ``value`` (the whole tensor, or with ``local`` this rank's
     part) into the values or the state ``key``; new values reach the parameters."""
-    _state_of(opt, key)      # (checks the key)
+    _state_of(opt, key)  # (checks the key)
     spans = _spans(opt, i)
     flat = value.detach().reshape(-1)
     want = sum(sl.stop - sl.start for _, _, sl in spans) if local else opt.full_shape(i).numel()
     if flat.numel() != want:
-        raise ValueError(f"parameter {i}: the value has {flat.numel()} elements, but "
-                         f"{'this rank holds' if local else 'the parameter has'} {want}")
+        raise ValueError(
+            f"parameter {i}: the value has {flat.numel()} elements, but "
+            f"{'this rank holds' if local else 'the parameter has'} {want}"
+        )
     at = 0
     for reg, t_off, sl in spans:
         n = sl.stop - sl.start
-        piece = flat[at:at + n] if local else flat[t_off:t_off + n]
+        piece = flat[at : at + n] if local else flat[t_off : t_off + n]
         at += n
-        dest = reg.values[sl] if key is None else getattr(reg, key)[sl] if opt.fused else \
-            _piece_state(opt, i, t_off, key)
+        dest = (
+            reg.values[sl] if key is None else getattr(reg, key)[sl] if opt.fused else _piece_state(opt, i, t_off, key)
+        )
         dest.copy_(piece.to(dest.device, dest.dtype).view_as(dest))
     if key is None:
-        opt.shards_loaded(opt.param_steps)     # the model's parameters follow (stages 1/2: gathered)
+        opt.shards_loaded(opt.param_steps)  # the model's parameters follow (stages 1/2: gathered)
 
 
 def _get(param, key: Optional[str], local: bool) -> Optional[torch.Tensor]:
@@ -208,7 +230,7 @@ def safe_get_local_grad(param) -> Optional[torch.Tensor]:
     if full is None:
         return None
     flat = full.reshape(-1)
-    return torch.cat([flat[t_off:t_off + sl.stop - sl.start] for _, t_off, sl in _spans(*at)] or [flat[:0]])
+    return torch.cat([flat[t_off : t_off + sl.stop - sl.start] for _, t_off, sl in _spans(*at)] or [flat[:0]])
 
 
 def safe_set_local_grad(param, value: torch.Tensor) -> None:
@@ -222,7 +244,7 @@ def safe_set_local_grad(param, value: torch.Tensor) -> None:
     flat, pos = value.detach().reshape(-1), 0
     for _, t_off, sl in _spans(opt, i):
         n = sl.stop - sl.start
-        full[t_off:t_off + n] = flat[pos:pos + n].to(full.device, torch.float32)
+        full[t_off : t_off + n] = flat[pos : pos + n].to(full.device, torch.float32)
         pos += n
     if pos != flat.numel():
         raise ValueError(f"safe_set_local_grad: the value has {flat.numel()} elements, this rank holds {pos}")

@@ -2,6 +2,7 @@
 construction context that shards each module's parameters as it is built
 ([Note: sharded as built] in zero_init.py), and ``GatheredParameters``, parameters
 whole for a with-block, edited on one rank (gathered_parameters.py)."""
+
 from .gathered_parameters import GatheredParameters
 from .zero_init import Init
 

@@ -26,6 +26,7 @@ A model built on the meta device instead (not under this context) is initialised
 its modules' ``reset_parameters()`` only; ``warn_lost_meta_init`` names the parameters
 written during construction beyond what their module's ``reset_parameters()`` writes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,23 +48,23 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclasses.dataclass
 class Chunk:
-    local: torch.Tensor      # this rank's piece of the flattened values, padded to ceil(numel / world)
+    local: torch.Tensor  # this rank's piece of the flattened values, padded to ceil(numel / world)
     numel: int
-    version: int             # the parameter's version counter when it was last sharded
-    built_by: str            # the class whose __init__ made it (for messages)
+    version: int  # the parameter's version counter when it was last sharded
+    built_by: str  # the class whose __init__ made it (for messages)
 
 
 class ChunkedParameter(nn.Parameter):
     """A parameter sharded as built: a meta tensor of its shape and dtype, the same object
     the module holds (``torch.utils.swap_tensors`` turned it into this class); ``chunk``:
     this rank's piece of its values."""
+
     chunk: Chunk
 
 
 # module -> {attribute: sharded parameter} of its own (and modules with buffers: {}), until wrapped
 _HOLDERS: "weakref.WeakKeyDictionary[nn.Module, Dict[str, nn.Parameter]]" = weakref.WeakKeyDictionary()
-_STATE: dict = {"depth": 0, "dtype": torch.float32, "entered": [], "patched": {}, "apply": None,
-                "subclass": None}
+_STATE: dict = {"depth": 0, "dtype": torch.float32, "entered": [], "patched": {}, "apply": None, "subclass": None}
 
 
 # ------------------------------------------------------------- chunks
@@ -89,10 +90,10 @@ def _shard(p: nn.Parameter, built_by: str, old: Optional[Chunk] = None) -> None:
     dtype = _STATE["dtype"] if old is None and p.dtype in DTYPES else (old.local.dtype if old else p.dtype)
     size = -(-flat.numel() // world)
     local = torch.zeros(size, dtype=dtype, device=p.device)
-    piece = flat[rank * size:(rank + 1) * size]
-    local[:piece.numel()].copy_(piece)
+    piece = flat[rank * size : (rank + 1) * size]
+    local[: piece.numel()].copy_(piece)
     placeholder = ChunkedParameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
-    placeholder.__dict__.update(p.__dict__)          # (swap_tensors swaps the Python attributes and class too)
+    placeholder.__dict__.update(p.__dict__)  # (swap_tensors swaps the Python attributes and class too)
     placeholder.chunk = Chunk(local, flat.numel(), 0, old.built_by if old else built_by)
     torch.utils.swap_tensors(p, placeholder)
     p.chunk.version = p._version
@@ -106,7 +107,7 @@ def _gather(chunk: Chunk, device: torch.device) -> torch.Tensor:
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, local)
         local = torch.cat(parts)
-    return local[:chunk.numel].to(device)
+    return local[: chunk.numel].to(device)
 
 
 @torch.no_grad()
@@ -121,7 +122,7 @@ def _unshard(p: ChunkedParameter) -> Chunk:
 
 def held_numel(model: nn.Module) -> Tuple[int, int]:
     """(elements this rank holds of ``model``'s sharded parameters, their whole size)."""
-    chunks = [p.chunk for p in model.parameters() if isinstance(p, ChunkedParameter)]   # (each once)
+    chunks = [p.chunk for p in model.parameters() if isinstance(p, ChunkedParameter)]  # (each once)
     return sum(c.local.numel() for c in chunks), sum(c.numel for c in chunks)
 
 
@@ -143,7 +144,7 @@ def _built(module: nn.Module) -> None:
     own = {}
     for name, p in module._parameters.items():
         if p is None or not p.is_floating_point() or (p.is_meta and not isinstance(p, ChunkedParameter)):
-            continue             # (integers stay whole, as FullyShard keeps them; meta was asked for)
+            continue  # (integers stay whole, as FullyShard keeps them; meta was asked for)
         if not isinstance(p, ChunkedParameter):
             _shard(p, type(module).__name__)
         own[name] = p
@@ -166,13 +167,15 @@ def _warn_writes(named, who: str) -> None:
             f"zeroshard.zero.Init: {who} wrote {moved} after their modules were built, when they were already "
             "sharded (meta tensors): the write is lost, as under deepspeed.zero.Init (whose partitions are empty "
             "then). Do it in Module.apply(fn) inside the block (run on the gathered parameters) or in the "
-            "module's own __init__ or reset_parameters()", stacklevel=3)
+            "module's own __init__ or reset_parameters()",
+            stacklevel=3,
+        )
 
 
 def _shard_after(init):
     @functools.wraps(init)
     def wrapper(module, *args, **kwargs):
-        entered = _STATE["entered"]      # the modules whose __init__ is running, outermost first
+        entered = _STATE["entered"]  # the modules whose __init__ is running, outermost first
         outermost = all(m is not module for m in entered)
         if outermost:
             entered.append(module)
@@ -183,6 +186,7 @@ def _shard_after(init):
                 entered[:] = [m for m in entered if m is not module]
         if outermost:
             _built(module)
+
     return wrapper
 
 
@@ -201,6 +205,7 @@ def _gathering(fn):
         finally:
             for p, chunk in zip(own, chunks):
                 _shard(p, type(module).__name__, chunk)
+
     run.zs_gathering = True
     return run
 
@@ -231,6 +236,7 @@ def _patch() -> None:
     def init_subclass(cls, **kwargs):
         super(nn.Module, cls).__init_subclass__(**kwargs)
         _patch_class(cls)
+
     nn.Module.__init_subclass__ = classmethod(init_subclass)
     nn.Module.apply = lambda module, fn: apply(module, _gathering(fn))
 
@@ -254,9 +260,11 @@ def _dtype(cfg, dtype):
             raise ValueError(f"zeroshard.zero.Init(dtype={dtype}): expected one of {list(DTYPES)}")
         return dtype
     if cfg is None:
-        raise ValueError("zeroshard.zero.Init needs config_dict_or_path= (the DeepSpeed config: its fp16/bf16 "
-                         "section gives the parameters' dtype) or dtype=; DeepSpeed's default without them (fp16 "
-                         "where its accelerator supports it) depends on the machine")
+        raise ValueError(
+            "zeroshard.zero.Init needs config_dict_or_path= (the DeepSpeed config: its fp16/bf16 "
+            "section gives the parameters' dtype) or dtype=; DeepSpeed's default without them (fp16 "
+            "where its accelerator supports it) depends on the machine"
+        )
     raw = load(cfg)
     fp16 = bool((raw.get("fp16") or {}).get("enabled", False))
     bf16 = bool((raw.get("bf16", raw.get("bfloat16")) or {}).get("enabled", False))
@@ -271,27 +279,45 @@ class Init:
     built]); ``zeroshard.initialize`` takes the model at any stage. Arguments of
     DeepSpeed's it cannot honour are refused, naming them."""
 
-    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
-                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
-                 zero_param_parallel_group=None, zero_quantized_weights=False,
-                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None):
-        refused = {"module": (module is not None, "converts a model built before; build it inside the block"),
-                   "mpu": (mpu is not None, "zeroshard has no model parallelism"),
-                   "zero_param_parallel_group": (zero_param_parallel_group is not None, "no hpZ"),
-                   "zero_quantized_weights": (zero_quantized_weights, "no quantized weights"),
-                   "zero_quantized_nontrainable_weights": (zero_quantized_nontrainable_weights, "no quantized "
-                                                           "weights"),
-                   "param_swapper": (param_swapper is not None, "no NVMe parameter swapper"),
-                   "remote_device": (str(remote_device).lower() == "nvme", "chunks stay in memory; use \"cpu\"")}
-        for group, name in ((data_parallel_group, "data_parallel_group"),
-                            (sequence_data_parallel_group, "sequence_data_parallel_group")):
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        mem_efficient_linear=True,
+        remote_device=None,
+        pin_memory=False,
+        config_dict_or_path=None,
+        config=None,
+        enabled=True,
+        dtype=None,
+        mpu=None,
+        zero_param_parallel_group=None,
+        zero_quantized_weights=False,
+        zero_quantized_nontrainable_weights=False,
+        sequence_data_parallel_group=None,
+        param_swapper=None,
+    ):
+        refused = {
+            "module": (module is not None, "converts a model built before; build it inside the block"),
+            "mpu": (mpu is not None, "zeroshard has no model parallelism"),
+            "zero_param_parallel_group": (zero_param_parallel_group is not None, "no hpZ"),
+            "zero_quantized_weights": (zero_quantized_weights, "no quantized weights"),
+            "zero_quantized_nontrainable_weights": (zero_quantized_nontrainable_weights, "no quantized weights"),
+            "param_swapper": (param_swapper is not None, "no NVMe parameter swapper"),
+            "remote_device": (str(remote_device).lower() == "nvme", "chunks stay in memory; use \"cpu\""),
+        }
+        for group, name in (
+            (data_parallel_group, "data_parallel_group"),
+            (sequence_data_parallel_group, "sequence_data_parallel_group"),
+        ):
             refused[name] = (group is not None and group is not dist.group.WORLD, "shards over every rank only")
         for name, (bad, why) in refused.items():
             if bad:
                 raise NotImplementedError(f"zeroshard.zero.Init({name}=...): {why}")
-        self.enabled = enabled          # (mem_efficient_linear, pin_memory: DeepSpeed's memory tuning)
-        self.dtype = _dtype(config_dict_or_path if config_dict_or_path is not None else config, dtype) \
-            if enabled else None
+        self.enabled = enabled  # (mem_efficient_linear, pin_memory: DeepSpeed's memory tuning)
+        self.dtype = (
+            _dtype(config_dict_or_path if config_dict_or_path is not None else config, dtype) if enabled else None
+        )
 
     def __enter__(self):
         if self.enabled:
@@ -308,9 +334,14 @@ class Init:
             if _STATE["depth"] == 0:
                 _unpatch()
                 if kind is None:
-                    _warn_writes(((f"a parameter of shape {tuple(p.shape)}", p) for own in list(_HOLDERS.values())
-                                  for p in own.values()),
-                                 "code in the zero.Init block")
+                    _warn_writes(
+                        (
+                            (f"a parameter of shape {tuple(p.shape)}", p)
+                            for own in list(_HOLDERS.values())
+                            for p in own.values()
+                        ),
+                        "code in the zero.Init block",
+                    )
         return False
 
 
@@ -357,11 +388,11 @@ def warn_lost_meta_init(model: nn.Module) -> None:
     for path, mod in model.named_modules():
         mine = {n: p for n, p in mod._parameters.items() if p is not None and p.is_meta}
         if not mine or not callable(getattr(mod, "reset_parameters", None)):
-            continue             # (no reset_parameters: FullyShard warns that they start at zero)
+            continue  # (no reset_parameters: FullyShard warns that they start at zero)
         try:
             twin = copy.deepcopy(mod)
             twin.reset_parameters()
-        except Exception:        # noqa: BLE001 - a module that cannot be copied is not judged
+        except Exception:  # noqa: BLE001 - a module that cannot be copied is not judged
             continue
         for n, p in mine.items():
             if p._version > twin._parameters[n]._version:
@@ -372,4 +403,6 @@ def warn_lost_meta_init(model: nn.Module) -> None:
             f"initialises parameters; {lost} were written during construction beyond what their module's "
             "reset_parameters() writes (a parent's __init__ filling a child's weight is one), and that is lost. "
             "Build the model under zeroshard.zero.Init (deepspeed.zero.Init's counterpart) to keep it, or load "
-            "the values after initialize", stacklevel=3)
+            "the values after initialize",
+            stacklevel=3,
+        )

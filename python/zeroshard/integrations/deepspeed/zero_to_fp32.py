@@ -4,6 +4,7 @@ the full fp32 state dict under the model's own names, read one tensor at a time
 
     python -m zeroshard.zero_to_fp32 CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ WEIGHTS = {False: "pytorch_model.bin", True: "model.safetensors"}
 def _checkpoint(checkpoint_dir, tag: Optional[str]) -> str:
     path = tag_dir(checkpoint_dir, tag)
     if path is None:
-        raise ValueError(f"Unable to find 'latest' file at {os.path.join(os.fspath(checkpoint_dir), 'latest')}; "
-                         "pass tag=")
+        raise ValueError(
+            f"Unable to find 'latest' file at {os.path.join(os.fspath(checkpoint_dir), 'latest')}; pass tag="
+        )
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Directory '{path}' doesn't exist")
     return path
@@ -34,18 +36,21 @@ def _checkpoint(checkpoint_dir, tag: Optional[str]) -> str:
 
 def _refuse(exclude_frozen_parameters: bool, lazy_mode: bool = False) -> None:
     if exclude_frozen_parameters or lazy_mode:
-        raise NotImplementedError("exclude_frozen_parameters / lazy_mode: zeroshard reads every tensor, one at a "
-                                  "time; leave them False")
+        raise NotImplementedError(
+            "exclude_frozen_parameters / lazy_mode: zeroshard reads every tensor, one at a time; leave them False"
+        )
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] = None,
-                                             exclude_frozen_parameters: bool = False, lazy_mode: bool = False):
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir, tag: Optional[str] = None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False
+):
     """The full state dict of ``checkpoint_dir/tag`` (default: the tag in ``latest``):
     parameters as their fp32 master values, buffers in their dtype, on CPU, loadable
     with ``model.load_state_dict`` into the plain model. Memory: the result, plus one tensor."""
     _refuse(exclude_frozen_parameters, lazy_mode)
-    return collections.OrderedDict(checkpoint.read_full_state_dict(_checkpoint(checkpoint_dir, tag),
-                                                                  dtype=torch.float32))
+    return collections.OrderedDict(
+        checkpoint.read_full_state_dict(_checkpoint(checkpoint_dir, tag), dtype=torch.float32)
+    )
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag: Optional[str] = None):
@@ -70,14 +75,20 @@ def _shard_bytes(size) -> int:
 def _save(sd: dict, path: str, safe: bool) -> None:
     if safe:
         from safetensors.torch import save_file
+
         save_file({k: v.contiguous() for k, v in sd.items()}, path, metadata={"format": "pt"})
     else:
         torch.save(sd, path)
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
-                                               safe_serialization: bool = False, tag: Optional[str] = None,
-                                               exclude_frozen_parameters: bool = False) -> None:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir,
+    output_dir,
+    max_shard_size="5GB",
+    safe_serialization: bool = False,
+    tag: Optional[str] = None,
+    exclude_frozen_parameters: bool = False,
+) -> None:
     """Write the fp32 state dict of ``checkpoint_dir/tag`` to files, one shard of at
     most ``max_shard_size`` in memory at a time. ``output_dir`` is a directory (files
     named as DeepSpeed and Hugging Face name them: ``pytorch_model.bin`` or
@@ -92,7 +103,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
         return
     os.makedirs(out, exist_ok=True)
     limit = _shard_bytes(max_shard_size) if max_shard_size is not None else None
-    shards, current, size = [], collections.OrderedDict(), 0     # shards: (keys, bytes) written
+    shards, current, size = [], collections.OrderedDict(), 0  # shards: (keys, bytes) written
 
     def flush():
         _save(current, os.path.join(out, f"partial-{len(shards)}-{WEIGHTS[safe_serialization]}"), safe_serialization)
@@ -135,5 +146,11 @@ def main(argv=None) -> None:
     parser.add_argument("-t", "--tag", default=None)
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     args = parser.parse_args(argv)
-    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
-                                               args.safe_serialization, args.tag, args.exclude_frozen_parameters)
+    convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir,
+        args.output_dir,
+        args.max_shard_size,
+        args.safe_serialization,
+        args.tag,
+        args.exclude_frozen_parameters,
+    )

@@ -9,6 +9,7 @@ transformers versions this module was tested with are checked at import; the
 ``hf`` extra in pyproject.toml pins the same range. The only module that imports
 transformers or accelerate.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,13 +19,27 @@ import transformers
 from packaging.version import Version
 
 # the releases tested (tests/integration/test_hf.py); ZEROSHARD_HF_ANY_VERSION=1 skips the check, at your risk
-TRANSFORMERS = (Version("5.24"), Version("5.25"))       # >= first, < second
+TRANSFORMERS = (Version("5.24"), Version("5.25"))  # >= first, < second
 ACCELERATE = (Version("1.15"), Version("1.16"))
 # the Trainer methods ZeroShardTrainerMixin overrides or calls; their absence means another design
-TRAINER_METHODS = ("_prepare_for_training", "create_optimizer", "create_scheduler", "_wrap_model", "training_step",
-                   "save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
-                   "_load_optimizer_and_scheduler", "_load_best_model", "_load_scaler", "_clip_grad_norm",
-                   "_get_grad_norm", "_move_model_to_device", "_get_dataloader", "get_tp_size")
+TRAINER_METHODS = (
+    "_prepare_for_training",
+    "create_optimizer",
+    "create_scheduler",
+    "_wrap_model",
+    "training_step",
+    "save_model",
+    "_save_optimizer_and_scheduler",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_best_model",
+    "_load_scaler",
+    "_clip_grad_norm",
+    "_get_grad_norm",
+    "_move_model_to_device",
+    "_get_dataloader",
+    "get_tp_size",
+)
 
 
 def _check_versions() -> None:
@@ -37,11 +52,14 @@ def _check_versions() -> None:
                 f"zeroshard.integrations.hf supports {module.__name__} >={low},<{high} (what it is tested with; "
                 f"the Trainer's private methods it builds on change between releases); this environment has "
                 f"{module.__name__} {module.__version__}. Install the tested range with "
-                f"pip install 'zeroshard[hf]', or set ZEROSHARD_HF_ANY_VERSION=1 to try this one at your own risk")
+                f"pip install 'zeroshard[hf]', or set ZEROSHARD_HF_ANY_VERSION=1 to try this one at your own risk"
+            )
     missing = [m for m in TRAINER_METHODS if not hasattr(transformers.Trainer, m)]
     if missing:
-        raise ImportError(f"zeroshard.integrations.hf: transformers {transformers.__version__}'s Trainer lacks "
-                          f"{missing}, which the integration builds on")
+        raise ImportError(
+            f"zeroshard.integrations.hf: transformers {transformers.__version__}'s Trainer lacks "
+            f"{missing}, which the integration builds on"
+        )
 
 
 _check_versions()

@@ -13,6 +13,7 @@ its own; the other objects go through ``accelerator.prepare``. Under
 sharded in ``<dir>/zeroshard`` (loadable at any world size and stage) beside
 Accelerate's own files.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,17 +39,17 @@ class ShardedAcceleratedOptimizer(AcceleratedOptimizer):
 
     def __init__(self, optimizer: "zeroshard.ShardedOptimizer", scaler=None):
         super().__init__(optimizer, device_placement=False, scaler=scaler)
-        self._is_accelerate_prepared = True     # accelerator.prepare_optimizer registers it as it is
+        self._is_accelerate_prepared = True  # accelerator.prepare_optimizer registers it as it is
 
     def state_dict(self):
         if self.optimizer.sharded_state:
             return {"zeroshard": SHARDED_DIR}
-        self.optimizer.consolidate_state_dict(to=0)      # its class's own format, on rank 0 (written there)
+        self.optimizer.consolidate_state_dict(to=0)  # its class's own format, on rank 0 (written there)
         return self.optimizer.state_dict() if torch.distributed.get_rank() == 0 else {}
 
     def load_state_dict(self, state_dict):
         if state_dict.get("zeroshard") == SHARDED_DIR:
-            return                                  # loaded by the load_state hook, with the model
+            return  # loaded by the load_state hook, with the model
         self.optimizer.load_state_dict(state_dict)
 
 
@@ -79,7 +80,7 @@ class _States:
 
     def __init__(self, prepared, runner, optimizer):
         self.prepared, self.runner = prepared, runner
-        self.optimizer = optimizer if optimizer.sharded_state else None    # else: Accelerate's optimizer file
+        self.optimizer = optimizer if optimizer.sharded_state else None  # else: Accelerate's optimizer file
 
     def _index(self, models) -> Optional[int]:
         found = [i for i, m in enumerate(models) if m is self.prepared]
@@ -98,8 +99,7 @@ class _States:
             models.pop(i)
 
 
-def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *others,
-            **options):
+def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *others, **options):
     """``accelerator.prepare`` for zeroshard: returns ``(model, optimizer, *others)``
     prepared. ``options``: ``Options``' keys (``stage=2`` by default). The model
     returned is the one to call (a FullyShard at stage 3; save it with
@@ -107,16 +107,19 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.o
     opts = Options.parse(options, "zeroshard.integrations.hf.prepare")
     opts.trainer_only("zeroshard.integrations.hf.prepare")
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        raise ValueError(f"prepare: this Accelerator is configured for {accelerator.distributed_type.value}; "
-                         "zeroshard shards the run itself: launch without a DeepSpeed/FSDP config")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or getattr(model, "_is_accelerate_prepared",
-                                                                                 False):
+        raise ValueError(
+            f"prepare: this Accelerator is configured for {accelerator.distributed_type.value}; "
+            "zeroshard shards the run itself: launch without a DeepSpeed/FSDP config"
+        )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or getattr(model, "_is_accelerate_prepared", False):
         raise TypeError("prepare: pass the plain model, not one accelerator.prepare already wrapped")
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, zeroshard.ShardedOptimizer):
-        raise TypeError("prepare: pass the plain torch optimizer built over the model (e.g. "
-                        "torch.optim.AdamW(model.parameters(), ...)); prepare builds the ShardedOptimizer from it")
+        raise TypeError(
+            "prepare: pass the plain torch optimizer built over the model (e.g. "
+            "torch.optim.AdamW(model.parameters(), ...)); prepare builds the ShardedOptimizer from it"
+        )
     if not any(p.is_meta for p in model.parameters()):
-        model.to(accelerator.device)          # placement first: the ShardedOptimizer views the placed tensors
+        model.to(accelerator.device)  # placement first: the ShardedOptimizer views the placed tensors
     names = {id(p): n for n, p in model.named_parameters()}
     runner, pieces = model, None
     if opts.stage == 3:

@@ -3,6 +3,7 @@ stage and loaded with ``zeroshard.load_pretrained``: every rank reads only its o
 bytes of the safetensors files and no rank holds the whole model ([Note:
 pretrained weights] in checkpoint/pretrained.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,7 @@ _FOLDER_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*
 _HUB_KEYS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder")
 
 
-def from_pretrained(auto_class, name_or_path: str, *, zeroshard: Optional[dict] = None, peft_config=None,
-                    **kwargs):
+def from_pretrained(auto_class, name_or_path: str, *, zeroshard: Optional[dict] = None, peft_config=None, **kwargs):
     """``auto_class.from_pretrained(name_or_path, **kwargs)`` for a sharded run.
 
     The model is built on meta (its buffers, such as rotary frequencies, by its own
@@ -50,18 +50,23 @@ def from_pretrained(auto_class, name_or_path: str, *, zeroshard: Optional[dict] 
     hub = {k: kwargs.pop(k) for k in _HUB_KEYS if k in kwargs}
     folder = _folder(name_or_path, hub)
     dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
-    config, model_kwargs = AutoConfig.from_pretrained(folder, return_unused_kwargs=True,
-                                                      trust_remote_code=kwargs.get("trust_remote_code", False),
-                                                      **{k: v for k, v in kwargs.items() if k != "trust_remote_code"})
+    config, model_kwargs = AutoConfig.from_pretrained(
+        folder,
+        return_unused_kwargs=True,
+        trust_remote_code=kwargs.get("trust_remote_code", False),
+        **{k: v for k, v in kwargs.items() if k != "trust_remote_code"},
+    )
     if dtype == "auto":
         dtype = getattr(config, "dtype", None)
     if dtype is not None:
         model_kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with accelerate.init_empty_weights(include_buffers=False):
         model = auto_class.from_config(config, **model_kwargs)
-    model.tie_weights()                                     # one parameter for tied names (read once)
-    model.eval()                                            # as from_pretrained returns it
-    if getattr(model, "can_generate", lambda: False)() and os.path.isfile(os.path.join(folder, "generation_config.json")):
+    model.tie_weights()  # one parameter for tied names (read once)
+    model.eval()  # as from_pretrained returns it
+    if getattr(model, "can_generate", lambda: False)() and os.path.isfile(
+        os.path.join(folder, "generation_config.json")
+    ):
         model.generation_config = GenerationConfig.from_pretrained(folder)
     key_map, adapter = None, set()
     home = _home(opts.stage)
@@ -69,7 +74,7 @@ def from_pretrained(auto_class, name_or_path: str, *, zeroshard: Optional[dict] 
         model, key_map, adapter = _with_adapter(model, peft_config, opts.stage, home)
     runner = model
     if opts.stage == 3:
-        with warnings.catch_warnings():     # the weights come next: FullyShard's meta-init notes do not apply
+        with warnings.catch_warnings():  # the weights come next: FullyShard's meta-init notes do not apply
             warnings.simplefilter("ignore")
             runner = opts.fully_shard(model, None, "from_pretrained")
     result = load_pretrained(runner, folder, strict=False, key_map=key_map, device=None if opts.stage == 3 else home)
@@ -91,16 +96,23 @@ def _with_adapter(model: nn.Module, peft_config, stage: int, home: torch.device)
     ``reset_lora_parameters``, in module order (the same values on every machine), and
     moved to ``home``, where the base model's weights will be."""
     import peft
+
     base = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     base.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
     wrapped = peft.get_peft_model(model, peft_config)
-    key_map = {n: base[id(t)] for n, t in list(wrapped.named_parameters(remove_duplicate=False))
-               + list(wrapped.named_buffers(remove_duplicate=False)) if id(t) in base}
+    key_map = {
+        n: base[id(t)]
+        for n, t in list(wrapped.named_parameters(remove_duplicate=False))
+        + list(wrapped.named_buffers(remove_duplicate=False))
+        if id(t) in base
+    }
     adapter = {n for n, p in wrapped.named_parameters() if id(p) not in base}
     if getattr(peft_config, "use_dora", False):
-        raise ValueError("from_pretrained(peft_config=...): DoRA's magnitude vector is computed from the base "
-                         "weights, which are not loaded yet; load with use_dora=False, or at stage 1/2 apply "
-                         "get_peft_model to the loaded model")
+        raise ValueError(
+            "from_pretrained(peft_config=...): DoRA's magnitude vector is computed from the base "
+            "weights, which are not loaded yet; load with use_dora=False, or at stage 1/2 apply "
+            "get_peft_model to the loaded model"
+        )
     init = getattr(peft_config, "init_lora_weights", True)
     for mod in wrapped.modules():
         reset = getattr(mod, "reset_lora_parameters", None)
@@ -118,9 +130,11 @@ def _with_adapter(model: nn.Module, peft_config, stage: int, home: torch.device)
                     part[name] = part[name].to(home)
     meta = sorted(n for n in adapter if dict(wrapped.named_parameters())[n].is_meta)
     if meta:
-        raise ValueError(f"from_pretrained(peft_config=...): the adapter parameters {meta[:4]} were left on meta "
-                         f"(an adapter type zeroshard does not make on CPU); at stage {stage} use LoRA, or load "
-                         "the model first (stage 1/2) and apply get_peft_model to it")
+        raise ValueError(
+            f"from_pretrained(peft_config=...): the adapter parameters {meta[:4]} were left on meta "
+            f"(an adapter type zeroshard does not make on CPU); at stage {stage} use LoRA, or load "
+            "the model first (stage 1/2) and apply get_peft_model to it"
+        )
     return wrapped, key_map, adapter
 
 
@@ -131,6 +145,7 @@ def _folder(name_or_path: str, hub: dict) -> str:
     if os.path.isdir(path) or os.path.isfile(path):
         return path
     from huggingface_hub import snapshot_download
+
     sub = hub.pop("subfolder", None)
     local = snapshot_download(name_or_path, allow_patterns=_FOLDER_FILES, **hub)
     return os.path.join(local, sub) if sub else local
@@ -141,12 +156,13 @@ def _report(model: nn.Module, folder: str, result, adapter: set) -> None:
     the adapter's (new: initialised by peft)."""
     ignore_missing = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
     ignore_unexpected = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
-    missing = [k for k in result.missing_keys
-               if k not in adapter and not any(re.search(p, k) for p in ignore_missing)]
+    missing = [k for k in result.missing_keys if k not in adapter and not any(re.search(p, k) for p in ignore_missing)]
     unexpected = [k for k in result.unexpected_keys if not any(re.search(p, k) for p in ignore_unexpected)]
     if missing:
-        warnings.warn(f"from_pretrained: {folder} has no weights for {missing}: they keep their initialisation "
-                      "(train them before use)", stacklevel=3)
+        warnings.warn(
+            f"from_pretrained: {folder} has no weights for {missing}: they keep their initialisation "
+            "(train them before use)",
+            stacklevel=3,
+        )
     if unexpected:
-        warnings.warn(f"from_pretrained: {folder} holds weights the model has no place for: {unexpected}",
-                      stacklevel=3)
+        warnings.warn(f"from_pretrained: {folder} holds weights the model has no place for: {unexpected}", stacklevel=3)

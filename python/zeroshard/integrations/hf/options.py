@@ -2,6 +2,7 @@
 sharding options, checked once, and what they build (the stage-3 ``FullyShard``,
 the ShardedOptimizer's keywords). Shared by the Trainer and the Accelerate helper.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,6 +50,7 @@ class Options:
         (``bf16=True`` / ``fp16=True``), else fp32 (``prepare`` keeps Accelerate's
         autocast over fp32 gathers: pass ``mixed_precision="bf16"`` for bf16 ones).
     """
+
     stage: int = 2
     wrap: Any = None
     offload: Optional[str] = None
@@ -83,13 +85,17 @@ class Options:
 
     def check(self, where: str) -> None:
         if self.stage not in (1, 2, 3):
-            raise ValueError(f"{where}: zeroshard stage={self.stage!r}; stage is 1 (optimizer state sharded), "
-                             "2 (also gradients) or 3 (also parameters, FullyShard)")
+            raise ValueError(
+                f"{where}: zeroshard stage={self.stage!r}; stage is 1 (optimizer state sharded), "
+                "2 (also gradients) or 3 (also parameters, FullyShard)"
+            )
         if self.wrap is not None and self.stage != 3:
             raise ValueError(f"{where}: wrap= chooses stage 3's units; stage={self.stage} shards no parameters")
         if self.offload_params and self.stage != 3:
-            raise ValueError(f"{where}: offload_params=True offloads stage 3's parameter shards; at "
-                             f"stage={self.stage} use offload='cpu' (the optimizer state)")
+            raise ValueError(
+                f"{where}: offload_params=True offloads stage 3's parameter shards; at "
+                f"stage={self.stage} use offload='cpu' (the optimizer state)"
+            )
         if self.offload not in (None, "cpu", "nvme"):
             raise ValueError(f"{where}: offload={self.offload!r}; None, 'cpu' or 'nvme'")
         for key in ("tp_size", "ep_size"):
@@ -97,29 +103,41 @@ class Options:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{where}: zeroshard {key}={size!r}; a positive integer (1: none)")
             if size > 1 and (self.shard_size is not None or self.offload or self.offload_params):
-                raise ValueError(f"{where}: zeroshard {key}={size} with shard_size= or offload is not "
-                                 "supported yet; drop one of them")
+                raise ValueError(
+                    f"{where}: zeroshard {key}={size} with shard_size= or offload is not "
+                    "supported yet; drop one of them"
+                )
         if self.ep_size > 1 and (self.stage == 3 or self.tp_size > 1):
-            raise ValueError(f"{where}: zeroshard ep_size={self.ep_size} trains at stages 1 and 2 without tp_size "
-                             f"for now (got stage={self.stage}, tp_size={self.tp_size})")
+            raise ValueError(
+                f"{where}: zeroshard ep_size={self.ep_size} trains at stages 1 and 2 without tp_size "
+                f"for now (got stage={self.stage}, tp_size={self.tp_size})"
+            )
         if self.mixed_precision is not None:
             if self.stage != 3:
-                raise ValueError(f"{where}: mixed_precision= sets stage 3's gather dtype; at stage={self.stage} the "
-                                 "parameters are not gathered (use the Trainer's bf16=True: autocast)")
+                raise ValueError(
+                    f"{where}: mixed_precision= sets stage 3's gather dtype; at stage={self.stage} the "
+                    "parameters are not gathered (use the Trainer's bf16=True: autocast)"
+                )
             precision(self.mixed_precision, where)
 
     def trainer_only(self, where: str) -> None:
         """tp_size / ep_size parallelize the model inside ZeroShardTrainer; elsewhere refused."""
         for key in ("tp_size", "ep_size"):
             if getattr(self, key) > 1:
-                raise ValueError(f"{where}: zeroshard {key}={getattr(self, key)} is ZeroShardTrainer's (it applies "
-                                 f"the model's own plan); here parallelize the model yourself, or leave {key} out")
+                raise ValueError(
+                    f"{where}: zeroshard {key}={getattr(self, key)} is ZeroShardTrainer's (it applies "
+                    f"the model's own plan); here parallelize the model yourself, or leave {key} out"
+                )
 
     def optimizer_kwargs(self, dp_mesh=None) -> dict:
         """The ShardedOptimizer's sharding keywords; ``dp_mesh``: the ranks stages 1/2 shard
         over beside a tp axis."""
-        kw = dict(offload=self.offload, offload_dir=self.offload_dir, offload_fraction=self.offload_fraction,
-                  shard_size=self.shard_size)
+        kw = dict(
+            offload=self.offload,
+            offload_dir=self.offload_dir,
+            offload_fraction=self.offload_fraction,
+            shard_size=self.shard_size,
+        )
         if self.stage != 3:
             kw.update(stage=self.stage, bucket_mb=self.bucket_mb)
             if dp_mesh is not None:
@@ -131,13 +149,18 @@ class Options:
         asked for (``asked``: ``"bf16"``, ``"fp16"`` or None)."""
         return precision(self.mixed_precision if self.mixed_precision is not None else asked, where)
 
-    def fully_shard(self, model: nn.Module, asked: Optional[str] = None,
-                    where: str = "zeroshard", dp_mesh=None) -> "zeroshard.FullyShard":
+    def fully_shard(
+        self, model: nn.Module, asked: Optional[str] = None, where: str = "zeroshard", dp_mesh=None
+    ) -> "zeroshard.FullyShard":
         """Stage 3's FullyShard of ``model``; ``dp_mesh``: the ranks it shards over beside a tp axis."""
-        return zeroshard.FullyShard(model, wrap=units(model, self.wrap),
-                                    mixed_precision=self.gather_precision(asked, where),
-                                    reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
-                                    **fully_shard_policies(self.offload_params, self.shard_size, dp_mesh))
+        return zeroshard.FullyShard(
+            model,
+            wrap=units(model, self.wrap),
+            mixed_precision=self.gather_precision(asked, where),
+            reshard_after_forward=self.reshard_after_forward,
+            prefetch=self.prefetch,
+            **fully_shard_policies(self.offload_params, self.shard_size, dp_mesh),
+        )
 
 
 # the dtypes a run's precision names gather in; gradients reduce in fp32 (as FSDP's and DeepSpeed's)

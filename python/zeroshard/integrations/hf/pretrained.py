@@ -7,6 +7,7 @@ and ``AutoModel*.from_pretrained(folder)`` loads the result on any machine. A
 peft model writes its adapter alone (``save_adapter``), as peft's
 ``save_pretrained`` does: ``PeftModel.from_pretrained`` loads it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -56,8 +57,9 @@ def _remove_stale_weights(out_dir: str, keep: set) -> None:
             os.remove(f)
 
 
-def export_pretrained(checkpoint: str, model: nn.Module, out_dir: str, max_shard_size,
-                      dtype: Optional[torch.dtype] = None) -> None:
+def export_pretrained(
+    checkpoint: str, model: nn.Module, out_dir: str, max_shard_size, dtype: Optional[torch.dtype] = None
+) -> None:
     """On one rank, no communication: the ``save_pretrained`` files of ``model`` (the
     Hugging Face model, for its config) into ``out_dir`` from the zeroshard
     checkpoint ``checkpoint``. Memory: one output file's tensors."""
@@ -84,8 +86,7 @@ def export_pretrained(checkpoint: str, model: nn.Module, out_dir: str, max_shard
     write_config(model, out_dir)
 
 
-def save_pretrained(model: nn.Module, out_dir: str, *, is_main_process: bool,
-                    max_shard_size="50GB") -> None:
+def save_pretrained(model: nn.Module, out_dir: str, *, is_main_process: bool, max_shard_size="50GB") -> None:
     """Collective at stage 3 (every rank calls it): ``model`` (a FullyShard, or a
     plain Hugging Face model whose parameters every rank holds) saved as
     ``save_pretrained`` would, by the main process. At stage 3 the ranks write a
@@ -93,7 +94,7 @@ def save_pretrained(model: nn.Module, out_dir: str, *, is_main_process: bool,
     process streams it into the Hugging Face files and removes it."""
     out_dir = os.fspath(out_dir)
     if not isinstance(model, zeroshard.FullyShard):
-        whole = full_state_dict(model) if is_tensor_parallel(model) else None   # (collective over tp)
+        whole = full_state_dict(model) if is_tensor_parallel(model) else None  # (collective over tp)
         if is_main_process:
             model.save_pretrained(out_dir, max_shard_size=max_shard_size, state_dict=whole)
         return

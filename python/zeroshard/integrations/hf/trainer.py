@@ -24,6 +24,7 @@ A model wrapped before the trainer (``from_pretrained`` at stage 3) is trained a
 is: the Trainer sees the model inside, and the arguments' precision must be the one
 it gathers in. At stage 3 a peft model's files are its adapter alone.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,30 +55,34 @@ class ZeroShardTrainerMixin:
     def __init__(self, *args, zeroshard: Optional[dict] = None, **kwargs):
         self.zeroshard_options = Options.parse(zeroshard, type(self).__name__)
         self.sharded_optimizer: Optional["zeroshard.ShardedOptimizer"] = None
-        self.zeroshard_model: Optional[torch.nn.Module] = None   # what trains: the model, or its FullyShard
+        self.zeroshard_model: Optional[torch.nn.Module] = None  # what trains: the model, or its FullyShard
         args, kwargs = self._adopt(args, kwargs)
-        self._replaced: dict = {}       # tp/ep plans: id(parameter replaced) -> (its name, it)
-        self.zeroshard_mesh = None      # tensor parallelism: the (dp_shard, tp) mesh
-        self.zeroshard_experts_mesh = None   # expert parallelism: the (edp, ep, tp of 1) mesh
+        self._replaced: dict = {}  # tp/ep plans: id(parameter replaced) -> (its name, it)
+        self.zeroshard_mesh = None  # tensor parallelism: the (dp_shard, tp) mesh
+        self.zeroshard_experts_mesh = None  # expert parallelism: the (edp, ep, tp of 1) mesh
         super().__init__(*args, **kwargs)
         self._check_setup()
         if self.zeroshard_options.tp_size > 1 or self.zeroshard_options.ep_size > 1:
             before = {id(p): (n, p) for n, p in self.model.named_parameters()}
             if self.zeroshard_options.tp_size > 1:
                 self._tensor_parallel()
-            else:          # [Note: expert DTensors]
+            else:  # [Note: expert DTensors]
                 self.zeroshard_experts_mesh = tensor_parallel.expert_parallelize(
-                    self.model, self.zeroshard_options.ep_size, self.accelerator.device.type, type(self).__name__)
+                    self.model, self.zeroshard_options.ep_size, self.accelerator.device.type, type(self).__name__
+                )
             self._replaced = before
 
     def _tensor_parallel(self) -> None:
         """[Note: Hugging Face tensor parallelism]: the model's plan over the tp ranks."""
         where = type(self).__name__
         if self.zeroshard_model is not None:
-            raise ValueError(f"{where}: zeroshard tp_size={self.zeroshard_options.tp_size} applies the model's "
-                             "tensor-parallel plan to the plain model; pass it unwrapped (not from_pretrained's)")
-        self.zeroshard_mesh = tensor_parallel.mesh(self.args, self.zeroshard_options.tp_size,
-                                                   self.accelerator.device.type, where)
+            raise ValueError(
+                f"{where}: zeroshard tp_size={self.zeroshard_options.tp_size} applies the model's "
+                "tensor-parallel plan to the plain model; pass it unwrapped (not from_pretrained's)"
+            )
+        self.zeroshard_mesh = tensor_parallel.mesh(
+            self.args, self.zeroshard_options.tp_size, self.accelerator.device.type, where
+        )
         tensor_parallel.parallelize(self.model, self.zeroshard_mesh["tp"], where)
 
     def _dp_mesh(self):
@@ -102,8 +107,10 @@ class ZeroShardTrainerMixin:
         if not isinstance(given, zeroshard.FullyShard):
             return args, kwargs
         if self.zeroshard_options.stage != 3:
-            raise ValueError(f"{type(self).__name__}(model=FullyShard(...)): the model is sharded at stage 3; pass "
-                             f"zeroshard=dict(stage=3) (got stage={self.zeroshard_options.stage})")
+            raise ValueError(
+                f"{type(self).__name__}(model=FullyShard(...)): the model is sharded at stage 3; pass "
+                f"zeroshard=dict(stage=3) (got stage={self.zeroshard_options.stage})"
+            )
         self.zeroshard_model = given
         if "model" in kwargs:
             return args, dict(kwargs, model=given.module)
@@ -117,9 +124,11 @@ class ZeroShardTrainerMixin:
         want = self.zeroshard_options.gather_precision(self._asked_precision(), where).param_dtype or torch.float32
         if fs.param_dtype != want:
             name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(want, "fp32")
-            raise ValueError(f"{where}: the model was wrapped gathering its units in {fs.param_dtype}, but the "
-                             f"arguments ask for {want} (bf16={self.args.bf16}, fp16={self.args.fp16}); wrap or load "
-                             f"it with zeroshard=dict(stage=3, mixed_precision='{name}') to match")
+            raise ValueError(
+                f"{where}: the model was wrapped gathering its units in {fs.param_dtype}, but the "
+                f"arguments ask for {want} (bf16={self.args.bf16}, fp16={self.args.fp16}); wrap or load "
+                f"it with zeroshard=dict(stage=3, mixed_precision='{name}') to match"
+            )
 
     def _asked_precision(self) -> Optional[str]:
         return "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else None
@@ -134,15 +143,21 @@ class ZeroShardTrainerMixin:
         where = type(self).__name__
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             which = "deepspeed=" if self.is_deepspeed_enabled else "fsdp="
-            raise ValueError(f"{where}: TrainingArguments({which}...) asks for another sharding; zeroshard shards "
-                             f"the run itself: drop {which} (zeroshard=dict(stage=...) chooses the stage)")
+            raise ValueError(
+                f"{where}: TrainingArguments({which}...) asks for another sharding; zeroshard shards "
+                f"the run itself: drop {which} (zeroshard=dict(stage=...) chooses the stage)"
+            )
         if isinstance(self.optimizer, zeroshard.ShardedOptimizer):
-            raise TypeError(f"{where}(optimizers=(ShardedOptimizer, ...)): pass the plain torch optimizer (e.g. "
-                            "torch.optim.AdamW(model.parameters(), ...)) or none; the trainer builds the "
-                            "ShardedOptimizer from it after the model is placed, at the stage zeroshard= gives")
+            raise TypeError(
+                f"{where}(optimizers=(ShardedOptimizer, ...)): pass the plain torch optimizer (e.g. "
+                "torch.optim.AdamW(model.parameters(), ...)) or none; the trainer builds the "
+                "ShardedOptimizer from it after the model is placed, at the stage zeroshard= gives"
+            )
         if self.args.n_gpu > 1:
-            raise ValueError(f"{where}: {self.args.n_gpu} GPUs in one process (DataParallel); launch one process "
-                             "per GPU with torchrun or accelerate launch")
+            raise ValueError(
+                f"{where}: {self.args.n_gpu} GPUs in one process (DataParallel); launch one process "
+                "per GPU with torchrun or accelerate launch"
+            )
         self._check_precision()
 
     # ---------------------------------------------------------------- building
@@ -153,12 +168,17 @@ class ZeroShardTrainerMixin:
         if self.sharded_optimizer is not None:
             return self.sharded_optimizer
         plain = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
-        names = {i: n for i, (n, _) in self._replaced.items()}      # (an optimizer built before the plan)
+        names = {i: n for i, (n, _) in self._replaced.items()}  # (an optimizer built before the plan)
         names.update({id(p): n for n, p in self.model.named_parameters()})
         runner, pieces, dp_mesh = self.model, None, self._dp_mesh()
         if self.zeroshard_options.stage == 3:
-            runner = self.zeroshard_model if self.zeroshard_model is not None else \
-                self.zeroshard_options.fully_shard(self.model, self._asked_precision(), type(self).__name__, dp_mesh)
+            runner = (
+                self.zeroshard_model
+                if self.zeroshard_model is not None
+                else self.zeroshard_options.fully_shard(
+                    self.model, self._asked_precision(), type(self).__name__, dp_mesh
+                )
+            )
             pieces = dict(runner.named_parameters())
         elif self._replaced:
             pieces = dict(self.model.named_parameters())
@@ -198,9 +218,12 @@ class ZeroShardTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Non-final micro-batches of an accumulation reduce nothing (stages 1/2: the
         optimizer's ``no_sync``; at stage 3 Accelerate's ``no_sync`` reaches FullyShard's)."""
-        quiet = (self.sharded_optimizer is not None and not self.accelerator.sync_gradients
-                 and not isinstance(model, zeroshard.FullyShard))
-        with (self.sharded_optimizer.no_sync() if quiet else contextlib.nullcontext()):
+        quiet = (
+            self.sharded_optimizer is not None
+            and not self.accelerator.sync_gradients
+            and not isinstance(model, zeroshard.FullyShard)
+        )
+        with self.sharded_optimizer.no_sync() if quiet else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model):
@@ -225,27 +248,36 @@ class ZeroShardTrainerMixin:
         files and no rank holds the whole model). Inside a checkpoint the sharded
         model and optimizer state are written first and the files come from them."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        whole = isinstance(self.zeroshard_model, zeroshard.FullyShard) or self.zeroshard_options.tp_size > 1 or \
-            self.zeroshard_options.ep_size > 1
+        whole = (
+            isinstance(self.zeroshard_model, zeroshard.FullyShard)
+            or self.zeroshard_options.tp_size > 1
+            or self.zeroshard_options.ep_size > 1
+        )
         if self.sharded_optimizer is None or not whole:
             if self.sharded_optimizer is not None:
                 self.sharded_optimizer.wait_params()
             return super().save_model(output_dir, _internal_call)
         fs = self.zeroshard_model
-        comm.check_in(f"{type(self).__name__}.save_model()", self.sharded_optimizer,
-                      fs.process_group if isinstance(fs, zeroshard.FullyShard) else None,
-                      hint="At stage 3 or with tp_size no rank holds the whole model: call trainer.save_model() on "
-                           "every rank, as Trainer scripts do (rank 0 writes the files)")
+        comm.check_in(
+            f"{type(self).__name__}.save_model()",
+            self.sharded_optimizer,
+            fs.process_group if isinstance(fs, zeroshard.FullyShard) else None,
+            hint="At stage 3 or with tp_size no rank holds the whole model: call trainer.save_model() on "
+            "every rank, as Trainer scripts do (rank 0 writes the files)",
+        )
         if _internal_call:
             checkpoint = self._save_sharded(output_dir, with_optimizer=not self.args.save_only_model)
-            if pretrained.is_peft(self.model):      # the adapter, as peft's save_pretrained writes it
+            if pretrained.is_peft(self.model):  # the adapter, as peft's save_pretrained writes it
                 pretrained.save_adapter(fs, output_dir, is_main_process=self.args.should_save)
             elif self.args.should_save:
-                pretrained.export_pretrained(checkpoint, self.model, output_dir,
-                                             self.zeroshard_options.max_shard_size)
+                pretrained.export_pretrained(checkpoint, self.model, output_dir, self.zeroshard_options.max_shard_size)
         else:
-            pretrained.save_pretrained(self.zeroshard_model, output_dir, is_main_process=self.args.should_save,
-                                       max_shard_size=self.zeroshard_options.max_shard_size)
+            pretrained.save_pretrained(
+                self.zeroshard_model,
+                output_dir,
+                is_main_process=self.args.should_save,
+                max_shard_size=self.zeroshard_options.max_shard_size,
+            )
         if self.args.should_save:
             self._save_beside_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
@@ -266,8 +298,9 @@ class ZeroShardTrainerMixin:
         path = os.path.join(output_dir, SHARDED_DIR)
         if getattr(self, "_zeroshard_saved", None) != path:
             opt = self.sharded_optimizer if with_optimizer and self.sharded_optimizer.sharded_state else None
-            zeroshard.save_checkpoint(path, self.zeroshard_model, opt,
-                                      extra={"format": FORMAT, "with_optimizer": opt is not None})
+            zeroshard.save_checkpoint(
+                path, self.zeroshard_model, opt, extra={"format": FORMAT, "with_optimizer": opt is not None}
+            )
             self._zeroshard_saved = path
         return path
 
@@ -275,7 +308,7 @@ class ZeroShardTrainerMixin:
         if self.sharded_optimizer is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         self._save_sharded(output_dir, with_optimizer=True)
-        if not self.sharded_optimizer.sharded_state:       # its own format, consolidated on rank 0
+        if not self.sharded_optimizer.sharded_state:  # its own format, consolidated on rank 0
             self.sharded_optimizer.consolidate_state_dict(to=0)
             if self.args.should_save:
                 torch.save(self.sharded_optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
@@ -291,8 +324,10 @@ class ZeroShardTrainerMixin:
         if os.path.isdir(os.path.join(resume_from_checkpoint, SHARDED_DIR)):
             return None
         if self.zeroshard_model is not None and self.zeroshard_model is not self.model:
-            raise ValueError(f"{resume_from_checkpoint} has no {SHARDED_DIR}/ folder: at stage 3 a checkpoint "
-                             "loads into the sharded model from a zeroshard checkpoint this trainer wrote")
+            raise ValueError(
+                f"{resume_from_checkpoint} has no {SHARDED_DIR}/ folder: at stage 3 a checkpoint "
+                "loads into the sharded model from a zeroshard checkpoint this trainer wrote"
+            )
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -300,12 +335,13 @@ class ZeroShardTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         sharded = os.path.join(checkpoint, SHARDED_DIR)
         if not os.path.isdir(sharded):
-            return super()._load_optimizer_and_scheduler(checkpoint)   # torch's format, any world size
+            return super()._load_optimizer_and_scheduler(checkpoint)  # torch's format, any world size
         own_format = not self.sharded_optimizer.sharded_state
         zeroshard.load_checkpoint(sharded, self.zeroshard_model, None if own_format else self.sharded_optimizer)
         if own_format:
             self.sharded_optimizer.load_state_dict(
-                torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True))
+                torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+            )
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_best_model(self) -> None:

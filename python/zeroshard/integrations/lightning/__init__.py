@@ -9,13 +9,16 @@ See docs/lightning.md.
 May import: the public API only (``zeroshard``, ``zeroshard.checkpoint``,
 ``zeroshard.comm``, ``zeroshard.plan``).
 """
+
 from __future__ import annotations
 
 try:
     from lightning.pytorch.strategies import StrategyRegistry
-except ImportError as e:       # pragma: no cover - depends on the environment
-    raise ImportError("zeroshard.integrations.lightning needs Lightning: pip install lightning "
-                      "(the lightning.pytorch package; tested with lightning 2.6)") from e
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "zeroshard.integrations.lightning needs Lightning: pip install lightning "
+        "(the lightning.pytorch package; tested with lightning 2.6)"
+    ) from e
 
 from .checkpoints import convert_checkpoint
 from .strategy import ZeroShardStrategy

@@ -8,6 +8,7 @@ callbacks, hyperparameters, the precision plugin's scaler) beside the model and
 optimizer state. ``convert_checkpoint`` turns the directory into the single file
 DDPStrategy would have written, for ``LightningModule.load_from_checkpoint``.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,14 +30,20 @@ def save(path: str, model: torch.nn.Module, optimizer, checkpoint: dict) -> None
     the checkpoint's extra state."""
     rest = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
     with_optimizer = "optimizer_states" in checkpoint
-    zeroshard.save_checkpoint(path, model, optimizer if with_optimizer else None,
-                              extra={"format": FORMAT, "lightning": rest, "with_optimizer": with_optimizer})
+    zeroshard.save_checkpoint(
+        path,
+        model,
+        optimizer if with_optimizer else None,
+        extra={"format": FORMAT, "lightning": rest, "with_optimizer": with_optimizer},
+    )
 
 
 def _lightning_dict(extra: Any, path: str) -> dict:
     if not (isinstance(extra, dict) and extra.get("format") == FORMAT):
-        raise ValueError(f"{path} is a zeroshard checkpoint, but not one ZeroShardStrategy wrote "
-                         "(trainer.save_checkpoint); load it with zeroshard.load_checkpoint instead")
+        raise ValueError(
+            f"{path} is a zeroshard checkpoint, but not one ZeroShardStrategy wrote "
+            "(trainer.save_checkpoint); load it with zeroshard.load_checkpoint instead"
+        )
     return dict(extra["lightning"], state_dict={})
 
 
@@ -46,7 +53,8 @@ def check_directory(path: str) -> None:
         raise FileNotFoundError(
             f"{path} is {what}: ZeroShardStrategy resumes from the directory trainer.save_checkpoint wrote. "
             "A plain Lightning checkpoint file (from DDPStrategy, or from convert_checkpoint) holds no "
-            "sharded optimizer state: load its weights with LightningModule.load_from_checkpoint instead")
+            "sharded optimizer state: load its weights with LightningModule.load_from_checkpoint instead"
+        )
 
 
 def load(path: str, model: torch.nn.Module, optimizer) -> dict:

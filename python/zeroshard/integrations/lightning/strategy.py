@@ -6,6 +6,7 @@ at stage 3 the LightningModule is wrapped in ``FullyShard`` first), accumulation
 (``no_sync`` on non-final micro-batches), checkpoints (a directory, see
 ``checkpoints``) and teardown (stage 3's parameters stay sharded).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,24 +33,36 @@ _WRAPPED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # the precision plugins whose math is DDPStrategy's with a ShardedOptimizer under it
 PLUGINS = (Precision, MixedPrecision, HalfPrecision)
 # stage 3 gathers in the precision's low dtype and reduces in fp32 (FSDPStrategy gathers bf16-mixed in bf16 too)
-GATHER = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "bf16-mixed": torch.bfloat16,
-          "16-mixed": torch.float16}
+GATHER = {
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+}
 
 
 def _check_options(stage, wrap, offload, offload_params, kwargs) -> None:
     if kwargs:
-        raise TypeError(f"ZeroShardStrategy got unexpected arguments {sorted(kwargs)}: DDPStrategy's keyword "
-                        "arguments for DistributedDataParallel have no meaning here (there is no DDP wrapper; "
-                        "unused parameters are handled as with find_unused_parameters=True)")
+        raise TypeError(
+            f"ZeroShardStrategy got unexpected arguments {sorted(kwargs)}: DDPStrategy's keyword "
+            "arguments for DistributedDataParallel have no meaning here (there is no DDP wrapper; "
+            "unused parameters are handled as with find_unused_parameters=True)"
+        )
     if stage not in (1, 2, 3):
-        raise ValueError(f"ZeroShardStrategy(stage={stage!r}): stage is 1 (optimizer state sharded), 2 (also "
-                         "gradients) or 3 (also parameters, FullyShard)")
+        raise ValueError(
+            f"ZeroShardStrategy(stage={stage!r}): stage is 1 (optimizer state sharded), 2 (also "
+            "gradients) or 3 (also parameters, FullyShard)"
+        )
     if wrap is not None and stage != 3:
-        raise ValueError(f"ZeroShardStrategy(wrap=...) chooses stage 3's sharding units; stage={stage} shards no "
-                         "parameters: drop wrap= or use stage=3")
+        raise ValueError(
+            f"ZeroShardStrategy(wrap=...) chooses stage 3's sharding units; stage={stage} shards no "
+            "parameters: drop wrap= or use stage=3"
+        )
     if offload_params and stage != 3:
-        raise ValueError(f"ZeroShardStrategy(offload_params=True) offloads stage 3's parameter shards; at "
-                         f"stage={stage} use offload='cpu' (the optimizer state) or stage=3")
+        raise ValueError(
+            f"ZeroShardStrategy(offload_params=True) offloads stage 3's parameter shards; at "
+            f"stage={stage} use offload='cpu' (the optimizer state) or stage=3"
+        )
     if offload not in (None, "cpu", "nvme"):
         raise ValueError(f"ZeroShardStrategy(offload={offload!r}): None, 'cpu' or 'nvme'")
 
@@ -81,23 +94,46 @@ class ZeroShardStrategy(DDPStrategy):
 
     strategy_name = "zeroshard"
 
-    def __init__(self, stage: int = 2, wrap=None, offload: Optional[str] = None, offload_dir=None,
-                 offload_fraction: float = 1.0, shard_size: Optional[int] = None, bucket_mb: float = 25,
-                 offload_params: bool = False, reshard_after_forward: bool = True, prefetch: int = 1,
-                 accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
-                 precision_plugin=None, process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen", **kwargs: Any):
+    def __init__(
+        self,
+        stage: int = 2,
+        wrap=None,
+        offload: Optional[str] = None,
+        offload_dir=None,
+        offload_fraction: float = 1.0,
+        shard_size: Optional[int] = None,
+        bucket_mb: float = 25,
+        offload_params: bool = False,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ):
         _check_options(stage, wrap, offload, offload_params, kwargs)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout, start_method=start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         self.stage = stage
         self.wrap = wrap
         self.offload_params = bool(offload_params)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.optimizer_options: Dict[str, Any] = dict(offload=offload, offload_dir=offload_dir,
-                                                      offload_fraction=offload_fraction, shard_size=shard_size)
+        self.optimizer_options: Dict[str, Any] = dict(
+            offload=offload, offload_dir=offload_dir, offload_fraction=offload_fraction, shard_size=shard_size
+        )
         if stage != 3:
             self.optimizer_options.update(stage=stage, bucket_mb=bucket_mb)
 
@@ -122,12 +158,14 @@ class ZeroShardStrategy(DDPStrategy):
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
         if type(plugin) not in PLUGINS:
-            raise ValueError(f"ZeroShardStrategy runs precision '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' "
-                             f"or '16-true'; got the plugin {type(plugin).__name__}")
+            raise ValueError(
+                f"ZeroShardStrategy runs precision '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' "
+                f"or '16-true'; got the plugin {type(plugin).__name__}"
+            )
 
     def model_to_device(self) -> None:
         if any(p.is_meta for p in self.model.parameters()):
-            return        # stage 3 initialises a model built on meta one unit at a time, on its device
+            return  # stage 3 initialises a model built on meta one unit at a time, on its device
         super().model_to_device()
 
     def setup_optimizers(self, trainer) -> None:
@@ -137,8 +175,10 @@ class ZeroShardStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         given = [o for o in self.optimizers if optimizers.has_params(o)]
         if len(given) > 1:
-            raise ValueError(f"configure_optimizers returned {len(given)} optimizers; ZeroShardStrategy takes one "
-                             "(give it several param groups instead)")
+            raise ValueError(
+                f"configure_optimizers returned {len(given)} optimizers; ZeroShardStrategy takes one "
+                "(give it several param groups instead)"
+            )
         pieces = names = None
         if self.stage == 3:
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
@@ -157,9 +197,13 @@ class ZeroShardStrategy(DDPStrategy):
             mp = zeroshard.MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
             wrap = self.wrap if self.wrap is not None else block_units(module)
             _WRAPPED[module] = zeroshard.FullyShard(
-                module, wrap=wrap, mixed_precision=mp, reshard_after_forward=self.reshard_after_forward,
+                module,
+                wrap=wrap,
+                mixed_precision=mp,
+                reshard_after_forward=self.reshard_after_forward,
                 prefetch=self.prefetch,
-                **fully_shard_policies(self.offload_params, self.optimizer_options["shard_size"]))
+                **fully_shard_policies(self.offload_params, self.optimizer_options["shard_size"]),
+            )
         return _WRAPPED[module]
 
     @torch.no_grad()
@@ -185,42 +229,45 @@ class ZeroShardStrategy(DDPStrategy):
     def block_backward_sync(self) -> Generator:
         """Lightning's non-final micro-batches of an accumulation: no communication."""
         opt = self.sharded_optimizer
-        with (opt.no_sync() if opt is not None else contextlib.nullcontext()):
+        with opt.no_sync() if opt is not None else contextlib.nullcontext():
             yield None
 
     def optimizer_state(self, optimizer) -> dict:
-        return {}          # in the checkpoint's rank files (see save_checkpoint)
+        return {}  # in the checkpoint's rank files (see save_checkpoint)
 
     def lightning_module_state_dict(self) -> dict:
-        return {}          # in the checkpoint's rank files (see save_checkpoint)
+        return {}  # in the checkpoint's rank files (see save_checkpoint)
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
         """Called on every rank (as Lightning does): a directory at ``filepath``, see
         ``zeroshard.integrations.lightning.checkpoints``."""
         if storage_options is not None:
-            raise TypeError("trainer.save_checkpoint(..., storage_options=...): ZeroShardStrategy writes zeroshard "
-                            "checkpoints, not through a CheckpointIO plugin; leave storage_options out")
+            raise TypeError(
+                "trainer.save_checkpoint(..., storage_options=...): ZeroShardStrategy writes zeroshard "
+                "checkpoints, not through a CheckpointIO plugin; leave storage_options out"
+            )
         checkpoints.save(self.broadcast(str(filepath)), self.runner, self.sharded_optimizer, checkpoint)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return checkpoints.load(self.broadcast(str(checkpoint_path)), self.runner,
-                                self.sharded_optimizer if fitting else None)
+        return checkpoints.load(
+            self.broadcast(str(checkpoint_path)), self.runner, self.sharded_optimizer if fitting else None
+        )
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True        # the model is wrapped and the ShardedOptimizer built before a checkpoint loads
+        return True  # the model is wrapped and the ShardedOptimizer built before a checkpoint loads
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return False       # load_checkpoint loaded it
+        return False  # load_checkpoint loaded it
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        pass               # load_checkpoint loaded it
+        pass  # load_checkpoint loaded it
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        pass               # load_checkpoint loaded it
+        pass  # load_checkpoint loaded it
 
     # -------------------------------------------------------------- teardown
     def teardown(self) -> None:
@@ -236,14 +283,17 @@ class ZeroShardStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        entries = {"zeroshard": ("ZeRO stage 2", dict(stage=2)),
-                   "zeroshard_stage_1": ("ZeRO stage 1: optimizer state sharded", dict(stage=1)),
-                   "zeroshard_stage_2": ("ZeRO stage 2: optimizer state and gradients sharded", dict(stage=2)),
-                   "zeroshard_stage_3": ("ZeRO stage 3: FullyShard, parameters sharded too", dict(stage=3)),
-                   "zeroshard_stage_2_offload": ("ZeRO stage 2, optimizer state in host memory",
-                                                 dict(stage=2, offload="cpu")),
-                   "zeroshard_stage_3_offload": ("ZeRO stage 3, optimizer state and parameter shards in host memory",
-                                                 dict(stage=3, offload="cpu", offload_params=True))}
+        entries = {
+            "zeroshard": ("ZeRO stage 2", dict(stage=2)),
+            "zeroshard_stage_1": ("ZeRO stage 1: optimizer state sharded", dict(stage=1)),
+            "zeroshard_stage_2": ("ZeRO stage 2: optimizer state and gradients sharded", dict(stage=2)),
+            "zeroshard_stage_3": ("ZeRO stage 3: FullyShard, parameters sharded too", dict(stage=3)),
+            "zeroshard_stage_2_offload": ("ZeRO stage 2, optimizer state in host memory", dict(stage=2, offload="cpu")),
+            "zeroshard_stage_3_offload": (
+                "ZeRO stage 3, optimizer state and parameter shards in host memory",
+                dict(stage=3, offload="cpu", offload_params=True),
+            ),
+        }
         for name, (description, options) in entries.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"zeroshard: {description}", **options)
