@@ -285,3 +285,107 @@ def test_fsdp2s_initialisation_idiom_gives_one_process_values_at_any_world_size(
         assert len(r["warned_lost"]) == 1 and "Titan.init_weights" in r["warned_lost"][0], r["warned_lost"]
         assert r["warned_after_init"] == [] and r["warned_loaded"] == [], r
         assert "random generators differ" in r["seeds"] and "torch.manual_seed(seed) on every rank" in r["seeds"], r
+
+
+# ------------------------------------------------------------ state-dict hooks
+class FusedQKV(nn.Module):
+    """torchtitan's fused linear: one weight in the model, three in its state dict (a
+    post-hook splits it, a load pre-hook fuses it back); a pre-hook counts the saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.wqkv = nn.Linear(D, 3 * D, bias=False)
+        self.saves = 0
+        self.register_state_dict_pre_hook(lambda m, prefix, keep_vars: setattr(m, "saves", m.saves + 1))
+        self._register_state_dict_hook(FusedQKV._split)
+        self._register_load_state_dict_pre_hook(FusedQKV._fuse)
+
+    @staticmethod
+    def _split(module, state_dict, prefix, local_metadata):
+        w = state_dict.pop(prefix + "wqkv.weight")
+        for name, part in zip("qkv", w.chunk(3)):
+            state_dict[f"{prefix}w{name}"] = part
+        return state_dict
+
+    @staticmethod
+    def _fuse(state_dict, prefix, *args):
+        if prefix + "wq" in state_dict:
+            state_dict[prefix + "wqkv.weight"] = torch.cat([state_dict.pop(prefix + "w" + n) for n in "qkv"])
+
+    def forward(self, x):
+        return self.wqkv(x).chunk(3, -1)[0]
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = FusedQKV()
+        self.out = nn.Linear(D, D)
+        self.register_buffer("freqs", torch.randn(7, dtype=torch.complex64))
+
+    def forward(self, x):
+        return self.out(self.attn(x)) + x
+
+
+class Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(Attn(), Attn())
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+def _hooked_state_dicts(ckpt):
+    """Every save path of a FullyShard model whose modules have state-dict hooks."""
+    torch.manual_seed(0)
+    plain = Hooked()
+    expected = plain.state_dict()
+    torch.manual_seed(0)
+    model = zs.FullyShard(Hooked(), wrap={Attn})
+    full, to0 = model.state_dict(), model.state_dict(to=0)
+    some = model.state_dict(keys=["layers.1.attn.wk"])
+    saves = [m.saves for m in model.modules() if isinstance(m, FusedQKV)]
+    # loading the split entries fuses them back (each rank writes its pieces)
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in expected.items()}
+    model.load_state_dict(changed)
+    reloaded = model.state_dict()
+    opt = zs.ShardedOptimizer(model.parameters(), lr=0.1)
+    model(torch.randn(4, D)).sum().backward()
+    opt.step()
+    stepped = model.state_dict()
+    zs.save_checkpoint(ckpt, model, opt)
+    zs.checkpoint.dcp_state_dict(model, opt)  # (sharded: the parameters as registered)
+    torch.manual_seed(1)
+    again = zs.FullyShard(Hooked(), wrap={Attn})
+    zs.load_checkpoint(ckpt, again, zs.ShardedOptimizer(again.parameters(), lr=0.1))
+    return dict(
+        expected=expected,
+        full=full,
+        to0=to0,
+        some=some,
+        saves=saves,
+        changed=changed,
+        reloaded=reloaded,
+        stepped=stepped,
+        loaded=again.state_dict(),
+    )
+
+
+def test_every_save_path_runs_the_models_state_dict_hooks(dist_pool, tmp_path):
+    out = dist_pool.run(_hooked_state_dicts, str(tmp_path / "ckpt"))
+    for rank, r in enumerate(out):
+        keys = list(r["expected"])
+        assert "layers.0.attn.wq" in keys and "layers.0.attn.wqkv.weight" not in keys
+        assert list(r["full"]) == keys, (rank, list(r["full"]))
+        assert all(torch.equal(r["full"][k], r["expected"][k]) for k in keys)
+        assert (r["to0"] is None) == (rank != 0)
+        assert r["to0"] is None or all(torch.equal(r["to0"][k], r["expected"][k]) for k in keys)
+        assert list(r["some"]) == ["layers.1.attn.wk"] and torch.equal(
+            r["some"]["layers.1.attn.wk"], r["expected"]["layers.1.attn.wk"]
+        )
+        assert min(r["saves"]) >= 1
+        assert all(torch.equal(r["reloaded"][k], r["changed"][k]) for k in keys)
+        assert not torch.equal(r["stepped"]["layers.0.attn.wq"], r["changed"]["layers.0.attn.wq"])
+        assert list(r["loaded"]) == keys and all(torch.equal(r["loaded"][k], r["stepped"][k]) for k in keys)

@@ -70,8 +70,12 @@ TORCH_INTERNALS = {
     "_schema",  # (an aten op's schema: whether it writes its arguments, for p.grad reads)
     "_init_from_local_shards_and_global_metadata",  # (DCP state dicts: one layout exchange)
     "_join_config",  # (torch's Joinable: whether a Join is enabled, read by its part)
-    "_version",
-}  # (a tensor's in-place write counter: construction code that wrote a sharded parameter)
+    "_version",  # (a tensor's in-place write counter: construction code that wrote a sharded parameter)
+    # (whether a model has load_state_dict hooks: torch's own load_state_dict then runs them)
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+    "_non_persistent_buffers_set",  # (a module's buffers its state dict leaves out)
+}
 
 # Known exceptions, each of which must still be over its limit (so the list
 # cannot go stale): none.

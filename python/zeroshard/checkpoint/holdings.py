@@ -26,7 +26,7 @@ from .parallel import (
     tp_placements,
 )
 from .pieces import Piece, Spec
-from ..core.regions import ShardedModel
+from ..core.regions import ShardedModel, persistent_buffers
 from ..core.tensor_parallel import placed_of
 
 _SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
@@ -105,7 +105,7 @@ class Holdings:
                 self._whole("param:" + name, p, self.parallel.get(id(p)))
         if self.parallel:
             refuse_expert_buffers(inner, self.parallel)
-        for name, b in _persistent_buffers(inner):
+        for name, b in persistent_buffers(inner):
             self.specs["buffer:" + name] = Spec(tuple(b.shape), b.dtype, b.dtype)
             self._whole("buffer:" + name, b)
 
@@ -369,14 +369,6 @@ def _check_fused_can_run(man: dict, names: set) -> None:
                 f"fused AdamW does not run: build the ShardedOptimizer with {', '.join(f'{k}=True' for k in asked)} "
                 "(it then runs torch.optim.AdamW over its pieces) before loading it"
             )
-
-
-def _persistent_buffers(module: nn.Module):
-    """(name, buffer) of every buffer the module's state dict holds (registered persistent)."""
-    saved = module.state_dict(keep_vars=True)
-    for name, b in module.named_buffers(remove_duplicate=False):
-        if name in saved:
-            yield name, b
 
 
 _MODEL_OR_ADAMW = ("param", "buffer", "exp_avg", "exp_avg_sq")

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..core.regions import ShardedModel
+from ..core.regions import ShardedModel, persistent_buffers
 from .holdings import Holdings
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -193,7 +193,7 @@ def materialize_meta(module: nn.Module, device: torch.device) -> List[str]:
 
 def _by_owner(root: nn.Module, names: List[str]) -> Dict[str, List[str]]:
     """The non-persistent buffers among ``names``, by the name of the module holding them."""
-    saved = set(root.state_dict(keep_vars=True))
+    saved = {n for n, _ in persistent_buffers(root)}
     out: Dict[str, List[str]] = {}
     for n in names:
         if n not in saved:

@@ -25,6 +25,16 @@ PERSISTENT = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "padding")
 LOCATIONS = ("device", "host", "disk")
 
 
+def persistent_buffers(module: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, buffer) of every buffer ``module``'s state dict holds (registered persistent),
+    found without calling its ``state_dict``, whose hooks may read the parameters ([Note:
+    state-dict hooks] in zero3/state_dict.py)."""
+    for path, m in module.named_modules(remove_duplicate=False):
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                yield (f"{path}.{name}" if path else name), b
+
+
 def empty_report() -> Dict[str, int]:
     return dict.fromkeys(PERSISTENT, 0)
 

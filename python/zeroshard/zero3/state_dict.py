@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -106,10 +107,54 @@ def memory_report(
     return rep
 
 
+# [Note: state-dict hooks]
+# A model's state-dict hooks (``register_state_dict_pre_hook``, ``_register_state_dict_hook``,
+# ``register_state_dict_post_hook``: torchtitan's fused QKV linear splits its weight in one)
+# run on a FullyShard model's full state dict as on the unwrapped model's, by torch's own
+# ``Module.state_dict``: while it runs, every parameter's module slots hold its full value
+# (``slots_holding``), so a hook's views and splits read real data. The keys are learnt the
+# same way first with each slot holding a meta tensor of the parameter's shape (the hooks then
+# run on meta: no data, no memory), so a renaming hook's keys are the ones ``keys=`` names.
+# Loading runs torch's ``Module.load_state_dict`` when the model has load hooks: its
+# pre-hooks rewrite the incoming dict, and each parameter's ``copy_`` writes this rank's
+# piece ([Note: initialising sharded parameters] in zero3/param_init.py). Sharded
+# checkpoints (``save_checkpoint``, ``dcp_state_dict``) hold the parameters as the model
+# registers them, read back into the same model: the hooks are for full state dicts.
+
+
+@contextlib.contextmanager
+def slots_holding(fs, values: Dict[str, torch.Tensor]):
+    """While inside, each parameter's module slots hold ``values[its first name]``, or a meta
+    tensor of its full shape and dtype where it has none ([Note: state-dict hooks]); what they
+    held before is put back on the way out."""
+    before = []
+    try:
+        for u in fs.units:
+            for q in u.params:
+                t = values.get(q.names[0])
+                if t is None:
+                    t = torch.empty(q.full_shape, dtype=q.dtype, device="meta")
+                for mod, attr in q.slots:
+                    before.append((mod, attr, mod._parameters[attr]))
+                    mod._parameters[attr] = t
+        yield
+    finally:
+        for mod, attr, held in reversed(before):
+            mod._parameters[attr] = held
+
+
+def entries(fs) -> Dict[str, torch.Tensor]:
+    """The model's state-dict entries as its hooks name them, parameters as meta tensors and
+    buffers as they are (nothing gathered)."""
+    with slots_holding(fs, {}):
+        return fs.module.state_dict(keep_vars=True)
+
+
 @torch.no_grad()
 def full_state_dict(fs, *, to: Optional[int], prefix: str, destination, keys=None) -> Optional[dict]:
     """See FullyShard.state_dict: units gathered one at a time and copied to CPU
-    (``keys``: only these entries; a unit holding none of them is not gathered)."""
+    (``keys``: only these entries; a unit holding none of them is not gathered), then the
+    model's own state_dict run over them, its hooks included ([Note: state-dict hooks])."""
     comm.check_in(
         "FullyShard.state_dict()",
         fs,
@@ -118,46 +163,74 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination, keys=Non
         "(it returns None elsewhere), or use zeroshard.save_checkpoint",
     )
     keep = to is None or dist.get_rank() == to
-    template = fs.module.state_dict(keep_vars=True)
+    template = entries(fs)
     wanted = set(template) if keys is None else set(keys)
     unknown = sorted(wanted - set(template))
     if unknown:
         raise KeyError(comm.on_rank(fs, f"FullyShard.state_dict(keys=...): the model has no entries {unknown}"))
+    # entries with data (buffers, extra state) and the parameters' own names; a key a hook
+    # made from parameters (a meta entry) may come from any of them: then every unit
+    known = {n for u in fs.units for q in u.params for n in q.names}
+    known |= {k for k, v in template.items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
+    everything = not wanted <= known
     values: Dict[str, torch.Tensor] = {}
     for u in fs.units:
-        if not any(n in wanted for q in u.params for n in q.names):
-            continue
-        flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
-        comm.all_gather(
-            u.shard.to(fs.device),
-            flat,
-            group=u.ranks.group,
-            bounds=u.bounds,  # (an expert: its own)
-            what=f"state_dict gather: unit '{u.name}'",
-        ).wait()
-        if not keep and all(q.placed is None for q in u.params):
-            continue
-        for q in u.params:
-            t = flat[q.offset : q.offset + q.numel].view(q.shape)
-            if q.placed is not None:  # a DTensor parameter: its whole tensor, gathered over tp
-                t = q.placed.wrap(t).full_tensor()
-            if keep:
-                t = t.to("cpu", q.dtype).clone()
-                for n in q.names:
-                    values[n] = t
+        if everything or any(n in wanted for q in u.params for n in q.names):
+            _gather_unit(fs, u, keep, values)
     if not keep:
         return None
+    with slots_holding(fs, values):
+        full = fs.module.state_dict()
+    ours = {t.untyped_storage().data_ptr() for t in values.values()}
     out = destination if destination is not None else {}
-    for k, v in template.items():
-        if k in wanted:
-            out[prefix + k] = values[k] if k in values else v.detach().cpu().clone()
+    for k, v in full.items():
+        if k in wanted:  # (a buffer's, or one on a device: a copy on CPU)
+            mine = isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.untyped_storage().data_ptr() in ours
+            out[prefix + k] = v if mine or not isinstance(v, torch.Tensor) else v.detach().cpu().clone()
     return out
+
+
+def _gather_unit(fs, u: Unit, keep: bool, values: Dict[str, torch.Tensor]) -> None:
+    """Gather unit ``u`` (collective over its ranks) and, where this rank keeps the state
+    dict, put each of its parameters' full value, on CPU in its dtype, into ``values``."""
+    flat = torch.empty(u.numel, dtype=torch.float32, device=fs.device)
+    comm.all_gather(
+        u.shard.to(fs.device),
+        flat,
+        group=u.ranks.group,
+        bounds=u.bounds,  # (an expert: its own)
+        what=f"state_dict gather: unit '{u.name}'",
+    ).wait()
+    if not keep and all(q.placed is None for q in u.params):
+        return
+    for q in u.params:
+        t = flat[q.offset : q.offset + q.numel].view(q.shape)
+        if q.placed is not None:  # a DTensor parameter: its whole tensor, gathered over tp
+            t = q.placed.wrap(t).full_tensor()
+        if keep:
+            t = t.to("cpu", q.dtype).clone()
+            for n in q.names:
+                values[n] = t
 
 
 @torch.no_grad()
 def load_full_state_dict(fs, state_dict: dict, strict: bool):
-    """See FullyShard.load_state_dict: each rank copies its own pieces; no communication."""
-    template = fs.module.state_dict(keep_vars=True)
+    """See FullyShard.load_state_dict: each rank copies its own pieces; no communication.
+    A model with load hooks is loaded by torch's own load_state_dict ([Note: state-dict hooks])."""
+    if _has_load_hooks(fs.module):
+        if any(q.placed is not None for u in fs.units for q in u.params):
+            raise NotImplementedError(
+                comm.on_rank(
+                    fs,
+                    "load_state_dict of a model with load_state_dict hooks and tensor-parallel (DTensor) "
+                    "parameters is not supported yet: load it with zeroshard.load_checkpoint",
+                )
+            )
+        with torch.no_grad():
+            result = nn.Module.load_state_dict(fs.module, state_dict, strict=strict)
+        fs.invalidate()
+        return result
+    template = entries(fs)
     missing = [k for k in template if k not in state_dict]
     unexpected = [k for k in state_dict if k not in template]
     if strict and (missing or unexpected):
@@ -192,3 +265,8 @@ def load_full_state_dict(fs, state_dict: dict, strict: bool):
             v.copy_(state_dict[k])
     fs.invalidate()  # (after the copy: units a gathered() block holds are gathered from the new shards)
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _has_load_hooks(module: nn.Module) -> bool:
+    """Whether a module of ``module`` has load_state_dict pre- or post-hooks."""
+    return any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in module.modules())

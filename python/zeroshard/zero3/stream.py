@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from ..core.regions import persistent_buffers
 from .fully_shard import FullyShard
 from .records import Unit
 
@@ -93,8 +94,8 @@ def _sharded(fs: FullyShard, dtype, bucket_bytes: int, to: Optional[int]):
                 yield from _one_param(fs, u, q, _cast(dtype, q.dtype), keep)
     if keep:
         params = {id(q.sharded) for u in fs.units for q in u.params}
-        for name, t in fs.module.state_dict(keep_vars=True).items():
-            if id(t) not in params and not isinstance(t, nn.Parameter):
+        for name, t in persistent_buffers(fs.module):
+            if id(t) not in params:
                 yield name, t.detach()
 
 
