@@ -353,7 +353,7 @@ def _helpers_all_stages(root):
 
 @pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore")
-def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
+def test_helpers_act_as_deepspeeds(tmp_path):
     """GatheredParameters(modifier_rank=last) edits every rank's parameters and fp32 master
     (DeepSpeed's at stage 3, and its master set alike); deepspeed.utils' getters read what
     DeepSpeed's read and its setters (full and local: parameter, gradient, optimizer state)
@@ -361,6 +361,8 @@ def test_helpers_act_as_deepspeeds(dist_pool, tmp_path):
     and an untested class with CPU offload, LRRangeTest and a second initialize over the same
     model train as DeepSpeed does; load_state_dict_from_zero_checkpoint fills a plain model as
     DeepSpeed's does from its own checkpoint."""
+    # at 3 ranks only (uneven chunks): each comparison with DeepSpeed costs seconds a world size
+    dist_pool = launch("pool", 3)
     ranks = dist_pool.run(_helpers_all_stages, str(tmp_path), timeout=240)
     res = ranks[0]
     for stage in (1, 2, 3):
@@ -435,7 +437,7 @@ def _zero_init_alike(z: dict, world: int):
 
 @pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore")
-def test_the_front_door_never_changes_numbers_silently(dist_pool):
+def test_the_front_door_never_changes_numbers_silently():
     """Against DeepSpeed on the same model and data (SGD without clipping, so a factor on the
     gradients shows): gradient_allreduce_op "sum" at stages 1 and 2; prescale_gradients and
     gradient_predivide_factor where DeepSpeed runs them; the script's own loss.backward() with 4
@@ -447,6 +449,8 @@ def test_the_front_door_never_changes_numbers_silently(dist_pool):
     does; with ignore_unused_parameters false and offload, an error naming it. A model built under
     zeroshard.zero.Init trains as under deepspeed.zero.Init, each rank holding a 1/world share
     once built; built on meta, the parameters whose initialisation is lost are named."""
+    # at 3 ranks only (uneven chunks): each comparison with DeepSpeed costs seconds a world size
+    dist_pool = launch("pool", 3)
     world = dist_pool.world_size
     res = dist_pool.run(_front_door, timeout=240)[0]
     compared = [k for k in res if k.startswith(("sum", "prescale", "predivide", "direct", "fp16", "unused-stage"))]

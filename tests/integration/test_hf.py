@@ -2,7 +2,8 @@
 their own DDP on the same data and seed (transformers, accelerate and trl are test-only
 dependencies that `make test` installs).
 
-tests/_hf_job.py runs every trainer of a world size in one torchrun launch: world size 2
+tests/support/jobs/hf_job.py runs every trainer of a world size in one launch on forked
+ranks in torchrun's environment (the Trainer example runs under torchrun itself): world size 2
 first, then 3, which also resumes a checkpoint world size 2 saved. The parent compares:
 a tiny GPT-2 (and Llama) from config, accumulation 2, clipping, warmup, the Trainer's
 no-decay groups, evaluation and checkpoints every 2 steps. Stages 1-3 give the
@@ -18,7 +19,7 @@ import os
 import pytest
 import torch
 from support.checks import close, worst
-from support.launch import job, launch, torchrun_job, torchrun_jobs
+from support.launch import job, launch, forked_job, forked_jobs
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -31,13 +32,13 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """{world size: rank 0's results} of the job at world sizes 2 and 3 (3 resumes 2's checkpoint)."""
-    return torchrun_jobs(tmp_path_factory, "hf", JOB, timeout=400)
+    return forked_jobs(tmp_path_factory, "hf", JOB, timeout=400)
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     """Rank 0's results of the job's tensor-parallel runs on 4 ranks (tp_size=2 over dp 2)."""
-    return torchrun_job(tmp_path_factory, "hf-tp", JOB, 4, ["--tp"], "results-tp.pt", timeout=400)
+    return forked_job(tmp_path_factory, "hf-tp", JOB, 4, ["--tp"], "results-tp.pt", timeout=400)
 
 
 def logits(folder_or_params, model_name="gpt2"):

@@ -1,8 +1,8 @@
 """Lightning's Trainer with ZeroShardStrategy against Lightning's own DDPStrategy (Lightning
 is a test-only dependency that `make test` installs).
 
-tests/_lightning_job.py runs every trainer of a world size in one torchrun launch (Lightning
-takes torchrun's environment instead of spawning); world size 2 first, then 3, which also
+tests/support/jobs/lightning_job.py runs every trainer of a world size in one launch on forked
+ranks in torchrun's environment (Lightning takes it instead of spawning); world size 2 first, then 3, which also
 resumes the checkpoint world size 2 saved. The parent compares: examples/lightning_gpt.py's
 GPT at stages 1, 2 and 3 (accumulation 2, clipping, a warmup schedule per step, validation
 and sync_dist logging, predict) gives DDPStrategy's logged losses, learning rates,
@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 from support.checks import close, worst
-from support.launch import job, torchrun_jobs
+from support.launch import job, forked_jobs
 
 pytest.importorskip("lightning")
 
@@ -30,7 +30,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """{world size: rank 0's results} of the job at world sizes 2 and 3 (3 resumes 2's checkpoint)."""
-    return torchrun_jobs(tmp_path_factory, "lightning", JOB, timeout=280)
+    return forked_jobs(tmp_path_factory, "lightning", JOB, timeout=280)
 
 
 @pytest.mark.timeout(600)

@@ -5,7 +5,7 @@ import ctypes
 import gc
 import glob
 import json
-import multiprocessing as mp
+
 import os
 import shutil
 import signal
@@ -176,7 +176,7 @@ def _save_and_die(rank, port, path, ref_file, dying, background=False):
 
 def _run_killed_save(tmp_path, dying, background=False):
     path, ref_file = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
-    ctx = mp.get_context("spawn")
+    ctx = launch("processes")
     port = _free_port()
     procs = [ctx.Process(target=_save_and_die, args=(r, port, path, ref_file, dying, background)) for r in range(2)]
     for p in procs:
@@ -348,8 +348,8 @@ def test_a_script_whose_last_call_is_a_save_exits_cleanly(tmp_path):
         "dist.destroy_process_group()\n"
     )
     for k in range(2):
-        out = launch(
-            "torchrun",
+        out = launch(  # (forked ranks end as `python script` would: interpreter shutdown included)
+            "forked",
             str(script),
             2,
             [str(tmp_path / f"ckpt{k}")],

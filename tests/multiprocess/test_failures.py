@@ -3,7 +3,6 @@ names the collective (from the flight record) and the rank that stopped
 answering, instead of gloo's bare "Connection reset by peer" or a hang. Real
 processes, SIGKILL; the store lives in rank 0, as without torchrun."""
 
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -17,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
+from support.launch import launch
 
 
 def _killed_in_backward(rank, port, stage, results):
@@ -51,7 +51,7 @@ def test_a_rank_killed_mid_backward_makes_the_other_fail_naming_the_collective(s
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = launch("processes")
     results = ctx.Queue()
     procs = [ctx.Process(target=_killed_in_backward, args=(r, port, stage, results)) for r in range(2)]
     t0 = time.time()

@@ -6,7 +6,6 @@ Real processes on gloo. As under torchrun, the store lives outside the ranks
 (here in the test process, as torchrun's agent holds it), so a rank that has
 already exited leaves its report readable."""
 
-import multiprocessing as mp
 import os
 import re
 import sys
@@ -20,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
+from support.launch import launch
 
 TIMEOUT = 4.0  # ZEROSHARD_TIMEOUT in the ranks
 
@@ -139,7 +139,7 @@ def _run(name, stage, tmp_path, world=2, debug=False):
         "ZEROSHARD_RECORD_DIR": str(tmp_path),
         "ZEROSHARD_DEBUG": "1" if debug else "0",
     }
-    ctx = mp.get_context("spawn")
+    ctx = launch("processes")
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_rank, args=(r, world, store.port, name, stage, str(tmp_path), env, results))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zeroshard as zs
+from support.launch import launch
 from zeroshard.plan import model_state_bytes
 
 GB = 1e9
@@ -32,13 +33,11 @@ def test_seed_003_breakdown():
     assert (r["ZeRO-2"]["params"], r["ZeRO-2"]["grads"], r["ZeRO-2"]["optimizer"]) == (14 * GB, 3.5 * GB, 21 * GB)
 
 
-def test_cli_prints_the_table_and_rejects_bad_input():
-    out = subprocess.run(
-        [sys.executable, "-m", "zeroshard.plan", "--params", "7e9", "--world-size", "4"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def test_cli_prints_the_table_and_rejects_bad_input(capsys):
+    from zeroshard.plan import main
+
+    main(["--params", "7e9", "--world-size", "4"])  # (in this process: the bad input below runs `python -m`)
+    out = capsys.readouterr().out
     lines = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
     assert lines["DDP"][4] == "112.00" and lines["ZeRO-2"][4] == "38.50"
     assert lines["DDP"][5:] == ["no", "no", "no", "yes"]  # 24 / 40 / 80 / 141 GB cards
@@ -384,8 +383,9 @@ def test_offload_splits_each_stage_by_where_it_lives(capsys):
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
-def test_model_plan_with_offload_matches_real_runs(dist_pool, offload, capsys, tmp_path):
+def test_model_plan_with_offload_matches_real_runs(offload, capsys, tmp_path):
     """--model with --offload: every rank's device / host / disk bytes as its memory_report() says."""
+    dist_pool = launch("pool", 3)  # (3 ranks: uneven padding; each world size costs seconds)
     from zeroshard.plan import plan_model
 
     world = dist_pool.world_size

@@ -16,8 +16,8 @@ torch or zeroshard reads the launch's variables at import.
 
 The agent itself (its rendezvous, the shared store, restarts) is what this launcher leaves
 out; the tests that involve it (train_gpt's, the chaos and restart tests, the GPT script's
-rank-0 traps, the Hugging Face and Lightning jobs, the quickstart's torchrun run) launch
-with torchrun itself.
+rank-0 traps, the quickstart's torchrun run) launch with torchrun itself. The Hugging Face
+and Lightning jobs run here: their libraries find the ranks in torchrun's environment.
 """
 
 from __future__ import annotations

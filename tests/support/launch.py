@@ -17,13 +17,21 @@
     other ranks) and the jobs in support/jobs/. A ``CompletedProcess`` (``subprocess.run``'s:
     past ``timeout`` it raises); ``wait=False``: the running ``Popen`` (stdout and stderr piped).
 
+``launch("processes")``
+    A ``multiprocessing`` context whose processes fork from one server that imported torch
+    and zeroshard once (``forkserver``, preloaded): ``ctx.Process(target=fn, args=...)`` for
+    the tests that kill, stall or time ranks out, each rank a module-level function that sets
+    up its own environment (the server's is the session's at its start). A spawned process
+    imports torch again: seconds each on a small machine.
+
 ``env``: variables set over this process's environment (a value of None removes one).
-``torchrun_job`` and ``torchrun_jobs`` launch a job of support/jobs/ with torchrun and read
-back the results its rank 0 saved.
+``forked_job`` and ``forked_jobs`` launch a job of support/jobs/ on forked ranks (torchrun's
+environment) and read back the results its rank 0 saved.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -38,8 +46,8 @@ JOBS = os.path.join(ROOT, "tests", "support", "jobs")
 
 
 def launch(kind: str, *args, **kwargs):
-    """Start ranks of ``kind`` "pool", "forked" or "torchrun"; see this module's docstring."""
-    kinds = {"pool": get_pool, "forked": _forked, "torchrun": _torchrun}
+    """Start ranks of ``kind`` "pool", "forked", "torchrun" or "processes"; see this module's docstring."""
+    kinds = {"pool": get_pool, "forked": _forked, "torchrun": _torchrun, "processes": _processes}
     if kind not in kinds:
         raise ValueError(f"launch kind {kind!r}: one of {sorted(kinds)}")
     return kinds[kind](*args, **kwargs)
@@ -83,6 +91,12 @@ def _forked(
     return subprocess.CompletedProcess([path, *args], code, out, err)
 
 
+def _processes():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zeroshard"])  # (before its first use)
+    return ctx
+
+
 def _torchrun(
     script: str,
     ranks: int,
@@ -111,13 +125,13 @@ def _torchrun(
     return subprocess.run(cmd, capture_output=True, text=True, env=environment(env), cwd=cwd, timeout=timeout)
 
 
-def torchrun_jobs(tmp_path_factory, name: str, script: str, timeout: float) -> dict:
+def forked_jobs(tmp_path_factory, name: str, script: str, timeout: float) -> dict:
     """{world size: rank 0's results} of ``script`` launched with torchrun at world sizes 2
     and then 3; the world-3 launch gets the world-2 directory as its second argument (to
     resume what world 2 saved). Each writes ``results-w<world>.pt`` into its directory."""
     out = {}
     for world in (2, 3):
-        out[world] = torchrun_job(
+        out[world] = forked_job(
             tmp_path_factory,
             f"{name}-w{world}",
             script,
@@ -129,17 +143,15 @@ def torchrun_jobs(tmp_path_factory, name: str, script: str, timeout: float) -> d
     return out
 
 
-def torchrun_job(
-    tmp_path_factory, name: str, script: str, world: int, args: list, results: str, timeout: float
-) -> dict:
-    """Rank 0's results of ``script`` launched with torchrun at ``world`` ranks as ``script
+def forked_job(tmp_path_factory, name: str, script: str, world: int, args: list, results: str, timeout: float) -> dict:
+    """Rank 0's results of ``script`` launched on ``world`` forked ranks as ``script
     [--flags] DIR [args]``, DIR a fresh directory where rank 0 writes the file ``results``."""
     import torch
 
     d = tmp_path_factory.mktemp(name)
     flags = [a for a in args if a.startswith("--")]
     res = launch(
-        "torchrun",
+        "forked",
         script,
         world,
         [*flags, str(d), *[a for a in args if not a.startswith("--")]],
