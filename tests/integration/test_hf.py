@@ -3,7 +3,7 @@ their own DDP on the same data and seed (transformers, accelerate and trl are te
 dependencies that `make test` installs).
 
 tests/support/jobs/hf_job.py runs every trainer of a world size in one launch on forked
-ranks in torchrun's environment (the Trainer example runs under torchrun itself): world size 2
+ranks in torchrun's environment (the Trainer example too): world size 2
 first, then 3, which also resumes a checkpoint world size 2 saved. The parent compares:
 a tiny GPT-2 (and Llama) from config, accumulation 2, clipping, warmup, the Trainer's
 no-decay groups, evaluation and checkpoints every 2 steps. Stages 1-3 give the
@@ -265,8 +265,8 @@ def test_accelerate_load_state_at_another_world_size_and_stage(results, saved, n
 
 
 def test_the_trainer_example_runs_on_two_ranks(tmp_path):
-    res = launch(
-        "torchrun",
+    res = launch(  # (forked ranks in torchrun's environment, as the jobs above)
+        "forked",
         os.path.join(ROOT, "examples", "hf_trainer.py"),
         2,
         ["--stage", "3", "--steps", "8", "--out", str(tmp_path)],

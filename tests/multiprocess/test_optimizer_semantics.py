@@ -12,7 +12,8 @@ import torch.nn as nn
 import zeroshard as zs
 from support.launch import launch
 
-WORLDS = pytest.mark.parametrize("world", [1, 2, 3], ids=lambda n: f"world{n}")
+# one rank and three (uneven chunks); two ranks as well cost about 16 s a run of the suite
+WORLDS = pytest.mark.parametrize("world", [1, 3], ids=lambda n: f"world{n}")
 
 
 def make(seed=0):

@@ -27,6 +27,14 @@ TINY_BUCKET_MB = 4000 / 2**20
 STEPS = 10
 
 
+@pytest.fixture(params=[3], ids=lambda n: f"world{n}")
+def dist_pool(request):
+    """This module's tests at 3 ranks only (the suite's time): a whole-tensor layout puts each
+    tensor in its owner's chunk, and 3 ranks give uneven chunks, the harder layouts; running
+    every test at 2 ranks as well cost about 40 s a run."""
+    return launch("pool", request.param)
+
+
 class Net(nn.Module):
     """Matrices of awkward shapes: tall (41x23), wide (13x41), one larger than the
     others together (211x13), one used only in some steps; AdamW's share: the
@@ -866,8 +874,7 @@ def _measured_reports(stage, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
-def test_the_planner_counts_whole_tensor_state_on_its_owner(optimizer):
-    dist_pool = launch("pool", 3)  # (3 ranks: uneven padding; each world size costs seconds)
+def test_the_planner_counts_whole_tensor_state_on_its_owner(dist_pool, optimizer):
     from zeroshard.plan import plan_model
 
     world = dist_pool.world_size

@@ -15,9 +15,10 @@ script reads from the environment when it runs is set before it starts, and noth
 torch or zeroshard reads the launch's variables at import.
 
 The agent itself (its rendezvous, the shared store, restarts) is what this launcher leaves
-out; the tests that involve it (train_gpt's, the chaos and restart tests, the GPT script's
-rank-0 traps, the quickstart's torchrun run) launch with torchrun itself. The Hugging Face
-and Lightning jobs run here: their libraries find the ranks in torchrun's environment.
+out; the tests that involve it (the chaos and restart tests), the GPT script's rank-0 traps
+(three jobs at once, each mostly waiting) and one launch as a user types it (the
+quickstart's) run torchrun itself. train_gpt's runs and the Hugging Face and Lightning jobs
+run here: they find their ranks in torchrun's environment.
 """
 
 from __future__ import annotations
