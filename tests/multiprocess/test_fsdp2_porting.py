@@ -389,3 +389,26 @@ def test_every_save_path_runs_the_models_state_dict_hooks(dist_pool, tmp_path):
         assert all(torch.equal(r["reloaded"][k], r["changed"][k]) for k in keys)
         assert not torch.equal(r["stepped"]["layers.0.attn.wq"], r["changed"]["layers.0.attn.wq"])
         assert list(r["loaded"]) == keys and all(torch.equal(r["loaded"][k], r["stepped"][k]) for k in keys)
+
+
+class SplitOnly(nn.Module):
+    """A save hook that renames the weight, and no load hook to name it back."""
+
+    def __init__(self):
+        super().__init__()
+        self.wqkv = nn.Linear(D, 3 * D, bias=False)
+        self._register_state_dict_hook(FusedQKV._split)
+
+
+def _split_only_load():
+    model = zs.FullyShard(SplitOnly())
+    try:
+        model.load_state_dict(model.state_dict())
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_renamed_parameter_with_no_load_hook_is_missing_not_skipped(dist_pool):
+    for msg in dist_pool.run(_split_only_load):
+        assert msg is not None and "missing keys ['wqkv.weight']" in msg, msg

@@ -93,10 +93,8 @@ def _sharded(fs: FullyShard, dtype, bucket_bytes: int, to: Optional[int]):
             for q in u.params:
                 yield from _one_param(fs, u, q, _cast(dtype, q.dtype), keep)
     if keep:
-        params = {id(q.sharded) for u in fs.units for q in u.params}
         for name, t in persistent_buffers(fs.module):
-            if id(t) not in params:
-                yield name, t.detach()
+            yield name, t.detach()
 
 
 @torch.no_grad()
