@@ -35,6 +35,7 @@ from .comm.launch import init_distributed
 from .comm import CommHandle, all_gather, all_gather_object, all_reduce, reduce_scatter
 from .zero3.fully_shard import FullyShard, MixedPrecision, register_forward_method
 from .zero3.stream import full_tensors
+from .zero3.module_api import FSDPModule, fully_shard, register_fsdp_forward_method
 from .native.kernels import fused_adamw_, fused_adamw_multi_
 from .native.layout import Layout, compute_layout
 from .optim.sharded import ShardedOptimizer
@@ -105,6 +106,9 @@ __all__ = [
     "init_distributed",
     "resume",
     "register_forward_method",
+    "fully_shard",
+    "FSDPModule",
+    "register_fsdp_forward_method",
     "full_tensors",
     "Offload",
     "Sharding",

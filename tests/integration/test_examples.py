@@ -19,6 +19,7 @@ EXAMPLES = [
     ("quickstart.py", 2, {}),
     ("fully_shard.py", 2, {}),
     ("fully_shard_habits.py", 2, {}),
+    ("fsdp2_port.py", 2, {}),
     ("optimizers.py", 2, {}),
     ("uneven_inputs.py", 2, {}),
     ("muon.py", 2, {}),

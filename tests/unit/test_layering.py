@@ -15,7 +15,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PACKAGE = os.path.join(ROOT, "python", "zeroshard")
 MODEL_SIDE = ("zero3", "zero12")
 # an identifier that names an optimizer or one of its methods
-OPTIMIZER_NAME = re.compile(r"optim|^opt$|^params_wrapped$|^units_relaid$", re.IGNORECASE)
+# (FSDP2's method set_post_optim_event is the module API's contract, not a reference to ours)
+OPTIMIZER_NAME = re.compile(r"^(?!set_post_optim_event$).*optim|^opt$|^params_wrapped$|^units_relaid$", re.IGNORECASE)
 KEYED_CALLS = {"get", "pop", "setdefault", "add", "discard", "remove", "__contains__", "__getitem__"}
 
 

@@ -26,7 +26,7 @@ from .parallel import (
     tp_placements,
 )
 from .pieces import Piece, Spec
-from ..core.regions import ShardedModel, persistent_buffers
+from ..core.regions import persistent_buffers, sharded_model_of
 from ..core.tensor_parallel import placed_of
 
 _SKIP_HYPER = ("params", "foreach", "fused", "capturable", "differentiable")
@@ -36,8 +36,14 @@ class Holdings:
     """What this rank holds of a (model, optimizer) pair, by checkpoint key."""
 
     def __init__(self, model: nn.Module, optimizer, for_load: bool):
-        fs = model if isinstance(model, ShardedModel) else None
-        inner = model.module if fs is not None or isinstance(model, nn.parallel.DistributedDataParallel) else model
+        fs = sharded_model_of(model)
+        inner = (
+            fs.module
+            if fs is not None
+            else model.module
+            if isinstance(model, nn.parallel.DistributedDataParallel)
+            else model
+        )
         sharded = _sharded_optimizers(optimizer)
         sharded_opt = sharded[0] if sharded else None
         plain = optimizers_of(optimizer)

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..core.regions import ShardedModel, persistent_buffers
+from ..core.regions import persistent_buffers, sharded_model_of
 from .holdings import Holdings
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -261,7 +261,7 @@ def load_pretrained(
 
     Each rank reads only the bytes of the elements it holds, converting them to the
     model's dtype. Returns ``(missing_keys, unexpected_keys)`` as ``load_state_dict``."""
-    fs = model if isinstance(model, ShardedModel) else None
+    fs = sharded_model_of(model)
     inner = fs.module if fs is not None else model
     entries = index(weight_files(path))
     unset = list(fs.uninitialised_buffers) if fs is not None else []

@@ -136,3 +136,19 @@ class ShardedModel(abc.ABC):
     @abc.abstractmethod
     def shards_loaded(self) -> None:
         """The shards were written (a checkpoint loaded): drop whatever derives from them."""
+
+
+_IN_PLACE = "_zeroshard_sharded_model"  # a model sharded in place keeps its ShardedModel here
+
+
+def register_sharded_model(module: torch.nn.Module, sharded: ShardedModel) -> None:
+    """``module`` is sharded in place by ``sharded`` (``zeroshard.fully_shard``): what
+    ``sharded_model_of(module)`` returns (kept in the instance's own ``__dict__``)."""
+    vars(module)[_IN_PLACE] = sharded
+
+
+def sharded_model_of(model) -> Optional[ShardedModel]:
+    """The ShardedModel ``model`` is (a FullyShard) or is sharded in place by, else None."""
+    if isinstance(model, ShardedModel):
+        return model
+    return vars(model).get(_IN_PLACE) if isinstance(model, torch.nn.Module) else None

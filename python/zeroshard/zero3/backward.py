@@ -82,8 +82,14 @@ class UnitBackward:
             u.input_waits = 0
             for q in u.params:
                 q.arrived = False
-        self._pipeline.start([self.units[ui].reduction for ui in first + rest + [0] if self.units[ui].trainable])
+        self._pipeline.start([self.units[ui].reduction for ui in first + rest + [0] if self._reduces(self.units[ui])])
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    @staticmethod
+    def _reduces(u: Unit) -> bool:
+        """``u``'s gradients are reduced in this backward (trainable and, by its own setting,
+        synced: ``set_requires_gradient_sync(False)`` on its module accumulates them locally)."""
+        return bool(u.trainable) and u.settings.requires_gradient_sync
 
     @torch.no_grad()
     def pre_backward(self, u: Optional[Unit]):
@@ -92,14 +98,22 @@ class UnitBackward:
         bwd = self.order
         if u is None:  # root: its outputs' gradient is the first of the backward
             self.gatherer.gather(self.units[0])
-            self.gatherer.prefetch_after(bwd, -1)
+            self._prefetch(self.units[0], bwd, -1)
             return
         self._pipeline.retire_completed()
         self.gatherer.gather(u)
-        if u.index in bwd[self._cursor :]:
+        if u.settings.backward_prefetch is not None:  # set_modules_to_backward_prefetch
+            self.gatherer.prefetch_these(u.settings.backward_prefetch)
+        elif u.index in bwd[self._cursor :]:
             pos = bwd.index(u.index, self._cursor)
             self._cursor = pos + 1
             self.gatherer.prefetch_after(bwd, pos)
+
+    def _prefetch(self, u: Unit, order: List[int], pos: int):
+        if u.settings.backward_prefetch is not None:
+            self.gatherer.prefetch_these(u.settings.backward_prefetch)
+        else:
+            self.gatherer.prefetch_after(order, pos)
 
     @torch.no_grad()
     def on_grad(self, u: Unit, q: Param):
@@ -134,7 +148,7 @@ class UnitBackward:
         """One thing ``u``'s backward waited for has come; after the last, it is resharded and reduced."""
         self._pipeline.arrived(u.reduction)
         if u.reduction.pending == 0:
-            if not u.is_root:
+            if not u.is_root and u.settings.reshard_after_backward:
                 self.gatherer.reshard(u)
             if u.trainable:
                 self.fold.flatten(u)
@@ -145,10 +159,14 @@ class UnitBackward:
         self._pipeline.finish()
         if self.sync:
             self.fold.host_copies.wait()  # the gradient shards in host memory are complete: the CPU steps them
-        self.gatherer.reshard_all()
+        for u in self.units:  # (set_reshard_after_backward(False): kept gathered to the next step)
+            if u.settings.reshard_after_backward:
+                self.gatherer.reshard(u)
         self.gatherer.phase = "forward"
-        self.state = GradState.READY if self.sync else GradState.EMPTY
-        if self.sync:
+        # (a unit its module's set_requires_gradient_sync(False) left unreduced: not ready either)
+        synced = self.sync and all(u.settings.requires_gradient_sync for u in self.units if u.trainable)
+        self.state = GradState.READY if synced else GradState.EMPTY
+        if synced:
             for fn in self.listeners:
                 fn()
 
@@ -172,14 +190,18 @@ class UnitBackward:
         self.state = GradState.EMPTY
         self.gatherer.steps_done += bool(updated)
 
-    def set_divide_factor(self, factor: float):
-        """Each reduced gradient is the sum over every rank (the replicas' too) divided by
-        ``factor`` from the next reduction on (FullyShard.set_gradient_divide_factor)."""
+    def set_divide_factor(self, factor: float, units: Optional[List[Unit]] = None):
+        """Each reduced gradient (of ``units``, None: every unit) is the sum over every rank (the
+        replicas' too) divided by ``factor`` from the next reduction on
+        (``set_gradient_divide_factor``: FullyShard's for every unit, FSDP2's per module)."""
         if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < math.inf:
             raise ValueError(self.err(f"set_gradient_divide_factor takes a positive, finite number, got {factor!r}"))
         if self.active:
             raise RuntimeError(self.err("set_gradient_divide_factor() called during backward; call it before"))
-        self.fold.divisor = float(factor)
+        if units is None:
+            self.fold.divisor = float(factor)
+        for u in self.units if units is None else units:
+            u.settings.divide_factor = None if units is None else float(factor)
 
     def zero_grad(self, set_to_none: bool):
         """Free (``set_to_none``) or zero the gradient shards; see FullyShard.zero_grad."""

@@ -78,6 +78,7 @@ class DivideIntoShardFold(FoldPolicy):
         """Divide the reduced chunk by every rank and write (or add) it into the fp32 shard."""
         u: Unit = r.owner
         chunk, g = r.out, r.grad
+        divisor = self.divisor if u.settings.divide_factor is None else u.settings.divide_factor
         if g.tensor is None:  # first reduction since zero_grad(set_to_none=True)
             # with the fp32 shard, or in host memory ([Note: offloaded gradients]); not
             # zeroed: u.fresh, so each path below overwrites the whole chunk's length
@@ -86,17 +87,17 @@ class DivideIntoShardFold(FoldPolicy):
             u.fresh = True
         written = g.tensor  # the fresh values, on the reducing device
         if g.tensor.device != chunk.device:  # in host memory: divide here, then to host
-            written = chunk.float().div_(self.divisor)  # (the chunk is scratch: freed below)
+            written = chunk.float().div_(divisor)  # (the chunk is scratch: freed below)
             if u.fresh:  # asynchronous into pinned memory; the backward's end waits before the step reads it
                 self.host_copies.copy(g.tensor, written)
             else:
                 g.tensor.add_(written.cpu())
         elif u.fresh and chunk.dtype == torch.float32:
-            torch.div(chunk, self.divisor, out=g.tensor)  # one pass
+            torch.div(chunk, divisor, out=g.tensor)  # one pass
         elif u.fresh:
-            g.tensor.copy_(chunk).div_(self.divisor)  # divide in fp32
+            g.tensor.copy_(chunk).div_(divisor)  # divide in fp32
         else:
-            g.tensor.add_(chunk.float().div_(self.divisor))
+            g.tensor.add_(chunk.float().div_(divisor))
         # the statistics' squared norms of a shard bound for host memory, taken here on the
         # device rather than over host memory on the CPU after the backward
         g.sumsq = _sumsq_of_pieces(u, written) if u.grad_to_host and u.fresh else None

@@ -97,7 +97,8 @@ class UnitForward:
         self.seen: List[int] = []  # the units the current forward ran
         self.calls: List[int] = []  # units called with gradients since the last backward began
         self.root_calls = 0  # root-unit modules running outside the model's forward
-        self.unit_of = {id(u.module): u for u in units[1:]}
+        self.unit_of = {id(m): u for u in units[1:] for m in u.modules}
+        self.ran: dict = {}  # a group's unit index -> its modules that ran since it was gathered
         self._install()
 
     def _install(self):
@@ -105,8 +106,9 @@ class UnitForward:
         pre = torch.compiler.disable(self.unit_pre_forward)
         post = torch.compiler.disable(self.unit_post_forward)
         for u in self.units[1:]:
-            u.hooks.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
-            u.hooks.append(u.module.register_forward_hook(post))
+            for m in u.modules:
+                u.hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+                u.hooks.append(m.register_forward_hook(post))
         # root-unit modules called directly (not through the wrapper) gather the root unit
         mods = {id(mod): mod for q in self.units[0].params for mod, _ in q.slots}
         mods.pop(id(self.root), None)
@@ -143,7 +145,12 @@ class UnitForward:
         return (args, kwargs) if changed else None
 
     def unit_post_forward(self, module, args, out):
-        self._post_forward(self.unit_of[id(module)], out)
+        self._post_forward(self.unit_of[id(module)], out, module)
+
+    def reshards(self, u: Unit) -> bool:
+        """Whether ``u`` is freed after its forward (its own setting, else the model's)."""
+        own = u.settings.reshard_after_forward
+        return self.reshard_after_forward if own is None else own
 
     def _pre_forward(self, u: Unit):
         u.calls += 1
@@ -162,15 +169,22 @@ class UnitForward:
             self.seen.append(u.index)
             pos = len(self.seen) - 1
             self.gatherer.gather(u)
-            if pos < len(self.order) and self.order[pos] == u.index:
+            if u.settings.forward_prefetch is not None:  # set_modules_to_forward_prefetch
+                self.gatherer.prefetch_these(u.settings.forward_prefetch)
+            elif pos < len(self.order) and self.order[pos] == u.index:
                 self.gatherer.prefetch_after(self.order, pos)
 
-    def _post_forward(self, u: Unit, out):
+    def _post_forward(self, u: Unit, out, module=None):
         u.calls = max(0, u.calls - 1)
         if self.backward.active:
             return
         grad = torch.is_grad_enabled()
-        if u.calls == 0 and (self.reshard_after_forward or not grad):
+        ran = self.ran.setdefault(u.index, set()) if u.group else None
+        if ran is not None and module is not None:
+            ran.add(id(module))
+        done = ran is None or len(ran) >= len(u.modules)  # a group: once each of its modules ran
+        if u.calls == 0 and (self.reshards(u) or not grad) and done:
+            self.ran.pop(u.index, None)
             with torch.no_grad():
                 self.gatherer.reshard(u)
         if grad:
@@ -257,7 +271,10 @@ class UnitForward:
         try:
             with torch.no_grad():
                 self.gatherer.gather(root, wait=False)
-                self.gatherer.prefetch_after(self.order, -1)
+                if root.settings.forward_prefetch is not None:
+                    self.gatherer.prefetch_these(root.settings.forward_prefetch)
+                else:
+                    self.gatherer.prefetch_after(self.order, -1)
                 self.gatherer.gather(root)
         except BaseException:
             self._abort()
@@ -277,11 +294,14 @@ class UnitForward:
         if self.seen != self.order:
             self.order = list(self.seen)  # (re-)record the order
         with torch.no_grad():
-            for u in self.units[1:]:  # prefetched but not run
+            for u in self.units[1:]:  # prefetched but not run (or a group not every module of which ran)
                 if u.state == UnitState.GATHERING or (
-                    u.state == UnitState.GATHERED and self.reshard_after_forward and u.index not in self.seen
+                    u.state == UnitState.GATHERED
+                    and self.reshards(u)
+                    and (u.index not in self.seen or u.index in self.ran)
                 ):
                     self.gatherer.reshard(u)
+            self.ran.clear()
             if not grad:
                 self.gatherer.reshard_all()
                 return out

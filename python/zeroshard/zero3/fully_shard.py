@@ -91,7 +91,7 @@ from ..comm.mesh import Sharding
 from ..offload import Offload
 from ..core.tensor_parallel import check_model
 from .records import MixedPrecision, Steppers, Unit, UnitState, register_owner
-from .param_init import InitWatch, check_to_empty
+from .param_init import InitWatch, check_to_empty, convert_buffers
 from .backward import BackwardContext, UnitBackward
 from .forward import UnitForward
 
@@ -330,29 +330,14 @@ class FullyShard(nn.Module, ShardedModel):
             yield (f"{prefix}.{n}" if prefix else n), q.sharded
 
     def _apply(self, fn, recurse: bool = True):
+        return self.convert(fn)
+
+    def convert(self, fn):
         """``model.to(...)``, ``.float()``, ``.cuda()`` and the like after wrapping: the fp32
         shards stay where and what they are (FullyShard's master weights), so a conversion
         that keeps float32 on the shards' device applies to the buffers and the parameters
         left out of sharding, as torch's does; any other is refused naming what to use."""
-        probe = torch.empty(1, dtype=torch.float32, device=self._device)
-        try:
-            out = fn(probe)
-        except Exception:  # noqa: BLE001 - e.g. .cuda() without CUDA: refused below
-            out = None
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.device != probe.device:
-            dtype, device = getattr(out, "dtype", "?"), getattr(out, "device", "?")
-            raise ValueError(
-                self._err(
-                    f"converting a FullyShard model after wrapping (to {dtype} on {device}) is not supported: its "
-                    f"parameters are fp32 shards on {self._device}, the master weights. To compute in bf16 or fp16 "
-                    "pass mixed_precision=zeroshard.MixedPrecision(param_dtype=...) to FullyShard; to change the "
-                    "device, move the model (or build it on meta) before wrapping, or pass device="
-                )
-            )
-        for mod in self.module.modules():
-            for name, b in mod._buffers.items():
-                if b is not None:
-                    mod._buffers[name] = fn(b)
+        convert_buffers(self.module, fn, self._device, self._err)
         return self
 
     def to_empty(self, *, device: Union[torch.device, str], recurse: bool = True):
@@ -365,12 +350,28 @@ class FullyShard(nn.Module, ShardedModel):
 
     # ---------------------------------------------------------------- gather
     def forward(self, *args, **kwargs):
+        return self.run_forward(self.module, args, kwargs)
+
+    def run_forward(self, fn: Callable, args: tuple, kwargs: dict):
+        """``fn(*args, **kwargs)`` as the model's forward (the root unit gathered around it):
+        ``self.module`` for the wrapper, the model's own forward in place ([Note: fully_shard
+        in place] in zero3/module_api.py)."""
         self.init_watch.before_forward()
         if any(p.requires_grad for p in self._frozen_when_wrapped):  # unfrozen since: laid out again
             self.lay_out_trainable(by=None)
-        for fn in self.forward_listeners:  # before the root's gather (torch's Join counts first)
-            fn(args, kwargs)
-        return self._forward.around_root(self.module, args, kwargs)
+        for fn_ in self.forward_listeners:  # before the root's gather (torch's Join counts first)
+            fn_(args, kwargs)
+        return self._forward.around_root(fn, args, kwargs)
+
+    def unit_for(self, module: nn.Module) -> Unit:
+        """The unit ``module`` makes (a unit's module or one of its group's; the wrapped model:
+        the root unit), whose ``settings`` FSDP2's module API sets; an error otherwise."""
+        if module is self.module:
+            return self._units[0]
+        for u in self._units[1:]:
+            if any(m is module for m in u.modules):
+                return u
+        raise ValueError(self._err(f"{type(module).__name__} is not a sharding unit of this model"))
 
     def invalidate(self):
         """Drop every gathered copy (the shards changed); the units a ``gathered()`` block
@@ -398,17 +399,28 @@ class FullyShard(nn.Module, ShardedModel):
             err=self._err,
         )
 
-    def unshard(self, async_op: bool = False) -> UnshardHandle:
-        """FSDP2's ``unshard``: every unit gathered and kept so until ``reshard()``, as in a
-        ``gathered()`` block (forwards, backwards and ``generate`` gather nothing meanwhile).
-        Collective. The gathers are complete when it returns: the handle's ``wait()``
-        (``async_op=True`` too) returns at once. See [Note: gathered blocks]."""
-        return unshard(self._gatherer, self.gathered)
+    def unshard(self, async_op: bool = False, *, unit: Optional[nn.Module] = None) -> UnshardHandle:
+        """FSDP2's ``unshard``. Every unit gathered and kept so until ``reshard()``, as in a
+        ``gathered()`` block (forwards, backwards and ``generate`` gather nothing meanwhile); the
+        gathers are complete when it returns (the handle's ``wait()`` returns at once). See
+        [Note: gathered blocks]. Or, ``unit``: the one unit that module makes, gathered as a
+        prefetch its next forward takes over (freed after it as usual); ``async_op=True`` returns
+        with the all-gather in flight and the handle's ``wait()`` (or the forward) finishes it.
+        Collective."""
+        if unit is None:
+            return unshard(self._gatherer, self.gathered)
+        u = self.unit_for(unit)
+        with torch.no_grad():
+            self._gatherer.gather(u, wait=not async_op)
+        return UnshardHandle(lambda: self._gatherer.gather(u))
 
-    def reshard(self) -> None:
+    def reshard(self, *, unit: Optional[nn.Module] = None) -> None:
         """FSDP2's ``reshard``: the units ``unshard()`` gathered back to their shards (a no-op
-        without one). Collective."""
-        reshard(self._gatherer)
+        without one), or the unit module ``unit`` makes. Collective."""
+        if unit is None:
+            reshard(self._gatherer)
+        else:
+            self._gatherer.reshard(self.unit_for(unit))
 
     def shards_loaded(self):
         self.init_watch.values_given()
@@ -424,9 +436,10 @@ class FullyShard(nn.Module, ShardedModel):
         communication; the next backward outside this context reduces them all."""
         return self._backward.no_sync()
 
-    def set_gradient_divide_factor(self, factor: float):
-        """FSDP2's: each gradient is the sum over every rank (replicas too) over ``factor`` (1.0: the sum)."""
-        self._backward.set_divide_factor(factor)
+    def set_gradient_divide_factor(self, factor: float, *, unit: Optional[nn.Module] = None):
+        """FSDP2's: each gradient (of every unit, or of the one ``unit`` makes) is the sum over
+        every rank (replicas too) over ``factor`` (1.0: the sum)."""
+        self._backward.set_divide_factor(factor, None if unit is None else [self.unit_for(unit)])
 
     # --------------------------------------------------------------- forward
     # -------------------------------------------------------------- backward

@@ -93,6 +93,13 @@ class Gatherer:
                 break
             self.gather(u, wait=False)
 
+    def prefetch_these(self, indices: List[int]):
+        """Start gathering the units ``indices`` names (FSDP2's explicit prefetch lists: each
+        one listed, however many)."""
+        for ui in indices:
+            if self.units[ui].state == UnitState.SHARDED:
+                self.gather(self.units[ui], wait=False)
+
     @torch.no_grad()
     def reshard_all(self):
         for u in self.units:

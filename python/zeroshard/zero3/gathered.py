@@ -47,7 +47,7 @@ rank-0 code] in comm/collectives.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -190,11 +190,17 @@ def gathered_block(
 
 
 class UnshardHandle:
-    """What ``FullyShard.unshard()`` returns, as FSDP2's: ``wait()`` until the units are
-    gathered (they are already: the gathers complete before unshard returns)."""
+    """What ``unshard()`` returns, as FSDP2's: ``wait()`` until the units are gathered (at
+    once for every unit's: those gathers complete before unshard returns)."""
+
+    def __init__(self, finish: Optional[Callable[[], None]] = None):
+        self._finish = finish
 
     def wait(self) -> None:
-        return None
+        if self._finish is not None:
+            with torch.no_grad():
+                self._finish()
+            self._finish = None
 
 
 def unshard(gatherer: Gatherer, open_block) -> UnshardHandle:

@@ -271,6 +271,30 @@ def check_to_empty(device, shards_on: torch.device, err: Callable[[str], str]) -
         )
 
 
+def convert_buffers(module: nn.Module, fn, shards_on: torch.device, err: Callable[[str], str]) -> None:
+    """``fn`` (a ``model.to(...)``'s conversion after wrapping) applied to ``module``'s buffers
+    if it keeps float32 on the shards' device; any other is refused naming what to use."""
+    probe = torch.empty(1, dtype=torch.float32, device=shards_on)
+    try:
+        out = fn(probe)
+    except Exception:  # noqa: BLE001 - e.g. .cuda() without CUDA: refused below
+        out = None
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.device != probe.device:
+        dtype, device = getattr(out, "dtype", "?"), getattr(out, "device", "?")
+        raise ValueError(
+            err(
+                f"converting a FullyShard model after wrapping (to {dtype} on {device}) is not supported: its "
+                f"parameters are fp32 shards on {shards_on}, the master weights. To compute in bf16 or fp16 "
+                "pass mixed_precision=zeroshard.MixedPrecision(param_dtype=...) to FullyShard; to change the "
+                "device, move the model (or build it on meta) before wrapping, or pass device="
+            )
+        )
+    for mod in module.modules():
+        for name, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[name] = fn(b)
+
+
 class InitWatch:
     """Whether a model built on meta had its own initialisation after wrapping, for one FullyShard
     (made before the wrap: ``module``'s parameters still on meta, ``device`` the shards')."""

@@ -24,6 +24,15 @@ def left_out(p: torch.Tensor) -> bool:
     return not (p.is_floating_point() or p.is_complex())
 
 
+class InPlace:
+    """The base of the classes ``fully_shard`` swaps into a module's (zero3/module_api.py)."""
+
+
+def own_method(module: nn.Module, name: str):
+    """``module.<name>`` as the model's own class defines it, past a class fully_shard swapped in."""
+    return getattr(super(InPlace, module), name) if isinstance(module, InPlace) else getattr(module, name)
+
+
 def owner_of(p: torch.Tensor):
     """The FullyShard that made parameter ``p`` (a ShardedParameter's ``owner_ref``), else None."""
     ref = getattr(p, "owner_ref", None)
@@ -89,6 +98,34 @@ class Param:
         return self.shape if self.placed is None else self.placed.shape
 
 
+class UnitGroups:
+    """``wrap=`` for the modules fully_shard was called on: each module a unit, each list
+    of modules one unit (a group); a predicate on a module ([Note: fully_shard in place])."""
+
+    def __init__(self, groups: List[List[nn.Module]]):
+        self.groups = groups
+        self._key = {id(m): k for k, g in enumerate(groups) for m in g}
+
+    def __call__(self, module: nn.Module) -> bool:
+        return id(module) in self._key
+
+    def key(self, module: nn.Module) -> Optional[int]:
+        """The group ``module`` belongs to (None: not one of them)."""
+        return self._key.get(id(module))
+
+
+@dataclass
+class UnitSettings:
+    """A unit's own settings (FSDP2's ``set_*`` calls on its module); None: the model's."""
+
+    reshard_after_forward: Optional[bool] = None
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    divide_factor: Optional[float] = None
+    forward_prefetch: Optional[List[int]] = None
+    backward_prefetch: Optional[List[int]] = None
+
+
 class UnitState(enum.Enum):
     """Where a unit's full parameters are."""
 
@@ -136,6 +173,17 @@ class Unit:
     # the copy of its full parameters one made in another dtype: (flat buffer, parameters)
     held: int = 0
     copy: Optional[tuple] = None
+    # the other modules of its group (fully_shard([m1, m2]): one unit, gathered before the
+    # first of them runs and resharded when each has run: [Note: fully_shard in place])
+    group: List[nn.Module] = field(default_factory=list)
+    # the per-unit settings of FSDP2's module API ([Note: fully_shard in place]): None
+    # takes the model's; the explicit prefetch lists hold unit indices
+    settings: "UnitSettings" = field(default_factory=lambda: UnitSettings())
+
+    @property
+    def modules(self) -> List[nn.Module]:
+        """The modules whose calls gather it: its module and its group's others."""
+        return [self.module] + self.group
 
     @property
     def is_root(self) -> bool:

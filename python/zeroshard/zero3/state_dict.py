@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..core.regions import HeldParam, Piece, Region, add_locations, empty_report
-from .records import Steppers, Unit
+from .records import Steppers, Unit, own_method
 from ..core.tensor_parallel import local_piece
 
 
@@ -147,7 +147,7 @@ def entries(fs) -> Dict[str, torch.Tensor]:
     """The model's state-dict entries as its hooks name them, parameters as meta tensors and
     buffers as they are (nothing gathered)."""
     with slots_holding(fs, {}):
-        return fs.module.state_dict(keep_vars=True)
+        return own_method(fs.module, "state_dict")(keep_vars=True)
 
 
 @torch.no_grad()
@@ -180,7 +180,7 @@ def full_state_dict(fs, *, to: Optional[int], prefix: str, destination, keys=Non
     if not keep:
         return None
     with slots_holding(fs, values):
-        full = fs.module.state_dict()
+        full = own_method(fs.module, "state_dict")()
     ours = {t.untyped_storage().data_ptr() for t in values.values()}
     out = destination if destination is not None else {}
     for k, v in full.items():

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..core.regions import persistent_buffers
+from ..core.regions import persistent_buffers, sharded_model_of
 from .fully_shard import FullyShard
 from .records import Unit
 
@@ -43,8 +43,8 @@ def full_tensors(
         raise ValueError(f"full_tensors(dtype={dtype}): give a floating dtype (or None for the model's)")
     if not bucket_mb > 0:
         raise ValueError(f"full_tensors(bucket_mb={bucket_mb}): give a size in MiB > 0")
-    if isinstance(model, FullyShard):
-        yield from _sharded(model, dtype, int(bucket_mb * 2**20), to)
+    if isinstance(sharded_model_of(model), FullyShard):
+        yield from _sharded(sharded_model_of(model), dtype, int(bucket_mb * 2**20), to)
         return
     inner = [n for n, m in model.named_modules() if isinstance(m, FullyShard)]
     if inner:

@@ -18,7 +18,7 @@ from ..core.claims import claimant
 from ..core.source import SUPPORTED
 from ..core.tensor_parallel import compute_param, local_tensor, placed_of, refused
 from .param import ShardedParameter
-from .records import Param, Unit, left_out, owner_of
+from .records import Param, Unit, UnitGroups, left_out, owner_of
 from ..native.layout import compute_layout
 
 _NO_CAP = 1 << 62  # bucket cap for unit layouts: one bucket per unit
@@ -100,6 +100,8 @@ def _wrap_predicate(module: nn.Module, wrap) -> Callable[[nn.Module], bool]:
     """Which modules become units: none (None), a predicate, or instances of the given classes."""
     if wrap is None:
         return lambda m: False
+    if isinstance(wrap, UnitGroups):
+        return wrap
     if callable(wrap) and not isinstance(wrap, type):
         return wrap
     classes = tuple(wrap) if not isinstance(wrap, type) else (wrap,)
@@ -155,6 +157,7 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
     units = [Unit(index=0, name="", module=cfg.module, params=[], ranks=cfg.ranks)]
     owner: Dict[int, Tuple[int, Param]] = {}
     named: List[Tuple[str, Param]] = []  # every registration, in named_parameters() order
+    grouped: Dict[int, Unit] = {}  # fully_shard's groups: their one unit each
 
     def visit(mod: nn.Module, path: str, unit: Unit):
         _check_not_sparse(mod, path, cfg.err)
@@ -186,14 +189,21 @@ def make_units(cfg: "Setup", wrap, nested: type) -> Tuple[List[Unit], List[Tuple
             if pred(child) or isinstance(child, tuple(cfg.experts)):
                 if isinstance(child, nested):
                     raise ValueError(f"'{cpath}' is already a FullyShard; wrap the inner model once")
-                u = Unit(
-                    index=len(units),
-                    name=cpath,
-                    module=child,
-                    params=[],
-                    ranks=next((sg for c, sg in cfg.experts.items() if isinstance(child, c)), cfg.ranks),
-                )
-                units.append(u)
+                key = pred.key(child) if isinstance(pred, UnitGroups) else None
+                u = grouped.get(key) if key is not None else None
+                if u is not None:  # another module of a group: the same unit
+                    u.group.append(child)
+                else:
+                    u = Unit(
+                        index=len(units),
+                        name=cpath,
+                        module=child,
+                        params=[],
+                        ranks=next((sg for c, sg in cfg.experts.items() if isinstance(child, c)), cfg.ranks),
+                    )
+                    units.append(u)
+                    if key is not None:
+                        grouped[key] = u
                 visit(child, cpath, u)
             else:
                 visit(child, cpath, unit)
