@@ -300,3 +300,72 @@ def test_full_state_dicts_on_rank_0_both_ways(tmp_path):
     launch("pool", 3).run(_full_save, "zs3", ours)
     want = launch("pool", 2).run(_full_load, "fsdp2", ours)[0]
     assert _worst(launch("pool", 2).run(_full_load, "zs2", ours)[0], want) < 1e-6
+
+
+# ------------------------------------------------ torch's state-dict helpers on zeroshard models
+def _helpers(form: str, path: str) -> dict:
+    from torch.distributed.checkpoint import state_dict as S
+
+    from support.titan import Layer, initialised
+
+    m = initialised()
+    if form == "wrapper":
+        model = zs.FullyShard(m, wrap={Layer})
+    elif form == "in place":
+        for layer in m.layers:
+            zs.fully_shard(layer)
+        model = zs.fully_shard(m)
+    else:
+        model = m
+    opt = zs.ShardedOptimizer(model.parameters(), lr=0.1, **({"stage": 2} if form == "stage 2" else {}))
+
+    def step():
+        model(torch.tensor([[1, 2, 3]])).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    names = [n for n, _ in model.named_parameters()]
+    full, osd, steps = model.state_dict(), opt.state_dict(), opt.param_steps
+    out = {"view": (len(opt.state), float(opt.state[opt.params[0]]["step"]))}
+    out["model"] = _worst(S.get_model_state_dict(model), full)
+    offloaded = S.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out["model_full"] = _worst(offloaded, full) if offloaded else "empty"
+    got = S.get_optimizer_state_dict(model, opt)
+    out["optim"] = max(
+        (got["state"][n]["exp_avg"] - osd["state"][i]["exp_avg"]).abs().max().item() for i, n in enumerate(names)
+    )
+    out["steps_kept"] = opt.param_steps == steps  # (an empty opt.state had let torch step it with lr 0)
+    # torchtitan's checkpoint: dcp.save of get_state_dict, a step, dcp.load and set_state_dict
+    msd, saved = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": saved}, checkpoint_id=path)
+    step()
+    msd, osd2 = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd2}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd2)
+    now = opt.state_dict()
+    out["restored"] = (
+        _worst(model.state_dict(), full),
+        max((now["state"][i]["exp_avg"] - osd["state"][i]["exp_avg"]).abs().max().item() for i in range(len(names))),
+    )
+    fresh = initialised(7, 8).state_dict()
+    S.set_model_state_dict(model, dict(fresh), options=StateDictOptions(full_state_dict=True))
+    out["set_full"] = _worst(model.state_dict(), fresh)
+    return out
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in place", "stage 2"])
+def test_torchs_state_dict_helpers_on_zeroshard_models(form, tmp_path):
+    """torch.distributed.checkpoint.state_dict's helpers over a FullyShard (wrapper and in
+    place) or a stage-2 model and a ShardedOptimizer: get_optimizer_state_dict had stepped the
+    optimizer with zero gradients and lr 0 (its empty ``state`` looked uninitialised: the
+    moments decayed and a step more was counted, silently), and set_model_state_dict with a
+    full state dict failed on the wrapper's ``module.`` names. Now each returns the values
+    model.state_dict() / opt.state_dict() hold (full tensors on every rank: FSDP2's sharded
+    form is dcp_state_dict's), loads them back, and torchtitan's dcp.save / dcp.load through
+    get_state_dict / set_state_dict restores the model and the optimizer exactly."""
+    for r in launch("pool", 2).run(_helpers, form, str(tmp_path / "dcp")):
+        assert r["view"][0] > 0 and r["view"][1] == 1.0, r
+        assert r["model"] == 0 and r["optim"] == 0 and r["steps_kept"], r
+        assert r["model_full"] == 0 or r["model_full"] == "empty", r
+        assert r["restored"] == (0, 0) and r["set_full"] == 0, r

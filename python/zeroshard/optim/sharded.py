@@ -23,6 +23,7 @@ from ..comm.mesh import Sharding
 from ..offload import Offload
 from ..core.policies import sharding_of
 from .binding import Binding, Bound, build_bound, offload_policy
+from .state_view import StateView
 from .state_dict import StateDicts
 from .. import comm
 from ..core.claims import check_unclaimed, claim
@@ -350,6 +351,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def full_shape(self, i: int) -> torch.Size:
         return self._bound.source.full_shapes[i]
+
+    @property
+    def state(self) -> StateView:
+        """torch's per-parameter state map, as a read-only view: ``{p: {"step": tensor}}`` for
+        each parameter with a step; the moments are in ``state_dict()`` ([Note: the state view])."""
+        return StateView(lambda: (self.params, self.param_steps) if hasattr(self, "_bound") else ([], []))
+
+    @state.setter
+    def state(self, value) -> None:  # torch.optim.Optimizer.__init__ sets it empty: the view stands instead
+        if value:
+            raise AttributeError("ShardedOptimizer.state is a view of the shards; load state with load_state_dict")
 
     @property
     def param_steps(self) -> List[int]:

@@ -345,8 +345,16 @@ class FullyShard(nn.Module, ShardedModel):
         check_to_empty(device, self._device, self._err)
         return self
 
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        """torch's distributed-checkpoint helpers' contract: the wrapped model's names leave out
+        ``module.``, as this model's state dicts do (``set_model_state_dict`` and the rest)."""
+        return {"module": "module"}
+
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        yield from self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        """The wrapped model's buffers under their own names (``recurse=False``: none, this
+        wrapper's own, as nn.Module's)."""
+        if recurse:
+            yield from self.module.named_buffers(prefix=prefix, recurse=True, remove_duplicate=remove_duplicate)
 
     # ---------------------------------------------------------------- gather
     def forward(self, *args, **kwargs):
