@@ -15,8 +15,7 @@ from support.launch import launch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (script, ranks, extra environment)
-EXAMPLES = [
-    ("quickstart.py", 2, {}),
+EXAMPLES = [  # (quickstart.py: under torchrun itself, below)
     ("fully_shard.py", 2, {}),
     ("fully_shard_habits.py", 2, {}),
     ("fsdp2_port.py", 2, {}),

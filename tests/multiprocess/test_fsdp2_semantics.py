@@ -441,6 +441,52 @@ def test_frozen_parameters_are_gathered_but_never_reduced(world):
         assert {k: plan[rank][k] for k in REPORT_KEYS} == r["report"], (rank, plan[rank], r["report"])
 
 
+def _frozen_after_wrapping():
+    torch.manual_seed(0)
+    model, ref = _lora_ish_model(), _lora_ish_model()
+    for m in (model, ref):
+        m.requires_grad_(True)  # everything trainable when wrapped
+    ref.load_state_dict(model.state_dict())
+    model = zs.FullyShard(model, wrap={LoRAish})
+    opt = zs.ShardedOptimizer(model.parameters(), lr=0.05, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    w, sent = dist.get_world_size(), []
+    # FSDP2's habits: freeze after wrapping (blocks 0 and 1 before training, block 2 after a
+    # step), then unfreeze everything
+    plan = {0: ([0, 1], False), 2: ([2], False), 3: ([0, 1, 2], True)}
+    for step in range(5):
+        blocks, flag = plan.get(step, ([], None))
+        for m in (model.module, ref):
+            for b in blocks:
+                m[b].big.requires_grad_(flag)
+        x = torch.randn(9, 64, generator=torch.Generator().manual_seed(step))
+        before = model.comm_elements["reduce_scatter"]
+        model(mine(x)).square().mean().backward()
+        sent.append(model.comm_elements["reduce_scatter"] - before)
+        opt.step()
+        opt.zero_grad()
+        k = x.shape[0] // w
+        (sum(ref(x[i * k : (i + 1) * k]).square().mean() for i in range(w)) / w).backward()
+        ropt.step()
+        ropt.zero_grad()
+    return dict(err=worst(model.state_dict(), ref.state_dict()), sent=sent)
+
+
+def test_a_parameter_frozen_after_wrapping_leaves_the_reduction():
+    """A parameter frozen after wrapping (requires_grad_(False)) still travelled in its unit's
+    reduce-scatter, as zeros (FSDP2 leaves it out). Now, frozen before the first step, the next
+    forward lays its unit out again without it (values kept), and unfreezing brings it back;
+    frozen once a step has run it keeps its place (its optimizer state stays for when it is
+    unfrozen, as torch keeps it). The parameters equal one process's torch.optim.AdamW (which
+    skips a frozen parameter: no update, no weight decay) through freeze and unfreeze."""
+    for r in launch("pool", 3).run(_frozen_after_wrapping):
+        assert r["err"] < 1e-5, r
+        sent = r["sent"]
+        # two 64x64 weights (plus their biases) fewer while frozen before training; block 2's,
+        # frozen after a step, still reduced (as zeros); all of them once unfrozen
+        assert sent[3] - sent[0] >= 2 * 64 * 64 and sent[1] == sent[2] == sent[0] and sent[4] == sent[3], r
+
+
 class Counter(nn.Module):
     def __init__(self):
         super().__init__()

@@ -124,8 +124,10 @@ class UnitForward:
 
     def watch_grad(self, u: Unit, q) -> None:
         """``q``'s gradient goes to its unit's reduction as it arrives (a parameter trainable
-        when wrapped, or laid out again since: relayout.thaw)."""
-        u.hooks.append(q.full.register_post_accumulate_grad_hook(lambda p, u=u, q=q: self.backward.on_grad(u, q)))
+        when wrapped, or laid out again since: relayout.retrain); once for each."""
+        if not q.watched:
+            q.watched = True
+            u.hooks.append(q.full.register_post_accumulate_grad_hook(lambda p, u=u, q=q: self.backward.on_grad(u, q)))
 
     # ------------------------------------------------------------ unit hooks
     def unit_pre_forward(self, module, args, kwargs):

@@ -260,8 +260,8 @@ class FullyShard(nn.Module, ShardedModel):
         # called with the model's (args, kwargs) as each forward of the model begins, before
         # any gather (an optimizer under torch's Join: [Note: uneven inputs] in optim/join.py)
         self.forward_listeners: List[Callable[[tuple, dict], None]] = []
-        # sharded parameters frozen when wrapped: one unfrozen is laid out by the next forward
-        self._frozen_when_wrapped = [q.sharded for u in self._units for q in u.params if not q.requires_grad]
+        # every parameter record: one whose requires_grad changed is laid out by the next forward
+        self._records = [q for u in self._units for q in u.params]
         for name in forward_methods:
             for mod in [u.module for u in self._units]:
                 if callable(getattr(mod, name, None)):
@@ -365,7 +365,7 @@ class FullyShard(nn.Module, ShardedModel):
         ``self.module`` for the wrapper, the model's own forward in place ([Note: fully_shard
         in place] in zero3/module_api.py)."""
         self.init_watch.before_forward()
-        if any(p.requires_grad for p in self._frozen_when_wrapped):  # unfrozen since: laid out again
+        if any(q.requires_grad != q.sharded.requires_grad for q in self._records):  # (un)frozen since
             self.lay_out_trainable(by=None)
         for fn_ in self.forward_listeners:  # before the root's gather (torch's Join counts first)
             fn_(args, kwargs)
@@ -520,11 +520,11 @@ class FullyShard(nn.Module, ShardedModel):
 
     @torch.compiler.disable
     def lay_out_trainable(self, by: object):
-        """Lay out again the units holding parameters frozen at wrapping and unfrozen since, so
-        they take gradients, for stepper ``by`` (collective)."""
-        for u, q in relayout.thaw(self._setup, self._units, self._backward, self._steppers, by):
+        """Lay out again the units whose parameters were unfrozen (they take gradients) or frozen
+        (they leave the reduction) since they were laid out, for stepper ``by`` (collective):
+        relayout.retrain."""
+        for u, q in relayout.retrain(self._setup, self._units, self._backward, self._steppers, by):
             self._forward.watch_grad(u, q)
-        self._frozen_when_wrapped = [p for p in self._frozen_when_wrapped if not p.requires_grad]
 
     # ------------------------------------------------------------ state dict
     def state_dict(

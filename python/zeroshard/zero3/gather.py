@@ -207,7 +207,7 @@ def _swap(u: Unit, gathered: bool):
     (``requires_grad_(False)`` on what ``model.parameters()`` yields) takes no gradient, as
     a parameter no forward used, and one unfrozen again trains. (One frozen when wrapped has
     no gradient path until its optimizer's zero_grad() lays its unit out again:
-    relayout.thaw.)"""
+    relayout.retrain.)"""
     copies = u.copy[1] if u.copy is not None else [None] * len(u.params)
     for q, copy in zip(u.params, copies):
         if gathered and copy is None and q.requires_grad and q.full.requires_grad != q.sharded.requires_grad:

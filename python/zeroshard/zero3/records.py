@@ -83,6 +83,7 @@ class Param:
     shard_offset: int = 0  # where the piece starts in the shard
     tensor_offset: int = 0  # where the piece starts in the flattened parameter
     arrived: bool = False  # gradient arrived in this backward
+    watched: bool = False  # its full parameter's gradient hook is registered (once)
     got_grad: bool = False  # a gradient arrived since zero_grad(set_to_none=True)
     # a DTensor parameter's placements over its tp mesh (``shape`` is then its local piece's:
     # [Note: tensor-parallel parameters] in core/tensor_parallel.py); None otherwise
@@ -193,10 +194,11 @@ class Unit:
     def trainable(self) -> List[Param]:  # read once the units are built (every backward)
         return [p for p in self.params if p.requires_grad]
 
-    def thawed(self, params: List[Param]) -> None:
-        """``params`` (frozen when wrapped) are trainable from now on (relayout.thaw)."""
+    def retrained(self, params: List[Param]) -> None:
+        """``params`` train from now on as their sharded parameters say (relayout.retrain:
+        frozen when wrapped and unfrozen since, or frozen since)."""
         for q in params:
-            q.requires_grad = True
+            q.requires_grad = q.sharded.requires_grad
         self.__dict__.pop("trainable", None)
 
     def span(self, rank: int) -> Tuple[int, int]:

@@ -128,30 +128,41 @@ def lay_out_for_owners(
     return moved
 
 
-def thaw(cfg: Setup, units: List[Unit], backward, steppers: Steppers, by: object) -> List[tuple]:
-    """Lay out again, in equal chunks with their trainable parameters first, the units holding
-    parameters frozen at wrapping and unfrozen since (``requires_grad_(True)`` on the sharded
-    parameter), values kept, so those parameters take gradients ([Note: frozen parameters]
-    in zero3/wrap.py); the steppers over them but ``by`` are told (their optimizers bind
-    again, their state carried over: [Note: new parameters] in optim/regroup.py). Returns
-    the (unit, parameter record) of each parameter thawed. Collective over ``cfg.group``."""
+def _blocker(u: Unit, backward) -> Optional[str]:
+    """Why ``u`` cannot be laid out again for its trainable parameters now, or None."""
+    if backward.active or u.state != UnitState.SHARDED:
+        return "a forward or backward is running"
+    if backward.state == GradState.READY or u.reduction.buffer is not None:
+        return "gradients wait for step()"
+    if u.bounds is not None:
+        return "it is laid out for a whole-tensor optimizer"
+    if u.ranks.own:
+        return "it is an expert unit over its own ranks (expert_modules), not laid out again yet"
+    return None
+
+
+def retrain(cfg: Setup, units: List[Unit], backward, steppers: Steppers, by: object) -> List[tuple]:
+    """Lay out again, in equal chunks with their trainable parameters first, values kept, the
+    units whose parameters' ``requires_grad`` changed since they were laid out: one frozen
+    when wrapped and unfrozen since takes gradients; one frozen since, before the first step,
+    leaves the gradient buffer and its reduce-scatter, as FSDP2's ([Note: frozen parameters]
+    in zero3/wrap.py). (One frozen once a step has run keeps its place, reduced as zeros: an
+    optimizer's new layout would drop its state, which torch keeps for when it is unfrozen.)
+    The steppers over them but ``by`` are told (their optimizers bind again, their state
+    carried over: [Note: new parameters] in optim/regroup.py). An unfreezing the unit cannot
+    take now is refused; a freezing waits (the parameter takes no gradient meanwhile, its
+    range reduced as zeros). Returns the (unit, parameter record) of each parameter thawed.
+    Collective over ``cfg.group``."""
     moved, thawed_all = [], []
     for u in units:
         thawed = [q for q in u.params if not q.requires_grad and q.sharded.requires_grad]
-        if not thawed:
+        frozen = [q for q in u.params if q.requires_grad and not q.sharded.requires_grad]
+        if backward.gatherer.steps_done:  # (their optimizer state kept, in place, for an unfreezing)
+            frozen = []
+        if not thawed and not frozen:
             continue
-        why = (
-            "a forward or backward is running"
-            if backward.active or u.state != UnitState.SHARDED
-            else "gradients wait for step()"
-            if backward.state == GradState.READY or u.reduction.buffer is not None
-            else "it is laid out for a whole-tensor optimizer"
-            if u.bounds is not None
-            else "it is an expert unit over its own ranks (expert_modules), not laid out again yet"
-            if u.ranks.own
-            else None
-        )
-        if why:
+        why = _blocker(u, backward)
+        if why and thawed:
             raise RuntimeError(
                 cfg.err(
                     f"parameter '{thawed[0].names[0]}' of FullyShard unit '{u.name}' was frozen when the model was "
@@ -160,16 +171,20 @@ def thaw(cfg: Setup, units: List[Unit], backward, steppers: Steppers, by: object
                     "it trainable and freeze it with requires_grad_(False) until it should train"
                 )
             )
-        u.thawed(thawed)
-        for q in thawed:
-            q.full.requires_grad_(True)
+        if why:
+            continue
+        u.retrained(thawed + frozen)
+        for q in thawed + frozen:
+            q.full.requires_grad_(q.requires_grad)
         offsets, shard_numel = unit_layout(cfg, u)
         _move(cfg, u, offsets, [r * shard_numel for r in range(cfg.world + 1)])
         u.bounds, u.reduction.grad.tensor = None, None  # (equal chunks; the gradients were zeroed)
+        for q in u.params:
+            q.sharded.grad = None  # (views of the gradient shard just dropped)
         set_grad_extent(u, cfg.world)
         moved.append(u)
         thawed_all += [(u, q) for q in thawed]
-    for s in steppers.live() if moved else ():  # (any may hold the thawed ones, frozen; each binds anew)
+    for s in steppers.live() if moved else ():  # (any may hold the changed ones; each binds anew)
         if s is not by:
             s.relaid()
     return thawed_all

@@ -344,8 +344,11 @@ def set_grad_extent(u: Unit, world: int):
     at ``grad_numel`` (``Unit.grad_bounds``, chunks of different lengths: [Note:
     uneven collectives]); the ranks whose chunks hold only frozen parameters
     receive nothing. A unit with no frozen parameter after its last trainable one
-    keeps its equal chunks. (A parameter frozen after wrapping is laid out as a
-    trainable one: it takes no gradient, but its place is still reduced.)
+    keeps its equal chunks. A parameter frozen after wrapping takes no gradient at
+    once; the next forward lays its unit out again without it (relayout.retrain), as
+    FSDP2 leaves it out, unless a step has run: then its place is still reduced (as
+    zeros), so its optimizer state stays where it is for when it is unfrozen, as torch
+    keeps it.
 
     A unit is resharded after its backward once its last gradient has arrived:
     with every parameter trainable, each operation's parameter gradients and
