@@ -116,6 +116,37 @@ def test_fsdp2_script_runs_with_the_import_changed(world, hybrid, tmp_path):
         assert r["ckpt_err"] < 1e-6 and r["load_err"] < 1e-6, r
 
 
+def _output_dtype(api):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    mesh = _mesh(False)
+    model = initialised()
+    for layer in [*model.layers, model.out]:  # (each casts its fp32 inputs to bf16)
+        api.fully_shard(layer, mesh=mesh, mp_policy=mp)
+    api.fully_shard(model, mesh=mesh, mp_policy=mp)
+    seen = []
+    model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    out = model(mine(torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(2))))
+    loss = out.square().mean()
+    loss.backward()
+    return out.dtype, seen[0], loss.item()
+
+
+def _output_dtypes():
+    import torch.distributed.fsdp as fsdp
+
+    return _output_dtype(zs), _output_dtype(fsdp)
+
+
+def test_output_dtype_casts_each_units_outputs_as_fsdp2s():
+    """MixedPrecisionPolicy(output_dtype=...) was refused. Now each unit's and the model's floating
+    outputs are cast to it, as FSDP2's (bf16 compute, fp32 outputs), the loss FSDP2's."""
+    for ours, ref in launch("pool", 2).run(_output_dtypes):
+        assert ours[:2] == ref[:2] == (torch.float32, torch.float32), (ours, ref)
+        assert abs(ours[2] - ref[2]) <= 1e-3 * abs(ref[2]), (ours, ref)
+
+
 # ------------------------------------------------------------- module calls, errors
 def _refused(fn):
     try:
@@ -176,8 +207,8 @@ def _calls():
     out["twice"] = _refused(lambda: zs.fully_shard(m.layers[0]))
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    out["output_dtype"] = _refused(
-        lambda: zs.fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    out["override_fn"] = _refused(
+        lambda: zs.fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(param_dtype_override_fn=lambda p: None))
     )
     lin = nn.Linear(2, 2)
     out["ignored"] = _refused(lambda: zs.fully_shard(lin, ignored_params={lin.weight}))
@@ -188,20 +219,20 @@ def _calls():
     return out
 
 
-def test_module_calls_and_what_is_refused(dist_pool):
+def test_module_calls_and_what_is_refused():
     """A single call on the whole model completes at first use; unshard()/reshard() on a block
     gather that unit alone (FSDP2's: a prefetch the next forward takes over and frees),
     unshard(async_op=True) returns a handle whose wait() finishes the gather; the meta +
     to_empty + init_weights idiom in place gives the one-process values; and each misuse or
     unsupported option is refused naming the fix."""
-    for r in dist_pool.run(_calls):
+    for r in launch("pool", 2).run(_calls):
         assert r["one_call"] == ([], True), r
         assert r["unshard"][0] == (2 * 13, 13) and r["unshard"][1], r
         assert r["others_sharded"] and r["resharded"] and r["sync_returns_none"] and r["freed_by_forward"], r
         assert r["meta_init"] == [], r
         assert "fully_shard(model)" in r["no_root"], r
         assert "once a module" in r["twice"], r
-        assert "output_dtype" in r["output_dtype"] and "ignored_params" in r["ignored"], r
+        assert "param_dtype_override_fn" in r["override_fn"] and "ignored_params" in r["ignored"], r
         assert "an int" in r["int_reshard"] and "optimizer.zero_grad()" in r["block_zero_grad"], r
         assert "NotImplementedError" in r["not_here"] and "set_custom_all_gather" in r["not_here"], r
         assert "same model" in r["foreign"], r

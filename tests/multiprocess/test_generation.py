@@ -1,5 +1,5 @@
-"""Generation at ZeRO-3: a Hugging Face model's generate() on a FullyShard model gathers each
-unit once per call (not once per token), with the unsharded model's tokens for greedy,
+"""Generation at ZeRO-3: a Hugging Face model's generate() on a FullyShard model (wrapped, or
+in place by fully_shard) gathers each unit once per call (not once per token), with the unsharded model's tokens for greedy,
 sampled and beam-search decoding; between unshard() and reshard() nothing is gathered; a
 generate that raises leaves nothing gathered; and the
 model's whole tensors stream (zeroshard.full_tensors) into an unsharded copy that computes
@@ -29,7 +29,13 @@ def _llama():
     torch.manual_seed(0)
     plain = LlamaForCausalLM(cfg).eval()
     torch.manual_seed(0)
-    return plain, zs.FullyShard(LlamaForCausalLM(cfg).eval(), wrap={LlamaDecoderLayer}), LlamaForCausalLM(cfg)
+    model = zs.FullyShard(LlamaForCausalLM(cfg).eval(), wrap={LlamaDecoderLayer})
+    torch.manual_seed(0)
+    in_place = LlamaForCausalLM(cfg).eval()  # FSDP2's way: a call per layer, then the model
+    for layer in in_place.model.layers:
+        zs.fully_shard(layer)
+    zs.fully_shard(in_place)
+    return plain, model, LlamaForCausalLM(cfg), in_place
 
 
 def _count(fn):
@@ -39,7 +45,7 @@ def _count(fn):
 
 
 def _generate():
-    plain, model, fresh = _llama()
+    plain, model, fresh, in_place = _llama()
     prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
     res = {}
     for name, kw in (
@@ -52,6 +58,9 @@ def _generate():
         ours, gathers = _count(lambda: model.generate(prompt, **kw))
         torch.manual_seed(5)
         res[name] = (torch.equal(ours, plain.generate(prompt, **kw)), gathers)
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ours, gathers = _count(lambda: in_place.generate(prompt, **greedy))
+    res["in_place"] = (torch.equal(ours, plain.generate(prompt, **greedy)), gathers, type(in_place).__name__)
     model.generate_gathered = False  # today's per-token gathering, kept as an option
     res["per_token"] = _count(lambda: model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))[1]
     model.unshard(async_op=True).wait()  # FSDP2's explicit calls: held gathered until reshard()
@@ -82,6 +91,7 @@ def test_generate_gathers_each_unit_once_per_call_with_the_unsharded_models_toke
         for name in ("greedy", "beams", "sampled"):
             same, gathers = res[name]
             assert same and gathers == units, (name, res[name])
+        assert res["in_place"] == (True, units, "FSDPLlamaForCausalLM"), res["in_place"]  # fully_shard's too
         assert res["per_token"] >= 12 * units, res["per_token"]  # every unit, every token
         assert res["unsharded_gathers"] == 0 and res["unsharded_same"] and res["held"] and res["reshard"], res
         assert res["raised"] and res["resharded"], res

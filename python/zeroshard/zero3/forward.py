@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .backward import UnitBackward
 from .gather import Gatherer
-from .outputs import cast_inputs, output_tensors
+from .outputs import cast_floating, cast_inputs, output_tensors
 from .records import MixedPrecision, Unit, UnitState
 
 
@@ -147,7 +147,12 @@ class UnitForward:
         return (args, kwargs) if changed else None
 
     def unit_post_forward(self, module, args, out):
-        self._post_forward(self.unit_of[id(module)], out, module)
+        """(A forward hook: the output, cast to ``output_dtype``, replaces the unit's.)"""
+        return self._post_forward(self.unit_of[id(module)], out, module)
+
+    def _cast_output(self, out):
+        """``out``'s floating tensors in ``output_dtype`` (FSDP2's ``MixedPrecisionPolicy``'s), if set."""
+        return out if self.mp.output_dtype is None else cast_floating(self.mp.output_dtype, out)
 
     def reshards(self, u: Unit) -> bool:
         """Whether ``u`` is freed after its forward (its own setting, else the model's)."""
@@ -178,8 +183,9 @@ class UnitForward:
 
     def _post_forward(self, u: Unit, out, module=None):
         u.calls = max(0, u.calls - 1)
+        out = self._cast_output(out)
         if self.backward.active:
-            return
+            return out
         grad = torch.is_grad_enabled()
         ran = self.ran.setdefault(u.index, set()) if u.group else None
         if ran is not None and module is not None:
@@ -191,6 +197,7 @@ class UnitForward:
                 self.gatherer.reshard(u)
         if grad:
             _hook_outputs(out, lambda u=u: self.backward.pre_backward(u), f"unit '{u.name}'", self.err)
+        return out
 
     def take_calls(self) -> List[int]:
         """The units called with gradients since the last backward began (then forgotten)."""
@@ -240,9 +247,7 @@ class UnitForward:
                 cast = self.unit_pre_forward(module, args, kwargs)
                 if cast is not None:
                     args, kwargs = cast
-                out = method(*args, **kwargs)
-                self.unit_post_forward(module, args, out)
-                return out
+                return self.unit_post_forward(module, args, method(*args, **kwargs))
 
         setattr(module, name, gathered)
 
@@ -292,6 +297,7 @@ class UnitForward:
     @torch.compiler.disable
     def _end(self, out):
         self.in_forward = False
+        out = self._cast_output(out)
         grad = torch.is_grad_enabled()
         if self.seen != self.order:
             self.order = list(self.seen)  # (re-)record the order

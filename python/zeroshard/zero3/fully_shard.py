@@ -114,6 +114,7 @@ def _check_arguments(module, mixed_precision, prefetch) -> MixedPrecision:
         raise TypeError(f"mixed_precision must be a zeroshard.MixedPrecision, got {type(mp).__name__}")
     _check_dtype(mp.param_dtype, "mixed_precision.param_dtype")
     _check_dtype(mp.reduce_dtype, "mixed_precision.reduce_dtype")
+    _check_dtype(mp.output_dtype, "mixed_precision.output_dtype")
     return mp
 
 

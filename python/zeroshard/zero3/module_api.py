@@ -28,13 +28,17 @@ over FullyShard's machinery.
   prefetch lists. ``unshard()``/``reshard()`` on a module gather and free its own unit, as
   FSDP2's: a gather its next forward takes over (and frees after, as usual), in flight with
   ``async_op=True`` until the handle's ``wait()`` or that forward; FullyShard's wrapper form
-  holds every unit gathered until ``reshard()``.
+  holds every unit gathered until ``reshard()``. FullyShard's own ``gathered()``,
+  ``no_sync()`` and ``memory_report()`` are there too, and a class with a ``generate``
+  (Hugging Face's) gathers the model once per call, as FullyShard's ([Note: generation in
+  one gather]).
 """
 
 from __future__ import annotations
 
 __all__ = ["FSDPModule", "fully_shard", "register_fsdp_forward_method"]
 
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -45,6 +49,7 @@ import torch.nn as nn
 from ..core.regions import register_sharded_model
 from .fully_shard import FullyShard
 from .gathered import UnshardHandle
+from .generation import gathered_generate
 from .module_options import CallOptions, call_options, check_agree
 from .records import InPlace, UnitGroups
 
@@ -202,10 +207,24 @@ _SWAPPED: dict = {}
 
 
 def _swapped(cls: type) -> type:
-    """``FSDP<cls>``: FSDPModule's methods over ``cls``'s, made once per class."""
+    """``FSDP<cls>``: FSDPModule's methods over ``cls``'s, made once per class (a class with a
+    ``generate``, Hugging Face's: the model's gathers once per call, as FullyShard's does)."""
     if cls not in _SWAPPED:
-        _SWAPPED[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        body = {"__module__": cls.__module__}
+        if callable(getattr(cls, "generate", None)):
+            body["generate"] = _generate_of(cls)
+        _SWAPPED[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), body)
     return _SWAPPED[cls]
+
+
+def _generate_of(cls: type):
+    def generate(self, *args, **kwargs):
+        own = functools.partial(cls.generate, self)
+        engine = _as_root(self)
+        return own(*args, **kwargs) if engine is None else gathered_generate(engine, own)(*args, **kwargs)
+
+    generate.__doc__ = cls.generate.__doc__
+    return generate
 
 
 def _as_root(module: nn.Module) -> Optional[FullyShard]:
@@ -346,6 +365,23 @@ class FSDPModule(InPlace):
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Accepted: a unit is gathered in backward when its gradients need it."""
         _flag(unshard_in_backward, "set_unshard_in_backward")
+
+    # ------------------------------------------------- FullyShard's, on the model
+    def gathered(self, dtype=None, units=None, *, modifier_rank=None):
+        """FullyShard's ``gathered()`` block ([Note: gathered blocks]): every unit of the model,
+        or ``units``; on a block's module, its own unit by default."""
+        engine = engine_of(self)
+        if units is None and engine.module is not self:
+            units = [self]
+        return engine.gathered(dtype, units, modifier_rank=modifier_rank)
+
+    def no_sync(self):
+        """FullyShard's ``no_sync()``: every unit accumulates locally for the block."""
+        return engine_of(self).no_sync()
+
+    def memory_report(self, reset_peak: bool = False):
+        """FullyShard's ``memory_report()`` for the whole model."""
+        return engine_of(self).memory_report(reset_peak)
 
     # ---------------------------------------------------------------- helpers
     def _units(self, recurse: bool):

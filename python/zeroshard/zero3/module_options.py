@@ -36,11 +36,6 @@ def _mixed_precision(mp) -> MixedPrecision:
             f"fully_shard(mp_policy=...) takes torch's MixedPrecisionPolicy or a zeroshard.MixedPrecision, "
             f"got {type(mp).__name__}"
         )
-    if mp.output_dtype is not None:
-        raise NotImplementedError(
-            f"fully_shard: MixedPrecisionPolicy(output_dtype={mp.output_dtype}) is not supported yet; cast the "
-            "model's outputs in its forward (or after the call)"
-        )
     if getattr(mp, "param_dtype_override_fn", None) is not None:
         raise NotImplementedError(
             "fully_shard: MixedPrecisionPolicy(param_dtype_override_fn=...) is not supported: one param_dtype "
@@ -52,6 +47,7 @@ def _mixed_precision(mp) -> MixedPrecision:
         reduce_dtype=mp.reduce_dtype,
         cast_forward_inputs=cast,
         cast_root_forward_inputs=cast,
+        output_dtype=mp.output_dtype,
     )
 
 

@@ -104,3 +104,18 @@ def cast_inputs(dtype: torch.dtype, args: tuple, kwargs: dict):
         return t
 
     return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def cast_floating(dtype: torch.dtype, obj):
+    """``obj`` (a unit's or the model's output: pytrees, dataclasses) with every floating
+    tensor in it cast to ``dtype`` (FSDP2's ``output_dtype``); a dataclass is rebuilt."""
+
+    def leaf(t):
+        if isinstance(t, torch.Tensor):
+            return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+        if dataclasses.is_dataclass(t) and not isinstance(t, type):
+            fields = {f.name: cast_floating(dtype, getattr(t, f.name)) for f in dataclasses.fields(t) if f.init}
+            return dataclasses.replace(t, **fields)
+        return t
+
+    return tree_map(leaf, obj)

@@ -52,13 +52,15 @@ class MixedPrecision:
     inputs to ``param_dtype`` (FSDP2's ``MixedPrecisionPolicy`` default);
     ``cast_root_forward_inputs``: the wrapped model's forward does (FSDP's).
     Both default to True when ``param_dtype`` is set (None: that default);
-    integer inputs (token ids) are never cast.
+    integer inputs (token ids) are never cast. ``output_dtype``: each unit's
+    and the model's floating outputs are cast to it (FSDP2's; None: not cast).
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: Optional[bool] = None
     cast_root_forward_inputs: Optional[bool] = None
+    output_dtype: Optional[torch.dtype] = None
 
     def casts_inputs(self, root: bool) -> bool:
         """Whether the root's (``root``) or a unit's forward casts its floating inputs."""
