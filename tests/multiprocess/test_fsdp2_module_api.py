@@ -55,9 +55,12 @@ def _script(api, make_opt, hybrid: bool, factor: bool = True):
     out["losses"] = []
     for _ in range(3):
         x = mine(torch.randint(0, 50, (8, 5), generator=g))
-        model.set_requires_gradient_sync(False)  # accumulate a micro-batch, then sync
+        model.set_requires_gradient_sync(False)  # accumulate a micro-batch unreduced,
         model(x[:, :3]).square().mean().backward()
         model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(False)  # one reduced within the replica (hybrid),
+        model(x[:, 2:]).square().mean().backward()
+        model.set_requires_all_reduce(True)  # then all
         loss = model(x).square().mean()
         loss.backward()
         out["losses"].append(loss.item())
@@ -84,7 +87,8 @@ def _both(hybrid, tmp):
         "err": err(ours["sd"], ref["sd"]),
         "factor_matters": err(unfactored["sd"], ref["sd"]),
     }
-    # checkpoints both ways: ours saved, read by the wrapper form; FSDP2's full state dict, loaded in place
+    # checkpoints both ways: ours saved, read by the wrapper form; FSDP2's full state dict, loaded in
+    # place; ours loaded into FSDP2's model
     zs.save_checkpoint(tmp, model, opt)
     torch.manual_seed(5)
     wrapped = zs.FullyShard(Titan(), wrap={Layer})
@@ -94,6 +98,12 @@ def _both(hybrid, tmp):
     fresh = {k: _full(v) for k, v in ref_model.state_dict().items()}
     model.load_state_dict(fresh)
     out["load_err"] = err(model.state_dict(), fresh)
+    # and ours into FSDP2's model, through torch's own helper
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    ours_now = model.state_dict()
+    set_model_state_dict(ref_model, dict(ours_now), options=StateDictOptions(full_state_dict=True))
+    out["into_fsdp2_err"] = err({k: _full(v) for k, v in ref_model.state_dict().items()}, ours_now)
     return out
 
 
@@ -103,17 +113,18 @@ def test_fsdp2_script_runs_with_the_import_changed(world, hybrid, tmp_path):
     took 10-85 changed lines. Now the same script runs with zeroshard's fully_shard (and its
     optimizer): classes swapped (isinstance holds), a call per block then the root, a group of
     two modules as one unit, per-unit reshard_after_forward, a divide factor on one block,
-    explicit prefetch lists, a block kept gathered after backward, gradient sync toggled for
-    accumulation; the losses, parameters and state-dict keys equal FSDP2's, and checkpoints
-    cross both ways (ours read by the wrapper form, FSDP2's full state dict loaded in place)."""
+    explicit prefetch lists, a block kept gathered after backward, gradient sync and the replicas'
+    all-reduce toggled for accumulation; the losses, parameters and state-dict keys equal FSDP2's, and checkpoints
+    cross both ways (ours read by the wrapper form and loaded into FSDP2's model by torch's
+    set_model_state_dict, FSDP2's full state dict loaded in place)."""
     for r in launch("pool", world).run(_both, hybrid, str(tmp_path / "ckpt")):
         assert r["classes"] == (True, True), r
         assert r["fsdp"][0] == r["fsdp"][1] == ["FSDPTitan", "FSDPEmbedding", "FSDPLayer", "FSDPLayer", "FSDPLinear"]
         assert r["keys"], r
         for a, b in zip(*r["losses"]):
-            assert abs(a - b) <= 1e-6 * abs(b) + 1e-9, r["losses"]
-        assert r["err"] < 1e-6 and r["factor_matters"] > 1e-4, r
-        assert r["ckpt_err"] < 1e-6 and r["load_err"] < 1e-6, r
+            assert abs(a - b) <= 1e-5 * abs(b), r["losses"]  # (fp32 sums in another order)
+        assert r["err"] < 1e-5 and r["factor_matters"] > 1e-4, r
+        assert r["ckpt_err"] < 1e-6 and r["load_err"] < 1e-6 and r["into_fsdp2_err"] < 1e-6, r
 
 
 def _output_dtype(api):

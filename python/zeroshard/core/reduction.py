@@ -33,6 +33,10 @@ backward may reduce over different groups.
   it into the fp32 gradient shard (or copies it to a host-memory shard).
 * ``no_sync()``: nothing is launched; the policy accumulates locally and the
   next synced backward reduces everything.
+* A record with ``all_reduce`` False (hybrid sharding, FSDP2's
+  ``set_requires_all_reduce(False)``): reduce-scattered within its replica, then
+  its chunk kept in ``partial`` (the policy ``release``s the rest) and added to
+  the next chunk that is all-reduced; nothing is folded until then.
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ class Reduction:
     launched: bool = False  # its reduce-scatter was issued in this backward
     # what the fold writes: the averaged gradient ([Note: one meaning for a gradient])
     grad: GradShard = field(default_factory=GradShard)
+    # hybrid sharding: all-reduced across the replicas in this backward; False (FSDP2's
+    # set_requires_all_reduce(False)): this replica's sum is kept in ``partial`` and added to
+    # the next all-reduced one, and nothing is folded until then
+    all_reduce: bool = True
+    partial: Optional[torch.Tensor] = None
 
 
 class ReductionOrder:
@@ -130,6 +139,9 @@ class FoldPolicy(abc.ABC):
     @abc.abstractmethod
     def label(self, r: Reduction, what: str) -> str:
         """The name the watchdog and the flight record give ``r``'s collective ``what``."""
+
+    def release(self, r: Reduction) -> None:
+        """Free what ``r`` held for a reduction that folds nothing now (its sum kept aside)."""
 
 
 class ReductionPipeline:
@@ -211,6 +223,14 @@ class ReductionPipeline:
         if r.replicate is None:
             self._fold(r)
             return
+        if not r.all_reduce:  # this replica's sum, kept for the next all-reduce
+            r.partial = r.out.clone() if r.partial is None else r.partial.add_(r.out)
+            r.out = None
+            self.policy.release(r)
+            return
+        if r.partial is not None:
+            r.out.add_(r.partial)
+            r.partial = None
         r.handle = comm.all_reduce(r.out, group=r.replicate, what=self.policy.label(r, "replica all-reduce"))
         self.comm_elements["replica_all_reduce"] += r.out.numel()
         self._replicating.append(r)

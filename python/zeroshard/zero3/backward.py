@@ -78,6 +78,7 @@ class UnitBackward:
         called = set(first)
         rest = [u.index for u in self.units[1:] if u.index not in called]
         for u in self.units:  # (a parameter frozen since wrapping takes no gradient: see _swap)
+            u.reduction.all_reduce = u.settings.requires_all_reduce
             u.reduction.pending = sum(q.full.requires_grad for q in u.trainable) + u.input_waits
             u.input_waits = 0
             for q in u.params:
@@ -164,7 +165,10 @@ class UnitBackward:
                 self.gatherer.reshard(u)
         self.gatherer.phase = "forward"
         # (a unit its module's set_requires_gradient_sync(False) left unreduced: not ready either)
-        synced = self.sync and all(u.settings.requires_gradient_sync for u in self.units if u.trainable)
+        # (nor one whose replicas' all-reduce set_requires_all_reduce(False) put off)
+        synced = self.sync and all(
+            u.settings.requires_gradient_sync and u.reduction.partial is None for u in self.units if u.trainable
+        )
         self.state = GradState.READY if synced else GradState.EMPTY
         if synced:
             for fn in self.listeners:
@@ -207,7 +211,7 @@ class UnitBackward:
         """Free (``set_to_none``) or zero the gradient shards; see FullyShard.zero_grad."""
         for u in self.units:
             g = u.reduction.grad
-            g.sumsq = None
+            g.sumsq, u.reduction.partial = None, None
             if set_to_none or g.tensor is None:
                 g.tensor = None
                 for q in u.trainable:

@@ -104,6 +104,9 @@ class DivideIntoShardFold(FoldPolicy):
         expose_grads(u)
         self.drop_buffer(u)
 
+    def release(self, r: Reduction) -> None:
+        self.drop_buffer(r.owner)
+
     def drop_buffer(self, u: Unit):
         if u.reduction.buffer is not None:
             self.grad_bytes -= u.reduction.buffer.numel() * u.reduction.buffer.element_size()

@@ -331,13 +331,12 @@ class FSDPModule(InPlace):
             u.settings.requires_gradient_sync = flag
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """False (hybrid sharding): the units reduce-scatter within their replica but put off the
+        all-reduce across replicas, keeping the sum for the next backward that runs it (FSDP2's,
+        for accumulation); no replicas: nothing changes."""
         flag = _flag(requires_all_reduce, "set_requires_all_reduce")
-        if not flag and engine_of(self).groups.replicate is not None:
-            raise NotImplementedError(
-                "set_requires_all_reduce(False) under hybrid sharding is not supported yet: the replicas' "
-                "all-reduce runs at every synced backward; use set_requires_gradient_sync(False) for the "
-                "micro-batches before the last (it skips the reduce-scatter too)"
-            )
+        for u in self._units(recurse):
+            u.settings.requires_all_reduce = flag
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """This module's unit's gradients are the sum over every rank divided by ``factor``."""

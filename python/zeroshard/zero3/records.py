@@ -124,6 +124,7 @@ class UnitSettings:
     reshard_after_forward: Optional[bool] = None
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
     divide_factor: Optional[float] = None
     forward_prefetch: Optional[List[int]] = None
     backward_prefetch: Optional[List[int]] = None
