@@ -214,7 +214,13 @@ def _calls():
     blocks_only = Titan()
     for layer in blocks_only.layers:
         zs.fully_shard(layer)
-    out["no_root"] = _refused(lambda: blocks_only(torch.tensor([[1, 2]])))
+    opt = zs.ShardedOptimizer(blocks_only.parameters(), lr=0.1)  # (the blocks each complete on their own)
+    out["no_root"] = _refused(lambda: blocks_only(torch.tensor([[1, 2]])).sum().backward() or opt.step())
+    # two models, one call each (an RL actor and its reference): each completes on its own
+    a, b = initialised(), initialised(3, 4)
+    zs.fully_shard(a)
+    zs.fully_shard(b)
+    out["two_models"] = a(torch.tensor([[1, 2]])).shape == b(torch.tensor([[1, 2]])).shape == (1, 2, 257)
     out["twice"] = _refused(lambda: zs.fully_shard(m.layers[0]))
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -241,7 +247,7 @@ def test_module_calls_and_what_is_refused():
         assert r["unshard"][0] == (2 * 13, 13) and r["unshard"][1], r
         assert r["others_sharded"] and r["resharded"] and r["sync_returns_none"] and r["freed_by_forward"], r
         assert r["meta_init"] == [], r
-        assert "fully_shard(model)" in r["no_root"], r
+        assert "fully_shard(model)" in r["no_root"] and r["two_models"], r
         assert "once a module" in r["twice"], r
         assert "param_dtype_override_fn" in r["override_fn"] and "ignored_params" in r["ignored"], r
         assert "an int" in r["int_reshard"] and "optimizer.zero_grad()" in r["block_zero_grad"], r

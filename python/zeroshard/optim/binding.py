@@ -112,7 +112,8 @@ def make_source(
                 err(
                     f"parameter {i} (shape {tuple(params[i].shape)}) is not a FullyShard parameter but "
                     "others are; wrap the whole model in FullyShard (its root unit takes every parameter "
-                    "outside the wrapped blocks) and pass model.parameters()"
+                    "outside the wrapped blocks), or call zeroshard.fully_shard(model) after the blocks, and "
+                    "pass model.parameters()"
                 )
             )
     # (names unused: FullyShard compares its parameters' names across ranks itself)

@@ -15,8 +15,10 @@ over FullyShard's machinery.
   the first block) completes at the first use of the model: its forward, ``parameters()``,
   ``state_dict()``, ``to_empty()``, any FSDPModule method; until then the module computes
   as before, so values set on it meanwhile are the ones sharded (rank 0's, as FullyShard).
-  Marked modules with no marked module above them and no root call: an error at first use
-  naming ``fully_shard(model)``.
+  As FSDP2's, a marked module no call holds completes as a model of its own (two models,
+  a call each: an RL actor and its reference); blocks called without a root call so leave
+  the rest of the model unsharded, and a ShardedOptimizer over all of it is refused naming
+  ``fully_shard(model)``.
 * The root's class answers the calls FullyShard answers as a wrapper (its forward gathers
   the root unit around the model's own forward, ``named_parameters`` yields the sharded
   parameters, ``state_dict``/``load_state_dict`` are the full ones, ``to``/``to_empty``/
@@ -148,8 +150,9 @@ def complete(root: nn.Module) -> FullyShard:
     inner = [calls[k] for k in sorted(calls)]
     for c in inner:
         check_agree(own.options, c.options, own_class(root).__name__, own_class(c.modules[0]).__name__)
+    inside = {id(m) for m in root.modules()}
     for c in inner:  # a group's modules must all lie inside the model
-        outside = [own_class(m).__name__ for m in c.modules if not any(m is x for x in root.modules())]
+        outside = [own_class(m).__name__ for m in c.modules if id(m) not in inside]
         if outside:
             raise ValueError(f"fully_shard([...]): the group's modules {outside} are not inside the model")
     opts = own.options
@@ -187,13 +190,12 @@ def engine_of(module: nn.Module) -> FullyShard:
 
 def _root_of_pending(module: nn.Module) -> nn.Module:
     """The one marked module no other marked module holds: the model to complete."""
-    tops = _marked_tops()
-    if len(tops) == 1 and any(module is x for x in tops[0].modules()):
-        return tops[0]
-    names = sorted({own_class(m).__name__ for m in tops})
+    holders = [t for t in _marked_tops() if any(module is x for x in t.modules())]
+    if len(holders) == 1:
+        return holders[0]
     raise ValueError(
-        f"fully_shard was called on {len(tops)} modules ({', '.join(names)}) that no call holds: call "
-        "zeroshard.fully_shard(model) on the model that holds them (FSDP2's root call), after the blocks"
+        f"{own_class(module).__name__} was passed to fully_shard, but no call on a model holds it: call "
+        "zeroshard.fully_shard(model) on the model that holds it (FSDP2's root call), after the blocks"
     )
 
 
