@@ -144,10 +144,11 @@ def _blocker(u: Unit, backward) -> Optional[str]:
 def retrain(cfg: Setup, units: List[Unit], backward, steppers: Steppers, by: object) -> List[tuple]:
     """Lay out again, in equal chunks with their trainable parameters first, values kept, the
     units whose parameters' ``requires_grad`` changed since they were laid out: one frozen
-    when wrapped and unfrozen since takes gradients; one frozen since, before the first step,
-    leaves the gradient buffer and its reduce-scatter, as FSDP2's ([Note: frozen parameters]
-    in zero3/wrap.py). (One frozen once a step has run keeps its place, reduced as zeros: an
-    optimizer's new layout would drop its state, which torch keeps for when it is unfrozen.)
+    when wrapped and unfrozen since takes gradients; one frozen since leaves the gradient
+    buffer and its reduce-scatter, as FSDP2's ([Note: frozen parameters] in zero3/wrap.py),
+    unless an optimizer over its unit holds state (it has stepped, or loaded a checkpoint):
+    then it keeps its place, reduced as zeros, since the optimizer's new layout would drop
+    the frozen parameter's state, which torch keeps for when it is unfrozen.
     The steppers over them but ``by`` are told (their optimizers bind again, their state
     carried over: [Note: new parameters] in optim/regroup.py). An unfreezing the unit cannot
     take now is refused; a freezing waits (the parameter takes no gradient meanwhile, its
@@ -157,8 +158,8 @@ def retrain(cfg: Setup, units: List[Unit], backward, steppers: Steppers, by: obj
     for u in units:
         thawed = [q for q in u.params if not q.requires_grad and q.sharded.requires_grad]
         frozen = [q for q in u.params if q.requires_grad and not q.sharded.requires_grad]
-        if backward.gatherer.steps_done:  # (their optimizer state kept, in place, for an unfreezing)
-            frozen = []
+        if any(s.relayout_blocker() for s in steppers.over({u.index})):  # (an optimizer's state
+            frozen = []  # of them, stepped or loaded, kept in place for an unfreezing)
         if not thawed and not frozen:
             continue
         why = _blocker(u, backward)

@@ -346,9 +346,9 @@ def set_grad_extent(u: Unit, world: int):
     receive nothing. A unit with no frozen parameter after its last trainable one
     keeps its equal chunks. A parameter frozen after wrapping takes no gradient at
     once; the next forward lays its unit out again without it (relayout.retrain), as
-    FSDP2 leaves it out, unless a step has run: then its place is still reduced (as
-    zeros), so its optimizer state stays where it is for when it is unfrozen, as torch
-    keeps it.
+    FSDP2 leaves it out, unless an optimizer over the unit holds state (it stepped or
+    loaded a checkpoint): then its place is still reduced (as zeros), so that state
+    stays where it is for when it is unfrozen, as torch keeps it.
 
     A unit is resharded after its backward once its last gradient has arrived:
     with every parameter trainable, each operation's parameter gradients and
