@@ -5,8 +5,9 @@ over FullyShard's machinery.
 * A call marks its module (a list of modules: one group, one unit) and swaps its class
   for ``FSDP<Class>``, a subclass of ``FSDPModule`` and of the module's own class, so
   ``isinstance(block, Block)`` holds and FSDP2's methods are there. Nothing else changes
-  on the module: its state lives in a ``ModuleState`` kept in the instance's own
-  ``__dict__`` (not a submodule, not a parameter attribute).
+  on the module: its ``Call`` (the call's modules, its options and, once built, the
+  FullyShard) is kept in the instance's own ``__dict__`` (not a submodule, not a
+  parameter attribute).
 * A call on a module holding modules marked before (FSDP2's order: the blocks, then the
   root) completes the model at once: one FullyShard is built over it, each marked module
   (or group) a unit, the rest the root unit, with the root call's mesh, mixed precision and
@@ -43,7 +44,7 @@ __all__ = ["FSDPModule", "fully_shard", "register_fsdp_forward_method"]
 import functools
 import itertools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Union
 
 import torch.nn as nn
@@ -55,7 +56,7 @@ from .generation import gathered_generate
 from .module_options import CallOptions, call_options, check_agree
 from .records import InPlace, UnitGroups
 
-_KEY = "_zeroshard_fully_shard"  # where a marked module keeps its ModuleState (in its __dict__)
+_KEY = "_zeroshard_fully_shard"  # where a marked module keeps its Call (in its __dict__)
 _calls = itertools.count()
 _marked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # marked, the model not yet complete
 _building: List[nn.Module] = []  # the models whose FullyShard is being built (their own methods answer)
@@ -71,13 +72,7 @@ class Call:
     engine: Optional[FullyShard] = None  # the FullyShard once the model is complete
 
 
-@dataclass
-class ModuleState:
-    call: Call
-    engine: Optional[FullyShard] = field(default=None)
-
-
-def state_of(module: nn.Module) -> Optional[ModuleState]:
+def state_of(module: nn.Module) -> Optional[Call]:
     return vars(module).get(_KEY)
 
 
@@ -122,7 +117,7 @@ def fully_shard(
     root = modules[0] if len(modules) == 1 else None
     holds = root is not None and any(m is not root and _pending(m) for m in root.modules())
     for m in modules:
-        vars(m)[_KEY] = ModuleState(call=call)
+        vars(m)[_KEY] = call
         m.__class__ = _swapped(type(m))
         _marked.add(m)
     if holds:
@@ -137,7 +132,7 @@ def _pending(m: nn.Module) -> bool:
 
 def complete(root: nn.Module) -> FullyShard:
     """Build the FullyShard over ``root`` and the calls marked inside it ([Note: fully_shard in place])."""
-    own = state_of(root).call
+    own = state_of(root)
     if len(own.modules) > 1:
         raise ValueError(
             "fully_shard([...]) makes a group inside a model; call zeroshard.fully_shard(model) on the model "
@@ -146,7 +141,7 @@ def complete(root: nn.Module) -> FullyShard:
     calls = {}
     for m in root.modules():
         if m is not root and _pending(m):
-            calls.setdefault(state_of(m).call.seq, state_of(m).call)
+            calls.setdefault(state_of(m).seq, state_of(m))
     inner = [calls[k] for k in sorted(calls)]
     for c in inner:
         check_agree(own.options, c.options, own_class(root).__name__, own_class(c.modules[0]).__name__)
@@ -170,7 +165,6 @@ def complete(root: nn.Module) -> FullyShard:
     for c in inner + [own]:
         c.engine = engine
         for m in c.modules:
-            state_of(m).engine = engine
             _marked.discard(m)
             if c.options.reshard_after_forward is not None and c is not own:
                 engine.unit_for(m).settings.reshard_after_forward = c.options.reshard_after_forward
