@@ -1,24 +1,32 @@
-"""An FSDP2 training script ported to zeroshard by its imports (and the optimizer line).
+"""An FSDP2 training script ported to zeroshard by its imports.
 
     torchrun --nproc-per-node 2 examples/fsdp2_port.py
 
 The shape of pytorch/examples' FSDP2 example: a Transformer built on meta, ``fully_shard``
 on each layer and then on the model (classes swapped in place: ``isinstance`` holds), explicit
 prefetch lists, ``to_empty`` then the model's own ``reset_parameters()``, ``model.unshard()``
-ahead of each forward, ``clip_grad_norm_`` and Adam. The only lines that differ from the FSDP2
-script are marked ``# zeroshard``. At the end the script checks the full state dict
-(``model.state_dict()``, collective) against the same training in one process with plain
-``torch.optim.Adam`` on the whole batch.
+ahead of each forward, ``clip_grad_norm_``, torch's Adam over the sharded parameters, and its
+checkpointer's DCP path (full state dicts of the model and the optimizer through torch's
+``get_*_state_dict``, loaded into a fresh model and optimizer with ``set_*_state_dict``). The
+only line that differs from the FSDP2 script is marked ``# zeroshard``. At the end the script
+checks the full state dict (``model.state_dict()``, collective) against the same training in
+one process with plain ``torch.optim.Adam`` on the whole batch.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy  # torch's policy, taken as it is
 
 import _device  # examples/_device.py: NCCL on cuda:LOCAL_RANK where there are GPUs, else gloo
-import zeroshard
 from zeroshard import FSDPModule, fully_shard  # zeroshard (was: from torch.distributed.fsdp import ...)
 
 VOCAB, SEQ, DIM, HEADS, LAYERS, BATCH, STEPS = 64, 16, 32, 4, 3, 8, 8
@@ -86,11 +94,7 @@ def train(model, opt, device, rank, world, unshard=False):
     return losses
 
 
-def main():
-    device = _device.setup()
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-
+def build(device):
     with torch.device("meta"):
         model = Transformer()
     fsdp_kwargs = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
@@ -102,12 +106,27 @@ def main():
     for i, layer in enumerate(layers):  # FSDP2's explicit prefetching
         layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 3])
         layer.set_modules_to_backward_prefetch(layers[max(0, i - 2) : i][::-1])
-
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.reset_parameters()  # the model's own init, on the shards: the values one process gets
-    opt = zeroshard.ShardedOptimizer(model.parameters(), lr=1e-2, optimizer_class=torch.optim.Adam)  # zeroshard
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def main():
+    device = _device.setup()
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    model, opt = build(device)
     losses = train(model, opt, device, rank, world, unshard=True)
+    # the FSDP2 example's checkpointer (its DCP path): full state dicts, on rank 0, into a fresh model
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, opt_sd = get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full)
+    model, opt = build(device)
+    load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_sd, options=load)
+    set_optimizer_state_dict(model, opt, opt_sd, options=load)
+    losses += train(model, opt, device, rank, world, unshard=True)
     sd = model.state_dict()  # collective: the full state dict on every rank
 
     if rank == 0:
@@ -115,7 +134,8 @@ def main():
         ref = Transformer().to(device)
         torch.manual_seed(0)
         ref.reset_parameters()
-        ref_losses = train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), device, 0, 1)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        ref_losses = train(ref, ref_opt, device, 0, 1) + train(ref, ref_opt, device, 0, 1)
         err = max(((sd[k] - v.cpu()).norm() / v.norm()).item() for k, v in ref.state_dict().items())
         print(
             f"fsdp2_port: {type(model).__name__}, rank 0's loss {losses[0]:.4f} -> {losses[-1]:.4f} (plain torch, "

@@ -685,20 +685,3 @@ def test_over_one_rank_nothing_is_issued_and_training_is_one_process():
     for res in launch("pool", 2).run(_one_rank):
         for stage, (err, issued) in res.items():
             assert err < 1e-5 and issued == [], (stage, err, issued)
-
-
-def _torch_optimizer(kind):
-    model = zs.FullyShard(nn.Sequential(nn.Linear(D, D), nn.Linear(D, 1)), wrap={nn.Linear})
-    model(torch.randn(4, D)).sum().backward()
-    kw = {"foreach": False} if kind == "single" else {kind: True}
-    try:
-        torch.optim.Adam(model.parameters(), lr=0.1, **kw).step()
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-@pytest.mark.parametrize("kind", ["foreach", "single"])
-def test_a_torch_optimizer_over_sharded_parameters_is_told_to_use_sharded_optimizer(kind):
-    for msg in launch("pool", 2).run(_torch_optimizer, kind):
-        assert msg is not None and "zeroshard.ShardedOptimizer(" in msg and "optimizer_class" in msg, msg

@@ -35,6 +35,7 @@ from .rules import TorchElementwise, check_class, probe_defaults
 from .whole import WholeTensor
 from ..core.regions import Region
 from ..core.source import SUPPORTED, Rebind, ShardSource
+from . import torch_state  # noqa: F401 (registers torch's optimizer step pre-hook: its Note)
 
 
 _ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

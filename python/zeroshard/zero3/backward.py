@@ -15,7 +15,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .fold import DivideIntoShardFold, expose_grads
+from .fold import DivideIntoShardFold, expose_agreed, expose_grads
 from .gather import Gatherer
 from ..core.reduction import MAX_INFLIGHT_UNITS, Reduction, ReductionPipeline
 from ..core.hooks import check_dense_grad
@@ -34,6 +34,8 @@ class BackwardContext:
     reduce_dtype: torch.dtype
     comm_elements: dict  # elements each kind of collective moved (FullyShard's)
     calls: Callable[[], List[int]]  # the units called since the last backward began, in call order
+    every: Optional[dist.ProcessGroup]  # every rank of the model (replicas too)
+    stepped_here: Callable[[], bool]  # whether a ShardedOptimizer steps the model (else a torch one may)
     err: Callable[[str], str]
 
 
@@ -41,7 +43,7 @@ class UnitBackward:
     """The backward of one FullyShard's units."""
 
     def __init__(self, units: List[Unit], gatherer: Gatherer, ctx: BackwardContext):
-        self.units, self.gatherer, self.err, self._calls = units, gatherer, ctx.err, ctx.calls
+        self.units, self.gatherer, self.err, self._calls, self._ctx = units, gatherer, ctx.err, ctx.calls, ctx
         # the gradient is divided by every rank, the replicas' too (an expert unit's too: its
         # group's sum covers the whole batch, [Note: param groups over their own ranks])
         divisor = ctx.world * (dist.get_world_size(ctx.replicate) if ctx.replicate is not None else 1)
@@ -170,6 +172,8 @@ class UnitBackward:
             u.settings.requires_gradient_sync and u.reduction.partial is None for u in self.units if u.trainable
         )
         self.state = GradState.READY if synced else GradState.EMPTY
+        if synced and not self._ctx.stepped_here():  # p.grad for a torch optimizer, wherever a rank gave one
+            expose_agreed(self.units, self._ctx.every, self.gatherer.label("which parameters got gradients"))
         if synced:
             for fn in self.listeners:
                 fn()
@@ -215,7 +219,7 @@ class UnitBackward:
             if set_to_none or g.tensor is None:
                 g.tensor = None
                 for q in u.trainable:
-                    q.sharded.grad, q.got_grad = None, False
+                    q.sharded.grad, q.got_grad, q.exposed = None, False, None
                 continue
             g.tensor.zero_()
             expose_grads(u)

@@ -16,6 +16,7 @@ from ..core.tensor_parallel import local_tensor
 from ..native.layout import fill_flat
 from ..offload import HostCopies
 from .param import ShardedTensor
+from .piecewise import everyones
 from .records import Param, Unit
 from .wrap import host_or_device_empty
 
@@ -71,6 +72,7 @@ class DivideIntoShardFold(FoldPolicy):
         u: Unit = r.owner
         self.flatten(u)  # a unit some gradient never reached: the rest count as zero
         # overwrite the shard unless the user kept gradients from an earlier backward
+        forget_cleared(u)
         u.fresh = r.grad.tensor is None
         return r.buffer, u.own_grad(r.buffer, u.ranks.rank), u.reduce_bounds()
 
@@ -133,4 +135,44 @@ def expose_grads(u: Unit):
     same = shard.device == u.shard.device
     for q in u.trainable:
         piece = shard[q.shard_offset : q.shard_offset + q.local.numel()]
-        q.sharded.grad = ShardedTensor(piece, q.full_shape, q.names[0]) if same and q.got_grad else None
+        q.exposed = ShardedTensor.of(piece, q.sharded) if same and q.got_grad else None
+        q.sharded.grad = q.exposed
+
+
+@torch.no_grad()
+def expose_agreed(units: List[Unit], group, what: str):
+    """After a synced backward with no ShardedOptimizer: ``p.grad`` of every parameter some
+    rank gave a gradient (its averaged piece, zero where no rank's gradient reached it), as
+    DDP leaves one, so a torch optimizer steps the same parameters on every rank ([Note:
+    torch optimizers over sharded parameters]); a parameter none gave one keeps None, and
+    torch skips it. One all-gather of a flag per parameter over ``group`` (every rank)."""
+    qs = [(u, q) for u in units for q in u.trainable]
+    if not qs:
+        return
+    flags = torch.tensor([float(q.got_grad) for _, q in qs], device=units[0].shard.device)
+    for (u, q), f in zip(qs, everyones(flags, group, what).amax(0).tolist()):
+        g = u.reduction.grad.tensor
+        if f and q.exposed is None and g is not None and g.device == u.shard.device:
+            q.got_grad = True
+            q.exposed = ShardedTensor.of(g[q.shard_offset : q.shard_offset + q.local.numel()], q.sharded)
+            q.sharded.grad = q.exposed
+
+
+def forget_cleared(u: Unit):
+    """Gradients the script cleared since the last backward (a torch optimizer's
+    ``zero_grad()`` sets ``p.grad`` to None, [Note: torch optimizers over sharded
+    parameters] in zero3/piecewise.py): this backward writes them afresh, as torch
+    starts a None ``.grad`` over, instead of adding to what the shard kept."""
+    g = u.reduction.grad
+    if g.tensor is None:
+        return
+    cleared = [q for q in u.trainable if q.exposed is not None and q.sharded.grad is None]
+    if not cleared:
+        return
+    g.sumsq = None
+    if all(q.sharded.grad is None for q in u.trainable):
+        g.tensor, u.reduction.partial = None, None  # every one: the fold overwrites the shard
+    for q in cleared:
+        if g.tensor is not None:
+            g.tensor[q.shard_offset : q.shard_offset + q.local.numel()].zero_()
+        q.exposed, q.got_grad = None, q.arrived

@@ -284,6 +284,8 @@ class FullyShard(nn.Module, ShardedModel):
                 reduce_dtype=self.reduce_dtype,
                 comm_elements=self.comm_elements,
                 calls=lambda: self._forward.take_calls(),
+                every=self.groups.every,
+                stepped_here=lambda: bool(self._steppers.live()),
                 err=self._err,
             ),
         )
@@ -365,12 +367,17 @@ class FullyShard(nn.Module, ShardedModel):
         """``fn(*args, **kwargs)`` as the model's forward (the root unit gathered around it):
         ``self.module`` for the wrapper, the model's own forward in place ([Note: fully_shard
         in place] in zero3/module_api.py)."""
-        self.init_watch.before_forward()
+        self._settle_pieces()
         if any(q.requires_grad != q.sharded.requires_grad for q in self._records):  # (un)frozen since
             self.lay_out_trainable(by=None)
         for fn_ in self.forward_listeners:  # before the root's gather (torch's Join counts first)
             fn_(args, kwargs)
         return self._forward.around_root(fn, args, kwargs)
+
+    def _settle_pieces(self):
+        """A torch optimizer stepped the pieces since the last gather: its step consumed the gradients."""
+        if self.init_watch.before_forward() and self.grads_ready():
+            self.step_done()
 
     def unit_for(self, module: nn.Module) -> Unit:
         """The unit ``module`` makes (a unit's module or one of its group's; the wrapped model:
@@ -419,6 +426,7 @@ class FullyShard(nn.Module, ShardedModel):
         if unit is None:
             return unshard(self._gatherer, self.gathered)
         u = self.unit_for(unit)
+        self._settle_pieces()
         with torch.no_grad():
             self._gatherer.gather(u, wait=not async_op)
         return UnshardHandle(lambda: self._gatherer.gather(u))

@@ -20,7 +20,9 @@ wrapping) writes the pieces: [Note: initialising sharded parameters] in
 zero3/param_init.py.
 Its ``.grad`` between backward and step is the optimizer's ``ShardedGrad``
 ([Note: sharded gradients]); with no ShardedOptimizer, a ``ShardedTensor``
-of the same shape whose ``to_local()`` is this rank's gradient piece.
+of the same shape whose ``to_local()`` is this rank's gradient piece. A
+torch optimizer steps the pieces: [Note: torch optimizers over sharded
+parameters] in zero3/piecewise.py.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from . import param_init
+from . import param_init, piecewise
 
 aten = torch.ops.aten
 
@@ -55,9 +57,9 @@ def _refuse(name: str, what: str, shape, func=None, whole: bool = True) -> str:
     )
     if any(op in what for op in _STEP_OPS):
         return head + (
-            "A torch optimizer cannot step FullyShard parameters: build zeroshard.ShardedOptimizer("
-            "model.parameters(), ...) over them, which steps each rank's shard (AdamW by default; "
-            "optimizer_class=torch.optim.Adam, say, for another torch optimizer)"
+            "A torch optimizer's elementwise ops run on the pieces, but not this one: build "
+            "zeroshard.ShardedOptimizer(model.parameters(), ...) over them, which steps each rank's shard "
+            "(AdamW by default; optimizer_class=torch.optim.Adam, say, for another torch optimizer)"
         )
     read = (
         "For a state dict call model.state_dict(to=0) on every rank (the FullyShard model, not a module inside "
@@ -85,30 +87,50 @@ def _refuse(name: str, what: str, shape, func=None, whole: bool = True) -> str:
 
 class ShardedTensor(torch.Tensor):
     """A tensor with the full parameter's shape whose data is this rank's 1-D piece
-    (``to_local()``); see [Note: sharded parameters]."""
+    (``to_local()``): a parameter's gradient, or a torch optimizer's state of it; see
+    [Note: sharded parameters] and [Note: torch optimizers over sharded parameters]."""
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, shape: torch.Size, name: str):
+    def __new__(cls, local: torch.Tensor, shape: torch.Size, name: str, start: int = 0, whole: bool = True, group=None):
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
-        t.piece, t.param_name = local, name
+        # as the parameter's: where the piece begins in the flattened full tensor, whether the
+        # pieces are ranges of one full tensor, the ranks holding the pieces
+        t.piece, t.param_name, t.start, t.whole, t.group = local, name, start, whole, group
         return t
 
+    @classmethod
+    def of(cls, local: torch.Tensor, like: torch.Tensor) -> "ShardedTensor":
+        """``local`` as a sharded tensor of ``like``'s layout (a parameter or a sharded tensor)."""
+        return cls(local, like.shape, like.param_name, like.start, like.whole, like.group)
+
     def to_local(self) -> torch.Tensor:
-        """This rank's piece: a 1-D view (possibly empty) of the unit's shard."""
+        """This rank's piece: a 1-D tensor (possibly empty)."""
         return self.piece
+
+    def full_tensor(self) -> torch.Tensor:
+        """The full tensor, on every rank (collective over the ranks holding the pieces: every
+        one calls it), as DTensor's ``full_tensor()``."""
+        return piecewise.full_tensor(self, _piece_error)
+
+    def __reduce_ex__(self, proto):
+        raise RuntimeError(piecewise.pickling_refused(self.param_name, self.shape))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        first = args[0] if args else None
-        if func is aten.detach.default and type(first) is ShardedTensor:
-            return ShardedTensor(first.piece, first.shape, first.param_name)
-        owner = next((a for a in args if isinstance(a, ShardedTensor)), first)
+        kwargs = kwargs or {}
+        if piecewise.takes(func, args, kwargs):
+            return piecewise.run(func, args, kwargs, ShardedTensor.of, _piece_error, param_init.note_write)
+        owner = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedTensor)), None)
         raise RuntimeError(_refuse(getattr(owner, "param_name", "?"), str(func), getattr(owner, "shape", ())))
 
     def __repr__(self):
         return f"ShardedTensor('{self.param_name}', shape {tuple(self.shape)}, this rank's piece {self.piece.numel()})"
+
+
+def _piece_error(msg: str) -> RuntimeError:
+    return RuntimeError(f"FullyShard: {msg}")
 
 
 class ShardedParameter(nn.Parameter):
@@ -123,13 +145,15 @@ class ShardedParameter(nn.Parameter):
         requires_grad: bool = True,
         start: int = 0,
         whole: bool = True,
+        group=None,
     ):
         t = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
         )
         # ``start``: where the piece begins in the flattened full tensor; ``whole``: the pieces
-        # are ranges of the one full tensor (False: a tensor-parallel or an expert parameter)
-        t.piece, t.param_name, t.start, t.whole = local, name, start, whole
+        # are ranges of the one full tensor (False: a tensor-parallel or an expert parameter);
+        # ``group``: the ranks holding the pieces (its unit's)
+        t.piece, t.param_name, t.start, t.whole, t.group = local, name, start, whole, group
         t.owner_ref = None  # a weak reference to the FullyShard that made it (records.register_owner)
         return t
 
@@ -152,9 +176,14 @@ class ShardedParameter(nn.Parameter):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        out = param_init.apply(func, args, kwargs or {}, lambda a: isinstance(a, ShardedParameter))
+        kwargs = kwargs or {}
+        if piecewise.takes(func, args, kwargs):
+            return piecewise.run(func, args, kwargs, ShardedTensor.of, _piece_error, param_init.note_write)
+        out = param_init.apply(func, args, kwargs, lambda a: isinstance(a, ShardedParameter))
         if out is not NotImplemented:
             return out
+        if piecewise.reads_pieces(func):
+            return piecewise.run(func, args, kwargs, ShardedTensor.of, _piece_error, param_init.note_write)
         owner = next(
             (a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (ShardedParameter, ShardedTensor))), None
         )

@@ -144,7 +144,17 @@ def _watch(p) -> Optional["InitWatch"]:
 def _mark_written(p) -> None:
     watch = _watch(p)
     if watch is not None:
-        watch.written = True
+        watch.written = watch.changed = True
+
+
+def note_write(p) -> None:
+    """A torch optimizer's op wrote ``p``'s piece ([Note: torch optimizers over sharded
+    parameters]): a kept whole value of it is stale, and its FullyShard learns the shards changed."""
+    if _whole_of(p) is not None:
+        forget()
+    watch = _watch(p)
+    if watch is not None:
+        watch.changed = True
 
 
 def _written_args(func, args, kwargs, is_param) -> list:
@@ -303,6 +313,7 @@ class InitWatch:
         built_on_meta = device.type != "meta" and any(p.is_meta for p in module.parameters())
         self.custom: List[str] = own_init_methods(module) if built_on_meta else []
         self.written = False  # an init op or a load wrote the parameters since wrapping
+        self.changed = False  # an op wrote a piece since the last forward (before_forward says)
         self.generators_checked = False  # check_generators ran
 
     def values_given(self) -> None:
@@ -310,9 +321,11 @@ class InitWatch:
         self.written = True
         forget()
 
-    def before_forward(self) -> None:
-        """At the first forward: warn if the model's own initialisation never ran on its parameters."""
+    def before_forward(self) -> bool:
+        """At each forward: whether an op wrote a parameter's piece since the last one; at the
+        first, warn if the model's own initialisation never ran on its parameters."""
         forget()
+        changed, self.changed = self.changed, False
         if self.custom and not self.written:
             warnings.warn(
                 "FullyShard: the model was built on meta, and nothing has written its parameters since "
@@ -325,6 +338,7 @@ class InitWatch:
                 stacklevel=3,
             )
         self.custom = []
+        return changed
 
 
 def own_init_methods(module: nn.Module) -> List[str]:

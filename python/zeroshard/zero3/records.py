@@ -87,6 +87,7 @@ class Param:
     arrived: bool = False  # gradient arrived in this backward
     watched: bool = False  # its full parameter's gradient hook is registered (once)
     got_grad: bool = False  # a gradient arrived since zero_grad(set_to_none=True)
+    exposed: Optional[torch.Tensor] = None  # the ShardedTensor expose_grads put in ``sharded.grad``
     # a DTensor parameter's placements over its tp mesh (``shape`` is then its local piece's:
     # [Note: tensor-parallel parameters] in core/tensor_parallel.py); None otherwise
     placed: Optional[object] = None

@@ -310,6 +310,7 @@ def build_units(cfg: "Setup", units: List[Unit], meta_init: bool):
                 requires_grad=q.requires_grad,
                 start=q.tensor_offset,
                 whole=q.placed is None and not u.ranks.own,
+                group=u.ranks.group,
             )
             q.full = compute_param(u.full[q.offset : q.offset + q.numel].view(q.shape), q.placed, q.requires_grad)
             for mod, attr in q.slots:
