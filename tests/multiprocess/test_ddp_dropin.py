@@ -16,6 +16,7 @@ from support.ddp_parity import TINY_BUCKET_MB, branchy, build, compare, compare_
 from support.launch import launch
 from support.models import Branchy, Residual, ResidualNet
 from support.records import Timeline
+from support.fixtures import dist_pool_at_3  # noqa: F401 (this module at 3 ranks: the suite's time)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -28,6 +28,7 @@ from support.gpt import (
 )
 from support.launch import launch
 from support.records import Timeline
+from support.fixtures import dist_pool_at_3  # noqa: F401 (this module at 3 ranks: the suite's time)
 from zeroshard.zero3.records import UnitState
 
 

@@ -10,6 +10,7 @@ import torch
 
 import zeroshard as zs
 from support.launch import launch
+from support.fixtures import dist_pool_at_3  # noqa: F401 (this module at 3 ranks: the suite's time)
 from zeroshard.plan import model_state_bytes
 
 GB = 1e9

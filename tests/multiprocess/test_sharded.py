@@ -16,6 +16,7 @@ from support.checks import piece_of, rel_err
 from support.flat_net import TINY_BUCKET_MB, Net, batches, local, make_model, param_groups, reference, train_ours
 from support.launch import launch
 from support.records import Timeline
+from support.fixtures import dist_pool_at_3  # noqa: F401 (this module at 3 ranks: the suite's time)
 
 
 def max_param_err(model, ref):

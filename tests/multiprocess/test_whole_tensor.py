@@ -18,6 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import zeroshard as zs
 from support.launch import launch
 from support.optimizers import Muon32
+from support.fixtures import dist_pool_at_3  # noqa: F401 (this module at 3 ranks: the suite's time)
 from zeroshard.optim.whole import assign_owners, plan_windows, update_cost
 
 BATCH = 24
@@ -25,14 +26,6 @@ BATCH = 24
 # shard, the larger one (211x13) stays split and takes the exchange (windows of one round each)
 TINY_BUCKET_MB = 4000 / 2**20
 STEPS = 10
-
-
-@pytest.fixture(params=[3], ids=lambda n: f"world{n}")
-def dist_pool(request):
-    """This module's tests at 3 ranks only (the suite's time): a whole-tensor layout puts each
-    tensor in its owner's chunk, and 3 ranks give uneven chunks, the harder layouts; running
-    every test at 2 ranks as well cost about 40 s a run."""
-    return launch("pool", request.param)
 
 
 class Net(nn.Module):
