@@ -1,5 +1,5 @@
 """FSDP2's module API, ``zeroshard.fully_shard``: one script run twice, once with
-``torch.distributed.fsdp``'s imports and once with zeroshard's (and the optimizer line),
+``torch.distributed.fsdp``'s imports and once with zeroshard's (torch's optimizer in both),
 against each other on gloo at 2 ranks and hybrid sharding at 4: the class swap, a call per
 block then the root, a group of modules, per-unit settings, FSDP2's ``set_*`` calls, the
 state dicts and checkpoints both ways; then the module calls and the errors at 2 ranks."""
@@ -73,7 +73,7 @@ def _script(api, make_opt, hybrid: bool, factor: bool = True):
 def _both(hybrid, tmp):
     import torch.distributed.fsdp as fsdp
 
-    ours, model, opt = _script(zs, lambda ps: zs.ShardedOptimizer(ps, lr=0.1, optimizer_class=torch.optim.SGD), hybrid)
+    ours, model, _ = _script(zs, lambda ps: torch.optim.SGD(ps, lr=0.1), hybrid)
     ref, ref_model, _ = _script(fsdp, lambda ps: torch.optim.SGD(ps, lr=0.1), hybrid)
     unfactored, _, _ = _script(
         zs, lambda ps: zs.ShardedOptimizer(ps, lr=0.1, optimizer_class=torch.optim.SGD), hybrid, factor=False
@@ -89,7 +89,7 @@ def _both(hybrid, tmp):
     }
     # checkpoints both ways: ours saved, read by the wrapper form; FSDP2's full state dict, loaded in
     # place; ours loaded into FSDP2's model
-    zs.save_checkpoint(tmp, model, opt)
+    zs.save_checkpoint(tmp, model)
     torch.manual_seed(5)
     wrapped = zs.FullyShard(Titan(), wrap={Layer})
     zs.load_checkpoint(tmp, wrapped)
@@ -110,8 +110,8 @@ def _both(hybrid, tmp):
 @pytest.mark.parametrize("world,hybrid", [(2, False), (4, True)], ids=["world2", "world4-hsdp"])
 def test_fsdp2_script_runs_with_the_import_changed(world, hybrid, tmp_path):
     """FSDP2 code changed modules in place and zeroshard had only a wrapper: a script ported
-    took 10-85 changed lines. Now the same script runs with zeroshard's fully_shard (and its
-    optimizer): classes swapped (isinstance holds), a call per block then the root, a group of
+    took 10-85 changed lines. Now the same script runs with zeroshard's fully_shard and torch's
+    SGD (ShardedOptimizer's SGD without the divide factor): classes swapped (isinstance holds), a call per block then the root, a group of
     two modules as one unit, per-unit reshard_after_forward, a divide factor on one block,
     explicit prefetch lists, a block kept gathered after backward, gradient sync and the replicas'
     all-reduce toggled for accumulation; the losses, parameters and state-dict keys equal FSDP2's, and checkpoints

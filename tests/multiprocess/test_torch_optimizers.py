@@ -154,12 +154,12 @@ def test_parameters_some_rank_used_step_on_every_rank_and_errors_name_the_fix():
     assert torch.equal(a["rare_full"], b["rare_full"])
 
 
-def _build(api):
+def _build(api, foreach: bool):
     model = initialised()
     for layer in model.layers:
         api.fully_shard(layer)
     api.fully_shard(model)
-    return model, torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01)
+    return model, torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01, foreach=foreach)
 
 
 def _steps(model, opt, n, seed):
@@ -186,19 +186,19 @@ def _resumes(api, ddp_habit: bool):
         set_optimizer_state_dict,
     )
 
-    model, opt = _build(api)
+    model, opt = _build(api, foreach=not ddp_habit)  # (the helpers' lr-0 step: foreach, L2 decay)
     _steps(model, opt, 2, 1)
     if ddp_habit:
         buf = io.BytesIO()
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)  # (collective: every rank)
         sd = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-        model, opt = _build(api)
+        model, opt = _build(api, foreach=False)
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["opt"])
     else:
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         msd, osd = get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full)
-        model, opt = _build(api)
+        model, opt = _build(api, foreach=True)
         load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, msd, options=load)
         set_optimizer_state_dict(model, opt, osd, options=load)
@@ -209,16 +209,18 @@ def _resumes(api, ddp_habit: bool):
 def _resume_all():
     import torch.distributed.fsdp as fsdp
 
-    model, opt = _build(zs)
-    _steps(model, opt, 2, 1)
-    _steps(model, opt, 2, 2)
-    straight = _full_sd(model)
+    straight = {}
+    for foreach in (False, True):
+        model, opt = _build(zs, foreach)
+        _steps(model, opt, 2, 1)
+        _steps(model, opt, 2, 2)
+        straight[foreach] = _full_sd(model)
     err = lambda a, b: max((a[k] - v).abs().max().item() for k, v in b.items())  # noqa: E731
     return {
         "dcp_vs_fsdp2": err(_resumes(zs, False), _resumes(fsdp, False)),
-        "dcp_vs_straight": err(_resumes(zs, False), straight),
-        "ddp_habit_vs_straight": err(_resumes(zs, True), straight),
-        "moved": err(straight, initialised().state_dict()),
+        "dcp_vs_straight": err(_resumes(zs, False), straight[True]),
+        "ddp_habit_vs_straight": err(_resumes(zs, True), straight[False]),
+        "moved": err(straight[False], initialised().state_dict()),
     }
 
 
@@ -231,3 +233,33 @@ def test_a_torch_optimizers_state_dict_resumes_as_over_fsdp2():
     for r in launch("pool", 2).run(_resume_all):
         assert r["dcp_vs_fsdp2"] < 1e-6 and r["dcp_vs_straight"] == 0.0, r
         assert r["ddp_habit_vs_straight"] == 0.0 and r["moved"] > 1e-3, r
+
+
+def _scaled():
+    model, opt = _build(zs, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    out = []
+    for step in range(3):
+        x = mine(torch.randint(0, 50, (8, 5), generator=torch.Generator().manual_seed(step)))
+        scaler.scale(model(x).square().mean()).backward()
+        if step == 1 and dist.get_rank() == 0:  # a non-finite gradient element in rank 0's piece alone
+            p = next(p for p in model.parameters() if p.grad is not None and p.grad.to_local().numel())
+            p.grad.to_local()[0] = float("inf")
+        before = _pieces(model)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        changed = any(not torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
+        out.append((changed, scaler.get_scale()))
+    return out
+
+
+def test_grad_scaler_skips_a_step_on_every_rank_when_one_rank_finds_inf():
+    """torch.amp.GradScaler over a torch optimizer: a non-finite value in one rank's gradient piece
+    had left that rank skipping the step while the other stepped, the model split in two. Now the
+    check agrees over the ranks (as FSDP2's ShardedGradScaler): both skip it and halve the scale."""
+    a, b = launch("pool", 2).run(_scaled)
+    assert a == b, (a, b)
+    assert [c for c, _ in a] == [True, False, True], a
+    assert a[1][1] == a[0][1] / 2, a

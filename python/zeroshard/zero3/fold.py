@@ -149,7 +149,7 @@ def expose_agreed(units: List[Unit], group, what: str):
     qs = [(u, q) for u in units for q in u.trainable]
     if not qs:
         return
-    flags = torch.tensor([float(q.got_grad) for _, q in qs], device=units[0].shard.device)
+    flags = torch.tensor([float(q.got_grad) for _, q in qs], device=qs[0][0].shard.device)
     for (u, q), f in zip(qs, everyones(flags, group, what).amax(0).tolist()):
         g = u.reduction.grad.tensor
         if f and q.exposed is None and g is not None and g.device == u.shard.device:
@@ -171,7 +171,7 @@ def forget_cleared(u: Unit):
         return
     g.sumsq = None
     if all(q.sharded.grad is None for q in u.trainable):
-        g.tensor, u.reduction.partial = None, None  # every one: the fold overwrites the shard
+        g.tensor = None  # every one: the fold overwrites the shard (a replica-local ``partial`` is this window's)
     for q in cleared:
         if g.tensor is not None:
             g.tensor[q.shard_offset : q.shard_offset + q.local.numel()].zero_()

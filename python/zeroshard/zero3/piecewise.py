@@ -26,6 +26,9 @@ zero3/param.py) do the same, here:
   it does for a tensor subclass), so ``torch.nn.utils.clip_grad_norm_`` returns
   and clips by what it would under FSDP2. A tensor-parallel or expert piece is
   no range of one full tensor: its norm is refused.
+* ``torch.amp.GradScaler.unscale_`` reports a non-finite value any rank's
+  pieces hold (one small all-gather), so every rank skips the same steps and
+  keeps one scale, as FSDP2's ``ShardedGradScaler``.
 * A write into a parameter's piece tells its FullyShard (``written``): at the
   next forward the gathered copies are dropped and the gradients count as
   consumed, as after a ShardedOptimizer's step.
@@ -56,6 +59,7 @@ from .. import comm
 aten = torch.ops.aten
 
 _FUSED = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+_LISTS = ("_foreach_", "_amp_foreach_") + _FUSED  # ops over lists of tensors
 _NORMS = (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar, aten.norm.Scalar, aten.norm.ScalarOpt_dim)
 _LIKE = (aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default)
 
@@ -78,7 +82,7 @@ def takes(func, args: tuple, kwargs: dict) -> bool:
         return kwargs.get("memory_format") is torch.preserve_format or not _is_param(args[0])
     if func in _NORMS:
         return True
-    if name.startswith("_foreach_") or name.startswith(_FUSED):
+    if name.startswith(_LISTS):
         return True
     if torch.Tag.pointwise not in func.tags and func not in (aten.clone.default, aten.detach.default):
         return False
@@ -105,11 +109,19 @@ def run(func, args: tuple, kwargs: dict, make: Callable, refuse: Callable[[str],
         return _norms(func, args, kwargs, refuse)
     if func is aten.detach.default:
         return make(args[0].piece, args[0])
-    foreach = func.__name__.startswith(("_foreach_",) + _FUSED)
+    foreach = func.__name__.startswith(_LISTS)
     _check(func, args, kwargs, foreach, refuse)
-    like = next(a for a in tree_flatten((args, kwargs))[0] if is_sharded(a))
-    pieces_args, pieces_kwargs = tree_map(lambda a: _piece_of(a, like), (args, kwargs))
+    if foreach:  # (each position of the lists its own layout)
+        likes = _likes(args, kwargs)
+        lists = lambda a: [_piece_of(x, likes[i]) for i, x in enumerate(a)]  # noqa: E731
+        pieces_args = [lists(a) if isinstance(a, (list, tuple)) else _piece_of(a, None) for a in args]
+        pieces_kwargs = {k: lists(a) if isinstance(a, (list, tuple)) else a for k, a in kwargs.items()}
+    else:
+        like = next(a for a in tree_flatten((args, kwargs))[0] if is_sharded(a))
+        pieces_args, pieces_kwargs = tree_map(lambda a: _piece_of(a, like), (args, kwargs))
     out = func(*pieces_args, **pieces_kwargs)
+    if func is aten._amp_foreach_non_finite_check_and_unscale_.default:  # GradScaler.unscale_
+        _agree_found_inf(args[1], [x for x in likes if x is not None])
     for k, a in enumerate(func._schema.arguments):
         v = args[k] if k < len(args) else kwargs.get(a.name)
         if a.alias_info is not None and a.alias_info.is_write:
@@ -119,9 +131,23 @@ def run(func, args: tuple, kwargs: dict, make: Callable, refuse: Callable[[str],
     if func.__name__.endswith("_") or func._schema.is_mutable:
         return _written_result(func, args, kwargs, out)
     if foreach:
-        firsts = next(a for a in args if isinstance(a, (list, tuple)))
-        return [make(o, like) for o, like in zip(out, firsts)]
+        return [make(o, likes[i]) for i, o in enumerate(out)]
     return make(out, like)
+
+
+def _agree_found_inf(found_inf: torch.Tensor, grads: list) -> None:
+    """``GradScaler.unscale_``'s non-finite flag is any rank's (each checked its own pieces), so
+    every rank skips the same steps and keeps one scale, as FSDP2's ShardedGradScaler does."""
+    groups = {id(g.group): g.group for g in grads}
+    for group in groups.values():
+        found_inf.copy_(everyones(found_inf.reshape(1).float(), group, "GradScaler's non-finite check").amax())
+
+
+def _likes(args, kwargs) -> list:
+    """A foreach op's layout at each position of its lists: the first sharded tensor there."""
+    lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))]
+    n = max((len(x) for x in lists), default=0)
+    return [next((x[i] for x in lists if i < len(x) and is_sharded(x[i])), None) for i in range(n)]
 
 
 def _piece_of(a, like):
@@ -129,7 +155,7 @@ def _piece_of(a, like):
     ``like``'s full shape its range of ``like``'s piece, anything else itself."""
     if is_sharded(a):
         return a.piece
-    if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape == like.shape:
+    if like is not None and isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape == like.shape:
         return a.reshape(-1)[like.start : like.start + like.piece.numel()]
     return a
 
@@ -150,8 +176,7 @@ def _check(func, args, kwargs, foreach: bool, refuse):
     layout; plain tensors hold one element (a foreach op's scalars may be a list)."""
     if foreach:
         lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))]
-        n = max((len(x) for x in lists), default=0)
-        for i in range(n):
+        for i in range(max((len(x) for x in lists), default=0)):
             _same_layout(func, [x[i] for x in lists if i < len(x)], refuse)
         return
     _same_layout(func, tree_flatten((args, kwargs))[0], refuse)
