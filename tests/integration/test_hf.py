@@ -10,7 +10,8 @@ no-decay groups, evaluation and checkpoints every 2 steps. Stages 1-3 give the
 Trainer's DDP losses, logged grad_norm, evaluation losses and final parameters within
 1e-5; bf16 stays within DDP's own bf16 noise; fp16 skips the same step on every rank,
 as DDP; a resume equals the uninterrupted run exactly, and within 1e-5 from 2 ranks to
-3; the saved folders load with from_pretrained in one process.
+3; the saved folders load with from_pretrained in one process. TRL's SFT, GRPO and RLOO
+trainers (the last two generating inside training) run through the mixin.
 """
 
 import json
@@ -233,6 +234,20 @@ def test_save_model_on_rank_0_alone(results):
     assert r[2]["error"] is None and "model.safetensors" in r[2]["files"]
     assert "save_model() is collective" in r[3]["error"] and "rank(s) [1]" in r[3]["error"]
     assert "call trainer.save_model() on every rank" in r[3]["error"] and r[3]["files"] == []
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trl_rl_trainers_with_generation_inside_training_match_their_ddp(results, kind, stage):
+    """TRL's GRPOTrainer and RLOOTrainer through the mixin: each step samples completions with the
+    model being trained (HF generate on the sharded model), scores them and steps. At stages 2 and 3
+    the completions and rewards are the trainer's own DDP run's, and the losses, grad norms and
+    final parameters equal it within the HF tests' tolerance."""
+    r, ddp = results[2][f"{kind}-{stage}"], results[2][f"{kind}-0"]
+    assert r["completions"] == ddp["completions"] and len(set(ddp["completions"])) > 8, r["completions"][:4]
+    assert r["rewards"] == ddp["rewards"] and len(r["rewards"]) == 3, (r["rewards"], ddp["rewards"])
+    assert close(r["losses"], ddp["losses"]) and close(r["norms"], ddp["norms"]) and min(ddp["norms"]) > 0.1
+    assert worst(r["params"], ddp["params"]) <= TOL
 
 
 def test_trl_sft_trainer_through_the_mixin(results):

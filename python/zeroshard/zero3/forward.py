@@ -16,7 +16,10 @@ several times reduces once, when the backward of its first call (the last
 of its backwards) has given every gradient. A module of the root unit called
 directly gathers the root unit, which stays gathered to the end of the
 backward when gradients are enabled (as after the model's forward), and is
-freed after the call when not. Without gradients, a call that gathers checks
+freed after the call when not; so does the wrapped model itself called
+directly (a trainer's ``self.model``: TRL reads the LM head's weight inside
+the model's forward without calling the head), for the whole call, nested
+root-unit modules counted. Without gradients, a call that gathers checks
 in first ([Note: rank-0 code] in comm/collectives.py): evaluation of one
 unit under ``if rank == 0:`` raises instead of hanging.
 """
@@ -33,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .backward import UnitBackward
 from .gather import Gatherer
 from .outputs import cast_floating, cast_inputs, output_tensors
-from .records import MixedPrecision, Unit, UnitState
+from .records import InPlace, MixedPrecision, Unit, UnitState
 
 
 def _hook_outputs(out, fn, where: str, err, strict: bool = True):
@@ -111,7 +114,10 @@ class UnitForward:
                 u.hooks.append(m.register_forward_hook(post))
         # root-unit modules called directly (not through the wrapper) gather the root unit
         mods = {id(mod): mod for q in self.units[0].params for mod, _ in q.slots}
-        mods.pop(id(self.root), None)
+        if isinstance(self.root, InPlace):  # (fully_shard in place: its forward is the model's run_forward)
+            mods.pop(id(self.root), None)
+        else:  # the wrapped model called directly (a trainer's self.model): gathered for the whole call
+            mods[id(self.root)] = self.root
         pre = torch.compiler.disable(self._root_module_pre_forward)
         post = torch.compiler.disable(self._root_module_post_forward)
         for mod in mods.values():
@@ -206,7 +212,10 @@ class UnitForward:
 
     # ------------------------------------------------------ root-unit modules
     def _root_module_pre_forward(self, module, args):
-        if self.in_forward or self.backward.active or self.root_calls:
+        if self.in_forward or self.backward.active:
+            return
+        if self.root_calls:  # nested (a root-unit module inside the wrapped model called directly)
+            self.root_calls += 1
             return
         if self.units[0].state == UnitState.GATHERED:  # kept from the model's forward to its backward
             return
@@ -218,8 +227,8 @@ class UnitForward:
 
     def _root_module_post_forward(self, module, args, out):
         if self.root_calls and not (self.in_forward or self.backward.active):
-            self.root_calls = 0
-            if not torch.is_grad_enabled():  # with grad: kept to the end of backward, as the model's
+            self.root_calls -= 1
+            if not self.root_calls and not torch.is_grad_enabled():  # with grad: kept to the end of backward
                 with torch.no_grad():
                     self.gatherer.reshard(self.units[0])
 

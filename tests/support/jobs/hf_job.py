@@ -358,6 +358,75 @@ def sft_run(out):
     )
 
 
+def word_tokenizer():
+    """A tokenizer of the words t0..t100 (t0 pads and ends), padding on the left for generation."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="t0", eos_token="t0", unk_token="t1", padding_side="left"
+    )
+
+
+def rl_runs(d):
+    """TRL's GRPOTrainer and RLOOTrainer (generation inside training: sampled completions scored by
+    a reward function) as the trainer itself runs them under DDP (stage 0) and through the mixin at
+    stages 2 and 3: {kind-stage: completions, rewards, losses, grad norms, final parameters}."""
+    import datasets
+    import trl
+
+    g = torch.Generator().manual_seed(11)
+    prompts = [" ".join(f"t{int(i)}" for i in torch.randint(2, VOCAB, (5,), generator=g)) for _ in range(16)]
+    data = datasets.Dataset.from_list([{"prompt": p} for p in prompts])
+    out = {}
+    for kind, trainer, config in (("grpo", trl.GRPOTrainer, trl.GRPOConfig), ("rloo", trl.RLOOTrainer, trl.RLOOConfig)):
+        for stage in (0, 2, 3):
+            seen = []
+
+            def reward(completions, **kw):  # (the words' numbers mod 7: completions differ in reward)
+                seen.extend(completions)
+                return [sum(int(t[1:]) % 7 for t in c.split()) / 10.0 for c in completions]
+
+            args = config(
+                output_dir=os.path.join(d, f"{kind}-{stage}"),
+                per_device_train_batch_size=4,
+                num_generations=4,
+                max_completion_length=6,
+                max_steps=3,
+                learning_rate=5e-3,
+                logging_steps=1,
+                report_to=[],
+                use_cpu=True,
+                disable_tqdm=True,
+                save_strategy="no",
+                seed=3,
+                bf16=False,
+                beta=0.0,  # (no reference model: RLOO's default would load one from the hub)
+            )
+            cls = type(f"Zero{trainer.__name__}", (ZeroShardTrainerMixin, trainer), {}) if stage else trainer
+            extra = dict(zeroshard=dict(stage=stage)) if stage else {}
+            t = cls(
+                model=gpt2(),
+                reward_funcs=reward,
+                args=args,
+                train_dataset=data,
+                processing_class=word_tokenizer(),
+                **extra,
+            )
+            t.train()
+            logs = t.state.log_history
+            out[f"{kind}-{stage}"] = dict(
+                completions=seen,
+                rewards=[h["reward"] for h in logs if "reward" in h],
+                losses=[h["loss"] for h in logs if "loss" in h],
+                norms=[h["grad_norm"] for h in logs if "grad_norm" in h],
+                params=full_params(t, stage),
+            )
+    return out
+
+
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
@@ -622,6 +691,7 @@ def main():
             save_total_limit=1,
         )
         res["sft"] = sft_run(os.path.join(d, "sft"))
+        res.update(rl_runs(d))
         res["accelerate"] = accelerate_runs(d)
     if dist.get_rank() == 0:
         torch.save(res, os.path.join(d, f"results-w{world}.pt"))
