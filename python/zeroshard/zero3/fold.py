@@ -134,9 +134,13 @@ def expose_grads(u: Unit):
     shard = u.reduction.grad.tensor
     same = shard.device == u.shard.device
     for q in u.trainable:
-        piece = shard[q.shard_offset : q.shard_offset + q.local.numel()]
-        q.exposed = ShardedTensor.of(piece, q.sharded) if same and q.got_grad else None
+        q.exposed = ShardedTensor.of(_piece(shard, q), q.sharded) if same and q.got_grad else None
         q.sharded.grad = q.exposed
+
+
+def _piece(shard: torch.Tensor, q: Param) -> torch.Tensor:
+    """``q``'s range of its unit's gradient shard."""
+    return shard[q.shard_offset : q.shard_offset + q.local.numel()]
 
 
 @torch.no_grad()
@@ -154,7 +158,7 @@ def expose_agreed(units: List[Unit], group, what: str):
         g = u.reduction.grad.tensor
         if f and q.exposed is None and g is not None and g.device == u.shard.device:
             q.got_grad = True
-            q.exposed = ShardedTensor.of(g[q.shard_offset : q.shard_offset + q.local.numel()], q.sharded)
+            q.exposed = ShardedTensor.of(_piece(g, q), q.sharded)
             q.sharded.grad = q.exposed
 
 
@@ -174,5 +178,5 @@ def forget_cleared(u: Unit):
         g.tensor = None  # every one: the fold overwrites the shard (a replica-local ``partial`` is this window's)
     for q in cleared:
         if g.tensor is not None:
-            g.tensor[q.shard_offset : q.shard_offset + q.local.numel()].zero_()
+            _piece(g.tensor, q).zero_()
         q.exposed, q.got_grad = None, q.arrived

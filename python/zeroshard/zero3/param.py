@@ -121,7 +121,7 @@ class ShardedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if piecewise.takes(func, args, kwargs):
-            return piecewise.run(func, args, kwargs, ShardedTensor.of, _piece_error, param_init.note_write)
+            return _on_pieces(func, args, kwargs)
         owner = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedTensor)), None)
         raise RuntimeError(_refuse(getattr(owner, "param_name", "?"), str(func), getattr(owner, "shape", ())))
 
@@ -131,6 +131,11 @@ class ShardedTensor(torch.Tensor):
 
 def _piece_error(msg: str) -> RuntimeError:
     return RuntimeError(f"FullyShard: {msg}")
+
+
+def _on_pieces(func, args, kwargs):
+    """``func`` on the pieces ([Note: torch optimizers over sharded parameters])."""
+    return piecewise.run(func, args, kwargs, ShardedTensor.of, _piece_error, param_init.note_write)
 
 
 class ShardedParameter(nn.Parameter):
@@ -178,12 +183,12 @@ class ShardedParameter(nn.Parameter):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if piecewise.takes(func, args, kwargs):
-            return piecewise.run(func, args, kwargs, ShardedTensor.of, _piece_error, param_init.note_write)
+            return _on_pieces(func, args, kwargs)
         out = param_init.apply(func, args, kwargs, lambda a: isinstance(a, ShardedParameter))
         if out is not NotImplemented:
             return out
         if piecewise.reads_pieces(func):
-            return piecewise.run(func, args, kwargs, ShardedTensor.of, _piece_error, param_init.note_write)
+            return _on_pieces(func, args, kwargs)
         owner = next(
             (a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (ShardedParameter, ShardedTensor))), None
         )

@@ -70,6 +70,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm
+from .piecewise import written_arguments
 from .records import owner_of
 
 aten = torch.ops.aten
@@ -159,12 +160,7 @@ def note_write(p) -> None:
 
 def _written_args(func, args, kwargs, is_param) -> list:
     """The ShardedParameters ``func`` writes (in place or as ``out=``)."""
-    out = []
-    for k, a in enumerate(func._schema.arguments):
-        v = args[k] if k < len(args) else kwargs.get(a.name)
-        if a.alias_info is not None and a.alias_info.is_write and is_param(v):
-            out.append((v, a.is_out))
-    return out
+    return [(v, a.is_out) for a, v in written_arguments(func, args, kwargs) if is_param(v)]
 
 
 def apply(func, args: tuple, kwargs: dict, is_param: Callable[[Any], bool]):

@@ -122,14 +122,13 @@ def run(func, args: tuple, kwargs: dict, make: Callable, refuse: Callable[[str],
     out = func(*pieces_args, **pieces_kwargs)
     if func is aten._amp_foreach_non_finite_check_and_unscale_.default:  # GradScaler.unscale_
         _agree_found_inf(args[1], [x for x in likes if x is not None])
-    for k, a in enumerate(func._schema.arguments):
-        v = args[k] if k < len(args) else kwargs.get(a.name)
-        if a.alias_info is not None and a.alias_info.is_write:
-            for t in v if isinstance(v, (list, tuple)) else [v]:
-                if _is_param(t):
-                    written(t)
-    if func.__name__.endswith("_") or func._schema.is_mutable:
-        return _written_result(func, args, kwargs, out)
+    wrote = [v for _, v in written_arguments(func, args, kwargs)]
+    for v in wrote:
+        for t in v if isinstance(v, (list, tuple)) else [v]:
+            if _is_param(t):
+                written(t)
+    if func.__name__.endswith("_") or func._schema.is_mutable:  # the tensor(s) it wrote (None: a void op)
+        return None if out is None else (wrote[0] if wrote else out)
     if foreach:
         return [make(o, likes[i]) for i, o in enumerate(out)]
     return make(out, like)
@@ -143,11 +142,25 @@ def _agree_found_inf(found_inf: torch.Tensor, grads: list) -> None:
         found_inf.copy_(everyones(found_inf.reshape(1).float(), group, "GradScaler's non-finite check").amax())
 
 
-def _likes(args, kwargs) -> list:
-    """A foreach op's layout at each position of its lists: the first sharded tensor there."""
+def written_arguments(func, args, kwargs) -> List[Tuple[Any, Any]]:
+    """(schema argument, value) of each argument ``func`` writes (in place or as ``out=``)."""
+    out = []
+    for k, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out.append((a, args[k] if k < len(args) else kwargs.get(a.name)))
+    return out
+
+
+def _positions(args, kwargs) -> List[list]:
+    """A foreach op's tensors at each position of its lists."""
     lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))]
     n = max((len(x) for x in lists), default=0)
-    return [next((x[i] for x in lists if i < len(x) and is_sharded(x[i])), None) for i in range(n)]
+    return [[x[i] for x in lists if i < len(x)] for i in range(n)]
+
+
+def _likes(args, kwargs) -> list:
+    """A foreach op's layout at each position of its lists: the first sharded tensor there."""
+    return [next((t for t in items if is_sharded(t)), None) for items in _positions(args, kwargs)]
 
 
 def _piece_of(a, like):
@@ -160,24 +173,12 @@ def _piece_of(a, like):
     return a
 
 
-def _written_result(func, args, kwargs, out):
-    """An in-place or ``out=`` op's result: the sharded tensor(s) it wrote (None for void ops)."""
-    if out is None:
-        return None
-    for k, a in enumerate(func._schema.arguments):
-        v = args[k] if k < len(args) else kwargs.get(a.name)
-        if a.alias_info is not None and a.alias_info.is_write:
-            return v
-    return out
-
-
 def _check(func, args, kwargs, foreach: bool, refuse):
     """Every sharded tensor of one op (or of one position of a foreach op's lists) has one
     layout; plain tensors hold one element (a foreach op's scalars may be a list)."""
     if foreach:
-        lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))]
-        for i in range(max((len(x) for x in lists), default=0)):
-            _same_layout(func, [x[i] for x in lists if i < len(x)], refuse)
+        for items in _positions(args, kwargs):
+            _same_layout(func, items, refuse)
         return
     _same_layout(func, tree_flatten((args, kwargs))[0], refuse)
 

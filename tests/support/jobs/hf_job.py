@@ -311,6 +311,19 @@ def fp16_run(stage, out):
     return dict(losses=t.losses, skipped=every, scale=t.accelerator.scaler.get_scale(), params=full_params(t, stage))
 
 
+# what every TRL trainer of the job is given: 3 steps of 4 rows a rank on the CPU, logged, unsaved
+TRL_ARGS = dict(
+    per_device_train_batch_size=4,
+    max_steps=3,
+    logging_steps=1,
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+    save_strategy="no",
+    seed=3,
+)
+
+
 def sft_run(out):
     """TRL's SFTTrainer through the mixin, given a model from_pretrained loaded at stage 3: trains and saves."""
     import datasets
@@ -330,19 +343,7 @@ def sft_run(out):
         pass
 
     ds = datasets.Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in TRAIN[:48]])
-    cfg = trl.SFTConfig(
-        output_dir=out,
-        per_device_train_batch_size=4,
-        max_steps=3,
-        learning_rate=2e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        save_strategy="no",
-        max_length=SEQ,
-        seed=3,
-    )
+    cfg = trl.SFTConfig(output_dir=out, learning_rate=2e-3, max_length=SEQ, **TRL_ARGS)
     from transformers import AutoModelForCausalLM  # the model from_pretrained wrapped: the mixin takes it
 
     opts = dict(stage=3, mixed_precision="bf16")  # SFTConfig's bf16=True by default: bf16 gathers
@@ -391,19 +392,12 @@ def rl_runs(d):
 
             args = config(
                 output_dir=os.path.join(d, f"{kind}-{stage}"),
-                per_device_train_batch_size=4,
                 num_generations=4,
                 max_completion_length=6,
-                max_steps=3,
                 learning_rate=5e-3,
-                logging_steps=1,
-                report_to=[],
-                use_cpu=True,
-                disable_tqdm=True,
-                save_strategy="no",
-                seed=3,
                 bf16=False,
                 beta=0.0,  # (no reference model: RLOO's default would load one from the hub)
+                **TRL_ARGS,
             )
             cls = type(f"Zero{trainer.__name__}", (ZeroShardTrainerMixin, trainer), {}) if stage else trainer
             extra = dict(zeroshard=dict(stage=stage)) if stage else {}
