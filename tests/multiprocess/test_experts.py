@@ -315,6 +315,36 @@ def test_checkpoints_resume_at_another_expert_parallel_degree_and_world_size(tmp
     assert max(((full[n] - w).norm() / w.norm()).item() for n, w in want.items()) < 2e-5
 
 
+def _stream_experts():
+    """zeroshard.full_tensors of a FullyShard model with expert units (edp 2 x ep 2, experts
+    named as in the whole model): the whole model's tensors, each expert once, on every rank
+    (unit by unit) and on rank 1 only (parameter by parameter: a bucket smaller than any)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    whole = Net(2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    net = Net(2, mesh["ep"].get_group())
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(whole.get_parameter(global_name(net, name)))
+    model = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]}, expert_names=lambda n: global_name(net, n))
+    want = whole.state_dict()
+    out = []
+    for kw in (dict(), dict(to=1, bucket_mb=100 / 2**20)):
+        got = {n: t.clone() for n, t in zs.full_tensors(model, dtype=None, **kw)}
+        if kw.get("to", dist.get_rank()) != dist.get_rank():
+            out.append(got == {})
+        else:
+            out.append(sorted(got) == sorted(want) and all(torch.equal(got[n], w) for n, w in want.items()))
+    return out
+
+
+def test_full_tensors_streams_every_expert_under_its_whole_model_name():
+    for rank, res in enumerate(launch("pool", 4).run(_stream_experts)):
+        assert res == [True, True], (rank, res)
+
+
 def _skips_everywhere():
     """GradScaler: a non-finite gradient in an expert held by one ep group skips the step on
     every rank."""
@@ -363,6 +393,7 @@ def _refusals(tmp):
     model = zs.FullyShard(Net(1, mesh["ep"].get_group()), expert_modules={Expert: mesh["edp"]})
     opt3 = zs.ShardedOptimizer(model.parameters())
     catch("save3", lambda: zs.save_checkpoint(os.path.join(tmp, "b"), model, opt3))
+    catch("stream", lambda: list(zs.full_tensors(model)))  # (experts not named)
     net = Net(1, mesh["ep"].get_group())
     named = zs.FullyShard(net, expert_modules={Expert: mesh["edp"]}, expert_names=lambda n: global_name(net, n))
     catch("dcp", lambda: zs.checkpoint.dcp_state_dict(named, zs.ShardedOptimizer(named.parameters())))
@@ -392,6 +423,7 @@ def test_what_is_not_supported_yet_is_refused(tmp_path):
         "muon_split": ("larger than a bucket", "raise bucket_mb"),
         "hybrid": ("hybrid sharding",),
         "save3": ("moe.experts.0.up.weight", "expert_names=fn"),
+        "stream": ("full_tensors", "moe.experts.0.up.weight", "expert_names=fn"),
         "dcp": ("not supported yet", "save_checkpoint"),
         "thaw": ("an expert unit over its own ranks",),
     }

@@ -1,6 +1,7 @@
 """Generation at ZeRO-3: a Hugging Face model's generate() on a FullyShard model (wrapped, or
 in place by fully_shard) gathers each unit once per call (not once per token), with the unsharded model's tokens for greedy,
-sampled and beam-search decoding; between unshard() and reshard() nothing is gathered; a
+sampled and beam-search decoding; between unshard() (also async_op=True, its gathers left in
+flight) and reshard() nothing is gathered; a
 generate that raises leaves nothing gathered; and the
 model's whole tensors stream (zeroshard.full_tensors) into an unsharded copy that computes
 the same logits."""
@@ -63,7 +64,9 @@ def _generate():
     res["in_place"] = (torch.equal(ours, plain.generate(prompt, **greedy)), gathers, type(in_place).__name__)
     model.generate_gathered = False  # today's per-token gathering, kept as an option
     res["per_token"] = _count(lambda: model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))[1]
-    model.unshard(async_op=True).wait()  # FSDP2's explicit calls: held gathered until reshard()
+    handle = model.unshard(async_op=True)  # FSDP2's explicit calls: held gathered until reshard()
+    res["in_flight"] = all(u.state is UnitState.GATHERING for u in model.units if u.params)
+    handle.wait()
     model.unshard()  # (a second changes nothing)
     greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     ours, res["unsharded_gathers"] = _count(lambda: model.generate(prompt, **greedy))  # per token, yet none
@@ -72,6 +75,11 @@ def _generate():
     model.reshard()
     res["reshard"] = all(u.state is UnitState.SHARDED for u in model.units)
     model.reshard()  # (without unshard(): nothing)
+    model.unshard(async_op=True)  # no wait(): each forward finishes its unit's gather
+    ours, res["async_gathers"] = _count(lambda: model.generate(prompt, **greedy))
+    res["async_same"] = torch.equal(ours, plain.generate(prompt, **greedy))
+    model.reshard()
+    res["async_reshard"] = all(u.state is UnitState.SHARDED for u in model.units)
     model.generate_gathered = True
     try:
         model.generate(prompt, max_new_tokens=3, num_beams=2, num_return_sequences=5)  # more than beams
@@ -94,5 +102,6 @@ def test_generate_gathers_each_unit_once_per_call_with_the_unsharded_models_toke
         assert res["in_place"] == (True, units, "FSDPLlamaForCausalLM"), res["in_place"]  # fully_shard's too
         assert res["per_token"] >= 12 * units, res["per_token"]  # every unit, every token
         assert res["unsharded_gathers"] == 0 and res["unsharded_same"] and res["held"] and res["reshard"], res
+        assert res["in_flight"] and res["async_gathers"] == 0 and res["async_same"] and res["async_reshard"], res
         assert res["raised"] and res["resharded"], res
         assert res["logits"] == 0.0, res["logits"]

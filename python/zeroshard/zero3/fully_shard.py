@@ -417,14 +417,14 @@ class FullyShard(nn.Module, ShardedModel):
 
     def unshard(self, async_op: bool = False, *, unit: Optional[nn.Module] = None) -> UnshardHandle:
         """FSDP2's ``unshard``. Every unit gathered and kept so until ``reshard()``, as in a
-        ``gathered()`` block (forwards, backwards and ``generate`` gather nothing meanwhile); the
-        gathers are complete when it returns (the handle's ``wait()`` returns at once). See
-        [Note: gathered blocks]. Or, ``unit``: the one unit that module makes, gathered as a
+        ``gathered()`` block (forwards, backwards and ``generate`` gather nothing meanwhile);
+        ``async_op=True`` returns with the all-gathers in flight, finished by the handle's
+        ``wait()`` or the first use of each unit. See [Note: gathered blocks]. Or, ``unit``: the one unit that module makes, gathered as a
         prefetch its next forward takes over (freed after it as usual); ``async_op=True`` returns
         with the all-gather in flight and the handle's ``wait()`` (or the forward) finishes it.
         Collective."""
         if unit is None:
-            return unshard(self._gatherer, self.gathered)
+            return unshard(self._gatherer, self.gathered, async_op)
         u = self.unit_for(unit)
         self._settle_pieces()
         with torch.no_grad():

@@ -4,6 +4,7 @@ match (the one place that swaps tensors into modules), and prefetch."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List
 
 import torch
@@ -25,6 +26,7 @@ class Gatherer:
         self.comm_elements, self.err = comm_elements, err
         self.gathered_bytes = 0  # full parameters of non-root units alive now
         self.unsharded = None  # the gathered() block unshard() entered, until reshard()
+        self.in_flight = False  # holds return with their all-gathers in flight: holding_in_flight()
         self.gathered_peak = 0
         self.alive_peak = 0  # most non-root units gathered (or gathering) at once
         # what the collectives' labels say (the flight record, the hang diagnosis): the step
@@ -122,7 +124,7 @@ class Gatherer:
                 )
             )
         if dtype == u.full.dtype:
-            self.gather(u)
+            self.gather(u, wait=not self.in_flight)
         elif u.copy is None:
             if u.state != UnitState.SHARDED:
                 raise RuntimeError(
@@ -149,6 +151,23 @@ class Gatherer:
                 self.alive_peak = max(self.alive_peak, self.alive())
         u.held += 1
 
+    @contextlib.contextmanager
+    def holding_in_flight(self):
+        """Holds made inside (in the gather dtype) return with their all-gathers in flight
+        (FSDP2's ``unshard(async_op=True)``); whatever uses such a unit first (a forward, a
+        backward, ``finish_holds``) waits for its gather, as for a prefetch."""
+        self.in_flight = True
+        try:
+            yield
+        finally:
+            self.in_flight = False
+
+    def finish_holds(self):
+        """Wait for the all-gathers of the held units still in flight."""
+        for u in self.units:
+            if u.held and u.state == UnitState.GATHERING:
+                self.gather(u)
+
     def release(self, u: Unit, reshard: bool):
         """One block stops holding ``u``: after the last, its copy is dropped, or (``reshard``:
         the block gathered it) it is resharded; a unit a forward or backward in progress had
@@ -172,6 +191,7 @@ class Gatherer:
     @torch.no_grad()
     def refresh_held(self):
         """The shards changed (a step, a load): the units gathered() blocks hold are gathered again."""
+        self.finish_holds()
         for u in self.units:
             if u.held:
                 self._fill(u, self.full_buffer(u), f"unit '{u.name}' all-gather (gathered(), the shards changed)")

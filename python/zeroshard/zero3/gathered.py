@@ -33,8 +33,10 @@ rank-0 code] in comm/collectives.py).
   forward, a backward or ``generate`` gathers nothing; a step's new values
   are gathered again from the shards). A second ``unshard()`` before
   ``reshard()`` changes nothing, as a ``reshard()`` without one. It returns
-  FSDP2's handle; its gathers are complete when it returns (``async_op=True``
-  is accepted, and ``wait()`` returns at once).
+  FSDP2's handle; its gathers are complete when it returns, or, with
+  ``async_op=True``, in flight until its ``wait()`` or until whatever uses a
+  unit first (a forward, a backward, a step's new values) waits for that
+  unit's, as for a prefetch; the caller's work overlaps them meanwhile.
 * ``modifier_rank=r`` (DeepSpeed's ``GatheredParameters``): on a normal
   exit, the values of the held units on global rank r are broadcast to every
   rank of the model and each rank copies its chunk into its fp32 shard: an
@@ -191,7 +193,7 @@ def gathered_block(
 
 class UnshardHandle:
     """What ``unshard()`` returns, as FSDP2's: ``wait()`` until the units are gathered (at
-    once for every unit's: those gathers complete before unshard returns)."""
+    once where its gathers completed before unshard returned)."""
 
     def __init__(self, finish: Optional[Callable[[], None]] = None):
         self._finish = finish
@@ -203,14 +205,16 @@ class UnshardHandle:
             self._finish = None
 
 
-def unshard(gatherer: Gatherer, open_block) -> UnshardHandle:
+def unshard(gatherer: Gatherer, open_block, async_op: bool) -> UnshardHandle:
     """Enter ``open_block()`` (a gathered() block over every unit) until ``reshard``,
-    unless one is already entered; see the Note."""
+    unless one is already entered; ``async_op``: its all-gathers left in flight, finished
+    by the handle's ``wait()`` or by whatever uses a unit first. See the Note."""
     if gatherer.unsharded is None:
         block = open_block()
-        block.__enter__()
+        with gatherer.holding_in_flight() if async_op else contextlib.nullcontext():
+            block.__enter__()
         gatherer.unsharded = block
-    return UnshardHandle()
+    return UnshardHandle(gatherer.finish_holds)
 
 
 def reshard(gatherer: Gatherer) -> None:
