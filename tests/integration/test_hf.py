@@ -365,12 +365,20 @@ def test_export_holds_one_file_of_tensors_at_a_time(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_from_pretrained_reads_the_published_weights_exactly(results, world, name):
     """Every rank reads its own bytes of files of 20 KB (tensors and ZeRO-3 pieces cross
-    their boundaries): the logits equal the plain from_pretrained model's, bit for bit."""
+    their boundaries): the logits equal the plain from_pretrained model's, bit for bit; at
+    stage 3 its generate() gathers each unit once for the call, with the plain model's tokens."""
+    from transformers import AutoModelForCausalLM
+
     loaded = results[world]["loaded"]
     assert loaded[f"files-{name}"] >= 5
-    want = logits(os.path.join(results[2]["dir"], f"saved-{name}"))
+    folder = os.path.join(results[2]["dir"], f"saved-{name}")
+    want = logits(folder)
     for stage in (2, 3):
         assert torch.equal(loaded[f"{name}-{stage}"], want), (name, stage)
+    generated = loaded[f"{name}-generated"]
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert torch.equal(generated, plain.generate(generated[:, :4], max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert 0 < loaded[f"{name}-gathers"] <= loaded[f"{name}-units"], loaded[f"{name}-gathers"]
 
 
 def test_fine_tuning_from_loaded_weights_matches_ddp(results):

@@ -440,6 +440,10 @@ def loaded_logits(d):
             model = from_pretrained(AutoModelForCausalLM, folder, zeroshard=dict(stage=stage))
             with torch.no_grad():
                 out[f"{name}-{stage}"] = model(input_ids=ids).logits
+        t0 = time.time()  # generate() on the stage-3 model: one all-gather per unit for the call
+        out[f"{name}-generated"] = model.generate(ids[:, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out[f"{name}-gathers"] = sum(r["kind"] == "all_gather" and r["start"] >= t0 for r in zeroshard.flight_record())
+        out[f"{name}-units"] = len(model.units)
     return out
 
 
