@@ -10,6 +10,7 @@
 #include "checks.h"
 #include "comm.h"
 #include "crc32.h"
+#include "quant.h"
 #include "io_engine.h"
 #include "layout.h"
 #include "ops.h"
@@ -110,6 +111,14 @@ static void bind_kernels(py::module_& m) {
         }, py::arg("streaming") = py::none(), py::arg("blocks_per_sm") = py::none(),
         "The CUDA AdamW's (streaming, blocks_per_sm), after setting those given (csrc/adamw_multi.h).");
 #endif
+  // quantized gathers ([Note: quantized gathers] in quant.h)
+  m.def("quantize_blocks_", &quantize_blocks_, py::arg("values"), py::arg("wire"), py::arg("block"),
+        py::arg("kind"), py::call_guard<py::gil_scoped_release>(), "Block-quantize into a wire record (csrc/ops.h).");
+  m.def("dequantize_blocks_", &dequantize_blocks_, py::arg("wire"), py::arg("values"), py::arg("counts"),
+        py::arg("block"), py::arg("kind"), py::call_guard<py::gil_scoped_release>(),
+        "Decode the wire records of several chunks, one launch (csrc/ops.h).");
+  m.def("quant_wire_bytes", &quant_wire_bytes, py::arg("numel"), py::arg("block"),
+        "Bytes of one chunk on the wire (csrc/quant.h).");
   // checkpoint checksums
   m.def("crc32", [](py::buffer data, uint32_t crc) {
           const py::buffer_info b = data.request();

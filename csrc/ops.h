@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace zeroshard {
@@ -31,5 +32,18 @@ void fused_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::T
                   const std::vector<AdamWOptions>& hypers, const std::vector<int64_t>& hyper_of,
                   const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& noop,
                   const std::optional<at::Tensor>& found_inf);
+
+}  // namespace zeroshard
+
+namespace zeroshard {
+
+// [Note: quantized gathers] (quant.h). `values` (fp32/bf16/fp16) quantized in blocks of
+// `block` elements into `wire` (uint8, quant_wire_bytes(values.numel(), block) bytes) as
+// `kind` ("int8" or "fp8"). One launch (CUDA) or one parallel loop (CPU).
+void quantize_blocks_(const at::Tensor& values, const at::Tensor& wire, int64_t block, const std::string& kind);
+// The chunks of `wire` (counts[r] elements each, one after the other) decoded into
+// `values` (fp32/bf16/fp16, sum(counts) elements), in one launch.
+void dequantize_blocks_(const at::Tensor& wire, const at::Tensor& values, const std::vector<int64_t>& counts,
+                        int64_t block, const std::string& kind);
 
 }  // namespace zeroshard

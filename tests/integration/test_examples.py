@@ -25,6 +25,7 @@ EXAMPLES = [  # (quickstart.py: under torchrun itself, below)
     ("mixed_precision.py", 2, {}),
     ("offload.py", 2, {}),
     ("hybrid.py", 4, {}),
+    ("compressed.py", 4, {}),
     ("moe.py", 4, {}),
     ("tensor_parallel.py", 4, {}),
     ("checkpoints.py", 2, {}),

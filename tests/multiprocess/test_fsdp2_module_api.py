@@ -190,6 +190,7 @@ def _calls():
     zs.fully_shard(m)
     w = m.layers[1].ff.weight
     h = m.layers[1].unshard(async_op=True)
+    out["in_flight"] = m.layers[1].ff.weight is w  # (swapped in by wait())
     h.wait()
     full = m.layers[1].ff.weight
     out["unshard"] = (tuple(full.shape), torch.equal(full.detach(), m.state_dict()["layers.1.ff.weight"]))
@@ -229,7 +230,8 @@ def _calls():
     )
     lin = nn.Linear(2, 2)
     out["ignored"] = _refused(lambda: zs.fully_shard(lin, ignored_params={lin.weight}))
-    out["int_reshard"] = _refused(lambda: zs.fully_shard(nn.Linear(2, 2), reshard_after_forward=2))
+    out["int_reshard"] = _refused(lambda: zs.fully_shard(nn.Linear(2, 2), reshard_after_forward=2.0))
+    out["int_divides"] = _refused(lambda: zs.FullyShard(nn.Linear(2, 2), reshard_after_forward=3))
     out["block_zero_grad"] = _refused(lambda: m.layers[0].zero_grad())
     out["not_here"] = _refused(lambda: m.set_custom_all_gather(None))
     out["foreign"] = _refused(lambda: m.layers[0].set_modules_to_forward_prefetch([one]))
@@ -245,11 +247,76 @@ def test_module_calls_and_what_is_refused():
     for r in launch("pool", 2).run(_calls):
         assert r["one_call"] == ([], True), r
         assert r["unshard"][0] == (2 * 13, 13) and r["unshard"][1], r
-        assert r["others_sharded"] and r["resharded"] and r["sync_returns_none"] and r["freed_by_forward"], r
+        assert (
+            r["in_flight"]
+            and r["others_sharded"]
+            and r["resharded"]
+            and r["sync_returns_none"]
+            and r["freed_by_forward"]
+        ), r
         assert r["meta_init"] == [], r
         assert "fully_shard(model)" in r["no_root"] and r["two_models"], r
         assert "once a module" in r["twice"], r
         assert "param_dtype_override_fn" in r["override_fn"] and "ignored_params" in r["ignored"], r
         assert "an int" in r["int_reshard"] and "optimizer.zero_grad()" in r["block_zero_grad"], r
+        assert "reshard_after_forward=3" in r["int_divides"] and "dividing the 2 ranks" in r["int_divides"], r
         assert "NotImplementedError" in r["not_here"] and "set_custom_all_gather" in r["not_here"], r
         assert "same model" in r["foreign"], r
+
+
+def _post_forward(api, k):
+    """Two steps of a script whose second block has reshard_after_forward=k; the losses, the
+    parameters, and (ours) the flight record's backward all-gathers and the bytes kept."""
+    model = initialised()
+    for i, layer in enumerate(model.layers):
+        api.fully_shard(layer, reshard_after_forward=k if i else True)
+    api.fully_shard(model)
+    for m in model.modules():
+        if isinstance(m, api.FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)  # (FSDP2 on gloo: no AVG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    out = {"losses": []}
+    for _ in range(2):
+        loss = model(mine(torch.randint(0, 50, (8, 5), generator=g))).square().mean()
+        if api is zs:
+            out["kept"] = model.memory_report()["gathered"]  # between the forward and the backward
+            start = len(zs.flight_record())
+        loss.backward()
+        if api is zs:
+            out["backward"] = [
+                (r["group"], r["numel"]) for r in zs.flight_record()[start:] if "post-forward" in r["what"]
+            ]
+        out["losses"].append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    out["sd"] = {k: _full(v) for k, v in model.state_dict().items()}
+    out["after"] = model.memory_report()["gathered"] if api is zs else None
+    return out
+
+
+def _post_forward_runs():
+    import torch.distributed.fsdp as fsdp
+
+    ours, ref = _post_forward(zs, 2), _post_forward(fsdp, 2)
+    block = zs.FullyShard(initialised(), wrap={Layer}).units[2]  # (the second block's unit: its size)
+    return dict(
+        losses=(ours["losses"], ref["losses"]),
+        err=max((ours["sd"][k] - v).abs().max().item() for k, v in ref["sd"].items()),
+        kept=(ours["kept"], 4 * -(-block.numel // 2)),
+        backward=ours["backward"],
+        world=dist.group.WORLD.group_name,
+        after=ours["after"],
+    )
+
+
+def test_reshard_after_forward_as_an_int_gathers_the_backward_within_its_ranks():
+    """FSDP2's reshard_after_forward=<int> ([Note: post-forward shards]) at 4 ranks, k = 2: the
+    losses and parameters equal FSDP2's; between the forward and the backward the block keeps
+    half its gathered bytes (rounded up) on each rank, and its backward all-gathers over a
+    group of 2 ranks, not the world (the flight record); nothing is kept after the step."""
+    for r in launch("pool", 4).run(_post_forward_runs):
+        assert r["losses"][0] == pytest.approx(r["losses"][1], abs=1e-6) and r["err"] <= 1e-6, r
+        assert r["kept"][0] == r["kept"][1] > 0, r["kept"]
+        assert len(r["backward"]) == 1 and r["backward"][0][0] != r["world"], r["backward"]
+        assert r["after"] == 0, r

@@ -103,12 +103,22 @@ def test_auto_values_are_for_the_hugging_face_integration():
         parse({"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
 
 
+def test_hpz_partition_size_is_stage_3s_post_forward_shards():
+    """ZeRO++ hpZ is FullyShard's reshard_after_forward=k ([Note: post-forward shards]); at
+    stages 1/2 (no parameter gathers) it is listed as unused."""
+    assert parse({"train_batch_size": 4, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}).zero == (
+        config.Zero(stage=3, hpz_partition_size=2)
+    )
+    at2 = parse({"train_batch_size": 4, "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
+    assert at2.zero.hpz_partition_size == 1 and any("zero_hpz_partition_size" in u for u in at2.unused), at2
+
+
 @pytest.mark.parametrize(
     "extra,what",
     [
         ({"amp": {"enabled": True}}, "apex AMP"),
         ({"hybrid_engine": {"enabled": True}}, "hybrid engine"),
-        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "hpZ"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "qwZ"),
         ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "qgZ"),
         ({"sequence_parallel_size": 4}, "sequence parallelism"),
         ({"fp16": {"enabled": True, "auto_cast": True}}, "auto_cast"),

@@ -288,3 +288,21 @@ def _make(size: int, world: int) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
         if rank % size == pos:
             mine["replicate"] = g
     return mine["shard"], mine["replicate"]
+
+
+# (the default group they were made in, the ranks of a post-forward group) -> its ShardGroup
+_post_forward: Dict[Tuple[Any, Tuple[int, ...]], ShardGroup] = {}
+
+
+def post_forward_group(ranks: ShardGroup, size: int) -> ShardGroup:
+    """This rank's group of ``size`` consecutive ranks of its shard group ``ranks``: where a
+    unit's backward gathers under ``reshard_after_forward=size`` ([Note: post-forward
+    shards] in zero3/gather.py). Made once, by its own ranks only (the others make theirs)."""
+    everyone = dist.get_process_group_ranks(ranks.group)
+    first = ranks.rank // size * size
+    block = tuple(everyone[first : first + size])
+    made = _post_forward.get((dist.group.WORLD, block))
+    if made is None:
+        pg = dist.new_group(list(block), use_local_synchronization=True)
+        made = _post_forward[(dist.group.WORLD, block)] = ShardGroup(pg, size, ranks.rank - first)
+    return made

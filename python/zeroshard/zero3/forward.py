@@ -26,7 +26,7 @@ unit under ``if rank == 0:`` raises instead of hanging.
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Union
 
 import torch
 import torch.nn as nn
@@ -86,7 +86,7 @@ class UnitForward:
         root: nn.Module,
         mixed_precision: MixedPrecision,
         param_dtype: torch.dtype,
-        reshard_after_forward: bool,
+        reshard_after_forward: Union[bool, int],
         err: Callable[[str], str],
         check_in: Callable[[], None],
     ):
@@ -160,10 +160,15 @@ class UnitForward:
         """``out``'s floating tensors in ``output_dtype`` (FSDP2's ``MixedPrecisionPolicy``'s), if set."""
         return out if self.mp.output_dtype is None else cast_floating(self.mp.output_dtype, out)
 
-    def reshards(self, u: Unit) -> bool:
-        """Whether ``u`` is freed after its forward (its own setting, else the model's)."""
+    def reshards(self, u: Unit) -> Union[bool, int]:
+        """Whether ``u`` is freed after its forward (its own setting, else the model's); an
+        int: to a piece over that many ranks ([Note: post-forward shards] in zero3/gather.py)."""
         own = u.settings.reshard_after_forward
         return self.reshard_after_forward if own is None else own
+
+    def _reshard(self, u: Unit, grad: bool):
+        after = self.reshards(u)
+        self.gatherer.reshard(u, keep=after if grad and not isinstance(after, bool) else 0)
 
     def _pre_forward(self, u: Unit):
         u.calls += 1
@@ -200,7 +205,7 @@ class UnitForward:
         if u.calls == 0 and (self.reshards(u) or not grad) and done:
             self.ran.pop(u.index, None)
             with torch.no_grad():
-                self.gatherer.reshard(u)
+                self._reshard(u, grad)
         if grad:
             _hook_outputs(out, lambda u=u: self.backward.pre_backward(u), f"unit '{u.name}'", self.err)
         return out
@@ -317,7 +322,7 @@ class UnitForward:
                     and self.reshards(u)
                     and (u.index not in self.seen or u.index in self.ran)
                 ):
-                    self.gatherer.reshard(u)
+                    self._reshard(u, grad)
             self.ran.clear()
             if not grad:
                 self.gatherer.reshard_all()

@@ -82,11 +82,11 @@ from .state_dict import full_state_dict, held_regions, load_full_state_dict, mem
 from .generation import gathered_generate
 from . import relayout
 from .. import comm
-from .gather import Gatherer
+from .gather import Gatherer, reshard_setting
 from .gathered import UnshardHandle, gathered_block, reshard, unshard
 from ..core.policies import offload_of, sharding_of
 from ..core.regions import HeldParam, Region, ShardedModel
-from ..core.source import SUPPORTED, GradState
+from ..core.source import GradState
 from ..comm.mesh import Sharding
 from ..offload import Offload
 from ..core.tensor_parallel import check_model
@@ -112,9 +112,6 @@ def _check_arguments(module, mixed_precision, prefetch) -> MixedPrecision:
     mp = mixed_precision or MixedPrecision()
     if not isinstance(mp, MixedPrecision):
         raise TypeError(f"mixed_precision must be a zeroshard.MixedPrecision, got {type(mp).__name__}")
-    _check_dtype(mp.param_dtype, "mixed_precision.param_dtype")
-    _check_dtype(mp.reduce_dtype, "mixed_precision.reduce_dtype")
-    _check_dtype(mp.output_dtype, "mixed_precision.output_dtype")
     return mp
 
 
@@ -122,11 +119,6 @@ def _check_expert_names(fn):
     if fn is not None and not callable(fn):
         raise TypeError(f"expert_names must be a function of a parameter's name, got {type(fn).__name__}")
     return fn
-
-
-def _check_dtype(dt, what):
-    if dt is not None and dt not in SUPPORTED:
-        raise ValueError(f"{what} must be one of {SUPPORTED} or None, got {dt!r}")
 
 
 def _check_in_evaluation(fs):
@@ -156,8 +148,8 @@ class FullyShard(nn.Module, ShardedModel):
         mixed_precision: dtypes of the gathered parameters and of the
             reduce-scatter (``MixedPrecision``); None: fp32.
         reshard_after_forward: free each unit after its forward and gather it
-            again in backward (True); False keeps it to its backward (ZeRO-2's
-            memory for those parameters, one all-gather fewer per step).
+            again in backward (True); False keeps it to its backward (ZeRO-2's memory
+            for it); an int k: a piece over k ranks ([Note: post-forward shards]).
         prefetch: units all-gathered ahead of the one computing (0: none).
         process_group: the ranks to shard over (default: the world).
         device: where the shards live (default: the parameters' device, or
@@ -192,7 +184,7 @@ class FullyShard(nn.Module, ShardedModel):
         module: nn.Module,
         wrap: Union[Iterable[type], Callable[[nn.Module], bool], None] = None,
         mixed_precision: Optional[MixedPrecision] = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Union[bool, int] = True,
         prefetch: int = 1,
         process_group: Optional[dist.ProcessGroup] = None,
         *,
@@ -212,7 +204,6 @@ class FullyShard(nn.Module, ShardedModel):
         self.param_dtype = mp.param_dtype or torch.float32
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
         self.mixed_precision = mp
-        self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = prefetch
         self.sharding = sharding_of(
             "FullyShard",
@@ -226,6 +217,7 @@ class FullyShard(nn.Module, ShardedModel):
         self.groups = self.sharding.groups("FullyShard")
         self.process_group = self.groups.shard
         self.world_size, self.rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
+        self.reshard_after_forward = reshard_setting(reshard_after_forward, self.world_size, "FullyShard")
         self._src = dist.get_global_rank(self.groups.every, 0)
         self.comm_elements = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
         self._steppers = Steppers()  # the sources stepping the shards (weakly), their state shards by unit
@@ -274,6 +266,7 @@ class FullyShard(nn.Module, ShardedModel):
         gatherer = Gatherer(
             self._units, device=self._device, prefetch=self.prefetch, comm_elements=self.comm_elements, err=self._err
         )
+        gatherer.quantized = (mp.gather_dtype, mp.gather_block_size) if mp.gather_dtype else None
         backward = UnitBackward(
             self._units,
             gatherer,

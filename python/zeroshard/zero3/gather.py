@@ -1,18 +1,59 @@
 """ZeRO-3 gathering: a unit's full parameters all-gathered from the shards
 before use and freed after, with the modules' parameter slots swapped to
-match (the one place that swaps tensors into modules), and prefetch."""
+match (the one place that swaps tensors into modules), and prefetch.
+
+[Note: post-forward shards] ``reshard_after_forward=k`` (an int, as FSDP2's:
+a divisor of the shard group's size, usually a node's GPUs) frees a unit
+after a forward with gradients but keeps a second shard of its gathered
+parameters, in the gather dtype, over groups of ``k`` consecutive ranks of
+the shard group: rank j of such a group keeps elements [j c, (j + 1) c) of
+the flat unit, c = ceil(numel / k). The unit's backward (and activation
+checkpointing's recomputation, and the backward's prefetch) all-gathers it
+from those pieces over the ``k`` ranks only, so at scale the backward's
+weight traffic stays inside a node; the piece is dropped once gathered.
+Memory: numel / k elements of the gather dtype per unit from its forward to
+its backward (``memory_report``'s ``gathered`` counts them). A gather that
+is not the backward's (the next forward, a state dict) drops the piece and
+gathers from the fp32 shards, so nothing stale is ever computed on; so do
+the end of a backward and one that stopped half-way. ``k == 1`` is False
+and ``k`` equal to the shard group's size is True, as FSDP2 takes them;
+units of expert modules (their own ranks) reshard fully.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, List
+import warnings
+from typing import Callable, List, Union
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from ..core.tensor_parallel import compute_param
+from ..comm.mesh import post_forward_group
+from ..native import quant
 from .records import Unit, UnitState
+
+
+def reshard_setting(value, world: int, who: str) -> Union[bool, int]:
+    """``reshard_after_forward`` as FSDP2 takes it: a bool, or an int dividing ``world``, the
+    size of the shard group ([Note: post-forward shards]): 1 is False, ``world`` True."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int) or value < 1 or world % value:
+        raise ValueError(
+            f"{who}(reshard_after_forward={value!r}): pass a bool, or an int dividing the {world} ranks the "
+            "units shard over (a node's ranks, say): each unit's backward then all-gathers over that many"
+        )
+    if value == 1:
+        warnings.warn(
+            f"{who}(reshard_after_forward=1): an int is the number of ranks a unit is resharded to after its "
+            "forward; 1 keeps it gathered to its backward, as reshard_after_forward=False (which says so)",
+            stacklevel=3,
+        )
+        return False
+    return True if value == world else value
 
 
 class Gatherer:
@@ -27,6 +68,8 @@ class Gatherer:
         self.gathered_bytes = 0  # full parameters of non-root units alive now
         self.unsharded = None  # the gathered() block unshard() entered, until reshard()
         self.in_flight = False  # holds return with their all-gathers in flight: holding_in_flight()
+        # (gather_dtype, block size) of MixedPrecision's quantized gathers, or None
+        self.quantized = None
         self.gathered_peak = 0
         self.alive_peak = 0  # most non-root units gathered (or gathering) at once
         # what the collectives' labels say (the flight record, the hang diagnosis): the step
@@ -50,12 +93,19 @@ class Gatherer:
                     )
                 )
             u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
-            own = u.own(u.full, u.ranks.rank)
-            # (offload_params: from pinned host memory, ordered before the all-gather on the stream)
-            own.copy_(u.shard, non_blocking=True)
-            u.gather = comm.all_gather(
-                own, u.full, group=u.ranks.group, bounds=u.bounds, what=self.label(f"unit '{u.name}' all-gather")
-            )
+            if u.post_forward is not None and self.phase == "backward":
+                u.gather = self._from_post_forward(u)
+            elif self.quantized is not None:
+                self.drop_post_forward(u)
+                u.gather = self._quantized(u)
+            else:
+                self.drop_post_forward(u)
+                own = u.own(u.full, u.ranks.rank)
+                # (offload_params: from pinned host memory, ordered before the all-gather on the stream)
+                own.copy_(u.shard, non_blocking=True)
+                u.gather = comm.all_gather(
+                    own, u.full, group=u.ranks.group, bounds=u.bounds, what=self.label(f"unit '{u.name}' all-gather")
+                )
             self.comm_elements["all_gather"] += u.numel
             u.state = UnitState.GATHERING
             if not u.is_root:
@@ -65,22 +115,66 @@ class Gatherer:
         if wait and u.state == UnitState.GATHERING:
             u.gather.wait()
             u.gather = None
+            if u.wire is not None:  # ([Note: quantized gathers] in csrc/quant.h)
+                kind, block = self.quantized
+                quant.dequantize_blocks_(u.wire[0], u.full, u.wire[1], block, kind)
+                u.wire = None
             u.state = UnitState.GATHERED
             _swap(u, gathered=True)
 
-    def reshard(self, u: Unit):
-        """Free ``u``'s full parameters; the modules hold the shards again. A unit a
+    def reshard(self, u: Unit, keep: int = 0):
+        """Free ``u``'s full parameters; the modules hold the shards again. ``keep`` > 1: keep
+        a piece over that many ranks for the backward ([Note: post-forward shards]). A unit a
         gathered() block holds stays gathered ([Note: gathered blocks] in zero3/gathered.py)."""
-        if u.state == UnitState.SHARDED or u.held:
+        if u.held:
+            return
+        if u.state == UnitState.SHARDED:
+            self.drop_post_forward(u)
             return
         if u.state == UnitState.GATHERING:
             u.gather.wait()
-            u.gather = None
+            u.gather, u.wire = None, None
+        elif keep > 1 and not u.ranks.own and u.copy is None:
+            ranks = post_forward_group(u.ranks, keep)
+            lo, hi = _piece(u.numel, keep, ranks.rank)
+            u.post_forward = (ranks, u.full[lo:hi].clone())
+            self.gathered_bytes += (hi - lo) * u.full.element_size()
         u.full.untyped_storage().resize_(0)
         _swap(u, gathered=False)
         u.state = UnitState.SHARDED
         if not u.is_root:
             self.gathered_bytes -= u.full.numel() * u.full.element_size()
+
+    def _quantized(self, u: Unit) -> comm.CommHandle:
+        """Start ``u``'s all-gather of block-quantized shards ([Note: quantized gathers] in
+        csrc/quant.h): this rank's shard encoded into its wire record, every rank's gathered;
+        the wait decodes them into the full buffer."""
+        kind, block = self.quantized
+        counts = [hi - lo for lo, hi in (u.span(r) for r in range(u.ranks.world))]
+        starts = [b // 4 for b in quant.wire_starts(counts, block)]  # (records are whole words)
+        wire = torch.empty(starts[-1], dtype=torch.float32, device=self.device)  # (bytes, as float32 words)
+        mine = wire[starts[u.ranks.rank] : starts[u.ranks.rank + 1]]
+        shard = u.shard[: counts[u.ranks.rank]].to(self.device, non_blocking=True)
+        quant.quantize_blocks_(shard, mine.view(torch.uint8), block, kind)
+        u.wire = (wire.view(torch.uint8), counts)
+        what = self.label(f"unit '{u.name}' all-gather in {kind}")
+        return comm.all_gather(mine, wire, group=u.ranks.group, bounds=starts, what=what)
+
+    def drop_post_forward(self, u: Unit):
+        """Forget ``u``'s post-forward piece, if any ([Note: post-forward shards])."""
+        if u.post_forward is not None:
+            self.gathered_bytes -= u.post_forward[1].numel() * u.post_forward[1].element_size()
+            u.post_forward = None
+
+    def _from_post_forward(self, u: Unit) -> comm.CommHandle:
+        """Start ``u``'s all-gather from its post-forward pieces over their ranks; drop its own."""
+        ranks, piece = u.post_forward
+        lo, hi = _piece(u.numel, ranks.world, ranks.rank)
+        u.full[lo:hi].copy_(piece)
+        self.drop_post_forward(u)
+        bounds = [_piece(u.numel, ranks.world, r)[0] for r in range(ranks.world)] + [u.numel]
+        what = self.label(f"unit '{u.name}' all-gather from its post-forward shards ({ranks.world} ranks)")
+        return comm.all_gather(u.full[lo:hi], u.full, group=ranks.group, bounds=bounds, what=what)
 
     def alive(self) -> int:
         return sum(1 for u in self.units[1:] if u.state != UnitState.SHARDED)
@@ -219,6 +313,12 @@ class Gatherer:
                 "gather without dtype= (the gather dtype) to train inside it"
             )
         )
+
+
+def _piece(numel: int, k: int, j: int):
+    """Rank ``j``'s piece [lo, hi) of a flat unit of ``numel`` elements kept over ``k`` ranks."""
+    c = -(-numel // k)
+    return min(j * c, numel), min((j + 1) * c, numel)
 
 
 def _swap(u: Unit, gathered: bool):

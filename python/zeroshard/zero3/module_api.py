@@ -51,6 +51,7 @@ import torch.nn as nn
 
 from ..core.regions import register_sharded_model
 from .fully_shard import FullyShard
+from .gather import reshard_setting
 from .gathered import UnshardHandle
 from .generation import gathered_generate
 from .module_options import CallOptions, call_options, check_agree
@@ -85,7 +86,7 @@ def fully_shard(
     module: Union[nn.Module, List[nn.Module]],
     *,
     mesh=None,
-    reshard_after_forward: Optional[bool] = None,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
     shard_placement_fn: Optional[Callable] = None,
     mp_policy=None,
     offload_policy=None,
@@ -167,7 +168,8 @@ def complete(root: nn.Module) -> FullyShard:
         for m in c.modules:
             _marked.discard(m)
             if c.options.reshard_after_forward is not None and c is not own:
-                engine.unit_for(m).settings.reshard_after_forward = c.options.reshard_after_forward
+                after = reshard_setting(c.options.reshard_after_forward, engine.world_size, "fully_shard")
+                engine.unit_for(m).settings.reshard_after_forward = after
     register_sharded_model(root, engine)
     return engine
 
@@ -303,7 +305,7 @@ class FSDPModule(InPlace):
     # --------------------------------------------------------- FSDP2's own calls
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """This module's unit gathered (collective) until ``reshard()``; the handle when ``async_op``."""
-        handle = engine_of(self).unshard(unit=self)
+        handle = engine_of(self).unshard(async_op, unit=self)
         return handle if async_op else None
 
     def reshard(self) -> None:

@@ -5,7 +5,7 @@ fully_shard in place] in zero3/module_api.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch.nn as nn
 
@@ -21,7 +21,7 @@ class CallOptions:
     mixed_precision: MixedPrecision
     offload: Offload
     sharding: Sharding
-    reshard_after_forward: Optional[bool]
+    reshard_after_forward: Optional[Union[bool, int]]
     mesh: object = None  # as given (to compare calls)
 
 
@@ -107,10 +107,10 @@ def call_options(
     dp_mesh_dims,
 ) -> CallOptions:
     """One call's arguments checked and converted; an error names what is not supported."""
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"fully_shard(reshard_after_forward={reshard_after_forward!r}): an int (resharding to a smaller "
-            "mesh) is not supported yet; pass True or False"
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"fully_shard(reshard_after_forward={reshard_after_forward!r}): pass a bool, or an int (the ranks "
+            "each unit is resharded to after its forward, as FSDP2 takes it)"
         )
     if ignored_params:
         raise NotImplementedError(

@@ -7,13 +7,14 @@ import enum
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from .. import comm
 from ..core.reduction import Reduction
+from ..core.source import SUPPORTED
 from ..native.layout import chunk_span
 from ..offload import Placement
 
@@ -54,6 +55,11 @@ class MixedPrecision:
     Both default to True when ``param_dtype`` is set (None: that default);
     integer inputs (token ids) are never cast. ``output_dtype``: each unit's
     and the model's floating outputs are cast to it (FSDP2's; None: not cast).
+
+    ``gather_dtype``: ``"int8"`` or ``"fp8"`` (e4m3): the all-gathers move
+    block-quantized codes with a scale per ``gather_block_size`` elements of
+    each rank's shard, decoded into ``param_dtype`` for compute ([Note:
+    quantized gathers] in csrc/quant.h); None: ``param_dtype`` on the wire.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -61,6 +67,25 @@ class MixedPrecision:
     cast_forward_inputs: Optional[bool] = None
     cast_root_forward_inputs: Optional[bool] = None
     output_dtype: Optional[torch.dtype] = None
+    gather_dtype: Optional[str] = None
+    gather_block_size: int = 256
+
+    def __post_init__(self):
+        for what in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dt = getattr(self, what)
+            if dt is not None and dt not in SUPPORTED:
+                raise ValueError(f"mixed_precision.{what} must be one of {SUPPORTED} or None, got {dt!r}")
+        if self.gather_dtype not in (None, "int8", "fp8"):
+            raise ValueError(
+                f"MixedPrecision(gather_dtype={self.gather_dtype!r}): the quantized gathers take 'int8' or 'fp8' "
+                "(e4m3), or None (the gathers move param_dtype)"
+            )
+        size = self.gather_block_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 32 or size > 4096 or size % 32:
+            raise ValueError(
+                f"MixedPrecision(gather_block_size={size!r}): give a multiple of 32 between 32 and 4096 elements "
+                "(each block of a rank's shard gets its own scale; 128 or 256 are usual)"
+            )
 
     def casts_inputs(self, root: bool) -> bool:
         """Whether the root's (``root``) or a unit's forward casts its floating inputs."""
@@ -122,7 +147,7 @@ class UnitGroups:
 class UnitSettings:
     """A unit's own settings (FSDP2's ``set_*`` calls on its module); None: the model's."""
 
-    reshard_after_forward: Optional[bool] = None
+    reshard_after_forward: Optional[Union[bool, int]] = None  # (an int: [Note: post-forward shards])
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
@@ -163,6 +188,12 @@ class Unit:
     full: Optional[torch.Tensor] = None  # param_dtype flat buffer; storage freed when sharded
     state: UnitState = UnitState.SHARDED
     gather: Optional[comm.CommHandle] = None
+    # a quantized all-gather in flight: (its wire records, each rank's element count), decoded
+    # into ``full`` when it is waited for ([Note: quantized gathers] in csrc/quant.h)
+    wire: Optional[tuple] = None
+    # reshard_after_forward=k: (its k ranks' ShardGroup, this rank's piece of the gathered
+    # unit) from its forward to its backward ([Note: post-forward shards] in zero3/gather.py)
+    post_forward: Optional[tuple] = None
     # its gradients' reduction ([Note: reduction pipeline] in core/reduction.py): its
     # buffer holds the flat reduce_dtype gradients during backward; its pending count
     # what the unit's backward still waits for (trainable parameters' gradients, inputs');

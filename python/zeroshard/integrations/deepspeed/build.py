@@ -181,12 +181,19 @@ def wrap_model(model: nn.Module, cfg: Config, reuse: Optional[nn.Module] = None)
             "memory (the optimizer state still goes to offload_optimizer's nvme_path)",
             stacklevel=4,
         )
+    hpz = cfg.zero.hpz_partition_size
+    if dist.get_world_size() % hpz:
+        raise ValueError(
+            f"DeepSpeed config zero_optimization.zero_hpz_partition_size={hpz} must divide the world size "
+            f"({dist.get_world_size()}): the ranks of a node, usually"
+        )
     return live.wrapped(
         model,
         zeroshard.FullyShard(
             model,
             wrap=block_units(model),
             mixed_precision=mp,
+            reshard_after_forward=hpz if hpz > 1 else True,
             **fully_shard_policies(cfg.zero.offload_param.device != "none"),
         ),
     )

@@ -105,6 +105,7 @@ ZERO_HONOURED = {
     "cpu_offload_param",
     "cpu_offload_use_pin_memory",
     "ignore_unused_parameters",
+    "zero_hpz_partition_size",
 }
 # (reduce_scatter is read for the reduction options DeepSpeed refuses with it: _reduction)
 ZERO_TUNING = {
@@ -147,7 +148,6 @@ ZERO_TUNING = {
     "leaf_module",
 }
 ZERO_FEATURES = {
-    "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++ hpZ)",
     "zero_quantized_weights": "quantized weights (ZeRO++ qwZ)",
     "zero_quantized_nontrainable_weights": "quantized frozen weights (ZeRO++)",
     "zero_quantized_gradients": "quantized gradients (ZeRO++ qgZ)",
@@ -221,6 +221,9 @@ class Zero:
     offload_optimizer: OffloadSection = OffloadSection()
     offload_param: OffloadSection = OffloadSection()
     ignore_unused_parameters: bool = True  # False: a parameter without a gradient stops the step (engine.py)
+    # ZeRO++ hpZ: stage 3's units keep a piece over this many ranks for the backward's gathers
+    # (FullyShard's reshard_after_forward=k); 1: none
+    hpz_partition_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -348,6 +351,12 @@ def _zero(d, unused: list) -> Zero:
     if par.device != "none" and stage != 3:
         unused.append(f"zero_optimization.offload_param (stage {stage}: parameters are offloaded at stage 3 only)")
         par = OffloadSection()
+    hpz = _num(d, "zero_hpz_partition_size", 1, int, "zero_optimization.", 1)
+    if hpz > 1 and stage != 3:
+        unused.append(
+            f"zero_optimization.zero_hpz_partition_size (stage {stage}: parameters are gathered at stage 3 only)"
+        )
+        hpz = 1
     if stage == 3 and "reduce_bucket_size" in d:
         unused.append("zero_optimization.reduce_bucket_size (stage 3 reduces one unit at a time)")
     return Zero(
@@ -358,6 +367,7 @@ def _zero(d, unused: list) -> Zero:
         offload_optimizer=opt,
         offload_param=par,
         ignore_unused_parameters=_num(d, "ignore_unused_parameters", True, bool, "zero_optimization."),
+        hpz_partition_size=hpz,
     )
 
 
