@@ -112,11 +112,12 @@ static void bind_kernels(py::module_& m) {
         "The CUDA AdamW's (streaming, blocks_per_sm), after setting those given (csrc/adamw_multi.h).");
 #endif
   // quantized gathers ([Note: quantized gathers] in quant.h)
-  m.def("quantize_blocks_", &quantize_blocks_, py::arg("values"), py::arg("wire"), py::arg("block"),
-        py::arg("kind"), py::call_guard<py::gil_scoped_release>(), "Block-quantize into a wire record (csrc/ops.h).");
+  m.def("quantize_blocks_", &quantize_blocks_, py::arg("values"), py::arg("wire"), py::arg("counts"),
+        py::arg("block"), py::arg("kind"), py::call_guard<py::gil_scoped_release>(),
+        "Block-quantize segments into their wire records, one launch (csrc/ops.h).");
   m.def("dequantize_blocks_", &dequantize_blocks_, py::arg("wire"), py::arg("values"), py::arg("counts"),
         py::arg("block"), py::arg("kind"), py::call_guard<py::gil_scoped_release>(),
-        "Decode the wire records of several chunks, one launch (csrc/ops.h).");
+        "Decode the wire records of segments, one launch (csrc/ops.h).");
   m.def("quant_wire_bytes", &quant_wire_bytes, py::arg("numel"), py::arg("block"),
         "Bytes of one chunk on the wire (csrc/quant.h).");
   // checkpoint checksums

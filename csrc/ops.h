@@ -37,12 +37,13 @@ void fused_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::T
 
 namespace zeroshard {
 
-// [Note: quantized gathers] (quant.h). `values` (fp32/bf16/fp16) quantized in blocks of
-// `block` elements into `wire` (uint8, quant_wire_bytes(values.numel(), block) bytes) as
-// `kind` ("int8" or "fp8"). One launch (CUDA) or one parallel loop (CPU).
-void quantize_blocks_(const at::Tensor& values, const at::Tensor& wire, int64_t block, const std::string& kind);
-// The chunks of `wire` (counts[r] elements each, one after the other) decoded into
-// `values` (fp32/bf16/fp16, sum(counts) elements), in one launch.
+// [Note: quantized gathers] (quant.h). The segments of counts[i] elements laid end to end in
+// `values` (fp32/bf16/fp16) quantized as `kind` ("int8" or "fp8") in blocks of `block`
+// elements into their wire records, laid end to end in `wire` (uint8). One launch (CUDA) or
+// one parallel loop (CPU).
+void quantize_blocks_(const at::Tensor& values, const at::Tensor& wire, const std::vector<int64_t>& counts,
+                      int64_t block, const std::string& kind);
+// The wire records of such segments decoded into `values`, in one launch.
 void dequantize_blocks_(const at::Tensor& wire, const at::Tensor& values, const std::vector<int64_t>& counts,
                         int64_t block, const std::string& kind);
 

@@ -2,11 +2,15 @@
 // conversions and the per-block code the CPU and CUDA kernels share.
 // Torch-free, host and device.
 //
-// [Note: quantized gathers] A rank's chunk of n elements travels as one
-// "wire" record: n one-byte codes (padded to a multiple of 4 bytes), then one
-// fp32 scale per block of `block` elements (the last block may be short), so
-// a block never straddles two ranks' chunks and every rank can find every
-// other rank's codes and scales from the chunk sizes alone. Each block is
+// [Note: quantized gathers] A unit's flat buffer is cut into segments at
+// every rank's chunk bounds and at every tensor's start and end, so that no
+// block spans two ranks or two tensors (a LayerNorm's weights near 1 beside
+// a projection's near 0.02 would give the projection a step of 1/127). A
+// segment of n elements travels as one "wire" record: n one-byte codes
+// (padded to a multiple of 4 bytes), then one fp32 scale per block of `block`
+// elements (the last block may be short); a rank's records follow each other,
+// and every rank finds every other rank's codes and scales from the segment
+// sizes alone (zeroshard.native.quant.segments). Each block is
 // scaled by its largest magnitude: int8 codes are round-half-even(x / s),
 // s = absmax / 127, in [-127, 127]; fp8 codes are e4m3fn (4 exponent bits,
 // 3 mantissa bits, no infinities, largest 448) of x / s, s = absmax / 448,

@@ -50,6 +50,24 @@ std::pair<QuantKind, ScalarKind> check_call(const at::Tensor& values, const at::
   return {k, vk};
 }
 
+// The segments of counts[i] elements laid end to end in `values`, their wire records end to
+// end in `wire`; the sizes checked.
+std::vector<QuantSegment> segments_of(const at::Tensor& values, ScalarKind vk, const at::Tensor& wire,
+                                      const std::vector<int64_t>& counts, int64_t block) {
+  std::vector<QuantSegment> segs;
+  int64_t at_value = 0, at_wire = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] < 0) value_error("counts[", i, "] is ", counts[i], "; segment sizes are >= 0");
+    segs.push_back(QuantSegment{static_cast<char*>(values.data_ptr()) + at_value * values.element_size(), vk,
+                                wire.data_ptr<uint8_t>() + at_wire, counts[i], 0});
+    at_value += counts[i];
+    at_wire += quant_wire_bytes(counts[i], block);
+  }
+  check_numel(values, "values", at_value, "the sum of counts");
+  check_numel(wire, "wire", at_wire, "each segment's codes, padded to 4 bytes, then a scale per block");
+  return segs;
+}
+
 void run(std::vector<QuantSegment> segs, int64_t block, QuantKind k, bool quantize, const at::Tensor& ref) {
   int64_t blocks = 0;
   for (QuantSegment& s : segs) {
@@ -85,27 +103,16 @@ void run(std::vector<QuantSegment> segs, int64_t block, QuantKind k, bool quanti
 
 }  // namespace
 
-void quantize_blocks_(const at::Tensor& values, const at::Tensor& wire, int64_t block, const std::string& kind) {
+void quantize_blocks_(const at::Tensor& values, const at::Tensor& wire, const std::vector<int64_t>& counts,
+                      int64_t block, const std::string& kind) {
   const auto [k, vk] = check_call(values, wire, block, kind);
-  check_numel(wire, "wire", quant_wire_bytes(values.numel(), block), "the codes, padded to 4 bytes, then a scale per block");
-  run({QuantSegment{values.data_ptr(), vk, wire.data_ptr<uint8_t>(), values.numel(), 0}}, block, k, true, values);
+  run(segments_of(values, vk, wire, counts, block), block, k, true, values);
 }
 
 void dequantize_blocks_(const at::Tensor& wire, const at::Tensor& values, const std::vector<int64_t>& counts,
                         int64_t block, const std::string& kind) {
   const auto [k, vk] = check_call(values, wire, block, kind);
-  std::vector<QuantSegment> segs;
-  int64_t at_value = 0, at_wire = 0;
-  for (size_t r = 0; r < counts.size(); ++r) {
-    if (counts[r] < 0) value_error("counts[", r, "] is ", counts[r], "; chunk sizes are >= 0");
-    segs.push_back(QuantSegment{static_cast<char*>(values.data_ptr()) + at_value * values.element_size(), vk,
-                                wire.data_ptr<uint8_t>() + at_wire, counts[r], 0});
-    at_value += counts[r];
-    at_wire += quant_wire_bytes(counts[r], block);
-  }
-  check_numel(values, "values", at_value, "the sum of counts");
-  check_numel(wire, "wire", at_wire, "each chunk's codes, padded to 4 bytes, then a scale per block");
-  run(std::move(segs), block, k, false, values);
+  run(segments_of(values, vk, wire, counts, block), block, k, false, values);
 }
 
 }  // namespace zeroshard

@@ -5,8 +5,9 @@
 Four gloo ranks on this machine; the demo's GPT (examples/train_gpt.py, character data)
 under FullyShard, one unit per block, bf16 gathers, trained ``--steps`` steps in each
 variant from the same start on the same batches: bf16 gathers (the reference),
-``gather_dtype="int8"``, ``"fp8"``, and int8 with ``reshard_after_forward=2`` (each
-pair of ranks standing for a node). Printed per variant: the bytes one step's weight
+bf16 gathers on other batches (how far the final loss moves by chance alone),
+``gather_dtype="int8"`` in blocks of 256, 128 and 64, ``"fp8"``, and int8 with
+``reshard_after_forward=2`` (each pair of ranks standing for a node). Printed per variant: the bytes one step's weight
 all-gathers moved over every rank and inside the pairs (exact, from the flight record:
 the records' elements times their size), against the bf16 run's; the median step time
 of ``--rounds`` paired rounds of 10 steps (each variant in turn, after the training);
@@ -27,9 +28,12 @@ from benchmarks.harness import opt, spawn
 
 VARIANTS = {
     "bf16 gathers": dict(),
-    "int8 gathers": dict(gather_dtype="int8"),
-    "fp8 gathers": dict(gather_dtype="fp8"),
-    "int8 + reshard_after_forward=2": dict(gather_dtype="int8", after=2),
+    "bf16 gathers, other batches": dict(seed=2),  # (the noise floor of the final loss)
+    "int8 gathers, blocks of 256": dict(gather_dtype="int8", block=256),
+    "int8 gathers, blocks of 128": dict(gather_dtype="int8", block=128),
+    "int8 gathers, blocks of 64": dict(gather_dtype="int8", block=64),
+    "fp8 gathers, blocks of 256": dict(gather_dtype="fp8", block=256),
+    "int8 (128) + reshard_after_forward=2": dict(gather_dtype="int8", block=128, after=2),
 }
 
 
@@ -56,13 +60,16 @@ def _worker(rank: int, world: int, port: int, out, args):
     def build(v):
         torch.manual_seed(0)
         mp = zs.MixedPrecision(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, gather_dtype=v.get("gather_dtype")
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            gather_dtype=v.get("gather_dtype"),
+            gather_block_size=v.get("block", 256),
         )
         model = zs.FullyShard(GPT(cfg), wrap={Block}, mixed_precision=mp, reshard_after_forward=v.get("after", True))
         return model, zs.ShardedOptimizer(model.parameters(), lr=1e-3)
 
-    def step(model, opt_, k):
-        x, y = data.batch(8, cfg.seq, k, rank, 0, 1)
+    def step(model, opt_, k, seed=1):
+        x, y = data.batch(8, cfg.seq, k, rank, 0, seed)
         loss = model(x, y)
         loss.backward()
         opt_.step()
@@ -75,9 +82,11 @@ def _worker(rank: int, world: int, port: int, out, args):
         model, opt_ = build(v)
         curve = []
         for k in range(args.steps):
-            start = len(zs.flight_record())
-            curve.append(step(model, opt_, k))
-        recs = [r for r in zs.flight_record()[start:] if r["kind"] == "all_gather" and "unit" in r["what"]]
+            start = time.time()  # (the flight record keeps its last records: select by start time)
+            curve.append(step(model, opt_, k, v.get("seed", 1)))
+        recs = [
+            r for r in zs.flight_record() if r["start"] >= start and r["kind"] == "all_gather" and "unit" in r["what"]
+        ]
         size = lambda r: _gathered_bytes(r, world)  # noqa: E731
         moved[name] = dict(
             every=sum(size(r) for r in recs if r["group"] == world_group),

@@ -176,10 +176,10 @@ def test_fp16_skips_the_same_step_on_every_rank_as_ddp(results):
     assert worst(r["params"], ddp["params"]) <= TOL
 
 
-@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_resume_equals_the_uninterrupted_run(results, world, stage):
-    r, full = results[world][f"resume-{stage}"], results[world][f"fp32-{stage}"]
+def test_resume_equals_the_uninterrupted_run(results, stage):
+    """At world size 2 (world size 3 resumes world size 2's checkpoint, below)."""
+    r, full = results[2][f"resume-{stage}"], results[2][f"fp32-{stage}"]
     assert r["losses"] == full["losses"][4:] and r["norms"] == full["norms"]  # (the log goes on from the checkpoint's)
     assert all(torch.equal(r["params"][k], full["params"][k]) for k in full["params"])
 

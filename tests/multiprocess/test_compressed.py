@@ -1,32 +1,39 @@
 """Compressed communication at ZeRO-3: quantized weight all-gathers (``MixedPrecision(
 gather_dtype="int8" | "fp8")``, [Note: quantized gathers] in csrc/quant.h). Every rank
-computes with the weights the reference decodes (each rank's chunk quantized alone, in
-blocks), in the forward and the backward; the bytes on the wire are the codes and scales
+computes with the weights the reference decodes (each rank's chunk, cut at the parameters'
+ends, quantized segment by segment in blocks), in the forward and the backward; the bytes on the wire are the codes and scales
 exactly; training follows the unquantized run closely."""
 
 import copy
 
 import pytest
+import time
+
 import torch
 import torch.distributed as dist
 
 import zeroshard as zs
 from support.models import Residual, ResidualNet
-from support.quantized import decoded_chunks
+from support.quantized import decoded_segments
 from zeroshard.native import quant
 
 BLOCK = 32
 
 
+def _cuts(u, world):
+    """Where ``u``'s flat buffer is cut: each rank's chunk bounds, each parameter's ends."""
+    bounds = [u.span(r)[0] for r in range(world)] + [u.numel]
+    return sorted(set(bounds) | {c for q in u.params for c in (q.offset, q.offset + q.numel)})
+
+
 def _decoded(model, sd, kind):
-    """Each parameter as every rank decodes it: its unit's flat buffer, chunk by chunk."""
-    world, want = dist.get_world_size(), {}
+    """Each parameter as every rank decodes it: its unit's flat buffer, segment by segment."""
+    want = {}
     for u in model.units:
         flat = torch.zeros(u.numel)
         for q in u.params:
             flat[q.offset : q.offset + q.numel] = sd[q.names[0]].flatten()
-        bounds = [u.span(r)[0] for r in range(world)] + [u.numel]
-        dec = decoded_chunks(flat, bounds, BLOCK, kind)
+        dec = decoded_segments(flat, _cuts(u, dist.get_world_size()), BLOCK, kind)
         for q in u.params:
             want[q.names[0]] = dec[q.offset : q.offset + q.numel].view(q.shape)
     return want
@@ -60,7 +67,7 @@ def _quantized(kind):
     ref = copy.deepcopy(plain)
     ref.load_state_dict(want)
     x = torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
-    start = len(zs.flight_record())
+    start = time.time()  # (the flight record keeps its last records: select by start time)
     loss = model(x).square().sum()
     loss.backward()  # (the backward gathers quantized too: the same weights)
     ref_loss = ref(x).square().sum()
@@ -68,10 +75,11 @@ def _quantized(kind):
     out["forward"] = abs(loss.item() - ref_loss.item())
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     out["grads"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
-    sent = [r for r in zs.flight_record()[start:] if f"all-gather in {kind}" in r["what"]]
+    sent = [r for r in zs.flight_record() if r["start"] >= start and f"all-gather in {kind}" in r["what"]]
     wire = {
-        u.name: sum(quant.wire_bytes(hi - lo, BLOCK) for lo, hi in map(u.span, range(dist.get_world_size())))
+        u.name: sum(quant.wire_bytes(b - a, BLOCK) for a, b in zip(c[:-1], c[1:]))
         for u in model.units
+        for c in [_cuts(u, dist.get_world_size())]
     }
     # the forward gathers every unit, the backward every unit but the root (kept between them)
     twice = [wire[u.name] for u in model.units] + [wire[u.name] for u in model.units[1:]]
@@ -94,3 +102,24 @@ def test_quantized_gathers_compute_with_the_decoded_weights(dist_pool, kind):
         assert r["bytes"][0] == r["bytes"][1], r["bytes"]
         ours, full = r["losses"]
         assert max(abs(a - b) / b for a, b in zip(ours, full)) < 0.02, r["losses"]
+
+
+def _deepspeed_qwz():
+    """A DeepSpeed config's ZeRO++ qwZ and hpZ through zeroshard.initialize."""
+    torch.manual_seed(0)
+    world = dist.get_world_size()
+    zero = {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": world}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": zero}
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = zs.initialize(model=ResidualNet(2), config=config)
+    start = time.time()  # (the flight record keeps its last records: select by start time)
+    loss = engine(torch.randn(2, 11)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    units = [r["what"] for r in zs.flight_record() if r["start"] >= start and r["kind"] == "all_gather"]
+    return sum("all-gather in int8" in w for w in units), len(units)
+
+
+def test_a_deepspeed_configs_quantized_weights_gather_in_int8(dist_pool):
+    for int8, gathers in dist_pool.run(_deepspeed_qwz):
+        assert int8 == gathers >= 1, (int8, gathers)  # (every unit's weight all-gather)

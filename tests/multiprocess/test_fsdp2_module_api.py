@@ -5,6 +5,8 @@ block then the root, a group of modules, per-unit settings, FSDP2's ``set_*`` ca
 state dicts and checkpoints both ways; then the module calls and the errors at 2 ranks."""
 
 import pytest
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -281,11 +283,13 @@ def _post_forward(api, k):
         loss = model(mine(torch.randint(0, 50, (8, 5), generator=g))).square().mean()
         if api is zs:
             out["kept"] = model.memory_report()["gathered"]  # between the forward and the backward
-            start = len(zs.flight_record())
+            start = time.time()  # (the flight record keeps its last records: select by start time)
         loss.backward()
         if api is zs:
             out["backward"] = [
-                (r["group"], r["numel"]) for r in zs.flight_record()[start:] if "post-forward" in r["what"]
+                (r["group"], r["numel"])
+                for r in zs.flight_record()
+                if r["start"] >= start and "post-forward" in r["what"]
             ]
         out["losses"].append(loss.item())
         opt.step()

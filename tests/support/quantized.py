@@ -21,6 +21,6 @@ def decoded(x: torch.Tensor, block: int, kind: str) -> torch.Tensor:
     return out
 
 
-def decoded_chunks(flat: torch.Tensor, bounds, block: int, kind: str) -> torch.Tensor:
-    """A flat buffer whose rank r holds ``flat[bounds[r]:bounds[r + 1]]``, as every rank decodes it."""
-    return torch.cat([decoded(flat[lo:hi], block, kind) for lo, hi in zip(bounds[:-1], bounds[1:])])
+def decoded_segments(flat: torch.Tensor, cuts, block: int, kind: str) -> torch.Tensor:
+    """``flat`` cut at ``cuts`` (sorted, from 0 to its size), each segment quantized alone."""
+    return torch.cat([decoded(flat[lo:hi], block, kind) for lo, hi in zip(cuts[:-1], cuts[1:])])

@@ -113,12 +113,21 @@ def test_hpz_partition_size_is_stage_3s_post_forward_shards():
     assert at2.zero.hpz_partition_size == 1 and any("zero_hpz_partition_size" in u for u in at2.unused), at2
 
 
+def test_quantized_weights_are_stage_3s_int8_gathers():
+    """ZeRO++ qwZ is MixedPrecision(gather_dtype="int8") ([Note: quantized gathers]: the engine's
+    gathers, tests/multiprocess/test_compressed.py); listed as unused at stages 1/2."""
+    cfg = parse({"train_batch_size": 4, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
+    assert cfg.zero.quantized_weights
+    at2 = parse({"train_batch_size": 4, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+    assert not at2.zero.quantized_weights and any("zero_quantized_weights" in u for u in at2.unused), at2
+
+
 @pytest.mark.parametrize(
     "extra,what",
     [
         ({"amp": {"enabled": True}}, "apex AMP"),
         ({"hybrid_engine": {"enabled": True}}, "hybrid engine"),
-        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "qwZ"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "quantized frozen"),
         ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "qgZ"),
         ({"sequence_parallel_size": 4}, "sequence parallelism"),
         ({"fp16": {"enabled": True, "auto_cast": True}}, "auto_cast"),

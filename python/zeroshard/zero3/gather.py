@@ -150,13 +150,17 @@ class Gatherer:
         csrc/quant.h): this rank's shard encoded into its wire record, every rank's gathered;
         the wait decodes them into the full buffer."""
         kind, block = self.quantized
-        counts = [hi - lo for lo, hi in (u.span(r) for r in range(u.ranks.world))]
-        starts = [b // 4 for b in quant.wire_starts(counts, block)]  # (records are whole words)
+        bounds = [u.span(r)[0] for r in range(u.ranks.world)] + [u.numel]
+        segs = quant.segments(bounds, [c for q in u.params for c in (q.offset, q.offset + q.numel)])
+        starts = [0]  # each rank's record, in float32 words (records are whole words)
+        for counts in segs:
+            starts.append(starts[-1] + quant.record_bytes(counts, block) // 4)
         wire = torch.empty(starts[-1], dtype=torch.float32, device=self.device)  # (bytes, as float32 words)
-        mine = wire[starts[u.ranks.rank] : starts[u.ranks.rank + 1]]
-        shard = u.shard[: counts[u.ranks.rank]].to(self.device, non_blocking=True)
-        quant.quantize_blocks_(shard, mine.view(torch.uint8), block, kind)
-        u.wire = (wire.view(torch.uint8), counts)
+        r = u.ranks.rank
+        mine = wire[starts[r] : starts[r + 1]]
+        shard = u.shard[: bounds[r + 1] - bounds[r]].to(self.device, non_blocking=True)
+        quant.quantize_blocks_(shard, mine.view(torch.uint8), segs[r], block, kind)
+        u.wire = (wire.view(torch.uint8), [n for counts in segs for n in counts])
         what = self.label(f"unit '{u.name}' all-gather in {kind}")
         return comm.all_gather(mine, wire, group=u.ranks.group, bounds=starts, what=what)
 

@@ -622,7 +622,7 @@ def main():
         res[f"fp32-{stage}"], trainers[stage] = run(stage, os.path.join(d, f"fp32-{stage}"), **kw)
     if from_w2 is None:
         res["rank0-save"] = rank_0_saves(trainers, d)
-    for stage in (2, 3):  # resume at step 2 of the same world size: the same final state
+    for stage in (2, 3) if from_w2 is None else ():  # resume at step 2 of the same world size: the same state
         ck, out = os.path.join(d, f"fp32-{stage}", "checkpoint-2"), os.path.join(d, f"resume-{stage}")
         if stage == 2:  # resume_from_checkpoint=True: the newest checkpoint in output_dir
             if dist.get_rank() == 0:

@@ -174,7 +174,8 @@ def wrap_model(model: nn.Module, cfg: Config, reuse: Optional[nn.Module] = None)
         return reuse
     low = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16 else None
     reduce = reduce_dtype(cfg)
-    mp = zeroshard.MixedPrecision(param_dtype=low, reduce_dtype=reduce) if (low or reduce) else None
+    quantized = "int8" if cfg.zero.quantized_weights else None  # (ZeRO++ qwZ)
+    mp = zeroshard.MixedPrecision(param_dtype=low, reduce_dtype=reduce, gather_dtype=quantized)
     if cfg.zero.offload_param.device == "nvme":
         warnings.warn(
             "zero_optimization.offload_param.device \"nvme\": zeroshard keeps offloaded parameters in host "

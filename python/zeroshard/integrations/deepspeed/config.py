@@ -106,6 +106,7 @@ ZERO_HONOURED = {
     "cpu_offload_use_pin_memory",
     "ignore_unused_parameters",
     "zero_hpz_partition_size",
+    "zero_quantized_weights",
 }
 # (reduce_scatter is read for the reduction options DeepSpeed refuses with it: _reduction)
 ZERO_TUNING = {
@@ -148,7 +149,6 @@ ZERO_TUNING = {
     "leaf_module",
 }
 ZERO_FEATURES = {
-    "zero_quantized_weights": "quantized weights (ZeRO++ qwZ)",
     "zero_quantized_nontrainable_weights": "quantized frozen weights (ZeRO++)",
     "zero_quantized_gradients": "quantized gradients (ZeRO++ qgZ)",
     "zenflow": "ZenFlow",
@@ -224,6 +224,8 @@ class Zero:
     # ZeRO++ hpZ: stage 3's units keep a piece over this many ranks for the backward's gathers
     # (FullyShard's reshard_after_forward=k); 1: none
     hpz_partition_size: int = 1
+    # ZeRO++ qwZ: stage 3's weight all-gathers in int8 (MixedPrecision(gather_dtype="int8"))
+    quantized_weights: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -357,6 +359,10 @@ def _zero(d, unused: list) -> Zero:
             f"zero_optimization.zero_hpz_partition_size (stage {stage}: parameters are gathered at stage 3 only)"
         )
         hpz = 1
+    qwz = _num(d, "zero_quantized_weights", False, bool, "zero_optimization.")
+    if qwz and stage != 3:
+        unused.append(f"zero_optimization.zero_quantized_weights (stage {stage}: weights are gathered at stage 3 only)")
+        qwz = False
     if stage == 3 and "reduce_bucket_size" in d:
         unused.append("zero_optimization.reduce_bucket_size (stage 3 reduces one unit at a time)")
     return Zero(
@@ -368,6 +374,7 @@ def _zero(d, unused: list) -> Zero:
         offload_param=par,
         ignore_unused_parameters=_num(d, "ignore_unused_parameters", True, bool, "zero_optimization."),
         hpz_partition_size=hpz,
+        quantized_weights=qwz,
     )
 
 

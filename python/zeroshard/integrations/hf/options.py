@@ -6,7 +6,7 @@ the ShardedOptimizer's keywords). Shared by the Trainer and the Accelerate helpe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,8 @@ class Options:
     offload_params: stage 3: keep the parameter shards in host memory.
     shard_size: hybrid sharding over groups of this many ranks.
     bucket_mb: stages 1/2: the reduce-scatter bucket size.
-    reshard_after_forward, prefetch: stage 3: ``FullyShard``'s.
+    reshard_after_forward, prefetch: stage 3: ``FullyShard``'s (an int k: the backward gathers
+        over k ranks, ZeRO++'s hpZ).
     max_shard_size: the largest safetensors file a save writes (``save_pretrained``'s).
     tp_size: tensor parallelism: the model's own ``tp_plan`` applied over this many ranks
         (transformers' parallel styles), zeroshard over the rest ([Note: Hugging Face
@@ -59,7 +60,7 @@ class Options:
     offload_params: bool = False
     shard_size: Optional[int] = None
     bucket_mb: float = 25
-    reshard_after_forward: bool = True
+    reshard_after_forward: Union[bool, int] = True
     prefetch: int = 1
     max_shard_size: Any = DEFAULT_MAX_SHARD_SIZE
     mixed_precision: Any = None

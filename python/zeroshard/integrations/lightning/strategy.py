@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from datetime import timedelta
-from typing import Any, Dict, Generator, Optional
+from typing import Any, Dict, Generator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,8 @@ class ZeroShardStrategy(DDPStrategy):
         offload_params: stage 3: keep the parameter shards in host memory.
         shard_size: hybrid sharding: shard over groups of this many ranks.
         bucket_mb: stages 1/2: the reduce-scatter bucket size, in MiB.
-        reshard_after_forward: stage 3: ``FullyShard``'s (free each unit after its forward).
+        reshard_after_forward: stage 3: ``FullyShard``'s (free each unit after its forward; an
+            int k: keep a piece over k ranks, whose all-gather the backward runs).
         prefetch: stage 3: ``FullyShard``'s (units gathered ahead).
         **kwargs: refused (DDPStrategy's would go to DistributedDataParallel).
 
@@ -104,7 +105,7 @@ class ZeroShardStrategy(DDPStrategy):
         shard_size: Optional[int] = None,
         bucket_mb: float = 25,
         offload_params: bool = False,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Union[bool, int] = True,
         prefetch: int = 1,
         accelerator=None,
         parallel_devices=None,
