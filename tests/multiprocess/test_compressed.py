@@ -1,7 +1,8 @@
 """Compressed communication at ZeRO-3: quantized weight all-gathers (``MixedPrecision(
 gather_dtype="int8" | "fp8")``, [Note: quantized gathers] in csrc/quant.h). Every rank
 computes with the weights the reference decodes (each rank's chunk, cut at the parameters'
-ends, quantized segment by segment in blocks), in the forward and the backward; the bytes on the wire are the codes and scales
+ends, quantized segment by segment in blocks), in the forward and the backward, and in a
+gathered() block, also after a step inside it; the bytes on the wire are the codes and scales
 exactly; training follows the unquantized run closely."""
 
 import copy
@@ -84,6 +85,16 @@ def _quantized(kind):
     # the forward gathers every unit, the backward every unit but the root (kept between them)
     twice = [wire[u.name] for u in model.units] + [wire[u.name] for u in model.units[1:]]
     out["bytes"] = (sorted(4 * r["numel"] for r in sent), sorted(twice))
+    # inside a gathered() block a step's new values are gathered again as the forward would
+    held = zs.FullyShard(copy.deepcopy(plain), wrap={Residual}, mixed_precision=mp)
+    opt = zs.ShardedOptimizer(held.parameters(), lr=1e-2)
+    with held.gathered():
+        held(x).square().sum().backward()
+        opt.step()
+        got = {n: p.detach().clone() for n, p in held.module.named_parameters()}
+    want = _decoded(held, held.state_dict(), kind)
+    out["refreshed"] = sorted(n for n in want if not torch.equal(got[n], want[n]))
+    out["stepped"] = not torch.equal(got["head.weight"], _decoded(held, sd, kind)["head.weight"])
     model.zero_grad()
     torch.manual_seed(0)
     out["losses"] = (_train(model), _train(zs.FullyShard(ResidualNet(2), wrap={Residual})))
@@ -97,7 +108,7 @@ def test_quantized_gathers_compute_with_the_decoded_weights(dist_pool, kind):
     weights; each unit's forward and backward all-gathers move exactly its chunks' wire
     records; four steps of training stay within 2% of the unquantized run's losses."""
     for r in dist_pool.run(_quantized, kind):
-        assert r["decoded"] == [], r["decoded"]
+        assert r["decoded"] == [] and r["refreshed"] == [] and r["stepped"], r
         assert r["forward"] <= 1e-5 and r["grads"] <= 1e-6, r
         assert r["bytes"][0] == r["bytes"][1], r["bytes"]
         ours, full = r["losses"]

@@ -304,5 +304,5 @@ def post_forward_group(ranks: ShardGroup, size: int) -> ShardGroup:
     made = _post_forward.get((dist.group.WORLD, block))
     if made is None:
         pg = dist.new_group(list(block), use_local_synchronization=True)
-        made = _post_forward[(dist.group.WORLD, block)] = ShardGroup(pg, size, ranks.rank - first)
+        made = _post_forward[(dist.group.WORLD, block)] = ShardGroup(pg, size, dist.get_rank(pg))
     return made

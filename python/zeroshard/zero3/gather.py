@@ -115,10 +115,7 @@ class Gatherer:
         if wait and u.state == UnitState.GATHERING:
             u.gather.wait()
             u.gather = None
-            if u.wire is not None:  # ([Note: quantized gathers] in csrc/quant.h)
-                kind, block = self.quantized
-                quant.dequantize_blocks_(u.wire[0], u.full, u.wire[1], block, kind)
-                u.wire = None
+            self._decode(u)
             u.state = UnitState.GATHERED
             _swap(u, gathered=True)
 
@@ -163,6 +160,13 @@ class Gatherer:
         u.wire = (wire.view(torch.uint8), [n for counts in segs for n in counts])
         what = self.label(f"unit '{u.name}' all-gather in {kind}")
         return comm.all_gather(mine, wire, group=u.ranks.group, bounds=starts, what=what)
+
+    def _decode(self, u: Unit):
+        """A quantized all-gather of ``u`` that completed: its records decoded into the full buffer."""
+        if u.wire is not None:  # ([Note: quantized gathers] in csrc/quant.h)
+            kind, block = self.quantized
+            quant.dequantize_blocks_(u.wire[0], u.full, u.wire[1], block, kind)
+            u.wire = None
 
     def drop_post_forward(self, u: Unit):
         """Forget ``u``'s post-forward piece, if any ([Note: post-forward shards])."""
@@ -291,7 +295,10 @@ class Gatherer:
         """The shards changed (a step, a load): the units gathered() blocks hold are gathered again."""
         self.finish_holds()
         for u in self.units:
-            if u.held:
+            if u.held and self.quantized is not None and u.copy is None:  # (as the forward computes with it)
+                self._quantized(u).wait()
+                self._decode(u)
+            elif u.held:
                 self._fill(u, self.full_buffer(u), f"unit '{u.name}' all-gather (gathered(), the shards changed)")
 
     @torch.no_grad()
