@@ -18,14 +18,6 @@
 namespace zeroshard {
 namespace {
 
-ScalarKind kind_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    case at::kHalf: return ScalarKind::kFloat16;
-    default: return ScalarKind::kFloat32;
-  }
-}
-
 std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
 
 void check_flag(const std::optional<at::Tensor>& t, const char* name, at::ScalarType dtype,

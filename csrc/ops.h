@@ -1,4 +1,4 @@
-// Torch-facing launchers for the kernels in adamw.h.
+// Torch-facing launchers for the kernels in adamw.h and quant.h.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,7 +7,18 @@
 #include <string>
 #include <vector>
 
+#include "adamw.h"  // ScalarKind
+
 namespace zeroshard {
+
+// The kernels' name for a float tensor's dtype (bf16, fp16, else fp32: check the dtype first).
+inline ScalarKind kind_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    case at::kHalf: return ScalarKind::kFloat16;
+    default: return ScalarKind::kFloat32;
+  }
+}
 
 struct AdamWOptions {
   double lr, beta1, beta2, eps, weight_decay;

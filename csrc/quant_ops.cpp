@@ -33,9 +33,7 @@ void check_block(int64_t block) {
 ScalarKind float_kind(const at::Tensor& t, const std::string& name) {
   check_contiguous(t, name);
   check_dtype(t, name, {at::kFloat, at::kBFloat16, at::kHalf});
-  return t.scalar_type() == at::kFloat ? ScalarKind::kFloat32
-                                       : t.scalar_type() == at::kBFloat16 ? ScalarKind::kBFloat16
-                                                                          : ScalarKind::kFloat16;
+  return kind_of(t);
 }
 
 // The arguments every call shares, checked: (the codes' kind, the values' kind).

@@ -70,6 +70,7 @@ class Gatherer:
         self.in_flight = False  # holds return with their all-gathers in flight: holding_in_flight()
         # (gather_dtype, block size) of MixedPrecision's quantized gathers, or None
         self.quantized = None
+        self._layouts: dict = {}  # a unit's wire layout by (index, its layout): _wire_layout
         self.gathered_peak = 0
         self.alive_peak = 0  # most non-root units gathered (or gathering) at once
         # what the collectives' labels say (the flight record, the hang diagnosis): the step
@@ -147,11 +148,7 @@ class Gatherer:
         csrc/quant.h): this rank's shard encoded into its wire record, every rank's gathered;
         the wait decodes them into the full buffer."""
         kind, block = self.quantized
-        bounds = [u.span(r)[0] for r in range(u.ranks.world)] + [u.numel]
-        segs = quant.segments(bounds, [c for q in u.params for c in (q.offset, q.offset + q.numel)])
-        starts = [0]  # each rank's record, in float32 words (records are whole words)
-        for counts in segs:
-            starts.append(starts[-1] + quant.record_bytes(counts, block) // 4)
+        bounds, segs, starts = self._wire_layout(u, block)
         wire = torch.empty(starts[-1], dtype=torch.float32, device=self.device)  # (bytes, as float32 words)
         r = u.ranks.rank
         mine = wire[starts[r] : starts[r + 1]]
@@ -160,6 +157,19 @@ class Gatherer:
         u.wire = (wire.view(torch.uint8), [n for counts in segs for n in counts])
         what = self.label(f"unit '{u.name}' all-gather in {kind}")
         return comm.all_gather(mine, wire, group=u.ranks.group, bounds=starts, what=what)
+
+    def _wire_layout(self, u: Unit, block: int):
+        """``u``'s chunk bounds, each rank's segments and where each rank's records start (in
+        float32 words; records are whole words), computed once per layout of the unit."""
+        key = (u.index, u.numel, u.shard_numel, u.bounds and tuple(u.bounds), tuple(q.offset for q in u.params))
+        if key not in self._layouts:
+            bounds = [u.span(r)[0] for r in range(u.ranks.world)] + [u.numel]
+            segs = quant.segments(bounds, [c for q in u.params for c in (q.offset, q.offset + q.numel)])
+            starts = [0]
+            for counts in segs:
+                starts.append(starts[-1] + quant.record_bytes(counts, block) // 4)
+            self._layouts[key] = (bounds, segs, starts)
+        return self._layouts[key]
 
     def _decode(self, u: Unit):
         """A quantized all-gather of ``u`` that completed: its records decoded into the full buffer."""
